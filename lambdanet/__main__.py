@@ -1,0 +1,7 @@
+"""``python -m lambdanet`` runs the command-line interface."""
+
+import sys
+
+from lambdanet.cli import main
+
+sys.exit(main())

@@ -1,0 +1,431 @@
+"""Functional core of the lambda layer, written to be read next to the paper's figures.
+
+Symbols (LambdaNetworks, Bello 2021): ``b`` batch, ``n`` queries (input positions), ``m`` context
+positions, ``k`` query/key depth, ``v`` value depth, ``h`` heads (queries per lambda), ``u`` intra-depth,
+``r`` local scope size, ``d = h * v`` output dimension, ``g`` lambda groups (1 for the multi-query
+layer, ``h`` for the multi-head layer of Fig. 7).
+
+Two families live here:
+
+* Paper-shaped functions with the figures' argument order and shapes: :func:`lambda_layer` (Fig. 3,
+  with the optional intra-depth of Fig. 8), :func:`compute_position_lambdas` (Fig. 5),
+  :func:`masked_lambda_layer` (Fig. 6) and :func:`multihead_lambda_layer` (Fig. 7).  They are the
+  readable reference path: plain einsums, exactly as printed.
+* N-d building blocks used by :class:`lambdanet.layers.LambdaLayer` (the fast path): relative
+  embeddings as a kernel ``R[g, k, u, *K]`` re-indexed into ``E[g, k, u, n, m]`` (paper Sec. 3.3),
+  position lambdas through the lambda convolution (three interchangeable implementations, App. B.1),
+  content lambdas (global or causal through cumulative sums, App. B.2) and the application of
+  lambdas to queries as GEMMs.
+
+Where the paper disagrees with itself the choice is written down:
+
+* Fig. 7 prints the multi-head position output as ``'bhnk,bnkv->bnhv'``; the position lambdas it
+  builds are ``bnhkv`` (one per head), so the contraction must be ``'bhnk,bnhkv->bnhv'``.
+* Fig. 8 orders the intra-depth tensors ``[k, n, m, u]`` / ``[r, 1, u, k]``; we keep ``u`` as the last
+  axis everywhere (``keys [b, m, k, u]``, ``values [b, m, v, u]``, ``embeddings [n, m, k, u]``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lambdanet.helpers import check_choice, conv_nd
+
+__all__ = [
+    "lambda_layer",
+    "compute_position_lambdas",
+    "masked_lambda_layer",
+    "multihead_lambda_layer",
+    "POSITION_IMPLS",
+    "KEY_NORMS",
+    "crop_relative_kernel",
+    "gather_relative_embeddings",
+    "position_lambdas",
+    "einsum_position_lambdas",
+    "normalize_keys",
+    "content_lambda",
+    "causal_content_lambdas",
+    "apply_lambdas",
+    "apply_content_lambda",
+]
+
+POSITION_IMPLS = ("conv", "depthwise_conv", "einsum")
+KEY_NORMS = ("softmax", "l2", "none")
+
+
+# --------------------------------------------------------------------------------------------------
+# argument checking: every paper-shaped function names the offending argument
+# --------------------------------------------------------------------------------------------------
+
+
+def _bind(**named: tuple[Tensor, str]) -> dict[str, int]:
+    """Check each tensor against a space-separated axis spec and that shared axes agree.
+
+    ``_bind(queries=(q, "b h n k"), keys=(k, "b m k"))`` returns ``{"b": .., "h": .., ...}`` or raises a
+    ``ValueError`` that names the argument and the expected shape.
+    """
+    sizes: dict[str, tuple[int, str]] = {}
+    for arg, (t, spec) in named.items():
+        axes = spec.split()
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{arg} must be a tensor of shape [{', '.join(axes)}], got {type(t).__name__}")
+        if t.dim() != len(axes):
+            raise ValueError(f"{arg} must have shape [{', '.join(axes)}], got shape {tuple(t.shape)}")
+        for ax, s in zip(axes, t.shape):
+            if ax in sizes and sizes[ax][0] != s:
+                other_size, other_arg = sizes[ax]
+                raise ValueError(
+                    f"{arg} has {ax}={s} but {other_arg} has {ax}={other_size}; "
+                    f"expected {arg} of shape [{', '.join(axes)}]"
+                )
+            sizes.setdefault(ax, (int(s), arg))
+    return {ax: s for ax, (s, _) in sizes.items()}
+
+
+# --------------------------------------------------------------------------------------------------
+# paper-shaped reference functions (Figures 3, 5, 6, 7, 8)
+# --------------------------------------------------------------------------------------------------
+
+
+def lambda_layer(queries: Tensor, keys: Tensor, embeddings: Tensor, values: Tensor) -> Tensor:
+    """Multi-query lambda layer, Fig. 3 (and Fig. 8 when an intra-depth axis ``u`` is present).
+
+    Args:
+        queries: ``[b, h, n, k]``.
+        keys: ``[b, m, k]`` raw keys (normalised here with a softmax over the context ``m``),
+            or ``[b, m, k, u]`` with intra-depth.
+        embeddings: ``[n, m, k]`` position embeddings ``E`` (or ``[n, m, k, u]``).
+        values: ``[b, m, v]`` (or ``[b, m, v, u]``).
+
+    Returns:
+        ``[b, n, h * v]``: ``y_n = concat_h((lambda^c + lambda^p_n)^T q^h_n)`` (Eq. 1-2).
+    """
+    if keys.dim() == 4 or values.dim() == 4 or embeddings.dim() == 4:
+        s = _bind(queries=(queries, "b h n k"), keys=(keys, "b m k u"), embeddings=(embeddings, "n m k u"),
+                  values=(values, "b m v u"))
+        content_lambda = torch.einsum("bmku,bmvu->bkv", keys.softmax(dim=1), values)  # b k v
+        position_lambdas = torch.einsum("nmku,bmvu->bnkv", embeddings, values)  # b n k v
+    else:
+        s = _bind(queries=(queries, "b h n k"), keys=(keys, "b m k"), embeddings=(embeddings, "n m k"),
+                  values=(values, "b m v"))
+        content_lambda = torch.einsum("bmk,bmv->bkv", keys.softmax(dim=1), values)  # b k v
+        position_lambdas = torch.einsum("nmk,bmv->bnkv", embeddings, values)  # b n k v
+    content_output = torch.einsum("bhnk,bkv->bnhv", queries, content_lambda)  # b n h v
+    position_output = torch.einsum("bhnk,bnkv->bnhv", queries, position_lambdas)  # b n h v
+    return (content_output + position_output).reshape(s["b"], s["n"], s["h"] * s["v"])  # b n d
+
+
+def compute_position_lambdas(embeddings: Tensor, values: Tensor, impl: str = "einsum") -> Tensor:
+    """Position lambdas of a 1-d sequence, Fig. 5.
+
+    Args:
+        embeddings: ``impl="einsum"``: ``[n, m, k]`` (or ``[n, m, k, u]``).
+            ``impl="conv"`` / ``"depthwise_conv"``: a relative kernel ``[r, k]`` (or ``[r, k, u]``), ``r`` odd,
+            entry ``r // 2`` being offset 0, i.e. the einsum form with ``E[n, m] = R[m - n + r // 2]``
+            inside the scope and 0 outside.
+        values: ``[b, m, v]`` (or ``[b, m, v, u]``); for the convolutions ``m == n`` (zero padding keeps n).
+        impl: ``"einsum"``, ``"conv"`` (the (n+1)-d convolution) or ``"depthwise_conv"`` (the n-d
+            depthwise convolution with channel multiplier ``k``).
+
+    Returns:
+        ``[b, n, k, v]``.
+    """
+    check_choice(impl, "impl", POSITION_IMPLS)
+    if impl == "einsum":
+        if embeddings.dim() == 4 or values.dim() == 4:
+            _bind(embeddings=(embeddings, "n m k u"), values=(values, "b m v u"))
+            return torch.einsum("nmku,bmvu->bnkv", embeddings, values)  # b n k v
+        _bind(embeddings=(embeddings, "n m k"), values=(values, "b m v"))
+        return torch.einsum("nmk,bmv->bnkv", embeddings, values)  # b n k v
+    if embeddings.dim() == 2:
+        s = _bind(embeddings=(embeddings, "r k"), values=(values, "b n v"))
+        kernel = embeddings.t().reshape(1, s["k"], 1, s["r"])  # g=1 k u=1 r
+        vals = values.transpose(1, 2).reshape(s["b"], 1, s["v"], 1, s["n"])  # b g v u n
+    else:
+        s = _bind(embeddings=(embeddings, "r k u"), values=(values, "b n v u"))
+        kernel = embeddings.permute(1, 2, 0).unsqueeze(0)  # g=1 k u r
+        vals = values.permute(0, 2, 3, 1).unsqueeze(1)  # b g=1 v u n
+    if s["r"] % 2 == 0:
+        raise ValueError(f"embeddings must have an odd scope size r for impl={impl!r}, got r={s['r']}")
+    lam = position_lambdas(vals, kernel, center=(s["r"] // 2,), impl=impl)  # b 1 v k n
+    return lam[:, 0].permute(0, 3, 2, 1)  # b n k v
+
+
+def masked_lambda_layer(
+    queries: Tensor, normalized_keys: Tensor, embeddings: Tensor, values: Tensor, mask: Tensor
+) -> Tensor:
+    """Masked multi-query lambda layer, Fig. 6: query ``n`` only sees the context positions ``m``
+    with ``mask[n, m] == 1``; each query gets its own content lambda.
+
+    Args:
+        queries: ``[b, h, n, k]``.
+        normalized_keys: ``[b, m, k]``, already normalised over each query's context (for a causal
+            mask use :func:`causal_content_lambdas`, which normalises per query with cumulative sums).
+        embeddings: ``[k, n, m]``.
+        values: ``[b, m, v]``.
+        mask: ``[n, m]`` of zeros and ones.
+
+    Returns:
+        ``[b, n, h * v]``.
+    """
+    s = _bind(queries=(queries, "b h n k"), normalized_keys=(normalized_keys, "b m k"),
+              embeddings=(embeddings, "k n m"), values=(values, "b m v"), mask=(mask, "n m"))
+    mask = mask.to(values.dtype)
+    content_mu = torch.einsum("bmk,bmv->bmkv", normalized_keys, values)  # b m k v
+    content_lambdas = torch.einsum("bmkv,nm->bnkv", content_mu, mask)  # b n k v
+    embeddings = torch.einsum("knm,nm->knm", embeddings, mask)  # k n m, masked
+    position_lambdas = torch.einsum("knm,bmv->bnkv", embeddings, values)  # b n k v
+    content_output = torch.einsum("bhnk,bnkv->bnhv", queries, content_lambdas)  # b n h v
+    position_output = torch.einsum("bhnk,bnkv->bnhv", queries, position_lambdas)  # b n h v
+    return (content_output + position_output).reshape(s["b"], s["n"], s["h"] * s["v"])  # b n d
+
+
+def multihead_lambda_layer(queries: Tensor, keys: Tensor, embeddings: Tensor, values: Tensor) -> Tensor:
+    """Multi-head lambda layer, Fig. 7: one lambda per head (``h`` times the cost of Fig. 3).
+
+    Args:
+        queries: ``[b, h, n, k]``.
+        keys: ``[b, h, m, k]`` raw keys (softmax over ``m`` here).
+        embeddings: ``[h, n, m, k]``.
+        values: ``[b, h, m, v]``.
+
+    Returns:
+        ``[b, n, h * v]``.
+    """
+    s = _bind(queries=(queries, "b h n k"), keys=(keys, "b h m k"), embeddings=(embeddings, "h n m k"),
+              values=(values, "b h m v"))
+    content_lambda = torch.einsum("bhmk,bhmv->bhkv", keys.softmax(dim=2), values)  # b h k v
+    position_lambdas = torch.einsum("hnmk,bhmv->bnhkv", embeddings, values)  # b n h k v
+    content_output = torch.einsum("bhnk,bhkv->bnhv", queries, content_lambda)  # b n h v
+    position_output = torch.einsum("bhnk,bnhkv->bnhv", queries, position_lambdas)  # b n h v (Fig. 7 typo fixed)
+    return (content_output + position_output).reshape(s["b"], s["n"], s["h"] * s["v"])  # b n d
+
+
+# --------------------------------------------------------------------------------------------------
+# n-d building blocks (used by LambdaLayer)
+# --------------------------------------------------------------------------------------------------
+
+
+def crop_relative_kernel(
+    kernel: Tensor, center: Sequence[int], spatial: Sequence[int]
+) -> tuple[Tensor, tuple[int, ...]]:
+    """Drop the kernel taps that can never reach a position of an input of size ``spatial``.
+
+    ``kernel`` is ``[g, k, u, *K]`` with entry ``center[a]`` of axis ``a`` being relative offset 0. On an
+    axis of size ``s`` offsets lie in ``[-(s - 1), s - 1]``, so at most ``2 s - 1`` taps matter: a 23x23
+    scope on a 7x7 map is a 13x13 one. Also used to crop a global relative table for inputs smaller
+    than ``feat_size``. Returns the (view of the) cropped kernel and its new centre.
+    """
+    new_center = []
+    for a, (c, s) in enumerate(zip(center, spatial)):
+        size = kernel.shape[3 + a]
+        lo, hi = max(0, c - (s - 1)), min(size - 1, c + (s - 1))
+        if lo > 0 or hi < size - 1:
+            kernel = kernel.narrow(3 + a, lo, hi - lo + 1)
+        new_center.append(c - lo)
+    return kernel, tuple(new_center)
+
+
+def gather_relative_embeddings(kernel: Tensor, center: Sequence[int], spatial: Sequence[int]) -> Tensor:
+    """Re-index a relative kernel ``R[g, k, u, *K]`` into ``E[g, k, u, n, m]`` (paper Sec. 3.3).
+
+    ``E[n, m] = R[m - n + center]`` where that index lies inside the kernel and 0 elsewhere, per axis, so
+    the einsum form of the position lambdas equals the lambda convolution with the same kernel
+    (App. B.1: "masking the position embeddings outside of the local contexts"). Memory: ``g k u n m``.
+    """
+    dims = len(spatial)
+    kp = F.pad(kernel, (1, 1) * dims)  # g k u *(K+2): a zero tap on both ends of every axis
+    index = []
+    for a, (c, s) in enumerate(zip(center, spatial)):
+        pos = torch.arange(s, device=kernel.device)
+        idx = (pos[None, :] - pos[:, None] + c + 1).clamp(0, kernel.shape[3 + a] + 1)  # n_a m_a
+        shape = [1] * (2 * dims)
+        shape[a], shape[dims + a] = s, s
+        index.append(idx.view(shape))  # broadcast to [*S(n), *S(m)]
+    emb = kp[(Ellipsis, *index)]  # g k u *S(n) *S(m)
+    n = math.prod(spatial)
+    return emb.reshape(*kernel.shape[:3], n, n)  # g k u n m
+
+
+def _pad_for(center: Sequence[int], kernel_size: Sequence[int]) -> tuple[bool, list[int]]:
+    """Symmetric conv padding if every kernel is centred, else an explicit (F.pad) padding list."""
+    if all(c == ks // 2 and ks % 2 == 1 for c, ks in zip(center, kernel_size)):
+        return True, list(center)
+    pad: list[int] = []
+    for c, ks in zip(reversed(center), reversed(kernel_size)):  # F.pad lists the last axis first
+        pad += [c, ks - 1 - c]
+    return False, pad
+
+
+def einsum_position_lambdas(values: Tensor, embeddings: Tensor) -> Tensor:
+    """Position lambdas from explicit embeddings: ``lambda^p_n = sum_{m,u} E[n, m] V[m]``.
+
+    Args:
+        values: ``[b, g, v, u, m]``.
+        embeddings: ``[g, k, u, n, m]``.
+
+    Returns:
+        ``[b, g, v, k, n]``. For ``g = u = 1`` one GEMM ``[(b v), m] @ [m, (k n)]`` (shared by the batch).
+    """
+    b, g, v, u, m = values.shape
+    k, n = embeddings.shape[1], embeddings.shape[3]
+    if g == 1 and u == 1:
+        lam = values.reshape(b * v, m) @ embeddings.reshape(k * n, m).t()  # (b v) (k n)
+        return lam.view(b, 1, v, k, n)  # b g v k n
+    return torch.einsum("gkunm,bgvum->bgvkn", embeddings, values)  # b g v k n
+
+
+def position_lambdas(values: Tensor, kernel: Tensor, center: Sequence[int], impl: str) -> Tensor:
+    """Position lambdas of an n-d input through the lambda convolution (paper Sec. 3.4, App. B.1).
+
+    ``lambda^p[b, g, v, k, x] = sum_{o, u} R[g, k, u, center + o] V[b, g, v, u, x + o]`` with zero padding,
+    i.e. the einsum form with ``E`` masked outside the scope. ``center`` need not be the middle tap:
+    causal layers use ``center = K - 1`` (offsets ``<= 0`` only).
+
+    Args:
+        values: ``[b, g, v, u, *S]`` with 1, 2 or 3 spatial dims ``S``.
+        kernel: ``[g, k, u, *K]`` relative embeddings ``R``.
+        center: per axis, the kernel index of relative offset 0.
+        impl: ``"conv"``: the (n+1)-d convolution that treats ``v`` as an extra spatial axis with unit
+            kernel extent, computed as an n-d convolution over the batch-folded ``(b v)`` axis (the same
+            operator; it avoids Conv3d, which is slow and breaks channels_last, and exists for 3-d
+            inputs where PyTorch has no 4-d convolution). ``"depthwise_conv"``: an n-d depthwise
+            convolution (``groups = g v``) with channel multiplier ``k``. ``"einsum"``: gather
+            ``E[n, m]`` from ``R`` and contract, ``Theta(k n m)`` extra memory, GEMM-shaped.
+
+    Returns:
+        ``[b, g, v, k, *S]``.
+    """
+    check_choice(impl, "impl", POSITION_IMPLS)
+    b, g, v, u = values.shape[:4]
+    spatial = tuple(values.shape[4:])
+    dims = len(spatial)
+    kernel, center = crop_relative_kernel(kernel, center, spatial)
+    k = kernel.shape[1]
+    ksize = tuple(kernel.shape[3:])
+    if impl == "einsum":
+        emb = gather_relative_embeddings(kernel, center, spatial)  # g k u n m
+        lam = einsum_position_lambdas(values.reshape(b, g, v, u, -1), emb)  # b g v k n
+        return lam.view(b, g, v, k, *spatial)
+    conv = conv_nd(dims)
+    symmetric, pad = _pad_for(center, ksize)
+    if impl == "depthwise_conv":
+        x = values.reshape(b, g * v * u, *spatial)  # b (g v u) *S
+        weight = kernel.unsqueeze(1).expand(g, v, k, u, *ksize).reshape(g * v * k, u, *ksize)  # (g v k) u *K
+        groups = g * v
+    else:  # "conv": fold v into the batch
+        x = values.transpose(1, 2).reshape(b * v, g * u, *spatial)  # (b v) (g u) *S
+        weight = kernel.reshape(g * k, u, *ksize)  # (g k) u *K
+        groups = g
+    if symmetric:
+        out = conv(x, weight, padding=pad, groups=groups)
+    else:
+        out = conv(F.pad(x, pad), weight, groups=groups)
+    if impl == "depthwise_conv":
+        return out.view(b, g, v, k, *spatial)  # b g v k *S
+    return out.view(b, v, g, k, *spatial).transpose(1, 2)  # b g v k *S
+
+
+def normalize_keys(keys: Tensor, method: str, dim: int = 1) -> Tensor:
+    """Normalise keys along the context axis ``dim`` (Table 12): ``"softmax"`` (default), ``"l2"``
+    (unit L2 norm over the context) or ``"none"``."""
+    check_choice(method, "key_norm", KEY_NORMS)
+    if method == "softmax":
+        return keys.softmax(dim=dim)
+    if method == "l2":
+        return F.normalize(keys, dim=dim)
+    return keys
+
+
+def content_lambda(normalized_keys: Tensor, values: Tensor) -> Tensor:
+    """Content lambda shared by every query: ``lambda^c = sum_{m,u} Kbar[m] V[m]^T``.
+
+    Args:
+        normalized_keys: ``[b, m, g, k, u]``.
+        values: ``[b, m, g, v, u]``.
+
+    Returns:
+        ``[b, g, k, v]``.
+    """
+    b, m, g, k, u = normalized_keys.shape
+    v = values.shape[3]
+    if g == 1 and u == 1:
+        lam = normalized_keys.reshape(b, m, k).transpose(1, 2) @ values.reshape(b, m, v)  # b k v
+        return lam.unsqueeze(1)  # b g k v
+    return torch.einsum("bmgku,bmgvu->bgkv", normalized_keys, values)  # b g k v
+
+
+def causal_content_lambdas(keys: Tensor, values: Tensor, method: str = "softmax") -> Tensor:
+    """Per-query content lambdas of a causal (masked, App. B.2) layer with cumulative sums.
+
+    Query ``n`` sees context ``m <= n``; its keys are normalised over that context only:
+    ``lambda^c_n = sum_u (sum_{m<=n} w[m] V[m]^T) / Z_n`` with ``w = exp(K - max K)`` and
+    ``Z_n = sum_{m<=n} w[m]`` for the softmax (``w = K``, ``Z_n = ||K[:n+1]||_2`` for L2). No ``n x m``
+    tensor is formed: memory ``Theta(b n g k v u)``, computed in fp32.
+
+    Args:
+        keys: ``[b, n, g, k, u]`` raw keys.
+        values: ``[b, n, g, v, u]``.
+        method: key normalisation, one of :data:`KEY_NORMS`.
+
+    Returns:
+        ``[b, n, g, k, v]``.
+    """
+    check_choice(method, "key_norm", KEY_NORMS)
+    keys, values = keys.float(), values.float()
+    tiny = torch.finfo(torch.float32).tiny
+    if method == "softmax":
+        # the shift cancels between numerator and denominator; detached so no gradient reaches the future
+        w = torch.exp(keys - keys.amax(dim=1, keepdim=True).detach())  # b n g k u
+        z = w.cumsum(dim=1).clamp_min(tiny)  # b n g k u
+    elif method == "l2":
+        w = keys
+        z = keys.square().cumsum(dim=1).sqrt().clamp_min(1e-12)  # b n g k u
+    else:
+        w, z = keys, None
+    num = torch.einsum("bngku,bngvu->bngkuv", w, values).cumsum(dim=1)  # b n g k u v
+    if z is not None:
+        num = num / z.unsqueeze(-1)
+    return num.sum(dim=4)  # b n g k v
+
+
+def apply_lambdas(queries: Tensor, lambdas: Tensor) -> Tensor:
+    """Apply per-position lambdas to the queries: ``y[b, n, h] = lambda_n^T q^h_n``.
+
+    Args:
+        queries: ``[b, n, h, k]``.
+        lambdas: ``[b, n, g, v, k]`` with ``g = 1`` (multi-query: all heads share a lambda) or
+            ``g = h`` (multi-head).
+
+    Returns:
+        ``[b, n, h, v]``, as batched GEMMs over the ``b n`` positions (no broadcast copies).
+    """
+    b, n, h, k = queries.shape
+    g, v = lambdas.shape[2], lambdas.shape[3]
+    if g == 1:
+        out = torch.bmm(queries.reshape(b * n, h, k), lambdas.reshape(b * n, v, k).transpose(1, 2))  # (b n) h v
+        return out.view(b, n, h, v)
+    out = torch.bmm(lambdas.reshape(b * n * h, v, k), queries.reshape(b * n * h, k, 1))  # (b n h) v 1
+    return out.view(b, n, h, v)
+
+
+def apply_content_lambda(queries: Tensor, lam: Tensor) -> Tensor:
+    """Apply the shared content lambda: ``y^c[b, n, h] = (lambda^c)^T q^h_n``.
+
+    Args:
+        queries: ``[b, n, h, k]``.
+        lam: ``[b, g, k, v]`` (``g`` = 1 or ``h``).
+
+    Returns:
+        ``[b, n, h, v]``.
+    """
+    b, n, h, k = queries.shape
+    g, v = lam.shape[1], lam.shape[3]
+    if g == 1:
+        return (queries.reshape(b, n * h, k) @ lam[:, 0]).view(b, n, h, v)  # b n h v
+    return torch.einsum("bnhk,bhkv->bnhv", queries, lam)  # b n h v

@@ -1,0 +1,137 @@
+"""Position embeddings of the lambda layer (paper Sec. 3.3, App. E.1).
+
+* :class:`RelativePositionEmbedding`: a table ``R[g, k, u, *K]`` over relative offsets. Re-indexed into
+  ``E[n, m] = R[offset(m - n)]`` it makes position interactions translation equivariant. A local scope
+  ``r`` gives ``K = r`` per axis (the lambda convolution); a global context over ``feat_size`` gives
+  ``K = 2 s - 1`` (every offset). Causal tables only hold offsets ``<= 0``.
+* :class:`AbsolutePositionEmbedding`: one embedding per (query, context) pair, ``E[g, k, u, n, m]``, as in
+  Fig. 3 taken literally; it needs a fixed ``feat_size`` and is not translation equivariant.
+
+One instance may be handed to several :class:`~lambdanet.layers.LambdaLayer` s to share the
+embeddings (Table 4 "shared embeddings", App. A): they are then a single parameter.
+Initialisation: ``E ~ N(0, 1)`` (App. E.1).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from lambdanet.helpers import check_positive_int, to_ntuple
+
+__all__ = ["RelativePositionEmbedding", "AbsolutePositionEmbedding"]
+
+
+class RelativePositionEmbedding(nn.Module):
+    """Relative position embeddings ``R`` (paper Sec. 3.3).
+
+    Args:
+        dim_k: query/key depth ``|k|``.
+        kernel_size: extent of the table per spatial axis (``r`` for a local scope, ``2 s - 1`` for a
+            global context of size ``s``; ``s`` for a causal global context).
+        dim_u: intra-depth ``|u|`` (App. B.4).
+        groups: 1 for the multi-query layer, ``heads`` for the multi-head layer (Fig. 7).
+        causal: the table holds offsets ``-(K - 1) .. 0`` only (its last entry is offset 0).
+        feat_size: the global context this table was sized for (``None`` for a local scope): inputs
+            larger than it cannot be served.
+
+    Shape:
+        ``weight``: ``[groups, dim_k, dim_u, *kernel_size]``.
+    """
+
+    def __init__(
+        self,
+        dim_k: int,
+        kernel_size: Sequence[int],
+        *,
+        dim_u: int = 1,
+        groups: int = 1,
+        causal: bool = False,
+        feat_size: Sequence[int] | None = None,
+    ):
+        super().__init__()
+        check_positive_int(dim_k, "dim_k")
+        check_positive_int(dim_u, "dim_u")
+        check_positive_int(groups, "groups")
+        kernel_size = tuple(int(s) for s in kernel_size)
+        if not 1 <= len(kernel_size) <= 3:
+            raise ValueError(f"kernel_size must have 1, 2 or 3 entries, got {kernel_size}")
+        for s in kernel_size:
+            check_positive_int(s, "kernel_size", odd=not causal)
+        self.dim_k, self.dim_u, self.groups, self.causal = dim_k, dim_u, groups, causal
+        self.kernel_size = kernel_size
+        self.spatial_dims = len(kernel_size)
+        self.center = tuple(s - 1 if causal else s // 2 for s in kernel_size)
+        self.feat_size = None if feat_size is None else tuple(int(s) for s in feat_size)
+        self.weight = nn.Parameter(torch.empty(groups, dim_k, dim_u, *kernel_size))
+        self.reset_parameters()
+
+    @classmethod
+    def local(
+        cls, dim_k: int, r: int, *, spatial_dims: int = 2, dim_u: int = 1, groups: int = 1, causal: bool = False
+    ) -> RelativePositionEmbedding:
+        """A local scope of ``r`` positions per axis (``r`` odd; for causal tables, the ``r`` positions
+        ending at the query)."""
+        check_positive_int(r, "r", odd=not causal)
+        return cls(dim_k, (r,) * spatial_dims, dim_u=dim_u, groups=groups, causal=causal)
+
+    @classmethod
+    def global_context(
+        cls, dim_k: int, feat_size: int | Sequence[int], *, spatial_dims: int | None = None, dim_u: int = 1,
+        groups: int = 1, causal: bool = False,
+    ) -> RelativePositionEmbedding:
+        """Every relative offset of a ``feat_size`` input: ``2 s - 1`` entries per axis (``s`` if causal)."""
+        if spatial_dims is None:
+            spatial_dims = 1 if isinstance(feat_size, int) and causal else (
+                2 if isinstance(feat_size, int) else len(feat_size))
+        size = to_ntuple(feat_size, spatial_dims, "feat_size")
+        for s in size:
+            check_positive_int(s, "feat_size")
+        kernel = tuple(s if causal else 2 * s - 1 for s in size)
+        return cls(dim_k, kernel, dim_u=dim_u, groups=groups, causal=causal, feat_size=size)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=1.0)  # App. E.1: E ~ N(0, 1)
+
+    def extra_repr(self) -> str:
+        scope = f"feat_size={self.feat_size}" if self.feat_size else f"scope={self.kernel_size}"
+        return (f"dim_k={self.dim_k}, dim_u={self.dim_u}, groups={self.groups}, {scope}, "
+                f"causal={self.causal}")
+
+
+class AbsolutePositionEmbedding(nn.Module):
+    """Absolute per-(query, context) position embeddings ``E[g, k, u, n, m]`` (Fig. 3 taken literally).
+
+    ``n * m * k * u * g`` parameters for a fixed ``feat_size``; inputs must have exactly that size.
+    """
+
+    def __init__(self, dim_k: int, feat_size: Sequence[int], *, dim_u: int = 1, groups: int = 1):
+        super().__init__()
+        check_positive_int(dim_k, "dim_k")
+        check_positive_int(dim_u, "dim_u")
+        check_positive_int(groups, "groups")
+        self.feat_size = tuple(int(s) for s in feat_size)
+        for s in self.feat_size:
+            check_positive_int(s, "feat_size")
+        self.spatial_dims = len(self.feat_size)
+        self.dim_k, self.dim_u, self.groups = dim_k, dim_u, groups
+        n = math.prod(self.feat_size)
+        self.weight = nn.Parameter(torch.empty(groups, dim_k, dim_u, n, n))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=1.0)
+
+    def embeddings(self, causal: bool = False) -> Tensor:
+        """``E[g, k, u, n, m]``; with ``causal`` the future ``m > n`` is masked to 0."""
+        if not causal:
+            return self.weight
+        n = self.weight.shape[-1]
+        mask = torch.ones(n, n, dtype=torch.bool, device=self.weight.device).tril()
+        return self.weight * mask
+
+    def extra_repr(self) -> str:
+        return f"dim_k={self.dim_k}, dim_u={self.dim_u}, groups={self.groups}, feat_size={self.feat_size}"

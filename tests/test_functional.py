@@ -1,0 +1,222 @@
+"""The functional core against naive per-query loops written from Eq. 1-2 of the paper."""
+
+import itertools
+
+import pytest
+import torch
+
+from lambdanet import functional as LF
+
+ATOL = 1e-4
+
+
+def naive_lambda(queries, normalized_keys, embeddings, values, mask=None):
+    """Eq. 1-2 with explicit loops: lambda_n = sum_m (kbar_m + e_nm) v_m^T, y_n = concat_h lambda_n^T q_n^h.
+
+    queries [b,h,n,k], normalized_keys [b,m,k], embeddings [n,m,k], values [b,m,v], mask [n,m] or None.
+    """
+    b, h, n, k = queries.shape
+    m, v = values.shape[1], values.shape[2]
+    out = torch.zeros(b, n, h * v, dtype=torch.float64)
+    for bi in range(b):
+        for ni in range(n):
+            lam = torch.zeros(k, v, dtype=torch.float64)
+            for mi in range(m):
+                if mask is not None and mask[ni, mi] == 0:
+                    continue
+                lam += torch.outer(normalized_keys[bi, mi] + embeddings[ni, mi], values[bi, mi]).double()
+            out[bi, ni] = torch.cat([lam.t() @ queries[bi, hi, ni].double() for hi in range(h)])
+    return out
+
+
+def test_lambda_layer_matches_naive_loop():
+    b, h, n, m, k, v = 2, 3, 5, 7, 4, 6
+    q, keys = torch.randn(b, h, n, k), torch.randn(b, m, k)
+    emb, vals = torch.randn(n, m, k), torch.randn(b, m, v)
+    out = LF.lambda_layer(q, keys, emb, vals)
+    ref = naive_lambda(q, keys.softmax(dim=1), emb, vals)
+    assert out.shape == (b, n, h * v)
+    torch.testing.assert_close(out.double(), ref, atol=ATOL, rtol=1e-4)
+
+
+def test_lambda_layer_intra_depth_matches_naive_loop():
+    """Fig. 8: keys/embeddings k x u, values v x u, summed over u."""
+    b, h, n, m, k, v, u = 2, 2, 4, 6, 3, 5, 3
+    q, keys = torch.randn(b, h, n, k), torch.randn(b, m, k, u)
+    emb, vals = torch.randn(n, m, k, u), torch.randn(b, m, v, u)
+    out = LF.lambda_layer(q, keys, emb, vals)
+    kbar = keys.softmax(dim=1)
+    ref = torch.zeros(b, n, h * v, dtype=torch.float64)
+    for bi, ni in itertools.product(range(b), range(n)):
+        lam = sum(torch.outer(kbar[bi, mi, :, ui] + emb[ni, mi, :, ui], vals[bi, mi, :, ui]).double()
+                  for mi in range(m) for ui in range(u))
+        ref[bi, ni] = torch.cat([lam.t() @ q[bi, hi, ni].double() for hi in range(h)])
+    torch.testing.assert_close(out.double(), ref, atol=ATOL, rtol=1e-4)
+
+
+def test_masked_lambda_layer_matches_naive_loop():
+    b, h, n, k, v = 2, 2, 6, 3, 4
+    q, keys = torch.randn(b, h, n, k), torch.randn(b, n, k)
+    emb, vals = torch.randn(k, n, n), torch.randn(b, n, v)
+    mask = (torch.rand(n, n) > 0.4).float()
+    out = LF.masked_lambda_layer(q, keys, emb, vals, mask)
+    ref = naive_lambda(q, keys, emb.permute(1, 2, 0), vals, mask)
+    torch.testing.assert_close(out.double(), ref, atol=ATOL, rtol=1e-4)
+
+
+def test_multihead_lambda_layer_matches_naive_loop():
+    b, h, n, m, k, v = 2, 3, 4, 5, 3, 4
+    q, keys = torch.randn(b, h, n, k), torch.randn(b, h, m, k)
+    emb, vals = torch.randn(h, n, m, k), torch.randn(b, h, m, v)
+    out = LF.multihead_lambda_layer(q, keys, emb, vals)
+    kbar = keys.softmax(dim=2)
+    ref = torch.zeros(b, n, h * v, dtype=torch.float64)
+    for bi, ni in itertools.product(range(b), range(n)):
+        heads = []
+        for hi in range(h):  # one lambda per head
+            lam = sum(torch.outer(kbar[bi, hi, mi] + emb[hi, ni, mi], vals[bi, hi, mi]).double() for mi in range(m))
+            heads.append(lam.t() @ q[bi, hi, ni].double())
+        ref[bi, ni] = torch.cat(heads)
+    torch.testing.assert_close(out.double(), ref, atol=ATOL, rtol=1e-4)
+
+
+def naive_masked_embeddings_1d(R, n):
+    """E[n, m] = R[m - n + r // 2] inside the scope, 0 outside (R: [r, k])."""
+    r, k = R.shape
+    E = torch.zeros(n, n, k)
+    for ni in range(n):
+        for mi in range(n):
+            off = mi - ni + r // 2
+            if 0 <= off < r:
+                E[ni, mi] = R[off]
+    return E
+
+
+@pytest.mark.parametrize("impl", ["conv", "depthwise_conv"])
+def test_compute_position_lambdas_conv_equals_einsum_with_masked_embeddings(impl):
+    b, n, k, v, r = 2, 11, 4, 3, 5
+    R, vals = torch.randn(r, k), torch.randn(b, n, v)
+    conv = LF.compute_position_lambdas(R, vals, impl=impl)
+    ein = LF.compute_position_lambdas(naive_masked_embeddings_1d(R, n), vals, impl="einsum")
+    assert conv.shape == (b, n, k, v)
+    torch.testing.assert_close(conv, ein, atol=ATOL, rtol=1e-4)
+
+
+def test_compute_position_lambdas_intra_depth():
+    b, n, k, v, u, r = 2, 9, 3, 4, 2, 3
+    R, vals = torch.randn(r, k, u), torch.randn(b, n, v, u)
+    E = torch.stack([naive_masked_embeddings_1d(R[..., i], n) for i in range(u)], dim=-1)  # n m k u
+    ein = LF.compute_position_lambdas(E, vals, impl="einsum")
+    for impl in ("conv", "depthwise_conv"):
+        torch.testing.assert_close(LF.compute_position_lambdas(R, vals, impl=impl), ein, atol=ATOL, rtol=1e-4)
+
+
+def naive_position_lambdas_nd(values, kernel, center):
+    """lambda^p[b,g,v,k,x] = sum_{o,u} R[g,k,u,center+o] V[b,g,v,u,x+o] with explicit loops over x and o."""
+    b, g, v, u = values.shape[:4]
+    spatial = values.shape[4:]
+    k = kernel.shape[1]
+    ksize = kernel.shape[3:]
+    out = torch.zeros(b, g, v, k, *spatial, dtype=torch.float64)
+    for x in itertools.product(*[range(s) for s in spatial]):
+        for t in itertools.product(*[range(s) for s in ksize]):
+            y = tuple(xi + ti - ci for xi, ti, ci in zip(x, t, center))
+            if not all(0 <= yi < s for yi, s in zip(y, spatial)):
+                continue
+            w = kernel[(slice(None), slice(None), slice(None)) + t].double()  # g k u
+            val = values[(slice(None),) * 4 + y].double()  # b g v u
+            out[(slice(None),) * 4 + x] += torch.einsum("gku,bgvu->bgvk", w, val)
+    return out
+
+
+@pytest.mark.parametrize(
+    "spatial,ksize,causal,g,u",
+    [
+        ((13,), (5,), False, 1, 1),
+        ((13,), (4,), True, 1, 2),
+        ((6, 7), (3, 5), False, 1, 1),
+        ((5, 4), (5, 5), False, 2, 1),
+        ((5, 6), (7, 3), False, 1, 3),
+        ((3, 4, 5), (3, 3, 3), False, 1, 1),
+        ((3, 4, 4), (5, 3, 3), False, 2, 2),
+        ((4, 5), (9, 9), False, 1, 1),  # scope larger than the input: cropped
+    ],
+)
+def test_position_lambda_impls_agree_with_naive_loop(spatial, ksize, causal, g, u):
+    b, v, k = 2, 3, 4
+    values = torch.randn(b, g, v, u, *spatial)
+    kernel = torch.randn(g, k, u, *ksize)
+    center = tuple(s - 1 if causal else s // 2 for s in ksize)
+    ref = naive_position_lambdas_nd(values, kernel, center)
+    for impl in LF.POSITION_IMPLS:
+        out = LF.position_lambdas(values, kernel, center, impl)
+        assert out.shape == (b, g, v, k, *spatial), impl
+        torch.testing.assert_close(out.double(), ref, atol=ATOL, rtol=1e-4, msg=impl)
+
+
+def test_gather_relative_embeddings_matches_definition():
+    kernel = torch.randn(1, 3, 1, 5, 3)  # g k u K0 K1
+    center = (2, 1)
+    spatial = (4, 3)
+    E = LF.gather_relative_embeddings(kernel, center, spatial)  # g k u n m
+    assert E.shape == (1, 3, 1, 12, 12)
+    pos = list(itertools.product(range(4), range(3)))
+    for ni, (i, j) in enumerate(pos):
+        for mi, (a, c) in enumerate(pos):
+            t0, t1 = a - i + 2, c - j + 1
+            want = kernel[0, :, 0, t0, t1] if 0 <= t0 < 5 and 0 <= t1 < 3 else torch.zeros(3)
+            torch.testing.assert_close(E[0, :, 0, ni, mi], want)
+
+
+@pytest.mark.parametrize("method", ["softmax", "l2", "none"])
+def test_causal_content_lambdas_match_per_query_normalisation(method):
+    b, n, g, k, v, u = 2, 7, 1, 3, 4, 2
+    keys, vals = torch.randn(b, n, g, k, u) * 3, torch.randn(b, n, g, v, u)
+    out = LF.causal_content_lambdas(keys, vals, method)
+    assert out.shape == (b, n, g, k, v)
+    for ni in range(n):
+        ctx = keys[:, : ni + 1]  # each query normalises over its own context only
+        if method == "softmax":
+            kbar = ctx.softmax(dim=1)
+        elif method == "l2":
+            kbar = ctx / ctx.norm(dim=1, keepdim=True)
+        else:
+            kbar = ctx
+        want = torch.einsum("bmgku,bmgvu->bgkv", kbar, vals[:, : ni + 1])
+        torch.testing.assert_close(out[:, ni], want, atol=ATOL, rtol=1e-4)
+
+
+def test_causal_content_lambdas_stay_finite_for_large_keys():
+    keys = torch.randn(1, 64, 1, 4, 1) * 40  # key range far beyond exp's fp32 range
+    out = LF.causal_content_lambdas(keys, torch.randn(1, 64, 1, 3, 1), "softmax")
+    assert torch.isfinite(out).all()
+
+
+def test_apply_lambdas_multiquery_and_multihead():
+    b, n, h, k, v = 2, 5, 3, 4, 6
+    q = torch.randn(b, n, h, k)
+    lam1 = torch.randn(b, n, 1, v, k)
+    torch.testing.assert_close(LF.apply_lambdas(q, lam1), torch.einsum("bnhk,bnvk->bnhv", q, lam1[:, :, 0]))
+    lamh = torch.randn(b, n, h, v, k)
+    torch.testing.assert_close(LF.apply_lambdas(q, lamh), torch.einsum("bnhk,bnhvk->bnhv", q, lamh))
+
+
+@pytest.mark.parametrize(
+    "call,needle",
+    [
+        (lambda: LF.lambda_layer(torch.randn(2, 4, 5, 3), torch.randn(2, 6, 3), torch.randn(5, 6, 3),
+                                 torch.randn(3, 6, 8)), "values has b=3"),
+        (lambda: LF.lambda_layer(torch.randn(2, 4, 5), torch.randn(2, 6, 3), torch.randn(5, 6, 3),
+                                 torch.randn(2, 6, 8)), "queries must have shape [b, h, n, k]"),
+        (lambda: LF.lambda_layer(torch.randn(2, 4, 5, 3), torch.randn(2, 6, 3), torch.randn(5, 7, 3),
+                                 torch.randn(2, 6, 8)), "embeddings has m=7"),
+        (lambda: LF.compute_position_lambdas(torch.randn(4, 3), torch.randn(2, 9, 5), impl="conv"), "odd scope"),
+        (lambda: LF.compute_position_lambdas(torch.randn(5, 3), torch.randn(2, 9, 5), impl="fft"), "impl must be"),
+        (lambda: LF.masked_lambda_layer(torch.randn(1, 2, 4, 3), torch.randn(1, 4, 3), torch.randn(3, 4, 4),
+                                        torch.randn(1, 4, 5), torch.ones(4, 5)), "mask has m=5"),
+    ],
+)
+def test_functional_bad_shapes_raise_value_error_naming_argument(call, needle):
+    with pytest.raises(ValueError) as err:
+        call()
+    assert needle in str(err.value)

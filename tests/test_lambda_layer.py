@@ -1,0 +1,358 @@
+"""LambdaLayer module: a naive re-computation from its own weights, invariances, errors, autocast,
+compile, ONNX and memory behaviour."""
+
+import itertools
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lambdanet import LambdaLayer, RelativePositionEmbedding
+
+
+def randomize_norms(layer):
+    """Give the BatchNorms non-trivial eval statistics so the reference must get them right."""
+    for bn in (layer.norm_q, layer.norm_v):
+        if isinstance(bn, torch.nn.BatchNorm1d):
+            bn.running_mean.uniform_(-0.5, 0.5)
+            bn.running_var.uniform_(0.5, 2.0)
+            bn.weight.data.uniform_(0.5, 1.5)
+            bn.bias.data.uniform_(-0.3, 0.3)
+    return layer
+
+
+def naive_layer_forward(layer, x):
+    """Eq. 1-2 for every query position, from the layer's weights, with explicit loops (eval mode)."""
+    b, _, *spatial = x.shape
+    n = math.prod(spatial)
+    h, k, u, v, g = layer.heads, layer.dim_k, layer.dim_u, layer.dim_v, layer.groups
+    tokens = x.flatten(2).transpose(1, 2).double()  # b n d
+    w = layer.qkv.weight.double()
+    qkv = tokens @ w.t()
+    q, keys, vals = qkv.split([h * k, layer.dim_keys_total, g * v * u], dim=-1)
+
+    def bn(t, mod):
+        return (t - mod.running_mean.double()) / torch.sqrt(mod.running_var.double() + mod.eps) \
+            * mod.weight.double() + mod.bias.double()
+
+    q, vals = bn(q, layer.norm_q), bn(vals, layer.norm_v)
+    q = q.view(b, n, h, k)
+    vals = vals.view(b, n, g, v, u)
+    kbar = keys.view(b, n, g, k, u).softmax(dim=1)
+    positions = list(itertools.product(*[range(s) for s in spatial]))
+    R = layer.embedding.weight.double()  # g k u *K
+    center = layer.embedding.center
+    out = torch.zeros(b, n, h, v, dtype=torch.float64)
+    for bi in range(b):
+        for ni, pn in enumerate(positions):
+            lam = torch.zeros(g, k, v, dtype=torch.float64)
+            for mi, pm in enumerate(positions):
+                t = tuple(a - c + ce for a, c, ce in zip(pm, pn, center))
+                inside = all(0 <= ti < ks for ti, ks in zip(t, R.shape[3:]))
+                e = R[(slice(None),) * 3 + t] if inside else torch.zeros(g, k, u, dtype=torch.float64)
+                lam += torch.einsum("gku,gvu->gkv", kbar[bi, mi] + e, vals[bi, mi])
+            for hi in range(h):
+                out[bi, ni, hi] = lam[hi if g > 1 else 0].t() @ q[bi, ni, hi]
+    return out.reshape(b, *spatial, h * v).movedim(-1, 1)
+
+
+@pytest.mark.parametrize(
+    "kwargs,shape",
+    [
+        (dict(dim=8, dim_out=12, dim_k=3, heads=3, r=3), (2, 8, 4, 5)),
+        (dict(dim=8, dim_k=2, heads=2, r=None, feat_size=(4, 5)), (2, 8, 4, 5)),
+        (dict(dim=8, dim_k=2, heads=2, r=None, feat_size=(5, 6)), (2, 8, 3, 4)),  # smaller than feat_size
+        (dict(dim=6, dim_k=2, heads=2, dim_u=3, r=5), (1, 6, 4, 3)),
+        (dict(dim=8, dim_k=2, heads=2, r=5, multihead=True), (2, 8, 3, 4)),
+        (dict(dim=4, dim_k=2, heads=2, r=3, spatial_dims=1), (2, 4, 9)),
+        (dict(dim=4, dim_k=2, heads=2, r=3, spatial_dims=3), (1, 4, 3, 3, 4)),
+    ],
+)
+def test_module_equals_naive_per_query_loop(kwargs, shape):
+    layer = randomize_norms(LambdaLayer(**kwargs)).eval()
+    x = torch.randn(*shape)
+    ref = naive_layer_forward(layer, x)
+    for impl in ("conv", "depthwise_conv", "einsum"):
+        layer.impl = impl
+        torch.testing.assert_close(layer(x).double(), ref, atol=2e-4, rtol=1e-4, msg=impl)
+
+
+def test_param_count_closed_form_paper_defaults():
+    # Q: d k h, K: d k u, V: d v u, BN(Q): 2 k h, BN(V): 2 v u, E: r^2 k u (dim 64, k 16, h 4, u 1, r 23)
+    d, k, h, u, r = 64, 16, 4, 1, 23
+    v = d // h
+    closed = d * k * h + d * k * u + d * v * u + 2 * k * h + 2 * v * u + r * r * k * u
+    assert closed == 14768
+    assert sum(p.numel() for p in LambdaLayer(64).parameters()) == closed
+
+
+@pytest.mark.parametrize("d,dout,k,h,u,r,multihead", [(32, 48, 8, 4, 2, 7, False), (64, 64, 16, 4, 1, 5, True),
+                                                      (40, 40, 4, 8, 4, 3, False)])
+def test_param_count_closed_form_general(d, dout, k, h, u, r, multihead):
+    v = dout // h
+    g = h if multihead else 1
+    closed = d * k * h + d * k * u * g + d * v * u * g + 2 * k * h + 2 * v * u * g + r * r * k * u * g
+    layer = LambdaLayer(d, dout, dim_k=k, heads=h, dim_u=u, r=r, multihead=multihead)
+    assert sum(p.numel() for p in layer.parameters()) == closed
+
+
+def test_initialisation_follows_appendix_e1():
+    d, k = 256, 16
+    layer = LambdaLayer(d, dim_k=k, heads=4, r=23)
+    w = layer.qkv.weight
+    nq = k * 4
+    assert abs(w[:nq].std().item() - (d * k) ** -0.5) < 0.1 * (d * k) ** -0.5
+    assert abs(w[nq:].std().item() - d ** -0.5) < 0.1 * d ** -0.5
+    assert abs(layer.embedding.weight.std().item() - 1.0) < 0.05
+    assert layer.qkv.bias is None
+
+
+@pytest.mark.parametrize("kwargs", [dict(r=7), dict(r=None, feat_size=20), dict(r=5, dim_u=2)])
+def test_translation_equivariance(kwargs):
+    """A pattern in a zero background, shifted: the output shifts the same (eval mode)."""
+    layer = LambdaLayer(8, dim_k=4, heads=2, **kwargs).eval()
+    x = torch.zeros(1, 8, 20, 20)
+    pattern = torch.randn(1, 8, 5, 4)
+    x1, x2 = x.clone(), x.clone()
+    x1[..., 4:9, 5:9] = pattern
+    x2[..., 4 + 3:9 + 3, 5 + 6:9 + 6] = pattern
+    y1, y2 = layer(x1), layer(x2)
+    torch.testing.assert_close(torch.roll(y1, shifts=(3, 6), dims=(2, 3)), y2, atol=1e-4, rtol=1e-4)
+
+
+def test_translation_equivariance_1d_and_3d():
+    for dims, size in ((1, (30,)), (3, (8, 9, 10))):
+        layer = LambdaLayer(4, dim_k=2, heads=2, r=3, spatial_dims=dims).eval()
+        x1 = torch.zeros(1, 4, *size)
+        x2 = x1.clone()
+        sl = tuple(slice(2, 5) for _ in size)
+        sl2 = tuple(slice(3, 6) for _ in size)
+        pat = torch.randn(1, 4, *(3,) * dims)
+        x1[(slice(None), slice(None)) + sl] = pat
+        x2[(slice(None), slice(None)) + sl2] = pat
+        y1 = torch.roll(layer(x1), shifts=(1,) * dims, dims=tuple(range(2, 2 + dims)))
+        torch.testing.assert_close(y1, layer(x2), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kwargs", [dict(r=5), dict(r=None, feat_size=12), dict(r=None, feat_size=12,
+                                    position_embedding="absolute"), dict(r=3, key_norm="l2"),
+                                    dict(r=3, content=False), dict(r=3, position=False), dict(r=3, dim_u=2)])
+@pytest.mark.parametrize("train", [False, True])
+def test_causal_layer_ignores_the_future(kwargs, train):
+    layer = LambdaLayer(8, dim_k=4, heads=2, causal=True, **kwargs).train(train)
+    x = torch.randn(2, 8, 12, requires_grad=True)
+    t = 6
+    y = layer(x)
+    y[..., t].sum().backward()
+    assert x.grad[..., t + 1:].abs().max() == 0  # no gradient from the future
+    assert x.grad[..., : t + 1].abs().max() > 0
+    if not train:
+        x2 = x.detach().clone()
+        x2[..., t + 1:] = torch.randn_like(x2[..., t + 1:]) * 5
+        torch.testing.assert_close(layer(x2)[..., : t + 1], y[..., : t + 1].detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_causal_layer_equals_masked_reference():
+    """Causal softmax keys normalised per query and position lambdas over the r positions ending at t."""
+    layer = LambdaLayer(6, dim_k=3, heads=2, r=4, causal=True, qv_norm=None).eval()
+    x = torch.randn(2, 6, 9)
+    b, n = 2, 9
+    h, k, v = 2, 3, 3
+    qkv = x.transpose(1, 2) @ layer.qkv.weight.t()
+    q, keys, vals = qkv.split([h * k, k, v], dim=-1)
+    q = q.view(b, n, h, k)
+    R = layer.embedding.weight[0, :, 0]  # k r, last entry = offset 0
+    out = torch.zeros(b, n, h, v)
+    for t in range(n):
+        kbar = keys[:, : t + 1].softmax(dim=1)  # b m k
+        lam = torch.einsum("bmk,bmv->bkv", kbar, vals[:, : t + 1])
+        for m in range(max(0, t - 3), t + 1):
+            lam += torch.einsum("k,bv->bkv", R[:, m - t + 3], vals[:, m])
+        out[:, t] = torch.einsum("bhk,bkv->bhv", q[:, t], lam)
+    torch.testing.assert_close(layer(x), out.reshape(b, n, h * v).transpose(1, 2), atol=1e-4, rtol=1e-4)
+
+
+def test_shared_embeddings_are_one_parameter():
+    emb = RelativePositionEmbedding.local(16, 7)
+    l1, l2 = LambdaLayer(32, r=7, embedding=emb), LambdaLayer(64, r=7, embedding=emb)
+    model = torch.nn.Sequential(l1, torch.nn.Conv2d(32, 64, 1), l2)
+    ids = [id(p) for p in model.parameters()]
+    assert len(ids) == len(set(ids))
+    assert sum(p is emb.weight for p in model.parameters()) == 1
+    unshared = torch.nn.Sequential(LambdaLayer(32, r=7), torch.nn.Conv2d(32, 64, 1), LambdaLayer(64, r=7))
+    n_shared = sum(p.numel() for p in model.parameters())
+    assert sum(p.numel() for p in unshared.parameters()) - n_shared == emb.weight.numel()
+    model(torch.randn(2, 32, 9, 9)).sum().backward()
+    assert emb.weight.grad is not None and emb.weight.grad.abs().sum() > 0
+
+
+def test_shared_global_embedding_serves_smaller_inputs():
+    emb = RelativePositionEmbedding.global_context(8, 10)
+    layer = LambdaLayer(16, dim_k=8, r=None, embedding=emb)
+    assert layer(torch.randn(2, 16, 7, 10)).shape == (2, 16, 7, 10)
+
+
+VARIANTS = [
+    dict(r=5), dict(r=None, feat_size=8), dict(r=5, dim_u=2), dict(r=5, multihead=True),
+    dict(r=None, feat_size=8, position_embedding="absolute"), dict(r=5, content=False), dict(r=5, position=False),
+    dict(r=5, key_norm="l2", query_softmax=True), dict(r=5, key_norm="none", qv_norm=None),
+    dict(r=5, qv_norm="layer"), dict(r=5, stride=2), dict(r=3, spatial_dims=3),
+]
+
+
+@pytest.mark.parametrize("kwargs", VARIANTS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_every_parameter_gets_a_gradient(kwargs):
+    layer = LambdaLayer(8, 16, dim_k=4, heads=4, **kwargs)
+    shape = (2, 8, 6, 6, 6) if kwargs.get("spatial_dims") == 3 else (2, 8, 8, 8)
+    y = layer(torch.randn(*shape))
+    assert torch.isfinite(y).all()
+    (y ** 2).mean().backward()
+    for name, p in layer.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_dim_out_and_stride_shapes():
+    layer = LambdaLayer(16, 32, r=5, stride=2).eval()
+    x = torch.randn(2, 16, 9, 12)
+    y = layer(x)
+    assert y.shape == (2, 32, 5, 6)
+    layer.stride = 1
+    pooled = torch.nn.functional.avg_pool2d(layer(x), 3, 2, 1)  # 3x3 average pool of stride 2 after the layer
+    torch.testing.assert_close(y, pooled)
+
+
+def test_channels_last_input_gives_same_result_and_format():
+    layer = LambdaLayer(16, r=5).eval()
+    x = torch.randn(2, 16, 10, 7)
+    y = layer(x)
+    y_cl = layer(x.contiguous(memory_format=torch.channels_last))
+    assert y_cl.is_contiguous(memory_format=torch.channels_last)
+    assert y.is_contiguous()
+    torch.testing.assert_close(y, y_cl)
+
+
+@pytest.mark.parametrize("kwargs", [dict(r=5), dict(r=None, feat_size=8), dict(r=3, causal=True)])
+def test_bf16_autocast_is_finite_and_close(kwargs):
+    dims = 1 if kwargs.get("causal") else 2
+    layer = LambdaLayer(32, dim_k=8, **kwargs).eval()
+    x = torch.randn(2, 32, *(8,) * dims) * 30  # large activations
+    ref = layer(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    assert y.dtype == torch.bfloat16
+    assert torch.isfinite(y).all()
+    rel = (y.float() - ref).norm() / ref.norm()
+    assert rel < 0.05
+
+
+BAD = [
+    (dict(dim=16, r=4), "r must be a positive odd int"),
+    (dict(dim=16, r=0), "r must be a positive odd int"),
+    (dict(dim=16, r=-3), "r must be a positive odd int"),
+    (dict(dim=16, dim_out=30, heads=4), "heads=4 must divide dim_out=30"),
+    (dict(dim=16, r=None), "needs feat_size"),
+    (dict(dim=16, causal=True, spatial_dims=2), "causal=True needs 1-d inputs"),
+    (dict(dim=16, stride=3), "stride must be one of"),
+    (dict(dim=16, impl="fft"), "impl must be one of"),
+    (dict(dim=16, key_norm="max"), "key_norm must be one of"),
+    (dict(dim=16, dim_k=0), "dim_k must be a positive int"),
+    (dict(dim=16, content=False, position=False), "cannot both be False"),
+    (dict(dim=16, position_embedding="absolute", r=5, feat_size=4), "needs feat_size and r=None"),
+    (dict(dim=16, feat_size=(4, 4, 4), r=None, spatial_dims=2), "feat_size must have 2 entries"),
+]
+
+
+@pytest.mark.parametrize("kwargs,needle", BAD, ids=[b[1] for b in BAD])
+def test_bad_constructor_arguments_raise_value_error(kwargs, needle):
+    with pytest.raises(ValueError, match=None) as err:
+        LambdaLayer(**kwargs)
+    assert needle in str(err.value)
+
+
+def test_bad_inputs_raise_value_error():
+    layer = LambdaLayer(16, r=5)
+    with pytest.raises(ValueError, match="dim=16 input channels, got input with 8 channels"):
+        layer(torch.randn(2, 8, 6, 6))
+    with pytest.raises(ValueError, match=r"rank 4 \[B, C, H, W\]"):
+        layer(torch.randn(2, 16, 6))
+    glob = LambdaLayer(16, r=None, feat_size=8)
+    with pytest.raises(ValueError, match="larger than feat_size"):
+        glob(torch.randn(2, 16, 9, 8))
+    causal = LambdaLayer(16, r=5, causal=True)
+    with pytest.raises(ValueError, match=r"rank 3 \[B, C, L\]"):
+        causal(torch.randn(2, 16, 6, 6))
+    absolute = LambdaLayer(16, r=None, feat_size=6, position_embedding="absolute")
+    with pytest.raises(ValueError, match="absolute position embeddings were built for feat_size"):
+        absolute(torch.randn(2, 16, 5, 6))
+    emb = RelativePositionEmbedding.local(16, 7)
+    with pytest.raises(ValueError, match="does not match the shared embedding"):
+        LambdaLayer(16, r=5, embedding=emb)
+    with pytest.raises(ValueError, match="shared embedding has dim_k=16"):
+        LambdaLayer(16, dim_k=8, r=7, embedding=emb)
+
+
+class _MaxNumel(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.max_numel, self.shape = 0, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.numel() > self.max_numel:
+                self.max_numel, self.shape = t.numel(), tuple(t.shape)
+        return out
+
+
+@pytest.mark.parametrize("impl", ["einsum", "conv", "depthwise_conv"])
+def test_no_batch_by_positions_by_context_tensor(impl):
+    """Table 2: space Theta(k n m + b n k v); no b x n x m tensor (forward and backward)."""
+    b, side, k, dout = 16, 24, 2, 8  # v = 2
+    n = side * side
+    layer = LambdaLayer(8, dout, dim_k=k, heads=4, r=None, feat_size=side, impl=impl)
+    x = torch.randn(b, 8, side, side, requires_grad=True)
+    with _MaxNumel() as mode:
+        layer(x).sum().backward()
+    assert mode.max_numel < b * n * n // 4, mode.shape
+
+
+def test_lambda_convolution_memory_is_linear_in_positions():
+    peaks = []
+    for side in (16, 32, 64):
+        layer = LambdaLayer(8, dim_k=4, heads=4, r=7, impl="depthwise_conv")
+        with _MaxNumel() as mode:
+            layer(torch.randn(2, 8, side, side, requires_grad=True)).sum().backward()
+        peaks.append(mode.max_numel / (side * side))
+    assert max(peaks) <= 1.05 * min(peaks)  # the largest tensor per position is constant
+
+
+def test_torch_compile_has_no_graph_breaks():
+    import torch._dynamo
+
+    for kwargs in (dict(r=5), dict(r=None, feat_size=8), dict(r=3, causal=True)):
+        torch._dynamo.reset()
+        layer = LambdaLayer(16, dim_k=4, **kwargs)
+        x = torch.randn(2, 16, 8) if kwargs.get("causal") else torch.randn(2, 16, 8, 8)
+        explanation = torch._dynamo.explain(layer)(x)
+        assert explanation.graph_break_count == 0, explanation.break_reasons
+        assert explanation.graph_count == 1
+
+
+def test_torch_compile_matches_eager():
+    layer = LambdaLayer(16, dim_k=4, r=5).eval()
+    x = torch.randn(2, 16, 8, 8)
+    compiled = torch.compile(layer)
+    torch.testing.assert_close(compiled(x), layer(x), atol=1e-4, rtol=1e-4)
+
+
+def test_onnx_export_matches_eager(tmp_path):
+    onnxruntime = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    layer = LambdaLayer(16, dim_k=4, r=5).eval()
+    x = torch.randn(2, 16, 8, 8)
+    path = tmp_path / "lambda.onnx"
+    torch.onnx.export(layer, (x,), str(path), dynamo=True)
+    sess = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    (out,) = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})
+    torch.testing.assert_close(torch.from_numpy(out), layer(x), atol=1e-4, rtol=1e-4)
