@@ -1,6 +1,23 @@
-"""Reusable layers: the lambda layer and the spatial layers it is compared against."""
+"""Reusable layers: the lambda layer and the spatial layers it is compared against.
 
+``create_spatial_layer(name, dim, dim_out, stride=..., feat_size=..., **kwargs)`` builds any of
+``list_spatial_layers()`` as a drop-in replacement for a bottleneck's 3x3 convolution.
+"""
+
+from lambdanet.layers.axial_attention import AxialAttention
+from lambdanet.layers.conv import ConvLayer, ConvSE
 from lambdanet.layers.lambda_layer import LambdaLayer
+from lambdanet.layers.linear_attention import DoubleAttention, EfficientAttention
+from lambdanet.layers.local_attention import BlockedLocalAttention, HaloAttention, LocalSelfAttention
 from lambdanet.layers.position_embedding import AbsolutePositionEmbedding, RelativePositionEmbedding
+from lambdanet.layers.registry import create_spatial_layer, list_spatial_layers, spatial_layer_info
+from lambdanet.layers.relative_attention import AttentionAugmentedConv, RelativeSelfAttention
+from lambdanet.layers.squeeze_excite import SqueezeExcite
 
-__all__ = ["LambdaLayer", "RelativePositionEmbedding", "AbsolutePositionEmbedding"]
+__all__ = [
+    "LambdaLayer", "RelativePositionEmbedding", "AbsolutePositionEmbedding",
+    "ConvLayer", "ConvSE", "SqueezeExcite", "EfficientAttention", "DoubleAttention",
+    "RelativeSelfAttention", "AttentionAugmentedConv", "AxialAttention",
+    "BlockedLocalAttention", "HaloAttention", "LocalSelfAttention",
+    "create_spatial_layer", "list_spatial_layers", "spatial_layer_info",
+]

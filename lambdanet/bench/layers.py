@@ -1,0 +1,123 @@
+"""Layer-level benchmarks: the spatial layers of LambdaNetworks Table 4 (and HaloNet) at matched
+dimensions, across resolutions and batch sizes.
+
+``LAYER_SUITE`` names each configuration; :func:`memory_scaling` measures peak memory of a
+forward+backward pass as the number of positions grows and fits the log-log slope (Table 2's
+complexity classes: 2 for global attention, 1 for local attention and the lambda convolution, and a
+per-example slope of at most 1 for the global lambda layer, whose ``k n m`` term is shared by the batch).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from lambdanet.bench.measure import count_flops, peak_memory, time_fn
+from lambdanet.layers import RelativePositionEmbedding, create_spatial_layer
+
+__all__ = ["LayerConfig", "LAYER_SUITE", "build_layer", "memory_scaling", "loglog_slope", "bench_layer"]
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    """A named spatial layer configuration: ``create_spatial_layer(layer, dim, dim, **kwargs)``."""
+
+    name: str
+    layer: str
+    kwargs: dict = field(default_factory=dict)
+    global_context: bool = False  # needs feat_size = the input size
+    shared_embedding: bool = False  # lambda: one RelativePositionEmbedding for every instance
+    paper: str = ""
+
+
+LAYER_SUITE: dict[str, LayerConfig] = {c.name: c for c in [
+    LayerConfig("global_attention", "relative_self_attention", {"heads": 4}, True, paper="Table 4 global self-attention"),
+    LayerConfig("axial_attention", "axial_self_attention", {"heads": 4}, True, paper="Table 4 axial self-attention"),
+    LayerConfig("local_attention_7x7", "local_self_attention", {"heads": 4, "kernel_size": 7},
+                paper="Table 4 local self-attention (7x7)"),
+    LayerConfig("halo_attention_b8_h3", "halo_attention", {"heads": 4, "block_size": 8, "halo_size": 3},
+                paper="HaloNet blocked local attention"),
+    LayerConfig("lambda", "lambda", {}, True, paper="Table 4 lambda layer (global, k=16)"),
+    LayerConfig("lambda_k8", "lambda", {"dim_k": 8}, True, paper="Table 4 lambda layer |k|=8"),
+    LayerConfig("lambda_shared", "lambda", {}, True, shared_embedding=True,
+                paper="Table 4 lambda layer, shared embeddings"),
+    LayerConfig("lambda_conv_7x7", "lambda_conv", {"r": 7}, paper="Table 4 lambda convolution (7x7)"),
+    LayerConfig("conv_3x3", "conv", {}, paper="ResNet 3x3 convolution"),
+]}
+
+
+def build_layer(config: LayerConfig, dim: int, side: int | tuple[int, int],
+                shared: RelativePositionEmbedding | None = None) -> nn.Module:
+    """Instantiate ``config`` for ``dim`` channels on ``side x side`` inputs."""
+    kwargs = dict(config.kwargs)
+    if config.shared_embedding:
+        kwargs["embedding"] = shared
+    return create_spatial_layer(config.layer, dim, dim, feat_size=side if config.global_context else None, **kwargs)
+
+
+def _shared_embedding(config: LayerConfig, side: int) -> RelativePositionEmbedding | None:
+    if not config.shared_embedding:
+        return None
+    return RelativePositionEmbedding.global_context(config.kwargs.get("dim_k", 16), side)
+
+
+def loglog_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Least-squares slope of ``log y`` against ``log x``."""
+    lx, ly = [math.log(x) for x in xs], [math.log(y) for y in ys]
+    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
+
+
+def _fwd_bwd(layer: nn.Module, x: torch.Tensor) -> Callable[[], None]:
+    def step():
+        layer(x).float().sum().backward()
+    return step
+
+
+def memory_scaling(names: Sequence[str], sides: Sequence[int], *, dim: int = 64, batch: int = 2,
+                   device: str = "cpu") -> list[dict]:
+    """Peak forward+backward memory per layer and size, at ``batch`` and ``2 * batch``.
+
+    Returns one row per (layer, side) with ``positions``, ``peak_bytes`` (at ``batch``) and
+    ``per_example_bytes`` (the growth from ``batch`` to ``2 batch``, divided by ``batch``), plus the fitted
+    slopes in each layer's last row (``slope``, ``per_example_slope``).
+    """
+    rows = []
+    for name in names:
+        config = LAYER_SUITE[name]
+        layer_rows = []
+        for side in sides:
+            layer = build_layer(config, dim, side, _shared_embedding(config, side)).to(device)
+            peaks = []
+            for b in (batch, 2 * batch):
+                x = torch.randn(b, dim, side, side, device=device, requires_grad=True)
+                peaks.append(peak_memory(_fwd_bwd(layer, x), device))
+            layer_rows.append({"layer": name, "side": side, "positions": side * side, "peak_bytes": peaks[0],
+                               "per_example_bytes": (peaks[1] - peaks[0]) / batch})
+        n = [r["positions"] for r in layer_rows]
+        layer_rows[-1]["slope"] = loglog_slope(n, [r["peak_bytes"] for r in layer_rows])
+        layer_rows[-1]["per_example_slope"] = loglog_slope(n, [r["per_example_bytes"] for r in layer_rows])
+        rows += layer_rows
+    return rows
+
+
+def bench_layer(layer: nn.Module, x: torch.Tensor, *, backward: bool = True, repeats: int = 7,
+                warmup: int = 2, max_seconds: float | None = 20.0) -> dict:
+    """Median time, peak memory and FLOPs of one forward (or forward+backward) pass of ``layer`` on ``x``."""
+    device = x.device
+    x = x.detach().requires_grad_(backward)
+
+    def step():
+        y = layer(x)
+        if backward:
+            y.float().sum().backward()
+
+    timing = time_fn(step, device, warmup=warmup, repeats=repeats, max_seconds=max_seconds)
+    for p in layer.parameters():
+        p.grad = None
+    return {"median_ms": timing.median_s * 1e3, "iqr_ms": timing.iqr_s * 1e3, "repeats": timing.repeats,
+            "peak_bytes": peak_memory(step, device), "flops": count_flops(step)}
