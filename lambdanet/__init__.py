@@ -4,7 +4,14 @@ Lambda layers, LambdaResNets and the convolution and attention baselines they ar
 """
 
 from lambdanet import functional
-from lambdanet.layers import AbsolutePositionEmbedding, LambdaLayer, RelativePositionEmbedding
+from lambdanet.layers import (
+    AbsolutePositionEmbedding,
+    LambdaLayer,
+    RelativePositionEmbedding,
+    create_spatial_layer,
+    list_spatial_layers,
+)
+from lambdanet.models import create_model, list_models, model_info, register_model
 
 __version__ = "0.1.0"
 
@@ -13,5 +20,11 @@ __all__ = [
     "LambdaLayer",
     "RelativePositionEmbedding",
     "AbsolutePositionEmbedding",
+    "create_spatial_layer",
+    "list_spatial_layers",
+    "create_model",
+    "list_models",
+    "model_info",
+    "register_model",
     "__version__",
 ]

@@ -31,6 +31,32 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_models(args: argparse.Namespace) -> int:
+    """Print every registered model (params, FLOPs, input size) or the paper-table comparison."""
+    from lambdanet.models.summary import markdown_table, paper_comparison, summarize_models
+
+    if args.paper:
+        rows = paper_comparison(flops=not args.no_flops)
+        for r in rows:
+            r["ours"] = f"{r['params_m']:.2f}" if r.get("params_m") is not None else "-"
+            r["delta_s"] = f"{r['delta']:+.1%}" if r.get("delta") is not None else "-"
+            r["flops_s"] = f"{r['flops_g']:.2f}" if r.get("flops_g") is not None else "-"
+        print(markdown_table(rows, [("table", "table"), ("row", "row"), ("call", "create_model call"),
+                                    ("paper_params_m", "paper (M)"), ("ours", "ours (M)"), ("delta_s", "delta"),
+                                    ("paper_flops_g", "paper GFLOPs"), ("flops_s", "our GFLOPs")]))
+        return 0
+    rows = summarize_models(args.pattern, flops=not args.no_flops)
+    if not rows:
+        print(f"no registered model matches {args.pattern!r}", file=sys.stderr)
+        return 1
+    for r in rows:
+        r["params_m"] = f"{r['params'] / 1e6:.2f}"
+        r["gflops"] = f"{r['flops'] / 1e9:.2f}" if r["flops"] is not None else "-"
+    print(markdown_table(rows, [("model", "model"), ("params_m", "params (M)"), ("gflops", "GFLOPs"),
+                                ("input_size", "input size")]))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from lambdanet import __version__
 
@@ -46,6 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--size", type=int, default=16)
     demo.add_argument("--batch", type=int, default=8)
     demo.set_defaults(func=_cmd_demo)
+
+    models = sub.add_parser("models", help="list models with params, FLOPs and input size",
+                            description="Every registered model with its parameters (1000 classes), FLOPs "
+                                        "(torch.utils.flop_counter, one image at the default input size) and input "
+                                        "size; --paper compares the papers' tables instead.")
+    models.add_argument("pattern", nargs="?", default=None, help="shell-style filter, e.g. 'lambda_resnet*'")
+    models.add_argument("--paper", action="store_true", help="compare with the papers' parameter/FLOP tables")
+    models.add_argument("--no-flops", action="store_true", help="skip FLOP counting (faster)")
+    models.set_defaults(func=_cmd_models)
     return parser
 
 

@@ -1,0 +1,317 @@
+"""Bottleneck ResNets with any spatial layer: ResNet-v1, ResNet-RS, LambdaResNets, hybrids and HaloNets.
+
+A model variant is data (:class:`ResNetConfig`): block counts, widths, stem, shortcut and which spatial
+layer each block uses. The module (:class:`ResNet`) is a plain stack of :class:`Bottleneck` blocks:
+
+    x -> conv1x1 (w) -> BN -> act -> spatial layer (w -> w rv, stride) -> BN -> act
+      -> conv1x1 (w rb) -> BN (gamma = 0) [-> SE] -> drop path -> + shortcut -> act
+
+with ``rb = 4`` (expansion) and ``rv = 1`` except in HaloNets. The spatial layer is a 3x3 convolution
+(``C``) or any layer of :func:`lambdanet.layers.create_spatial_layer` (``L``), which also carries the
+stride as its paper prescribes (strided conv, 3x3 average pool after a lambda layer, query subsampling
+in HaloNet attention, ...).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from torch import Tensor, nn
+
+from lambdanet.layers import (
+    ConvLayer,
+    DoubleAttention,
+    RelativePositionEmbedding,
+    SqueezeExcite,
+    create_spatial_layer,
+    list_spatial_layers,
+)
+from lambdanet.layers.drop import DropPath
+
+__all__ = ["ResNetConfig", "ResNet", "Bottleneck", "stage_pattern", "STAGE_NAMES"]
+
+STAGE_NAMES = ("c2", "c3", "c4", "c5")
+_ACTS = {"relu": nn.ReLU, "silu": nn.SiLU}
+
+
+@dataclass(frozen=True)
+class ResNetConfig:
+    """A bottleneck ResNet as data.
+
+    Attributes:
+        layers: blocks per stage c2..c5.
+        widths: bottleneck widths ``w`` per stage.
+        expansion: block output = ``w * expansion`` (HaloNet ``rb``; 4 in ResNets).
+        spatial_mult: spatial layer output = ``w * spatial_mult`` (HaloNet ``rv``; 1 in ResNets).
+        stem: ``"resnet"`` (7x7/2 conv + 3x3/2 max pool), ``"rs"`` (ResNet-D 3x3 convs 32-32-64, the max
+            pool replaced by a 3x3/2 conv: ResNet-RS), ``"cifar"`` (3x3/1 conv, no pool: small images).
+        shortcut: ``"conv"`` (1x1/s conv) or ``"avg"`` (ResNet-D: 2x2 average pool, then 1x1 conv).
+        pattern: per stage, one letter per block: ``C`` 3x3 convolution, ``L`` the ``spatial_layer``.
+        spatial_layer: registry name used for the ``L`` blocks.
+        stage_kwargs: per-stage keyword arguments for the ``L`` layers.
+        se_ratio: squeeze-and-excitation ratio after the last 1x1 conv of ``C`` blocks (0: none).
+        act: ``"relu"`` or ``"silu"``.
+        final_conv: width of a 1x1 conv before pooling (HaloNet ``df``), or ``None``.
+        input_size: default (square) image size; sizes the global spatial layers.
+        nonlocal_blocks: ``{stage: (block, ...)}`` (1-indexed) after which a residual double-attention
+            module (``c_m = c_n = C / 2``) is inserted, non-local-network style (A^2-Nets).
+        paper: the table this configuration reproduces.
+    """
+
+    layers: tuple[int, int, int, int]
+    widths: tuple[int, int, int, int] = (64, 128, 256, 512)
+    expansion: float = 4.0
+    spatial_mult: float = 1.0
+    stem: str = "resnet"
+    shortcut: str = "conv"
+    pattern: tuple[str, str, str, str] | None = None
+    spatial_layer: str = "lambda_conv"
+    stage_kwargs: tuple[Mapping, Mapping, Mapping, Mapping] = ({}, {}, {}, {})
+    se_ratio: float = 0.0
+    act: str = "relu"
+    final_conv: int | None = None
+    input_size: int = 224
+    nonlocal_blocks: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    paper: str = ""
+
+    def block_pattern(self) -> tuple[str, str, str, str]:
+        return self.pattern if self.pattern is not None else tuple("C" * n for n in self.layers)
+
+
+def stage_pattern(layers: Sequence[int], stage_layers: str) -> tuple[str, str, str, str]:
+    """``"CCLL"`` (Table 13 notation, one letter per stage c2..c5) -> one letter per block."""
+    if not isinstance(stage_layers, str) or len(stage_layers) != 4 or set(stage_layers.upper()) - {"C", "L"}:
+        raise ValueError(f"stage_layers must be 4 letters C (3x3 conv) or L (the spatial_layer), one per stage "
+                         f"c2..c5, e.g. 'CCLL'; got {stage_layers!r}")
+    return tuple(letter * n for letter, n in zip(stage_layers.upper(), layers))
+
+
+def _stem(kind: str, in_chans: int, act: type[nn.Module]) -> tuple[nn.Sequential, int, int]:
+    """Returns (stem, out channels, reduction)."""
+
+    def cba(cin, cout, k, s):
+        return [nn.Conv2d(cin, cout, k, s, k // 2, bias=False), nn.BatchNorm2d(cout), act(inplace=True)]
+
+    if kind == "resnet":
+        return nn.Sequential(*cba(in_chans, 64, 7, 2), nn.MaxPool2d(3, 2, 1)), 64, 4
+    if kind == "rs":
+        return nn.Sequential(*cba(in_chans, 32, 3, 2), *cba(32, 32, 3, 1), *cba(32, 64, 3, 1),
+                             *cba(64, 64, 3, 2)), 64, 4
+    if kind == "cifar":
+        return nn.Sequential(*cba(in_chans, 64, 3, 1)), 64, 1
+    raise ValueError(f"stem must be one of ['resnet', 'rs', 'cifar'], got {kind!r}")
+
+
+class Bottleneck(nn.Module):
+    """A bottleneck block with an arbitrary spatial layer (see module docstring)."""
+
+    def __init__(self, in_ch: int, width: int, out_ch: int, spatial: nn.Module, spatial_ch: int, *, stride: int,
+                 shortcut: str, se_ratio: float, act: type[nn.Module], drop_path: float):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_ch, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.spatial = spatial
+        self.bn2 = nn.BatchNorm2d(spatial_ch)
+        self.conv3 = nn.Conv2d(spatial_ch, out_ch, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(out_ch)
+        self.se = SqueezeExcite(out_ch, rd_ratio=se_ratio) if se_ratio > 0 else nn.Identity()
+        self.act = act(inplace=True)
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or in_ch != out_ch:
+            layers: list[nn.Module] = []
+            if shortcut == "avg" and stride > 1:
+                layers.append(nn.AvgPool2d(stride, stride, ceil_mode=True, count_include_pad=False))
+                stride = 1
+            layers += [nn.Conv2d(in_ch, out_ch, 1, stride, bias=False), nn.BatchNorm2d(out_ch)]
+            self.shortcut = nn.Sequential(*layers)
+
+    def zero_init_last(self) -> None:
+        """App. A: the last BN's gamma starts at 0, so every block starts as the identity."""
+        nn.init.zeros_(self.bn3.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.act(self.bn1(self.conv1(x)))
+        out = self.act(self.bn2(self.spatial(out)))
+        out = self.se(self.bn3(self.conv3(out)))
+        return self.act(self.drop_path(out) + self.shortcut(x))
+
+
+class ResNet(nn.Module):
+    """A :class:`ResNetConfig` made module.
+
+    Args:
+        cfg: the architecture.
+        num_classes: classifier outputs (0: ``forward`` returns pooled features).
+        in_chans: input channels.
+        img_size: input size (default ``cfg.input_size``); sizes the global spatial layers.
+        drop_rate: dropout before the classifier.
+        drop_path_rate: stochastic depth, linearly increasing from 0 to this rate over the blocks.
+        layer_kwargs: keyword arguments for every ``L`` spatial layer (override ``cfg.stage_kwargs``).
+        features_only: build no head; ``forward`` returns the c2..c5 feature maps.
+        zero_init_last: zero the last BN gamma of every block (App. A).
+        share_embeddings: lambda layers with the same scope share one position embedding (Table 4
+            "shared embeddings", App. A): one per (scope, depth) for local scopes, one per input size for
+            global contexts.
+    """
+
+    def __init__(self, cfg: ResNetConfig, *, num_classes: int = 1000, in_chans: int = 3,
+                 img_size: int | Sequence[int] | None = None, drop_rate: float = 0.0, drop_path_rate: float = 0.0,
+                 layer_kwargs: Mapping | None = None, features_only: bool = False, zero_init_last: bool = True,
+                 share_embeddings: bool = False):
+        super().__init__()
+        _validate_config(cfg)
+        if not 0.0 <= drop_rate < 1.0:
+            raise ValueError(f"drop_rate must be in [0, 1), got {drop_rate}")
+        if not 0.0 <= drop_path_rate < 1.0:
+            raise ValueError(f"drop_path_rate must be in [0, 1), got {drop_path_rate}")
+        self.cfg = cfg
+        img = img_size if img_size is not None else cfg.input_size
+        img = (img, img) if isinstance(img, int) else tuple(img)
+        if len(img) != 2 or min(img) <= 0:
+            raise ValueError(f"img_size must be a positive int or (H, W), got {img_size!r}")
+        self.img_size = img
+        act = _ACTS[cfg.act]
+        self.stem, ch, reduction = _stem(cfg.stem, in_chans, act)
+        size = tuple(math.ceil(s / reduction) for s in img)
+        pattern = cfg.block_pattern()
+        total = sum(cfg.layers)
+        dpr = [drop_path_rate * i / max(1, total - 1) for i in range(total)]
+        if share_embeddings and cfg.spatial_layer not in ("lambda", "lambda_conv"):
+            raise ValueError(f"share_embeddings needs lambda layers (spatial_layer 'lambda' or 'lambda_conv'), "
+                             f"got spatial_layer={cfg.spatial_layer!r}")
+        shared: dict[tuple, RelativePositionEmbedding] = {}
+        stages, self.feature_info = [], []
+        k = 0
+        for i, (n, w, letters) in enumerate(zip(cfg.layers, cfg.widths, pattern)):
+            out_ch = int(w * cfg.expansion)
+            spatial_ch = int(w * cfg.spatial_mult)
+            blocks: list[nn.Module] = []
+            extra = set(cfg.nonlocal_blocks.get(STAGE_NAMES[i], ()))
+            for j in range(n):
+                stride = 2 if (i > 0 and j == 0) else 1
+                if letters[j] == "C":
+                    spatial = create_spatial_layer("conv", w, spatial_ch, stride=stride)
+                else:
+                    kwargs = dict(cfg.stage_kwargs[i])
+                    kwargs.update(layer_kwargs or {})
+                    if share_embeddings:
+                        kwargs["embedding"] = _shared_embedding(shared, cfg.spatial_layer, kwargs, size)
+                    spatial = create_spatial_layer(cfg.spatial_layer, w, spatial_ch, stride=stride, feat_size=size,
+                                                   **kwargs)
+                se = cfg.se_ratio if letters[j] == "C" else 0.0
+                blocks.append(Bottleneck(ch, w, out_ch, spatial, spatial_ch, stride=stride, shortcut=cfg.shortcut,
+                                         se_ratio=se, act=act, drop_path=dpr[k]))
+                if j + 1 in extra:
+                    blocks.append(DoubleAttention(out_ch))
+                ch, k = out_ch, k + 1
+                if stride == 2:
+                    size = tuple(math.ceil(s / 2) for s in size)
+                    reduction *= 2
+            stages.append(nn.Sequential(*blocks))
+            self.feature_info.append({"module": f"stages.{i}", "stage": STAGE_NAMES[i], "num_chs": ch,
+                                      "reduction": reduction})
+        self.stages = nn.Sequential(*stages)
+        self.final_conv: nn.Module = nn.Identity()
+        if cfg.final_conv:
+            self.final_conv = nn.Sequential(nn.Conv2d(ch, cfg.final_conv, 1, bias=False),
+                                            nn.BatchNorm2d(cfg.final_conv), act(inplace=True))
+            ch = cfg.final_conv
+        self.num_features = ch
+        self.features_only = features_only
+        self.drop_rate = drop_rate
+        self.num_classes = num_classes
+        self.head_drop = nn.Dropout(drop_rate) if drop_rate > 0 else nn.Identity()
+        self.fc = nn.Linear(ch, num_classes) if (num_classes > 0 and not features_only) else nn.Identity()
+        self._init_weights(zero_init_last)
+
+    def _init_weights(self, zero_init_last: bool) -> None:
+        """He init for the ResNet's own convolutions (stem, 1x1s, shortcuts, 3x3 ``C`` layers); attention and
+        lambda layers keep the initialisation of their papers."""
+        convs = [m for m in self.stem.modules() if isinstance(m, nn.Conv2d)]
+        convs += [m for m in self.final_conv.modules() if isinstance(m, nn.Conv2d)]
+        for block in self.modules():
+            if isinstance(block, Bottleneck):
+                convs += [block.conv1, block.conv3]
+                convs += [m for m in block.shortcut.modules() if isinstance(m, nn.Conv2d)]
+                if isinstance(block.spatial, ConvLayer):
+                    convs.append(block.spatial.conv)
+        for conv in convs:
+            nn.init.kaiming_normal_(conv.weight, mode="fan_out", nonlinearity="relu")
+        for m in self.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+        if zero_init_last:
+            for m in self.modules():
+                if isinstance(m, Bottleneck):
+                    m.zero_init_last()
+
+    def reset_classifier(self, num_classes: int) -> None:
+        """Replace the classifier by a fresh one with ``num_classes`` outputs."""
+        self.num_classes = num_classes
+        self.fc = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+
+    def forward_stages(self, x: Tensor) -> list[Tensor]:
+        """Feature maps of c2..c5 (strides 4, 8, 16, 32 with the ImageNet stems)."""
+        x = self.stem(x)
+        feats = []
+        for stage in self.stages:
+            x = stage(x)
+            feats.append(x)
+        return feats
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        """The last feature map (after ``final_conv``), before pooling."""
+        return self.final_conv(self.stages(self.stem(x)))
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
+        x = self.head_drop(x.mean(dim=(2, 3)))
+        return x if pre_logits else self.fc(x)
+
+    def forward(self, x: Tensor) -> Tensor | list[Tensor]:
+        if self.features_only:
+            return self.forward_stages(x)
+        return self.forward_head(self.forward_features(x))
+
+
+def _shared_embedding(shared: dict, layer: str, kwargs: Mapping, size: tuple[int, int]) -> RelativePositionEmbedding:
+    dim_k, dim_u = kwargs.get("dim_k", 16), kwargs.get("dim_u", 1)
+    if layer == "lambda":
+        key = ("global", dim_k, dim_u, size)
+        if key not in shared:
+            shared[key] = RelativePositionEmbedding.global_context(dim_k, size, dim_u=dim_u)
+    else:
+        r = kwargs.get("r", 23)
+        key = ("local", dim_k, dim_u, r)
+        if key not in shared:
+            shared[key] = RelativePositionEmbedding.local(dim_k, r, dim_u=dim_u)
+    return shared[key]
+
+
+def _validate_config(cfg: ResNetConfig) -> None:
+    if len(cfg.layers) != 4 or any(not isinstance(n, int) or n < 1 for n in cfg.layers):
+        raise ValueError(f"layers must be 4 positive block counts (c2..c5), got {cfg.layers!r}")
+    pattern = cfg.block_pattern()
+    for i, (letters, n) in enumerate(zip(pattern, cfg.layers)):
+        if len(letters) != n or set(letters) - {"C", "L"}:
+            raise ValueError(f"pattern of stage {STAGE_NAMES[i]} must be {n} letters C/L, got {letters!r}")
+    if cfg.spatial_layer not in list_spatial_layers():
+        raise ValueError(f"spatial_layer must be one of {list_spatial_layers()}, got {cfg.spatial_layer!r}")
+    if cfg.act not in _ACTS:
+        raise ValueError(f"act must be one of {list(_ACTS)}, got {cfg.act!r}")
+    if cfg.shortcut not in ("conv", "avg"):
+        raise ValueError(f"shortcut must be one of ['conv', 'avg'], got {cfg.shortcut!r}")
+    for stage, blocks in cfg.nonlocal_blocks.items():
+        if stage not in STAGE_NAMES:
+            raise ValueError(f"nonlocal_blocks keys must be among {list(STAGE_NAMES)}, got {stage!r}")
+        n = cfg.layers[STAGE_NAMES.index(stage)]
+        if any(not 1 <= b <= n for b in blocks):
+            raise ValueError(f"nonlocal_blocks[{stage!r}] must be 1-indexed blocks in 1..{n}, got {blocks}")
+
+
+def with_overrides(cfg: ResNetConfig, **overrides) -> ResNetConfig:
+    """``dataclasses.replace`` that drops ``None`` values."""
+    return replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
