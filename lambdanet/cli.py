@@ -57,6 +57,59 @@ def _cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from lambdanet.train.trainer import TrainingDivergedError
+
+    return (ValueError, TrainingDivergedError, FileNotFoundError)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    """Train and evaluate a model (library: ``lambdanet.train.train``)."""
+    from lambdanet.train.config import config_from_args
+    from lambdanet.train.trainer import train
+
+    cfg = config_from_args(args)
+    train(cfg)
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    """Top-1 / top-5 of a checkpoint on a dataset (library: ``lambdanet.train.evaluate_checkpoint``)."""
+    import json
+
+    from lambdanet.train.trainer import evaluate_checkpoint
+
+    res = evaluate_checkpoint(args.checkpoint, data=args.data, split=args.split, ema=not args.no_ema,
+                              batch_size=args.batch_size, device=args.device, data_dir=args.data_dir)
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        print(f"{res['model']} ({res['weights']} weights, epoch {res['epoch']}) on {res['data']} {res['split']}: "
+              f"top-1 {res['top1']:.4f}, top-5 {res['top5']:.4f}, loss {res['loss']:.4f} ({res['samples']} images)")
+    return 0
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    """Learning-rate sensitivity study (library: ``lambdanet.train.sweep.lr_sweep``)."""
+    from lambdanet.train.config import config_from_args
+    from lambdanet.train.sweep import lr_sweep, sweep_markdown
+
+    cfg = config_from_args(args)
+    rows = lr_sweep(cfg, args.lrs, args.models)
+    print(sweep_markdown(rows))
+    return 0
+
+
+def _cmd_pseudo(args: argparse.Namespace) -> int:
+    """Pseudo-label a teacher's unlabelled images (library: ``lambdanet.train.pseudo.make_pseudo_labels``)."""
+    from lambdanet.train.pseudo import make_pseudo_labels
+
+    res = make_pseudo_labels(args.checkpoint, args.out, threshold=args.threshold)
+    print(f"{len(res['labels'])} pseudo-labels for {res['data']} (labeled_fraction {res['labeled_fraction']}, "
+          f"seed {res['seed']}), {res['agreement_with_true_labels']:.4f} agree with the hidden labels -> {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from lambdanet import __version__
 
@@ -81,6 +134,48 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--paper", action="store_true", help="compare with the papers' parameter/FLOP tables")
     models.add_argument("--no-flops", action="store_true", help="skip FLOP counting (faster)")
     models.set_defaults(func=_cmd_models)
+
+    from lambdanet.data import list_datasets
+    from lambdanet.train.config import RECIPES, add_config_arguments
+
+    recipes = ", ".join(RECIPES)
+    train = sub.add_parser(
+        "train", help="train and evaluate a model",
+        description=f"Train and evaluate. Recipes: {recipes}. Data: {', '.join(list_datasets())}. Every option is "
+                    "also a YAML key (--config FILE); precedence: defaults < --recipe < --config < flags. "
+                    "--resume continues the run in --out where it stopped. Under torchrun the same command trains "
+                    "with DistributedDataParallel.")
+    train.add_argument("--config", help="YAML file of options")
+    add_config_arguments(train)
+    train.set_defaults(func=_cmd_train)
+
+    ev = sub.add_parser("eval", help="evaluate a checkpoint", description="Top-1/top-5 of a checkpoint.")
+    ev.add_argument("--checkpoint", required=True, help="a last.pt written by lambdanet train")
+    ev.add_argument("--data", default=None, help="dataset (default: the checkpoint's)")
+    ev.add_argument("--data-dir", default=None)
+    ev.add_argument("--split", default="test", choices=["test", "train"])
+    ev.add_argument("--batch-size", type=int, default=256)
+    ev.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ev.add_argument("--no-ema", action="store_true", help="use the raw weights even if an EMA exists")
+    ev.add_argument("--json", action="store_true", help="print the result as JSON")
+    ev.set_defaults(func=_cmd_eval)
+
+    sw = sub.add_parser("sweep", help="learning-rate sensitivity study",
+                        description="Train the same recipe at several learning rates (and models); writes "
+                                    "sweep.md, sweep.json and sweep.png (accuracy vs learning rate) into --out.")
+    sw.add_argument("--lrs", type=float, nargs="+", required=True, help="learning rates")
+    sw.add_argument("--models", nargs="+", default=None, help="models (default: --model)")
+    sw.add_argument("--config", help="YAML file of options")
+    add_config_arguments(sw)
+    sw.set_defaults(func=_cmd_sweep)
+
+    ps = sub.add_parser("pseudo-label", help="label a teacher's unlabelled images",
+                        description="Label the unlabelled part (1 - labeled_fraction) of a teacher run's training "
+                                    "set; train a student with --labeled-fraction F --pseudo-labels FILE.")
+    ps.add_argument("--checkpoint", required=True, help="the teacher's last.pt")
+    ps.add_argument("--out", required=True, help="output file (.pt)")
+    ps.add_argument("--threshold", type=float, default=0.0, help="keep labels with at least this confidence")
+    ps.set_defaults(func=_cmd_pseudo)
     return parser
 
 
@@ -90,7 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except _user_errors() as err:
+        print(f"lambdanet {args.command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -366,7 +366,7 @@ def causal_content_lambdas(keys: Tensor, values: Tensor, method: str = "softmax"
     Query ``n`` sees context ``m <= n``; its keys are normalised over that context only:
     ``lambda^c_n = sum_u (sum_{m<=n} w[m] V[m]^T) / Z_n`` with ``w = exp(K - max K)`` and
     ``Z_n = sum_{m<=n} w[m]`` for the softmax (``w = K``, ``Z_n = ||K[:n+1]||_2`` for L2). No ``n x m``
-    tensor is formed: memory ``Theta(b n g k v u)``, computed in fp32.
+    tensor is formed: memory ``Theta(b n g k v u)``, computed in float32 or wider.
 
     Args:
         keys: ``[b, n, g, k, u]`` raw keys.
@@ -377,8 +377,9 @@ def causal_content_lambdas(keys: Tensor, values: Tensor, method: str = "softmax"
         ``[b, n, g, k, v]``.
     """
     check_choice(method, "key_norm", KEY_NORMS)
-    keys, values = keys.float(), values.float()
-    tiny = torch.finfo(torch.float32).tiny
+    dtype = torch.promote_types(torch.promote_types(keys.dtype, values.dtype), torch.float32)
+    keys, values = keys.to(dtype), values.to(dtype)
+    tiny = torch.finfo(dtype).tiny
     if method == "softmax":
         # the shift cancels between numerator and denominator; detached so no gradient reaches the future
         w = torch.exp(keys - keys.amax(dim=1, keepdim=True).detach())  # b n g k u

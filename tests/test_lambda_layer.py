@@ -78,6 +78,16 @@ def test_module_equals_naive_per_query_loop(kwargs, shape):
         torch.testing.assert_close(layer(x).double(), ref, atol=2e-4, rtol=1e-4, msg=impl)
 
 
+@pytest.mark.parametrize("kwargs", [dict(r=3), dict(r=None, feat_size=4), dict(r=3, dim_u=2, multihead=True),
+                                    dict(r=3, causal=True, spatial_dims=1)])
+def test_gradcheck_in_float64(kwargs):
+    """Autograd's numerical gradient check of the whole layer (float64 inputs keep a float64 core)."""
+    layer = LambdaLayer(4, dim_k=2, heads=2, qv_norm=None, **kwargs).double()
+    shape = (2, 4, 5) if kwargs.get("causal") else (2, 4, 4, 3)
+    x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(layer, (x,), eps=1e-6, atol=1e-5)
+
+
 def test_param_count_closed_form_paper_defaults():
     # Q: d k h, K: d k u, V: d v u, BN(Q): 2 k h, BN(V): 2 v u, E: r^2 k u (dim 64, k 16, h 4, u 1, r 23)
     d, k, h, u, r = 64, 16, 4, 1, 23

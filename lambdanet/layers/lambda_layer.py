@@ -76,8 +76,8 @@ class LambdaLayer(nn.Module):
     ``n``. No ``b x n x m`` tensor is formed. Intra-depth multiplies time and ``E`` by ``u``; the
     multi-head form multiplies time by ``h``.
 
-    The lambda computation itself (key normalisation, lambdas, their application) always runs in
-    float32, also under ``torch.autocast``; the projections follow autocast.
+    The lambda computation itself (key normalisation, lambdas, their application) runs in float32
+    (float64 for float64 inputs), also under ``torch.autocast``; the projections follow autocast.
     """
 
     def __init__(
@@ -291,15 +291,16 @@ class LambdaLayer(nn.Module):
 
         autocast_on = torch.is_autocast_enabled(x.device.type) if x.device.type in ("cuda", "cpu") else False
         ctx = torch.autocast(device_type=x.device.type, enabled=False) if autocast_on else nullcontext()
-        with ctx:  # lambdas in fp32 (App. A / REFERENCE: key softmax and lambda accumulation in fp32)
-            q = q.float().view(b, n, h, k)  # b n h k
+        cdtype = torch.float32 if out_dtype in (torch.float16, torch.bfloat16) else out_dtype
+        with ctx:  # lambdas in fp32 (at least): key softmax and lambda accumulation never in half precision
+            q = q.to(cdtype).view(b, n, h, k)  # b n h k
             if self.query_softmax:
                 q = q.softmax(dim=-1)
-            vals = vals.float()
+            vals = vals.to(cdtype)
             out = None
             causal_lam = None  # b n g v k, per-query content lambdas of a causal layer
             if self.content:
-                keys = keys.float().view(b, n, g, k, u)  # b m g k u
+                keys = keys.to(cdtype).view(b, n, g, k, u)  # b m g k u
                 vals_t = vals.view(b, n, g, v, u)  # b m g v u
                 if self.causal:
                     causal_lam = LF.causal_content_lambdas(keys, vals_t, self.key_norm).transpose(-1, -2)

@@ -1,0 +1,8 @@
+"""Training and evaluation: configs and recipes, the loops, checkpoints, distributed runs."""
+
+from lambdanet.train.config import RECIPES, TrainConfig, resolve_config
+from lambdanet.train.engine import NonFiniteLossError, evaluate, train_one_epoch
+from lambdanet.train.trainer import TrainingDivergedError, evaluate_checkpoint, train
+
+__all__ = ["TrainConfig", "RECIPES", "resolve_config", "train", "evaluate_checkpoint", "train_one_epoch", "evaluate",
+           "NonFiniteLossError", "TrainingDivergedError"]

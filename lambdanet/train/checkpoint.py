@@ -1,0 +1,88 @@
+"""Atomic checkpoints, their validation on load, RNG state and safetensors export.
+
+A checkpoint is written to ``<name>.tmp``, flushed and fsynced, then renamed over ``<name>``: a crash
+(even SIGKILL) leaves either the previous complete file or the new complete file, never a truncated one.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import torch
+from torch import nn
+
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "rng_state", "set_rng_state",
+           "export_safetensors", "unwrap"]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used (missing, truncated, corrupted or from another run)."""
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain module inside DDP / torch.compile / AveragedModel wrappers."""
+    for attr in ("module", "_orig_mod"):
+        while hasattr(model, attr) and isinstance(getattr(model, attr), nn.Module):
+            model = getattr(model, attr)
+    return model
+
+
+def save_checkpoint(state: dict, path: str | os.PathLike) -> None:
+    """Write ``state`` atomically (temporary file + fsync + rename)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    try:  # persist the rename itself
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
+    """Load a checkpoint written by :func:`save_checkpoint`; a clear :class:`CheckpointError` otherwise."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as err:  # torch raises many types for a damaged zip / pickle
+        raise CheckpointError(f"checkpoint {path} is corrupted or truncated and cannot be loaded "
+                              f"({type(err).__name__}: {str(err)[:200]}); delete it or restore a copy") from None
+    if not isinstance(state, dict) or "model" not in state:
+        raise CheckpointError(f"checkpoint {path} is not a lambdanet checkpoint (no 'model' entry)")
+    return state
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(_to_tuple(state["python"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _to_tuple(x):
+    return tuple(_to_tuple(v) for v in x) if isinstance(x, list | tuple) else x
+
+
+def export_safetensors(model: nn.Module, path: str | os.PathLike) -> None:
+    """Model weights (and buffers) as safetensors; shared tensors are stored once."""
+    from safetensors.torch import save_model
+
+    save_model(unwrap(model), str(path))

@@ -1,0 +1,140 @@
+"""One device to many: process-group setup from ``torchrun``'s environment, reductions, SyncBatchNorm.
+
+``lambdanet train`` run under ``torchrun --nproc_per_node N`` (or a multi-node ``torchrun``) picks up
+``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``, joins a process group (NCCL on GPUs, gloo on CPUs), shards
+the data and wraps the model in ``DistributedDataParallel``; only rank 0 writes files.
+
+PyTorch's ``nn.SyncBatchNorm`` runs on GPUs only; :class:`AllReduceBatchNorm` does the same on any
+device with a differentiable all-reduce of the per-channel sums, so ``--sync-bn`` also works on CPU
+clusters (and makes a multi-process run compute what one process computes on the whole batch).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+__all__ = ["DistContext", "init_distributed", "all_reduce_sum", "AllReduceBatchNorm", "convert_sync_batchnorm",
+           "barrier", "cleanup"]
+
+
+@dataclass
+class DistContext:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device: str = "auto") -> DistContext:
+    """Join the process group described by torchrun's environment variables (a no-op without them)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA device is available; use --device cpu")
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
+    return DistContext(rank, world, local_rank, dev)
+
+
+def all_reduce_sum(values: list[float], ctx: DistContext) -> list[float]:
+    """Sum a few scalars over the ranks."""
+    if not ctx.enabled:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def barrier(ctx: DistContext) -> None:
+    if ctx.enabled:
+        dist.barrier()
+
+
+def cleanup(ctx: DistContext) -> None:
+    if ctx.enabled and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class AllReduceBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """Batch normalisation with statistics over the whole distributed batch, on any device.
+
+    Training: each process's per-channel count, mean and sum of squared deviations are gathered
+    (differentiably) and combined with Chan et al.'s parallel formulas (stable, unlike ``E[x^2] - E[x]^2``),
+    so the normalisation and its gradient equal those of one process holding the whole batch. Evaluation uses
+    the running statistics like ``nn.BatchNorm``. Accepts ``[N, C, *]`` inputs of any rank.
+    """
+
+    def _check_input_dim(self, x: Tensor) -> None:
+        if x.dim() < 2:
+            raise ValueError(f"expected an input of rank >= 2 [N, C, ...], got shape {tuple(x.shape)}")
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check_input_dim(x)
+        if not (self.training and dist.is_initialized() and dist.get_world_size() > 1):
+            return super().forward(x)
+        from torch.distributed.nn.functional import all_gather
+
+        dims = [0] + list(range(2, x.dim()))
+        c = x.shape[1]
+        shape = [1, c] + [1] * (x.dim() - 2)
+        xf = x.float()
+        local_mean = xf.mean(dims)  # c
+        # d/dmean of sum((x - mean)^2) is exactly 0; detaching keeps its float residue (amplified by
+        # (var + eps)^-3/2 in near-constant channels) out of the gradient, as BatchNorm's own backward does
+        local_m2 = (xf - local_mean.detach().view(shape)).square().sum(dims)  # c: sum of squared deviations
+        count = torch.full((1,), xf.numel() / c, device=x.device, dtype=torch.float32)
+        gathered = torch.stack(all_gather(torch.cat([local_mean, local_m2, count])))  # world (2c + 1)
+        means, m2s, counts = gathered[:, :c], gathered[:, c:2 * c], gathered[:, 2 * c:]
+        n = counts.sum()
+        mean = (counts * means).sum(0) / n  # Chan et al.'s parallel mean and variance: no cancellation
+        var = (m2s + counts * (means - mean.detach()).square()).sum(0) / n
+        if self.track_running_stats:
+            with torch.no_grad():
+                self.num_batches_tracked += 1
+                m = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+                self.running_mean.mul_(1 - m).add_(mean.detach(), alpha=m)
+                self.running_var.mul_(1 - m).add_(var.detach() * n / (n - 1).clamp_min(1), alpha=m)
+        y = (xf - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
+        if self.affine:
+            y = y * self.weight.view(shape) + self.bias.view(shape)
+        return y.to(x.dtype)
+
+
+def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:
+    """Every BatchNorm synchronised across processes: ``nn.SyncBatchNorm`` on CUDA, else
+    :class:`AllReduceBatchNorm` (state dicts are interchangeable with plain BatchNorm)."""
+    if device.type == "cuda":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    return _convert(model)
+
+
+def _convert(module: nn.Module) -> nn.Module:
+    out = module
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, AllReduceBatchNorm):
+        out = AllReduceBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
+                                 module.track_running_stats)
+        out.load_state_dict(module.state_dict())
+        out.train(module.training)
+    for name, child in module.named_children():
+        out.add_module(name, _convert(child))
+    return out

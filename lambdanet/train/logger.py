@@ -1,0 +1,108 @@
+"""Run outputs: per-epoch CSV, TensorBoard, PNG plots and ``summary.json`` (rank 0 only)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+__all__ = ["RunLogger", "plot_history", "write_json"]
+
+
+def write_json(data: dict, path: str | Path) -> None:
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str))
+    tmp.replace(path)
+
+
+class RunLogger:
+    """Appends epoch rows to ``metrics.csv`` and scalars to TensorBoard (``tb/``)."""
+
+    def __init__(self, out: Path, enabled: bool = True, tensorboard: bool = True):
+        self.out, self.enabled = out, enabled
+        self.writer = None
+        if enabled and tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(str(out / "tb"))
+            except ImportError:  # tensorboard is a dependency, but stay usable without it
+                self.writer = None
+
+    def log_epoch(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        path = self.out / "metrics.csv"
+        new = not path.exists()
+        with open(path, "a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(row))
+            if new:
+                writer.writeheader()
+            writer.writerow(row)
+        if self.writer is not None:
+            for key, value in row.items():
+                if key != "epoch" and isinstance(value, int | float) and value == value:
+                    self.writer.add_scalar(key.replace("_", "/", 1), value, row["epoch"])
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def read_history(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with open(path) as f:
+        return [{k: _num(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def _num(v: str):
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return v
+
+
+def truncate_history(path: Path, epochs: int) -> None:
+    """Keep the rows of the first ``epochs`` epochs (a resumed run redoes the epoch it was killed in)."""
+    rows = [r for r in read_history(path) if r.get("epoch", 0) <= epochs]
+    if not path.exists():
+        return
+    with open(path, newline="") as f:
+        fields = next(csv.reader(f), None)
+    with open(path, "w", newline="") as f:
+        if fields:
+            writer = csv.DictWriter(f, fieldnames=fields)
+            writer.writeheader()
+            for r in rows:
+                writer.writerow({k: (int(v) if k == "epoch" else v) for k, v in r.items()})
+
+
+def plot_history(history: list[dict], out: Path) -> list[Path]:
+    """``loss.png`` and ``accuracy.png`` per epoch from the CSV rows."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not history:
+        return []
+    epochs = [r["epoch"] for r in history]
+    paths = []
+    for name, keys, ylabel in (("loss.png", ("train_loss", "val_loss", "test_loss"), "cross-entropy"),
+                               ("accuracy.png", ("train_top1", "val_top1", "test_top1", "test_top1_ema"), "top-1")):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for key in keys:
+            vals = [r.get(key) for r in history]
+            if any(isinstance(v, float) and v == v for v in vals):
+                ax.plot(epochs, vals, marker="o", markersize=3, label=key)
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=100)
+        plt.close(fig)
+        paths.append(out / name)
+    return paths

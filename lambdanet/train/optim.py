@@ -1,0 +1,73 @@
+"""Optimisers, the warm-up + cosine schedule and the exponential moving average of weights."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+__all__ = ["build_optimizer", "build_scheduler", "build_ema", "set_bn_momentum", "lr_at"]
+
+
+def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """No weight decay on normalisation parameters and biases (1-d tensors)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim <= 1 else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
+    """SGD (momentum), Adam (L2 weight decay, as the reproduction report), AdamW or RMSProp."""
+    lr, groups = cfg.effective_lr(), _param_groups(model, cfg.weight_decay)
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=False)
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(groups, lr=lr, betas=tuple(cfg.betas))
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.betas))
+    return torch.optim.RMSprop(groups, lr=lr, momentum=cfg.momentum, alpha=0.9, eps=1e-3)
+
+
+def lr_at(step: int, total_steps: int, warmup_steps: int, *, start_factor: float = 0.0, min_factor: float = 0.0,
+          schedule: str = "cosine") -> float:
+    """Multiplier of the base learning rate at optimiser step ``step`` (0-based).
+
+    Linear warm-up from ``start_factor`` to 1 over ``warmup_steps``, then cosine decay to ``min_factor``
+    over the remaining steps (or constant).
+    """
+    if warmup_steps > 0 and step < warmup_steps:
+        return start_factor + (1.0 - start_factor) * (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return min_factor + (1.0 - min_factor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg, steps_per_epoch: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Per-step schedule: ``cfg.warmup_epochs`` of linear warm-up, then cosine to ``cfg.min_lr``."""
+    total = cfg.epochs * steps_per_epoch
+    warmup = int(round(cfg.warmup_epochs * steps_per_epoch))
+    min_factor = cfg.min_lr / cfg.effective_lr()
+
+    def factor(step: int) -> float:
+        return lr_at(step, total, warmup, start_factor=cfg.warmup_start_factor, min_factor=min_factor,
+                     schedule=cfg.schedule)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def build_ema(model: nn.Module, decay: float) -> AveragedModel:
+    """EMA of the weights and buffers (``torch.optim.swa_utils``): ``ema = decay * ema + (1 - decay) * w``."""
+    return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+
+
+def set_bn_momentum(model: nn.Module, momentum: float) -> None:
+    """BatchNorm running-statistics momentum (PyTorch convention: TF decay 0.9999 = momentum 1e-4)."""
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.momentum = momentum

@@ -1,0 +1,78 @@
+"""Learning-rate sensitivity study (reproduction report, Sec. 11.3 and Fig. 10): the same recipe at several
+learning rates for one or more models, then a table and a plot of accuracy against learning rate."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from lambdanet.train.config import TrainConfig
+from lambdanet.train.logger import write_json
+from lambdanet.train.trainer import train
+
+__all__ = ["lr_sweep", "sweep_markdown", "plot_sweep"]
+
+
+def lr_sweep(base: TrainConfig, lrs: Sequence[float], models: Sequence[str] | None = None, *,
+             log: Callable[[str], None] = print) -> list[dict]:
+    """Train ``base`` once per (model, learning rate) into ``<base.out>/<model>/lr_<lr>``; resumable: a run
+    whose ``summary.json`` exists is read back instead of retrained."""
+    import json
+
+    if not lrs:
+        raise ValueError("lrs must list at least one learning rate")
+    rows = []
+    out = Path(base.out)
+    for model in models or [base.model]:
+        for lr in lrs:
+            if lr <= 0:
+                raise ValueError(f"learning rates must be positive, got {lr}")
+            run_dir = out / model / f"lr_{lr:g}"
+            summary_path = run_dir / "summary.json"
+            if summary_path.exists():
+                summary = json.loads(summary_path.read_text())
+                log(f"{model} lr={lr:g}: already done ({summary['final_acc']:.4f})")
+            else:
+                cfg = dataclasses.replace(base, model=model, lr=lr, out=str(run_dir),
+                                          resume=(run_dir / "last.pt").exists())
+                log(f"--- {model} lr={lr:g} -> {run_dir}")
+                summary = train(cfg, log=log)
+            rows.append({"model": model, "lr": lr, "final_acc": summary["final_acc"], "best_acc": summary["best_acc"],
+                         "train_time_s": summary["train_time_s"]})
+    out.mkdir(parents=True, exist_ok=True)
+    write_json({"rows": rows, "recipe": base.recipe, "data": base.data, "epochs": base.epochs}, out / "sweep.json")
+    (out / "sweep.md").write_text(sweep_markdown(rows) + "\n")
+    plot_sweep(rows, out / "sweep.png")
+    return rows
+
+
+def sweep_markdown(rows: list[dict]) -> str:
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    lrs = sorted({r["lr"] for r in rows}, reverse=True)
+    acc = {(r["model"], r["lr"]): r["final_acc"] for r in rows}
+    lines = ["| learning rate | " + " | ".join(models) + " |", "|---|" + "---|" * len(models)]
+    for lr in lrs:
+        cells = [f"{acc[(m, lr)]:.4f}" if (m, lr) in acc else "-" for m in models]
+        lines.append(f"| {lr:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_sweep(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for model in dict.fromkeys(r["model"] for r in rows):
+        pts = sorted((r["lr"], r["final_acc"]) for r in rows if r["model"] == model)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=model)
+    ax.set_xscale("log")
+    ax.set_xlabel("learning rate")
+    ax.set_ylabel("final test top-1")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
