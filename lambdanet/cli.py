@@ -110,6 +110,20 @@ def _cmd_pseudo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    """Benchmarks (library: ``lambdanet.bench.runner.run_benchmarks``)."""
+    from lambdanet.bench.runner import run_benchmarks
+
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda but no CUDA device is available")
+    run_benchmarks(args.parts or ["targets", "scaling", "table4"], device=args.device, out=args.out, quick=args.quick,
+                   suites=args.suites, img_size=args.img_size, batch_size=args.batch_size, repeats=args.repeats)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from lambdanet import __version__
 
@@ -176,6 +190,26 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--out", required=True, help="output file (.pt)")
     ps.add_argument("--threshold", type=float, default=0.0, help="keep labels with at least this confidence")
     ps.set_defaults(func=_cmd_pseudo)
+
+    from lambdanet.bench.models import MODEL_SUITES
+    from lambdanet.bench.runner import PARTS
+
+    bench = sub.add_parser("bench", help="speed / memory / FLOPs benchmarks against the baselines and peers",
+                           description="Parts: targets (LambdaLayer vs timm / lucidrains at the issue's points), "
+                                       "scaling (Table 4 layers across resolutions, log-log plots), models "
+                                       "(Table 13/14 suites, HaloNet, MobileNet, 26-layer hybrid), table4 (memory "
+                                       "column). Writes CSV, JSON, PNG plots and bench.md into --out.")
+    bench.add_argument("parts", nargs="*", default=None,
+                       help=f"parts to run, among {', '.join(PARTS)} (default: targets scaling table4)")
+    bench.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    bench.add_argument("--out", default="bench_results")
+    bench.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
+    bench.add_argument("--suites", nargs="+", default=["table13", "hybrid26", "mobilenet", "halonet"],
+                       choices=list(MODEL_SUITES), help="model suites for the models part")
+    bench.add_argument("--img-size", type=int, default=224)
+    bench.add_argument("--batch-size", type=int, default=8)
+    bench.add_argument("--repeats", type=int, default=5)
+    bench.set_defaults(func=_cmd_bench)
     return parser
 
 

@@ -52,6 +52,7 @@ __all__ = [
     "causal_content_lambdas",
     "apply_lambdas",
     "apply_content_lambda",
+    "permute_copy",
 ]
 
 POSITION_IMPLS = ("conv", "depthwise_conv", "einsum")
@@ -393,6 +394,31 @@ def causal_content_lambdas(keys: Tensor, values: Tensor, method: str = "softmax"
     if z is not None:
         num = num / z.unsqueeze(-1)
     return num.sum(dim=4)  # b n g k v
+
+
+class _PermuteCopy(torch.autograd.Function):
+    """``x.permute(dims).contiguous()`` whose backward also returns a contiguous gradient.
+
+    Autograd's own backward of a permute hands the producer a permuted (strided) gradient; convolutions
+    and batched GEMMs then copy it, matrix by matrix in the case of ``bmm`` (thousands of tiny copies per
+    layer). Copying once, here, keeps every gradient in its producer's layout.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dims: tuple[int, ...]) -> Tensor:
+        ctx.inverse = tuple(sorted(range(len(dims)), key=dims.__getitem__))
+        return x.permute(dims).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad.permute(ctx.inverse).contiguous(), None
+
+
+def permute_copy(x: Tensor, dims: tuple[int, ...]) -> Tensor:
+    """Permute into a contiguous tensor; the gradient flows back contiguous in ``x``'s layout."""
+    if torch.jit.is_scripting() or torch.compiler.is_compiling():
+        return x.permute(dims).contiguous()
+    return _PermuteCopy.apply(x, tuple(dims))
 
 
 def apply_lambdas(queries: Tensor, lambdas: Tensor) -> Tensor:

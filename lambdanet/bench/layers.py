@@ -121,3 +121,78 @@ def bench_layer(layer: nn.Module, x: torch.Tensor, *, backward: bool = True, rep
         p.grad = None
     return {"median_ms": timing.median_s * 1e3, "iqr_ms": timing.iqr_s * 1e3, "repeats": timing.repeats,
             "peak_bytes": peak_memory(step, device), "flops": count_flops(step)}
+
+
+# (batch, channels, side, r) of the issue's targets: r=None is the global relative lambda layer
+TARGET_POINTS = [(8, 256, 16, 9), (8, 256, 16, None), (32, 256, 14, 9), (8, 512, 8, 9), (8, 64, 56, 9)]
+
+
+def lambda_vs_peers(points=TARGET_POINTS, *, device: str = "cpu", repeats: int = 5, dim_k: int = 16,
+                    heads: int = 4, log=print) -> list[dict]:
+    """Forward+backward time and peak memory of our ``LambdaLayer`` and the peers' at each point.
+
+    One row per (point, implementation) with ``ratio_vs_fastest_peer`` (peer time / ours, > 1 = we are
+    faster) and ``memory_ratio`` (our peak / that peer's peak) on our rows.
+    """
+    from lambdanet.bench.peers import peer_lambda_layers
+    from lambdanet.layers import LambdaLayer
+
+    rows = []
+    for b, c, side, r in points:
+        torch.manual_seed(0)
+        x = torch.randn(b, c, side, side, device=device)
+        impls = {"lambdanet": LambdaLayer(c, dim_k=dim_k, heads=heads, r=r, feat_size=side)}
+        impls.update(peer_lambda_layers(c, side, r, dim_k=dim_k, heads=heads))
+        point = {"batch": b, "channels": c, "side": side, "scope": "global" if r is None else f"{r}x{r}"}
+        results = {}
+        for name, layer in impls.items():
+            layer = layer.to(device)
+            try:
+                res = bench_layer(layer, x, repeats=repeats)
+            except RuntimeError as err:  # out of memory or unsupported on this device
+                log(f"  {name}: failed ({str(err)[:80]})")
+                continue
+            results[name] = res
+            rows.append({**point, "impl": name, **res})
+        peers = {k: v for k, v in results.items() if k != "lambdanet"}
+        if peers and "lambdanet" in results:
+            fastest = min(peers, key=lambda k: peers[k]["median_ms"])
+            ours = results["lambdanet"]
+            for row in rows[-len(results):]:
+                if row["impl"] == "lambdanet":
+                    row["fastest_peer"] = fastest
+                    row["ratio_vs_fastest_peer"] = peers[fastest]["median_ms"] / ours["median_ms"]
+                    row["memory_ratio"] = ours["peak_bytes"] / max(peers[fastest]["peak_bytes"], 1)
+        log("  " + ", ".join(f"{k} {v['median_ms']:.1f} ms / {v['peak_bytes'] / 2**20:.0f} MiB"
+                             for k, v in results.items()) + f"  @ {point}")
+    return rows
+
+
+def geomean(values: Sequence[float]) -> float:
+    vals = [v for v in values if v and v > 0]
+    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else float("nan")
+
+
+def layer_sweep(names: Sequence[str], sides: Sequence[int], batches: Sequence[int], *, dim: int = 64,
+                device: str = "cpu", repeats: int = 3, log=print) -> list[dict]:
+    """Forward and forward+backward time, peak memory and FLOPs of each layer across sizes and batches."""
+    rows = []
+    for name in names:
+        config = LAYER_SUITE[name]
+        for side in sides:
+            layer = build_layer(config, dim, side, _shared_embedding(config, side)).to(device)
+            for b in batches:
+                x = torch.randn(b, dim, side, side, device=device)
+                try:
+                    fwd = bench_layer(layer, x, backward=False, repeats=repeats)
+                    fb = bench_layer(layer, x, backward=True, repeats=repeats)
+                except RuntimeError as err:
+                    log(f"  {name} {side}x{side} b{b}: failed ({str(err)[:60]})")
+                    continue
+                rows.append({"layer": name, "side": side, "positions": side * side, "batch": b,
+                             "forward_ms": fwd["median_ms"], "fwd_bwd_ms": fb["median_ms"],
+                             "peak_bytes": fb["peak_bytes"], "forward_peak_bytes": fwd["peak_bytes"],
+                             "gflops_fwd_bwd": fb["flops"] / 1e9})
+                log(f"  {name} {side}x{side} b{b}: fwd {fwd['median_ms']:.1f} ms, fwd+bwd {fb['median_ms']:.1f} ms, "
+                    f"{fb['peak_bytes'] / 2**20:.1f} MiB")
+    return rows

@@ -282,7 +282,11 @@ class LambdaLayer(nn.Module):
         n = math.prod(spatial)
         h, k, u, g, v = self.heads, self.dim_k, self.dim_u, self.groups, self.dim_v
 
-        tokens = x.movedim(1, -1).reshape(b, n, self.dim)  # b n d
+        channels_first = x.is_contiguous()
+        if channels_first:
+            tokens = LF.permute_copy(x.reshape(b, self.dim, n), (0, 2, 1))  # b n d
+        else:  # channels_last input: the token view is free
+            tokens = x.movedim(1, -1).reshape(b, n, self.dim)  # b n d
         qkv = F.linear(tokens, self.qkv.weight)  # b n (hk + gku + gvu)
         q, keys, vals = qkv.split([self.dim_qk_total, self.dim_keys_total, self.dim_values_total], dim=-1)
         q = self._norm(self.norm_q, q)  # b n (h k)
@@ -316,22 +320,24 @@ class LambdaLayer(nn.Module):
             elif causal_lam is not None:
                 out = LF.apply_lambdas(q, causal_lam)  # b n h v
 
-        out = out.to(out_dtype).reshape(b, *spatial, self.dim_out).movedim(-1, 1)  # b d_out *S (channels-last)
+        out = out.to(out_dtype).reshape(b, n, self.dim_out)  # b n d_out
+        if channels_first:
+            out = LF.permute_copy(out, (0, 2, 1)).view(b, self.dim_out, *spatial)  # b d_out *S
+        else:
+            out = out.view(b, *spatial, self.dim_out).movedim(-1, 1)  # b d_out *S (channels-last)
         if self.stride > 1:
             out = avg_pool_nd(self.spatial_dims)(out, kernel_size=3, stride=self.stride, padding=1)
-        if x.is_contiguous():
-            out = out.contiguous()
         return out
 
     def _position_lambdas(self, vals: Tensor, b: int, spatial: tuple[int, ...]) -> Tensor:
         """Position lambdas ``[b, n, g, v, k]`` from normalised values ``[b, n, (g v u)]``."""
         g, v, u, k = self.groups, self.dim_v, self.dim_u, self.dim_k
         n = math.prod(spatial)
-        vals_cf = vals.transpose(1, 2).reshape(b, g, v, u, *spatial)  # b g v u *S (contiguous copy)
+        vals_cf = LF.permute_copy(vals, (0, 2, 1)).view(b, g, v, u, *spatial)  # b g v u *S
         emb = self.embedding
         if isinstance(emb, AbsolutePositionEmbedding):
             lam = LF.einsum_position_lambdas(vals_cf.reshape(b, g, v, u, n), emb.embeddings(self.causal))
         else:
             impl = self.choose_impl(spatial)
             lam = LF.position_lambdas(vals_cf, emb.weight, emb.center, impl)  # b g v k *S
-        return lam.reshape(b, g, v, k, n).permute(0, 4, 1, 2, 3)  # b n g v k
+        return LF.permute_copy(lam.reshape(b, g, v, k, n), (0, 4, 1, 2, 3))  # b n g v k

@@ -1,0 +1,207 @@
+"""Model-level benchmarks: training and inference throughput, peak memory, parameters and FLOPs.
+
+Suites follow the papers' comparisons: ``table13`` (ResNet-50 with lambda layers per stage), ``table14``
+(LambdaResNets against ResNet-RS with and without SE), ``halonet`` (H0-H2), ``mobilenet`` (MobileNet-v2
+with and without lambda blocks) and ``hybrid26`` (the compact C-C-L-L hybrid against its all-conv twin,
+and timm's lambda_resnet26t / resnet26t when timm is installed).
+
+Throughput is images per second of a full step (training: forward, backward and an SGD step; inference:
+a ``no_grad`` forward in eval mode). Like App. E.2, a batch that does not fit is halved until it does and
+the throughput is reported per image (equivalently, the latency of a full batch is normalised).
+
+:func:`table4_memory` reproduces LambdaNetworks Table 4's memory column from the complexity formulas
+evaluated on the actual layer shapes of each ResNet-50 variant, and checks the formulas against the peak
+memory measured for single layers at sizes that fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from lambdanet.bench.measure import count_flops, peak_memory, time_fn
+from lambdanet.layers import LambdaLayer
+from lambdanet.layers.axial_attention import AxialAttention
+from lambdanet.layers.local_attention import LocalSelfAttention
+from lambdanet.layers.relative_attention import RelativeSelfAttention
+from lambdanet.models import create_model
+
+__all__ = ["MODEL_SUITES", "bench_model", "run_model_suite", "table4_memory", "TABLE4_PAPER_GB"]
+
+_T13 = ("CCCC", "LCCC", "LLCC", "LLLC", "LLLL", "CLLL", "CCLL", "CCCL")
+MODEL_SUITES: dict[str, list[tuple[str, str, dict]]] = {
+    "table13": [(f"resnet50 {st}", "resnet50", {"stage_layers": st}) for st in _T13],
+    "table14": [(n, n, {}) for n in ("resnet_rs101", "resnet_rs101_se", "lambda_resnet101", "lambda_resnet101_c4",
+                                     "resnet_rs152", "resnet_rs152_se", "lambda_resnet152", "lambda_resnet152_c4")],
+    "halonet": [(n, n, {}) for n in ("halonet_h0", "halonet_h1", "halonet_h2")],
+    "mobilenet": [(n, n, {}) for n in ("mobilenet_v2", "mobilenet_v2_lambda")],
+    "hybrid26": [("resnet26", "resnet26", {}), ("lambda_resnet26", "lambda_resnet26", {}),
+                 ("timm:resnet26t", "timm:resnet26t", {}), ("timm:lambda_resnet26t", "timm:lambda_resnet26t", {})],
+}
+
+
+def _build(name: str, kwargs: dict, img: int) -> nn.Module | None:
+    if name.startswith("timm:"):
+        try:
+            import timm
+        except ImportError:
+            return None
+        return timm.create_model(name[5:], pretrained=False)
+    return create_model(name, img_size=img, **kwargs)
+
+
+def _is_oom(err: BaseException) -> bool:
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def bench_model(model: nn.Module, img: int, batch: int, *, device: str = "cpu", train: bool = True,
+                repeats: int = 3, channels_last: bool = False, min_batch: int = 1) -> dict:
+    """Images/s of training or inference steps, halving ``batch`` on out-of-memory."""
+    model = model.to(device)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9) if train else None
+    while True:
+        x = torch.randn(batch, 3, img, img, device=device)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        y = torch.randint(0, 1000, (batch,), device=device)
+
+        def step():
+            if train:
+                model.train()
+                loss = nn.functional.cross_entropy(model(x), y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+            else:
+                model.eval()
+                with torch.no_grad():
+                    model(x)
+
+        try:
+            timing = time_fn(step, device, warmup=1, repeats=repeats, max_seconds=60)
+            peak = peak_memory(step, device)
+            break
+        except RuntimeError as err:
+            if not _is_oom(err) or batch // 2 < min_batch:
+                raise
+            batch //= 2
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return {"batch": batch, "images_per_s": batch / timing.median_s, "step_ms": timing.median_s * 1e3,
+            "peak_bytes": peak}
+
+
+def run_model_suite(suite: str, *, img: int = 224, batch: int = 16, device: str = "cpu", repeats: int = 3,
+                    modes: Sequence[str] = ("train", "infer"), channels_last: bool = False, log=print) -> list[dict]:
+    """Every model of ``suite``: params, FLOPs (one image), and images/s per mode, relative to the first."""
+    if suite not in MODEL_SUITES:
+        raise ValueError(f"unknown model suite {suite!r}; valid: {', '.join(MODEL_SUITES)}")
+    rows = []
+    for label, name, kwargs in MODEL_SUITES[suite]:
+        torch.manual_seed(0)
+        model = _build(name, kwargs, img)
+        if model is None:
+            log(f"  {label}: skipped (timm not installed)")
+            continue
+        params = sum(p.numel() for p in model.parameters())
+        with torch.no_grad():
+            model.eval()
+            x1 = torch.randn(1, 3, img, img)
+            flops = count_flops(lambda: model(x1))
+        row = {"suite": suite, "model": label, "params": params, "gflops": flops / 1e9, "image_size": img}
+        for mode in modes:
+            res = bench_model(model, img, batch, device=device, train=mode == "train", repeats=repeats,
+                              channels_last=channels_last)
+            row.update({f"{mode}_images_per_s": res["images_per_s"], f"{mode}_batch": res["batch"],
+                        f"{mode}_peak_bytes": res["peak_bytes"]})
+        rows.append(row)
+        log(f"  {label}: {params / 1e6:.2f}M params, {flops / 1e9:.2f} GFLOPs, "
+            + ", ".join(f"{m} {row[f'{m}_images_per_s']:.1f} img/s" for m in modes))
+    for mode in modes:
+        base = rows[0][f"{mode}_images_per_s"] if rows else 1.0
+        for row in rows:
+            row[f"{mode}_relative"] = row[f"{mode}_images_per_s"] / base
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ Table 4
+
+TABLE4_PAPER_GB = {"Global self-attention": 120.0, "Axial self-attention": 4.8, "Lambda layer": 1.9,
+                   "Lambda layer (|k|=8)": 0.95, "Lambda layer (shared embeddings)": 0.63}
+
+_TABLE4 = {
+    "Global self-attention": ("relative_self_attention", {}, False),
+    "Axial self-attention": ("axial_self_attention", {}, False),
+    "Local self-attention (7x7)": ("local_self_attention", {}, False),
+    "Lambda layer": ("lambda_conv", {"impl": "einsum"}, False),
+    "Lambda layer (|k|=8)": ("lambda_conv", {"impl": "einsum", "dim_k": 8}, False),
+    "Lambda layer (shared embeddings)": ("lambda_conv", {"impl": "einsum"}, True),
+    "Lambda convolution (7x7)": ("lambda_conv", {"r": 7, "impl": "depthwise_conv"}, False),
+}
+
+
+def _layer_sizes(model: nn.Module, img: int) -> list[tuple[nn.Module, tuple[int, int]]]:
+    """Every spatial layer with the spatial size of its input, found with forward hooks on the meta device."""
+    found = []
+    hooks = [m.register_forward_hook(lambda mod, inp, out: found.append((mod, tuple(inp[0].shape[2:]))))
+             for m in model.modules() if isinstance(m, LambdaLayer | RelativeSelfAttention | AxialAttention
+                                                    | LocalSelfAttention)]
+    with torch.no_grad():
+        model(torch.empty(1, 3, img, img, device="meta"))
+    for h in hooks:
+        h.remove()
+    return found
+
+
+def quadratic_bytes(layer: nn.Module, size: tuple[int, int], batch: int, shared_seen: set | None = None) -> float:
+    """Bytes (fp32) of the tensor Table 4 counts for one layer: ``E`` (``k n m``, once per shared embedding)
+    for the lambda layer's einsum form, the attention maps ``b h n m`` (``b h n (H + W)`` axial, ``b h n 49``
+    local) for attention. The lambda convolution stores no such tensor (Table 4: "-")."""
+    n = size[0] * size[1]
+    if isinstance(layer, LambdaLayer):
+        if layer.choose_impl(size) != "einsum":
+            return 0.0
+        if shared_seen is not None:
+            key = (id(layer.embedding), size)
+            if key in shared_seen:
+                return 0.0
+            shared_seen.add(key)
+        return 4.0 * layer.dim_k * layer.dim_u * layer.groups * n * n
+    if isinstance(layer, RelativeSelfAttention):
+        return 4.0 * batch * layer.heads * n * n
+    if isinstance(layer, AxialAttention):
+        return 4.0 * batch * layer.height.heads * n * (size[0] + size[1])
+    if isinstance(layer, LocalSelfAttention):
+        return 4.0 * batch * layer.attn.heads * n * layer.kernel_size ** 2
+    return 0.0
+
+
+def table4_memory(batch: int = 128, img: int = 224) -> list[dict]:
+    """Table 4's memory column for each ResNet-50 variant from its layer shapes (fp32, batch ``batch``)."""
+    rows = []
+    for label, (layer, kwargs, shared) in _TABLE4.items():
+        with torch.device("meta"):
+            model = create_model("resnet50", stage_layers="LLLL", spatial_layer=layer, layer_kwargs=kwargs,
+                                 share_embeddings=shared, img_size=img)
+        seen: set = set()
+        total = sum(quadratic_bytes(m, s, batch, seen) for m, s in _layer_sizes(model, img))
+        rows.append({"variant": label, "ours_gb": total / 1e9, "paper_gb": TABLE4_PAPER_GB.get(label),
+                     "batch": batch, "image_size": img})
+    return rows
+
+
+def validate_quadratic_memory(side: int = 28, dim: int = 64, batch: int = 2) -> list[dict]:
+    """Measured forward+backward peak of single layers against the formula's quadratic tensor: the
+    measured peak must be at least the formula (it also holds activations) and scale like it."""
+    rows = []
+    for name, layer in (("global attention", RelativeSelfAttention(dim, dim, feat_size=side, heads=4)),
+                        ("lambda einsum", LambdaLayer(dim, r=23, impl="einsum"))):
+        x = torch.randn(batch, dim, side, side, requires_grad=True)
+        measured = peak_memory(lambda: layer(x).sum().backward())
+        rows.append({"layer": name, "side": side, "batch": batch, "measured_bytes": measured,
+                     "formula_bytes": quadratic_bytes(layer, (side, side), batch)})
+    return rows

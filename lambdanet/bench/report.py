@@ -1,0 +1,86 @@
+"""Benchmark outputs: CSV and JSON per part, a Markdown report, and log-log plots."""
+
+from __future__ import annotations
+
+import csv
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+__all__ = ["environment", "write_rows", "markdown", "plot_scaling"]
+
+
+def environment(device: str) -> dict:
+    env = {"torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
+           "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(), "device": device}
+    if device == "cuda" and torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+    return env
+
+
+def write_rows(rows: list[dict], out: Path, name: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(rows, indent=2, default=str))
+    if rows:
+        keys = list(dict.fromkeys(k for r in rows for k in r))
+        with open(out / f"{name}.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=keys)
+            writer.writeheader()
+            writer.writerows(rows)
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v).replace("|", "\\|")
+
+
+def markdown(rows: list[dict], columns: list[tuple[str, str]]) -> str:
+    lines = ["| " + " | ".join(h for _, h in columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        lines.append("| " + " | ".join(_fmt(r.get(k)) for k, _ in columns) + " |")
+    return "\n".join(lines)
+
+
+def plot_scaling(rows: list[dict], out: Path) -> list[Path]:
+    """Log-log plots of fwd+bwd time and peak memory against the number of positions, one line per layer
+    (at the smallest batch), with reference slopes 1 and 2."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not rows:
+        return []
+    batch = min(r["batch"] for r in rows)
+    paths = []
+    for key, ylabel, fname in (("fwd_bwd_ms", "forward+backward time (ms)", "scaling_time.png"),
+                               ("peak_bytes", "peak memory (MiB)", "scaling_memory.png")):
+        fig, ax = plt.subplots(figsize=(7, 5))
+        for layer in dict.fromkeys(r["layer"] for r in rows):
+            pts = sorted((r["positions"], r[key] / (2 ** 20 if key == "peak_bytes" else 1)) for r in rows
+                         if r["layer"] == layer and r["batch"] == batch)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=layer)
+        xs = sorted({r["positions"] for r in rows})
+        ys = [r[key] / (2 ** 20 if key == "peak_bytes" else 1) for r in rows]
+        y0 = min(ys)
+        for slope, style in ((1, ":"), (2, "--")):
+            ax.plot(xs, [y0 * (x / xs[0]) ** slope for x in xs], "k" + style, alpha=0.5, label=f"slope {slope}")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("positions n = H W")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"batch {batch}")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / fname, dpi=100)
+        plt.close(fig)
+        paths.append(out / fname)
+    return paths
