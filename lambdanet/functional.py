@@ -53,9 +53,13 @@ __all__ = [
     "apply_lambdas",
     "apply_content_lambda",
     "permute_copy",
+    "position_output_qe",
+    "POSITION_OUTPUT_IMPLS",
+    "token_position_lambdas",
 ]
 
 POSITION_IMPLS = ("conv", "depthwise_conv", "einsum")
+POSITION_OUTPUT_IMPLS = POSITION_IMPLS + ("einsum_qe",)
 KEY_NORMS = ("softmax", "l2", "none")
 
 
@@ -238,17 +242,28 @@ def gather_relative_embeddings(kernel: Tensor, center: Sequence[int], spatial: S
     ``E[n, m] = R[m - n + center]`` where that index lies inside the kernel and 0 elsewhere, per axis, so
     the einsum form of the position lambdas equals the lambda convolution with the same kernel
     (App. B.1: "masking the position embeddings outside of the local contexts"). Memory: ``g k u n m``.
+
+    ``E`` is Toeplitz in every axis: after zero-padding ``R`` to cover every offset, the row of query ``i``
+    is the window of ``R`` starting at ``center - i``. So ``E`` is built from ``unfold`` windows and one
+    flip (a single strided copy), and its backward is ``unfold``'s native accumulation rather than an
+    indexed scatter-add (2-4x faster than gathering with index tensors).
     """
     dims = len(spatial)
-    kp = F.pad(kernel, (1, 1) * dims)  # g k u *(K+2): a zero tap on both ends of every axis
-    index = []
-    for a, (c, s) in enumerate(zip(center, spatial)):
-        pos = torch.arange(s, device=kernel.device)
-        idx = (pos[None, :] - pos[:, None] + c + 1).clamp(0, kernel.shape[3 + a] + 1)  # n_a m_a
-        shape = [1] * (2 * dims)
-        shape[a], shape[dims + a] = s, s
-        index.append(idx.view(shape))  # broadcast to [*S(n), *S(m)]
-    emb = kp[(Ellipsis, *index)]  # g k u *S(n) *S(m)
+    pad: list[int] = []
+    centers = []
+    for a in range(dims):
+        s, c, size = spatial[a], center[a], kernel.shape[3 + a]
+        lo, hi = max(0, s - 1 - c), max(0, c + s - 1 - (size - 1))
+        pad = [lo, hi] + pad  # F.pad lists the last axis first
+        centers.append(c + lo)
+    windows = F.pad(kernel, pad)  # every offset -(s-1)..(s-1) present, zeros outside the kernel
+    for a in range(dims):
+        windows = windows.unfold(3 + a, spatial[a], 1)  # g k u *W *S(m): window w holds R[w + m]
+    for a in range(dims):
+        start = centers[a] - spatial[a] + 1
+        if start != 0 or windows.shape[3 + a] != spatial[a]:  # a full-range narrow would cost a zero-fill in backward
+            windows = windows.narrow(3 + a, start, spatial[a])
+    emb = windows.flip(tuple(range(3, 3 + dims)))  # window index -> query index n = center - w
     n = math.prod(spatial)
     return emb.reshape(*kernel.shape[:3], n, n)  # g k u n m
 
@@ -330,6 +345,30 @@ def position_lambdas(values: Tensor, kernel: Tensor, center: Sequence[int], impl
     if impl == "depthwise_conv":
         return out.view(b, g, v, k, *spatial)  # b g v k *S
     return out.view(b, v, g, k, *spatial).transpose(1, 2)  # b g v k *S
+
+
+def token_position_lambdas(values: Tensor, kernel: Tensor, center: Sequence[int], spatial: Sequence[int]) -> Tensor:
+    """The depthwise lambda convolution on channels-last tokens: ``[b, n, (g v u)] -> [b, n, g, v, k]``.
+
+    The value tokens are already a channels-last image and a channels-last depthwise convolution writes its
+    output channels-last, i.e. the position lambdas arrive in token layout: no layout copies either way
+    (2-3x faster forward than the channels-first convolution on CPU, and a faster backward on large maps).
+    """
+    b, n, c = values.shape
+    g, k, u = kernel.shape[:3]
+    v = c // (g * u)
+    dims = len(spatial)
+    kernel, center = crop_relative_kernel(kernel, center, spatial)
+    ksize = tuple(kernel.shape[3:])
+    x = values.view(b, *spatial, c).movedim(-1, 1)  # b (g v u) *S with channels-last strides
+    weight = kernel.unsqueeze(1).expand(g, v, k, u, *ksize).reshape(g * v * k, u, *ksize)  # (g v k) u *K
+    symmetric, pad = _pad_for(center, ksize)
+    conv = conv_nd(dims)
+    if symmetric:
+        out = conv(x, weight, padding=pad, groups=g * v)
+    else:
+        out = conv(F.pad(x, pad), weight, groups=g * v)
+    return out.movedim(1, -1).reshape(b, n, g, v, k)  # b n g v k
 
 
 def normalize_keys(keys: Tensor, method: str, dim: int = 1) -> Tensor:
@@ -419,6 +458,82 @@ def permute_copy(x: Tensor, dims: tuple[int, ...]) -> Tensor:
     if torch.jit.is_scripting() or torch.compiler.is_compiling():
         return x.permute(dims).contiguous()
     return _PermuteCopy.apply(x, tuple(dims))
+
+
+class _QEPositionOutput(torch.autograd.Function):
+    """``y[b, h, n] = sum_m (sum_k q[n, b, h, k] E[n, k, m]) V[b, m]`` in query chunks, saving only ``q``, ``E``
+    and ``V``: the ``q . E`` chunks are recomputed in the backward pass (one extra ``b n h m k`` GEMM, ~7% of
+    the layer's position FLOPs at the paper's defaults) instead of being stored."""
+
+    @staticmethod
+    def _scores(q_c: Tensor, e_c: Tensor, b: int, h: int) -> Tensor:
+        nc, _, m = q_c.shape[0], q_c.shape[2], e_c.shape[2]
+        a = torch.bmm(q_c, e_c)  # nc (b h) m
+        return a.view(nc, b, h, m).permute(1, 2, 0, 3).reshape(b, h * nc, m)  # b (h nc) m
+
+    @staticmethod
+    def forward(ctx, q_n: Tensor, e_n: Tensor, values: Tensor, b: int, h: int, chunk: int) -> Tensor:
+        n, v = q_n.shape[0], values.shape[2]
+        ctx.save_for_backward(q_n, e_n, values)
+        ctx.b, ctx.h, ctx.chunk = b, h, chunk
+        out = values.new_empty(b, h, n, v)
+        for i in range(0, n, chunk):
+            j = min(n, i + chunk)
+            a = _QEPositionOutput._scores(q_n[i:j], e_n[i:j], b, h)  # b (h nc) m
+            out[:, :, i:j] = torch.bmm(a, values).view(b, h, j - i, v)
+        return out  # b h n v
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        q_n, e_n, values = ctx.saved_tensors
+        b, h = ctx.b, ctx.h
+        n, k, m = e_n.shape
+        chunk = ctx.chunk
+        grad_q = torch.empty_like(q_n)
+        grad_e = torch.empty(n, k, m, dtype=e_n.dtype, device=e_n.device)
+        grad_v = torch.zeros_like(values)
+        for i in range(0, n, chunk):
+            j = min(n, i + chunk)
+            nc = j - i
+            g_c = grad[:, :, i:j].reshape(b, h * nc, -1)  # b (h nc) v
+            a = _QEPositionOutput._scores(q_n[i:j], e_n[i:j], b, h)  # recomputed, b (h nc) m
+            grad_v.baddbmm_(a.transpose(1, 2), g_c)  # b m v
+            del a
+            g_a = torch.bmm(g_c, values.transpose(1, 2)).view(b, h, nc, m)  # b h nc m
+            g_a = g_a.permute(2, 0, 1, 3).reshape(nc, b * h, m)  # nc (b h) m
+            grad_q[i:j] = torch.bmm(g_a, e_n[i:j].transpose(1, 2))  # nc (b h) k
+            grad_e[i:j] = torch.bmm(q_n[i:j].transpose(1, 2), g_a)  # nc k m
+        return grad_q, grad_e, grad_v, None, None, None
+
+
+def position_output_qe(queries: Tensor, embeddings: Tensor, values: Tensor, *,
+                       max_chunk_elements: int | None = None) -> Tensor:
+    """Position output ``y^p[b, n, h] = (lambda^p_n)^T q^h_n`` contracted queries-first (multi-query, ``u = 1``).
+
+    ``lambda^p_n = sum_m E[n, m] V[m]^T`` costs ``b n m k v`` multiply-adds; contracting
+    ``sum_m (sum_k q[n, h, k] E[k, n, m]) V[m]`` instead costs ``b n m h (k + v)`` (3.2x fewer at ``k = 16,
+    h = 4, v = 64``), all as batched GEMMs. The intermediate ``q . E`` is ``b h n m``: it is formed for query
+    chunks of at most ``max_chunk_elements`` elements (default: a quarter of ``lambda^p``, ``b n k v / 4``)
+    and never stored for the backward pass, which recomputes it. Memory stays ``Theta(k n m + b n k v)``
+    (Table 2); no ``b x n x m`` tensor is formed.
+
+    Args:
+        queries: ``[b, n, h, k]``.
+        embeddings: ``[k, n, m]``.
+        values: ``[b, m, v]``.
+
+    Returns:
+        ``[b, h, n, v]``.
+    """
+    b, n, h, k = queries.shape
+    m, v = values.shape[1], values.shape[2]
+    # a chunk and its permuted copy are alive together: a quarter of lambda^p each keeps the transient
+    # memory at half of lambda^p (chunks cost no extra work; only the backward recomputes q . E)
+    budget = max_chunk_elements if max_chunk_elements is not None else b * n * k * v // 4
+    chunk = max(1, min(n, budget // max(1, b * h * m)))
+    q_n = permute_copy(queries, (1, 0, 2, 3)).view(n, b * h, k)  # n (b h) k
+    e_n = embeddings.transpose(0, 1)  # n k m (a strided view)
+    return _QEPositionOutput.apply(q_n, e_n, values.contiguous(), b, h, chunk)  # b h n v
 
 
 def apply_lambdas(queries: Tensor, lambdas: Tensor) -> Tensor:

@@ -220,3 +220,20 @@ def test_functional_bad_shapes_raise_value_error_naming_argument(call, needle):
     with pytest.raises(ValueError) as err:
         call()
     assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("chunk", [None, 7, 1])
+def test_queries_first_position_output_equals_lambdas_first(chunk):
+    """(q E) V in query chunks == q (E V), values and gradients."""
+    b, n, m, h, k, v = 2, 10, 12, 3, 4, 5
+    q = torch.randn(b, n, h, k, dtype=torch.float64, requires_grad=True)
+    emb = torch.randn(k, n, m, dtype=torch.float64, requires_grad=True)
+    vals = torch.randn(b, m, v, dtype=torch.float64, requires_grad=True)
+    out = LF.position_output_qe(q, emb, vals, max_chunk_elements=None if chunk is None else chunk * b * h * m)
+    ref = torch.einsum("bnhk,bnkv->bhnv", q, torch.einsum("knm,bmv->bnkv", emb, vals))
+    torch.testing.assert_close(out, ref)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, emb, vals), g)
+    ref_grads = torch.autograd.grad(ref, (q, emb, vals), g)
+    for a, r in zip(grads, ref_grads):
+        torch.testing.assert_close(a, r)

@@ -73,7 +73,7 @@ def test_module_equals_naive_per_query_loop(kwargs, shape):
     layer = randomize_norms(LambdaLayer(**kwargs)).eval()
     x = torch.randn(*shape)
     ref = naive_layer_forward(layer, x)
-    for impl in ("conv", "depthwise_conv", "einsum"):
+    for impl in ("conv", "depthwise_conv", "einsum", "einsum_qe"):
         layer.impl = impl
         torch.testing.assert_close(layer(x).double(), ref, atol=2e-4, rtol=1e-4, msg=impl)
 
@@ -315,7 +315,7 @@ class _MaxNumel(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("impl", ["einsum", "conv", "depthwise_conv"])
+@pytest.mark.parametrize("impl", ["einsum", "einsum_qe", "conv", "depthwise_conv"])
 def test_no_batch_by_positions_by_context_tensor(impl):
     """Table 2: space Theta(k n m + b n k v); no b x n x m tensor (forward and backward)."""
     b, side, k, dout = 16, 24, 2, 8  # v = 2

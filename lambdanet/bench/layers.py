@@ -10,13 +10,14 @@ per-example slope of at most 1 for the global lambda layer, whose ``k n m`` term
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from lambdanet.bench.measure import count_flops, peak_memory, time_fn
+from lambdanet.bench.measure import count_flops, peak_memory, sync, time_fn
 from lambdanet.layers import RelativePositionEmbedding, create_spatial_layer
 
 __all__ = ["LayerConfig", "LAYER_SUITE", "build_layer", "memory_scaling", "loglog_slope", "bench_layer"]
@@ -144,15 +145,9 @@ def lambda_vs_peers(points=TARGET_POINTS, *, device: str = "cpu", repeats: int =
         impls = {"lambdanet": LambdaLayer(c, dim_k=dim_k, heads=heads, r=r, feat_size=side)}
         impls.update(peer_lambda_layers(c, side, r, dim_k=dim_k, heads=heads))
         point = {"batch": b, "channels": c, "side": side, "scope": "global" if r is None else f"{r}x{r}"}
-        results = {}
-        for name, layer in impls.items():
-            layer = layer.to(device)
-            try:
-                res = bench_layer(layer, x, repeats=repeats)
-            except RuntimeError as err:  # out of memory or unsupported on this device
-                log(f"  {name}: failed ({str(err)[:80]})")
-                continue
-            results[name] = res
+        impls = {name: layer.to(device) for name, layer in impls.items()}
+        results = interleaved_fwd_bwd(impls, x, repeats=repeats, log=log)
+        for name, res in results.items():
             rows.append({**point, "impl": name, **res})
         peers = {k: v for k, v in results.items() if k != "lambdanet"}
         if peers and "lambdanet" in results:
@@ -166,6 +161,43 @@ def lambda_vs_peers(points=TARGET_POINTS, *, device: str = "cpu", repeats: int =
         log("  " + ", ".join(f"{k} {v['median_ms']:.1f} ms / {v['peak_bytes'] / 2**20:.0f} MiB"
                              for k, v in results.items()) + f"  @ {point}")
     return rows
+
+
+def interleaved_fwd_bwd(impls: dict[str, nn.Module], x: torch.Tensor, *, repeats: int = 5, warmup: int = 2,
+                        log=print) -> dict[str, dict]:
+    """Forward+backward of several layers on the same input, timed round-robin (one call of each per round,
+    the order rotating) so that drifting machine speed affects them alike; then peak memory and FLOPs."""
+    import statistics
+
+    device = x.device
+    xs = x.detach().requires_grad_(True)
+    steps, times = {}, {}
+    for name, layer in impls.items():
+        def step(layer=layer):
+            layer(xs).float().sum().backward()
+        try:
+            for _ in range(warmup):
+                step()
+        except RuntimeError as err:  # out of memory or unsupported
+            log(f"  {name}: failed ({str(err)[:80]})")
+            continue
+        steps[name], times[name] = step, []
+    names = list(steps)
+    for i in range(repeats):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            t0 = time.perf_counter()
+            steps[name]()
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
+    out = {}
+    for name in names:
+        qs = statistics.quantiles(times[name], n=4) if len(times[name]) >= 2 else [times[name][0]] * 3
+        out[name] = {"median_ms": statistics.median(times[name]) * 1e3, "iqr_ms": (qs[2] - qs[0]) * 1e3,
+                     "repeats": len(times[name]), "peak_bytes": peak_memory(steps[name], device),
+                     "flops": count_flops(steps[name])}
+        for p in impls[name].parameters():
+            p.grad = None
+    return out
 
 
 def geomean(values: Sequence[float]) -> float:

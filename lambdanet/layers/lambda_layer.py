@@ -26,7 +26,7 @@ from lambdanet.layers.position_embedding import AbsolutePositionEmbedding, Relat
 
 __all__ = ["LambdaLayer"]
 
-_IMPLS = ("auto",) + LF.POSITION_IMPLS
+_IMPLS = ("auto",) + LF.POSITION_OUTPUT_IMPLS
 _QV_NORMS = ("auto", "batch", "layer", None)
 _POS_EMBS = ("relative", "absolute")
 # auto impl: the einsum (GEMM) path while E[n, m] stays small and is not much larger than the scope
@@ -67,9 +67,11 @@ class LambdaLayer(nn.Module):
             ``"layer"`` (LayerNorm over channels), ``None`` (Table 12 "no batch normalization").
             ``"auto"``: ``"batch"``, or ``"layer"`` when ``causal`` (batch statistics would leak the
             future during training).
-        impl: position lambda implementation: ``"conv"`` ((n+1)-d convolution), ``"depthwise_conv"``
-            (n-d depthwise with channel multiplier), ``"einsum"`` (masked embeddings) or ``"auto"``
-            (einsum while ``n <= 852`` positions and it is cheaper than the scope, else depthwise).
+        impl: position implementation: ``"conv"`` ((n+1)-d convolution), ``"depthwise_conv"`` (n-d
+            depthwise with channel multiplier), ``"einsum"`` (masked embeddings, lambdas first as in Fig. 3),
+            ``"einsum_qe"`` (the same embeddings contracted queries-first, ``(q E) V``: ``h (k + v)`` instead of
+            ``k v`` multiply-adds per (n, m) pair, in query chunks no larger than ``lambda^p``; multi-query,
+            ``u = 1``, non-causal) or ``"auto"`` (see :meth:`choose_impl`).
 
     Complexity (Table 2, ``d = dim_out``): global ``Theta(b n m k d / h)`` time and ``Theta(k n m + b n k d / h)``
     space; lambda convolution ``Theta(b n r k d / h)`` time and ``Theta(k r + b n k d / h)`` space, linear in
@@ -256,17 +258,36 @@ class LambdaLayer(nn.Module):
                     "relative embeddings; build the layer with a larger feat_size or use a local scope r")
 
     def choose_impl(self, spatial: Sequence[int]) -> str:
-        """The position-lambda implementation used for an input of this spatial size."""
+        """The position implementation used for an input of this spatial size.
+
+        ``"auto"``: the queries-first einsum (``einsum_qe``) while ``n <= 852`` positions (App. E.1) and the
+        gathered ``E[n, m]`` stays below 64 MiB, when its ``n m h (k + v)`` multiply-adds undercut
+        ``2.5 x`` the lambda convolution's ``n r k v`` (GEMMs run ~2.5x faster per FLOP than the convolutions
+        on CPU); otherwise the depthwise lambda convolution. Intra-depth, multi-head and causal layers use
+        the lambdas-first forms.
+        """
+        qe_ok = self.dim_u == 1 and self.groups == 1 and not self.causal
         if self.impl != "auto":
+            if self.impl == "einsum_qe" and not qe_ok:
+                return "einsum"
             return self.impl
         emb = self.embedding
         n = math.prod(spatial)
+        if isinstance(emb, AbsolutePositionEmbedding):
+            return "einsum_qe" if qe_ok else "einsum"
         kernel, _ = LF.crop_relative_kernel(emb.weight, emb.center, spatial)
         taps = math.prod(kernel.shape[3:])
         elements = n * n * self.dim_k * self.dim_u * self.groups
-        if n <= _EINSUM_MAX_POSITIONS and elements <= _EINSUM_MAX_ELEMENTS and n <= 2 * taps:
+        small = n <= _EINSUM_MAX_POSITIONS and elements <= _EINSUM_MAX_ELEMENTS
+        if small and qe_ok and n * self.heads * (self.dim_k + self.dim_v) <= 2.5 * taps * self.dim_k * self.dim_v:
+            return "einsum_qe"
+        if small and n <= 2 * taps:
             return "einsum"
         return "depthwise_conv"
+
+    def _qe_path(self, spatial: Sequence[int]) -> bool:
+        """Whether the position output is contracted queries-first (``einsum_qe``)."""
+        return self.choose_impl(spatial) == "einsum_qe"
 
     def _norm(self, norm: nn.Module, t: Tensor) -> Tensor:
         """Apply the q/v normalisation to ``[b, n, c]`` tokens (BatchNorm over the ``b n`` positions)."""
@@ -287,8 +308,11 @@ class LambdaLayer(nn.Module):
             tokens = LF.permute_copy(x.reshape(b, self.dim, n), (0, 2, 1))  # b n d
         else:  # channels_last input: the token view is free
             tokens = x.movedim(1, -1).reshape(b, n, self.dim)  # b n d
-        qkv = F.linear(tokens, self.qkv.weight)  # b n (hk + gku + gvu)
-        q, keys, vals = qkv.split([self.dim_qk_total, self.dim_keys_total, self.dim_values_total], dim=-1)
+        # three GEMMs on row blocks of the fused weight: contiguous outputs keep BatchNorm on its fast path
+        w_q, w_k, w_v = self.qkv.weight.split([self.dim_qk_total, self.dim_keys_total, self.dim_values_total])
+        q = F.linear(tokens, w_q)  # b n (h k)
+        keys = F.linear(tokens, w_k)  # b n (g k u)
+        vals = F.linear(tokens, w_v)  # b n (g v u)
         q = self._norm(self.norm_q, q)  # b n (h k)
         vals = self._norm(self.norm_v, vals)  # b n (g v u)
         out_dtype = q.dtype
@@ -311,7 +335,13 @@ class LambdaLayer(nn.Module):
                 else:
                     lam_c = LF.content_lambda(LF.normalize_keys(keys, self.key_norm, dim=1), vals_t)  # b g k v
                     out = LF.apply_content_lambda(q, lam_c)  # b n h v
-            if self.position:
+            if self.position and self._qe_path(spatial):
+                emb = LF.gather_relative_embeddings(self.embedding.weight, self.embedding.center, spatial) \
+                    if isinstance(self.embedding, RelativePositionEmbedding) else self.embedding.embeddings()
+                y = LF.position_output_qe(q, emb[0, :, 0], vals.view(b, n, v))  # b h n v
+                y = y.transpose(1, 2)  # b n h v
+                out = y if out is None else out + y
+            elif self.position:
                 lam_p = self._position_lambdas(vals, b, spatial)  # b n g v k
                 if causal_lam is not None:
                     lam_p = lam_p + causal_lam
@@ -333,11 +363,14 @@ class LambdaLayer(nn.Module):
         """Position lambdas ``[b, n, g, v, k]`` from normalised values ``[b, n, (g v u)]``."""
         g, v, u, k = self.groups, self.dim_v, self.dim_u, self.dim_k
         n = math.prod(spatial)
-        vals_cf = LF.permute_copy(vals, (0, 2, 1)).view(b, g, v, u, *spatial)  # b g v u *S
         emb = self.embedding
+        if isinstance(emb, RelativePositionEmbedding) and self.choose_impl(spatial) == "depthwise_conv":
+            return LF.token_position_lambdas(vals, emb.weight, emb.center, spatial)  # b n g v k
+        vals_cf = LF.permute_copy(vals, (0, 2, 1)).view(b, g, v, u, *spatial)  # b g v u *S
         if isinstance(emb, AbsolutePositionEmbedding):
             lam = LF.einsum_position_lambdas(vals_cf.reshape(b, g, v, u, n), emb.embeddings(self.causal))
         else:
             impl = self.choose_impl(spatial)
+            impl = "einsum" if impl == "einsum_qe" else impl
             lam = LF.position_lambdas(vals_cf, emb.weight, emb.center, impl)  # b g v k *S
         return LF.permute_copy(lam.reshape(b, g, v, k, n), (0, 4, 1, 2, 3))  # b n g v k
