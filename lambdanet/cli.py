@@ -196,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="speed / memory / FLOPs benchmarks against the baselines and peers",
                            description="Parts: targets (LambdaLayer vs timm / lucidrains at the issue's points), "
+                                       "attention (halo / global relative attention vs timm), "
                                        "scaling (Table 4 layers across resolutions, log-log plots), models "
                                        "(Table 13/14 suites, HaloNet, MobileNet, 26-layer hybrid), table4 (memory "
                                        "column). Writes CSV, JSON, PNG plots and bench.md into --out.")

@@ -45,7 +45,8 @@ def test_table4_memory_follows_the_complexity_formulas():
 
 
 def test_bench_runs_on_tiny_sizes_and_writes_its_files(tmp_path):
-    results = run_benchmarks(["targets", "scaling", "models", "table4"], quick=True, out=tmp_path, log=lambda s: None)
+    results = run_benchmarks(["targets", "attention", "scaling", "models", "table4"], quick=True, out=tmp_path,
+                             log=lambda s: None)
     for part in ("targets", "scaling", "models", "table4"):
         assert (tmp_path / f"{part}.json").exists() and (tmp_path / f"{part}.csv").exists()
         assert results[part]
@@ -63,4 +64,5 @@ def test_bench_runs_on_tiny_sizes_and_writes_its_files(tmp_path):
 
 def test_bench_cli_rejects_unknown_parts(tmp_path, capsys):
     assert main(["bench", "speed", "--quick", "--out", str(tmp_path)]) == 2
-    assert "unknown bench part(s) ['speed']; valid: targets, scaling, models, table4" in capsys.readouterr().err
+    assert "unknown bench part(s) ['speed']; valid: targets, attention, scaling, models, table4" in \
+        capsys.readouterr().err

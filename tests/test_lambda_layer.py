@@ -366,3 +366,19 @@ def test_onnx_export_matches_eager(tmp_path):
     sess = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     (out,) = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})
     torch.testing.assert_close(torch.from_numpy(out), layer(x), atol=1e-4, rtol=1e-4)
+
+
+def test_inference_caches_the_embeddings_until_the_weights_change():
+    layer = LambdaLayer(8, dim_k=4, heads=2, r=5).eval()
+    emb = layer.embedding
+    with torch.no_grad():
+        e1, e2 = emb.embeddings((6, 6)), emb.embeddings((6, 6))
+        assert e1 is e2  # reused without autograd
+        x = torch.randn(1, 8, 6, 6)
+        y1 = layer(x)
+        emb.weight.mul_(2.0)  # an in-place update (as an optimiser step) bumps the version counter
+        assert emb.embeddings((6, 6)) is not e1
+        torch.testing.assert_close(emb.embeddings((6, 6)), 2 * e1)
+        y2 = layer(x)
+    assert not torch.allclose(y1, y2)
+    assert emb.embeddings((6, 6)).requires_grad  # with autograd: rebuilt, differentiable

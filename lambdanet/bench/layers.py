@@ -33,19 +33,21 @@ class LayerConfig:
     global_context: bool = False  # needs feat_size = the input size
     shared_embedding: bool = False  # lambda: one RelativePositionEmbedding for every instance
     paper: str = ""
+    max_side: int = 128  # quadratic layers beyond this need tens of GB or minutes per call: skipped
 
 
 LAYER_SUITE: dict[str, LayerConfig] = {c.name: c for c in [
-    LayerConfig("global_attention", "relative_self_attention", {"heads": 4}, True, paper="Table 4 global self-attention"),
+    LayerConfig("global_attention", "relative_self_attention", {"heads": 4}, True, paper="Table 4 global self-attention",
+                max_side=64),
     LayerConfig("axial_attention", "axial_self_attention", {"heads": 4}, True, paper="Table 4 axial self-attention"),
     LayerConfig("local_attention_7x7", "local_self_attention", {"heads": 4, "kernel_size": 7},
                 paper="Table 4 local self-attention (7x7)"),
     LayerConfig("halo_attention_b8_h3", "halo_attention", {"heads": 4, "block_size": 8, "halo_size": 3},
                 paper="HaloNet blocked local attention"),
-    LayerConfig("lambda", "lambda", {}, True, paper="Table 4 lambda layer (global, k=16)"),
-    LayerConfig("lambda_k8", "lambda", {"dim_k": 8}, True, paper="Table 4 lambda layer |k|=8"),
+    LayerConfig("lambda", "lambda", {}, True, paper="Table 4 lambda layer (global, k=16)", max_side=64),
+    LayerConfig("lambda_k8", "lambda", {"dim_k": 8}, True, paper="Table 4 lambda layer |k|=8", max_side=64),
     LayerConfig("lambda_shared", "lambda", {}, True, shared_embedding=True,
-                paper="Table 4 lambda layer, shared embeddings"),
+                paper="Table 4 lambda layer, shared embeddings", max_side=64),
     LayerConfig("lambda_conv_7x7", "lambda_conv", {"r": 7}, paper="Table 4 lambda convolution (7x7)"),
     LayerConfig("conv_3x3", "conv", {}, paper="ResNet 3x3 convolution"),
 ]}
@@ -212,6 +214,9 @@ def layer_sweep(names: Sequence[str], sides: Sequence[int], batches: Sequence[in
     for name in names:
         config = LAYER_SUITE[name]
         for side in sides:
+            if side > config.max_side:
+                log(f"  {name} {side}x{side}: skipped (quadratic in positions; capped at {config.max_side})")
+                continue
             layer = build_layer(config, dim, side, _shared_embedding(config, side)).to(device)
             for b in batches:
                 x = torch.randn(b, dim, side, side, device=device)
@@ -227,4 +232,41 @@ def layer_sweep(names: Sequence[str], sides: Sequence[int], batches: Sequence[in
                              "gflops_fwd_bwd": fb["flops"] / 1e9})
                 log(f"  {name} {side}x{side} b{b}: fwd {fwd['median_ms']:.1f} ms, fwd+bwd {fb['median_ms']:.1f} ms, "
                     f"{fb['peak_bytes'] / 2**20:.1f} MiB")
+    return rows
+
+
+# (batch, channels, side) for the attention peers
+ATTENTION_POINTS = [(8, 256, 16), (8, 128, 32), (32, 256, 14)]
+
+
+def attention_vs_peers(points=ATTENTION_POINTS, *, device: str = "cpu", repeats: int = 5, heads: int = 4,
+                       log=print) -> list[dict]:
+    """Our HaloNet attention and global relative attention against timm's HaloAttn and BottleneckAttn at
+    matched sizes (heads, block 8, halo 3), forward+backward, timed round-robin."""
+    from lambdanet.bench.peers import peer_attention_layers
+    from lambdanet.layers import create_spatial_layer
+
+    rows = []
+    for b, c, side in points:
+        torch.manual_seed(0)
+        x = torch.randn(b, c, side, side, device=device)
+        peers = peer_attention_layers(c, side, heads=heads)
+        pairs = {"halo": ("lambdanet.halo_attention", create_spatial_layer(
+                     "halo_attention", c, c, heads=heads, block_size=8, halo_size=3), "timm.HaloAttn"),
+                 "global": ("lambdanet.relative_self_attention", create_spatial_layer(
+                     "relative_self_attention", c, c, feat_size=side, heads=heads), "timm.BottleneckAttn")}
+        for kind, (ours_name, ours, peer_name) in pairs.items():
+            impls = {ours_name: ours.to(device)}
+            if peer_name in peers:
+                impls[peer_name] = peers[peer_name].to(device)
+            res = interleaved_fwd_bwd(impls, x, repeats=repeats, log=log)
+            point = {"kind": kind, "batch": b, "channels": c, "side": side}
+            for name, r in res.items():
+                row = {**point, "impl": name, **r}
+                if name == ours_name and peer_name in res:
+                    row["ratio_vs_peer"] = res[peer_name]["median_ms"] / r["median_ms"]
+                    row["memory_ratio"] = r["peak_bytes"] / max(res[peer_name]["peak_bytes"], 1)
+                rows.append(row)
+            log("  " + ", ".join(f"{k} {v['median_ms']:.1f} ms / {v['peak_bytes'] / 2**20:.0f} MiB"
+                                 for k, v in res.items()) + f"  @ {point}")
     return rows

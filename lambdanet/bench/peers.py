@@ -51,7 +51,8 @@ def peer_attention_layers(dim: int, side: int, *, heads: int = 4, block_size: in
         return peers
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        from timm.layers import BottleneckAttn, HaloAttn
+        from timm.layers.bottleneck_attn import BottleneckAttn
+        from timm.layers.halo_attn import HaloAttn
 
         if side % block_size == 0:
             peers["timm.HaloAttn"] = HaloAttn(dim, dim, feat_size=(side, side), num_heads=heads,

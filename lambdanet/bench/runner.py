@@ -4,6 +4,7 @@ Parts:
 
 * ``targets``: our ``LambdaLayer`` against the peers at the issue's five points (forward+backward time,
   peak memory, ratio to the fastest peer, geometric mean).
+* ``attention``: our HaloNet and global relative attention against timm's HaloAttn and BottleneckAttn.
 * ``scaling``: every Table 4 layer (and HaloNet's) across resolutions and batches: forward and
   forward+backward time, peak memory and FLOPs, with log-log plots against the number of positions.
 * ``models``: model suites (Table 13 hybrids, Table 14, HaloNet, MobileNet, the 26-layer hybrid).
@@ -22,7 +23,7 @@ from lambdanet.bench.report import environment, markdown, plot_scaling, write_ro
 
 __all__ = ["PARTS", "run_benchmarks"]
 
-PARTS = ("targets", "scaling", "models", "table4")
+PARTS = ("targets", "attention", "scaling", "models", "table4")
 
 
 def run_benchmarks(parts: Sequence[str] = PARTS, *, device: str = "cpu", out: str | Path = "bench_results",
@@ -54,6 +55,15 @@ def run_benchmarks(parts: Sequence[str] = PARTS, *, device: str = "cpu", out: st
             report += [f"Geometric-mean speed-up against the fastest peer: {gm:.2f}x; slowest point "
                        f"{min(r.get('ratio_vs_fastest_peer', float('inf')) for r in ours):.2f}x; largest memory "
                        f"ratio {max(r.get('memory_ratio', 0) for r in ours):.2f}.", ""]
+    if "attention" in parts:
+        log("== attention: halo and global relative attention against timm")
+        points = [(2, 32, 16)] if quick else L.ATTENTION_POINTS
+        rows = L.attention_vs_peers(points, device=device, repeats=2 if quick else repeats, log=log)
+        results["attention"] = rows
+        report += ["## Attention layers against timm (forward+backward)", "",
+                   markdown(rows, [("kind", "layer"), ("batch", "B"), ("channels", "C"), ("side", "size"),
+                                   ("impl", "implementation"), ("median_ms", "ms"), ("peak_bytes", "peak bytes"),
+                                   ("ratio_vs_peer", "speed-up vs timm"), ("memory_ratio", "memory vs timm")]), ""]
     if "scaling" in parts:
         log("== scaling: spatial layers across resolutions and batches")
         names = ["global_attention", "local_attention_7x7", "lambda_conv_7x7", "lambda"] if quick else list(

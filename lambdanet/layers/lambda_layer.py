@@ -336,8 +336,8 @@ class LambdaLayer(nn.Module):
                     lam_c = LF.content_lambda(LF.normalize_keys(keys, self.key_norm, dim=1), vals_t)  # b g k v
                     out = LF.apply_content_lambda(q, lam_c)  # b n h v
             if self.position and self._qe_path(spatial):
-                emb = LF.gather_relative_embeddings(self.embedding.weight, self.embedding.center, spatial) \
-                    if isinstance(self.embedding, RelativePositionEmbedding) else self.embedding.embeddings()
+                emb = self.embedding.embeddings(spatial) if isinstance(self.embedding, RelativePositionEmbedding) \
+                    else self.embedding.embeddings()
                 y = LF.position_output_qe(q, emb[0, :, 0], vals.view(b, n, v))  # b h n v
                 y = y.transpose(1, 2)  # b n h v
                 out = y if out is None else out + y

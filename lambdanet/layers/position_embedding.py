@@ -96,6 +96,25 @@ class RelativePositionEmbedding(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, mean=0.0, std=1.0)  # App. E.1: E ~ N(0, 1)
 
+    def embeddings(self, spatial: Sequence[int]) -> Tensor:
+        """``E[g, k, u, n, m]`` for an input of size ``spatial`` (see ``functional.gather_relative_embeddings``).
+
+        Without autograd (inference) the result is cached until the table changes (its version counter
+        moves with every optimiser step or ``load_state_dict``); layers sharing this module share it too.
+        """
+        from lambdanet.functional import gather_relative_embeddings
+
+        spatial = tuple(spatial)
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return gather_relative_embeddings(self.weight, self.center, spatial)
+        w = self.weight
+        key = (w.data_ptr(), w._version, w.dtype, w.device, spatial)
+        cache = self.__dict__.setdefault("_cache", {})
+        if key not in cache:
+            cache.clear()  # one entry per embedding: the current weights at the last size used
+            cache[key] = gather_relative_embeddings(w.detach(), self.center, spatial)
+        return cache[key]
+
     def extra_repr(self) -> str:
         scope = f"feat_size={self.feat_size}" if self.feat_size else f"scope={self.kernel_size}"
         return (f"dim_k={self.dim_k}, dim_u={self.dim_u}, groups={self.groups}, {scope}, "

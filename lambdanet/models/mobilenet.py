@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from torch import Tensor, nn
 
 from lambdanet.layers import LambdaLayer
+from lambdanet.models.base import Backbone
 from lambdanet.models.registry import ModelInfo, register_model
 
 __all__ = ["MobileNetV2", "InvertedResidual", "LambdaBlock", "INVERTED_RESIDUAL_SETTING"]
@@ -57,7 +58,7 @@ class LambdaBlock(nn.Module):
         return x + self.block(x) if self.residual else self.block(x)
 
 
-class MobileNetV2(nn.Module):
+class MobileNetV2(Backbone):
     """MobileNet-v2 with optional lambda blocks at ``lambda_blocks`` (1-indexed inverted bottlenecks)."""
 
     def __init__(self, *, num_classes: int = 1000, in_chans: int = 3, lambda_blocks: Sequence[int] = (),
@@ -66,8 +67,6 @@ class MobileNetV2(nn.Module):
         total = sum(n for _, _, n, _ in INVERTED_RESIDUAL_SETTING)
         if any(not 1 <= i <= total for i in lambda_blocks):
             raise ValueError(f"lambda_blocks must be 1-indexed inverted bottlenecks in 1..{total}, got {lambda_blocks}")
-        if not 0.0 <= drop_rate < 1.0:
-            raise ValueError(f"drop_rate must be in [0, 1), got {drop_rate}")
         self.img_size = (img_size, img_size)
         stem = nn.Sequential(*_cbr(in_chans, 32, 3, 2))
         blocks: list[nn.Module] = [stem]
@@ -87,11 +86,7 @@ class MobileNetV2(nn.Module):
                                           "reduction": reduction})
         self.features = nn.Sequential(*blocks)
         self.final_conv = nn.Sequential(*_cbr(cin, 1280))
-        self.num_features = 1280
-        self.features_only = features_only
-        self.num_classes = num_classes
-        self.head_drop = nn.Dropout(drop_rate) if drop_rate > 0 else nn.Identity()
-        self.fc = nn.Linear(1280, num_classes) if num_classes > 0 and not features_only else nn.Identity()
+        self._init_head(1280, num_classes, drop_rate, features_only)
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out")
@@ -101,10 +96,6 @@ class MobileNetV2(nn.Module):
         if isinstance(self.fc, nn.Linear):
             nn.init.normal_(self.fc.weight, 0, 0.01)
             nn.init.zeros_(self.fc.bias)
-
-    def reset_classifier(self, num_classes: int) -> None:
-        self.num_classes = num_classes
-        self.fc = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
 
     def forward_stages(self, x: Tensor) -> list[Tensor]:
         feats = []
@@ -116,15 +107,6 @@ class MobileNetV2(nn.Module):
 
     def forward_features(self, x: Tensor) -> Tensor:
         return self.final_conv(self.features(x))
-
-    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        x = self.head_drop(x.mean(dim=(2, 3)))
-        return x if pre_logits else self.fc(x)
-
-    def forward(self, x: Tensor) -> Tensor | list[Tensor]:
-        if self.features_only:
-            return self.forward_stages(x)
-        return self.forward_head(self.forward_features(x))
 
 
 _RECIPE = {"epochs": 350, "optimizer": "rmsprop", "momentum": 0.9, "lr": 0.1, "batch_size": 4096,

@@ -29,6 +29,7 @@ from lambdanet.layers import (
     list_spatial_layers,
 )
 from lambdanet.layers.drop import DropPath
+from lambdanet.models.base import Backbone
 
 __all__ = ["ResNetConfig", "ResNet", "Bottleneck", "stage_pattern", "STAGE_NAMES"]
 
@@ -139,7 +140,7 @@ class Bottleneck(nn.Module):
         return self.act(self.drop_path(out) + self.shortcut(x))
 
 
-class ResNet(nn.Module):
+class ResNet(Backbone):
     """A :class:`ResNetConfig` made module.
 
     Args:
@@ -163,8 +164,6 @@ class ResNet(nn.Module):
                  share_embeddings: bool = False):
         super().__init__()
         _validate_config(cfg)
-        if not 0.0 <= drop_rate < 1.0:
-            raise ValueError(f"drop_rate must be in [0, 1), got {drop_rate}")
         if not 0.0 <= drop_path_rate < 1.0:
             raise ValueError(f"drop_path_rate must be in [0, 1), got {drop_path_rate}")
         self.cfg = cfg
@@ -219,12 +218,7 @@ class ResNet(nn.Module):
             self.final_conv = nn.Sequential(nn.Conv2d(ch, cfg.final_conv, 1, bias=False),
                                             nn.BatchNorm2d(cfg.final_conv), act(inplace=True))
             ch = cfg.final_conv
-        self.num_features = ch
-        self.features_only = features_only
-        self.drop_rate = drop_rate
-        self.num_classes = num_classes
-        self.head_drop = nn.Dropout(drop_rate) if drop_rate > 0 else nn.Identity()
-        self.fc = nn.Linear(ch, num_classes) if (num_classes > 0 and not features_only) else nn.Identity()
+        self._init_head(ch, num_classes, drop_rate, features_only)
         self._init_weights(zero_init_last)
 
     def _init_weights(self, zero_init_last: bool) -> None:
@@ -249,11 +243,6 @@ class ResNet(nn.Module):
                 if isinstance(m, Bottleneck):
                     m.zero_init_last()
 
-    def reset_classifier(self, num_classes: int) -> None:
-        """Replace the classifier by a fresh one with ``num_classes`` outputs."""
-        self.num_classes = num_classes
-        self.fc = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
-
     def forward_stages(self, x: Tensor) -> list[Tensor]:
         """Feature maps of c2..c5 (strides 4, 8, 16, 32 with the ImageNet stems)."""
         x = self.stem(x)
@@ -266,15 +255,6 @@ class ResNet(nn.Module):
     def forward_features(self, x: Tensor) -> Tensor:
         """The last feature map (after ``final_conv``), before pooling."""
         return self.final_conv(self.stages(self.stem(x)))
-
-    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        x = self.head_drop(x.mean(dim=(2, 3)))
-        return x if pre_logits else self.fc(x)
-
-    def forward(self, x: Tensor) -> Tensor | list[Tensor]:
-        if self.features_only:
-            return self.forward_stages(x)
-        return self.forward_head(self.forward_features(x))
 
 
 def _shared_embedding(shared: dict, layer: str, kwargs: Mapping, size: tuple[int, int]) -> RelativePositionEmbedding:

@@ -1,0 +1,43 @@
+"""What every classification backbone here shares: the pooled linear head and the feature API."""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+__all__ = ["Backbone"]
+
+
+class Backbone(nn.Module):
+    """Subclasses build their trunk, call :meth:`_init_head` and implement ``forward_stages`` (c2..c5 feature
+    maps) and ``forward_features`` (the last map before pooling)."""
+
+    num_features: int
+    feature_info: list[dict]
+
+    def _init_head(self, num_features: int, num_classes: int, drop_rate: float, features_only: bool) -> None:
+        if not 0.0 <= drop_rate < 1.0:
+            raise ValueError(f"drop_rate must be in [0, 1), got {drop_rate}")
+        self.num_features, self.num_classes = num_features, num_classes
+        self.features_only, self.drop_rate = features_only, drop_rate
+        self.head_drop = nn.Dropout(drop_rate) if drop_rate > 0 else nn.Identity()
+        self.fc = nn.Linear(num_features, num_classes) if num_classes > 0 and not features_only else nn.Identity()
+
+    def reset_classifier(self, num_classes: int) -> None:
+        """Replace the classifier by a fresh one with ``num_classes`` outputs (0: no classifier)."""
+        self.num_classes = num_classes
+        self.fc = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+
+    def forward_stages(self, x: Tensor) -> list[Tensor]:
+        raise NotImplementedError
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
+        x = self.head_drop(x.mean(dim=(2, 3)))
+        return x if pre_logits else self.fc(x)
+
+    def forward(self, x: Tensor) -> Tensor | list[Tensor]:
+        if self.features_only:
+            return self.forward_stages(x)
+        return self.forward_head(self.forward_features(x))
