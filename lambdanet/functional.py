@@ -33,6 +33,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from lambdanet.helpers import check_choice, conv_nd
 
@@ -54,6 +55,7 @@ __all__ = [
     "apply_content_lambda",
     "permute_copy",
     "position_output_qe",
+    "relative_position_output_qe",
     "POSITION_OUTPUT_IMPLS",
     "token_position_lambdas",
 ]
@@ -236,7 +238,8 @@ def crop_relative_kernel(
     return kernel, tuple(new_center)
 
 
-def gather_relative_embeddings(kernel: Tensor, center: Sequence[int], spatial: Sequence[int]) -> Tensor:
+def gather_relative_embeddings(kernel: Tensor, center: Sequence[int], spatial: Sequence[int],
+                               rows: tuple[int, int] | None = None) -> Tensor:
     """Re-index a relative kernel ``R[g, k, u, *K]`` into ``E[g, k, u, n, m]`` (paper Sec. 3.3).
 
     ``E[n, m] = R[m - n + center]`` where that index lies inside the kernel and 0 elsewhere, per axis, so
@@ -247,6 +250,9 @@ def gather_relative_embeddings(kernel: Tensor, center: Sequence[int], spatial: S
     is the window of ``R`` starting at ``center - i``. So ``E`` is built from ``unfold`` windows and one
     flip (a single strided copy), and its backward is ``unfold``'s native accumulation rather than an
     indexed scatter-add (2-4x faster than gathering with index tensors).
+
+    ``rows=(start, stop)`` builds only the queries whose first spatial coordinate lies in
+    ``[start, stop)``: ``E[g, k, u, (stop - start) * prod(spatial[1:]), m]``, the rows of a query chunk.
     """
     dims = len(spatial)
     pad: list[int] = []
@@ -257,15 +263,18 @@ def gather_relative_embeddings(kernel: Tensor, center: Sequence[int], spatial: S
         pad = [lo, hi] + pad  # F.pad lists the last axis first
         centers.append(c + lo)
     windows = F.pad(kernel, pad)  # every offset -(s-1)..(s-1) present, zeros outside the kernel
+    n = m = math.prod(spatial)
     for a in range(dims):
-        windows = windows.unfold(3 + a, spatial[a], 1)  # g k u *W *S(m): window w holds R[w + m]
-    for a in range(dims):
-        start = centers[a] - spatial[a] + 1
-        if start != 0 or windows.shape[3 + a] != spatial[a]:  # a full-range narrow would cost a zero-fill in backward
-            windows = windows.narrow(3 + a, start, spatial[a])
-    emb = windows.flip(tuple(range(3, 3 + dims)))  # window index -> query index n = center - w
-    n = math.prod(spatial)
-    return emb.reshape(*kernel.shape[:3], n, n)  # g k u n m
+        s = spatial[a]
+        first, count = centers[a] - s + 1, s  # the windows (queries, reversed) this axis needs
+        if a == 0 and rows is not None:  # query i is window first + s - 1 - i
+            first, count = first + s - rows[1], rows[1] - rows[0]
+            n = count * m // s
+        if first != 0 or windows.shape[3 + a] != count + s - 1:  # slice R, not E: backward zero-fills R only
+            windows = windows.narrow(3 + a, first, count + s - 1)
+        windows = windows.unfold(3 + a, s, 1)  # g k u *W *S(m): window w holds R[w + m]
+    emb = windows.flip(tuple(range(3, 3 + dims)))  # (a copy) window index -> query index n = center - w
+    return emb.reshape(*kernel.shape[:3], n, m)  # g k u n m
 
 
 def _pad_for(center: Sequence[int], kernel_size: Sequence[int]) -> tuple[bool, list[int]]:
@@ -466,12 +475,6 @@ class _QEPositionOutput(torch.autograd.Function):
     the layer's position FLOPs at the paper's defaults) instead of being stored."""
 
     @staticmethod
-    def _scores(q_c: Tensor, e_c: Tensor, b: int, h: int) -> Tensor:
-        nc, _, m = q_c.shape[0], q_c.shape[2], e_c.shape[2]
-        a = torch.bmm(q_c, e_c)  # nc (b h) m
-        return a.view(nc, b, h, m).permute(1, 2, 0, 3).reshape(b, h * nc, m)  # b (h nc) m
-
-    @staticmethod
     def forward(ctx, q_n: Tensor, e_n: Tensor, values: Tensor, b: int, h: int, chunk: int) -> Tensor:
         n, v = q_n.shape[0], values.shape[2]
         ctx.save_for_backward(q_n, e_n, values)
@@ -479,7 +482,7 @@ class _QEPositionOutput(torch.autograd.Function):
         out = values.new_empty(b, h, n, v)
         for i in range(0, n, chunk):
             j = min(n, i + chunk)
-            a = _QEPositionOutput._scores(q_n[i:j], e_n[i:j], b, h)  # b (h nc) m
+            a = _qe_scores(q_n[i:j], e_n[i:j], b, h)  # b (h nc) m
             out[:, :, i:j] = torch.bmm(a, values).view(b, h, j - i, v)
         return out  # b h n v
 
@@ -496,7 +499,7 @@ class _QEPositionOutput(torch.autograd.Function):
             j = min(n, i + chunk)
             nc = j - i
             g_c = grad[:, :, i:j].reshape(b, h * nc, -1)  # b (h nc) v
-            a = _QEPositionOutput._scores(q_n[i:j], e_n[i:j], b, h)  # recomputed, b (h nc) m
+            a = _qe_scores(q_n[i:j], e_n[i:j], b, h)  # recomputed, b (h nc) m
             grad_v.baddbmm_(a.transpose(1, 2), g_c)  # b m v
             del a
             g_a = torch.bmm(g_c, values.transpose(1, 2)).view(b, h, nc, m)  # b h nc m
@@ -504,6 +507,22 @@ class _QEPositionOutput(torch.autograd.Function):
             grad_q[i:j] = torch.bmm(g_a, e_n[i:j].transpose(1, 2))  # nc (b h) k
             grad_e[i:j] = torch.bmm(q_n[i:j].transpose(1, 2), g_a)  # nc k m
         return grad_q, grad_e, grad_v, None, None, None
+
+
+def _qe_scores(q_c: Tensor, e_c: Tensor, b: int, h: int) -> Tensor:
+    """``q . E`` for a chunk of queries: ``[nc, (b h), k] x [nc, k, m] -> [b, (h nc), m]``."""
+    nc, m = q_c.shape[0], e_c.shape[2]
+    a = torch.bmm(q_c, e_c)  # nc (b h) m
+    return a.view(nc, b, h, m).permute(1, 2, 0, 3).reshape(b, h * nc, m)  # b (h nc) m
+
+
+def _qe_chunk(b: int, n: int, h: int, k: int, m: int, v: int, max_chunk_elements: int | None, row: int = 1) -> int:
+    """Queries per chunk: ``q . E`` chunks of at most ``max_chunk_elements`` (default a quarter of
+    ``lambda^p``, ``b n k v / 4``), a whole number of ``row`` queries."""
+    # a chunk and its permuted copy are alive together: a quarter of lambda^p each keeps the transient
+    # memory at half of lambda^p (chunks cost no extra work; only the backward recomputes q . E)
+    budget = max_chunk_elements if max_chunk_elements is not None else b * n * k * v // 4
+    return row * max(1, min(n // row, budget // max(1, b * h * m * row)))
 
 
 def position_output_qe(queries: Tensor, embeddings: Tensor, values: Tensor, *,
@@ -527,13 +546,59 @@ def position_output_qe(queries: Tensor, embeddings: Tensor, values: Tensor, *,
     """
     b, n, h, k = queries.shape
     m, v = values.shape[1], values.shape[2]
-    # a chunk and its permuted copy are alive together: a quarter of lambda^p each keeps the transient
-    # memory at half of lambda^p (chunks cost no extra work; only the backward recomputes q . E)
-    budget = max_chunk_elements if max_chunk_elements is not None else b * n * k * v // 4
-    chunk = max(1, min(n, budget // max(1, b * h * m)))
+    chunk = _qe_chunk(b, n, h, k, m, v, max_chunk_elements)
     q_n = permute_copy(queries, (1, 0, 2, 3)).view(n, b * h, k)  # n (b h) k
     e_n = embeddings.transpose(0, 1)  # n k m (a strided view)
     return _QEPositionOutput.apply(q_n, e_n, values.contiguous(), b, h, chunk)  # b h n v
+
+
+def relative_position_output_qe(queries: Tensor, kernel: Tensor, center: Sequence[int], spatial: Sequence[int],
+                                values: Tensor, *, max_chunk_elements: int | None = None) -> Tensor:
+    """:func:`position_output_qe` with ``E`` built from a relative kernel chunk by chunk.
+
+    The rows of ``E`` that a query chunk needs are re-indexed from ``R`` (:func:`gather_relative_embeddings`
+    with ``rows``) just before use, and again in the backward pass (activation checkpointing per chunk),
+    so memory is ``Theta(b n k v)`` plus one chunk: global relative lambdas on maps far beyond App. E.1's
+    852 positions (where a whole ``E`` would be ``k n^2``, 630 MB at 56x56 with ``k = 16``) keep the GEMM
+    path. Chunks are whole rows of the first spatial axis; ``torch.compile`` traces it without breaks.
+
+    Args:
+        queries: ``[b, n, h, k]``.
+        kernel: ``R[1, k, 1, *K]`` (one group, ``u = 1``).
+        center: the kernel index of offset 0, per axis.
+        spatial: the input's spatial size (``n = m = prod(spatial)``).
+        values: ``[b, m, v]``.
+
+    Returns:
+        ``[b, h, n, v]``.
+    """
+    b, n, h, k = queries.shape
+    m, v = values.shape[1], values.shape[2]
+    spatial, center = tuple(spatial), tuple(center)
+    if kernel.dim() != 3 + len(spatial) or kernel.shape[0] != 1 or kernel.shape[2] != 1 or kernel.shape[1] != k:
+        raise ValueError(f"kernel must be [1, k={k}, 1, *K] with {len(spatial)} kernel axes, got {tuple(kernel.shape)}")
+    if n != math.prod(spatial) or m != n or len(center) != len(spatial):
+        raise ValueError(f"queries and values must have n = m = prod(spatial) = {math.prod(spatial)} positions "
+                         f"and center one entry per axis, got n={n}, m={m}, center={center}")
+    row = n // spatial[0]
+    rows = _qe_chunk(b, n, h, k, m, v, max_chunk_elements, row) // row
+
+    def chunk_output(q_c: Tensor, kern: Tensor, vals: Tensor, start: int, stop: int) -> Tensor:
+        e_c = gather_relative_embeddings(kern, center, spatial, rows=(start, stop))[0, :, 0]  # k nc m
+        a = _qe_scores(q_c, e_c.transpose(0, 1), b, h)  # b (h nc) m
+        return torch.bmm(a, vals).view(b, h, q_c.shape[0], v)  # b h nc v
+
+    q_n = permute_copy(queries, (1, 0, 2, 3)).view(n, b * h, k)  # n (b h) k
+    values = values.contiguous()
+    outs = []
+    for start in range(0, spatial[0], rows):
+        stop = min(spatial[0], start + rows)
+        q_c = q_n[start * row:stop * row]  # nc (b h) k
+        if torch.is_grad_enabled():  # keep q, R and V only; the chunk's E rows and scores are rebuilt in backward
+            outs.append(checkpoint(chunk_output, q_c, kernel, values, start, stop, use_reentrant=False))
+        else:
+            outs.append(chunk_output(q_c, kernel, values, start, stop))
+    return torch.cat(outs, dim=2)  # b h n v
 
 
 def apply_lambdas(queries: Tensor, lambdas: Tensor) -> Tensor:

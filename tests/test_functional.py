@@ -1,6 +1,7 @@
 """The functional core against naive per-query loops written from Eq. 1-2 of the paper."""
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -214,6 +215,10 @@ def test_apply_lambdas_multiquery_and_multihead():
         (lambda: LF.compute_position_lambdas(torch.randn(5, 3), torch.randn(2, 9, 5), impl="fft"), "impl must be"),
         (lambda: LF.masked_lambda_layer(torch.randn(1, 2, 4, 3), torch.randn(1, 4, 3), torch.randn(3, 4, 4),
                                         torch.randn(1, 4, 5), torch.ones(4, 5)), "mask has m=5"),
+        (lambda: LF.relative_position_output_qe(torch.randn(1, 12, 2, 3), torch.randn(1, 4, 1, 5, 5), (2, 2),
+                                                (3, 4), torch.randn(1, 12, 5)), "kernel must be [1, k=3, 1, *K]"),
+        (lambda: LF.relative_position_output_qe(torch.randn(1, 12, 2, 3), torch.randn(1, 3, 1, 5, 5), (2, 2),
+                                                (3, 5), torch.randn(1, 12, 5)), "n = m = prod(spatial) = 15"),
     ],
 )
 def test_functional_bad_shapes_raise_value_error_naming_argument(call, needle):
@@ -237,3 +242,50 @@ def test_queries_first_position_output_equals_lambdas_first(chunk):
     ref_grads = torch.autograd.grad(ref, (q, emb, vals), g)
     for a, r in zip(grads, ref_grads):
         torch.testing.assert_close(a, r)
+
+
+def naive_relative_embeddings(kernel, center, spatial):
+    """E[k, n, m] = R[k, m - n + center] inside the kernel, else 0, by looping over position pairs."""
+    k = kernel.shape[1]
+    pos = list(itertools.product(*(range(s) for s in spatial)))
+    emb = torch.zeros(k, len(pos), len(pos), dtype=kernel.dtype)
+    for ni, p in enumerate(pos):
+        for mi, q in enumerate(pos):
+            t = tuple(qa - pa + c for pa, qa, c in zip(p, q, center))
+            if all(0 <= ta < ks for ta, ks in zip(t, kernel.shape[3:])):
+                emb[:, ni, mi] = kernel[(0, slice(None), 0, *t)]
+    return emb
+
+
+@pytest.mark.parametrize("ksize,center,spatial", [((7,), (3,), (6,)), ((5, 3), (2, 1), (4, 3)),
+                                                  ((9, 7), (4, 3), (3, 4)), ((3, 3, 5), (1, 1, 2), (3, 2, 3))])
+def test_gather_relative_embeddings_rows_match_definition(ksize, center, spatial):
+    """Any chunk of query rows (first spatial axis) equals those rows of the whole E, incl. cropped kernels."""
+    kernel = torch.randn(1, 3, 1, *ksize, dtype=torch.float64)
+    want = naive_relative_embeddings(kernel, center, spatial)  # k n m
+    row = want.shape[1] // spatial[0]
+    for start, stop in [(0, spatial[0]), (0, 1), (1, spatial[0]), (spatial[0] - 1, spatial[0])]:
+        got = LF.gather_relative_embeddings(kernel, center, spatial, rows=(start, stop))[0, :, 0]  # k nc m
+        torch.testing.assert_close(got, want[:, start * row:stop * row])
+
+
+@pytest.mark.parametrize("rows", [None, 1, 2])
+@pytest.mark.parametrize("ksize,center,spatial", [((11,), (5,), (6,)), ((7, 5), (3, 2), (4, 3)),
+                                                  ((3, 3, 3), (1, 1, 1), (3, 2, 2))])
+def test_relative_position_output_qe_equals_whole_embeddings(ksize, center, spatial, rows):
+    """E rows rebuilt per chunk from R (checkpointed) == (q E) V with the whole E, values and gradients."""
+    b, h, k, v = 2, 3, 4, 5
+    n = math.prod(spatial)
+    q = torch.randn(b, n, h, k, dtype=torch.float64, requires_grad=True)
+    kernel = torch.randn(1, k, 1, *ksize, dtype=torch.float64, requires_grad=True)
+    vals = torch.randn(b, n, v, dtype=torch.float64, requires_grad=True)
+    budget = None if rows is None else rows * (n // spatial[0]) * b * h * n
+    out = LF.relative_position_output_qe(q, kernel, center, spatial, vals, max_chunk_elements=budget)
+    emb = naive_relative_embeddings(kernel, center, spatial)  # k n m, differentiable in the kernel
+    ref = torch.einsum("bnhk,knm,bmv->bhnv", q, emb, vals)
+    torch.testing.assert_close(out, ref)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, kernel, vals), g)
+    ref_grads = torch.autograd.grad(ref, (q, kernel, vals), g)
+    for name, a, r in zip("q kernel values".split(), grads, ref_grads):
+        torch.testing.assert_close(a, r, msg=name)

@@ -327,6 +327,34 @@ def test_no_batch_by_positions_by_context_tensor(impl):
     assert mode.max_numel < b * n * n // 4, mode.shape
 
 
+def test_global_scope_beyond_852_positions_builds_embedding_rows_per_chunk(monkeypatch):
+    """Past App. E.1's 852 positions the queries-first path never holds a k x n x m embedding tensor and
+    still equals the lambda convolution (values and input gradients)."""
+    from lambdanet import functional as LF
+
+    calls = []
+    original = LF.relative_position_output_qe
+    monkeypatch.setattr(LF, "relative_position_output_qe", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    k, spatial = 2, (30, 29)
+    n = math.prod(spatial)
+    assert n > 852
+    torch.manual_seed(0)
+    layer = randomize_norms(LambdaLayer(8, dim_k=k, heads=2, r=None, feat_size=30)).eval().double()
+    assert layer.choose_impl(spatial) == "einsum_qe"
+    x = torch.randn(2, 8, *spatial, dtype=torch.float64, requires_grad=True)
+    with _MaxNumel() as mode:
+        out = layer(x)
+        (grad,) = torch.autograd.grad(out.square().sum(), x)
+    assert calls, "the chunked relative path was not taken"
+    assert mode.max_numel < k * n * n // 4, mode.shape
+    layer.impl = "depthwise_conv"
+    x_ref = x.detach().clone().requires_grad_()
+    ref = layer(x_ref)
+    (grad_ref,) = torch.autograd.grad(ref.square().sum(), x_ref)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(grad, grad_ref)
+
+
 def test_lambda_convolution_memory_is_linear_in_positions():
     peaks = []
     for side in (16, 32, 64):

@@ -260,11 +260,15 @@ class LambdaLayer(nn.Module):
     def choose_impl(self, spatial: Sequence[int]) -> str:
         """The position implementation used for an input of this spatial size.
 
-        ``"auto"``: the queries-first einsum (``einsum_qe``) while ``n <= 852`` positions (App. E.1) and the
-        gathered ``E[n, m]`` stays below 64 MiB, when its ``n m h (k + v)`` multiply-adds undercut
+        ``"auto"``: the queries-first einsum (``einsum_qe``) when its ``n m h (k + v)`` multiply-adds undercut
         ``2.5 x`` the lambda convolution's ``n r k v`` (GEMMs run ~2.5x faster per FLOP than the convolutions
-        on CPU); otherwise the depthwise lambda convolution. Intra-depth, multi-head and causal layers use
-        the lambdas-first forms.
+        on CPU). Beyond ``n = 852`` positions (App. E.1) or 64 MiB of ``E``, the rows of ``E`` are rebuilt
+        chunk by chunk from the relative table in every pass
+        (:func:`~lambdanet.functional.relative_position_output_qe`), and the einsum must undercut the
+        convolution's multiply-adds outright: it then serves global scopes (a 56x56 global layer trains
+        ~2.7x faster than with its 111x111 lambda convolution) while local scopes on large maps keep the
+        convolution. Otherwise the depthwise lambda convolution, or the lambdas-first einsum for small maps
+        whose scope covers them. Intra-depth, multi-head and causal layers use the lambdas-first forms.
         """
         qe_ok = self.dim_u == 1 and self.groups == 1 and not self.causal
         if self.impl != "auto":
@@ -279,7 +283,8 @@ class LambdaLayer(nn.Module):
         taps = math.prod(kernel.shape[3:])
         elements = n * n * self.dim_k * self.dim_u * self.groups
         small = n <= _EINSUM_MAX_POSITIONS and elements <= _EINSUM_MAX_ELEMENTS
-        if small and qe_ok and n * self.heads * (self.dim_k + self.dim_v) <= 2.5 * taps * self.dim_k * self.dim_v:
+        gemm_speedup = 2.5 if small else 1.0
+        if qe_ok and n * self.heads * (self.dim_k + self.dim_v) <= gemm_speedup * taps * self.dim_k * self.dim_v:
             return "einsum_qe"
         if small and n <= 2 * taps:
             return "einsum"
@@ -336,9 +341,13 @@ class LambdaLayer(nn.Module):
                     lam_c = LF.content_lambda(LF.normalize_keys(keys, self.key_norm, dim=1), vals_t)  # b g k v
                     out = LF.apply_content_lambda(q, lam_c)  # b n h v
             if self.position and self._qe_path(spatial):
-                emb = self.embedding.embeddings(spatial) if isinstance(self.embedding, RelativePositionEmbedding) \
-                    else self.embedding.embeddings()
-                y = LF.position_output_qe(q, emb[0, :, 0], vals.view(b, n, v))  # b h n v
+                emb = self.embedding
+                if isinstance(emb, AbsolutePositionEmbedding):
+                    y = LF.position_output_qe(q, emb.embeddings()[0, :, 0], vals.view(b, n, v))  # b h n v
+                elif n <= _EINSUM_MAX_POSITIONS and n * n * k <= _EINSUM_MAX_ELEMENTS:  # whole E, cached in eval
+                    y = LF.position_output_qe(q, emb.embeddings(spatial)[0, :, 0], vals.view(b, n, v))  # b h n v
+                else:  # E row chunks built on the fly: no k n m tensor
+                    y = LF.relative_position_output_qe(q, emb.weight, emb.center, spatial, vals.view(b, n, v))
                 y = y.transpose(1, 2)  # b n h v
                 out = y if out is None else out + y
             elif self.position:

@@ -83,7 +83,8 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer, 
         seen += n
         if progress is not None:
             progress.update(n * ctx.world)
-            progress.set_postfix(loss=f"{loss_sum / seen:.3f}", lr=f"{optimizer.param_groups[0]['lr']:.2e}")
+            progress.set_postfix(loss=f"{loss_sum / seen:.3f}", lr=f"{optimizer.param_groups[0]['lr']:.2e}",
+                                 refresh=False)  # drawn at the bar's own interval
     elapsed = time.perf_counter() - start
     loss_sum, correct, seen = all_reduce_sum([loss_sum, correct, seen], ctx)
     return {"loss": loss_sum / max(seen, 1), "top1": correct / max(seen, 1), "samples": int(seen),
