@@ -368,10 +368,13 @@ def test_lambda_convolution_memory_is_linear_in_positions():
 def test_torch_compile_has_no_graph_breaks():
     import torch._dynamo
 
-    for kwargs in (dict(r=5), dict(r=None, feat_size=8), dict(r=3, causal=True)):
+    cases = [(dict(r=5), (2, 16, 8, 8)), (dict(r=None, feat_size=8), (2, 16, 8, 8)),
+             (dict(r=3, causal=True), (2, 16, 8)),
+             (dict(r=None, feat_size=30), (1, 16, 30, 29))]  # > 852 positions: E rows per chunk, checkpointed
+    for kwargs, shape in cases:
         torch._dynamo.reset()
         layer = LambdaLayer(16, dim_k=4, **kwargs)
-        x = torch.randn(2, 16, 8) if kwargs.get("causal") else torch.randn(2, 16, 8, 8)
+        x = torch.randn(*shape)
         explanation = torch._dynamo.explain(layer)(x)
         assert explanation.graph_break_count == 0, explanation.break_reasons
         assert explanation.graph_count == 1
