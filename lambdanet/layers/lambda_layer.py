@@ -266,7 +266,7 @@ class LambdaLayer(nn.Module):
         chunk by chunk from the relative table in every pass
         (:func:`~lambdanet.functional.relative_position_output_qe`), and the einsum must undercut the
         convolution's multiply-adds outright: it then serves global scopes (a 56x56 global layer trains
-        ~2.7x faster than with its 111x111 lambda convolution) while local scopes on large maps keep the
+        ~2.2x faster than with its 111x111 lambda convolution) while local scopes on large maps keep the
         convolution. Otherwise the depthwise lambda convolution, or the lambdas-first einsum for small maps
         whose scope covers them. Intra-depth, multi-head and causal layers use the lambdas-first forms.
         """
@@ -281,14 +281,18 @@ class LambdaLayer(nn.Module):
             return "einsum_qe" if qe_ok else "einsum"
         kernel, _ = LF.crop_relative_kernel(emb.weight, emb.center, spatial)
         taps = math.prod(kernel.shape[3:])
-        elements = n * n * self.dim_k * self.dim_u * self.groups
-        small = n <= _EINSUM_MAX_POSITIONS and elements <= _EINSUM_MAX_ELEMENTS
+        small = self._whole_embeddings_fit(n)
         gemm_speedup = 2.5 if small else 1.0
         if qe_ok and n * self.heads * (self.dim_k + self.dim_v) <= gemm_speedup * taps * self.dim_k * self.dim_v:
             return "einsum_qe"
         if small and n <= 2 * taps:
             return "einsum"
         return "depthwise_conv"
+
+    def _whole_embeddings_fit(self, n: int) -> bool:
+        """Whether the gathered ``E[n, m]`` may be materialised: ``n <= 852`` (App. E.1) and at most 64 MiB."""
+        elements = n * n * self.dim_k * self.dim_u * self.groups
+        return n <= _EINSUM_MAX_POSITIONS and elements <= _EINSUM_MAX_ELEMENTS
 
     def _qe_path(self, spatial: Sequence[int]) -> bool:
         """Whether the position output is contracted queries-first (``einsum_qe``)."""
@@ -344,7 +348,7 @@ class LambdaLayer(nn.Module):
                 emb = self.embedding
                 if isinstance(emb, AbsolutePositionEmbedding):
                     y = LF.position_output_qe(q, emb.embeddings()[0, :, 0], vals.view(b, n, v))  # b h n v
-                elif n <= _EINSUM_MAX_POSITIONS and n * n * k <= _EINSUM_MAX_ELEMENTS:  # whole E, cached in eval
+                elif self._whole_embeddings_fit(n):  # whole E, cached in eval
                     y = LF.position_output_qe(q, emb.embeddings(spatial)[0, :, 0], vals.view(b, n, v))  # b h n v
                 else:  # E row chunks built on the fly: no k n m tensor
                     y = LF.relative_position_output_qe(q, emb.weight, emb.center, spatial, vals.view(b, n, v))

@@ -328,7 +328,7 @@ def _progress(cfg: TrainConfig, ctx: DistContext, loader: ImageLoader, epoch: in
     total = loader.num_samples * ctx.world
     if cfg.max_train_batches is not None:
         total = min(total, cfg.max_train_batches * cfg.batch_size)
-    # redirected to a file (cluster logs): a line every 30 s instead of a carriage-return redraw per batch
+    # redirected to a file (cluster logs): redraws at most every 30 s instead of several per second
     interval = 0.1 if sys.stderr.isatty() else 30.0
     return tqdm(total=total, unit="img", unit_scale=True, desc=f"epoch {epoch + 1}/{cfg.epochs}", leave=False,
                 dynamic_ncols=True, file=sys.stderr, mininterval=interval)
