@@ -120,7 +120,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if not torch.cuda.is_available():
             raise ValueError("--device cuda but no CUDA device is available")
     run_benchmarks(args.parts or ["targets", "scaling", "table4"], device=args.device, out=args.out, quick=args.quick,
-                   suites=args.suites, img_size=args.img_size, batch_size=args.batch_size, repeats=args.repeats)
+                   suites=args.suites, img_size=args.img_size, batch_size=args.batch_size, repeats=args.repeats,
+                   amp=args.amp, channels_last=args.channels_last, compile=args.compile)
     return 0
 
 
@@ -210,6 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--img-size", type=int, default=224)
     bench.add_argument("--batch-size", type=int, default=8)
     bench.add_argument("--repeats", type=int, default=5)
+    bench.add_argument("--amp", default="none", choices=["none", "bf16", "fp16"],
+                       help="models part: autocast precision (fp16 needs --device cuda)")
+    bench.add_argument("--channels-last", action="store_true", help="models part: channels_last model and input")
+    bench.add_argument("--compile", action="store_true", help="models part: time torch.compile(model)")
     bench.set_defaults(func=_cmd_bench)
     return parser
 

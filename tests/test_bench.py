@@ -66,3 +66,18 @@ def test_bench_cli_rejects_unknown_parts(tmp_path, capsys):
     assert main(["bench", "speed", "--quick", "--out", str(tmp_path)]) == 2
     assert "unknown bench part(s) ['speed']; valid: targets, attention, scaling, models, table4" in \
         capsys.readouterr().err
+
+
+def test_bench_models_with_bf16_autocast_and_channels_last(tmp_path):
+    rows = run_benchmarks(["models"], quick=True, out=tmp_path, amp="bf16", channels_last=True,
+                          log=lambda s: None)["models"]
+    ours = {r["model"]: r for r in rows if not r["model"].startswith("timm:")}
+    assert set(ours) == {"resnet26", "lambda_resnet26"}
+    for r in ours.values():
+        assert r["amp"] == "bf16" and r["channels_last"] and r["train_images_per_s"] > 0 and r["infer_images_per_s"] > 0
+    assert "Precision bf16 autocast, channels_last, eager." in (tmp_path / "bench.md").read_text()
+
+
+def test_bench_rejects_fp16_without_cuda(tmp_path, capsys):
+    assert main(["bench", "models", "--quick", "--amp", "fp16", "--out", str(tmp_path)]) == 2
+    assert "amp='fp16' needs device='cuda'" in capsys.readouterr().err

@@ -41,7 +41,7 @@ def naive_layer_forward(layer, x):
     vals = vals.view(b, n, g, v, u)
     kbar = keys.view(b, n, g, k, u).softmax(dim=1)
     positions = list(itertools.product(*[range(s) for s in spatial]))
-    R = layer.embedding.weight.double()  # g k u *K
+    R = layer.embedding.table.double()  # g k u *K
     center = layer.embedding.center
     out = torch.zeros(b, n, h, v, dtype=torch.float64)
     for bi in range(b):
@@ -172,7 +172,7 @@ def test_causal_layer_equals_masked_reference():
     qkv = x.transpose(1, 2) @ layer.qkv.weight.t()
     q, keys, vals = qkv.split([h * k, k, v], dim=-1)
     q = q.view(b, n, h, k)
-    R = layer.embedding.weight[0, :, 0]  # k r, last entry = offset 0
+    R = layer.embedding.table[0, :, 0]  # k r, last entry = offset 0
     out = torch.zeros(b, n, h, v)
     for t in range(n):
         kbar = keys[:, : t + 1].softmax(dim=1)  # b m k

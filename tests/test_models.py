@@ -99,6 +99,54 @@ def test_every_model_trains_a_step(name):
 
 
 @pytest.mark.parametrize("name", list_models())
+def test_every_model_converts_to_channels_last(name):
+    """``model.to(memory_format=torch.channels_last)`` (the timm / torchvision idiom) works and changes
+    nothing but the layout. Checked module by module: each layer of the converted model, given the
+    channels_last copy of the input its NCHW twin saw, returns the same output (float64). End to end the
+    comparison would be meaningless: a deep random network in training-mode BN at batch 2 turns a 1e-13
+    input perturbation into a 1e-4 output change (HaloNet-H4)."""
+    torch.manual_seed(0)
+    kwargs = {"drop_rate": 0.0} | ({} if "mobilenet" in name else {"zero_init_last": False})
+    model = create_model(name, num_classes=5, **kwargs).double()
+    checked = {n: m for n, m in model.named_modules()
+               if n and (not list(m.children()) or type(m).__module__.startswith("lambdanet.layers"))}
+    seen: dict[str, list] = {}
+
+    def record_input(name):  # a copy before the call: in-place modules (ReLU) overwrite their input
+        def hook(module, inputs):
+            if name not in seen:
+                seen[name] = [tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in inputs)]
+        return hook
+
+    def record_output(name):
+        def hook(module, inputs, output):
+            if name in seen and len(seen[name]) == 1:  # first call of a reused module
+                seen[name].append(output.clone() if isinstance(output, torch.Tensor) else None)
+        return hook
+
+    hooks = [h for n, m in checked.items()
+             for h in (m.register_forward_pre_hook(record_input(n)), m.register_forward_hook(record_output(n)))]
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    with torch.no_grad():
+        model(x)
+        for h in hooks:
+            h.remove()
+        model.to(memory_format=torch.channels_last)
+        convs = [m.weight for m in model.modules() if isinstance(m, torch.nn.Conv2d) and m.kernel_size != (1, 1)]
+        assert convs and all(w.is_contiguous(memory_format=torch.channels_last) for w in convs)
+        assert torch.isfinite(model(x.contiguous(memory_format=torch.channels_last))).all()
+        spatial = 0
+        for n, (inputs, ref) in seen.items():
+            if not isinstance(ref, torch.Tensor):
+                continue
+            inputs = [t.contiguous(memory_format=torch.channels_last) if isinstance(t, torch.Tensor) and t.dim() == 4
+                      else t for t in inputs]
+            spatial += ref.dim() == 4
+            torch.testing.assert_close(checked[n](*inputs), ref, rtol=1e-9, atol=1e-9, msg=lambda m, n=n: f"{n}: {m}")
+    assert spatial > 10
+
+
+@pytest.mark.parametrize("name", list_models())
 def test_every_model_features_and_classifier(name):
     info = model_info(name)
     assert info.input_size > 0 and info.paper

@@ -10,14 +10,13 @@ per-example slope of at most 1 for the global lambda layer, whose ``k n m`` term
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from lambdanet.bench.measure import count_flops, peak_memory, sync, time_fn
+from lambdanet.bench.measure import count_flops, peak_memory, time_fn, timed_call
 from lambdanet.layers import RelativePositionEmbedding, create_spatial_layer
 
 __all__ = ["LayerConfig", "LAYER_SUITE", "build_layer", "memory_scaling", "loglog_slope", "bench_layer"]
@@ -187,10 +186,7 @@ def interleaved_fwd_bwd(impls: dict[str, nn.Module], x: torch.Tensor, *, repeats
     names = list(steps)
     for i in range(repeats):
         for name in names[i % len(names):] + names[:i % len(names)]:
-            t0 = time.perf_counter()
-            steps[name]()
-            sync(device)
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(timed_call(steps[name], device))
     out = {}
     for name in names:
         qs = statistics.quantiles(times[name], n=4) if len(times[name]) >= 2 else [times[name][0]] * 3

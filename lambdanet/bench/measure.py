@@ -1,7 +1,8 @@
 """Measurement primitives: time, peak memory and FLOPs of a callable, on CPU or CUDA.
 
-* Time: warm-up calls, then repeated timed calls; median and inter-quartile range. On CUDA the
-  device is synchronised around every call (CUDA events would time the same span).
+* Time: warm-up calls, then repeated timed calls; median and inter-quartile range. On CUDA each call
+  is timed with a pair of CUDA events recorded on the current stream around it, after a synchronisation
+  so that no earlier work is counted; on CPU with ``time.perf_counter``.
 * Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` above what was allocated before the call.
   On CPU PyTorch keeps no allocator statistics, so :class:`PeakMemory` tracks every tensor storage the
   call creates (through a dispatch mode) and when it is freed (through a weak reference on the storage,
@@ -23,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["PeakMemory", "Timing", "time_fn", "peak_memory", "count_flops", "sync"]
+__all__ = ["PeakMemory", "Timing", "time_fn", "timed_call", "peak_memory", "count_flops", "sync"]
 
 
 class PeakMemory(TorchDispatchMode):
@@ -59,6 +60,23 @@ def sync(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
+def timed_call(fn: Callable[[], object], device: torch.device | str = "cpu") -> float:
+    """Seconds one call of ``fn()`` takes: CUDA events around it on CUDA, wall time elsewhere."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        stream = torch.cuda.current_stream(device)
+        start.record(stream)
+        fn()
+        end.record(stream)
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3  # elapsed_time is in milliseconds
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 @dataclass
 class Timing:
     median_s: float
@@ -81,10 +99,7 @@ def time_fn(fn: Callable[[], object], device: torch.device | str = "cpu", *, war
     times: list[float] = []
     start = time.perf_counter()
     for i in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
+        times.append(timed_call(fn, device))
         if max_seconds is not None and i >= 2 and time.perf_counter() - start > max_seconds:
             break
     qs = statistics.quantiles(times, n=4) if len(times) >= 2 else [times[0]] * 3

@@ -28,8 +28,14 @@ PARTS = ("targets", "attention", "scaling", "models", "table4")
 
 def run_benchmarks(parts: Sequence[str] = PARTS, *, device: str = "cpu", out: str | Path = "bench_results",
                    quick: bool = False, suites: Sequence[str] = ("table13", "hybrid26", "mobilenet", "halonet"),
-                   img_size: int = 224, batch_size: int = 8, repeats: int = 5, log=print) -> dict:
-    """Run ``parts``; returns ``{part: rows}`` and writes ``<out>/<part>.{json,csv}``, plots and ``bench.md``."""
+                   img_size: int = 224, batch_size: int = 8, repeats: int = 5, amp: str = "none",
+                   channels_last: bool = False, compile: bool = False, log=print) -> dict:
+    """Run ``parts``; returns ``{part: rows}`` and writes ``<out>/<part>.{json,csv}``, plots and ``bench.md``.
+    ``amp``, ``channels_last`` and ``compile`` apply to the models part (see ``models.bench_model``)."""
+    if amp not in ("none", "bf16", "fp16"):
+        raise ValueError(f"amp must be one of none, bf16, fp16; got {amp!r}")
+    if amp == "fp16" and device != "cuda":
+        raise ValueError("amp='fp16' needs device='cuda'; use amp='bf16' on CPU")
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
         raise ValueError(f"unknown bench part(s) {unknown}; valid: {', '.join(PARTS)}")
@@ -84,13 +90,16 @@ def run_benchmarks(parts: Sequence[str] = PARTS, *, device: str = "cpu", out: st
         for suite in (["hybrid26"] if quick else suites):
             log(f"== models: {suite}")
             rows += M.run_model_suite(suite, img=32 if quick else img_size, batch=2 if quick else batch_size,
-                                      device=device, repeats=1 if quick else 3, log=log)
+                                      device=device, repeats=1 if quick else 3, amp=amp,
+                                      channels_last=channels_last, compile=compile, log=log)
         results["models"] = rows
-        report += ["## Models", "",
+        report += ["## Models", "", f"Precision {'fp32' if amp == 'none' else amp + ' autocast'}, "
+                   f"{'channels_last' if channels_last else 'NCHW'}, {'torch.compile' if compile else 'eager'}.", "",
                    markdown(rows, [("suite", "suite"), ("model", "model"), ("params", "params"), ("gflops", "GFLOPs"),
                                    ("train_images_per_s", "train img/s"), ("train_relative", "train rel."),
                                    ("infer_images_per_s", "infer img/s"), ("infer_relative", "infer rel."),
-                                   ("train_peak_bytes", "train peak bytes")]), ""]
+                                   ("train_peak_bytes", "train peak bytes")]
+                            + ([("error", "failed")] if any("error" in r for r in rows) else [])), ""]
     if "table4" in parts:
         log("== table4: memory column")
         rows = M.table4_memory()

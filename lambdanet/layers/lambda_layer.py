@@ -279,7 +279,7 @@ class LambdaLayer(nn.Module):
         n = math.prod(spatial)
         if isinstance(emb, AbsolutePositionEmbedding):
             return "einsum_qe" if qe_ok else "einsum"
-        kernel, _ = LF.crop_relative_kernel(emb.weight, emb.center, spatial)
+        kernel, _ = LF.crop_relative_kernel(emb.table, emb.center, spatial)
         taps = math.prod(kernel.shape[3:])
         small = self._whole_embeddings_fit(n)
         gemm_speedup = 2.5 if small else 1.0
@@ -351,7 +351,7 @@ class LambdaLayer(nn.Module):
                 elif self._whole_embeddings_fit(n):  # whole E, cached in eval
                     y = LF.position_output_qe(q, emb.embeddings(spatial)[0, :, 0], vals.view(b, n, v))  # b h n v
                 else:  # E row chunks built on the fly: no k n m tensor
-                    y = LF.relative_position_output_qe(q, emb.weight, emb.center, spatial, vals.view(b, n, v))
+                    y = LF.relative_position_output_qe(q, emb.table, emb.center, spatial, vals.view(b, n, v))
                 y = y.transpose(1, 2)  # b n h v
                 out = y if out is None else out + y
             elif self.position:
@@ -378,12 +378,12 @@ class LambdaLayer(nn.Module):
         n = math.prod(spatial)
         emb = self.embedding
         if isinstance(emb, RelativePositionEmbedding) and self.choose_impl(spatial) == "depthwise_conv":
-            return LF.token_position_lambdas(vals, emb.weight, emb.center, spatial)  # b n g v k
+            return LF.token_position_lambdas(vals, emb.table, emb.center, spatial)  # b n g v k
         vals_cf = LF.permute_copy(vals, (0, 2, 1)).view(b, g, v, u, *spatial)  # b g v u *S
         if isinstance(emb, AbsolutePositionEmbedding):
             lam = LF.einsum_position_lambdas(vals_cf.reshape(b, g, v, u, n), emb.embeddings(self.causal))
         else:
             impl = self.choose_impl(spatial)
             impl = "einsum" if impl == "einsum_qe" else impl
-            lam = LF.position_lambdas(vals_cf, emb.weight, emb.center, impl)  # b g v k *S
+            lam = LF.position_lambdas(vals_cf, emb.table, emb.center, impl)  # b g v k *S
         return LF.permute_copy(lam.reshape(b, g, v, k, n), (0, 4, 1, 2, 3))  # b n g v k

@@ -10,6 +10,10 @@
 One instance may be handed to several :class:`~lambdanet.layers.LambdaLayer` s to share the
 embeddings (Table 4 "shared embeddings", App. A): they are then a single parameter.
 Initialisation: ``E ~ N(0, 1)`` (App. E.1).
+
+Both store their table flat (``weight``: ``[g k u, positions]``) and expose the shaped view as ``table``:
+``Module.to(memory_format=torch.channels_last)`` restrides every 4-d parameter and rejects every 5-d one
+(a 2-d table ``[g, k, u, r, r]`` is 5-d), so a model holding lambda layers could not be made channels_last.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ class RelativePositionEmbedding(nn.Module):
             larger than it cannot be served.
 
     Shape:
-        ``weight``: ``[groups, dim_k, dim_u, *kernel_size]``.
+        ``table``: ``[groups, dim_k, dim_u, *kernel_size]``, a view of the parameter ``weight``
+        ``[groups * dim_k * dim_u, prod(kernel_size)]``.
     """
 
     def __init__(
@@ -66,8 +71,13 @@ class RelativePositionEmbedding(nn.Module):
         self.spatial_dims = len(kernel_size)
         self.center = tuple(s - 1 if causal else s // 2 for s in kernel_size)
         self.feat_size = None if feat_size is None else tuple(int(s) for s in feat_size)
-        self.weight = nn.Parameter(torch.empty(groups, dim_k, dim_u, *kernel_size))
+        self.weight = nn.Parameter(torch.empty(groups * dim_k * dim_u, math.prod(kernel_size)))  # (g k u) K
         self.reset_parameters()
+
+    @property
+    def table(self) -> Tensor:
+        """``R[g, k, u, *K]`` (a view of ``weight``)."""
+        return self.weight.view(self.groups, self.dim_k, self.dim_u, *self.kernel_size)  # g k u *K
 
     @classmethod
     def local(
@@ -106,13 +116,13 @@ class RelativePositionEmbedding(nn.Module):
 
         spatial = tuple(spatial)
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return gather_relative_embeddings(self.weight, self.center, spatial)
+            return gather_relative_embeddings(self.table, self.center, spatial)
         w = self.weight
         key = (w.data_ptr(), w._version, w.dtype, w.device, spatial)
         cache = self.__dict__.setdefault("_cache", {})
         if key not in cache:
             cache.clear()  # one entry per embedding: the current weights at the last size used
-            cache[key] = gather_relative_embeddings(w.detach(), self.center, spatial)
+            cache[key] = gather_relative_embeddings(self.table.detach(), self.center, spatial)
         return cache[key]
 
     def extra_repr(self) -> str:
@@ -125,6 +135,7 @@ class AbsolutePositionEmbedding(nn.Module):
     """Absolute per-(query, context) position embeddings ``E[g, k, u, n, m]`` (Fig. 3 taken literally).
 
     ``n * m * k * u * g`` parameters for a fixed ``feat_size``; inputs must have exactly that size.
+    ``table`` is ``E`` ``[g, k, u, n, m]``, a view of the parameter ``weight`` ``[g * k * u, n * m]``.
     """
 
     def __init__(self, dim_k: int, feat_size: Sequence[int], *, dim_u: int = 1, groups: int = 1):
@@ -138,19 +149,24 @@ class AbsolutePositionEmbedding(nn.Module):
         self.spatial_dims = len(self.feat_size)
         self.dim_k, self.dim_u, self.groups = dim_k, dim_u, groups
         n = math.prod(self.feat_size)
-        self.weight = nn.Parameter(torch.empty(groups, dim_k, dim_u, n, n))
+        self.n = n
+        self.weight = nn.Parameter(torch.empty(groups * dim_k * dim_u, n * n))  # (g k u) (n m)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, mean=0.0, std=1.0)
 
+    @property
+    def table(self) -> Tensor:
+        """``E[g, k, u, n, m]`` (a view of ``weight``)."""
+        return self.weight.view(self.groups, self.dim_k, self.dim_u, self.n, self.n)  # g k u n m
+
     def embeddings(self, causal: bool = False) -> Tensor:
         """``E[g, k, u, n, m]``; with ``causal`` the future ``m > n`` is masked to 0."""
         if not causal:
-            return self.weight
-        n = self.weight.shape[-1]
-        mask = torch.ones(n, n, dtype=torch.bool, device=self.weight.device).tril()
-        return self.weight * mask
+            return self.table
+        mask = torch.ones(self.n, self.n, dtype=torch.bool, device=self.weight.device).tril()  # n m
+        return self.table * mask  # g k u n m
 
     def extra_repr(self) -> str:
         return f"dim_k={self.dim_k}, dim_u={self.dim_u}, groups={self.groups}, feat_size={self.feat_size}"

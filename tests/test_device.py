@@ -1,0 +1,155 @@
+"""Accelerator tests: every layer and model on the GPU agrees with the CPU, AMP stays finite, the benchmark
+harness measures with CUDA events / the caching allocator, and a training run completes on the device.
+
+They run on ``LAMBDANET_TEST_DEVICE`` (default ``cuda``) and are skipped when that device is absent, so the
+default suite on a CPU-only machine skips them. ``LAMBDANET_TEST_DEVICE=cpu python -m pytest -m device``
+runs the same code on the CPU (the comparisons are then trivially tight; it checks the harness).
+Run on a GPU machine: ``python -m pytest -m device``.
+"""
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+
+from lambdanet.bench.measure import peak_memory, time_fn, timed_call
+from lambdanet.bench.runner import run_benchmarks
+from lambdanet.layers import LambdaLayer, create_spatial_layer, list_spatial_layers, spatial_layer_info
+from lambdanet.models import create_model, list_models
+from lambdanet.train import resolve_config, train
+
+DEVICE = torch.device(os.environ.get("LAMBDANET_TEST_DEVICE", "cuda"))
+
+
+def _available(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return torch.cuda.is_available()
+    return device.type == "cpu"
+
+
+pytestmark = [pytest.mark.device,
+              pytest.mark.skipif(not _available(DEVICE), reason=f"no {DEVICE.type} device (LAMBDANET_TEST_DEVICE)")]
+
+
+def _on_both(module: torch.nn.Module, *inputs: torch.Tensor):
+    """Outputs, input gradients and parameter gradients of ``module`` on the CPU and of a copy on DEVICE
+    for the same float64 inputs (float64: no TF32, the comparison is exact up to summation order)."""
+    results = []
+    for device in ("cpu", DEVICE):
+        mod = copy.deepcopy(module).double().to(device)
+        xs = [x.detach().double().to(device).requires_grad_(x.is_floating_point()) for x in inputs]
+        y = mod(*xs)
+        (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype, device=device).view_as(y)).sum().backward()
+        results.append((y.detach().cpu(), [x.grad.cpu() for x in xs if x.grad is not None],
+                        {n: p.grad.cpu() for n, p in mod.named_parameters() if p.grad is not None}))
+    return results
+
+
+def _assert_same(cpu, dev):
+    torch.testing.assert_close(dev[0], cpu[0], rtol=1e-7, atol=1e-9)
+    for a, b in zip(dev[1], cpu[1]):
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-9)
+    assert dev[2].keys() == cpu[2].keys() and cpu[2]
+    for name in cpu[2]:
+        torch.testing.assert_close(dev[2][name], cpu[2][name], rtol=1e-6, atol=1e-8, msg=lambda m, n=name: f"{n}: {m}")
+
+
+LAMBDA_CASES = {
+    "local_conv": dict(dim=32, r=7, impl="conv"),
+    "local_depthwise": dict(dim=32, r=7, impl="depthwise_conv"),
+    "local_einsum": dict(dim=32, r=7, impl="einsum"),
+    "local_einsum_qe": dict(dim=32, r=7, impl="einsum_qe"),
+    "global_auto": dict(dim=32, r=None, feat_size=12),
+    "multi_head_u2": dict(dim=32, r=5, heads=4, dim_u=2, multihead=True),
+    "stride2": dict(dim=32, r=5, stride=2),
+}
+
+
+@pytest.mark.parametrize("case", list(LAMBDA_CASES))
+def test_lambda_layer_matches_cpu(case):
+    kwargs = dict(LAMBDA_CASES[case])
+    dim = kwargs.pop("dim")
+    layer = LambdaLayer(dim, **kwargs)
+    cpu, dev = _on_both(layer, torch.randn(2, dim, 12, 11))
+    _assert_same(cpu, dev)
+
+
+def test_global_lambda_beyond_the_whole_e_bound_matches_cpu():
+    """The chunked ``E`` rows (more than 852 positions) on the device, against the CPU."""
+    layer = LambdaLayer(16, r=None, feat_size=(30, 29), dim_k=8, heads=2)
+    cpu, dev = _on_both(layer, torch.randn(1, 16, 30, 29))
+    _assert_same(cpu, dev)
+
+
+def test_causal_1d_lambda_matches_cpu():
+    layer = LambdaLayer(16, r=None, feat_size=24, spatial_dims=1, causal=True)
+    cpu, dev = _on_both(layer, torch.randn(2, 16, 24))
+    _assert_same(cpu, dev)
+
+
+@pytest.mark.parametrize("name", list_spatial_layers())
+def test_every_spatial_layer_matches_cpu(name):
+    feat = 16 if spatial_layer_info(name).needs_feat_size else None
+    layer = create_spatial_layer(name, 32, 32, feat_size=feat)
+    cpu, dev = _on_both(layer, torch.randn(2, 32, 16, 16))
+    _assert_same(cpu, dev)
+
+
+@pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("r", [7, None])
+def test_lambda_layer_under_autocast_is_finite_and_close_to_fp32(amp, r):
+    if DEVICE.type == "cpu" and amp == torch.float16:
+        pytest.skip("fp16 autocast is a CUDA setting")
+    layer = LambdaLayer(64, r=r, feat_size=16).to(DEVICE)
+    x = (3 * torch.randn(4, 64, 16, 16)).to(DEVICE).requires_grad_(True)
+    ref = layer(x)
+    with torch.autocast(DEVICE.type, dtype=amp):
+        y = layer(x)
+    y.float().square().mean().backward()
+    assert torch.isfinite(y).all() and torch.isfinite(x.grad).all()
+    assert all(torch.isfinite(p.grad).all() for p in layer.parameters() if p.grad is not None)
+    rel = (y.float() - ref).norm() / ref.norm()
+    assert rel < 0.05, rel
+
+
+@pytest.mark.parametrize("name", list_models())
+def test_every_model_trains_a_step_on_device_channels_last_bf16(name):
+    model = create_model(name, num_classes=10).to(DEVICE).to(memory_format=torch.channels_last)
+    x = torch.randn(4, 3, 96, 96, device=DEVICE).contiguous(memory_format=torch.channels_last)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        y = model(x)
+    loss = torch.nn.functional.cross_entropy(y.float(), torch.arange(4, device=DEVICE))
+    loss.backward()
+    assert y.shape == (4, 10) and torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_measurements_on_device():
+    size = 64 * 2**20
+    assert peak_memory(lambda: torch.empty(size, dtype=torch.uint8, device=DEVICE).fill_(1), DEVICE) >= size
+    a = torch.randn(512, 512, device=DEVICE)
+    once = timed_call(lambda: a @ a, DEVICE)
+    eight = timed_call(lambda: [a @ a for _ in range(8)], DEVICE)
+    assert 0 < once and 0 < eight
+    timing = time_fn(lambda: a @ a, DEVICE, repeats=5)
+    assert timing.repeats == 5 and timing.q1_s <= timing.median_s <= timing.q3_s
+
+
+def test_bench_quick_on_device(tmp_path):
+    results = run_benchmarks(["targets", "attention", "scaling", "models", "table4"], device=DEVICE.type,
+                             quick=True, out=tmp_path, amp="bf16", log=lambda s: None)
+    for part in ("targets", "scaling", "models"):
+        assert results[part] and (tmp_path / f"{part}.csv").exists()
+    rows = json.loads((tmp_path / "models.json").read_text())
+    assert {"resnet26", "lambda_resnet26"} <= {r["model"] for r in rows}
+    assert DEVICE.type != "cuda" or torch.cuda.get_device_name() in (tmp_path / "bench.md").read_text()
+
+
+def test_training_run_on_device(tmp_path):
+    summary = train(resolve_config(overrides=dict(
+        epochs=1, max_train_batches=4, batch_size=32, progress=False, tensorboard=False, out=str(tmp_path / "run"),
+        device=DEVICE.type, amp="bf16", channels_last=True)))
+    assert summary["epochs"] == 1 and 0.0 <= summary["final_acc"] <= 1.0
+    assert (tmp_path / "run" / "model.safetensors").exists()
