@@ -121,7 +121,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             raise ValueError("--device cuda but no CUDA device is available")
     run_benchmarks(args.parts or ["targets", "scaling", "table4"], device=args.device, out=args.out, quick=args.quick,
                    suites=args.suites, img_size=args.img_size, batch_size=args.batch_size, repeats=args.repeats,
-                   amp=args.amp, channels_last=args.channels_last, compile=args.compile)
+                   amp=args.amp, channels_last=args.channels_last, compile=args.compile, layers=args.layers)
     return 0
 
 
@@ -193,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     ps.set_defaults(func=_cmd_pseudo)
 
     from lambdanet.bench.models import MODEL_SUITES
+    from lambdanet.bench.layers import LAYER_SUITE
     from lambdanet.bench.runner import PARTS
 
     bench = sub.add_parser("bench", help="speed / memory / FLOPs benchmarks against the baselines and peers",
@@ -211,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--img-size", type=int, default=224)
     bench.add_argument("--batch-size", type=int, default=8)
     bench.add_argument("--repeats", type=int, default=5)
+    bench.add_argument("--layers", nargs="+", default=None, metavar="LAYER",
+                       help=f"scaling part: layers to sweep (default: all of {', '.join(LAYER_SUITE)})")
     bench.add_argument("--amp", default="none", choices=["none", "bf16", "fp16"],
                        help="models part: autocast precision (fp16 needs --device cuda)")
     bench.add_argument("--channels-last", action="store_true", help="models part: channels_last model and input")

@@ -81,3 +81,12 @@ def test_bench_models_with_bf16_autocast_and_channels_last(tmp_path):
 def test_bench_rejects_fp16_without_cuda(tmp_path, capsys):
     assert main(["bench", "models", "--quick", "--amp", "fp16", "--out", str(tmp_path)]) == 2
     assert "amp='fp16' needs device='cuda'" in capsys.readouterr().err
+
+
+def test_bench_scaling_layer_choice(tmp_path, capsys):
+    rows = run_benchmarks(["scaling"], quick=True, out=tmp_path, layers=["conv_se", "attention_augmented_conv"],
+                          log=lambda s: None)["scaling"]
+    assert {r["layer"] for r in rows} == {"conv_se", "attention_augmented_conv"}
+    assert all(r["fwd_bwd_ms"] > 0 and r["gflops_fwd_bwd"] > 0 for r in rows)
+    assert main(["bench", "scaling", "--quick", "--layers", "conv", "--out", str(tmp_path)]) == 2
+    assert "unknown bench layer(s) ['conv']; valid: global_attention," in capsys.readouterr().err

@@ -19,7 +19,8 @@ from torch import nn
 from lambdanet.bench.measure import count_flops, peak_memory, time_fn, timed_call
 from lambdanet.layers import RelativePositionEmbedding, create_spatial_layer
 
-__all__ = ["LayerConfig", "LAYER_SUITE", "build_layer", "memory_scaling", "loglog_slope", "bench_layer"]
+__all__ = ["LayerConfig", "LAYER_SUITE", "SCALING_LAYERS", "build_layer", "memory_scaling", "loglog_slope",
+           "bench_layer"]
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,16 @@ LAYER_SUITE: dict[str, LayerConfig] = {c.name: c for c in [
     LayerConfig("lambda_shared", "lambda", {}, True, shared_embedding=True,
                 paper="Table 4 lambda layer, shared embeddings", max_side=64),
     LayerConfig("lambda_conv_7x7", "lambda_conv", {"r": 7}, paper="Table 4 lambda convolution (7x7)"),
-    LayerConfig("conv_3x3", "conv", {}, paper="ResNet 3x3 convolution"),
+    LayerConfig("conv_3x3", "conv", {}, paper="ResNet 3x3 convolution (Table 3)"),
+    LayerConfig("conv_se", "conv_se", {}, paper="Table 3 squeeze-and-excitation"),
+    LayerConfig("linear_attention", "linear_attention", {}, paper="Table 3 channel / linear attention"),
+    LayerConfig("double_attention", "double_attention", {}, paper="Table 3 double attention (A^2-Nets)"),
+    LayerConfig("attention_augmented_conv", "attention_augmented_conv", {}, True,
+                paper="Table 3 attention augmentation (conv + global relative attention)", max_side=64),
 ]}
+
+# the default sweep: every layer above (Table 3's and Table 4's, HaloNet's)
+SCALING_LAYERS = tuple(LAYER_SUITE)
 
 
 def build_layer(config: LayerConfig, dim: int, side: int | tuple[int, int],

@@ -61,12 +61,13 @@ def plot_scaling(rows: list[dict], out: Path) -> list[Path]:
     paths = []
     for key, ylabel, fname in (("fwd_bwd_ms", "forward+backward time (ms)", "scaling_time.png"),
                                ("peak_bytes", "peak memory (MiB)", "scaling_memory.png")):
-        fig, ax = plt.subplots(figsize=(7, 5))
-        for layer in dict.fromkeys(r["layer"] for r in rows):
+        fig, ax = plt.subplots(figsize=(8, 6))
+        for i, layer in enumerate(dict.fromkeys(r["layer"] for r in rows)):
             pts = sorted((r["positions"], r[key] / (2 ** 20 if key == "peak_bytes" else 1)) for r in rows
                          if r["layer"] == layer and r["batch"] == batch)
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=layer)
+            if pts:  # 10 colours in the default cycle: markers and line styles keep 13+ layers apart
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="osD^v<>phX*P"[i % 12],
+                        linestyle="-" if i < 10 else "-.", label=layer)
         xs = sorted({r["positions"] for r in rows})
         ys = [r[key] / (2 ** 20 if key == "peak_bytes" else 1) for r in rows]
         y0 = min(ys)

@@ -29,13 +29,18 @@ PARTS = ("targets", "attention", "scaling", "models", "table4")
 def run_benchmarks(parts: Sequence[str] = PARTS, *, device: str = "cpu", out: str | Path = "bench_results",
                    quick: bool = False, suites: Sequence[str] = ("table13", "hybrid26", "mobilenet", "halonet"),
                    img_size: int = 224, batch_size: int = 8, repeats: int = 5, amp: str = "none",
-                   channels_last: bool = False, compile: bool = False, log=print) -> dict:
+                   channels_last: bool = False, compile: bool = False, layers: Sequence[str] | None = None,
+                   log=print) -> dict:
     """Run ``parts``; returns ``{part: rows}`` and writes ``<out>/<part>.{json,csv}``, plots and ``bench.md``.
-    ``amp``, ``channels_last`` and ``compile`` apply to the models part (see ``models.bench_model``)."""
+    ``amp``, ``channels_last`` and ``compile`` apply to the models part (see ``models.bench_model``);
+    ``layers`` picks the scaling part's layers among ``layers.LAYER_SUITE`` (default: all)."""
     if amp not in ("none", "bf16", "fp16"):
         raise ValueError(f"amp must be one of none, bf16, fp16; got {amp!r}")
     if amp == "fp16" and device != "cuda":
         raise ValueError("amp='fp16' needs device='cuda'; use amp='bf16' on CPU")
+    unknown_layers = sorted(set(layers or ()) - set(L.LAYER_SUITE))
+    if unknown_layers:
+        raise ValueError(f"unknown bench layer(s) {unknown_layers}; valid: {', '.join(L.LAYER_SUITE)}")
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
         raise ValueError(f"unknown bench part(s) {unknown}; valid: {', '.join(PARTS)}")
@@ -72,8 +77,8 @@ def run_benchmarks(parts: Sequence[str] = PARTS, *, device: str = "cpu", out: st
                                    ("ratio_vs_peer", "speed-up vs timm"), ("memory_ratio", "memory vs timm")]), ""]
     if "scaling" in parts:
         log("== scaling: spatial layers across resolutions and batches")
-        names = ["global_attention", "local_attention_7x7", "lambda_conv_7x7", "lambda"] if quick else list(
-            k for k in L.LAYER_SUITE if k != "conv_3x3")
+        names = list(layers) if layers else (
+            ["global_attention", "local_attention_7x7", "lambda_conv_7x7", "lambda"] if quick else list(L.SCALING_LAYERS))
         sides = [8, 12] if quick else [14, 16, 24, 32, 48, 64, 96, 128]
         batches = [1] if quick else [1, 4]
         rows = L.layer_sweep(names, sides, batches, dim=16 if quick else 64, device=device,
