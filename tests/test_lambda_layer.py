@@ -413,3 +413,23 @@ def test_inference_caches_the_embeddings_until_the_weights_change():
         y2 = layer(x)
     assert not torch.allclose(y1, y2)
     assert emb.embeddings((6, 6)).requires_grad  # with autograd: rebuilt, differentiable
+
+
+@pytest.mark.parametrize("kwargs,other", [
+    (dict(r=5, heads=4, dim_u=2, multihead=True), dict(r=7, heads=4, dim_u=2, multihead=True)),
+    (dict(r=None, feat_size=6, position_embedding="absolute"), dict(r=None, feat_size=5, position_embedding="absolute")),
+])
+def test_weights_saved_with_shaped_position_tables_still_load(kwargs, other):
+    """Checkpoints from before the tables were stored flat hold ``[g, k, u, *K]`` (``[g, k, u, n, m]``);
+    they load unchanged in value, and a table of the wrong size is still refused."""
+    layer = LambdaLayer(32, **kwargs)
+    legacy = {k: v.clone() for k, v in layer.state_dict().items()}
+    legacy["embedding.weight"] = layer.embedding.table.detach().clone()
+    assert legacy["embedding.weight"].dim() == 5
+    fresh = LambdaLayer(32, **kwargs)
+    fresh.load_state_dict(legacy)
+    torch.testing.assert_close(fresh.embedding.table, layer.embedding.table)
+    x = torch.randn(2, 32, 6, 6)
+    torch.testing.assert_close(fresh.eval()(x), layer.eval()(x))
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        LambdaLayer(32, **other).load_state_dict(legacy)

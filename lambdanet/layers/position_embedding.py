@@ -29,6 +29,15 @@ from lambdanet.helpers import check_positive_int, to_ntuple
 __all__ = ["RelativePositionEmbedding", "AbsolutePositionEmbedding"]
 
 
+def _flatten_legacy_table(state_dict: dict, key: str, flat_shape: torch.Size, shaped: tuple[int, ...]) -> None:
+    """Weights saved before the tables were stored flat (lambdanet 0.1 pre-releases) hold ``weight`` in its
+    shaped form; reshape it so that such checkpoints still load. Other shapes are left for ``load_state_dict``
+    to report."""
+    value = state_dict.get(key)
+    if isinstance(value, Tensor) and tuple(value.shape) == tuple(shaped) and tuple(value.shape) != tuple(flat_shape):
+        state_dict[key] = value.reshape(flat_shape)
+
+
 class RelativePositionEmbedding(nn.Module):
     """Relative position embeddings ``R`` (paper Sec. 3.3).
 
@@ -78,6 +87,11 @@ class RelativePositionEmbedding(nn.Module):
     def table(self) -> Tensor:
         """``R[g, k, u, *K]`` (a view of ``weight``)."""
         return self.weight.view(self.groups, self.dim_k, self.dim_u, *self.kernel_size)  # g k u *K
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        _flatten_legacy_table(state_dict, prefix + "weight", self.weight.shape,
+                              (self.groups, self.dim_k, self.dim_u, *self.kernel_size))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @classmethod
     def local(
@@ -160,6 +174,11 @@ class AbsolutePositionEmbedding(nn.Module):
     def table(self) -> Tensor:
         """``E[g, k, u, n, m]`` (a view of ``weight``)."""
         return self.weight.view(self.groups, self.dim_k, self.dim_u, self.n, self.n)  # g k u n m
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        _flatten_legacy_table(state_dict, prefix + "weight", self.weight.shape,
+                              (self.groups, self.dim_k, self.dim_u, self.n, self.n))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def embeddings(self, causal: bool = False) -> Tensor:
         """``E[g, k, u, n, m]``; with ``causal`` the future ``m > n`` is masked to 0."""
