@@ -130,9 +130,7 @@ def test_measurements_on_device():
     size = 64 * 2**20
     assert peak_memory(lambda: torch.empty(size, dtype=torch.uint8, device=DEVICE).fill_(1), DEVICE) >= size
     a = torch.randn(512, 512, device=DEVICE)
-    once = timed_call(lambda: a @ a, DEVICE)
-    eight = timed_call(lambda: [a @ a for _ in range(8)], DEVICE)
-    assert 0 < once and 0 < eight
+    assert timed_call(lambda: a @ a, DEVICE) > 0
     timing = time_fn(lambda: a @ a, DEVICE, repeats=5)
     assert timing.repeats == 5 and timing.q1_s <= timing.median_s <= timing.q3_s
 

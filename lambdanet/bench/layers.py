@@ -19,8 +19,7 @@ from torch import nn
 from lambdanet.bench.measure import count_flops, peak_memory, time_fn, timed_call
 from lambdanet.layers import RelativePositionEmbedding, create_spatial_layer
 
-__all__ = ["LayerConfig", "LAYER_SUITE", "SCALING_LAYERS", "build_layer", "memory_scaling", "loglog_slope",
-           "bench_layer"]
+__all__ = ["LayerConfig", "LAYER_SUITE", "build_layer", "memory_scaling", "loglog_slope", "bench_layer"]
 
 
 @dataclass(frozen=True)
@@ -56,9 +55,6 @@ LAYER_SUITE: dict[str, LayerConfig] = {c.name: c for c in [
     LayerConfig("attention_augmented_conv", "attention_augmented_conv", {}, True,
                 paper="Table 3 attention augmentation (conv + global relative attention)", max_side=64),
 ]}
-
-# the default sweep: every layer above (Table 3's and Table 4's, HaloNet's)
-SCALING_LAYERS = tuple(LAYER_SUITE)
 
 
 def build_layer(config: LayerConfig, dim: int, side: int | tuple[int, int],

@@ -139,12 +139,11 @@ def run_model_suite(suite: str, *, img: int = 224, batch: int = 16, device: str 
             # a peer that cannot run this setting (timm's lambda_resnet26t has no channels_last: its 5-d
             # position parameter is rejected by Module.to(memory_format=...)) is reported, not fatal
             row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:100]}"
-            rows.append(row)
             log(f"  {label}: failed ({row['error']})")
-            continue
+        else:
+            log(f"  {label}: {params / 1e6:.2f}M params, {flops / 1e9:.2f} GFLOPs, "
+                + ", ".join(f"{m} {row[f'{m}_images_per_s']:.1f} img/s" for m in modes))
         rows.append(row)
-        log(f"  {label}: {params / 1e6:.2f}M params, {flops / 1e9:.2f} GFLOPs, "
-            + ", ".join(f"{m} {row[f'{m}_images_per_s']:.1f} img/s" for m in modes))
     for mode in modes:
         base = rows[0].get(f"{mode}_images_per_s") if rows else None
         for row in rows:

@@ -78,7 +78,7 @@ def run_benchmarks(parts: Sequence[str] = PARTS, *, device: str = "cpu", out: st
     if "scaling" in parts:
         log("== scaling: spatial layers across resolutions and batches")
         names = list(layers) if layers else (
-            ["global_attention", "local_attention_7x7", "lambda_conv_7x7", "lambda"] if quick else list(L.SCALING_LAYERS))
+            ["global_attention", "local_attention_7x7", "lambda_conv_7x7", "lambda"] if quick else list(L.LAYER_SUITE))
         sides = [8, 12] if quick else [14, 16, 24, 32, 48, 64, 96, 128]
         batches = [1] if quick else [1, 4]
         rows = L.layer_sweep(names, sides, batches, dim=16 if quick else 64, device=device,

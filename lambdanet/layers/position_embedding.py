@@ -29,16 +29,28 @@ from lambdanet.helpers import check_positive_int, to_ntuple
 __all__ = ["RelativePositionEmbedding", "AbsolutePositionEmbedding"]
 
 
-def _flatten_legacy_table(state_dict: dict, key: str, flat_shape: torch.Size, shaped: tuple[int, ...]) -> None:
-    """Weights saved before the tables were stored flat (lambdanet 0.1 pre-releases) hold ``weight`` in its
-    shaped form; reshape it so that such checkpoints still load. Other shapes are left for ``load_state_dict``
-    to report."""
-    value = state_dict.get(key)
-    if isinstance(value, Tensor) and tuple(value.shape) == tuple(shaped) and tuple(value.shape) != tuple(flat_shape):
-        state_dict[key] = value.reshape(flat_shape)
+class _FlatTable(nn.Module):
+    """A position table stored flat in ``weight`` and seen through a shaped view ``table`` (see the module
+    docstring). Weights saved before the tables were stored flat (lambdanet 0.1 pre-releases) hold ``weight``
+    in the shaped form: they are reshaped on load; other shapes are left for ``load_state_dict`` to report."""
+
+    weight: nn.Parameter
+
+    @property
+    def table(self) -> Tensor:
+        raise NotImplementedError
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=1.0)  # App. E.1: E ~ N(0, 1)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        value = state_dict.get(prefix + "weight")
+        if isinstance(value, Tensor) and value.shape == self.table.shape != self.weight.shape:
+            state_dict[prefix + "weight"] = value.reshape(self.weight.shape)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
-class RelativePositionEmbedding(nn.Module):
+class RelativePositionEmbedding(_FlatTable):
     """Relative position embeddings ``R`` (paper Sec. 3.3).
 
     Args:
@@ -88,11 +100,6 @@ class RelativePositionEmbedding(nn.Module):
         """``R[g, k, u, *K]`` (a view of ``weight``)."""
         return self.weight.view(self.groups, self.dim_k, self.dim_u, *self.kernel_size)  # g k u *K
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        _flatten_legacy_table(state_dict, prefix + "weight", self.weight.shape,
-                              (self.groups, self.dim_k, self.dim_u, *self.kernel_size))
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
     @classmethod
     def local(
         cls, dim_k: int, r: int, *, spatial_dims: int = 2, dim_u: int = 1, groups: int = 1, causal: bool = False
@@ -116,9 +123,6 @@ class RelativePositionEmbedding(nn.Module):
             check_positive_int(s, "feat_size")
         kernel = tuple(s if causal else 2 * s - 1 for s in size)
         return cls(dim_k, kernel, dim_u=dim_u, groups=groups, causal=causal, feat_size=size)
-
-    def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, mean=0.0, std=1.0)  # App. E.1: E ~ N(0, 1)
 
     def embeddings(self, spatial: Sequence[int]) -> Tensor:
         """``E[g, k, u, n, m]`` for an input of size ``spatial`` (see ``functional.gather_relative_embeddings``).
@@ -145,7 +149,7 @@ class RelativePositionEmbedding(nn.Module):
                 f"causal={self.causal}")
 
 
-class AbsolutePositionEmbedding(nn.Module):
+class AbsolutePositionEmbedding(_FlatTable):
     """Absolute per-(query, context) position embeddings ``E[g, k, u, n, m]`` (Fig. 3 taken literally).
 
     ``n * m * k * u * g`` parameters for a fixed ``feat_size``; inputs must have exactly that size.
@@ -167,18 +171,10 @@ class AbsolutePositionEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(groups * dim_k * dim_u, n * n))  # (g k u) (n m)
         self.reset_parameters()
 
-    def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, mean=0.0, std=1.0)
-
     @property
     def table(self) -> Tensor:
         """``E[g, k, u, n, m]`` (a view of ``weight``)."""
         return self.weight.view(self.groups, self.dim_k, self.dim_u, self.n, self.n)  # g k u n m
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        _flatten_legacy_table(state_dict, prefix + "weight", self.weight.shape,
-                              (self.groups, self.dim_k, self.dim_u, self.n, self.n))
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def embeddings(self, causal: bool = False) -> Tensor:
         """``E[g, k, u, n, m]``; with ``causal`` the future ``m > n`` is masked to 0."""
