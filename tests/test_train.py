@@ -310,7 +310,7 @@ def _free_port() -> int:
 def _sync_bn_worker(rank, world, port, path):
     import torch.distributed as dist
 
-    from lambdanet.train.distributed import convert_sync_batchnorm
+    from lambdanet.train.distributed import DistContext, all_gather_with_grad, cleanup, convert_sync_batchnorm
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -321,9 +321,20 @@ def _sync_bn_worker(rank, world, port, path):
     (model(xs) * dy[rank::world]).sum().backward()  # the global objective is the sum over both ranks
     for p in model.parameters():
         dist.all_reduce(p.grad)
+    v, w = _gather_data(rank)
+    v.requires_grad_()
+    gathered = all_gather_with_grad(v)
+    (gathered * w).sum().backward()
     torch.save({"x": xs.grad, **{n: p.grad for n, p in model.named_parameters()},
-                "running_mean": model[1].running_mean}, f"{path}.{rank}")
-    dist.destroy_process_group()
+                "running_mean": model[1].running_mean, "gathered": gathered.detach(), "v": v.grad},
+               f"{path}.{rank}")
+    cleanup(DistContext(rank, world), synchronize=True)
+
+
+def _gather_data(rank):
+    """Rank ``rank``'s vector and the weights of its share of the objective sum_r <all_gather(v)_r, w_r>."""
+    g = torch.Generator().manual_seed(10 + rank)
+    return torch.randn(3, generator=g), torch.randn(2, 3, generator=g)
 
 
 def _smooth_net():
@@ -353,6 +364,10 @@ def test_allreduce_batchnorm_equals_whole_batch_batchnorm(tmp_path):
         for name, p in ref_model.named_parameters():
             torch.testing.assert_close(got[name].double(), p.grad, atol=1e-5, rtol=1e-4, msg=name)
         torch.testing.assert_close(got["running_mean"].double(), ref_model[1].running_mean, atol=1e-6, rtol=1e-5)
+        # all_gather_with_grad: every rank sees [v_0, v_1]; d/dv_rank of the summed objective is sum_r w_r[rank]
+        (v0, w0), (v1, w1) = _gather_data(0), _gather_data(1)
+        torch.testing.assert_close(got["gathered"], torch.stack([v0, v1]))
+        torch.testing.assert_close(got["v"], (w0 + w1)[rank])
 
 
 def test_torchrun_two_processes_match_one_process_with_the_same_global_batch(tmp_path):

@@ -5,7 +5,7 @@
 the data and wraps the model in ``DistributedDataParallel``; only rank 0 writes files.
 
 PyTorch's ``nn.SyncBatchNorm`` runs on GPUs only; :class:`AllReduceBatchNorm` does the same on any
-device with a differentiable all-reduce of the per-channel sums, so ``--sync-bn`` also works on CPU
+device with a differentiable all-gather of the per-channel statistics, so ``--sync-bn`` also works on CPU
 clusters (and makes a multi-process run compute what one process computes on the whole batch).
 """
 
@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["DistContext", "init_distributed", "all_reduce_sum", "AllReduceBatchNorm", "convert_sync_batchnorm",
-           "barrier", "cleanup"]
+__all__ = ["DistContext", "init_distributed", "all_reduce_sum", "all_gather_with_grad", "AllReduceBatchNorm",
+           "convert_sync_batchnorm", "barrier", "cleanup"]
 
 
 @dataclass
@@ -70,9 +70,39 @@ def barrier(ctx: DistContext) -> None:
         dist.barrier()
 
 
-def cleanup(ctx: DistContext) -> None:
+def cleanup(ctx: DistContext, synchronize: bool = False) -> None:
+    """Leave the process group. ``synchronize=True`` (a normal end) first waits at a barrier, so that no rank
+    tears its connections down while a peer still has a message in flight to it (gloo aborts the peer's
+    process then); after an error there is no barrier, since the other ranks may never reach it."""
     if ctx.enabled and dist.is_initialized():
+        if synchronize:
+            dist.barrier()
         dist.destroy_process_group()
+
+
+class _AllGather(torch.autograd.Function):
+    """Differentiable all-gather of a 1-d tensor: ``[d] -> [world, d]``.
+
+    Backward: this rank's slice of the gradient summed over all ranks (every rank holds the gathered tensor,
+    so every rank's loss depends on every slice), done as one all-reduce, which every backend supports.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, x.contiguous())
+        return torch.stack(parts)  # world d
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        grad = grad.contiguous()  # world d
+        dist.all_reduce(grad)
+        return grad[dist.get_rank()]  # d
+
+
+def all_gather_with_grad(x: Tensor) -> Tensor:
+    """``[d]`` on each rank -> ``[world, d]`` on every rank, with gradients flowing back to each rank's ``x``."""
+    return _AllGather.apply(x)
 
 
 class AllReduceBatchNorm(nn.modules.batchnorm._BatchNorm):
@@ -92,8 +122,6 @@ class AllReduceBatchNorm(nn.modules.batchnorm._BatchNorm):
         self._check_input_dim(x)
         if not (self.training and dist.is_initialized() and dist.get_world_size() > 1):
             return super().forward(x)
-        from torch.distributed.nn.functional import all_gather
-
         dims = [0] + list(range(2, x.dim()))
         c = x.shape[1]
         shape = [1, c] + [1] * (x.dim() - 2)
@@ -103,7 +131,7 @@ class AllReduceBatchNorm(nn.modules.batchnorm._BatchNorm):
         # (var + eps)^-3/2 in near-constant channels) out of the gradient, as BatchNorm's own backward does
         local_m2 = (xf - local_mean.detach().view(shape)).square().sum(dims)  # c: sum of squared deviations
         count = torch.full((1,), xf.numel() / c, device=x.device, dtype=torch.float32)
-        gathered = torch.stack(all_gather(torch.cat([local_mean, local_m2, count])))  # world (2c + 1)
+        gathered = all_gather_with_grad(torch.cat([local_mean, local_m2, count]))  # world (2c + 1)
         means, m2s, counts = gathered[:, :c], gathered[:, c:2 * c], gathered[:, 2 * c:]
         n = counts.sum()
         mean = (counts * means).sum(0) / n  # Chan et al.'s parallel mean and variance: no cancellation

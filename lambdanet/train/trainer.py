@@ -166,10 +166,13 @@ def _resolve_resume(cfg: TrainConfig) -> TrainConfig:
 def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
     """Train and evaluate ``cfg``; returns the run summary (also written to ``<out>/summary.json``)."""
     ctx = init_distributed(cfg.device)
+    finished = False
     try:
-        return _train(cfg, ctx, log if ctx.is_main else (lambda s: None))
+        summary = _train(cfg, ctx, log if ctx.is_main else (lambda s: None))
+        finished = True
+        return summary
     finally:
-        cleanup(ctx)
+        cleanup(ctx, synchronize=finished)
 
 
 def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None]) -> dict:
