@@ -323,10 +323,15 @@ def _sync_bn_worker(rank, world, port, path):
         dist.all_reduce(p.grad)
     v, w = _gather_data(rank)
     v.requires_grad_()
+    # a branch beside the gather: add's backward hands both the same gradient tensor, and exp's backward
+    # (created earlier, so run later) reads it after the gather's backward has run
+    q = torch.zeros(world, v.numel(), requires_grad=True)
+    z = q.exp()
     gathered = all_gather_with_grad(v)
-    (gathered * w).sum().backward()
+    ((gathered + z) * w).sum().backward()
     torch.save({"x": xs.grad, **{n: p.grad for n, p in model.named_parameters()},
-                "running_mean": model[1].running_mean, "gathered": gathered.detach(), "v": v.grad},
+                "running_mean": model[1].running_mean, "gathered": gathered.detach(), "v": v.grad,
+                "q": q.grad},
                f"{path}.{rank}")
     cleanup(DistContext(rank, world), synchronize=True)
 
@@ -368,6 +373,7 @@ def test_allreduce_batchnorm_equals_whole_batch_batchnorm(tmp_path):
         (v0, w0), (v1, w1) = _gather_data(0), _gather_data(1)
         torch.testing.assert_close(got["gathered"], torch.stack([v0, v1]))
         torch.testing.assert_close(got["v"], (w0 + w1)[rank])
+        torch.testing.assert_close(got["q"], (w0, w1)[rank])  # exp(0) = 1: the gather left the shared gradient alone
 
 
 def test_torchrun_two_processes_match_one_process_with_the_same_global_batch(tmp_path):

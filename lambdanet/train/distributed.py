@@ -95,9 +95,10 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
-        grad = grad.contiguous()  # world d
-        dist.all_reduce(grad)
-        return grad[dist.get_rank()]  # d
+        # a copy: autograd may hand the same gradient tensor to other branches, which must not see the sum
+        total = grad.clone(memory_format=torch.contiguous_format)  # world d
+        dist.all_reduce(total)
+        return total[dist.get_rank()]  # d
 
 
 def all_gather_with_grad(x: Tensor) -> Tensor:
