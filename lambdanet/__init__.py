@@ -11,7 +11,7 @@ from lambdanet.layers import (
     create_spatial_layer,
     list_spatial_layers,
 )
-from lambdanet.models import create_model, list_models, model_info, register_model
+from lambdanet.models import create_model, list_models, model_args, model_info, register_model
 
 __version__ = "0.1.0"
 
@@ -25,6 +25,7 @@ __all__ = [
     "create_model",
     "list_models",
     "model_info",
+    "model_args",
     "register_model",
     "__version__",
 ]

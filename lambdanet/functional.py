@@ -17,12 +17,22 @@ Two families live here:
   content lambdas (global or causal through cumulative sums, App. B.2) and the application of
   lambdas to queries as GEMMs.
 
-Where the paper disagrees with itself the choice is written down:
+Layouts of the intra-depth axis ``u`` (Fig. 8 orders it ``[k, n, m, u]`` / ``[r, 1, u, k]``):
 
-* Fig. 7 prints the multi-head position output as ``'bhnk,bnkv->bnhv'``; the position lambdas it
-  builds are ``bnhkv`` (one per head), so the contraction must be ``'bhnk,bnhkv->bnhv'``.
-* Fig. 8 orders the intra-depth tensors ``[k, n, m, u]`` / ``[r, 1, u, k]``; we keep ``u`` as the last
-  axis everywhere (``keys [b, m, k, u]``, ``values [b, m, v, u]``, ``embeddings [n, m, k, u]``).
+* Paper-shaped functions: ``u`` last (``keys [b, m, k, u]``, ``values [b, m, v, u]``,
+  ``embeddings [n, m, k, u]``).
+* Relative kernels and embeddings: ``u`` after ``k``, the spatial axes last, as a convolution weight
+  (``R [g, k, u, *K]``, ``E [g, k, u, n, m]``); values for the lambda convolution ``[b, g, v, u, *S]``.
+* Content lambdas: ``u`` last (``keys [b, m, g, k, u]``, ``values [b, m, g, v, u]``); value tokens
+  ``[b, n, (g v u)]``.
+* Lambdas carry no ``u`` (it is summed): ``[b, g, v, k, *S]`` from the convolutions, ``[b, n, g, v, k]``
+  per position for :func:`apply_lambdas`.
+
+Where the paper disagrees with itself the choice is written down: Fig. 7 prints the multi-head position
+output as ``'bhnk,bnkv->bnhv'``; the position lambdas it builds are ``bnhkv`` (one per head), so the
+contraction must be ``'bhnk,bnhkv->bnhv'``.
+
+Speed measurements of these implementations are in BENCHMARKS.md, not here.
 """
 
 from __future__ import annotations
@@ -35,7 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from lambdanet.helpers import check_choice, conv_nd
+from lambdanet.helpers import check_choice, compute_dtype, conv_nd
 
 __all__ = [
     "lambda_layer",
@@ -45,6 +55,7 @@ __all__ = [
     "POSITION_IMPLS",
     "KEY_NORMS",
     "crop_relative_kernel",
+    "cropped_kernel_size",
     "gather_relative_embeddings",
     "position_lambdas",
     "einsum_position_lambdas",
@@ -231,11 +242,23 @@ def crop_relative_kernel(
     new_center = []
     for a, (c, s) in enumerate(zip(center, spatial)):
         size = kernel.shape[3 + a]
-        lo, hi = max(0, c - (s - 1)), min(size - 1, c + (s - 1))
+        lo, hi = _reachable_taps(c, size, s)
         if lo > 0 or hi < size - 1:
             kernel = kernel.narrow(3 + a, lo, hi - lo + 1)
         new_center.append(c - lo)
     return kernel, tuple(new_center)
+
+
+def _reachable_taps(center: int, size: int, s: int) -> tuple[int, int]:
+    """First and last tap of a kernel axis of ``size`` taps (offset 0 at ``center``) that reach a position of
+    an axis of ``s`` positions: offsets lie in ``[-(s - 1), s - 1]``."""
+    return max(0, center - (s - 1)), min(size - 1, center + (s - 1))
+
+
+def cropped_kernel_size(kernel_size: Sequence[int], center: Sequence[int], spatial: Sequence[int]) -> tuple[int, ...]:
+    """The shape ``*K`` that :func:`crop_relative_kernel` leaves, from sizes alone (no tensor touched)."""
+    return tuple(hi - lo + 1 for lo, hi in (_reachable_taps(c, size, s)
+                                            for c, size, s in zip(center, kernel_size, spatial)))
 
 
 def gather_relative_embeddings(kernel: Tensor, center: Sequence[int], spatial: Sequence[int],
@@ -249,7 +272,7 @@ def gather_relative_embeddings(kernel: Tensor, center: Sequence[int], spatial: S
     ``E`` is Toeplitz in every axis: after zero-padding ``R`` to cover every offset, the row of query ``i``
     is the window of ``R`` starting at ``center - i``. So ``E`` is built from ``unfold`` windows and one
     flip (a single strided copy), and its backward is ``unfold``'s native accumulation rather than an
-    indexed scatter-add (2-4x faster than gathering with index tensors).
+    indexed scatter-add.
 
     ``rows=(start, stop)`` builds only the queries whose first spatial coordinate lies in
     ``[start, stop)``: ``E[g, k, u, (stop - start) * prod(spatial[1:]), m]``, the rows of a query chunk.
@@ -360,8 +383,7 @@ def token_position_lambdas(values: Tensor, kernel: Tensor, center: Sequence[int]
     """The depthwise lambda convolution on channels-last tokens: ``[b, n, (g v u)] -> [b, n, g, v, k]``.
 
     The value tokens are already a channels-last image and a channels-last depthwise convolution writes its
-    output channels-last, i.e. the position lambdas arrive in token layout: no layout copies either way
-    (2-3x faster forward than the channels-first convolution on CPU, and a faster backward on large maps).
+    output channels-last, i.e. the position lambdas arrive in token layout: no layout copies either way.
     """
     b, n, c = values.shape
     g, k, u = kernel.shape[:3]
@@ -426,7 +448,7 @@ def causal_content_lambdas(keys: Tensor, values: Tensor, method: str = "softmax"
         ``[b, n, g, k, v]``.
     """
     check_choice(method, "key_norm", KEY_NORMS)
-    dtype = torch.promote_types(torch.promote_types(keys.dtype, values.dtype), torch.float32)
+    dtype = compute_dtype(keys.dtype, values.dtype)
     keys, values = keys.to(dtype), values.to(dtype)
     tiny = torch.finfo(dtype).tiny
     if method == "softmax":

@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Callable
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
+    "compute_dtype",
     "to_ntuple",
     "check_positive_int",
     "check_choice",
@@ -76,3 +78,13 @@ def check_input(x: Tensor, dim: int, spatial_dims: int, layer: str) -> None:
         )
     if x.shape[1] != dim:
         raise ValueError(f"{layer} was built with dim={dim} input channels, got input with {x.shape[1]} channels")
+
+
+def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """The dtype softmaxes, attention logits and lambdas are computed in for inputs of ``dtypes``: their
+    promotion, at least float32. float16 / bfloat16 -> float32 (never half precision, also under autocast),
+    float32 -> float32, float64 -> float64 (so float64 layers can be ``gradcheck``-ed and cross-checked)."""
+    dtype = torch.float32
+    for d in dtypes:
+        dtype = torch.promote_types(dtype, d)
+    return dtype

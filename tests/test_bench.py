@@ -2,15 +2,17 @@
 (No timed assertions: speed is reported in BENCHMARKS.md, not tested.)"""
 
 import json
+import sys
 
 import pytest
 import torch
 
-from lambdanet.bench import PeakMemory, count_flops
-from lambdanet.bench.layers import geomean, loglog_slope
-from lambdanet.bench.models import table4_memory
+from lambdanet.bench.layer_bench import geomean, loglog_slope, scaling_slopes
+from lambdanet.bench.model_bench import table4_memory
+from lambdanet.bench.peers import missing_peers_warning
 from lambdanet.bench.runner import run_benchmarks
 from lambdanet.cli import main
+from lambdanet.runtime import PeakMemory, autocast_context, check_amp, count_flops, time_round_robin
 
 
 def test_peak_memory_tracker_counts_live_storages():
@@ -28,14 +30,73 @@ def test_flop_counter_counts_two_per_multiply_add():
     assert count_flops(lambda: a @ b) == 2 * 8 * 16 * 4
 
 
+def test_flop_counter_matches_the_closed_form_of_a_convolution():
+    """A k x k convolution: 2 B C_out H' W' C_in k^2 forward (bias adds are not counted); its backward
+    computes the input and the weight gradient, each one more convolution of the same size."""
+    conv = torch.nn.Conv2d(6, 10, 3, stride=2)
+    x = torch.randn(2, 6, 9, 7, requires_grad=True)
+    h_out, w_out = (9 - 3) // 2 + 1, (7 - 3) // 2 + 1  # 4, 3
+    forward = 2 * 2 * 10 * h_out * w_out * 6 * 3 * 3
+    assert count_flops(lambda: conv(x)) == forward
+    assert count_flops(lambda: conv(x).sum().backward()) == 3 * forward
+
+
+def test_round_robin_timing_rotates_the_order_each_round():
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    timings = time_round_robin(fns, warmup=1, repeats=4)
+    assert calls == list("abc") + list("abc") + list("bca") + list("cab") + list("abc")  # warm-up, then rounds
+    assert all(t.repeats == 4 and t.q1_s <= t.median_s <= t.q3_s for t in timings.values())
+
+
+def test_one_amp_validation_for_every_user(tmp_path, capsys):
+    with pytest.raises(ValueError, match=r"^amp must be one of \['none', 'bf16', 'fp16'\], got 'fp8'$"):
+        check_amp("fp8", "cpu")
+    message = "amp='fp16' needs device='cuda', got device='cpu'; use amp='bf16' on CPU"
+    with pytest.raises(ValueError, match=message):
+        autocast_context(torch.device("cpu"), "fp16")
+    with pytest.raises(ValueError, match=message):
+        run_benchmarks(["models"], quick=True, out=tmp_path, amp="fp16", log=lambda s: None)
+    with autocast_context("cpu", "bf16"):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+    with autocast_context("cpu", "none"):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
+
+
 def test_slopes_and_geomean():
     assert loglog_slope([1, 2, 4, 8], [3, 12, 48, 192]) == pytest.approx(2.0)
     assert geomean([2.0, 8.0]) == pytest.approx(4.0)
 
 
+def test_scaling_slopes_separate_the_batch_shared_term():
+    """Rows of a layer whose peak is ``S n^2 + b P n`` (a quadratic term shared by the batch, a linear one per
+    example) and time ``t n^1.5``: the total memory slope lies between 1 and 2, the per-example slope is 1."""
+    rows = [{"layer": "x", "side": s, "positions": s * s, "batch": b, "fwd_bwd_ms": 0.1 * (s * s) ** 1.5,
+             "peak_bytes": 3.0 * (s * s) ** 2 + b * 500.0 * s * s} for s in (8, 16, 32) for b in (1, 4)]
+    rows += [{"layer": "single size", "side": 8, "positions": 64, "batch": 1, "fwd_bwd_ms": 1.0, "peak_bytes": 1}]
+    (slopes,) = scaling_slopes(rows)
+    assert slopes["layer"] == "x" and slopes["batch"] == 1 and slopes["sides"] == 3
+    assert slopes["time_slope"] == pytest.approx(1.5)
+    assert 1.0 < slopes["memory_slope"] < 2.0
+    assert slopes["per_example_slope"] == pytest.approx(1.0)
+
+
 def test_table4_memory_follows_the_complexity_formulas():
-    rows = {r["variant"]: r["ours_gb"] for r in table4_memory(batch=128)}
-    assert rows["Global self-attention"] > 10 * rows["Axial self-attention"] > 10 * rows["Lambda layer"] / 10
+    """Table 4's memory column, computed by hand from the paper's complexity formulas on ResNet-50's layer
+    shapes: 16 spatial layers (blocks 3, 4, 6, 3) at 224x224 see n = 56^2 (3 blocks, and the strided first
+    block of stage 2), 28^2 (3 + 1), 14^2 (5 + 1) and 7^2 (2) positions; fp32 (4 bytes), batch b = 128."""
+    b, fp32 = 128, 4
+    sides = [56] * 4 + [28] * 4 + [14] * 6 + [7] * 2
+    n2 = sum((s * s) ** 2 for s in sides)  # sum of n m = n^2 over the layers
+    rows = {r["variant"]: r["ours_gb"] * 1e9 for r in table4_memory(batch=b)}
+    assert rows["Global self-attention"] == pytest.approx(fp32 * b * 4 * n2)  # Theta(b h n m), h = 4
+    # Theta(b h n (H + W)): each position attends its row and its column, h = 8
+    assert rows["Axial self-attention"] == pytest.approx(fp32 * b * 8 * sum(s * s * 2 * s for s in sides))
+    assert rows["Local self-attention (7x7)"] == pytest.approx(fp32 * b * 8 * sum(s * s * 49 for s in sides))
+    # Theta(k n m) with k = 16, |u| = 1, shared by the batch; with shared embeddings once per resolution
+    assert rows["Lambda layer"] == pytest.approx(fp32 * 16 * n2)
+    assert rows["Lambda layer (shared embeddings)"] == pytest.approx(fp32 * 16 * sum(s ** 4 for s in set(sides)))
+    rows = {r["variant"]: r["ours_gb"] for r in table4_memory(batch=b)}
     assert rows["Lambda layer (|k|=8)"] == pytest.approx(rows["Lambda layer"] / 2)  # Theta(l k n^2)
     assert rows["Lambda layer (shared embeddings)"] < rows["Lambda layer"] / 3
     assert rows["Lambda convolution (7x7)"] == 0.0  # no n x m tensor at all
@@ -53,10 +114,21 @@ def test_bench_runs_on_tiny_sizes_and_writes_its_files(tmp_path):
     assert (tmp_path / "scaling_time.png").exists() and (tmp_path / "scaling_memory.png").exists()
     ours = [r for r in results["targets"] if r["impl"] == "lambdanet"]
     assert len(ours) == 2 and all(r["median_ms"] > 0 and r["peak_bytes"] > 0 and r["flops"] > 0 for r in ours)
+    for row in ours:  # the ratio columns are the peers' rows at the same point against ours
+        peers = [r for r in results["targets"] if r["impl"] != "lambdanet"
+                 and all(r[k] == row[k] for k in ("batch", "channels", "side", "scope"))]
+        fastest = min(peers, key=lambda r: r["median_ms"])
+        assert row["fastest_peer"] == fastest["impl"]
+        assert row["ratio_vs_fastest_peer"] == pytest.approx(fastest["median_ms"] / row["median_ms"])
+        assert row["memory_ratio"] == pytest.approx(row["peak_bytes"] / fastest["peak_bytes"])
     rows = json.loads((tmp_path / "scaling.json").read_text())
     assert {r["layer"] for r in rows} == {"global_attention", "local_attention_7x7", "lambda_conv_7x7", "lambda"}
     models = {r["model"]: r for r in results["models"]}
-    assert models["resnet26"]["train_relative"] == pytest.approx(1.0)
+    assert results["models"][0]["model"] == "resnet26"  # the suite's base row
+    for r in results["models"]:  # relative throughput: each row's images/s over the base row's
+        for mode in ("train", "infer"):
+            expected = r[f"{mode}_images_per_s"] / models["resnet26"][f"{mode}_images_per_s"]
+            assert r[f"{mode}_relative"] == pytest.approx(expected)
     assert models["lambda_resnet26"]["params"] < models["resnet26"]["params"]
     report = (tmp_path / "bench.md").read_text()
     assert "## LambdaLayer against the peers" in report and "## Table 4 memory" in report
@@ -81,6 +153,28 @@ def test_bench_models_with_bf16_autocast_and_channels_last(tmp_path):
 def test_bench_rejects_fp16_without_cuda(tmp_path, capsys):
     assert main(["bench", "models", "--quick", "--amp", "fp16", "--out", str(tmp_path)]) == 2
     assert "amp='fp16' needs device='cuda'" in capsys.readouterr().err
+
+
+def test_bench_without_the_peers_warns_and_keeps_our_rows(tmp_path, capsys, monkeypatch):
+    for module in ("timm", "lambda_networks"):  # None in sys.modules: importing it raises ImportError
+        monkeypatch.setitem(sys.modules, module, None)
+    assert main(["bench", "targets", "--quick", "--out", str(tmp_path)]) == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1, err
+    assert "peers not installed: timm, lambda-networks" in err[0]
+    assert 'pip install -e ".[bench]"' in err[0] and "pip install timm lambda-networks" in err[0]
+    rows = json.loads((tmp_path / "targets.json").read_text())
+    assert len(rows) == 2 and {r["impl"] for r in rows} == {"lambdanet"}
+    assert "peers not installed: timm, lambda-networks" in (tmp_path / "bench.md").read_text()
+
+
+def test_missing_peers_warning_names_only_the_missing_ones(monkeypatch):
+    monkeypatch.setitem(sys.modules, "lambda_networks", None)
+    monkeypatch.setitem(sys.modules, "timm", pytest.importorskip("timm"))
+    message = missing_peers_warning({"timm": ["attention"], "lambda_networks": ["targets"]})
+    assert message == ('peers not installed: lambda-networks (targets run without their rows); install them with '
+                       'pip install -e ".[bench]" or pip install lambda-networks')
+    assert missing_peers_warning({"timm": ["attention", "models"]}) is None
 
 
 def test_bench_scaling_layer_choice(tmp_path, capsys):

@@ -14,10 +14,10 @@ import os
 import pytest
 import torch
 
-from lambdanet.bench.measure import peak_memory, time_fn, timed_call
 from lambdanet.bench.runner import run_benchmarks
 from lambdanet.layers import LambdaLayer, create_spatial_layer, list_spatial_layers, spatial_layer_info
 from lambdanet.models import create_model, list_models
+from lambdanet.runtime import peak_memory, time_fn, timed_call
 from lambdanet.train import resolve_config, train
 
 DEVICE = torch.device(os.environ.get("LAMBDANET_TEST_DEVICE", "cuda"))
@@ -145,9 +145,12 @@ def test_bench_quick_on_device(tmp_path):
     assert DEVICE.type != "cuda" or torch.cuda.get_device_name() in (tmp_path / "bench.md").read_text()
 
 
-def test_training_run_on_device(tmp_path):
+def test_training_run_on_device_learns(tmp_path):
+    """Three epochs of the default job (digits, 10 classes, 359 test images) learn. A model that guesses
+    scores at most the largest class's share, 47/359 = 0.13, with a standard deviation of at most
+    sqrt(0.13 * 0.87 / 359) = 0.018, so 0.5 lies 20 standard deviations above any guessing model."""
     summary = train(resolve_config(overrides=dict(
-        epochs=1, max_train_batches=4, batch_size=32, progress=False, tensorboard=False, out=str(tmp_path / "run"),
+        epochs=3, batch_size=32, progress=False, tensorboard=False, out=str(tmp_path / "run"),
         device=DEVICE.type, amp="bf16", channels_last=True)))
-    assert summary["epochs"] == 1 and 0.0 <= summary["final_acc"] <= 1.0
+    assert summary["epochs"] == 3 and summary["final_acc"] > 0.5, summary
     assert (tmp_path / "run" / "model.safetensors").exists()

@@ -433,3 +433,127 @@ def test_weights_saved_with_shaped_position_tables_still_load(kwargs, other):
     torch.testing.assert_close(fresh.eval()(x), layer.eval()(x))
     with pytest.raises(RuntimeError, match="size mismatch"):
         LambdaLayer(32, **other).load_state_dict(legacy)
+
+
+# ------------------------------------------------------------------------------------------ plan and policy
+PLAN_CASES = [(dict(r=5), (2, 8, 8, 8)), (dict(r=23), (2, 8, 20, 20)), (dict(r=None, feat_size=8), (2, 8, 8, 8)),
+              (dict(r=None, feat_size=30), (1, 8, 30, 29)), (dict(r=5, dim_u=2), (2, 8, 8, 8)),
+              (dict(r=5, multihead=True), (2, 8, 6, 6)), (dict(r=5, position=False), (2, 8, 6, 6)),
+              (dict(r=None, feat_size=6, position_embedding="absolute"), (2, 8, 6, 6)),
+              (dict(r=3, causal=True), (2, 8, 12)), (dict(r=3, spatial_dims=3), (1, 8, 4, 5, 6))]
+
+
+def _record_position_functions(monkeypatch):
+    """Which functional position implementation each forward call ran, in choose_impl's vocabulary (the
+    outermost call only: ``position_lambdas(..., "einsum")`` calls ``einsum_position_lambdas`` in turn)."""
+    from lambdanet import functional as LF
+
+    ran, depth = [], [0]
+
+    def recorded(fn, name_of):
+        def wrapper(*args, **kwargs):
+            if depth[0] == 0:
+                ran.append(name_of(args, kwargs))
+            depth[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return wrapper
+
+    fixed = {"position_output_qe": "einsum_qe", "relative_position_output_qe": "einsum_qe",
+             "token_position_lambdas": "depthwise_conv", "einsum_position_lambdas": "einsum"}
+    for fn_name, impl in fixed.items():
+        monkeypatch.setattr(LF, fn_name, recorded(getattr(LF, fn_name), lambda a, kw, _i=impl: _i))
+    monkeypatch.setattr(LF, "position_lambdas", recorded(LF.position_lambdas, lambda a, kw: kw.get("impl", a[-1])))
+    return ran
+
+
+@pytest.mark.parametrize("kwargs,shape", PLAN_CASES, ids=lambda c: str(c))
+def test_forward_plans_once_and_runs_what_choose_impl_reports(kwargs, shape, monkeypatch):
+    plans = []
+    original = LambdaLayer.plan
+    monkeypatch.setattr(LambdaLayer, "plan", lambda self, *a, **kw: plans.append(a) or original(self, *a, **kw))
+    ran = _record_position_functions(monkeypatch)
+    for impl in ("auto", "conv", "depthwise_conv", "einsum", "einsum_qe"):
+        layer = LambdaLayer(8, dim_k=2, heads=2, impl=impl, **kwargs)
+        expected = layer.choose_impl(shape[2:])
+        plans.clear()
+        ran.clear()
+        layer(torch.randn(*shape)).sum().backward()
+        assert len(plans) == 1, (impl, plans)
+        assert ran == ([] if expected == "none" else [expected]), (impl, expected, ran)
+
+
+@pytest.fixture
+def set_policy():
+    """``set_impl_policy`` for one test; the policies registered before are restored afterwards."""
+    from lambdanet.layers.lambda_layer import set_impl_policy
+
+    saved = {}
+
+    def apply(device_type, policy):
+        previous = set_impl_policy(device_type, policy)
+        saved.setdefault(device_type, previous)
+
+    yield apply
+    for device_type, previous in saved.items():
+        set_impl_policy(device_type, previous)
+
+
+def test_policy_numbers_move_the_auto_choice_where_the_cost_model_says(set_policy):
+    """A local r=5 layer at the paper's depths (k=16, h=4, v=16) on a 16x16 map: n = 256 positions, 25 taps.
+    Queries-first costs n h (k + v) = 32768 multiply-adds per context position, the convolution taps k v =
+    6400: einsum_qe needs gemm_speedup >= 32768 / 6400 = 5.12; the lambdas-first einsum needs
+    n / taps = 10.24 positions per tap; E has n^2 k = 1048576 elements."""
+    from lambdanet.layers.lambda_layer import ImplPolicy
+
+    layer = LambdaLayer(64, dim_k=16, heads=4, r=5)
+    size = (16, 16)
+    assert layer.choose_impl(size) == "depthwise_conv"  # the defaults: 2.5 < 5.12, 2 < 10.24
+    for policy, want in [
+        (ImplPolicy(gemm_speedup=5.13), "einsum_qe"), (ImplPolicy(gemm_speedup=5.11), "depthwise_conv"),
+        (ImplPolicy(gemm_speedup=6.0, max_whole_positions=255), "depthwise_conv"),  # no whole E: factor 1
+        (ImplPolicy(gemm_speedup=6.0, max_whole_elements=256 * 256 * 16 - 1), "depthwise_conv"),
+        (ImplPolicy(gemm_speedup=6.0, max_whole_elements=256 * 256 * 16), "einsum_qe"),
+        (ImplPolicy(einsum_positions_per_tap=10.25), "einsum"), (ImplPolicy(einsum_positions_per_tap=10.23),
+                                                                "depthwise_conv"),
+    ]:
+        set_policy("cpu", policy)
+        assert layer.choose_impl(size) == want, policy
+
+
+def test_policy_is_per_device_type_and_forward_follows_it(set_policy, monkeypatch):
+    """A global 16x16 layer (taps 31^2 = 961): queries-first at any policy; its whole E (n = 256) is used up to
+    max_whole_positions, then rows per chunk. Same output either way, up to float64 rounding."""
+    from lambdanet.layers.lambda_layer import DEFAULT_IMPL_POLICY, ImplPolicy, impl_policy
+
+    layer = randomize_norms(LambdaLayer(16, dim_k=4, heads=4, r=None, feat_size=16)).eval().double()
+    size = (16, 16)
+    set_policy("cuda", ImplPolicy(max_whole_positions=255))
+    assert impl_policy("cpu") == DEFAULT_IMPL_POLICY
+    assert layer.plan(size).position == "einsum_qe_whole"
+    assert layer.plan(size, "cuda").position == "einsum_qe_chunked"
+    ran = _record_position_functions(monkeypatch)
+    x = torch.randn(2, 16, *size, dtype=torch.float64)
+    whole = layer(x)
+    set_policy("cpu", ImplPolicy(max_whole_positions=255))
+    assert layer.plan(size).position == "einsum_qe_chunked"
+    chunked = layer(x)
+    assert ran == ["einsum_qe", "einsum_qe"]
+    # float64 rounding of sums over m = 256 terms of size ~|q||E||v| ~ 2: at most ~(m + k) eps 2 m ~ 3e-11
+    # (random-walk far less), against |y| ~ 30-100
+    torch.testing.assert_close(chunked, whole, atol=1e-12 * whole.abs().max().item(), rtol=0)
+
+
+def test_bad_policies_raise_value_error():
+    from lambdanet.layers.lambda_layer import ImplPolicy, set_impl_policy
+
+    with pytest.raises(ValueError, match="max_whole_positions must be a positive int"):
+        ImplPolicy(max_whole_positions=0)
+    with pytest.raises(ValueError, match="gemm_speedup must be a non-negative number"):
+        ImplPolicy(gemm_speedup=-1.0)
+    with pytest.raises(ValueError, match="policy must be an ImplPolicy or None"):
+        set_impl_policy("cpu", {"gemm_speedup": 3.0})
+    with pytest.raises(ValueError, match="device_type must be"):
+        set_impl_policy(torch.device("cpu"), None)

@@ -1,45 +1,116 @@
-"""Model zoo: one test per paper-table row (parameter counts) and per registered model (behaviour)."""
+"""Model zoo: one test per paper-table row (parameter counts) and per registered model (behaviour).
 
+Parameter counts, block placement and shapes are checked on the meta device (no allocation, so the
+420-layer models cost no more than ResNet-26); forward and backward passes run on the models registered as
+``small`` and the MobileNets at full width, on the other ResNets and HaloNets at 1/8 of their width (base
+width 8: the same blocks, layers and placement).
+"""
+
+import dataclasses
+import functools
+import inspect
 import math
+import re
 
 import pytest
 import torch
 
-from lambdanet.bench import count_flops
 from lambdanet.layers import LambdaLayer
-from lambdanet.models import Bottleneck, create_model, list_models, model_info
+from lambdanet.models import Bottleneck, ResNet, ResNetArgs, create_model, list_models, model_args, model_info
+from lambdanet.models import halonet, mobilenet, zoo_resnet
+from lambdanet.models.halonet import halonet_config
 from lambdanet.models.paper_tables import PAPER_ROWS
-from lambdanet.models.zoo_resnet import LAMBDA_C4_BLOCKS, RESNET_RS_LAYERS
+from lambdanet.models.resnet import build_resnet
+from lambdanet.models.zoo_resnet import LAMBDA_C4_BLOCKS, RESNET_RS_LAYERS, TABLE20_REGULARIZATION, Table20Row
+from lambdanet.runtime import count_flops
+from lambdanet.train.config import TrainConfig
+
+FAMILIES = (zoo_resnet, halonet, mobilenet)
+
+
+def n_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
 
 
 def meta_params(name, **kwargs):
     with torch.device("meta"):
-        model = create_model(name, **kwargs)
-    return sum(p.numel() for p in model.parameters())
+        return n_params(create_model(name, **kwargs))
 
 
-PARAM_ROWS = [r for r in PAPER_ROWS if r.model and r.params_m is not None]
+@functools.cache
+def row_params_m(i: int) -> float:
+    """Our parameter count (M) for ``PAPER_ROWS[i]``, computed once for the tests that share it."""
+    return meta_params(PAPER_ROWS[i].model, **PAPER_ROWS[i].kwargs) / 1e6
 
 
-@pytest.mark.parametrize("row", PARAM_ROWS, ids=[f"T{r.table}:{r.row}" for r in PARAM_ROWS])
-def test_paper_table_parameter_count(row):
-    params = meta_params(row.model, **row.kwargs) / 1e6
+def narrowing(name: str) -> int:
+    """By how much :func:`build_small` divides the widths of ``name``: 1 for the models registered as
+    ``small`` and the MobileNets (3.5M parameters, no width option), 8 for the other ResNets and HaloNets."""
+    return 1 if model_info(name).small or name in mobilenet.model_cfgs else 8
+
+
+def build_small(name: str, **kwargs) -> torch.nn.Module:
+    """``create_model(name, **kwargs)`` made fast on a CPU: the widths divided by :func:`narrowing` (base
+    width 8 instead of 64: the same blocks, layers and placement)."""
+    if narrowing(name) == 1:
+        return create_model(name, **kwargs)
+    if name in halonet.model_cfgs:  # HaloNets take no width option: the same Table A2 row at base width 8
+        num_classes = kwargs.pop("num_classes", 1000)
+        return build_resnet(halonet_config(name, base_width=8), ResNetArgs(**kwargs), num_classes=num_classes)
+    return create_model(name, base_width=8, **kwargs)
+
+
+PARAM_ROWS = [i for i, r in enumerate(PAPER_ROWS) if r.model and r.params_m is not None]
+PARAM_IDS = [f"T{PAPER_ROWS[i].table}:{PAPER_ROWS[i].row}" for i in PARAM_ROWS]
+# the tolerances of the issue: 1.5% for LambdaNetworks Tables 3, 9, 10 and 13, 3% for the others
+DEFAULT_TOL = {"3": 0.015, "9": 0.015, "10": 0.015, "13": 0.015}
+# "ours 15.03M (+1.6%)": the figure a note quotes for our implementation
+OURS = re.compile(r"ours (\d+\.\d+)M \(([+-]\d+\.\d)%\)")
+
+
+@pytest.mark.parametrize("i", PARAM_ROWS, ids=PARAM_IDS)
+def test_paper_table_parameter_count(i):
+    row, params = PAPER_ROWS[i], row_params_m(i)
     assert abs(params - row.params_m) <= row.tol * row.params_m, (
         f"{row.call}: {params:.2f}M vs {row.params_m}M (tolerance {row.tol:.1%}) {row.note}")
 
 
-def test_known_deviations_are_only_the_documented_ones():
-    """Rows outside the issue's tolerances (1.5% for Tables 3/9/10/13, 3% otherwise) carry a note."""
-    strict = {"3": 0.015, "9": 0.015, "10": 0.015, "13": 0.015}
-    for row in PARAM_ROWS:
-        base = strict.get(row.table, 0.03)
-        if row.tol > base:
-            assert row.note, row
+@pytest.mark.parametrize("i", PARAM_ROWS, ids=PARAM_IDS)
+def test_tolerance_is_widened_exactly_for_the_rows_that_deviate_and_their_notes_quote_our_count(i):
+    """A row gets a tolerance above the table's default exactly when our count is outside the default; its
+    note then quotes our count ("ours 11.82M (-3.9%)"), and every count a note quotes is what we compute."""
+    row, params = PAPER_ROWS[i], row_params_m(i)
+    delta = params / row.params_m - 1
+    base = DEFAULT_TOL.get(row.table, 0.03)
+    assert (abs(delta) > base) == (row.tol > base), (row.call, f"{delta:+.2%}", row.tol)
+    quoted = OURS.findall(row.note)
+    if row.tol > base:
+        assert quoted, f"{row.call}: a widened tolerance needs a note quoting our count"
+    for figure, percent in quoted:
+        assert float(figure) == pytest.approx(round(params, 2), abs=1e-9), (row.call, figure, params)
+        assert float(percent) == pytest.approx(round(100 * delta, 1), abs=1e-9), (row.call, percent, delta)
+
+
+def test_halonet_h3_alternatives_stated_in_the_docs():
+    """docs/models.md and the H3 row's note: with the row's values H3 has 11.82M parameters against the
+    paper's 12.3M; one entry changed at a time, ``df = 1280`` (H4's value) gives 12.27M and ``l3 = 13``
+    12.21M (68 layers where the row says 65), while ``rb``, ``rv`` and ``df = 1536`` overshoot."""
+    note = next(r.note for r in PAPER_ROWS if r.model == "halonet_h3")
+    stated = re.findall(r"(df|l3|rb|rv) = (\d+(?:\.\d+)?)[^:,;]*: (\d+\.\d+)M", note)
+    assert {sym for sym, _, _ in stated} == {"df", "l3", "rb", "rv"}, note
+    for sym, value, figure in stated:
+        with torch.device("meta"):
+            cfg = halonet_config("halonet_h3", **{sym: int(value) if sym in ("df", "l3") else float(value)})
+            params = n_params(ResNet(cfg))
+        assert round(params / 1e6, 2) == float(figure), (sym, value, params)
+    spec = halonet.model_cfgs["halonet_h3"]
+    assert 3 * (3 + 3 + spec.l3 + 3) + 2 == 65  # Table A2's layer count: stem, 3 convs per block, classifier
 
 
 def test_resnet50_3x3_convs_hold_11_3m_params():
     """REFERENCE.md: the 3x3 convs of ResNet-50 hold 11.3M parameters."""
-    model = create_model("resnet50")
+    with torch.device("meta"):
+        model = create_model("resnet50")
     n = sum(m.conv.weight.numel() for m in model.modules() if type(m).__name__ == "ConvLayer")
     assert abs(n / 1e6 - 11.3) < 0.05
 
@@ -60,7 +131,8 @@ def test_flops_where_the_counting_convention_is_unambiguous():
 
 @pytest.mark.parametrize("depth", sorted(RESNET_RS_LAYERS))
 def test_lambda_resnet_block_placement_follows_table_18(depth):
-    model = create_model(f"lambda_resnet{depth}")
+    with torch.device("meta"):
+        model = create_model(f"lambda_resnet{depth}")
     layers = RESNET_RS_LAYERS[depth]
     for stage, n in zip(model.stages, layers):
         assert len(stage) == n
@@ -75,7 +147,8 @@ def test_lambda_resnet_block_placement_follows_table_18(depth):
 
 
 def test_resnet_rs_stem_and_shortcut_are_resnet_d():
-    model = create_model("resnet_rs50")
+    with torch.device("meta"):
+        model = create_model("resnet_rs50")
     convs = [m for m in model.stem if isinstance(m, torch.nn.Conv2d)]
     assert [(c.kernel_size, c.stride, c.out_channels) for c in convs] == [
         ((3, 3), (2, 2), 32), ((3, 3), (1, 1), 32), ((3, 3), (1, 1), 64), ((3, 3), (2, 2), 64)]
@@ -85,10 +158,22 @@ def test_resnet_rs_stem_and_shortcut_are_resnet_d():
 
 
 @pytest.mark.parametrize("name", list_models())
+def test_small_variants_keep_the_architecture_but_not_the_width(name):
+    """The fast variant of the behaviour tests keeps every block, layer type and placement of the registered
+    model and divides its stage widths by :func:`narrowing`. (Only a shortcut may differ: the stem keeps its
+    64 channels, so a block whose output was 64 wide gets a 1x1 projection at the narrow width.)"""
+    with torch.device("meta"):
+        full, small = create_model(name), build_small(name)
+    assert [type(m) for n, m in full.named_modules() if "shortcut" not in n] == [
+        type(m) for n, m in small.named_modules() if "shortcut" not in n]
+    assert [f["num_chs"] // narrowing(name) for f in full.feature_info] == [f["num_chs"] for f in small.feature_info]
+
+
+@pytest.mark.parametrize("name", list_models())
 def test_every_model_trains_a_step(name):
     """Forward and backward at a small size, no NaN, every parameter gets a (non-zero) gradient."""
-    model = create_model(name, num_classes=7, zero_init_last=False) if "mobilenet" not in name else \
-        create_model(name, num_classes=7)
+    torch.manual_seed(0)
+    model = build_small(name, num_classes=7, **({} if "mobilenet" in name else {"zero_init_last": False}))
     x = torch.randn(2, 3, 64, 64)
     y = model(x)
     assert y.shape == (2, 7) and torch.isfinite(y).all()
@@ -107,7 +192,7 @@ def test_every_model_converts_to_channels_last(name):
     input perturbation into a 1e-4 output change (HaloNet-H4)."""
     torch.manual_seed(0)
     kwargs = {"drop_rate": 0.0} | ({} if "mobilenet" in name else {"zero_init_last": False})
-    model = create_model(name, num_classes=5, **kwargs).double()
+    model = build_small(name, num_classes=5, **kwargs).double()
     checked = {n: m for n, m in model.named_modules()
                if n and (not list(m.children()) or type(m).__module__.startswith("lambdanet.layers"))}
     seen: dict[str, list] = {}
@@ -218,6 +303,8 @@ def test_every_table_3_and_4_row_is_one_create_model_call():
         (lambda: create_model("resnet50", share_embeddings=True, stage_layers="LLLL",
                               spatial_layer="halo_attention"), "share_embeddings needs lambda layers"),
         (lambda: create_model("mobilenet_v2_lambda", lambda_blocks=(18,)), "lambda_blocks must be 1-indexed"),
+        (lambda: create_model("halonet_h0", stem="cifar"), "does not take ['stem']; it accepts: img_size"),
+        (lambda: create_model("mobilenet_v2", lambda_blocks=(10,)), "does not take ['lambda_blocks']"),
     ],
 )
 def test_bad_model_arguments_raise_value_error_listing_choices(call, needle):
@@ -231,3 +318,90 @@ def test_list_models_pattern():
                                                 "lambda_resnet270_c4"]
     assert {"resnet50", "resnet_rs420_se", "halonet_h7", "mobilenet_v2_lambda", "lambda_resnet26"} <= set(
         list_models())
+
+
+def test_model_args_of_lambda_resnet26():
+    args = model_args("lambda_resnet26")
+    assert args | {"stage_layers": None, "stem": None, "base_width": None, "img_size": None, "drop_rate": 0.0,
+                   "drop_path_rate": 0.0, "features_only": False, "zero_init_last": True} == args
+    assert "num_classes" not in args and "in_chans" not in args
+    args["stem"] = "cifar"  # a copy: the registry's declaration is unchanged
+    assert model_args("lambda_resnet26")["stem"] is None
+    with pytest.raises(ValueError, match="unknown model 'nope'"):
+        model_args("nope")
+
+
+# one model per distinct declaration of keyword arguments (the families declare them once)
+ARGS_EXAMPLES = ["lambda_resnet26", "halonet_h0", "mobilenet_v2", "mobilenet_v2_lambda"]
+
+
+def test_args_examples_cover_every_declaration():
+    assert {repr(model_args(n)) for n in list_models()} == {repr(model_args(n)) for n in ARGS_EXAMPLES}
+
+
+@pytest.mark.parametrize("name", ARGS_EXAMPLES)
+def test_model_args_are_the_defaults_create_model_uses(name):
+    """Passing every declared keyword at its declared default builds the same module as passing none."""
+    with torch.device("meta"):
+        assert repr(create_model(name, **model_args(name))) == repr(create_model(name))
+
+
+def test_every_registered_name_is_a_literal_entry_point_and_table_entry():
+    """A search for a model's name lands on its definition: one ``model_cfgs`` entry in exactly one family
+    and a module-level entry point ``def <name>(`` that builds that entry."""
+    for name in list_models():
+        owners = [f for f in FAMILIES if name in f.model_cfgs]
+        assert len(owners) == 1, (name, owners)
+        fn = getattr(owners[0], name)
+        source = inspect.getsource(fn)
+        assert f"def {name}(" in source and f'"{name}"' in source, source
+    assert sorted(n for f in FAMILIES for n in f.model_cfgs) == list_models()
+
+
+def test_recipe_keys_are_train_config_fields_with_valid_values():
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    pending = {"nesterov", "lr_decay_rate", "lr_decay_epochs"} - fields  # TrainConfig fields being added
+    for name in list_models():
+        recipe = {k: v for k, v in model_info(name).recipe.items() if k not in pending}
+        if pending and recipe.get("schedule") == "step":
+            recipe.pop("schedule")
+        assert set(recipe) <= fields, (name, sorted(set(recipe) - fields))
+        TrainConfig(**recipe, model=name).validate()  # valid choices and ranges
+        assert not recipe or model_info(name).recipe_source, name
+
+
+def test_paper_recipes():
+    """App. E.2 (MobileNet: RMSProp, x0.99 every 3 epochs, dropout 0.2 at 224), HaloNet Sec. 4.1 (Nesterov)
+    and Tables 19-20 (LambdaResNet-50 trained at 160 with magnitude 10, dropout 0.2)."""
+    mobile = model_info("mobilenet_v2").recipe
+    assert {k: mobile[k] for k in ("optimizer", "schedule", "lr_decay_rate", "lr_decay_epochs", "drop_rate",
+                                   "img_size")} == {"optimizer": "rmsprop", "schedule": "step", "lr_decay_rate": 0.99,
+                                                    "lr_decay_epochs": 3.0, "drop_rate": 0.2, "img_size": 224}
+    halo = model_info("halonet_h5").recipe
+    assert (halo["optimizer"], halo["nesterov"], halo["img_size"], halo["randaugment_magnitude"]) == ("sgd", True,
+                                                                                                     448, 19)
+    info = model_info("lambda_resnet50")
+    assert info.input_size == 160
+    assert {k: info.recipe[k] for k in ("img_size", "randaugment_magnitude", "drop_rate", "drop_path_rate")} == {
+        "img_size": 160, "randaugment_magnitude": 10, "drop_rate": 0.2, "drop_path_rate": 0.0}
+
+
+# ResNet-RS and LambdaResNets: the 350-epoch recipes of Tables 19-20 (lambda_resnet26 is not in the paper)
+TABLE20_MODELS = [n for n in list_models() if n.startswith(("resnet_rs", "lambda_resnet")) and n != "lambda_resnet26"]
+
+
+@pytest.mark.parametrize("name", TABLE20_MODELS)
+def test_table20_recipes_are_table_rows_at_the_model_input_size(name):
+    """Every ResNet-RS / LambdaResNet recipe is a Table 20 row, the row at the model's input size where
+    Table 20 lists that size for the depth, else the largest listed size below it."""
+    info = model_info(name)
+    depth = int(re.search(r"(\d+)", name.removeprefix("resnet_rs").removeprefix("lambda_resnet")).group(1))
+    row = Table20Row(*(info.recipe[k] for k in Table20Row._fields))
+    listed = TABLE20_REGULARIZATION.get(depth)
+    if listed is None:
+        assert "nearest depth" in info.recipe_source, name
+        listed = TABLE20_REGULARIZATION[min(TABLE20_REGULARIZATION, key=lambda d: abs(d - depth))]
+    assert row in listed, (name, row)
+    sizes = [r.img_size for r in listed]
+    assert row.img_size == (info.input_size if info.input_size in sizes else max(s for s in sizes
+                                                                                 if s < info.input_size))

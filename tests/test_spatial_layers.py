@@ -1,5 +1,7 @@
 """Baseline spatial layers against naive per-pixel references, invariances and the registry contract."""
 
+import inspect
+
 import pytest
 import torch
 
@@ -13,8 +15,26 @@ from lambdanet.layers import (
     RelativeSelfAttention,
     create_spatial_layer,
     list_spatial_layers,
+    spatial_layer_info,
 )
 from lambdanet.layers.linear_attention import ConvPlusAttention
+
+DTYPES = [torch.float32, torch.float64]
+
+# Forward error of a chain of rounded accumulations (Higham, Accuracy and Stability, Sec. 3.1): a sum of ``n``
+# rounded products is off by at most ``n eps`` times the sum of their magnitudes. Every output here is an
+# average (softmax weights sum to 1) of projected values no larger than a few times the largest output, and
+# the O(1) logits pass through ``exp`` (relative error ``|l| eps``): SLACK covers these magnitude ratios.
+SLACK = 4.0
+
+
+def assert_close_to_reference(out, ref, terms):
+    """``max |out - ref| <= SLACK * eps(out.dtype) * terms * max |ref|``; ``terms`` counts the accumulated
+    products along the computation (projection depth + logit depth + number of keys, ...)."""
+    assert out.shape == ref.shape
+    bound = SLACK * torch.finfo(out.dtype).eps * terms * ref.double().abs().max().item()
+    err = (out.double() - ref.double()).abs().max().item()
+    assert err <= bound, f"max |out - ref| = {err:.3g} exceeds {bound:.3g} ({out.dtype}, {terms} terms)"
 
 
 def project(conv, x):
@@ -65,42 +85,51 @@ def naive_neighbourhood_attention(layer, qconv, kvconv, x, neighbours, dim_qk, d
     return out
 
 
-def test_global_relative_attention_matches_naive_loop():
-    layer = RelativeSelfAttention(6, 8, feat_size=(5, 7), heads=2, dim_qk=6)
-    x = torch.randn(2, 6, 4, 6)  # smaller than feat_size: cropped relative tables
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_global_relative_attention_matches_naive_loop(dtype):
+    layer = RelativeSelfAttention(6, 8, feat_size=(5, 7), heads=2, dim_qk=6).to(dtype)
+    x = torch.randn(2, 6, 4, 6, dtype=dtype)  # smaller than feat_size: cropped relative tables
     hh, ww = 4, 6
     allpos = [(a, c) for a in range(hh) for c in range(ww)]
-    qconv = torch.nn.Conv2d(6, 6, 1, bias=False)
-    kvconv = torch.nn.Conv2d(6, 14, 1, bias=False)
+    qconv = torch.nn.Conv2d(6, 6, 1, bias=False, dtype=dtype)
+    kvconv = torch.nn.Conv2d(6, 14, 1, bias=False, dtype=dtype)
     w = layer.qkv.weight
     qconv.weight.data, kvconv.weight.data = w[:6].clone(), w[6:].clone()
     ref = naive_neighbourhood_attention(layer, qconv, kvconv, x, lambda i, j: allpos, 6, 8, 2)
-    torch.testing.assert_close(layer(x).double(), ref, atol=1e-4, rtol=1e-4)
-    layer2 = RelativeSelfAttention(6, 8, feat_size=(5, 7), heads=2, dim_qk=6, stride=2)
+    out = layer(x)
+    assert out.dtype == dtype
+    assert_close_to_reference(out, ref, terms=6 + 3 + hh * ww)  # projection, logit depth, keys
+    layer2 = RelativeSelfAttention(6, 8, feat_size=(5, 7), heads=2, dim_qk=6, stride=2).to(dtype)
     layer2.load_state_dict(layer.state_dict())
-    torch.testing.assert_close(layer2(x), torch.nn.functional.avg_pool2d(layer(x), 2, 2, ceil_mode=True))
+    pooled = torch.nn.functional.avg_pool2d(out, 2, 2, ceil_mode=True)
+    assert_close_to_reference(layer2(x), pooled, terms=4)  # the same attention, then 2x2 means
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [3, 4, 8])
-def test_sasa_equals_per_pixel_window_attention(block_size):
+def test_sasa_equals_per_pixel_window_attention(block_size, dtype):
     """Every pixel attends to the k x k window centred on it (clipped at the border), whatever the block."""
     k = 3
-    layer = LocalSelfAttention(4, 8, kernel_size=k, heads=2, block_size=block_size)
-    x = torch.randn(2, 4, 5, 7)
+    layer = LocalSelfAttention(4, 8, kernel_size=k, heads=2, block_size=block_size).to(dtype)
+    x = torch.randn(2, 4, 5, 7, dtype=dtype)
 
     def window(i, j):
         return [(a, c) for a in range(i - k // 2, i + k // 2 + 1) for c in range(j - k // 2, j + k // 2 + 1)
                 if 0 <= a < 5 and 0 <= c < 7]
 
     ref = naive_neighbourhood_attention(layer.attn, layer.attn.q, layer.attn.kv, x, window, 8, 8, 2)
-    torch.testing.assert_close(layer(x).double(), ref, atol=1e-4, rtol=1e-4)
+    out = layer(x)
+    assert out.dtype == dtype
+    # the blocked layer sums over the whole padded (block + 2 halo)^2 window (masked keys add exact zeros)
+    assert_close_to_reference(out, ref, terms=4 + 4 + (block_size + 2 * (k // 2)) ** 2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("stride,shape", [(1, (9, 10)), (2, (9, 10)), (1, (8, 8)), (2, (12, 7))])
-def test_halo_attention_matches_naive_block_neighbourhoods(stride, shape):
+def test_halo_attention_matches_naive_block_neighbourhoods(stride, shape, dtype):
     bs, hs = 4, 1
-    layer = HaloAttention(4, 8, block_size=bs, halo_size=hs, heads=2, stride=stride)
-    x = torch.randn(1, 4, *shape)
+    layer = HaloAttention(4, 8, block_size=bs, halo_size=hs, heads=2, stride=stride).to(dtype)
+    x = torch.randn(1, 4, *shape, dtype=dtype)
     hh, ww = shape
 
     def neighbourhood(i, j):  # the block containing (i, j) plus its halo, clipped to the image
@@ -110,8 +139,8 @@ def test_halo_attention_matches_naive_block_neighbourhoods(stride, shape):
 
     ref = naive_neighbourhood_attention(layer, layer.q, layer.kv, x, neighbourhood, 8, 8, 2, query_stride=stride)
     out = layer(x)
-    assert out.shape == (1, 8, -(-hh // stride), -(-ww // stride))
-    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+    assert out.shape == (1, 8, -(-hh // stride), -(-ww // stride)) and out.dtype == dtype
+    assert_close_to_reference(out, ref, terms=4 + 4 + (bs + 2 * hs) ** 2)
 
 
 def test_halo_with_one_block_equals_global_attention_with_same_weights():
@@ -123,7 +152,7 @@ def test_halo_with_one_block_equals_global_attention_with_same_weights():
         glob.rel.rel_h.copy_(halo.rel.rel_h)
         glob.rel.rel_w.copy_(halo.rel.rel_w)
     x = torch.randn(2, 4, side, side)
-    torch.testing.assert_close(halo(x), glob(x), atol=1e-5, rtol=1e-5)
+    assert_close_to_reference(halo(x), glob(x), terms=2 * (4 + 4 + side * side))  # two rounded computations
 
 
 def _shift_pair(layer, shift, size=16, channels=4):
@@ -137,23 +166,26 @@ def _shift_pair(layer, shift, size=16, channels=4):
 
 def test_masked_halo_is_translation_equivariant_and_unmasked_is_not():
     torch.manual_seed(1)
+    terms = 2 * (4 + 4 + (4 + 2 * 2) ** 2)  # two rounded computations over (block + 2 halo)^2 windows
     masked = HaloAttention(4, 8, block_size=4, halo_size=2, heads=2, pixel_centered=True)
     a, b = _shift_pair(masked, (1, 3))
-    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert_close_to_reference(a, b, terms)
     unmasked = HaloAttention(4, 8, block_size=4, halo_size=2, heads=2)
     a, b = _shift_pair(unmasked, (1, 3))
     assert (a - b).abs().max() > 1e-3  # only equivariant to shifts by multiples of the block
+    assert (a - b).abs().max() > 0.1 * b.abs().max()  # a change of the order of the outputs, not rounding
 
 
 def test_sasa_is_translation_equivariant():
     layer = LocalSelfAttention(4, 8, kernel_size=5, heads=2, block_size=4)
     a, b = _shift_pair(layer, (2, 1))
-    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert_close_to_reference(a, b, terms=2 * (4 + 4 + (4 + 2 * 2) ** 2))
 
 
-def test_axial_attention_matches_naive_loop():
-    layer = AxialAttention(4, 6, feat_size=(5, 6), heads=2)
-    x = torch.randn(1, 4, 4, 5)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_axial_attention_matches_naive_loop(dtype):
+    layer = AxialAttention(4, 6, feat_size=(5, 6), heads=2).to(dtype)
+    x = torch.randn(1, 4, 4, 5, dtype=dtype)
 
     def axis_attention(mod, inp, axis):
         b, _, hh, ww = inp.shape
@@ -177,13 +209,16 @@ def test_axial_attention_matches_naive_loop():
         return out
 
     mid = axis_attention(layer.height, x, 2)
-    ref = axis_attention(layer.width, mid.float(), 3)
-    torch.testing.assert_close(layer(x).double(), ref, atol=1e-4, rtol=1e-4)
+    ref = axis_attention(layer.width, mid.to(dtype), 3)  # the layer rounds its intermediate to dtype too
+    out = layer(x)
+    assert out.dtype == dtype
+    assert_close_to_reference(out, ref, terms=(4 + 3 + 4) + (6 + 3 + 5))  # height pass + width pass
 
 
-def test_efficient_attention_matches_naive_loop():
-    layer = EfficientAttention(6, dim_k=4, dim_v=6, heads=2)
-    x = torch.randn(2, 6, 3, 4)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_efficient_attention_matches_naive_loop(dtype):
+    layer = EfficientAttention(6, dim_k=4, dim_v=6, heads=2).to(dtype)
+    x = torch.randn(2, 6, 3, 4, dtype=dtype)
     qkv = project(layer.qkv, x).reshape(2, 12, -1)  # b n c
     q, k, v = qkv[..., :4], qkv[..., 4:8], qkv[..., 8:]
     out = torch.zeros(2, 12, 6, dtype=torch.float64)
@@ -197,12 +232,15 @@ def test_efficient_attention_matches_naive_loop():
                                                      for j in range(2))
     proj = layer.proj.weight[:, :, 0, 0].double()
     ref = x.double() + (torch.einsum("oc,bnc->bon", proj, out) + layer.proj.bias.double()[:, None]).view(2, 6, 3, 4)
-    torch.testing.assert_close(layer(x).double(), ref, atol=1e-5, rtol=1e-5)
+    y = layer(x)
+    assert y.dtype == dtype
+    assert_close_to_reference(y, ref, terms=6 + 12 + 2 + 6 + 1)  # qkv, context over n, k, proj, residual
 
 
-def test_double_attention_matches_naive_loop():
-    layer = DoubleAttention(6, c_m=3, c_n=2)
-    x = torch.randn(1, 6, 3, 3)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_double_attention_matches_naive_loop(dtype):
+    layer = DoubleAttention(6, c_m=3, c_n=2).to(dtype)
+    x = torch.randn(1, 6, 3, 3, dtype=dtype)
     abv = project(layer.conv_abv, x).reshape(1, 9, -1)[0]  # n c
     a, bm, v = abv[:, :3], abv[:, 3:5], abv[:, 5:]
     att_maps = bm.softmax(dim=0)  # over positions, per descriptor
@@ -210,7 +248,9 @@ def test_double_attention_matches_naive_loop():
     z = torch.stack([g @ v[n].softmax(dim=0) for n in range(9)])  # n c_m
     proj = layer.proj.weight[:, :, 0, 0].double()
     ref = x.double() + (z @ proj.t() + layer.proj.bias.double()).t().reshape(1, 6, 3, 3)
-    torch.testing.assert_close(layer(x).double(), ref, atol=1e-5, rtol=1e-5)
+    y = layer(x)
+    assert y.dtype == dtype
+    assert_close_to_reference(y, ref, terms=6 + 9 + 2 + 3 + 1)  # abv, gather over n, distribute, proj, residual
 
 
 def test_attention_augmented_conv_concatenates_conv_and_projected_attention():
@@ -219,8 +259,8 @@ def test_attention_augmented_conv_concatenates_conv_and_projected_attention():
     y = layer(x)
     dv = layer.proj.out_channels
     assert y.shape == (2, 40, 6, 6) and 0 < dv < 40 and dv % 4 == 0
-    torch.testing.assert_close(y[:, : 40 - dv], layer.conv(x))
-    torch.testing.assert_close(y[:, 40 - dv:], layer.proj(layer.attn(x)))
+    assert_close_to_reference(y[:, : 40 - dv], layer.conv(x), terms=1)  # the same computations
+    assert_close_to_reference(y[:, 40 - dv:], layer.proj(layer.attn(x)), terms=1)
 
 
 def test_registry_builds_the_documented_layers():
@@ -291,3 +331,50 @@ def test_bad_arguments_raise_value_error_naming_argument(build, needle):
     with pytest.raises(ValueError) as err:
         build()
     assert needle in str(err.value)
+
+
+GRADCHECK_KWARGS = {
+    "halo_attention": {"block_size": 2, "halo_size": 1, "heads": 2},
+    "local_self_attention": {"kernel_size": 3, "block_size": 2, "heads": 2},
+    "relative_self_attention": {"heads": 2},
+    "attention_augmented_conv": {"heads": 2},
+    "axial_self_attention": {"heads": 2},
+    "linear_attention": {"heads": 2},
+    "double_attention": {},
+}
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize("name", list(GRADCHECK_KWARGS))
+def test_attention_baselines_compute_in_float64_and_pass_gradcheck(name, stride):
+    """float64 in, float64 through (no float32 softmax): analytic gradients of the input and of every
+    parameter match central differences (gradcheck's float64 tolerances)."""
+    layer = create_spatial_layer(name, 4, 8, stride=stride, feat_size=(5, 6), **GRADCHECK_KWARGS[name]).double()
+    names = [n for n, _ in layer.named_parameters()]
+    params = [p.detach().clone().requires_grad_() for _, p in layer.named_parameters()]
+    x = torch.randn(1, 4, 5, 6, dtype=torch.float64, requires_grad=True)
+
+    def fn(inp, *weights):
+        return torch.func.functional_call(layer, dict(zip(names, weights)), (inp,))
+
+    assert fn(x, *params).dtype == torch.float64
+    assert torch.autograd.gradcheck(fn, (x, *params), fast_mode=True)
+
+
+@pytest.mark.parametrize("name", list_spatial_layers())
+def test_feat_size_reaches_exactly_the_layers_that_take_it(name):
+    """One mechanism: the spec's ``feat_size_use``. A constructor has a ``feat_size`` parameter iff the registry
+    passes it one (no layer accepts feat_size and ignores it), and every global layer takes it."""
+    spec = spatial_layer_info(name)
+    takes = "feat_size" in inspect.signature(spec.cls.__init__).parameters
+    assert spec.takes_feat_size == takes
+    assert spec.takes_feat_size or not spec.needs_feat_size
+    layer = create_spatial_layer(name, 16, 32, feat_size=8)  # models pass feat_size to every layer
+    assert layer(torch.randn(1, 16, 8, 8)).shape == (1, 32, 8, 8)
+
+
+def test_lambda_conv_forwards_an_optional_feat_size():
+    glob = create_spatial_layer("lambda_conv", 16, 32, feat_size=8, r=None)
+    assert glob.r is None and glob.feat_size == (8, 8)
+    with pytest.raises(ValueError, match="feat_size"):
+        create_spatial_layer("lambda_conv", 16, 32, r=None)

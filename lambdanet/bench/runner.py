@@ -1,122 +1,210 @@
 """``lambdanet bench``: run the benchmark parts and write CSV/JSON, plots and ``bench.md`` into one folder.
 
-Parts:
+Parts (:data:`PARTS`, each a function of the :class:`BenchSettings` that returns its rows and its section
+of ``bench.md``):
 
-* ``targets``: our ``LambdaLayer`` against the peers at the issue's five points (forward+backward time,
-  peak memory, ratio to the fastest peer, geometric mean).
+* ``targets``: our ``LambdaLayer`` against timm's and lucidrains' at the five points of
+  ``layer_bench.TARGET_POINTS`` (forward+backward time, peak memory, ratio to the fastest peer,
+  geometric mean).
 * ``attention``: our HaloNet and global relative attention against timm's HaloAttn and BottleneckAttn.
 * ``scaling``: every Table 4 layer (and HaloNet's) across resolutions and batches: forward and
-  forward+backward time, peak memory and FLOPs, with log-log plots against the number of positions.
+  forward+backward time, peak memory and FLOPs, log-log slopes and plots against the number of positions.
 * ``models``: model suites (Table 13 hybrids, Table 14, HaloNet, MobileNet, the 26-layer hybrid).
 * ``table4``: Table 4's memory column from the complexity formulas on each variant's layer shapes.
+
+A peer package that is not installed leaves out its rows; the run says so in one line on stderr and in
+``bench.md``, with the command that installs it.
 """
 
 from __future__ import annotations
 
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
-from lambdanet.bench import layers as L
-from lambdanet.bench import models as M
+from lambdanet.bench import layer_bench, model_bench
+from lambdanet.bench.peers import missing_peers_warning
 from lambdanet.bench.report import environment, markdown, plot_scaling, write_rows
+from lambdanet.runtime import check_amp
 
-__all__ = ["PARTS", "run_benchmarks"]
+__all__ = ["BenchSettings", "Part", "PARTS", "DEFAULT_PARTS", "DEFAULT_SUITES", "run_benchmarks"]
 
-PARTS = ("targets", "attention", "scaling", "models", "table4")
+DEFAULT_PARTS = ("targets", "scaling", "table4")  # what ``lambdanet bench`` runs without part names
+DEFAULT_SUITES = ("table13", "hybrid26", "mobilenet", "halonet")
 
 
-def run_benchmarks(parts: Sequence[str] = PARTS, *, device: str = "cpu", out: str | Path = "bench_results",
-                   quick: bool = False, suites: Sequence[str] = ("table13", "hybrid26", "mobilenet", "halonet"),
-                   img_size: int = 224, batch_size: int = 8, repeats: int = 5, amp: str = "none",
-                   channels_last: bool = False, compile: bool = False, layers: Sequence[str] | None = None,
-                   log=print) -> dict:
-    """Run ``parts``; returns ``{part: rows}`` and writes ``<out>/<part>.{json,csv}``, plots and ``bench.md``.
-    ``amp``, ``channels_last`` and ``compile`` apply to the models part (see ``models.bench_model``);
-    ``layers`` picks the scaling part's layers among ``layers.LAYER_SUITE`` (default: all)."""
-    if amp not in ("none", "bf16", "fp16"):
-        raise ValueError(f"amp must be one of none, bf16, fp16; got {amp!r}")
-    if amp == "fp16" and device != "cuda":
-        raise ValueError("amp='fp16' needs device='cuda'; use amp='bf16' on CPU")
-    unknown_layers = sorted(set(layers or ()) - set(L.LAYER_SUITE))
+@dataclass(frozen=True)
+class BenchSettings:
+    """The options of a bench run that the parts read (``quick``: tiny sizes, a smoke test)."""
+
+    device: str = "cpu"
+    quick: bool = False
+    suites: tuple[str, ...] = DEFAULT_SUITES
+    img_size: int = 224
+    batch_size: int = 8
+    repeats: int = 5
+    amp: str = "none"
+    channels_last: bool = False
+    compile: bool = False
+    layers: tuple[str, ...] | None = None
+
+    @property
+    def model_suites(self) -> tuple[str, ...]:
+        return ("hybrid26",) if self.quick else self.suites
+
+
+Log = Callable[[str], None]
+PartResult = tuple[dict[str, list[dict]], list[str]]  # rows per output file, lines of bench.md
+
+
+def _targets(s: BenchSettings, out: Path, log: Log) -> PartResult:
+    log("== targets: LambdaLayer against the peers (forward+backward)")
+    points = [(2, 32, 8, 5), (2, 32, 8, None)] if s.quick else layer_bench.TARGET_POINTS
+    rows = layer_bench.lambda_vs_peers(points, device=s.device, repeats=2 if s.quick else s.repeats, log=log)
+    report = ["## LambdaLayer against the peers (forward+backward)", "",
+              markdown(rows, [("batch", "B"), ("channels", "C"), ("side", "size"), ("scope", "scope"),
+                              ("impl", "implementation"), ("median_ms", "ms"), ("iqr_ms", "IQR ms"),
+                              ("peak_bytes", "peak bytes"), ("ratio_vs_fastest_peer", "speed-up vs fastest peer"),
+                              ("memory_ratio", "memory vs that peer")]), ""]
+    ours = [r for r in rows if r["impl"] == "lambdanet" and "ratio_vs_fastest_peer" in r]
+    if ours:
+        gm = layer_bench.geomean([r["ratio_vs_fastest_peer"] for r in ours])
+        report += [f"Geometric-mean speed-up against the fastest peer: {gm:.2f}x; slowest point "
+                   f"{min(r['ratio_vs_fastest_peer'] for r in ours):.2f}x; largest memory "
+                   f"ratio {max(r['memory_ratio'] for r in ours):.2f}.", ""]
+    return {"targets": rows}, report
+
+
+def _attention(s: BenchSettings, out: Path, log: Log) -> PartResult:
+    log("== attention: halo and global relative attention against timm")
+    points = [(2, 32, 16)] if s.quick else layer_bench.ATTENTION_POINTS
+    rows = layer_bench.attention_vs_peers(points, device=s.device, repeats=2 if s.quick else s.repeats, log=log)
+    return {"attention": rows}, [
+        "## Attention layers against timm (forward+backward)", "",
+        markdown(rows, [("kind", "layer"), ("batch", "B"), ("channels", "C"), ("side", "size"),
+                        ("impl", "implementation"), ("median_ms", "ms"), ("peak_bytes", "peak bytes"),
+                        ("ratio_vs_peer", "speed-up vs timm"), ("memory_ratio", "memory vs timm")]), ""]
+
+
+def _scaling(s: BenchSettings, out: Path, log: Log) -> PartResult:
+    log("== scaling: spatial layers across resolutions and batches")
+    quick_layers = ["global_attention", "local_attention_7x7", "lambda_conv_7x7", "lambda"]
+    names = list(s.layers) if s.layers else (quick_layers if s.quick else list(layer_bench.LAYER_SUITE))
+    sides = [8, 12] if s.quick else [14, 16, 24, 32, 48, 64, 96, 128]
+    batches = [1] if s.quick else [1, 4]
+    rows = layer_bench.layer_sweep(names, sides, batches, dim=16 if s.quick else 64, device=s.device,
+                                   repeats=1 if s.quick else 3, log=log)
+    slopes = layer_bench.scaling_slopes(rows)
+    plots = plot_scaling(rows, out)
+    report = ["## Spatial layers across resolutions", "",
+              markdown(rows, [("layer", "layer"), ("side", "size"), ("batch", "B"), ("forward_ms", "fwd ms"),
+                              ("fwd_bwd_ms", "fwd+bwd ms"), ("peak_bytes", "peak bytes"),
+                              ("gflops_fwd_bwd", "GFLOPs")]), "",
+              "Log-log slopes against the number of positions (per example: growth of the peak with the batch).", "",
+              markdown(slopes, [("layer", "layer"), ("time_slope", "time slope"), ("memory_slope", "memory slope"),
+                                ("per_example_slope", "per-example memory slope")]), ""]
+    report += [f"![{p.stem}]({p.name})" for p in plots] + [""]
+    return {"scaling": rows, "scaling_slopes": slopes}, report
+
+
+def _models(s: BenchSettings, out: Path, log: Log) -> PartResult:
+    rows = []
+    for suite in s.model_suites:
+        log(f"== models: {suite}")
+        rows += model_bench.run_model_suite(suite, img=32 if s.quick else s.img_size,
+                                            batch=2 if s.quick else s.batch_size, device=s.device,
+                                            repeats=1 if s.quick else 3, amp=s.amp, channels_last=s.channels_last,
+                                            compile=s.compile, log=log)
+    precision = "fp32" if s.amp == "none" else s.amp + " autocast"
+    return {"models": rows}, [
+        "## Models", "", f"Precision {precision}, {'channels_last' if s.channels_last else 'NCHW'}, "
+        f"{'torch.compile' if s.compile else 'eager'}.", "",
+        markdown(rows, [("suite", "suite"), ("model", "model"), ("params", "params"), ("gflops", "GFLOPs"),
+                        ("train_images_per_s", "train img/s"), ("train_relative", "train rel."),
+                        ("infer_images_per_s", "infer img/s"), ("infer_relative", "infer rel."),
+                        ("train_peak_bytes", "train peak bytes")]
+                 + ([("error", "failed")] if any("error" in r for r in rows) else [])), ""]
+
+
+def _table4(s: BenchSettings, out: Path, log: Log) -> PartResult:
+    log("== table4: memory column")
+    rows = model_bench.table4_memory()
+    check = model_bench.validate_quadratic_memory()
+    return {"table4": rows, "table4_check": check}, [
+        "## Table 4 memory (batch 128, 224x224, fp32)", "",
+        markdown(rows, [("variant", "variant"), ("ours_gb", "ours (GB)"), ("paper_gb", "paper (GB)")]), "",
+        markdown(check, [("layer", "layer"), ("side", "size"), ("batch", "B"),
+                         ("measured_bytes", "measured peak"), ("formula_bytes", "formula tensor")]), ""]
+
+
+class Part(NamedTuple):
+    """A benchmark part: its function and the peer packages (import names) it compares against."""
+
+    run: Callable[[BenchSettings, Path, Log], PartResult]
+    peers: Callable[[BenchSettings], tuple[str, ...]]
+
+
+PARTS: dict[str, Part] = {
+    "targets": Part(_targets, lambda s: ("timm", "lambda_networks")),
+    "attention": Part(_attention, lambda s: ("timm",)),
+    "scaling": Part(_scaling, lambda s: ()),
+    "models": Part(_models, lambda s: model_bench.suite_peers(s.model_suites)),
+    "table4": Part(_table4, lambda s: ()),
+}
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def run_benchmarks(parts: Sequence[str] = tuple(PARTS), *, device: str = "cpu", out: str | Path = "bench_results",
+                   quick: bool = False, suites: Sequence[str] = DEFAULT_SUITES, img_size: int = 224,
+                   batch_size: int = 8, repeats: int = 5, amp: str = "none", channels_last: bool = False,
+                   compile: bool = False, layers: Sequence[str] | None = None, log: Log = print,
+                   warn: Log = _stderr) -> dict:
+    """Run ``parts``; returns ``{name: rows}`` and writes ``<out>/<name>.{json,csv}``, plots and ``bench.md``.
+
+    ``amp``, ``channels_last`` and ``compile`` apply to the models part (see ``model_bench.bench_model``);
+    ``layers`` picks the scaling part's layers among ``layer_bench.LAYER_SUITE`` (default: all). Progress
+    goes to ``log``; a missing peer package to ``warn`` (stderr) and ``bench.md``.
+    """
+    check_amp(amp, device)
+    unknown_layers = sorted(set(layers or ()) - set(layer_bench.LAYER_SUITE))
     if unknown_layers:
-        raise ValueError(f"unknown bench layer(s) {unknown_layers}; valid: {', '.join(L.LAYER_SUITE)}")
+        raise ValueError(f"unknown bench layer(s) {unknown_layers}; valid: {', '.join(layer_bench.LAYER_SUITE)}")
+    unknown_suites = sorted(set(suites) - set(model_bench.MODEL_SUITES))
+    if unknown_suites:
+        raise ValueError(f"unknown model suite(s) {unknown_suites}; valid: {', '.join(model_bench.MODEL_SUITES)}")
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
         raise ValueError(f"unknown bench part(s) {unknown}; valid: {', '.join(PARTS)}")
+    settings = BenchSettings(device=device, quick=quick, suites=tuple(suites), img_size=img_size,
+                             batch_size=batch_size, repeats=repeats, amp=amp, channels_last=channels_last,
+                             compile=compile, layers=tuple(layers) if layers else None)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     env = environment(device)
-    results: dict[str, list[dict]] = {}
     report = [f"# lambdanet bench ({time.strftime('%Y-%m-%d')})", "",
               "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()), ""]
-    if "targets" in parts:
-        log("== targets: LambdaLayer against the peers (forward+backward)")
-        points = [(2, 32, 8, 5), (2, 32, 8, None)] if quick else L.TARGET_POINTS
-        rows = L.lambda_vs_peers(points, device=device, repeats=2 if quick else repeats, log=log)
-        results["targets"] = rows
-        ours = [r for r in rows if r["impl"] == "lambdanet"]
-        report += ["## LambdaLayer against the peers (forward+backward)", "",
-                   markdown(rows, [("batch", "B"), ("channels", "C"), ("side", "size"), ("scope", "scope"),
-                                   ("impl", "implementation"), ("median_ms", "ms"), ("iqr_ms", "IQR ms"),
-                                   ("peak_bytes", "peak bytes"), ("ratio_vs_fastest_peer", "speed-up vs fastest peer"),
-                                   ("memory_ratio", "memory vs that peer")]), ""]
-        if ours and any("ratio_vs_fastest_peer" in r for r in ours):
-            gm = L.geomean([r.get("ratio_vs_fastest_peer") for r in ours])
-            report += [f"Geometric-mean speed-up against the fastest peer: {gm:.2f}x; slowest point "
-                       f"{min(r.get('ratio_vs_fastest_peer', float('inf')) for r in ours):.2f}x; largest memory "
-                       f"ratio {max(r.get('memory_ratio', 0) for r in ours):.2f}.", ""]
-    if "attention" in parts:
-        log("== attention: halo and global relative attention against timm")
-        points = [(2, 32, 16)] if quick else L.ATTENTION_POINTS
-        rows = L.attention_vs_peers(points, device=device, repeats=2 if quick else repeats, log=log)
-        results["attention"] = rows
-        report += ["## Attention layers against timm (forward+backward)", "",
-                   markdown(rows, [("kind", "layer"), ("batch", "B"), ("channels", "C"), ("side", "size"),
-                                   ("impl", "implementation"), ("median_ms", "ms"), ("peak_bytes", "peak bytes"),
-                                   ("ratio_vs_peer", "speed-up vs timm"), ("memory_ratio", "memory vs timm")]), ""]
-    if "scaling" in parts:
-        log("== scaling: spatial layers across resolutions and batches")
-        names = list(layers) if layers else (
-            ["global_attention", "local_attention_7x7", "lambda_conv_7x7", "lambda"] if quick else list(L.LAYER_SUITE))
-        sides = [8, 12] if quick else [14, 16, 24, 32, 48, 64, 96, 128]
-        batches = [1] if quick else [1, 4]
-        rows = L.layer_sweep(names, sides, batches, dim=16 if quick else 64, device=device,
-                             repeats=1 if quick else 3, log=log)
-        results["scaling"] = rows
-        plots = plot_scaling(rows, out)
-        report += ["## Spatial layers across resolutions", "",
-                   markdown(rows, [("layer", "layer"), ("side", "size"), ("batch", "B"), ("forward_ms", "fwd ms"),
-                                   ("fwd_bwd_ms", "fwd+bwd ms"), ("peak_bytes", "peak bytes"),
-                                   ("gflops_fwd_bwd", "GFLOPs")]), ""]
-        report += [f"![{p.stem}]({p.name})" for p in plots] + [""]
-    if "models" in parts:
-        rows = []
-        for suite in (["hybrid26"] if quick else suites):
-            log(f"== models: {suite}")
-            rows += M.run_model_suite(suite, img=32 if quick else img_size, batch=2 if quick else batch_size,
-                                      device=device, repeats=1 if quick else 3, amp=amp,
-                                      channels_last=channels_last, compile=compile, log=log)
-        results["models"] = rows
-        report += ["## Models", "", f"Precision {'fp32' if amp == 'none' else amp + ' autocast'}, "
-                   f"{'channels_last' if channels_last else 'NCHW'}, {'torch.compile' if compile else 'eager'}.", "",
-                   markdown(rows, [("suite", "suite"), ("model", "model"), ("params", "params"), ("gflops", "GFLOPs"),
-                                   ("train_images_per_s", "train img/s"), ("train_relative", "train rel."),
-                                   ("infer_images_per_s", "infer img/s"), ("infer_relative", "infer rel."),
-                                   ("train_peak_bytes", "train peak bytes")]
-                            + ([("error", "failed")] if any("error" in r for r in rows) else [])), ""]
-    if "table4" in parts:
-        log("== table4: memory column")
-        rows = M.table4_memory()
-        check = M.validate_quadratic_memory()
-        results["table4"] = rows
-        results["table4_check"] = check
-        report += ["## Table 4 memory (batch 128, 224x224, fp32)", "",
-                   markdown(rows, [("variant", "variant"), ("ours_gb", "ours (GB)"), ("paper_gb", "paper (GB)")]), "",
-                   markdown(check, [("layer", "layer"), ("side", "size"), ("batch", "B"),
-                                    ("measured_bytes", "measured peak"), ("formula_bytes", "formula tensor")]), ""]
-    for part, rows in results.items():
-        write_rows(rows, out, part)
+    needed: dict[str, list[str]] = {}
+    for part in parts:
+        for peer in PARTS[part].peers(settings):
+            needed.setdefault(peer, []).append(part)
+    missing = missing_peers_warning(needed)
+    if missing:
+        warn(f"lambdanet bench: warning: {missing}")
+        report += [f"**Warning:** {missing}.", ""]
+    results: dict[str, list[dict]] = {}
+    for part in PARTS:  # in the table's order, whatever the order asked
+        if part in parts:
+            rows, lines = PARTS[part].run(settings, out, log)
+            results.update(rows)
+            report += lines
+    for name, rows in results.items():
+        write_rows(rows, out, name)
     (out / "bench.md").write_text("\n".join(report) + "\n")
     log(f"-> {out / 'bench.md'}")
     return results

@@ -6,7 +6,7 @@
 
 from lambdanet.layers.axial_attention import AxialAttention
 from lambdanet.layers.conv import ConvLayer, ConvSE
-from lambdanet.layers.lambda_layer import LambdaLayer
+from lambdanet.layers.lambda_layer import ImplPolicy, LambdaLayer, LambdaPlan, impl_policy, set_impl_policy
 from lambdanet.layers.linear_attention import DoubleAttention, EfficientAttention
 from lambdanet.layers.local_attention import BlockedLocalAttention, HaloAttention, LocalSelfAttention
 from lambdanet.layers.position_embedding import AbsolutePositionEmbedding, RelativePositionEmbedding
@@ -15,7 +15,7 @@ from lambdanet.layers.relative_attention import AttentionAugmentedConv, Relative
 from lambdanet.layers.squeeze_excite import SqueezeExcite
 
 __all__ = [
-    "LambdaLayer", "RelativePositionEmbedding", "AbsolutePositionEmbedding",
+    "LambdaLayer", "LambdaPlan", "ImplPolicy", "impl_policy", "set_impl_policy", "RelativePositionEmbedding", "AbsolutePositionEmbedding",
     "ConvLayer", "ConvSE", "SqueezeExcite", "EfficientAttention", "DoubleAttention",
     "RelativeSelfAttention", "AttentionAugmentedConv", "AxialAttention",
     "BlockedLocalAttention", "HaloAttention", "LocalSelfAttention",

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from torch import Tensor, nn
 
 from lambdanet.helpers import check_choice, check_input, check_positive_int, to_ntuple
-from lambdanet.layers.relative_attention import _pool_after, check_feat_size
+from lambdanet.layers.pooling import pool_after
+from lambdanet.layers.relative_attention import check_feat_size
 from lambdanet.layers.relative_position import RelativePosition1d, attend
 
 __all__ = ["AxialAttention1d", "AxialAttention"]
@@ -67,4 +68,4 @@ class AxialAttention(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         check_input(x, self.dim, 2, type(self).__name__)
         check_feat_size(x.shape[2:], self.feat_size, type(self).__name__)
-        return _pool_after(self.width(self.height(x)), self.stride)
+        return pool_after(self.width(self.height(x)), self.stride)

@@ -15,23 +15,110 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lambdanet import functional as LF
-from lambdanet.helpers import avg_pool_nd, check_choice, check_input, check_positive_int, to_ntuple
+from lambdanet.helpers import avg_pool_nd, check_choice, check_input, check_positive_int, compute_dtype, to_ntuple
 from lambdanet.layers.position_embedding import AbsolutePositionEmbedding, RelativePositionEmbedding
 
-__all__ = ["LambdaLayer"]
+__all__ = ["LambdaLayer", "LambdaPlan", "ImplPolicy", "DEFAULT_IMPL_POLICY", "impl_policy", "set_impl_policy"]
 
 _IMPLS = ("auto",) + LF.POSITION_OUTPUT_IMPLS
 _QV_NORMS = ("auto", "batch", "layer", None)
 _POS_EMBS = ("relative", "absolute")
-# auto impl: the einsum (GEMM) path while E[n, m] stays small and is not much larger than the scope
-_EINSUM_MAX_POSITIONS = 852  # App. E.1: "convolution implementation only for input length |n| > 852"
-_EINSUM_MAX_ELEMENTS = 1 << 24  # 64 MiB of fp32 embeddings per layer
+
+
+@dataclass(frozen=True)
+class ImplPolicy:
+    """The tuning constants of ``impl="auto"`` (:meth:`LambdaLayer.choose_impl`), in one place.
+
+    Args:
+        max_whole_positions: the most positions ``n`` for which the whole ``E[n, m]`` may be materialised
+            (App. E.1: "convolution implementation only for input length |n| > 852").
+        max_whole_elements: the most elements of a materialised ``E`` (``1 << 24``: 64 MiB of fp32 embeddings
+            per layer).
+        gemm_speedup: how much faster per multiply-add the whole-``E`` GEMMs run than the lambda convolution:
+            ``einsum_qe`` is taken while its multiply-adds stay below ``gemm_speedup`` times the convolution's.
+            2.5 is a CPU measurement (BENCHMARKS.md, section 1); with ``E`` built chunk by chunk the factor is 1.
+        einsum_positions_per_tap: the lambdas-first ``einsum`` serves maps of at most this many positions per
+            kernel tap (small maps that their scope covers), when ``E`` may be materialised.
+
+    Every device type uses these CPU values until a policy is registered for it with
+    :func:`set_impl_policy`; CUDA in particular has not been measured yet and runs on the CPU values.
+    """
+
+    max_whole_positions: int = 852
+    max_whole_elements: int = 1 << 24
+    gemm_speedup: float = 2.5
+    einsum_positions_per_tap: float = 2.0
+
+    def __post_init__(self):
+        check_positive_int(self.max_whole_positions, "max_whole_positions")
+        check_positive_int(self.max_whole_elements, "max_whole_elements")
+        for name in ("gemm_speedup", "einsum_positions_per_tap"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+
+
+DEFAULT_IMPL_POLICY = ImplPolicy()
+_IMPL_POLICIES: dict[str, ImplPolicy] = {}  # device type -> policy measured there (none yet: all use the default)
+
+
+def impl_policy(device_type: str) -> ImplPolicy:
+    """The :class:`ImplPolicy` that ``impl="auto"`` follows on ``device_type`` (``"cpu"``, ``"cuda"``, ...)."""
+    return _IMPL_POLICIES.get(device_type, DEFAULT_IMPL_POLICY)
+
+
+def set_impl_policy(device_type: str, policy: ImplPolicy | None) -> ImplPolicy | None:
+    """Register the policy measured on ``device_type`` (``None``: back to :data:`DEFAULT_IMPL_POLICY`).
+
+    Returns the policy registered before (``None`` if there was none), so a caller can restore it.
+    """
+    if not isinstance(device_type, str) or not device_type:
+        raise ValueError(f"device_type must be a device type string such as 'cpu' or 'cuda', got {device_type!r}")
+    if policy is not None and not isinstance(policy, ImplPolicy):
+        raise ValueError(f"policy must be an ImplPolicy or None, got {type(policy).__name__}")
+    previous = _IMPL_POLICIES.pop(device_type, None)
+    if policy is not None:
+        _IMPL_POLICIES[device_type] = policy
+    return previous
+
+
+# position steps of a plan: queries-first steps give y^p [b n h v], lambdas-first steps give lambda^p [b n g v k]
+QUERIES_FIRST_STEPS = ("einsum_qe_absolute", "einsum_qe_whole", "einsum_qe_chunked")
+LAMBDAS_FIRST_STEPS = ("depthwise_conv_tokens", "conv", "einsum", "einsum_absolute")
+
+
+@dataclass(frozen=True)
+class LambdaPlan:
+    """How one forward call computes its position part, decided once per call by :meth:`LambdaLayer.plan`.
+
+    Attributes:
+        impl: the implementation, as :meth:`LambdaLayer.choose_impl` reports it (``"einsum_qe"``,
+            ``"einsum"``, ``"conv"``, ``"depthwise_conv"``; ``"none"`` without position lambdas).
+        position: the step that runs it, or ``None`` (``position=False``). Queries-first steps
+            (:data:`QUERIES_FIRST_STEPS`) return the position output ``y^p``: ``"einsum_qe_absolute"``,
+            ``"einsum_qe_whole"`` (the whole ``E``, cached in eval), ``"einsum_qe_chunked"`` (rows of ``E``
+            rebuilt per query chunk). Lambdas-first steps (:data:`LAMBDAS_FIRST_STEPS`) return the position
+            lambdas ``lambda^p``: ``"depthwise_conv_tokens"`` (the depthwise lambda convolution on the value
+            tokens), ``"conv"``, ``"einsum"``, ``"einsum_absolute"``.
+
+    A new implementation (such as a fused GPU kernel, ``impl="triton"``) is one more step: its name here, the
+    condition that picks it in :meth:`LambdaLayer.plan`, and a branch of ``LambdaLayer._position_output`` (a
+    kernel that returns ``y^p``) or ``LambdaLayer._position_lambdas`` (one that returns ``lambda^p``).
+    """
+
+    impl: str
+    position: str | None
+
+    @property
+    def queries_first(self) -> bool:
+        return self.position in QUERIES_FIRST_STEPS
 
 
 class LambdaLayer(nn.Module):
@@ -121,13 +208,46 @@ class LambdaLayer(nn.Module):
         check_choice(impl, "impl", _IMPLS)
         if not (content or position):
             raise ValueError("content and position cannot both be False: the layer would compute nothing")
-        if embedding is not None:
-            if not isinstance(embedding, (RelativePositionEmbedding, AbsolutePositionEmbedding)):
-                raise ValueError(
-                    "embedding must be a RelativePositionEmbedding or AbsolutePositionEmbedding, "
-                    f"got {type(embedding).__name__}")
-            if spatial_dims is None:
-                spatial_dims = embedding.spatial_dims
+        if embedding is not None and not isinstance(embedding, (RelativePositionEmbedding, AbsolutePositionEmbedding)):
+            raise ValueError("embedding must be a RelativePositionEmbedding or AbsolutePositionEmbedding, "
+                             f"got {type(embedding).__name__}")
+        spatial_dims = self._resolve_spatial_dims(spatial_dims, embedding, causal, feat_size)
+        if causal and stride != 1:
+            raise ValueError("causal=True needs stride=1 (the average pool would mix future positions)")
+        feat = to_ntuple(feat_size, spatial_dims, "feat_size")
+        if feat is not None:
+            for s in feat:
+                check_positive_int(s, "feat_size")
+
+        self.dim, self.dim_out, self.dim_k, self.heads, self.dim_u = dim, dim_out, dim_k, heads, dim_u
+        self.dim_v = dim_out // heads
+        self.groups, self.multihead = (heads if multihead else 1), multihead
+        self.spatial_dims, self.stride, self.causal = spatial_dims, stride, causal
+        self.content, self.position = content, position
+        self.key_norm, self.query_softmax, self.impl = key_norm, query_softmax, impl
+        self.qv_norm = ("layer" if causal else "batch") if qv_norm == "auto" else qv_norm
+
+        # position embeddings (own or shared) and the scope they define: r (local) or feat_size (global)
+        self.embedding = self._build_embedding(position_embedding, embedding, r, feat) if position else None
+        if not position and r is not None:
+            check_positive_int(r, "r", odd=not causal)
+        self.r, self.feat_size = self._scope(r, feat)
+
+        # projections (no bias): Q = X Wq (d -> k h), K = C Wk (d -> k u g), V = C Wv (d -> v u g)
+        self.dim_qk_total = dim_k * heads
+        self.dim_keys_total = dim_k * dim_u * self.groups if content else 0
+        self.dim_values_total = self.dim_v * dim_u * self.groups
+        self.qkv = nn.Linear(dim, self.dim_qk_total + self.dim_keys_total + self.dim_values_total, bias=False)
+        self.norm_q = self._make_norm(self.dim_qk_total)
+        self.norm_v = self._make_norm(self.dim_values_total)
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------------------------------ construction
+    @staticmethod
+    def _resolve_spatial_dims(spatial_dims: int | None, embedding, causal: bool, feat_size) -> int:
+        """``spatial_dims``, else the shared embedding's, else 1 when causal, ``len(feat_size)``, or 2."""
+        if spatial_dims is None and embedding is not None:
+            spatial_dims = embedding.spatial_dims
         if spatial_dims is None:
             if causal:
                 spatial_dims = 1
@@ -138,58 +258,37 @@ class LambdaLayer(nn.Module):
         check_choice(spatial_dims, "spatial_dims", (1, 2, 3))
         if causal and spatial_dims != 1:
             raise ValueError(f"causal=True needs 1-d inputs (spatial_dims=1), got spatial_dims={spatial_dims}")
-        if causal and stride != 1:
-            raise ValueError("causal=True needs stride=1 (the average pool would mix future positions)")
-        groups = heads if multihead else 1
-        feat = to_ntuple(feat_size, spatial_dims, "feat_size")
-        if feat is not None:
-            for s in feat:
-                check_positive_int(s, "feat_size")
+        return spatial_dims
 
-        self.dim, self.dim_out, self.dim_k, self.heads, self.dim_u = dim, dim_out, dim_k, heads, dim_u
-        self.dim_v = dim_out // heads
-        self.groups, self.multihead = groups, multihead
-        self.spatial_dims, self.stride, self.causal = spatial_dims, stride, causal
-        self.content, self.position = content, position
-        self.key_norm, self.query_softmax, self.impl = key_norm, query_softmax, impl
-        self.qv_norm = ("layer" if causal else "batch") if qv_norm == "auto" else qv_norm
-
-        # position embeddings: own or shared
-        self.embedding: RelativePositionEmbedding | AbsolutePositionEmbedding | None = None
-        if position:
-            if embedding is not None:
-                self._check_shared_embedding(embedding, r, feat)
-                self.embedding = embedding
-            elif position_embedding == "absolute":
-                if feat is None or r is not None:
-                    raise ValueError("position_embedding='absolute' needs feat_size and r=None (a global context)")
-                self.embedding = AbsolutePositionEmbedding(dim_k, feat, dim_u=dim_u, groups=groups)
-            elif r is not None:
-                check_positive_int(r, "r", odd=not causal)
-                self.embedding = RelativePositionEmbedding.local(
-                    dim_k, r, spatial_dims=spatial_dims, dim_u=dim_u, groups=groups, causal=causal)
-            else:
-                if feat is None:
-                    raise ValueError("r=None (global context) needs feat_size, the spatial size of the input")
-                self.embedding = RelativePositionEmbedding.global_context(
-                    dim_k, feat, spatial_dims=spatial_dims, dim_u=dim_u, groups=groups, causal=causal)
-        elif r is not None:
+    def _build_embedding(
+        self, position_embedding: str, embedding, r: int | None, feat: tuple[int, ...] | None
+    ) -> RelativePositionEmbedding | AbsolutePositionEmbedding:
+        """The position embeddings: the shared ``embedding`` (checked against this layer), absolute ones over
+        ``feat``, a local relative table of scope ``r``, or a global relative table over ``feat``."""
+        k, u, g, dims, causal = self.dim_k, self.dim_u, self.groups, self.spatial_dims, self.causal
+        if embedding is not None:
+            self._check_shared_embedding(embedding, r, feat)
+            return embedding
+        if position_embedding == "absolute":
+            if feat is None or r is not None:
+                raise ValueError("position_embedding='absolute' needs feat_size and r=None (a global context)")
+            return AbsolutePositionEmbedding(k, feat, dim_u=u, groups=g)
+        if r is not None:
             check_positive_int(r, "r", odd=not causal)
+            return RelativePositionEmbedding.local(k, r, spatial_dims=dims, dim_u=u, groups=g, causal=causal)
+        if feat is None:
+            raise ValueError("r=None (global context) needs feat_size, the spatial size of the input")
+        return RelativePositionEmbedding.global_context(k, feat, spatial_dims=dims, dim_u=u, groups=g, causal=causal)
+
+    def _scope(self, r: int | None, feat: tuple[int, ...] | None) -> tuple[int | None, tuple[int, ...] | None]:
+        """``(r, feat_size)`` as the embedding defines them (the arguments when there is none)."""
         emb = self.embedding
-        local = isinstance(emb, RelativePositionEmbedding) and emb.feat_size is None
-        self.r = emb.kernel_size[0] if local else (r if emb is None else None)
-        self.feat_size = feat if emb is None else emb.feat_size
+        if emb is None:
+            return r, feat
+        if isinstance(emb, RelativePositionEmbedding) and emb.feat_size is None:  # local scope
+            return emb.kernel_size[0], None
+        return None, emb.feat_size
 
-        # projections (no bias): Q = X Wq (d -> k h), K = C Wk (d -> k u g), V = C Wv (d -> v u g)
-        self.dim_qk_total = dim_k * heads
-        self.dim_keys_total = dim_k * dim_u * groups if content else 0
-        self.dim_values_total = self.dim_v * dim_u * groups
-        self.qkv = nn.Linear(dim, self.dim_qk_total + self.dim_keys_total + self.dim_values_total, bias=False)
-        self.norm_q = self._make_norm(self.dim_qk_total)
-        self.norm_v = self._make_norm(self.dim_values_total)
-        self.reset_parameters()
-
-    # ------------------------------------------------------------------------------------------
     def _make_norm(self, channels: int) -> nn.Module:
         if self.qv_norm == "batch":
             return nn.BatchNorm1d(channels)
@@ -243,7 +342,7 @@ class LambdaLayer(nn.Module):
             parts.append(f"impl={self.impl!r}")
         return ", ".join(parts)
 
-    # ------------------------------------------------------------------------------------------
+    # ------------------------------------------------------------------------------------------ planning
     def _check_spatial(self, spatial: tuple[int, ...]) -> None:
         emb = self.embedding
         if isinstance(emb, AbsolutePositionEmbedding):
@@ -257,62 +356,92 @@ class LambdaLayer(nn.Module):
                     f"input spatial size {spatial} is larger than feat_size={emb.feat_size} of the global "
                     "relative embeddings; build the layer with a larger feat_size or use a local scope r")
 
-    def choose_impl(self, spatial: Sequence[int]) -> str:
-        """The position implementation used for an input of this spatial size.
-
-        ``"auto"``: the queries-first einsum (``einsum_qe``) when its ``n m h (k + v)`` multiply-adds undercut
-        ``2.5 x`` the lambda convolution's ``n r k v`` (GEMMs run ~2.5x faster per FLOP than the convolutions
-        on CPU). Beyond ``n = 852`` positions (App. E.1) or 64 MiB of ``E``, the rows of ``E`` are rebuilt
-        chunk by chunk from the relative table in every pass
-        (:func:`~lambdanet.functional.relative_position_output_qe`), and the einsum must undercut the
-        convolution's multiply-adds outright: it then serves global scopes (a 56x56 global layer trains
-        ~2.2x faster than with its 111x111 lambda convolution) while local scopes on large maps keep the
-        convolution. Otherwise the depthwise lambda convolution, or the lambdas-first einsum for small maps
-        whose scope covers them. Intra-depth, multi-head and causal layers use the lambdas-first forms.
-        """
-        qe_ok = self.dim_u == 1 and self.groups == 1 and not self.causal
-        if self.impl != "auto":
-            if self.impl == "einsum_qe" and not qe_ok:
-                return "einsum"
-            return self.impl
-        emb = self.embedding
+    def plan(self, spatial: Sequence[int], device_type: str | None = None) -> LambdaPlan:
+        """The :class:`LambdaPlan` for an input of this spatial size on ``device_type`` (default: the device
+        of the layer's weights), under that device's :func:`impl_policy`. ``forward`` calls it once."""
+        spatial = tuple(spatial)
+        if self.embedding is None:
+            return LambdaPlan("none", None)
+        policy = impl_policy(device_type if device_type is not None else self.qkv.weight.device.type)
         n = math.prod(spatial)
-        if isinstance(emb, AbsolutePositionEmbedding):
-            return "einsum_qe" if qe_ok else "einsum"
-        kernel, _ = LF.crop_relative_kernel(emb.table, emb.center, spatial)
-        taps = math.prod(kernel.shape[3:])
-        small = self._whole_embeddings_fit(n)
-        gemm_speedup = 2.5 if small else 1.0
-        if qe_ok and n * self.heads * (self.dim_k + self.dim_v) <= gemm_speedup * taps * self.dim_k * self.dim_v:
+        whole = self._whole_embeddings_fit(n, policy)  # E[n, m] may be materialised
+        qe_ok = self.dim_u == 1 and self.groups == 1 and not self.causal  # queries-first: multi-query, u = 1
+        impl = self.impl if self.impl != "auto" else self._auto_impl(spatial, n, whole, qe_ok, policy)
+        if impl == "einsum_qe" and not qe_ok:
+            impl = "einsum"
+        absolute = isinstance(self.embedding, AbsolutePositionEmbedding)
+        if absolute:  # explicit embeddings: every lambdas-first impl is the einsum
+            impl = impl if impl == "einsum_qe" else "einsum"
+            return LambdaPlan(impl, "einsum_qe_absolute" if impl == "einsum_qe" else "einsum_absolute")
+        if impl == "einsum_qe":
+            return LambdaPlan(impl, "einsum_qe_whole" if whole else "einsum_qe_chunked")
+        return LambdaPlan(impl, "depthwise_conv_tokens" if impl == "depthwise_conv" else impl)
+
+    def _auto_impl(self, spatial: tuple[int, ...], n: int, whole: bool, qe_ok: bool, policy: ImplPolicy) -> str:
+        """``impl="auto"``: see :meth:`choose_impl`."""
+        if isinstance(self.embedding, AbsolutePositionEmbedding):
+            return "einsum_qe"  # "einsum" where queries-first does not apply: plan's one fallback
+        emb = self.embedding
+        taps = math.prod(LF.cropped_kernel_size(emb.kernel_size, emb.center, spatial))
+        h, k, v = self.heads, self.dim_k, self.dim_v
+        gemm_speedup = policy.gemm_speedup if whole else 1.0
+        if qe_ok and n * h * (k + v) <= gemm_speedup * taps * k * v:
             return "einsum_qe"
-        if small and n <= 2 * taps:
+        if whole and n <= policy.einsum_positions_per_tap * taps:
             return "einsum"
         return "depthwise_conv"
 
-    def _whole_embeddings_fit(self, n: int) -> bool:
-        """Whether the gathered ``E[n, m]`` may be materialised: ``n <= 852`` (App. E.1) and at most 64 MiB."""
+    def _whole_embeddings_fit(self, n: int, policy: ImplPolicy) -> bool:
+        """Whether the gathered ``E[n, m]`` may be materialised (``policy.max_whole_positions`` positions and
+        ``policy.max_whole_elements`` elements at most)."""
         elements = n * n * self.dim_k * self.dim_u * self.groups
-        return n <= _EINSUM_MAX_POSITIONS and elements <= _EINSUM_MAX_ELEMENTS
+        return n <= policy.max_whole_positions and elements <= policy.max_whole_elements
 
-    def _qe_path(self, spatial: Sequence[int]) -> bool:
-        """Whether the position output is contracted queries-first (``einsum_qe``)."""
-        return self.choose_impl(spatial) == "einsum_qe"
+    def choose_impl(self, spatial: Sequence[int], device_type: str | None = None) -> str:
+        """The position implementation used for an input of this spatial size (``plan(spatial).impl``).
 
-    def _norm(self, norm: nn.Module, t: Tensor) -> Tensor:
-        """Apply the q/v normalisation to ``[b, n, c]`` tokens (BatchNorm over the ``b n`` positions)."""
-        if isinstance(norm, nn.Identity):
-            return t
-        b, n, c = t.shape
-        return norm(t.reshape(b * n, c)).view(b, n, c)
+        ``"auto"`` follows the device's :class:`ImplPolicy`. While the whole ``E[n, m]`` may be materialised
+        (at most ``max_whole_positions`` positions, App. E.1's 852, and ``max_whole_elements`` elements),
+        the queries-first einsum (``einsum_qe``) is taken when its ``n h (k + v)`` multiply-adds per context
+        position stay below ``gemm_speedup`` times the lambda convolution's ``taps k v``; beyond, the rows of
+        ``E`` are rebuilt chunk by chunk from the relative table in every pass
+        (:func:`~lambdanet.functional.relative_position_output_qe`) and the einsum must undercut the
+        convolution's multiply-adds outright: global scopes keep it, local scopes on large maps take the
+        convolution. Otherwise the lambdas-first ``einsum`` for small maps (at most
+        ``einsum_positions_per_tap`` positions per kernel tap, ``E`` materialisable), else the depthwise
+        lambda convolution. Intra-depth, multi-head and causal layers use the lambdas-first forms (an
+        explicit ``impl="einsum_qe"`` runs as ``"einsum"`` there), absolute embeddings the einsums.
+        ``"none"`` when the layer has no position lambdas.
+        """
+        return self.plan(spatial, device_type).impl
 
+    # ------------------------------------------------------------------------------------------ forward steps
     def forward(self, x: Tensor) -> Tensor:
         check_input(x, self.dim, self.spatial_dims, "LambdaLayer")
         b, spatial = x.shape[0], tuple(x.shape[2:])
         self._check_spatial(spatial)
-        n = math.prod(spatial)
-        h, k, u, g, v = self.heads, self.dim_k, self.dim_u, self.groups, self.dim_v
-
+        plan = self.plan(spatial, x.device.type)
         channels_first = x.is_contiguous()
+        q, keys, vals = self._project(x, channels_first)  # b n (h k), b n (g k u), b n (g v u)
+        out_dtype = q.dtype
+
+        autocast_on = torch.is_autocast_enabled(x.device.type) if x.device.type in ("cuda", "cpu") else False
+        ctx = torch.autocast(device_type=x.device.type, enabled=False) if autocast_on else nullcontext()
+        cdtype = compute_dtype(out_dtype)
+        with ctx:  # lambdas in fp32 (at least): key softmax and lambda accumulation never in half precision
+            q = q.to(cdtype).view(b, -1, self.heads, self.dim_k)  # b n h k
+            if self.query_softmax:
+                q = q.softmax(dim=-1)
+            vals = vals.to(cdtype)  # b n (g v u)
+            y_c, lam_c = self._content(q, keys.to(cdtype), vals)  # b n h v | b n g v k (causal)
+            y_p, lam_p = self._position(plan, q, vals, spatial)  # b n h v (queries-first) | b n g v k
+            lam = _add(lam_p, lam_c)  # b n g v k: every per-query lambda, applied in one GEMM
+            out = _add(y_c, y_p, None if lam is None else LF.apply_lambdas(q, lam))  # b n h v
+        return self._output(out.to(out_dtype), spatial, channels_first)  # b d_out *S / stride
+
+    def _project(self, x: Tensor, channels_first: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """Tokens ``[b, n, d]`` of ``x`` -> normalised queries, raw keys, normalised values."""
+        b, n = x.shape[0], math.prod(x.shape[2:])
         if channels_first:
             tokens = LF.permute_copy(x.reshape(b, self.dim, n), (0, 2, 1))  # b n d
         else:  # channels_last input: the token view is free
@@ -322,48 +451,70 @@ class LambdaLayer(nn.Module):
         q = F.linear(tokens, w_q)  # b n (h k)
         keys = F.linear(tokens, w_k)  # b n (g k u)
         vals = F.linear(tokens, w_v)  # b n (g v u)
-        q = self._norm(self.norm_q, q)  # b n (h k)
-        vals = self._norm(self.norm_v, vals)  # b n (g v u)
-        out_dtype = q.dtype
+        return self._norm(self.norm_q, q), keys, self._norm(self.norm_v, vals)
 
-        autocast_on = torch.is_autocast_enabled(x.device.type) if x.device.type in ("cuda", "cpu") else False
-        ctx = torch.autocast(device_type=x.device.type, enabled=False) if autocast_on else nullcontext()
-        cdtype = torch.float32 if out_dtype in (torch.float16, torch.bfloat16) else out_dtype
-        with ctx:  # lambdas in fp32 (at least): key softmax and lambda accumulation never in half precision
-            q = q.to(cdtype).view(b, n, h, k)  # b n h k
-            if self.query_softmax:
-                q = q.softmax(dim=-1)
-            vals = vals.to(cdtype)
-            out = None
-            causal_lam = None  # b n g v k, per-query content lambdas of a causal layer
-            if self.content:
-                keys = keys.to(cdtype).view(b, n, g, k, u)  # b m g k u
-                vals_t = vals.view(b, n, g, v, u)  # b m g v u
-                if self.causal:
-                    causal_lam = LF.causal_content_lambdas(keys, vals_t, self.key_norm).transpose(-1, -2)
-                else:
-                    lam_c = LF.content_lambda(LF.normalize_keys(keys, self.key_norm, dim=1), vals_t)  # b g k v
-                    out = LF.apply_content_lambda(q, lam_c)  # b n h v
-            if self.position and self._qe_path(spatial):
-                emb = self.embedding
-                if isinstance(emb, AbsolutePositionEmbedding):
-                    y = LF.position_output_qe(q, emb.embeddings()[0, :, 0], vals.view(b, n, v))  # b h n v
-                elif self._whole_embeddings_fit(n):  # whole E, cached in eval
-                    y = LF.position_output_qe(q, emb.embeddings(spatial)[0, :, 0], vals.view(b, n, v))  # b h n v
-                else:  # E row chunks built on the fly: no k n m tensor
-                    y = LF.relative_position_output_qe(q, emb.table, emb.center, spatial, vals.view(b, n, v))
-                y = y.transpose(1, 2)  # b n h v
-                out = y if out is None else out + y
-            elif self.position:
-                lam_p = self._position_lambdas(vals, b, spatial)  # b n g v k
-                if causal_lam is not None:
-                    lam_p = lam_p + causal_lam
-                y = LF.apply_lambdas(q, lam_p)  # b n h v
-                out = y if out is None else out + y
-            elif causal_lam is not None:
-                out = LF.apply_lambdas(q, causal_lam)  # b n h v
+    def _norm(self, norm: nn.Module, t: Tensor) -> Tensor:
+        """Apply the q/v normalisation to ``[b, n, c]`` tokens (BatchNorm over the ``b n`` positions)."""
+        if isinstance(norm, nn.Identity):
+            return t
+        b, n, c = t.shape
+        return norm(t.reshape(b * n, c)).view(b, n, c)
 
-        out = out.to(out_dtype).reshape(b, n, self.dim_out)  # b n d_out
+    def _content(self, q: Tensor, keys: Tensor, vals: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        """Content part: ``(y^c [b, n, h, v], None)`` with the shared content lambda, ``(None, lambda^c
+        [b, n, g, v, k])`` per query for a causal layer, ``(None, None)`` without content."""
+        if not self.content:
+            return None, None
+        b, n = q.shape[:2]
+        g, k, u, v = self.groups, self.dim_k, self.dim_u, self.dim_v
+        keys = keys.view(b, n, g, k, u)  # b m g k u
+        vals = vals.view(b, n, g, v, u)  # b m g v u
+        if self.causal:
+            return None, LF.causal_content_lambdas(keys, vals, self.key_norm).transpose(-1, -2)  # b n g v k
+        lam = LF.content_lambda(LF.normalize_keys(keys, self.key_norm, dim=1), vals)  # b g k v
+        return LF.apply_content_lambda(q, lam), None  # b n h v
+
+    def _position(self, plan: LambdaPlan, q: Tensor, vals: Tensor,
+                  spatial: tuple[int, ...]) -> tuple[Tensor | None, Tensor | None]:
+        """Position part by ``plan.position``: ``(y^p [b, n, h, v], None)`` queries-first, ``(None, lambda^p
+        [b, n, g, v, k])`` lambdas-first, ``(None, None)`` without position lambdas."""
+        if plan.position is None:
+            return None, None
+        if plan.queries_first:
+            return self._position_output(plan.position, q, vals, spatial), None
+        return None, self._position_lambdas(plan.position, vals, spatial)
+
+    def _position_output(self, step: str, q: Tensor, vals: Tensor, spatial: tuple[int, ...]) -> Tensor:
+        """Queries-first position output ``y^p = (q E) V``, ``[b, n, h, v]`` (multi-query, ``u = 1``)."""
+        emb = self.embedding
+        b, n = vals.shape[:2]
+        vals = vals.view(b, n, self.dim_v)  # b m v
+        if step == "einsum_qe_absolute":
+            y = LF.position_output_qe(q, emb.embeddings()[0, :, 0], vals)  # b h n v
+        elif step == "einsum_qe_whole":  # whole E, cached in eval
+            y = LF.position_output_qe(q, emb.embeddings(spatial)[0, :, 0], vals)  # b h n v
+        else:  # "einsum_qe_chunked": E row chunks built on the fly, no k n m tensor
+            y = LF.relative_position_output_qe(q, emb.table, emb.center, spatial, vals)  # b h n v
+        return y.transpose(1, 2)  # b n h v
+
+    def _position_lambdas(self, step: str, vals: Tensor, spatial: tuple[int, ...]) -> Tensor:
+        """Lambdas-first position lambdas ``[b, n, g, v, k]`` from normalised values ``[b, n, (g v u)]``."""
+        emb = self.embedding
+        b, n = vals.shape[:2]
+        g, v, u, k = self.groups, self.dim_v, self.dim_u, self.dim_k
+        if step == "depthwise_conv_tokens":  # channels-last in and out: no layout copies
+            return LF.token_position_lambdas(vals, emb.table, emb.center, spatial)  # b n g v k
+        vals_cf = LF.permute_copy(vals, (0, 2, 1)).view(b, g, v, u, *spatial)  # b g v u *S
+        if step == "einsum_absolute":
+            lam = LF.einsum_position_lambdas(vals_cf.reshape(b, g, v, u, n), emb.embeddings(self.causal))  # b g v k n
+        else:  # "conv" | "einsum"
+            lam = LF.position_lambdas(vals_cf, emb.table, emb.center, step)  # b g v k *S
+        return LF.permute_copy(lam.reshape(b, g, v, k, n), (0, 4, 1, 2, 3))  # b n g v k
+
+    def _output(self, out: Tensor, spatial: tuple[int, ...], channels_first: bool) -> Tensor:
+        """``[b, n, h, v]`` -> ``[b, d_out, *S]`` in the input's memory format, then the stride-2 pool."""
+        b = out.shape[0]
+        out = out.reshape(b, -1, self.dim_out)  # b n d_out
         if channels_first:
             out = LF.permute_copy(out, (0, 2, 1)).view(b, self.dim_out, *spatial)  # b d_out *S
         else:
@@ -372,18 +523,11 @@ class LambdaLayer(nn.Module):
             out = avg_pool_nd(self.spatial_dims)(out, kernel_size=3, stride=self.stride, padding=1)
         return out
 
-    def _position_lambdas(self, vals: Tensor, b: int, spatial: tuple[int, ...]) -> Tensor:
-        """Position lambdas ``[b, n, g, v, k]`` from normalised values ``[b, n, (g v u)]``."""
-        g, v, u, k = self.groups, self.dim_v, self.dim_u, self.dim_k
-        n = math.prod(spatial)
-        emb = self.embedding
-        if isinstance(emb, RelativePositionEmbedding) and self.choose_impl(spatial) == "depthwise_conv":
-            return LF.token_position_lambdas(vals, emb.table, emb.center, spatial)  # b n g v k
-        vals_cf = LF.permute_copy(vals, (0, 2, 1)).view(b, g, v, u, *spatial)  # b g v u *S
-        if isinstance(emb, AbsolutePositionEmbedding):
-            lam = LF.einsum_position_lambdas(vals_cf.reshape(b, g, v, u, n), emb.embeddings(self.causal))
-        else:
-            impl = self.choose_impl(spatial)
-            impl = "einsum" if impl == "einsum_qe" else impl
-            lam = LF.position_lambdas(vals_cf, emb.table, emb.center, impl)  # b g v k *S
-        return LF.permute_copy(lam.reshape(b, g, v, k, n), (0, 4, 1, 2, 3))  # b n g v k
+
+def _add(*terms: Tensor | None) -> Tensor | None:
+    """The sum of the terms that are not ``None`` (``None`` if all are)."""
+    total = None
+    for t in terms:
+        if t is not None:
+            total = t if total is None else total + t
+    return total

@@ -10,7 +10,8 @@
 
 Complexities (``n`` positions, ``d`` channels): efficient attention time ``Theta(b n k v / h)``, space
 ``Theta(b k v / h + b n d)``; double attention time ``Theta(b n c_m c_n)``, space ``Theta(b c_m c_n + b n d)``.
-Neither forms an ``n x n`` map.
+Neither forms an ``n x n`` map. Softmaxes and context products run in :func:`compute_dtype` (float32 for
+half-precision inputs, float64 for float64).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch import Tensor, nn
 
 from lambdanet.helpers import check_input, check_positive_int
 from lambdanet.layers.conv import ConvLayer
+from lambdanet.helpers import compute_dtype
 
 __all__ = ["EfficientAttention", "DoubleAttention", "ConvPlusAttention"]
 
@@ -49,10 +51,11 @@ class EfficientAttention(nn.Module):
         check_input(x, self.dim, 2, type(self).__name__)
         b, _, hh, ww = x.shape
         h = self.heads
-        q, k, v = self.qkv(x).flatten(2).split([self.dim_k, self.dim_k, self.dim_v], dim=1)  # b c n
-        q = q.reshape(b, h, self.dim_k // h, -1).float().softmax(dim=2)  # b h k n (over channels)
-        k = k.reshape(b, h, self.dim_k // h, -1).float().softmax(dim=3)  # b h k n (over positions)
-        v = v.reshape(b, h, self.dim_v // h, -1).float()  # b h v n
+        qkv = self.qkv(x).flatten(2)  # b c n
+        q, k, v = qkv.to(compute_dtype(qkv.dtype)).split([self.dim_k, self.dim_k, self.dim_v], dim=1)  # b c n
+        q = q.reshape(b, h, self.dim_k // h, -1).softmax(dim=2)  # b h k n (over channels)
+        k = k.reshape(b, h, self.dim_k // h, -1).softmax(dim=3)  # b h k n (over positions)
+        v = v.reshape(b, h, self.dim_v // h, -1)  # b h v n
         context = k @ v.transpose(-1, -2)  # b h k v
         out = context.transpose(-1, -2) @ q  # b h v n
         out = out.reshape(b, self.dim_v, hh, ww).to(x.dtype)
@@ -81,7 +84,8 @@ class DoubleAttention(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         check_input(x, self.dim, 2, type(self).__name__)
         b, _, hh, ww = x.shape
-        a, bm, v = self.conv_abv(x).flatten(2).float().split([self.c_m, self.c_n, self.c_n], dim=1)  # b c n
+        abv = self.conv_abv(x).flatten(2)  # b c n
+        a, bm, v = abv.to(compute_dtype(abv.dtype)).split([self.c_m, self.c_n, self.c_n], dim=1)  # b c n
         gathered = a @ bm.softmax(dim=-1).transpose(1, 2)  # b c_m c_n: second-order attention pooling
         z = gathered @ v.softmax(dim=1)  # b c_m n: distribute to every position
         return x + self.proj(z.view(b, self.c_m, hh, ww).to(x.dtype))

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lambdanet.helpers import check_input, check_positive_int
-from lambdanet.layers.relative_attention import _pool_after
+from lambdanet.layers.pooling import pool_after
 from lambdanet.layers.relative_position import RelativePosition2d, attend
 
 __all__ = ["BlockedLocalAttention", "HaloAttention", "LocalSelfAttention"]
@@ -146,7 +146,7 @@ class HaloAttention(BlockedLocalAttention):
 
     def __init__(self, dim: int, dim_out: int | None = None, *, stride: int = 1, block_size: int = 8,
                  halo_size: int = 3, heads: int | None = None, dim_qk: int | None = None,
-                 pixel_centered: bool = False, feat_size=None):
+                 pixel_centered: bool = False):
         dim_out = dim if dim_out is None else dim_out
         check_positive_int(dim_out, "dim_out")
         heads = max(1, dim_out // 16) if heads is None else heads
@@ -166,7 +166,7 @@ class LocalSelfAttention(nn.Module):
     """
 
     def __init__(self, dim: int, dim_out: int | None = None, *, stride: int = 1, kernel_size: int = 7,
-                 heads: int = 8, block_size: int = 8, dim_qk: int | None = None, feat_size=None):
+                 heads: int = 8, block_size: int = 8, dim_qk: int | None = None):
         super().__init__()
         dim_out = dim if dim_out is None else dim_out
         check_positive_int(kernel_size, "kernel_size", odd=True)
@@ -177,4 +177,4 @@ class LocalSelfAttention(nn.Module):
                                           heads=heads, dim_qk=dim_qk, window=kernel_size)
 
     def forward(self, x: Tensor) -> Tensor:
-        return _pool_after(self.attn(x), self.stride)
+        return pool_after(self.attn(x), self.stride)

@@ -2,7 +2,9 @@
 
 Every layer is built as ``create_spatial_layer(name, dim, dim_out=None, *, stride=1, feat_size=None, **kwargs)``
 and maps ``[B, dim, H, W]`` to ``[B, dim_out, ceil(H / stride), ceil(W / stride)]``. ``feat_size`` (the input
-size) is required by the global layers and ignored by the local ones.
+size) is handled in one place, the spec's ``feat_size_use``: ``"required"`` by the global layers,
+``"optional"`` for the lambda convolution (a global or absolute-embedding variant needs it), ``"unused"``
+by the local layers, whose constructors do not take it (the registry does not pass it on).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 
 from torch import nn
 
+from lambdanet.helpers import check_choice
 from lambdanet.layers.axial_attention import AxialAttention
 from lambdanet.layers.conv import ConvLayer, ConvSE
 from lambdanet.layers.lambda_layer import LambdaLayer
@@ -21,21 +24,36 @@ from lambdanet.layers.local_attention import HaloAttention, LocalSelfAttention
 from lambdanet.layers.relative_attention import AttentionAugmentedConv, RelativeSelfAttention
 
 __all__ = ["create_spatial_layer", "list_spatial_layers", "spatial_layer_info", "SpatialLayerSpec",
-           "register_spatial_layer"]
+           "register_spatial_layer", "FEAT_SIZE_USES"]
 
 _FRAME = ("self", "dim", "dim_out", "stride", "feat_size")
+FEAT_SIZE_USES = ("required", "optional", "unused")
 
 
 @dataclass(frozen=True)
 class SpatialLayerSpec:
     """How a registered name is built: ``cls`` with ``fixed`` keyword arguments; ``kwargs_from`` is the class
-    whose constructor takes the user's extra keyword arguments (default ``cls``)."""
+    whose constructor takes the user's extra keyword arguments (default ``cls``); ``feat_size_use`` (one of
+    :data:`FEAT_SIZE_USES`) says whether ``cls`` needs, may take, or does not take ``feat_size``."""
 
     cls: type[nn.Module]
     fixed: dict[str, Any] = field(default_factory=dict)
     kwargs_from: type[nn.Module] | None = None
-    needs_feat_size: bool = False
+    feat_size_use: str = "unused"
     paper: str = ""
+
+    def __post_init__(self):
+        check_choice(self.feat_size_use, "feat_size_use", FEAT_SIZE_USES)
+
+    @property
+    def needs_feat_size(self) -> bool:
+        """Global layers: building one without ``feat_size`` is an error."""
+        return self.feat_size_use == "required"
+
+    @property
+    def takes_feat_size(self) -> bool:
+        """Whether ``feat_size`` is passed to the constructor (local layers are built without it)."""
+        return self.feat_size_use != "unused"
 
     def accepted_kwargs(self) -> list[str]:
         target = self.kwargs_from or self.cls
@@ -63,22 +81,24 @@ register_spatial_layer("double_attention", SpatialLayerSpec(
     ConvPlusAttention, {"attention": "double"}, DoubleAttention,
     paper="conv + double attention (A^2-Nets, Chen et al. 2018), Table 3"))
 register_spatial_layer("relative_self_attention", SpatialLayerSpec(
-    RelativeSelfAttention, needs_feat_size=True,
+    RelativeSelfAttention, feat_size_use="required",
     paper="global relative self-attention (Bello et al. 2019 / BoTNet), Table 4"))
 register_spatial_layer("attention_augmented_conv", SpatialLayerSpec(
-    AttentionAugmentedConv, needs_feat_size=True,
+    AttentionAugmentedConv, feat_size_use="required",
     paper="conv + relative self-attention, attention augmentation (Bello et al. 2019), Table 3"))
 register_spatial_layer("local_self_attention", SpatialLayerSpec(
     LocalSelfAttention, paper="SASA local relative self-attention (Ramachandran et al. 2019), Tables 3-4"))
 register_spatial_layer("axial_self_attention", SpatialLayerSpec(
-    AxialAttention, needs_feat_size=True, paper="axial self-attention (Ho et al. 2019; Wang et al. 2020), Table 4"))
+    AxialAttention, feat_size_use="required",
+    paper="axial self-attention (Ho et al. 2019; Wang et al. 2020), Table 4"))
 register_spatial_layer("halo_attention", SpatialLayerSpec(
     HaloAttention, paper="HaloNet blocked local self-attention (Vaswani et al. 2021)"))
 register_spatial_layer("lambda", SpatialLayerSpec(
-    LambdaLayer, {"r": None}, needs_feat_size=True,
+    LambdaLayer, {"r": None}, feat_size_use="required",
     paper="lambda layer, global context with relative embeddings (LambdaNetworks Sec. 3.3)"))
 register_spatial_layer("lambda_conv", SpatialLayerSpec(
-    LambdaLayer, paper="lambda convolution, local scope r (LambdaNetworks Sec. 3.4; r=23 default)"))
+    LambdaLayer, feat_size_use="optional",
+    paper="lambda convolution, local scope r (LambdaNetworks Sec. 3.4; r=23 default)"))
 
 
 def list_spatial_layers() -> list[str]:
@@ -97,8 +117,9 @@ def create_spatial_layer(name: str, dim: int, dim_out: int | None = None, *, str
                          feat_size: int | tuple[int, int] | None = None, **kwargs) -> nn.Module:
     """Build the spatial layer ``name`` mapping ``[B, dim, H, W]`` to ``[B, dim_out, H / stride, W / stride]``.
 
-    ``feat_size`` is the input's spatial size; global layers need it, local ones ignore it. Unknown names
-    and keyword arguments raise a ``ValueError`` that lists the valid choices.
+    ``feat_size`` is the input's spatial size; global layers need it, local ones are built without it (see
+    :attr:`SpatialLayerSpec.feat_size_use`). Unknown names and keyword arguments raise a ``ValueError`` that
+    lists the valid choices.
     """
     spec = spatial_layer_info(name)
     accepted = spec.accepted_kwargs()
@@ -108,8 +129,6 @@ def create_spatial_layer(name: str, dim: int, dim_out: int | None = None, *, str
     if spec.needs_feat_size and feat_size is None:
         raise ValueError(f"spatial layer {name!r} is global and needs feat_size (the input's spatial size)")
     args = dict(spec.fixed, **kwargs)
-    if spec.cls is LambdaLayer:
-        return LambdaLayer(dim, dim_out, stride=stride, feat_size=feat_size, **args)
-    if "feat_size" in inspect.signature(spec.cls.__init__).parameters:
+    if spec.takes_feat_size:
         args["feat_size"] = feat_size
     return spec.cls(dim, dim_out, stride=stride, **args)

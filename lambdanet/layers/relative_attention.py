@@ -16,10 +16,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lambdanet.helpers import check_choice, check_input, check_positive_int, to_ntuple
+from lambdanet.layers.pooling import pool_after
 from lambdanet.layers.relative_position import RelativePosition2d, attend
 
 __all__ = ["RelativeSelfAttention", "AttentionAugmentedConv", "check_feat_size"]
@@ -30,10 +30,6 @@ def check_feat_size(spatial: Sequence[int], feat_size: Sequence[int], layer: str
     if any(s > f for s, f in zip(spatial, feat_size)):
         raise ValueError(f"{layer} was built for feat_size={tuple(feat_size)}; got a larger input of spatial "
                          f"size {tuple(spatial)}")
-
-
-def _pool_after(x: Tensor, stride: int) -> Tensor:
-    return x if stride == 1 else F.avg_pool2d(x, stride, stride, ceil_mode=True)
 
 
 class RelativeSelfAttention(nn.Module):
@@ -82,7 +78,7 @@ class RelativeSelfAttention(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         check_input(x, self.dim, 2, type(self).__name__)
         check_feat_size(x.shape[2:], self.feat_size, type(self).__name__)
-        return _pool_after(self.attention(x), self.stride)
+        return pool_after(self.attention(x), self.stride)
 
 
 class AttentionAugmentedConv(nn.Module):
@@ -118,5 +114,5 @@ class AttentionAugmentedConv(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         check_input(x, self.dim, 2, type(self).__name__)
         check_feat_size(x.shape[2:], self.attn.feat_size, type(self).__name__)
-        attn = _pool_after(self.proj(self.attn.attention(x)), self.stride)
+        attn = pool_after(self.proj(self.attn.attention(x)), self.stride)
         return torch.cat([self.conv(x), attn], dim=1)

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from lambdanet.helpers import check_choice
+from lambdanet.helpers import compute_dtype
 
 __all__ = ["RelativePosition2d", "RelativePosition1d", "attend"]
 
@@ -67,17 +68,20 @@ class RelativePosition2d(nn.Module):
 
 def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None = None, mask: Tensor | None = None,
            scale: float = 1.0) -> Tensor:
-    """Softmax attention ``softmax(q k^T scale + bias, masked) v`` with the softmax in float32.
+    """Softmax attention ``softmax(q k^T scale + bias, masked) v``.
 
     ``q [..., Nq, d]``, ``k [..., Nk, d]``, ``v [..., Nk, dv]``, ``bias`` broadcastable to ``[..., Nq, Nk]``,
-    ``mask`` (True = keep) broadcastable to it. Masked keys get the most negative finite logit, so a
-    row with no valid key gives a uniform (finite) average instead of NaN.
+    ``mask`` (True = keep) broadcastable to it. The logits and the softmax run in :func:`compute_dtype`
+    (float32 for half-precision inputs, float64 for float64). Masked keys get the most negative finite
+    logit, so a row with no valid key gives a uniform (finite) average instead of NaN.
     """
-    logits = (q @ k.transpose(-1, -2)).float() * scale  # ... Nq Nk
+    logits = q @ k.transpose(-1, -2)  # ... Nq Nk
+    dtype = compute_dtype(logits.dtype)
+    logits = logits.to(dtype) * scale
     if bias is not None:
-        logits = logits + bias.float()
+        logits = logits + bias.to(dtype)
     if mask is not None:
-        logits = logits.masked_fill(~mask, torch.finfo(torch.float32).min)
+        logits = logits.masked_fill(~mask, torch.finfo(dtype).min)
     attn = logits.softmax(dim=-1).to(v.dtype)
     return attn @ v  # ... Nq dv
 

@@ -1,8 +1,17 @@
-"""Architectures and their registry: ``create_model(name, num_classes=..., **kwargs)``, ``list_models()``."""
+"""Architectures and their registry: ``create_model(name, num_classes=..., **kwargs)``, ``list_models()``,
+``model_info(name)``, ``model_args(name)``."""
 
 from lambdanet.models import halonet, mobilenet, zoo_resnet  # noqa: F401  (register the families)
-from lambdanet.models.registry import ModelInfo, create_model, list_models, model_info, register_model
-from lambdanet.models.resnet import Bottleneck, ResNet, ResNetConfig
+from lambdanet.models.registry import (
+    ModelInfo,
+    create_model,
+    list_models,
+    model_args,
+    model_info,
+    register_model,
+    unregister_model,
+)
+from lambdanet.models.resnet import Bottleneck, ResNet, ResNetArgs, ResNetConfig
 
-__all__ = ["create_model", "list_models", "model_info", "register_model", "ModelInfo", "ResNet", "ResNetConfig",
-           "Bottleneck"]
+__all__ = ["create_model", "list_models", "model_info", "model_args", "register_model", "unregister_model", "ModelInfo", "ResNet",
+           "ResNetConfig", "ResNetArgs", "Bottleneck"]

@@ -8,65 +8,139 @@ Downsampling subsamples the queries inside the attention (HaloNet Fig. 2). No sq
 the paper's H0-H7 use label smoothing, SiLU and RandAugment but not SE (Sec. 4.2.1).
 
 Parameter counts (1000 classes) against Table A2: H0 5.49M (5.5), H1 8.08 (8.1), H2 9.38 (9.4),
-H4 19.08 (19.1), H5 30.68 (30.7), H6 43.42 (43.4), H7 67.39 (67). H3 is 11.82M against 12.3M (-3.9%): the
-row's own layer count (65 layers) fixes ``l3 = 12``, and no single other entry of the row reproduces
-12.3M (``rb = 1.75``: 12.87M, ``df = 1536``: 12.72M, ``rv = 1.25``: 12.84M); we keep the table's values.
+H4 19.08 (19.1), H5 30.68 (30.7), H6 43.42 (43.4), H7 67.39 (67). H3 is 11.82M against 12.3M (-3.9%) with
+the row's values. One entry changed at a time, ``df = 1280`` (H4's value) gives 12.27M and ``l3 = 13``
+12.21M, but 68 layers where the row says 65 (``3 (9 + l3) + 2``, which fixes ``l3 = 12``); ``rb = 1.75``
+(12.87M), ``rv = 1.25`` (12.84M) and ``df = 1536`` (12.72M) overshoot. ``df = 1280`` may be what the authors
+trained, but the table says 1024, and we keep the table's values.
+
+Each model is one entry of :data:`model_cfgs` (a Table A2 row, :class:`HaloNetSpec`) and an entry point of
+the same name; :data:`HALONET_ARGS` are the keyword arguments every HaloNet takes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 from lambdanet.models.registry import ModelInfo, register_model
-from lambdanet.models.resnet import ResNet, ResNetConfig
+from lambdanet.models.resnet import RESNET_ARGS, ResNet, ResNetArgs, ResNetConfig, build_resnet
 
-__all__ = ["HALONET_SPECS", "halonet_config"]
+__all__ = ["HaloNetSpec", "model_cfgs", "halonet_config", "HALONET_ARGS"]
 
-# Table A2: name -> (b, h, rv, rb, l3, s, df, params M, RandAugment magnitude (App. C.3))
-HALONET_SPECS = {
-    "h0": (8, 3, 1.0, 0.5, 7, 256, None, 5.5, 6),
-    "h1": (8, 3, 1.0, 1.0, 10, 256, None, 8.1, 8),
-    "h2": (8, 3, 1.0, 1.25, 11, 256, None, 9.4, 10),
-    "h3": (10, 3, 1.0, 1.5, 12, 320, 1024, 12.3, 14),
-    "h4": (12, 2, 1.0, 3.0, 12, 384, 1280, 19.1, 17),
-    "h5": (14, 2, 2.5, 2.0, 23, 448, 1536, 30.7, 19),
-    "h6": (8, 4, 3.0, 2.75, 24, 512, 1536, 43.4, 24),
-    "h7": (10, 3, 4.0, 3.5, 26, 600, 2048, 67.0, 31),
+
+class HaloNetSpec(NamedTuple):
+    """One row of HaloNet Table A2, and the RandAugment magnitude of App. C.3."""
+
+    b: int  # query block size
+    h: int  # halo size
+    rv: float  # attention output width multiplier
+    rb: float  # bottleneck output width multiplier
+    l3: int  # blocks in the third group (c4)
+    s: int  # image size
+    df: int | None  # final 1x1 conv width (None: no final conv)
+    params_m: float  # parameters (M) reported by Table A2
+    randaugment_magnitude: int
+
+
+# HaloNet Table A2 (and App. C.3 RandAugment magnitudes), by registered name
+model_cfgs: dict[str, HaloNetSpec] = {
+    "halonet_h0": HaloNetSpec(b=8, h=3, rv=1.0, rb=0.5, l3=7, s=256, df=None, params_m=5.5, randaugment_magnitude=6),
+    "halonet_h1": HaloNetSpec(b=8, h=3, rv=1.0, rb=1.0, l3=10, s=256, df=None, params_m=8.1, randaugment_magnitude=8),
+    "halonet_h2": HaloNetSpec(b=8, h=3, rv=1.0, rb=1.25, l3=11, s=256, df=None, params_m=9.4,
+                              randaugment_magnitude=10),
+    "halonet_h3": HaloNetSpec(b=10, h=3, rv=1.0, rb=1.5, l3=12, s=320, df=1024, params_m=12.3,
+                              randaugment_magnitude=14),
+    "halonet_h4": HaloNetSpec(b=12, h=2, rv=1.0, rb=3.0, l3=12, s=384, df=1280, params_m=19.1,
+                              randaugment_magnitude=17),
+    "halonet_h5": HaloNetSpec(b=14, h=2, rv=2.5, rb=2.0, l3=23, s=448, df=1536, params_m=30.7,
+                              randaugment_magnitude=19),
+    "halonet_h6": HaloNetSpec(b=8, h=4, rv=3.0, rb=2.75, l3=24, s=512, df=1536, params_m=43.4,
+                              randaugment_magnitude=24),
+    "halonet_h7": HaloNetSpec(b=10, h=3, rv=4.0, rb=3.5, l3=26, s=600, df=2048, params_m=67.0,
+                              randaugment_magnitude=31),
 }
-HEADS = (4, 8, 8, 8)
-WIDTHS = (64, 128, 256, 512)
+HEADS = (4, 8, 8, 8)  # per stage c2..c5 (Table A2 caption)
+
+# the ResNet keyword arguments a HaloNet takes (its blocks, stem and widths are the table's)
+HALONET_ARGS = {k: RESNET_ARGS[k] for k in ("img_size", "drop_rate", "drop_path_rate", "features_only", "layer_kwargs",
+                                            "zero_init_last")}
+# HaloNet Sec. 4.1 and App. C.3 (the RandAugment magnitude and image size are per model)
+RECIPE = {"epochs": 350, "optimizer": "sgd", "nesterov": True, "lr": 1.6, "batch_size": 4096, "warmup_epochs": 10,
+          "weight_decay": 2e-5, "label_smoothing": 0.1}
 
 
-def halonet_config(variant: str) -> ResNetConfig:
-    b, h, rv, rb, l3, s, df, params, _ = HALONET_SPECS[variant]
+def halonet_config(name: str, *, base_width: int = 64, **changes) -> ResNetConfig:
+    """The bottleneck ResNet of the Table A2 row ``model_cfgs[name]`` (see the module docstring).
+
+    Args:
+        name: a key of :data:`model_cfgs`.
+        base_width: ``w`` of c2 (c3..c5 double it); the paper's models use 64, smaller ones build the same
+            blocks narrower (fast tests).
+        **changes: Table A2 entries to replace (``df=1280``), for ablations of the table.
+    """
+    b, h, rv, rb, l3, s, df, params_m, _ = model_cfgs[name]._replace(**changes)
+    widths = tuple(base_width * 2 ** i for i in range(4))
     stage_kwargs = tuple({"block_size": b, "halo_size": h, "heads": heads, "dim_qk": w}
-                         for heads, w in zip(HEADS, WIDTHS))
+                         for heads, w in zip(HEADS, widths))
     return ResNetConfig(
-        (3, 3, l3, 3), widths=WIDTHS, expansion=rb, spatial_mult=rv, stem="resnet", shortcut="conv",
+        (3, 3, l3, 3), widths=widths, expansion=rb, spatial_mult=rv, stem="resnet", shortcut="conv",
         pattern=("L" * 3, "L" * 3, "L" * l3, "L" * 3), spatial_layer="halo_attention", stage_kwargs=stage_kwargs,
         act="silu", final_conv=df, input_size=s,
-        paper=f"HaloNet-{variant.upper()}: Table A2 (b={b}, h={h}, rv={rv}, rb={rb}, l3={l3}, s={s}, df={df}), "
-              f"{params}M parameters")
+        paper=f"HaloNet-{name.removeprefix('halonet_').upper()}: Table A2 (b={b}, h={h}, rv={rv}, rb={rb}, l3={l3}, "
+              f"s={s}, df={df}), {params_m}M parameters")
 
 
-def _register(variant: str) -> None:
-    cfg = halonet_config(variant)
-    magnitude = HALONET_SPECS[variant][8]
-
-    def entry(*, num_classes: int = 1000, in_chans: int = 3, img_size=None, drop_rate: float = 0.0,
-              drop_path_rate: float = 0.0, features_only: bool = False, layer_kwargs=None,
-              zero_init_last: bool = True) -> ResNet:
-        return ResNet(cfg, num_classes=num_classes, in_chans=in_chans, img_size=img_size, drop_rate=drop_rate,
-                      drop_path_rate=drop_path_rate, features_only=features_only, layer_kwargs=layer_kwargs,
-                      zero_init_last=zero_init_last)
-
-    name = f"halonet_{variant}"
-    entry.__name__ = entry.__qualname__ = name
-    entry.__doc__ = cfg.paper
-    entry.config = cfg
-    recipe = {"epochs": 350, "optimizer": "nesterov", "lr": 1.6, "batch_size": 4096, "warmup_epochs": 10,
-              "weight_decay": 2e-5, "label_smoothing": 0.1, "randaugment_magnitude": magnitude,
-              "image_size": cfg.input_size, "source": "HaloNet Sec. 4.1 and App. C.3"}
-    register_model(entry, info=ModelInfo(name, cfg.input_size, "HaloNet Table A2", recipe))
+def _create(variant: str, *, num_classes: int = 1000, in_chans: int = 3, **kwargs) -> ResNet:
+    """Build ``model_cfgs[variant]`` with the keyword arguments of :data:`HALONET_ARGS`."""
+    return build_resnet(halonet_config(variant), ResNetArgs(**kwargs), num_classes=num_classes, in_chans=in_chans)
 
 
-for _variant in HALONET_SPECS:
-    _register(_variant)
+def _register(fn: Callable[..., ResNet]) -> Callable[..., ResNet]:
+    """``register_model`` with the metadata of the ``model_cfgs`` entry named like ``fn``."""
+    name = fn.__name__
+    spec = model_cfgs[name]
+    fn.__doc__ = halonet_config(name).paper
+    recipe = {**RECIPE, "randaugment_magnitude": spec.randaugment_magnitude, "img_size": spec.s}
+    info = ModelInfo(name, spec.s, "HaloNet Table A2", recipe, recipe_source="HaloNet Sec. 4.1 and App. C.3")
+    return register_model(fn, info=info, args=HALONET_ARGS)
+
+
+@_register
+def halonet_h0(**kwargs) -> ResNet:
+    return _create("halonet_h0", **kwargs)
+
+
+@_register
+def halonet_h1(**kwargs) -> ResNet:
+    return _create("halonet_h1", **kwargs)
+
+
+@_register
+def halonet_h2(**kwargs) -> ResNet:
+    return _create("halonet_h2", **kwargs)
+
+
+@_register
+def halonet_h3(**kwargs) -> ResNet:
+    return _create("halonet_h3", **kwargs)
+
+
+@_register
+def halonet_h4(**kwargs) -> ResNet:
+    return _create("halonet_h4", **kwargs)
+
+
+@_register
+def halonet_h5(**kwargs) -> ResNet:
+    return _create("halonet_h5", **kwargs)
+
+
+@_register
+def halonet_h6(**kwargs) -> ResNet:
+    return _create("halonet_h6", **kwargs)
+
+
+@_register
+def halonet_h7(**kwargs) -> ResNet:
+    return _create("halonet_h7", **kwargs)

@@ -10,6 +10,7 @@ for MobileNet-v2 and 3.21M / 563 MFLOPs with two lambda blocks.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from torch import Tensor, nn
 
@@ -17,11 +18,14 @@ from lambdanet.layers import LambdaLayer
 from lambdanet.models.base import Backbone
 from lambdanet.models.registry import ModelInfo, register_model
 
-__all__ = ["MobileNetV2", "InvertedResidual", "LambdaBlock", "INVERTED_RESIDUAL_SETTING"]
+__all__ = ["MobileNetV2", "InvertedResidual", "LambdaBlock", "INVERTED_RESIDUAL_SETTING", "FEATURE_ROWS",
+           "MobileNetVariant", "model_cfgs", "MOBILENET_ARGS"]
 
 # (expansion t, channels c, repeats n, stride s) of Sandler et al. 2018, Table 2
 INVERTED_RESIDUAL_SETTING = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1),
                              (6, 160, 3, 2), (6, 320, 1, 1))
+# feature taps: the row of INVERTED_RESIDUAL_SETTING whose last block ends each stage (strides 4, 8, 16, 32)
+FEATURE_ROWS = {"c2": 1, "c3": 2, "c4": 4, "c5": 6}
 
 
 def _cbr(cin: int, cout: int, k: int = 1, stride: int = 1, groups: int = 1, act: bool = True) -> list[nn.Module]:
@@ -71,19 +75,19 @@ class MobileNetV2(Backbone):
         stem = nn.Sequential(*_cbr(in_chans, 32, 3, 2))
         blocks: list[nn.Module] = [stem]
         self.feature_info, self._taps = [], []
+        stage_of_row = {row: stage for stage, row in FEATURE_ROWS.items()}
         cin, idx, reduction = 32, 0, 2
-        for t, c, n, s in INVERTED_RESIDUAL_SETTING:
+        for row, (t, c, n, s) in enumerate(INVERTED_RESIDUAL_SETTING):
             for j in range(n):
                 stride = s if j == 0 else 1
                 idx += 1
                 block = LambdaBlock(cin, c, stride) if idx in lambda_blocks else InvertedResidual(cin, c, stride, t)
                 blocks.append(block)
                 cin, reduction = c, reduction * stride
-            if c in (24, 32, 96, 320):  # the last block at strides 4, 8, 16, 32
+            if row in stage_of_row:
                 self._taps.append(len(blocks) - 1)
-                self.feature_info.append({"module": f"features.{len(blocks) - 1}",
-                                          "stage": f"c{len(self.feature_info) + 2}", "num_chs": c,
-                                          "reduction": reduction})
+                self.feature_info.append({"module": f"features.{len(blocks) - 1}", "stage": stage_of_row[row],
+                                          "num_chs": c, "reduction": reduction})
         self.features = nn.Sequential(*blocks)
         self.final_conv = nn.Sequential(*_cbr(cin, 1280))
         self._init_head(1280, num_classes, drop_rate, features_only)
@@ -109,24 +113,44 @@ class MobileNetV2(Backbone):
         return self.final_conv(self.features(x))
 
 
-_RECIPE = {"epochs": 350, "optimizer": "rmsprop", "momentum": 0.9, "lr": 0.1, "batch_size": 4096,
-           "lr_decay": "x0.99 every 3 epochs", "weight_decay": 1e-5, "dropout": 0.2, "image_size": 224,
-           "source": "LambdaNetworks App. E.2 (MobileNet training setup)"}
+class MobileNetVariant(NamedTuple):
+    """One entry of :data:`model_cfgs`."""
+
+    lambda_blocks: tuple[int, ...]  # 1-indexed inverted bottlenecks replaced by lightweight lambda blocks
+    paper: str  # ModelInfo.paper
 
 
-@register_model(info=ModelInfo("mobilenet_v2", 224, "Sandler et al. 2018; LambdaNetworks Table 17 (3.50M)",
-                               _RECIPE))
-def mobilenet_v2(*, num_classes: int = 1000, in_chans: int = 3, drop_rate: float = 0.2, features_only: bool = False,
-                 img_size: int = 224) -> MobileNetV2:
+# Every MobileNet model, by registered name
+model_cfgs: dict[str, MobileNetVariant] = {
+    "mobilenet_v2": MobileNetVariant((), "Sandler et al. 2018; LambdaNetworks Table 17 (3.50M)"),
+    "mobilenet_v2_lambda": MobileNetVariant((10, 16), "LambdaNetworks App. D.3.2, Table 17 (3.21M)"),
+}
+# the keyword arguments of the MobileNet entry points (mobilenet_v2_lambda also takes lambda_blocks)
+MOBILENET_ARGS = {"drop_rate": 0.2, "features_only": False, "img_size": 224}
+# LambdaNetworks App. E.2, MobileNet training setup (the hyperparameters of Howard et al. 2019)
+RECIPE = {"epochs": 350, "optimizer": "rmsprop", "momentum": 0.9, "lr": 0.1, "batch_size": 4096, "schedule": "step",
+          "lr_decay_rate": 0.99, "lr_decay_epochs": 3.0, "weight_decay": 1e-5, "drop_rate": 0.2, "img_size": 224}
+
+
+def _create(variant: str, *, lambda_blocks: Sequence[int] | None = None, **kwargs) -> MobileNetV2:
+    """Build ``model_cfgs[variant]`` with the keyword arguments of :data:`MOBILENET_ARGS`."""
+    blocks = model_cfgs[variant].lambda_blocks if lambda_blocks is None else tuple(lambda_blocks)
+    return MobileNetV2(lambda_blocks=blocks, **kwargs)
+
+
+def _info(name: str) -> ModelInfo:
+    return ModelInfo(name, 224, model_cfgs[name].paper, dict(RECIPE),
+                     recipe_source="LambdaNetworks App. E.2 (MobileNet training setup)")
+
+
+@register_model(info=_info("mobilenet_v2"), args=MOBILENET_ARGS)
+def mobilenet_v2(**kwargs) -> MobileNetV2:
     """MobileNet-v2 (3.50M parameters, Table 17)."""
-    return MobileNetV2(num_classes=num_classes, in_chans=in_chans, drop_rate=drop_rate, features_only=features_only,
-                       img_size=img_size)
+    return _create("mobilenet_v2", **kwargs)
 
 
-@register_model(info=ModelInfo("mobilenet_v2_lambda", 224, "LambdaNetworks App. D.3.2, Table 17 (3.21M)", _RECIPE))
-def mobilenet_v2_lambda(*, num_classes: int = 1000, in_chans: int = 3, drop_rate: float = 0.2,
-                        features_only: bool = False, lambda_blocks: Sequence[int] = (10, 16),
-                        img_size: int = 224) -> MobileNetV2:
+@register_model(info=_info("mobilenet_v2_lambda"),
+                args={**MOBILENET_ARGS, "lambda_blocks": model_cfgs["mobilenet_v2_lambda"].lambda_blocks})
+def mobilenet_v2_lambda(**kwargs) -> MobileNetV2:
     """MobileNet-v2 with the 10th and 16th inverted bottlenecks replaced by lightweight lambda blocks."""
-    return MobileNetV2(num_classes=num_classes, in_chans=in_chans, lambda_blocks=tuple(lambda_blocks),
-                       drop_rate=drop_rate, features_only=features_only, img_size=img_size)
+    return _create("mobilenet_v2_lambda", **kwargs)

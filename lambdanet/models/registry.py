@@ -1,49 +1,106 @@
-"""Model registry in the style of timm: ``@register_model``, ``create_model``, ``list_models``.
+"""Model registry in the style of timm: ``@register_model``, ``create_model``, ``list_models``, ``model_args``.
 
 Every registered entry point takes ``num_classes``, ``in_chans`` and architecture keyword arguments and
-returns an ``nn.Module``. Each entry carries :class:`ModelInfo` metadata: the default input size, the
-paper table it comes from and the training recipe of the paper for it (Tables 19-20).
+returns an ``nn.Module``. Each entry carries :class:`ModelInfo` metadata (the default input size, the paper
+table it comes from and the paper's training recipe for it) and the architecture keyword arguments it
+accepts, declared once per model family (``register_model(args=...)``): :func:`create_model` validates
+against that declaration and :func:`model_args` lists it.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from torch import nn
 
-__all__ = ["register_model", "create_model", "list_models", "model_info", "ModelInfo"]
+__all__ = ["unregister_model", "register_model", "create_model", "list_models", "model_info", "model_args", "ModelInfo"]
 
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """Metadata of a registered model."""
+    """Metadata of a registered model.
+
+    Attributes:
+        name: the registered name.
+        input_size: default (square) input size.
+        paper: the paper tables the model reproduces.
+        recipe: the paper's training recipe for this model, as ``lambdanet.train.TrainConfig`` fields
+            (``{"img_size": 160, "randaugment_magnitude": 10, "drop_rate": 0.2, ...}``).
+        small: fast enough to build and train at its full width in CPU tests.
+        recipe_source: where in the papers ``recipe`` comes from.
+    """
 
     name: str
     input_size: int = 224
     paper: str = ""
-    recipe: dict = field(default_factory=dict)  # e.g. {"randaugment_magnitude": 10, "dropout": 0.2, ...}
-    small: bool = False  # fast enough for CPU tests at small sizes
+    recipe: dict = field(default_factory=dict)
+    small: bool = False
+    recipe_source: str = ""
 
 
+# name -> entry point; name -> metadata; name -> accepted architecture keywords and their defaults
 _MODELS: dict[str, Callable[..., nn.Module]] = {}
 _INFO: dict[str, ModelInfo] = {}
+_ARGS: dict[str, dict[str, object]] = {}
+_BUILD_ARGS = ("num_classes", "in_chans")  # taken by every entry point, not architecture arguments
 
 
-def register_model(fn: Callable[..., nn.Module] | None = None, *, info: ModelInfo | None = None):
-    """Register a model entry point under its function name (usable bare or with ``info=``)."""
+def register_model(fn: Callable[..., nn.Module] | None = None, *, info: ModelInfo | None = None,
+                   args: Mapping[str, object] | None = None):
+    """Register a model entry point under its function name (usable bare or with keywords).
+
+    Args:
+        fn: the entry point, called as ``fn(num_classes=..., in_chans=..., **kwargs)``.
+        info: its metadata (default: ``ModelInfo(name)``).
+        args: the architecture keyword arguments it accepts, with their defaults (the family's
+            declaration; ``num_classes`` and ``in_chans`` excluded). Given, it also becomes the entry point's
+            ``inspect.signature``. Omitted, the keyword parameters of ``fn`` are the declaration (none if
+            ``fn`` takes ``**kwargs``: its keywords are then not validated).
+    """
 
     def deco(f: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
         name = f.__name__
         if name in _MODELS:
             raise ValueError(f"model {name!r} is already registered")
+        if args is None:
+            declared = _keyword_parameters(f)
+        else:
+            bad = sorted(set(args) & set(_BUILD_ARGS))
+            if bad:
+                raise ValueError(f"args of model {name!r} must not contain {bad}: every model takes them")
+            declared = dict(args)
+            f.__signature__ = _signature(declared)
+        if declared is not None:
+            _ARGS[name] = declared
         _MODELS[name] = f
         _INFO[name] = info if info is not None else ModelInfo(name)
         return f
 
     return deco(fn) if fn is not None else deco
+
+
+def _signature(args: Mapping[str, object]) -> inspect.Signature:
+    kw = inspect.Parameter.KEYWORD_ONLY
+    params = [inspect.Parameter("num_classes", kw, default=1000), inspect.Parameter("in_chans", kw, default=3)]
+    return inspect.Signature(params + [inspect.Parameter(k, kw, default=v) for k, v in args.items()])
+
+
+def _keyword_parameters(fn: Callable) -> dict[str, object] | None:
+    """The keyword parameters of a plain entry point and their defaults (``None`` if it takes ``**kwargs``)."""
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return {p.name: None if p.default is inspect.Parameter.empty else p.default
+            for p in params if p.name not in _BUILD_ARGS}
+
+
+def unregister_model(name: str) -> None:
+    """Remove a registered model (for plug-ins and tests that register temporary models)."""
+    _check_name(name)
+    del _MODELS[name], _INFO[name]
 
 
 def list_models(pattern: str | None = None) -> list[str]:
@@ -58,6 +115,14 @@ def model_info(name: str) -> ModelInfo:
     return _INFO[name]
 
 
+def model_args(name: str) -> dict[str, object]:
+    """The architecture keyword arguments ``create_model(name, ...)`` accepts, with their defaults
+    (``num_classes`` and ``in_chans``, which every model takes, excluded), e.g. for ``lambda_resnet26``
+    ``{"stage_layers": None, ..., "img_size": None, "drop_rate": 0.0, "drop_path_rate": 0.0, ...}``."""
+    _check_name(name)
+    return dict(_ARGS.get(name, {}))
+
+
 def _check_name(name: str) -> None:
     if name not in _MODELS:
         raise ValueError(f"unknown model {name!r}; registered models: {', '.join(list_models())}")
@@ -70,21 +135,19 @@ def create_model(name: str, *, num_classes: int = 1000, in_chans: int = 3, **kwa
         name: one of :func:`list_models`.
         num_classes: classifier outputs (0 for no classifier: ``forward`` returns pooled features).
         in_chans: input image channels.
-        **kwargs: architecture options of that model (see its docstring); unknown ones raise a
+        **kwargs: architecture options of that model (:func:`model_args`); unknown ones raise a
             ``ValueError`` listing the accepted ones.
     """
     _check_name(name)
-    fn = _MODELS[name]
-    params = inspect.signature(fn).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        unknown = sorted(set(kwargs) - set(params))
+    accepted = _ARGS.get(name)  # None: not declared (``**kwargs`` without ``args``), not validated
+    if accepted is not None:
+        unknown = sorted(set(kwargs) - set(accepted))
         if unknown:
-            raise ValueError(f"model {name!r} does not take {unknown}; it accepts: "
-                             f"{', '.join(p for p in params if p not in ('num_classes', 'in_chans'))}")
+            raise ValueError(f"model {name!r} does not take {unknown}; it accepts: {', '.join(accepted)}")
     if not isinstance(num_classes, int) or num_classes < 0:
         raise ValueError(f"num_classes must be a non-negative int, got {num_classes!r}")
     if not isinstance(in_chans, int) or in_chans <= 0:
         raise ValueError(f"in_chans must be a positive int, got {in_chans!r}")
-    model = fn(num_classes=num_classes, in_chans=in_chans, **kwargs)
+    model = _MODELS[name](num_classes=num_classes, in_chans=in_chans, **kwargs)
     model.model_name = name
     return model

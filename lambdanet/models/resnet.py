@@ -1,7 +1,8 @@
 """Bottleneck ResNets with any spatial layer: ResNet-v1, ResNet-RS, LambdaResNets, hybrids and HaloNets.
 
 A model variant is data (:class:`ResNetConfig`): block counts, widths, stem, shortcut and which spatial
-layer each block uses. The module (:class:`ResNet`) is a plain stack of :class:`Bottleneck` blocks:
+layer each block uses; the keyword arguments of the registered models (:class:`ResNetArgs`) adjust it and
+:func:`build_resnet` builds it. The module (:class:`ResNet`) is a plain stack of :class:`Bottleneck` blocks:
 
     x -> conv1x1 (w) -> BN -> act -> spatial layer (w -> w rv, stride) -> BN -> act
       -> conv1x1 (w rb) -> BN (gamma = 0) [-> SE] -> drop path -> + shortcut -> act
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from torch import Tensor, nn
 
@@ -31,7 +32,8 @@ from lambdanet.layers import (
 from lambdanet.layers.drop import DropPath
 from lambdanet.models.base import Backbone
 
-__all__ = ["ResNetConfig", "ResNet", "Bottleneck", "stage_pattern", "STAGE_NAMES"]
+__all__ = ["ResNetConfig", "ResNetArgs", "RESNET_ARGS", "ResNet", "Bottleneck", "build_resnet", "stage_pattern",
+           "STAGE_NAMES"]
 
 STAGE_NAMES = ("c2", "c3", "c4", "c5")
 _ACTS = {"relu": nn.ReLU, "silu": nn.SiLU}
@@ -79,6 +81,43 @@ class ResNetConfig:
 
     def block_pattern(self) -> tuple[str, str, str, str]:
         return self.pattern if self.pattern is not None else tuple("C" * n for n in self.layers)
+
+
+@dataclass(frozen=True)
+class ResNetArgs:
+    """The architecture keyword arguments of the ResNet-family entry points (ResNet-v1, ResNet-RS,
+    LambdaResNets; HaloNets take a subset), declared once: :data:`RESNET_ARGS` is what ``create_model``
+    validates against. ``None`` keeps the registered configuration's value.
+
+    Attributes:
+        stage_layers: Table 13 notation, one letter per stage c2..c5 (``"CCLL"``): ``C`` a 3x3 convolution,
+            ``L`` the ``spatial_layer``.
+        spatial_layer: any :func:`lambdanet.layers.list_spatial_layers` name for the ``L`` blocks (the
+            configurations use ``lambda_conv``, the paper's 23x23-scope lambda layer).
+        layer_kwargs: keyword arguments for every ``L`` layer (``dim_k``, ``heads``, ``dim_u``, ``r``, ``impl``).
+        se: ``True`` (squeeze-and-excitation with ratio 1/16 after the last 1x1 conv of ``C`` blocks) or a ratio.
+        stem: ``"resnet"``, ``"rs"`` or ``"cifar"`` (:class:`ResNetConfig`).
+        base_width: bottleneck width ``w`` of c2; c3..c5 double it stage by stage (default 64).
+        nonlocal_blocks: ``{stage: (block, ...)}``: residual double-attention modules (:class:`ResNetConfig`).
+        img_size, drop_rate, drop_path_rate, features_only, zero_init_last, share_embeddings: as in :class:`ResNet`.
+    """
+
+    stage_layers: str | None = None
+    spatial_layer: str | None = None
+    layer_kwargs: Mapping | None = None
+    se: bool | float = False
+    stem: str | None = None
+    base_width: int | None = None
+    nonlocal_blocks: Mapping | None = None
+    img_size: int | Sequence[int] | None = None
+    drop_rate: float = 0.0
+    drop_path_rate: float = 0.0
+    features_only: bool = False
+    zero_init_last: bool = True
+    share_embeddings: bool = False
+
+
+RESNET_ARGS: dict[str, object] = {f.name: f.default for f in fields(ResNetArgs)}
 
 
 def stage_pattern(layers: Sequence[int], stage_layers: str) -> tuple[str, str, str, str]:
@@ -292,6 +331,30 @@ def _validate_config(cfg: ResNetConfig) -> None:
             raise ValueError(f"nonlocal_blocks[{stage!r}] must be 1-indexed blocks in 1..{n}, got {blocks}")
 
 
-def with_overrides(cfg: ResNetConfig, **overrides) -> ResNetConfig:
-    """``dataclasses.replace`` that drops ``None`` values."""
-    return replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+def build_resnet(cfg: ResNetConfig, args: ResNetArgs = ResNetArgs(), *, num_classes: int = 1000,
+                 in_chans: int = 3) -> ResNet:
+    """Apply the keyword arguments ``args`` to the configuration ``cfg`` and build the module."""
+    changes: dict = {}
+    if args.stage_layers is not None:
+        changes["pattern"] = stage_pattern(cfg.layers, args.stage_layers)
+        changes["stage_kwargs"] = ({}, {}, {}, {})
+    if args.spatial_layer is not None:
+        changes["spatial_layer"] = args.spatial_layer
+        if args.stage_layers is None and cfg.pattern is None:
+            raise ValueError("spatial_layer selects the layer of the non-C stages: also pass stage_layers, "
+                             "e.g. stage_layers='LLLL'")
+        changes["stage_kwargs"] = ({}, {}, {}, {})
+    if args.se:
+        changes["se_ratio"] = 1 / 16 if args.se is True else float(args.se)
+    if args.stem is not None:
+        changes["stem"] = args.stem
+    if args.base_width is not None:
+        if not isinstance(args.base_width, int) or args.base_width <= 0:
+            raise ValueError(f"base_width must be a positive int, got {args.base_width!r}")
+        changes["widths"] = tuple(args.base_width * 2 ** i for i in range(4))
+    if args.nonlocal_blocks is not None:
+        changes["nonlocal_blocks"] = dict(args.nonlocal_blocks)
+    return ResNet(replace(cfg, **changes), num_classes=num_classes, in_chans=in_chans, img_size=args.img_size,
+                  drop_rate=args.drop_rate, drop_path_rate=args.drop_path_rate, layer_kwargs=args.layer_kwargs,
+                  features_only=args.features_only, zero_init_last=args.zero_init_last,
+                  share_embeddings=args.share_embeddings)

@@ -1,13 +1,16 @@
 """ResNet-v1, ResNet-RS and LambdaResNet families, declared as data.
 
-Sources: block counts of ResNet-v1 from He et al. 2016; ResNet-RS and LambdaResNet block counts and
-lambda placement from LambdaNetworks Table 18; image sizes and regularisation from Tables 19-20.
+Each model is one entry of :data:`model_cfgs` (its :class:`ResNetConfig` and metadata) and an entry point of
+the same name at the end of this file, as in timm; every entry point takes the keyword arguments of
+:class:`lambdanet.models.ResNetArgs`. Sources: block counts of ResNet-v1 from He et al. 2016; ResNet-RS and
+LambdaResNet block counts and lambda placement from LambdaNetworks Table 18; image sizes and
+regularisation from Tables 19-20 (:data:`TABLE20_REGULARIZATION`).
 
 **LambdaResNet lambda layers.** App. E.1 says all lambda layers use ``k=16, h=4, u=1`` with a 23x23
 scope, and that ``u > 1`` switches to the convolution with a 7x7 scope. The parameter counts of
 Tables 14-15 settle which: only c5 lambdas with ``u=4`` (7x7) and c4 lambdas with ``u=1`` (23x23)
 reproduce LambdaResNet-101 (36.9M: ours 36.9M) together with -101-C4 (26.0M: ours 26.0M); the same
-rule gives -152 51.4M (ours 50.9M) and -152-C4 35.1M (ours 34.5M). With ``u=1`` everywhere -101 would be
+rule gives -152 51.4M (ours 50.9M) and -152-C4 35.1M (ours 34.6M). With ``u=1`` everywhere -101 would be
 36.2M and -152-C4 33.9M; with ``u=4`` everywhere -101-C4 would be 27.3M. LambdaResNet-200-C4 (Table 15:
 42M) is 39.1M under that rule but 41.1M with ``u=4`` (7x7) in c4 too, so that model uses ``u=4`` in c4.
 LambdaResNet-270-C4 uses a 7x7 scope in c4 (Table 16). No squeeze-and-excitation in LambdaResNets:
@@ -16,13 +19,14 @@ App. E.1 rules it out for lambda blocks, and Table 14's counts leave no room for
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 from lambdanet.models.registry import ModelInfo, register_model
-from lambdanet.models.resnet import ResNet, ResNetConfig, stage_pattern
+from lambdanet.models.resnet import RESNET_ARGS, ResNet, ResNetArgs, ResNetConfig, build_resnet, stage_pattern
 
-__all__ = ["RESNET_LAYERS", "RESNET_RS_LAYERS", "LAMBDA_C4_BLOCKS", "RECIPES", "lambda_resnet_pattern",
-           "build_resnet"]
+__all__ = ["RESNET_LAYERS", "RESNET_RS_LAYERS", "LAMBDA_C4_BLOCKS", "TABLE20_REGULARIZATION", "Table20Row",
+           "ZooModel", "model_cfgs", "lambda_resnet_pattern", "table20_recipe"]
 
 # He et al. 2016 (and a compact 26-layer variant for small data)
 RESNET_LAYERS = {26: (2, 2, 2, 2), 50: (3, 4, 6, 3), 101: (3, 4, 23, 3), 152: (3, 8, 36, 3)}
@@ -36,13 +40,27 @@ LAMBDA_C4_BLOCKS = {50: (3,), 101: (6, 12, 18), 152: (5, 10, 15, 20, 25, 30), 20
                     270: (8, 16, 24, 32, 40, 48), 350: (10, 20, 30, 40, 50, 60),
                     420: (10, 20, 30, 40, 50, 60, 70, 80)}
 
-# Tables 19-20: (image size, RandAugment magnitude, dropout, stochastic depth) per depth, 350 epochs
-RECIPES = {50: [(128, 10, 0.2, 0.0), (160, 10, 0.2, 0.0)],
-           101: [(160, 10, 0.3, 0.0), (192, 15, 0.2, 0.0)],
-           152: [(192, 15, 0.3, 0.0), (224, 15, 0.3, 0.1), (256, 15, 0.3, 0.1), (288, 15, 0.3, 0.1)],
-           270: [(256, 15, 0.3, 0.1)],
-           350: [(256, 15, 0.3, 0.2), (288, 15, 0.3, 0.2), (320, 15, 0.3, 0.2)],
-           420: [(320, 15, 0.3, 0.2)]}
+
+class Table20Row(NamedTuple):
+    """One row of LambdaNetworks Table 20 (350 epochs with RandAugment, 2 layers); Table 19 reports the
+    accuracy of the same (depth, image size) pairs."""
+
+    img_size: int
+    randaugment_magnitude: int
+    drop_rate: float  # dropout before the classifier
+    drop_path_rate: float  # stochastic depth
+
+
+# LambdaNetworks Table 20, per depth
+TABLE20_REGULARIZATION: dict[int, tuple[Table20Row, ...]] = {
+    50: (Table20Row(128, 10, 0.2, 0.0), Table20Row(160, 10, 0.2, 0.0)),
+    101: (Table20Row(160, 10, 0.3, 0.0), Table20Row(192, 15, 0.2, 0.0)),
+    152: (Table20Row(192, 15, 0.3, 0.0), Table20Row(224, 15, 0.3, 0.1), Table20Row(256, 15, 0.3, 0.1),
+          Table20Row(288, 15, 0.3, 0.1)),
+    270: (Table20Row(256, 15, 0.3, 0.1),),
+    350: (Table20Row(256, 15, 0.3, 0.2), Table20Row(288, 15, 0.3, 0.2), Table20Row(320, 15, 0.3, 0.2)),
+    420: (Table20Row(320, 15, 0.3, 0.2),),
+}
 # default image sizes: Table 14 (101: 224, 152: 256), Table 15 (200: 320), Table 16 (270: 256), else Table 19
 DEFAULT_SIZE = {26: 224, 50: 160, 101: 224, 152: 256, 200: 320, 270: 256, 350: 320, 420: 320}
 
@@ -57,105 +75,271 @@ def lambda_resnet_pattern(layers: Sequence[int], c4_blocks: Sequence[int] | str)
     return ("C" * layers[0], "C" * layers[1], c4, "L" * layers[3])
 
 
-def _recipe(depth: int) -> dict:
-    rows = RECIPES.get(depth) or RECIPES[min(RECIPES, key=lambda d: abs(d - depth))]
-    size, magnitude, dropout, sd = max(rows, key=lambda r: r[0] if r[0] <= DEFAULT_SIZE.get(depth, 10**6) else -1)
-    source = "Tables 19-20" if depth in RECIPES else "Tables 19-20, nearest depth (not listed for this depth)"
-    return {"epochs": 350, "image_size": size, "randaugment_layers": 2, "randaugment_magnitude": magnitude,
-            "dropout": dropout, "drop_path_rate": sd, "weight_decay": 4e-5, "source": source}
+def table20_recipe(depth: int, img_size: int) -> tuple[dict, str]:
+    """The 350-epoch recipe of a ResNet-RS / LambdaResNet as ``TrainConfig`` fields, and its source.
+
+    Uses the Table 20 row of ``depth`` with the largest image size up to ``img_size`` (a depth Table 20
+    does not list takes the nearest listed depth); ``img_size`` of the recipe is that row's size.
+    """
+    listed = depth in TABLE20_REGULARIZATION
+    rows = TABLE20_REGULARIZATION[depth if listed else min(TABLE20_REGULARIZATION, key=lambda d: abs(d - depth))]
+    row = max(rows, key=lambda r: r.img_size if r.img_size <= img_size else -1)
+    source = "LambdaNetworks App. E.2, Tables 19-20" + ("" if listed else ", nearest depth (not listed for this depth)")
+    return {"epochs": 350, "img_size": row.img_size, "randaugment_layers": 2,
+            "randaugment_magnitude": row.randaugment_magnitude, "drop_rate": row.drop_rate,
+            "drop_path_rate": row.drop_path_rate, "weight_decay": 4e-5}, source
 
 
-def build_resnet(cfg: ResNetConfig, *, num_classes: int, in_chans: int, stage_layers: str | None = None,
-                 spatial_layer: str | None = None, layer_kwargs: Mapping | None = None, se: bool | float = False,
-                 stem: str | None = None, base_width: int | None = None, nonlocal_blocks: Mapping | None = None,
-                 img_size=None, drop_rate: float = 0.0, drop_path_rate: float = 0.0, features_only: bool = False,
-                 zero_init_last: bool = True, share_embeddings: bool = False) -> ResNet:
-    """Apply the user-facing keyword arguments to ``cfg`` and build the module."""
-    changes: dict = {}
-    if stage_layers is not None:
-        changes["pattern"] = stage_pattern(cfg.layers, stage_layers)
-        changes["stage_kwargs"] = ({}, {}, {}, {})
-    if spatial_layer is not None:
-        changes["spatial_layer"] = spatial_layer
-        if stage_layers is None and cfg.pattern is None:
-            raise ValueError("spatial_layer selects the layer of the non-C stages: also pass stage_layers, "
-                             "e.g. stage_layers='LLLL'")
-        changes["stage_kwargs"] = ({}, {}, {}, {})
-    if se:
-        changes["se_ratio"] = 1 / 16 if se is True else float(se)
-    if stem is not None:
-        changes["stem"] = stem
-    if base_width is not None:
-        if not isinstance(base_width, int) or base_width <= 0:
-            raise ValueError(f"base_width must be a positive int, got {base_width!r}")
-        changes["widths"] = tuple(base_width * 2 ** i for i in range(4))
-    if nonlocal_blocks is not None:
-        changes["nonlocal_blocks"] = dict(nonlocal_blocks)
-    cfg = ResNetConfig(**{**cfg.__dict__, **changes})
-    return ResNet(cfg, num_classes=num_classes, in_chans=in_chans, img_size=img_size, drop_rate=drop_rate,
-                  drop_path_rate=drop_path_rate, layer_kwargs=layer_kwargs, features_only=features_only,
-                  zero_init_last=zero_init_last, share_embeddings=share_embeddings)
+class ZooModel(NamedTuple):
+    """One entry of :data:`model_cfgs`: the architecture and what :func:`model_info` reports for it."""
+
+    cfg: ResNetConfig
+    paper: str  # the tables its parameter count is checked against (ModelInfo.paper)
+    recipe: Mapping  # the paper's training recipe as TrainConfig fields (ModelInfo.recipe)
+    recipe_source: str
+    small: bool = False  # fast enough for CPU tests at full width
 
 
-def _register(name: str, cfg: ResNetConfig, info: ModelInfo) -> None:
-    def entry(*, num_classes: int = 1000, in_chans: int = 3, stage_layers: str | None = None,
-              spatial_layer: str | None = None, layer_kwargs: Mapping | None = None, se: bool | float = False,
-              stem: str | None = None, base_width: int | None = None, nonlocal_blocks: Mapping | None = None,
-              img_size=None, drop_rate: float = 0.0, drop_path_rate: float = 0.0, features_only: bool = False,
-              zero_init_last: bool = True, share_embeddings: bool = False) -> ResNet:
-        return build_resnet(cfg, num_classes=num_classes, in_chans=in_chans, stage_layers=stage_layers,
-                            spatial_layer=spatial_layer, layer_kwargs=layer_kwargs, se=se, stem=stem,
-                            base_width=base_width, nonlocal_blocks=nonlocal_blocks, img_size=img_size,
-                            drop_rate=drop_rate, drop_path_rate=drop_path_rate, features_only=features_only,
-                            zero_init_last=zero_init_last, share_embeddings=share_embeddings)
-
-    entry.__name__ = entry.__qualname__ = name
-    entry.__doc__ = (f"{name}: {cfg.paper}\n\nKeyword arguments: stage_layers ('CCLL': C = 3x3 conv, L = "
-                     "spatial_layer, per stage c2..c5), spatial_layer (any create_spatial_layer name; default "
-                     "lambda_conv), layer_kwargs (forwarded to the L layers), se (True: SE ratio 1/16, or a "
-                     "ratio), stem ('resnet' | 'rs' | 'cifar'), base_width, nonlocal_blocks, img_size, drop_rate, "
-                     "drop_path_rate, features_only, zero_init_last, share_embeddings.")
-    entry.config = cfg
-    register_model(entry, info=info)
+def _resnet_v1(depth: int, *, small: bool = False) -> ZooModel:
+    cfg = ResNetConfig(RESNET_LAYERS[depth], input_size=224, paper=f"ResNet-{depth} v1 (He et al. 2016; stride on "
+                                                                   "the 3x3 conv); LambdaNetworks Tables 3, 9, 13")
+    return ZooModel(cfg, "He et al. 2016; LambdaNetworks Table 3", {"epochs": 90},
+                    "LambdaNetworks App. E.2, 90-epoch setup", small)
 
 
-for _depth, _layers in RESNET_LAYERS.items():
-    _register(f"resnet{_depth}", ResNetConfig(
-        _layers, input_size=224,
-        paper=f"ResNet-{_depth} v1 (He et al. 2016; stride on the 3x3 conv); LambdaNetworks Tables 3, 9, 13"),
-        ModelInfo(f"resnet{_depth}", 224, "He et al. 2016; LambdaNetworks Table 3",
-                  {"epochs": 90, "source": "App. E.2 90-epoch setup"}, small=_depth == 26))
+def _resnet_rs(depth: int, *, se: bool = False) -> ZooModel:
+    cfg = ResNetConfig(RESNET_RS_LAYERS[depth], stem="rs", shortcut="avg", se_ratio=0.25 if se else 0.0,
+                       input_size=DEFAULT_SIZE[depth],
+                       paper=f"ResNet-RS-{depth} {'w/' if se else 'wo/'} SE (Bello et al. 2021): ResNet-D stem and "
+                             "shortcut, max pool replaced by a strided 3x3 conv, SE ratio 0.25; "
+                             "LambdaNetworks Table 14")
+    return ZooModel(cfg, "LambdaNetworks Table 14, Table 18 blocks", *table20_recipe(depth, DEFAULT_SIZE[depth]))
 
-for _depth, _layers in RESNET_RS_LAYERS.items():
-    for _se in (False, True):
-        _name = f"resnet_rs{_depth}" + ("_se" if _se else "")
-        _register(_name, ResNetConfig(
-            _layers, stem="rs", shortcut="avg", se_ratio=0.25 if _se else 0.0, input_size=DEFAULT_SIZE[_depth],
-            paper=f"ResNet-RS-{_depth} {'w/' if _se else 'wo/'} SE (Bello et al. 2021): ResNet-D stem and "
-                  "shortcut, max pool replaced by a strided 3x3 conv, SE ratio 0.25; LambdaNetworks Table 14"),
-            ModelInfo(_name, DEFAULT_SIZE[_depth], "LambdaNetworks Table 14, Table 18 blocks", _recipe(_depth)))
 
-for _depth, _layers in RESNET_RS_LAYERS.items():
-    _register(f"lambda_resnet{_depth}", ResNetConfig(
-        _layers, stem="rs", shortcut="avg", pattern=lambda_resnet_pattern(_layers, LAMBDA_C4_BLOCKS[_depth]),
-        stage_kwargs=({}, {}, C4_LAMBDA, C5_LAMBDA), input_size=DEFAULT_SIZE[_depth],
-        paper=f"LambdaResNet-{_depth}: Table 18 ({'-'.join(map(str, _layers))}, lambda in c4 blocks "
-              f"{LAMBDA_C4_BLOCKS[_depth]} and all of c5)"),
-        ModelInfo(f"lambda_resnet{_depth}", DEFAULT_SIZE[_depth], "LambdaNetworks Tables 14, 18-20",
-                  _recipe(_depth)))
+def _lambda_resnet(depth: int) -> ZooModel:
+    layers = RESNET_RS_LAYERS[depth]
+    pattern = lambda_resnet_pattern(layers, LAMBDA_C4_BLOCKS[depth])
+    cfg = ResNetConfig(layers, stem="rs", shortcut="avg", pattern=pattern,
+                       stage_kwargs=({}, {}, C4_LAMBDA, C5_LAMBDA), input_size=DEFAULT_SIZE[depth],
+                       paper=f"LambdaResNet-{depth}: Table 18 ({'-'.join(map(str, layers))}, lambda in c4 blocks "
+                             f"{LAMBDA_C4_BLOCKS[depth]} and all of c5)")
+    return ZooModel(cfg, "LambdaNetworks Tables 14, 18-20", *table20_recipe(depth, DEFAULT_SIZE[depth]))
 
-for _depth, _c4 in ((101, C4_LAMBDA), (152, C4_LAMBDA), (200, C5_LAMBDA), (270, {**C4_LAMBDA, "r": 7})):
-    _layers = RESNET_RS_LAYERS[_depth]
-    _register(f"lambda_resnet{_depth}_c4", ResNetConfig(
-        _layers, stem="rs", shortcut="avg", pattern=lambda_resnet_pattern(_layers, "all"),
-        stage_kwargs=({}, {}, _c4, C5_LAMBDA), input_size=DEFAULT_SIZE[_depth],
-        paper=f"LambdaResNet-{_depth}-C4: every c4 and c5 block a lambda layer (Tables 14-16)"),
-        ModelInfo(f"lambda_resnet{_depth}_c4", DEFAULT_SIZE[_depth], "LambdaNetworks Tables 14-16",
-                  _recipe(_depth)))
 
-# compact hybrid for small data, CPU runs and tests: ResNet-26 blocks, lambda layers in c4 and c5
-_register("lambda_resnet26", ResNetConfig(
-    RESNET_LAYERS[26], pattern=stage_pattern(RESNET_LAYERS[26], "CCLL"), stage_kwargs=({}, {}, C4_LAMBDA, C4_LAMBDA),
-    input_size=224, paper="compact LambdaResNet-26: [2-2-2-2] blocks, lambda layers in c4 and c5 "
-                          "(the Table 13 C-C-L-L hybrid at 26 layers)"),
-    ModelInfo("lambda_resnet26", 224, "LambdaNetworks Table 13 (C-C-L-L) at 26 layers", small=True))
+def _lambda_resnet_c4(depth: int, c4_lambda: Mapping) -> ZooModel:
+    layers = RESNET_RS_LAYERS[depth]
+    cfg = ResNetConfig(layers, stem="rs", shortcut="avg", pattern=lambda_resnet_pattern(layers, "all"),
+                       stage_kwargs=({}, {}, c4_lambda, C5_LAMBDA), input_size=DEFAULT_SIZE[depth],
+                       paper=f"LambdaResNet-{depth}-C4: every c4 and c5 block a lambda layer (Tables 14-16)")
+    return ZooModel(cfg, "LambdaNetworks Tables 14-16", *table20_recipe(depth, DEFAULT_SIZE[depth]))
+
+
+# Every ResNet-family model, by registered name (each has an entry point of that name below).
+model_cfgs: dict[str, ZooModel] = {
+    # ResNet-v1 (He et al. 2016): LambdaNetworks Tables 3, 9, 13; resnet26 is a compact variant for small data
+    "resnet26": _resnet_v1(26, small=True),
+    "resnet50": _resnet_v1(50),
+    "resnet101": _resnet_v1(101),
+    "resnet152": _resnet_v1(152),
+    # ResNet-RS (Bello et al. 2021) without and with squeeze-and-excitation: Table 14, Table 18 blocks
+    "resnet_rs50": _resnet_rs(50),
+    "resnet_rs50_se": _resnet_rs(50, se=True),
+    "resnet_rs101": _resnet_rs(101),
+    "resnet_rs101_se": _resnet_rs(101, se=True),
+    "resnet_rs152": _resnet_rs(152),
+    "resnet_rs152_se": _resnet_rs(152, se=True),
+    "resnet_rs200": _resnet_rs(200),
+    "resnet_rs200_se": _resnet_rs(200, se=True),
+    "resnet_rs270": _resnet_rs(270),
+    "resnet_rs270_se": _resnet_rs(270, se=True),
+    "resnet_rs350": _resnet_rs(350),
+    "resnet_rs350_se": _resnet_rs(350, se=True),
+    "resnet_rs420": _resnet_rs(420),
+    "resnet_rs420_se": _resnet_rs(420, se=True),
+    # LambdaResNets: Table 18 blocks and lambda placement, Table 14 parameter counts, Tables 19-20 recipes
+    "lambda_resnet50": _lambda_resnet(50),
+    "lambda_resnet101": _lambda_resnet(101),
+    "lambda_resnet152": _lambda_resnet(152),
+    "lambda_resnet200": _lambda_resnet(200),
+    "lambda_resnet270": _lambda_resnet(270),
+    "lambda_resnet350": _lambda_resnet(350),
+    "lambda_resnet420": _lambda_resnet(420),
+    # LambdaResNet-C4: Tables 14-15 (-101-C4, -152-C4: u=1, 23x23 in c4); Table 15's 42M for -200-C4 needs
+    # u=4, 7x7 in c4 too; Table 16: -270-C4 uses a 7x7 scope in c4
+    "lambda_resnet101_c4": _lambda_resnet_c4(101, C4_LAMBDA),
+    "lambda_resnet152_c4": _lambda_resnet_c4(152, C4_LAMBDA),
+    "lambda_resnet200_c4": _lambda_resnet_c4(200, C5_LAMBDA),
+    "lambda_resnet270_c4": _lambda_resnet_c4(270, {**C4_LAMBDA, "r": 7}),
+    # compact hybrid for small data, CPU runs and tests: the Table 13 C-C-L-L hybrid at 26 layers
+    "lambda_resnet26": ZooModel(
+        ResNetConfig(RESNET_LAYERS[26], pattern=stage_pattern(RESNET_LAYERS[26], "CCLL"),
+                     stage_kwargs=({}, {}, C4_LAMBDA, C4_LAMBDA), input_size=224,
+                     paper="compact LambdaResNet-26: [2-2-2-2] blocks, lambda layers in c4 and c5 (the Table 13 "
+                           "C-C-L-L hybrid at 26 layers)"),
+        "LambdaNetworks Table 13 (C-C-L-L) at 26 layers", {}, "", small=True),
+}
+
+
+def _create(variant: str, *, num_classes: int = 1000, in_chans: int = 3, **kwargs) -> ResNet:
+    """Build ``model_cfgs[variant]`` with the keyword arguments of :class:`ResNetArgs`."""
+    return build_resnet(model_cfgs[variant].cfg, ResNetArgs(**kwargs), num_classes=num_classes, in_chans=in_chans)
+
+
+def _register(fn: Callable[..., ResNet]) -> Callable[..., ResNet]:
+    """``register_model`` with the metadata of the ``model_cfgs`` entry named like ``fn`` and the family's
+    keyword arguments (:class:`ResNetArgs`)."""
+    name = fn.__name__
+    entry = model_cfgs[name]
+    fn.__doc__ = f"{name}: {entry.cfg.paper}\n\nKeyword arguments: see lambdanet.models.ResNetArgs."
+    info = ModelInfo(name, entry.cfg.input_size, entry.paper, dict(entry.recipe), entry.small, entry.recipe_source)
+    return register_model(fn, info=info, args=RESNET_ARGS)
+
+
+@_register
+def resnet26(**kwargs) -> ResNet:
+    return _create("resnet26", **kwargs)
+
+
+@_register
+def resnet50(**kwargs) -> ResNet:
+    return _create("resnet50", **kwargs)
+
+
+@_register
+def resnet101(**kwargs) -> ResNet:
+    return _create("resnet101", **kwargs)
+
+
+@_register
+def resnet152(**kwargs) -> ResNet:
+    return _create("resnet152", **kwargs)
+
+
+@_register
+def resnet_rs50(**kwargs) -> ResNet:
+    return _create("resnet_rs50", **kwargs)
+
+
+@_register
+def resnet_rs50_se(**kwargs) -> ResNet:
+    return _create("resnet_rs50_se", **kwargs)
+
+
+@_register
+def resnet_rs101(**kwargs) -> ResNet:
+    return _create("resnet_rs101", **kwargs)
+
+
+@_register
+def resnet_rs101_se(**kwargs) -> ResNet:
+    return _create("resnet_rs101_se", **kwargs)
+
+
+@_register
+def resnet_rs152(**kwargs) -> ResNet:
+    return _create("resnet_rs152", **kwargs)
+
+
+@_register
+def resnet_rs152_se(**kwargs) -> ResNet:
+    return _create("resnet_rs152_se", **kwargs)
+
+
+@_register
+def resnet_rs200(**kwargs) -> ResNet:
+    return _create("resnet_rs200", **kwargs)
+
+
+@_register
+def resnet_rs200_se(**kwargs) -> ResNet:
+    return _create("resnet_rs200_se", **kwargs)
+
+
+@_register
+def resnet_rs270(**kwargs) -> ResNet:
+    return _create("resnet_rs270", **kwargs)
+
+
+@_register
+def resnet_rs270_se(**kwargs) -> ResNet:
+    return _create("resnet_rs270_se", **kwargs)
+
+
+@_register
+def resnet_rs350(**kwargs) -> ResNet:
+    return _create("resnet_rs350", **kwargs)
+
+
+@_register
+def resnet_rs350_se(**kwargs) -> ResNet:
+    return _create("resnet_rs350_se", **kwargs)
+
+
+@_register
+def resnet_rs420(**kwargs) -> ResNet:
+    return _create("resnet_rs420", **kwargs)
+
+
+@_register
+def resnet_rs420_se(**kwargs) -> ResNet:
+    return _create("resnet_rs420_se", **kwargs)
+
+
+@_register
+def lambda_resnet50(**kwargs) -> ResNet:
+    return _create("lambda_resnet50", **kwargs)
+
+
+@_register
+def lambda_resnet101(**kwargs) -> ResNet:
+    return _create("lambda_resnet101", **kwargs)
+
+
+@_register
+def lambda_resnet152(**kwargs) -> ResNet:
+    return _create("lambda_resnet152", **kwargs)
+
+
+@_register
+def lambda_resnet200(**kwargs) -> ResNet:
+    return _create("lambda_resnet200", **kwargs)
+
+
+@_register
+def lambda_resnet270(**kwargs) -> ResNet:
+    return _create("lambda_resnet270", **kwargs)
+
+
+@_register
+def lambda_resnet350(**kwargs) -> ResNet:
+    return _create("lambda_resnet350", **kwargs)
+
+
+@_register
+def lambda_resnet420(**kwargs) -> ResNet:
+    return _create("lambda_resnet420", **kwargs)
+
+
+@_register
+def lambda_resnet101_c4(**kwargs) -> ResNet:
+    return _create("lambda_resnet101_c4", **kwargs)
+
+
+@_register
+def lambda_resnet152_c4(**kwargs) -> ResNet:
+    return _create("lambda_resnet152_c4", **kwargs)
+
+
+@_register
+def lambda_resnet200_c4(**kwargs) -> ResNet:
+    return _create("lambda_resnet200_c4", **kwargs)
+
+
+@_register
+def lambda_resnet270_c4(**kwargs) -> ResNet:
+    return _create("lambda_resnet270_c4", **kwargs)
+
+
+@_register
+def lambda_resnet26(**kwargs) -> ResNet:
+    return _create("lambda_resnet26", **kwargs)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "rng_state", "set_rng_state",
-           "export_safetensors", "unwrap"]
+           "export_safetensors", "unwrap", "trained_weights"]
 
 
 class CheckpointError(ValueError):
@@ -53,6 +53,10 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
+    kind = _file_kind(path)
+    if kind is not None:
+        raise CheckpointError(f"{path} is {kind}, not a training checkpoint; pass the last.pt that lambdanet train "
+                              "writes into its run directory")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as err:  # torch raises many types for a damaged zip / pickle
@@ -61,6 +65,37 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"checkpoint {path} is not a lambdanet checkpoint (no 'model' entry)")
     return state
+
+
+def _file_kind(path: Path) -> str | None:
+    """What a file that cannot be a torch checkpoint is (a torch checkpoint is a zip archive or, from old
+    torch versions, a pickle), or ``None`` when it may be one."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if head.startswith(b"PK") or head[:1] == b"\x80":
+        return None
+    if len(head) >= 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < 100_000_000:
+        return "a safetensors weights file (model weights only, no optimiser or training configuration)"
+    if not head:
+        return "an empty file"
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        return "not a torch checkpoint (neither a zip archive nor a pickle)"
+    if path.suffix in (".yaml", ".yml") or ":" in text.splitlines()[0]:
+        return "a text file (YAML, e.g. a run's config.yaml)"
+    if text.lstrip().startswith(("{", "[")):
+        return "a text file (JSON, e.g. a run's summary.json)"
+    return "a text file"
+
+
+def trained_weights(state: dict, ema: bool = True) -> tuple[dict, str]:
+    """``(state dict, "ema" | "raw")``: a checkpoint's EMA weights when it has them and ``ema``, else its
+    raw weights."""
+    if ema and state.get("ema"):
+        prefix = "module."
+        return {k[len(prefix):]: v for k, v in state["ema"].items() if k.startswith(prefix)}, "ema"
+    return state["model"], "raw"
 
 
 def rng_state() -> dict:

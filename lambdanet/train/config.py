@@ -1,7 +1,9 @@
 """Training configuration: one dataclass, recipes as overrides, YAML files, and a flag per field.
 
-Precedence (later wins): dataclass defaults < ``--recipe`` < ``--config FILE.yaml`` < command-line flags.
-The resolved configuration is written to ``<out>/config.yaml`` and reloaded on ``--resume``.
+Precedence (later wins): dataclass defaults < ``--recipe`` < the model's paper values that recipe takes <
+``--config FILE.yaml`` < command-line flags. :func:`resolve_config` then writes in what the data and the
+model imply, so the configuration written to ``<out>/config.yaml`` is exactly what runs; ``--resume``
+reloads it.
 
 Recipes:
 
@@ -11,8 +13,8 @@ Recipes:
   ``0.1 B / 256``, cosine decay, weight decay 1e-4, label smoothing 0.1, EMA of weights 0.9999, BatchNorm
   decay 0.9999 (PyTorch momentum 1e-4), random crops and flips.
 * ``paper350``: ``paper90`` with weight decay 4e-5, 350 epochs, RandAugment with 2 layers, and the
-  magnitude, dropout and stochastic depth of Table 20 for the model's depth and image size (read from
-  the model's metadata), bf16 autocast (the paper trains with bfloat16 activations).
+  image size, RandAugment magnitude, dropout and stochastic depth of Tables 19-20 for the model (read from
+  its metadata, :data:`RECIPE_MODEL_KEYS`), bf16 autocast (the paper trains with bfloat16 activations).
 * ``cifar_repro``: the CIFAR-10 reproduction report: Adam (betas 0.9, 0.9999, L2 1e-4), learning rate
   ramped linearly from 5e-4 to 2.5e-3 over 5 epochs then cosine, batch 128, 90 epochs, label smoothing 0.1.
 """
@@ -27,70 +29,86 @@ from pathlib import Path
 
 import yaml
 
-__all__ = ["TrainConfig", "RECIPES", "resolve_config", "add_config_arguments", "load_yaml", "save_yaml",
-           "config_from_args"]
+from lambdanet.runtime import AMP_DTYPES
+
+__all__ = ["TrainConfig", "RECIPES", "RECIPE_MODEL_KEYS", "RESUME_FREE", "ConfigSource", "resolve_config",
+           "add_config_arguments", "load_yaml", "save_yaml", "config_from_args", "config_source_from_args",
+           "config_differences", "model_build_kwargs", "saved_run_config", "field_choices", "flag"]
+
+
+def _opt(default, help: str, choices: tuple | None = None, **kw):
+    """A :class:`TrainConfig` field with its one-line ``--help`` text and, where closed, its choices."""
+    meta = {"help": help, "choices": choices}
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta, **kw)
+    return field(default=default, metadata=meta, **kw)
 
 
 @dataclass
 class TrainConfig:
-    """Every option of ``lambdanet train`` (each is also a ``--flag``)."""
+    """Every option of ``lambdanet train`` (each is also a ``--flag`` and a YAML key; ``null`` = unset)."""
 
     # model and data
-    model: str = "lambda_resnet26"
-    model_kwargs: dict = field(default_factory=dict)
-    data: str = "digits"
-    data_dir: str = "~/.cache/lambdanet/data"
-    download: bool = True
-    img_size: int | None = None
-    val_split: float = 0.0
+    model: str = _opt("lambda_resnet26", "registered model name (lambdanet models lists them)")
+    model_kwargs: dict = _opt({}, "architecture options of the model, 'key=value,...' or a YAML mapping "
+                                  "(e.g. stage_layers=CCLL); the resolved config adds stem/base_width/img_size")
+    data: str = _opt("digits", "dataset: digits, mnist5k, fashion-mnist, cifar10, cifar100 or imagefolder:PATH")
+    data_dir: str = _opt("~/.cache/lambdanet/data", "folder holding (or receiving) downloaded datasets")
+    download: bool = _opt(True, "download a dataset that is not on disk (cifar, fashion-mnist)")
+    img_size: int | None = _opt(None, "training resolution (null: the dataset's, or the model's paper size "
+                                      "under a recipe that sets it)")
+    val_split: float = _opt(0.0, "fraction of the training set held out for validation and model selection")
     # recipe
-    recipe: str = "quick"
-    epochs: int = 15
-    batch_size: int = 64
-    eval_batch_size: int = 256
-    optimizer: str = "adamw"
-    lr: float = 2e-3
-    lr_batch_scale: int | None = None
-    momentum: float = 0.9
-    betas: list = field(default_factory=lambda: [0.9, 0.999])
-    weight_decay: float = 0.05
-    warmup_epochs: float = 1.0
-    warmup_start_factor: float = 0.0
-    schedule: str = "cosine"
-    min_lr: float = 0.0
-    label_smoothing: float = 0.1
-    ema_decay: float | None = None
-    bn_momentum: float | None = None
-    augment: bool = True
-    randaugment_layers: int = 0
-    randaugment_magnitude: int = 9
-    drop_rate: float | None = None
-    drop_path_rate: float | None = None
-    compact_width: int | None = 16
+    recipe: str = _opt("quick", "named recipe whose values the other options override")
+    epochs: int = _opt(15, "training epochs (with --resume: more epochs extend the finished schedule)")
+    batch_size: int = _opt(64, "global batch size (split across torchrun processes)")
+    eval_batch_size: int = _opt(256, "batch size of evaluation")
+    optimizer: str = _opt("adamw", "optimizer", choices=("sgd", "adam", "adamw", "rmsprop"))
+    lr: float = _opt(2e-3, "base learning rate (scaled by batch_size / lr_batch_scale when that is set)")
+    lr_batch_scale: int | None = _opt(None, "linear scaling rule: lr * batch_size / this (the paper's 256)")
+    momentum: float = _opt(0.9, "momentum of SGD and RMSProp")
+    nesterov: bool = _opt(False, "Nesterov momentum for SGD")
+    betas: list = _opt([0.9, 0.999], "Adam/AdamW betas")
+    weight_decay: float = _opt(0.05, "weight decay (not on norms and biases)")
+    warmup_epochs: float = _opt(1.0, "linear learning-rate warm-up, in epochs")
+    warmup_start_factor: float = _opt(0.0, "warm-up starts at lr times this")
+    schedule: str = _opt("cosine", "learning-rate schedule after warm-up", choices=("cosine", "constant", "step"))
+    min_lr: float = _opt(0.0, "final learning rate of the cosine schedule, and floor of the step schedule")
+    lr_decay_rate: float = _opt(0.97, "step schedule: multiply the learning rate by this ...")
+    lr_decay_epochs: float = _opt(2.4, "... every this many epochs")
+    label_smoothing: float = _opt(0.1, "label smoothing of the cross-entropy")
+    ema_decay: float | None = _opt(None, "exponential moving average of the weights (e.g. 0.9999); null: none")
+    bn_momentum: float | None = _opt(None, "BatchNorm running-statistics momentum (TF decay 0.9999 = 1e-4)")
+    augment: bool = _opt(True, "random crops and flips during training")
+    randaugment_layers: int = _opt(0, "RandAugment operations per image (0: off)")
+    randaugment_magnitude: int = _opt(9, "RandAugment magnitude (0-30)")
+    drop_rate: float | None = _opt(None, "dropout before the classifier (null: the model's default)")
+    drop_path_rate: float | None = _opt(None, "stochastic depth rate (null: the model's default)")
+    compact_width: int | None = _opt(16, "base width given to ResNet-style models that do not set base_width "
+                                         "(null: the paper's width)")
     # system
-    amp: str = "none"
-    channels_last: bool = False
-    compile: bool = False
-    device: str = "auto"
-    workers: int = 0
-    seed: int = 0
-    sync_bn: bool = False
+    amp: str = _opt("none", "autocast precision (fp16 needs CUDA)", choices=tuple(AMP_DTYPES))
+    channels_last: bool = _opt(False, "channels_last memory format for model and inputs")
+    compile: bool = _opt(False, "torch.compile the model")
+    device: str = _opt("auto", "device (auto: CUDA when available)", choices=("auto", "cpu", "cuda"))
+    workers: int = _opt(0, "DataLoader worker processes for file datasets")
+    seed: int = _opt(0, "seed of initialisation, data order and augmentation")
+    sync_bn: bool = _opt(False, "synchronised BatchNorm across torchrun processes")
     # run
-    out: str = "runs/lambdanet"
-    checkpoint_every: int = 1
-    resume: bool = False
-    early_stop_patience: int | None = None
-    tensorboard: bool = True
-    progress: bool = True
-    labeled_fraction: float = 1.0
-    pseudo_labels: str | None = None
-    max_train_batches: int | None = None
+    out: str = _opt("runs/lambdanet", "run directory (config, metrics, checkpoints, weights, plots, summary)")
+    checkpoint_every: int = _opt(1, "write last.pt every this many epochs (and at the end)")
+    resume: bool = _opt(False, "continue the run in --out where it stopped")
+    early_stop_patience: int | None = _opt(None, "stop after this many epochs without validation improvement "
+                                                 "(needs --val-split)")
+    tensorboard: bool = _opt(True, "write TensorBoard event files beside metrics.csv")
+    progress: bool = _opt(True, "progress bar on stderr")
+    labeled_fraction: float = _opt(1.0, "semi-supervised: the seeded fraction of training labels kept")
+    pseudo_labels: str | None = _opt(None, "semi-supervised: pseudo-label file from lambdanet pseudo-label")
+    max_train_batches: int | None = _opt(None, "stop each epoch after this many batches (smoke tests)")
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field and the valid values for anything out of range."""
-        choices = {"optimizer": ("sgd", "adam", "adamw", "rmsprop"), "schedule": ("cosine", "constant"),
-                   "amp": ("none", "bf16", "fp16"), "device": ("auto", "cpu", "cuda"), "recipe": tuple(RECIPES)}
-        for name, valid in choices.items():
+        for name, valid in field_choices().items():
             if getattr(self, name) not in valid:
                 raise ValueError(f"{name} must be one of {list(valid)}, got {getattr(self, name)!r}")
         positive = ("epochs", "batch_size", "eval_batch_size", "checkpoint_every")
@@ -119,6 +137,15 @@ class TrainConfig:
         if not isinstance(self.model_kwargs, dict):
             raise ValueError(f"model_kwargs must be a mapping, got {self.model_kwargs!r}")
 
+    def warnings(self) -> list[str]:
+        """Settings that run but are probably not what the user wants."""
+        out = []
+        if self.warmup_epochs >= self.epochs:
+            out.append(f"--epochs {self.epochs} ends inside the {self.warmup_epochs:g}-epoch learning-rate warm-up: "
+                       "the schedule never decays and accuracy may stay near chance; train longer (e.g. --epochs "
+                       f"{max(15, int(self.warmup_epochs) * 5)}) or pass --warmup-epochs 0")
+        return out
+
     def effective_lr(self) -> float:
         """``lr * batch_size / lr_batch_scale`` (the paper's ``0.1 B / 256``) or ``lr``."""
         return self.lr * self.batch_size / self.lr_batch_scale if self.lr_batch_scale else self.lr
@@ -137,6 +164,22 @@ RECIPES: dict[str, dict] = {
                     "betas": [0.9, 0.9999], "weight_decay": 1e-4, "schedule": "cosine", "label_smoothing": 0.1,
                     "epochs": 90, "batch_size": 128, "data": "cifar10", "compact_width": None},
 }
+
+# the values a recipe takes from the model's paper metadata (``ModelInfo.recipe``, Tables 19-20 for
+# LambdaResNets): image size, RandAugment magnitude, dropout and stochastic depth depend on the model
+RECIPE_MODEL_KEYS: dict[str, tuple[str, ...]] = {
+    "paper350": ("img_size", "randaugment_magnitude", "drop_rate", "drop_path_rate"),
+}
+
+# what ``--resume`` lets change: how the run is watched and where it runs, never what it computes
+RESUME_FREE = ("progress", "tensorboard", "workers", "resume", "out", "device", "checkpoint_every")
+
+
+def field_choices() -> dict[str, tuple]:
+    """The closed options and their valid values (also the ``--flag`` choices)."""
+    out = {f.name: f.metadata["choices"] for f in dataclasses.fields(TrainConfig) if f.metadata.get("choices")}
+    out["recipe"] = tuple(RECIPES)
+    return out
 
 
 def load_yaml(path: str | Path) -> dict:
@@ -162,18 +205,119 @@ def _check_keys(values: dict, source: str) -> None:
 
 def resolve_config(recipe: str | None = None, yaml_values: dict | None = None, overrides: dict | None = None
                    ) -> TrainConfig:
-    """Defaults < recipe < YAML < overrides, validated."""
+    """The configuration that runs, validated: defaults < recipe < the model's paper values the recipe takes
+    (:data:`RECIPE_MODEL_KEYS`) < YAML < overrides; then what the data and model imply (image size, the
+    small-image stem, the compact width, the model's own dropout / stochastic depth) is written in, so that
+    ``config.yaml`` says exactly what runs.
+
+    With ``resume`` set, the run's saved ``config.yaml`` takes the place of defaults and recipe; the trainer
+    then refuses any change other than :data:`RESUME_FREE` and more ``epochs``.
+    """
     yaml_values = dict(yaml_values or {})
     overrides = dict(overrides or {})
     _check_keys(yaml_values, "config file")
     _check_keys(overrides, "overrides")
-    name = overrides.get("recipe") or yaml_values.get("recipe") or recipe or "quick"
-    if name not in RECIPES:
-        raise ValueError(f"unknown recipe {name!r}; valid recipes: {', '.join(RECIPES)}")
-    values = {**RECIPES[name], **yaml_values, **overrides, "recipe": name}
-    cfg = TrainConfig(**values)
+    explicit = {**yaml_values, **overrides}
+    if explicit.get("resume"):
+        out = explicit.get("out", TrainConfig.out)
+        saved = saved_run_config(out)
+        _check_keys(saved, f"{Path(out) / 'config.yaml'}")
+        cfg = TrainConfig(**{**saved, **explicit})
+    else:
+        name = explicit.get("recipe") or recipe or "quick"
+        if name not in RECIPES:
+            raise ValueError(f"unknown recipe {name!r}; valid recipes: {', '.join(RECIPES)}")
+        from lambdanet.models import model_info
+
+        model = explicit.get("model") or RECIPES[name].get("model") or TrainConfig.model
+        paper = model_info(model).recipe  # "unknown model ...; registered models: ..."
+        from_model = {k: paper[k] for k in RECIPE_MODEL_KEYS.get(name, ()) if k in paper}
+        cfg = TrainConfig(**{**RECIPES[name], **from_model, **explicit, "recipe": name})
     cfg.validate()
+    _resolve_model_values(cfg)  # idempotent: a saved (resolved) configuration stays as it is
     return cfg
+
+
+def _resolve_model_values(cfg: TrainConfig) -> None:
+    """Write in what the data and the model imply (in place): ``img_size`` from the dataset, and in
+    ``model_kwargs`` (unless given) the small-image stem for images up to 64 px, the compact width and the
+    image size where the model takes them; ``drop_rate`` / ``drop_path_rate`` from the model's defaults."""
+    from lambdanet.data import dataset_spec
+    from lambdanet.models import model_args
+
+    accepted = model_args(cfg.model)
+    if cfg.img_size is None:
+        cfg.img_size = dataset_spec(cfg.data).image_size
+    kwargs = dict(cfg.model_kwargs)
+    for key in ("drop_rate", "drop_path_rate"):
+        if key in kwargs:
+            if getattr(cfg, key) is not None and getattr(cfg, key) != kwargs[key]:
+                raise ValueError(f"{key} is given twice: --{key.replace('_', '-')} {getattr(cfg, key)} and "
+                                 f"model_kwargs {key}={kwargs[key]}; give it once")
+            setattr(cfg, key, kwargs.pop(key))
+        if getattr(cfg, key) is None:
+            setattr(cfg, key, float(accepted.get(key) or 0.0))
+    if cfg.drop_path_rate and "drop_path_rate" not in accepted:
+        raise ValueError(f"model {cfg.model!r} has no stochastic depth; drop_path_rate must be 0 or null")
+    if cfg.drop_rate and "drop_rate" not in accepted:
+        raise ValueError(f"model {cfg.model!r} has no dropout; drop_rate must be 0 or null")
+    if "stem" in accepted and "stem" not in kwargs and cfg.img_size <= 64:
+        kwargs["stem"] = "cifar"
+    if cfg.compact_width and "base_width" in accepted and "base_width" not in kwargs:
+        kwargs["base_width"] = cfg.compact_width
+    if "img_size" in accepted and "img_size" not in kwargs:
+        kwargs["img_size"] = cfg.img_size
+    unknown = sorted(set(kwargs) - set(accepted))
+    if unknown:
+        raise ValueError(f"model {cfg.model!r} does not take {unknown}; it accepts: {', '.join(accepted)}")
+    cfg.model_kwargs = kwargs
+
+
+def model_build_kwargs(cfg: TrainConfig) -> dict:
+    """The keyword arguments of ``create_model(cfg.model, ...)`` for a resolved ``cfg`` (beyond classes and
+    channels): ``model_kwargs`` plus the dropout / stochastic depth the model takes."""
+    from lambdanet.models import model_args
+
+    accepted = model_args(cfg.model)
+    kwargs = dict(cfg.model_kwargs)
+    for key in ("drop_rate", "drop_path_rate"):
+        if key in accepted and getattr(cfg, key) is not None:
+            kwargs[key] = getattr(cfg, key)
+    return kwargs
+
+
+def saved_run_config(out: str | Path) -> dict:
+    """The ``config.yaml`` of the run in ``out`` (``ValueError`` if there is no run to resume)."""
+    out = Path(out)
+    if not (out / "config.yaml").exists() or not (out / "last.pt").exists():
+        raise ValueError(f"nothing to resume in {out}: it needs config.yaml and last.pt from an earlier run")
+    return load_yaml(out / "config.yaml")
+
+
+def config_differences(saved: dict, cfg: TrainConfig, ignore: tuple[str, ...] = RESUME_FREE) -> dict[str, tuple]:
+    """``{field: (saved value, new value)}`` for every field of ``cfg`` that differs from ``saved``."""
+    now = dataclasses.asdict(cfg)
+    default = dataclasses.asdict(TrainConfig())
+    return {k: (saved.get(k, default[k]), v) for k, v in now.items()
+            if k not in ignore and saved.get(k, default[k]) != v}
+
+
+def flag(name: str) -> str:
+    """``--flag`` spelling of a :class:`TrainConfig` field."""
+    return "--" + name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class ConfigSource:
+    """What the user asked for (recipe, YAML values, explicit overrides), before resolution: a sweep
+    resolves it once per (model, learning rate)."""
+
+    recipe: str | None = None
+    yaml_values: dict = field(default_factory=dict)
+    overrides: dict = field(default_factory=dict)
+
+    def resolve(self, **changes) -> TrainConfig:
+        return resolve_config(self.recipe, self.yaml_values, {**self.overrides, **changes})
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -194,15 +338,6 @@ def _parse_mapping(text: str) -> dict:
     return value
 
 
-def _parse_bool(text: str) -> bool:
-    low = text.lower()
-    if low in ("1", "true", "yes", "on"):
-        return True
-    if low in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
-
-
 def _optional(conv):
     def parse(text: str):
         return None if text.lower() in ("none", "null") else conv(text)
@@ -211,33 +346,41 @@ def _optional(conv):
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """One ``--flag`` per :class:`TrainConfig` field (booleans: ``--flag`` / ``--no-flag``); default ``None``
-    means "not given", so recipe and YAML values survive."""
+    """One ``--flag`` per :class:`TrainConfig` field with its one-line help, choices and default (booleans:
+    ``--flag`` / ``--no-flag``); the parsed default is ``None`` = "not given", so recipe and YAML values survive."""
     hints = typing.get_type_hints(TrainConfig)
+    choices = field_choices()
     for f in dataclasses.fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
         hint = hints[f.name]
         args = typing.get_args(hint)
         base = next((a for a in args if a is not type(None)), hint) if args else hint
         optional = type(None) in args
-        help_text = f"(default: {f.default if f.default is not dataclasses.MISSING else f.default_factory()})"
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        help_text = f"{f.metadata['help']} (default: {'null' if default is None else default})"
         if base is bool:
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+            parser.add_argument(flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=None,
                                 help=help_text)
         elif base is dict or hint is dict:
-            parser.add_argument(flag, dest=f.name, type=_parse_mapping, default=None, metavar="MAPPING",
+            parser.add_argument(flag(f.name), dest=f.name, type=_parse_mapping, default=None, metavar="MAPPING",
                                 help=help_text)
         elif base is list or hint is list:
-            parser.add_argument(flag, dest=f.name, type=float, nargs="+", default=None, help=help_text)
+            parser.add_argument(flag(f.name), dest=f.name, type=float, nargs="+", default=None, metavar="X",
+                                help=help_text)
         else:
             conv = {int: int, float: float, str: str}.get(base, str)
-            parser.add_argument(flag, dest=f.name, type=_optional(conv) if optional else conv, default=None,
-                                help=help_text)
+            parser.add_argument(flag(f.name), dest=f.name, type=_optional(conv) if optional else conv, default=None,
+                                choices=choices.get(f.name), help=help_text,
+                                metavar="{" + ",".join(choices[f.name]) + "}" if f.name in choices else None)
+
+
+def config_source_from_args(args: argparse.Namespace) -> ConfigSource:
+    """What the flags (and ``--config FILE``) ask for, before resolution."""
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    overrides = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    yaml_values = load_yaml(args.config) if getattr(args, "config", None) else {}
+    return ConfigSource(overrides.get("recipe"), yaml_values, overrides)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """Resolve a :class:`TrainConfig` from parsed flags (with ``--config`` and ``--recipe``)."""
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    overrides = {k: v for k, v in vars(args).items() if k in names and v is not None}
-    yaml_values = load_yaml(args.config) if getattr(args, "config", None) else {}
-    return resolve_config(overrides.get("recipe"), yaml_values, overrides)
+    return config_source_from_args(args).resolve()

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 
 import torch
 from torch import Tensor, nn
 
+from lambdanet.runtime import autocast_context  # re-exported: the loops' autocast, validated in one place
 from lambdanet.train.distributed import DistContext, all_reduce_sum
 
 __all__ = ["NonFiniteLossError", "train_one_epoch", "evaluate", "topk_correct", "autocast_context"]
@@ -19,15 +19,6 @@ class NonFiniteLossError(RuntimeError):
     def __init__(self, epoch: int, step: int, value: float):
         self.epoch, self.step, self.value = epoch, step, value
         super().__init__(f"the training loss became {value} at epoch {epoch + 1}, step {step + 1}")
-
-
-def autocast_context(device: torch.device, amp: str):
-    """``torch.autocast`` for ``amp`` in ``{"bf16", "fp16"}`` (fp16 only on CUDA), else a no-op."""
-    if amp == "none":
-        return nullcontext()
-    if amp == "fp16" and device.type != "cuda":
-        raise ValueError("amp='fp16' needs a CUDA device; use amp='bf16' on CPU")
-    return torch.autocast(device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
 
 
 def topk_correct(logits: Tensor, target: Tensor, ks=(1, 5)) -> list[int]:

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import torch
 
-from lambdanet.data import ImageLoader, Subset, build_datasets
-from lambdanet.models import create_model
+from lambdanet.data import ImageLoader, Subset, build_datasets, labeled_split
 from lambdanet.train.checkpoint import load_checkpoint
 from lambdanet.train.config import TrainConfig
-from lambdanet.train.trainer import labeled_split
+from lambdanet.train.trainer import restore_model
 
 __all__ = ["make_pseudo_labels"]
 
@@ -23,7 +22,8 @@ __all__ = ["make_pseudo_labels"]
 @torch.no_grad()
 def make_pseudo_labels(checkpoint: str | Path, out: str | Path, *, threshold: float = 0.0,
                        batch_size: int = 256) -> dict:
-    """Label the teacher run's unlabelled training images; keep those with confidence >= ``threshold``."""
+    """Label the teacher run's unlabelled training images (with its EMA weights when it has them); keep those
+    with confidence >= ``threshold``."""
     state = load_checkpoint(checkpoint)
     cfg = TrainConfig(**state["config"])
     if cfg.labeled_fraction >= 1.0:
@@ -31,12 +31,7 @@ def make_pseudo_labels(checkpoint: str | Path, out: str | Path, *, threshold: fl
                          "unlabelled images; train the teacher with --labeled-fraction < 1")
     spec, train_ds, _ = build_datasets(cfg.data, data_dir=cfg.data_dir, download=cfg.download)
     _, unlabeled = labeled_split(len(train_ds), cfg.labeled_fraction, cfg.seed)
-    model = create_model(cfg.model, num_classes=spec.num_classes, in_chans=spec.in_chans,
-                         **(state.get("model_kwargs") or {}))
-    weights = state["model"]
-    if state.get("ema"):
-        weights = {k[len("module."):]: v for k, v in state["ema"].items() if k.startswith("module.")}
-    model.load_state_dict(weights)
+    model, _ = restore_model(state, spec)
     model.eval()
     loader = ImageLoader(Subset(train_ds, unlabeled), spec, cfg.img_size or spec.image_size, train=False,
                          batch_size=batch_size)

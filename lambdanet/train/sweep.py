@@ -3,39 +3,46 @@ learning rates for one or more models, then a table and a plot of accuracy again
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from lambdanet.train.config import TrainConfig
+from lambdanet.train.config import RESUME_FREE, ConfigSource, config_differences, flag, load_yaml
 from lambdanet.train.logger import write_json
 from lambdanet.train.trainer import train
 
 __all__ = ["lr_sweep", "sweep_markdown", "plot_sweep"]
 
 
-def lr_sweep(base: TrainConfig, lrs: Sequence[float], models: Sequence[str] | None = None, *,
+def lr_sweep(source: ConfigSource, lrs: Sequence[float], models: Sequence[str] | None = None, *,
              log: Callable[[str], None] = print) -> list[dict]:
-    """Train ``base`` once per (model, learning rate) into ``<base.out>/<model>/lr_<lr>``; resumable: a run
-    whose ``summary.json`` exists is read back instead of retrained."""
+    """Train ``source`` once per (model, learning rate) into ``<out>/<model>/lr_<lr>``, each configuration
+    resolved for its model. Resumable: a finished run (``summary.json``) whose resolved configuration equals
+    the one asked for is read back instead of retrained, an unfinished one is resumed; a run directory
+    holding a different configuration is refused."""
     import json
 
     if not lrs:
         raise ValueError("lrs must list at least one learning rate")
-    rows = []
+    if any(lr <= 0 for lr in lrs):
+        raise ValueError(f"learning rates must be positive, got {list(lrs)}")
+    base = source.resolve()
     out = Path(base.out)
+    rows = []
     for model in models or [base.model]:
         for lr in lrs:
-            if lr <= 0:
-                raise ValueError(f"learning rates must be positive, got {lr}")
             run_dir = out / model / f"lr_{lr:g}"
-            summary_path = run_dir / "summary.json"
-            if summary_path.exists():
-                summary = json.loads(summary_path.read_text())
-                log(f"{model} lr={lr:g}: already done ({summary['final_acc']:.4f})")
+            cfg = source.resolve(model=model, lr=lr, out=str(run_dir))
+            if (run_dir / "config.yaml").exists():
+                changed = config_differences(load_yaml(run_dir / "config.yaml"), cfg, ignore=RESUME_FREE)
+                if changed:
+                    what = ", ".join(f"{flag(k)} {new!r} (the run has {old!r})" for k, (old, new) in changed.items())
+                    raise ValueError(f"{run_dir} holds a run with another configuration: {what}; choose another "
+                                     "--out for this sweep")
+            if (run_dir / "summary.json").exists():
+                summary = json.loads((run_dir / "summary.json").read_text())
+                log(f"{model} lr={lr:g}: already done with this configuration ({summary['final_acc']:.4f})")
             else:
-                cfg = dataclasses.replace(base, model=model, lr=lr, out=str(run_dir),
-                                          resume=(run_dir / "last.pt").exists())
+                cfg.resume = (run_dir / "last.pt").exists()
                 log(f"--- {model} lr={lr:g} -> {run_dir}")
                 summary = train(cfg, log=log)
             rows.append({"model": model, "lr": lr, "final_acc": summary["final_acc"], "best_acc": summary["best_acc"],

@@ -1,24 +1,27 @@
 """``train(cfg)``: a full run (data, model, recipe, checkpoints, resume, logs, summary) and
-``evaluate_checkpoint(path)``. The CLI commands ``lambdanet train`` / ``lambdanet eval`` call these."""
+``evaluate_checkpoint(path)``. The CLI commands ``lambdanet train`` / ``lambdanet eval`` call these.
+
+A run is a :class:`TrainState` advanced one epoch at a time (:func:`run_epoch`); its ``state_dict`` is the
+checkpoint and ``load_state_dict`` is ``--resume``, one symmetric pair. Everything recipe- or model-specific
+was settled by :func:`lambdanet.train.config.resolve_config` before the run starts.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import platform
 import random
 import sys
-import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
-from lambdanet.data import DatasetSpec, ImageLoader, Subset, TensorImages, build_datasets, split_indices
-from lambdanet.models import create_model, model_info
-from lambdanet.models.registry import _MODELS
+from lambdanet.data import DatasetSpec, ImageLoader, Subset, TensorImages, build_datasets, labeled_split, split_indices
+from lambdanet.models import create_model
 from lambdanet.train.checkpoint import (
     CheckpointError,
     export_safetensors,
@@ -26,19 +29,33 @@ from lambdanet.train.checkpoint import (
     rng_state,
     save_checkpoint,
     set_rng_state,
+    trained_weights,
     unwrap,
 )
-from lambdanet.train.config import TrainConfig, load_yaml, resolve_config, save_yaml
-from lambdanet.train.distributed import DistContext, barrier, cleanup, convert_sync_batchnorm, init_distributed
+from lambdanet.train.config import (
+    RESUME_FREE,
+    TrainConfig,
+    config_differences,
+    flag,
+    model_build_kwargs,
+    resolve_config,
+    save_yaml,
+)
+from lambdanet.train.distributed import (
+    DistContext,
+    all_reduce_sum,
+    barrier,
+    cleanup,
+    convert_sync_batchnorm,
+    init_distributed,
+)
 from lambdanet.train.engine import NonFiniteLossError, evaluate, train_one_epoch
 from lambdanet.train.logger import RunLogger, plot_history, read_history, truncate_history, write_json
 from lambdanet.train.optim import build_ema, build_optimizer, build_scheduler, set_bn_momentum
+from lambdanet.train.rundir import RunDirBusyError, RunDirLock
 
-__all__ = ["train", "evaluate_checkpoint", "TrainingDivergedError", "build_model_for", "hardware_string",
-           "load_pseudo_labels", "labeled_split"]
-
-# resuming restores the saved configuration; only these may differ on the command line
-_RESUME_FREE = ("progress", "tensorboard", "workers", "resume", "out", "device")
+__all__ = ["train", "evaluate_checkpoint", "TrainingDivergedError", "TrainState", "build_model_for",
+           "hardware_string", "load_pseudo_labels", "run_epoch"]
 
 
 class TrainingDivergedError(RuntimeError):
@@ -54,43 +71,56 @@ def hardware_string(device: torch.device) -> str:
     return base
 
 
-def _accepted(model: str) -> set[str]:
-    if model not in _MODELS:
-        model_info(model)  # raises the "unknown model ...; registered models: ..." ValueError
-    return set(inspect.signature(_MODELS[model]).parameters)
+def build_model_for(cfg: TrainConfig, spec: DatasetSpec) -> nn.Module:
+    """``create_model`` of a resolved ``cfg`` for a dataset's classes and channels."""
+    return create_model(cfg.model, num_classes=spec.num_classes, in_chans=spec.in_chans, **model_build_kwargs(cfg))
 
 
-def build_model_for(cfg: TrainConfig, spec: DatasetSpec, img_size: int) -> tuple[nn.Module, dict]:
-    """``create_model`` for a dataset: classes and channels from the data, ``img_size`` for global layers,
-    the small-image stem (``stem='cifar'``) for images up to 64 pixels and the recipe's compact width when
-    the model family has those options and ``model_kwargs`` does not set them; regularisation from the
-    recipe or, for ``paper350``, from the model's Table 20 metadata."""
-    accepted = _accepted(cfg.model)
-    kwargs = dict(cfg.model_kwargs)
-    if "stem" in accepted and "stem" not in kwargs and img_size <= 64:
-        kwargs["stem"] = "cifar"
-    if cfg.compact_width and "base_width" in accepted and "base_width" not in kwargs:
-        kwargs["base_width"] = cfg.compact_width
-    recipe = model_info(cfg.model).recipe if cfg.recipe == "paper350" else {}
-    drop_rate = cfg.drop_rate if cfg.drop_rate is not None else recipe.get("dropout", 0.0)
-    drop_path = cfg.drop_path_rate if cfg.drop_path_rate is not None else recipe.get("drop_path_rate", 0.0)
-    if drop_rate:
-        kwargs.setdefault("drop_rate", drop_rate)
-    if drop_path:
-        if "drop_path_rate" not in accepted:
-            raise ValueError(f"model {cfg.model!r} has no stochastic depth; drop_path_rate must be 0 or null")
-        kwargs.setdefault("drop_path_rate", drop_path)
-    if "img_size" in accepted:
-        kwargs.setdefault("img_size", img_size)
-    model = create_model(cfg.model, num_classes=spec.num_classes, in_chans=spec.in_chans, **kwargs)
-    return model, kwargs
+@dataclass
+class TrainState:
+    """Everything a run carries from one epoch to the next. ``state_dict()`` is the checkpoint and
+    ``load_state_dict()`` restores it exactly (weights, optimiser, schedule, EMA, loss scaler, counters,
+    best score, random generators)."""
 
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    ema: nn.Module | None = None
+    scaler: torch.amp.GradScaler | None = None
+    epoch: int = 0  # epochs completed
+    train_time_s: float = 0.0
+    samples_seen: int = 0
+    best: dict = field(default_factory=lambda: {"score": -1.0, "test_top1": 0.0, "epoch": 0})
+    bad_epochs: int = 0  # epochs since the best score (early stopping)
 
-def labeled_split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(labelled, unlabelled) indices of the training set for semi-supervised runs: a seeded ``fraction``
-    keeps its labels."""
-    labeled, unlabeled = split_indices(n, 1.0 - fraction, seed + 7)
-    return labeled, unlabeled
+    def state_dict(self, cfg: TrainConfig) -> dict:
+        return {"model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "ema": self.ema.state_dict() if self.ema else None,
+                "scaler": self.scaler.state_dict() if self.scaler else None, "epoch": self.epoch,
+                "train_time_s": self.train_time_s, "samples_seen": self.samples_seen, "best": dict(self.best),
+                "bad_epochs": self.bad_epochs, "rng": rng_state(), "config": dataclasses.asdict(cfg),
+                "model_kwargs": model_build_kwargs(cfg)}
+
+    def load_state_dict(self, state: dict) -> None:
+        unwrap(self.model).load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.ema is not None and state.get("ema") is not None:
+            self.ema.load_state_dict(state["ema"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.epoch, self.train_time_s = int(state["epoch"]), float(state["train_time_s"])
+        self.samples_seen, self.best = int(state["samples_seen"]), dict(state["best"])
+        self.bad_epochs = int(state["bad_epochs"])
+        set_rng_state(state["rng"])
+
+    def record(self, row: dict, score: float) -> None:
+        """Count a finished epoch whose selection score is ``score``."""
+        reported = row.get("test_top1_ema", row["test_top1"])
+        if score > self.best["score"]:
+            self.best, self.bad_epochs = {"score": score, "test_top1": reported, "epoch": self.epoch}, 0
+        else:
+            self.bad_epochs += 1
 
 
 def load_pseudo_labels(path: str | Path, cfg: TrainConfig) -> dict:
@@ -106,17 +136,17 @@ def load_pseudo_labels(path: str | Path, cfg: TrainConfig) -> dict:
     return data
 
 
-def _relabeled(base, indices, labels):
-    if isinstance(base, TensorImages):
-        return TensorImages(base.images[torch.as_tensor(indices)], torch.as_tensor(labels))
-    raise ValueError("pseudo-labels are supported for in-memory datasets (digits, mnist5k, fashion-mnist, cifar)")
+@dataclass
+class RunData:
+    spec: DatasetSpec
+    train: ImageLoader
+    val: ImageLoader | None
+    test: ImageLoader
 
 
-def _prepare_data(cfg: TrainConfig, ctx: DistContext):
+def _prepare_data(cfg: TrainConfig, ctx: DistContext) -> RunData:
     spec, train_ds, test_ds = build_datasets(cfg.data, data_dir=cfg.data_dir, download=cfg.download)
-    img = cfg.img_size or spec.image_size
-    n = len(train_ds)
-    pool = labeled_split(n, cfg.labeled_fraction, cfg.seed)[0]
+    pool = labeled_split(len(train_ds), cfg.labeled_fraction, cfg.seed)[0]
     val_ds = None
     if cfg.val_split:
         keep, held = split_indices(len(pool), cfg.val_split, cfg.seed + 1)
@@ -128,11 +158,11 @@ def _prepare_data(cfg: TrainConfig, ctx: DistContext):
         if not isinstance(train_ds, TensorImages):
             raise ValueError("pseudo-labels are supported for in-memory datasets (digits, mnist5k, fashion-mnist, "
                              "cifar10/100)")
-        parts = [_relabeled(train_ds, pool, train_ds.labels[torch.as_tensor(pool)]),
-                 _relabeled(train_ds, pl["indices"], pl["labels"])]
-        fit_ds = TensorImages(torch.cat([p.images for p in parts]), torch.cat([p.labels for p in parts]))
-    ra = (cfg.randaugment_layers, _ra_magnitude(cfg)) if cfg.randaugment_layers else None
-    world = ctx.world
+        keep = torch.as_tensor(pool)
+        fit_ds = TensorImages(torch.cat([train_ds.images[keep], train_ds.images[torch.as_tensor(pl["indices"])]]),
+                              torch.cat([train_ds.labels[keep], torch.as_tensor(pl["labels"])]))
+    ra = (cfg.randaugment_layers, cfg.randaugment_magnitude) if cfg.randaugment_layers else None
+    world, img = ctx.world, cfg.img_size
     eval_bs = max(world, cfg.eval_batch_size - cfg.eval_batch_size % world)
     train_loader = ImageLoader(fit_ds, spec, img, train=True, batch_size=cfg.batch_size, seed=cfg.seed,
                                rank=ctx.rank, world=world, workers=cfg.workers, augment=cfg.augment, randaugment=ra)
@@ -144,52 +174,114 @@ def _prepare_data(cfg: TrainConfig, ctx: DistContext):
         return ImageLoader(ds, spec, img, train=False, batch_size=eval_bs, rank=ctx.rank, world=world,
                            workers=cfg.workers)
 
-    return spec, img, train_loader, eval_loader(val_ds) if val_ds is not None else None, eval_loader(test_ds)
+    return RunData(spec, train_loader, eval_loader(val_ds) if val_ds is not None else None, eval_loader(test_ds))
 
 
-def _ra_magnitude(cfg: TrainConfig) -> int:
-    if cfg.recipe == "paper350":
-        return int(model_info(cfg.model).recipe.get("randaugment_magnitude", cfg.randaugment_magnitude))
-    return cfg.randaugment_magnitude
-
-
-def _resolve_resume(cfg: TrainConfig) -> TrainConfig:
-    out = Path(cfg.out)
-    saved_cfg, ckpt = out / "config.yaml", out / "last.pt"
-    if not saved_cfg.exists() or not ckpt.exists():
-        raise ValueError(f"nothing to resume in {out}: it needs config.yaml and last.pt from an earlier run")
-    saved = load_yaml(saved_cfg)
-    free = {k: getattr(cfg, k) for k in _RESUME_FREE}
-    return resolve_config(saved.get("recipe"), saved, free)
+def _check_resume(cfg: TrainConfig) -> int:
+    """``--resume`` continues the run as it was configured: only :data:`RESUME_FREE` options and ``epochs``
+    (checked against the checkpoint later) may differ from the saved configuration. Returns the saved
+    number of epochs."""
+    saved = dataclasses.asdict(resolve_config(overrides={"out": cfg.out, "resume": True}))
+    changed = config_differences(saved, cfg, ignore=RESUME_FREE + ("epochs",))
+    if changed:
+        what = ", ".join(f"{flag(k)} {new!r} (the run has {old!r})" for k, (old, new) in changed.items())
+        raise ValueError(f"--resume continues {cfg.out} as it was configured, but {what} differ; only --epochs (to "
+                         f"train longer) and {', '.join(flag(k) for k in RESUME_FREE if k not in ('resume', 'out'))} "
+                         "may change: drop the others, or start a new run with another --out")
+    return int(saved["epochs"])
 
 
 def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
-    """Train and evaluate ``cfg``; returns the run summary (also written to ``<out>/summary.json``)."""
+    """Train and evaluate ``cfg`` (a resolved configuration, see ``resolve_config``); returns the run summary
+    (also written to ``<out>/summary.json``)."""
     ctx = init_distributed(cfg.device)
     finished = False
+    lock = RunDirLock(cfg.out)
     try:
+        busy = None
+        if ctx.is_main:
+            try:
+                lock.acquire()
+            except RunDirBusyError as err:
+                busy = err
+        if all_reduce_sum([float(busy is not None)], ctx)[0]:  # every rank stops when rank 0 could not lock
+            raise busy or RunDirBusyError(f"run directory {cfg.out} is in use by another process")
         summary = _train(cfg, ctx, log if ctx.is_main else (lambda s: None))
         finished = True
         return summary
     finally:
+        lock.release()
         cleanup(ctx, synchronize=finished)
 
 
 def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None]) -> dict:
     cfg.validate()
     out = Path(cfg.out)
-    if cfg.resume:
-        cfg = _resolve_resume(cfg)
-    elif (out / "last.pt").exists():
+    ckpt_path = out / "last.pt"
+    saved_epochs = _check_resume(cfg) if cfg.resume else 0
+    if not cfg.resume and ckpt_path.exists():
         raise ValueError(f"{out} already holds a run (last.pt); pass --resume to continue it or choose another --out")
     device = ctx.device
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
 
-    spec, img, train_loader, val_loader, test_loader = _prepare_data(cfg, ctx)
-    model, model_kwargs = build_model_for(cfg, spec, img)
+    data = _prepare_data(cfg, ctx)
+    state = _initial_state(cfg, data, ctx)
+    if cfg.resume:
+        _restore(state, cfg, saved_epochs, ctx, log)
+    if ctx.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        save_yaml(dataclasses.replace(cfg, resume=False), out / "config.yaml")
+    barrier(ctx)
+    for warning in cfg.warnings():
+        log(f"warning: {warning}")
+
+    model = state.model
     params = sum(p.numel() for p in model.parameters())
+    run_model: nn.Module = torch.compile(model) if cfg.compile else model
+    if ctx.enabled:
+        run_model = nn.parallel.DistributedDataParallel(
+            run_model, device_ids=[ctx.local_rank] if device.type == "cuda" else None)
+    logger = RunLogger(out, enabled=ctx.is_main, tensorboard=cfg.tensorboard)
+    log(f"{cfg.model} ({params / 1e6:.2f}M params, {cfg.model_kwargs}) on {cfg.data} at {cfg.img_size}x{cfg.img_size}: "
+        f"{data.train.n} train / {data.test.n} test images, recipe {cfg.recipe}, {cfg.epochs} epochs, "
+        f"batch {cfg.batch_size} x {ctx.world} process(es), lr {cfg.effective_lr():.2e}, {hardware_string(device)}")
+    stopped_early, last_row, last_saved = False, {}, state.epoch
+    while state.epoch < cfg.epochs and not stopped_early:
+        try:
+            last_row = run_epoch(state, run_model, data, cfg, ctx)
+        except NonFiniteLossError as err:
+            where = (f"the last good checkpoint is {ckpt_path} (epoch {last_saved})" if last_saved
+                     else "no checkpoint had been written yet")
+            raise TrainingDivergedError(f"{err}; training stopped, {where}. Lower --lr or check the data.") from None
+        logger.log_epoch(last_row)
+        log(_epoch_line(last_row, cfg))
+        stopped_early = cfg.early_stop_patience is not None and state.bad_epochs >= cfg.early_stop_patience
+        if ctx.is_main and (state.epoch % cfg.checkpoint_every == 0 or state.epoch == cfg.epochs or stopped_early):
+            save_checkpoint(state.state_dict(cfg), ckpt_path)
+            last_saved = state.epoch
+        if stopped_early:
+            log(f"early stopping: no validation improvement for {cfg.early_stop_patience} epochs")
+
+    summary = _summary(state, cfg, ctx, data, params, last_row, stopped_early)
+    if ctx.is_main:
+        export_safetensors(model, out / "model.safetensors")
+        if state.ema is not None:
+            export_safetensors(state.ema.module, out / "model_ema.safetensors")
+        summary["plots"] = [p.name for p in plot_history(read_history(out / "metrics.csv"), out)]
+        write_json(summary, out / "summary.json")
+        logger.close()
+    log(f"done: final test top-1 {summary['final_acc']:.4f}, best {summary['best_acc']:.4f} (epoch "
+        f"{summary['best_epoch']}), {summary['train_time_s']:.1f}s training, {summary['images_per_s']:.0f} img/s "
+        f"-> {out}")
+    return summary
+
+
+def _initial_state(cfg: TrainConfig, data: RunData, ctx: DistContext) -> TrainState:
+    """The model (checked on two test images), optimiser, schedule, EMA and loss scaler of a new run."""
+    device = ctx.device
+    model = build_model_for(cfg, data.spec)
     if cfg.bn_momentum is not None:
         set_bn_momentum(model, cfg.bn_momentum)
     if cfg.sync_bn and ctx.enabled:
@@ -197,130 +289,87 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None]) -> di
     model = model.to(device)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    _dry_run(model, test_loader, cfg, img, device)
-    if ctx.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        save_yaml(cfg, out / "config.yaml")
-    barrier(ctx)
-
+    _dry_run(model, data.test, cfg, device)
     optimizer = build_optimizer(model, cfg)
-    steps = len(train_loader) if cfg.max_train_batches is None else min(len(train_loader), cfg.max_train_batches)
-    scheduler = build_scheduler(optimizer, cfg, steps)
-    ema = build_ema(model, cfg.ema_decay) if cfg.ema_decay else None
-    scaler = torch.amp.GradScaler("cuda") if cfg.amp == "fp16" else None
-    loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
-    run_model: nn.Module = torch.compile(model) if cfg.compile else model
-    if ctx.enabled:
-        run_model = nn.parallel.DistributedDataParallel(
-            run_model, device_ids=[ctx.local_rank] if device.type == "cuda" else None)
+    steps = len(data.train) if cfg.max_train_batches is None else min(len(data.train), cfg.max_train_batches)
+    return TrainState(model, optimizer, build_scheduler(optimizer, cfg, steps),
+                      ema=build_ema(model, cfg.ema_decay) if cfg.ema_decay else None,
+                      scaler=torch.amp.GradScaler("cuda") if cfg.amp == "fp16" else None)
 
-    ckpt_path = out / "last.pt"
-    start_epoch, train_time, samples_seen = 0, 0.0, 0
-    best = {"score": -1.0, "test_top1": 0.0, "epoch": 0}
-    bad_epochs, last_saved = 0, 0
-    if cfg.resume:
-        state = load_checkpoint(ckpt_path, map_location=device)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        if ema is not None and state.get("ema") is not None:
-            ema.load_state_dict(state["ema"])
-        if scaler is not None and state.get("scaler"):
-            scaler.load_state_dict(state["scaler"])
-        start_epoch, train_time = int(state["epoch"]), float(state["train_time_s"])
-        samples_seen, best, bad_epochs = int(state["samples_seen"]), dict(state["best"]), int(state["bad_epochs"])
-        set_rng_state(state["rng"])
-        last_saved = start_epoch
-        if ctx.is_main:
-            truncate_history(out / "metrics.csv", start_epoch)
-        log(f"resuming {out}: {start_epoch}/{cfg.epochs} epochs done")
 
-    logger = RunLogger(out, enabled=ctx.is_main, tensorboard=cfg.tensorboard)
-    log(f"{cfg.model} ({params / 1e6:.2f}M params, {model_kwargs}) on {cfg.data} at {img}x{img}: "
-        f"{train_loader.n} train / {test_loader.n} test images, recipe {cfg.recipe}, {cfg.epochs} epochs, "
-        f"batch {cfg.batch_size} x {ctx.world} process(es), lr {cfg.effective_lr():.2e}, {hardware_string(device)}")
-    stopped_early = False
-    epoch = start_epoch
-    last_row: dict = {}
-    for epoch in range(start_epoch, cfg.epochs):
-        train_loader.set_epoch(epoch)
-        bar = _progress(cfg, ctx, train_loader, epoch)
-        try:
-            stats = train_one_epoch(run_model, train_loader, optimizer, scheduler, loss_fn, epoch=epoch, device=device,
-                                    ctx=ctx, amp=cfg.amp, scaler=scaler, ema=ema, channels_last=cfg.channels_last,
-                                    progress=bar, max_batches=cfg.max_train_batches)
-        except NonFiniteLossError as err:
-            where = (f"the last good checkpoint is {ckpt_path} (epoch {last_saved})" if last_saved
-                     else "no checkpoint had been written yet")
-            raise TrainingDivergedError(f"{err}; training stopped, {where}. Lower --lr or check the data.") from None
-        finally:
-            if bar is not None:
-                bar.close()
-        train_time += stats["seconds"]
-        samples_seen += stats["samples"]
-        row = {"epoch": epoch + 1, "lr": optimizer.param_groups[0]["lr"], "train_loss": stats["loss"],
-               "train_top1": stats["top1"], "images_per_s": stats["images_per_s"]}
-        evals = {"test": evaluate(run_model, test_loader, device=device, ctx=ctx, amp=cfg.amp,
-                                  channels_last=cfg.channels_last)}
-        if val_loader is not None:
-            evals["val"] = evaluate(run_model, val_loader, device=device, ctx=ctx, amp=cfg.amp,
-                                    channels_last=cfg.channels_last)
-        for split, res in evals.items():
-            row.update({f"{split}_loss": res["loss"], f"{split}_top1": res["top1"], f"{split}_top5": res["top5"]})
-        if ema is not None:
-            res = evaluate(ema.module, test_loader, device=device, ctx=ctx, amp=cfg.amp, channels_last=cfg.channels_last)
-            row.update({"test_top1_ema": res["top1"], "test_top5_ema": res["top5"]})
-        reported = row.get("test_top1_ema", row["test_top1"])
-        score = row["val_top1"] if val_loader is not None else reported
-        if score > best["score"]:
-            best, bad_epochs = {"score": score, "test_top1": reported, "epoch": epoch + 1}, 0
-        else:
-            bad_epochs += 1
-        logger.log_epoch(row)
-        last_row = row
-        log(f"epoch {epoch + 1}/{cfg.epochs}: loss {stats['loss']:.4f}, train top-1 {stats['top1']:.4f}, "
-            + (f"val top-1 {row['val_top1']:.4f}, " if val_loader is not None else "")
-            + f"test top-1 {row['test_top1']:.4f}" + (f" (EMA {row['test_top1_ema']:.4f})" if ema else "")
-            + f", {stats['images_per_s']:.0f} img/s")
-        stopped_early = cfg.early_stop_patience is not None and bad_epochs >= cfg.early_stop_patience
-        last = epoch + 1 == cfg.epochs or stopped_early
-        if ctx.is_main and ((epoch + 1) % cfg.checkpoint_every == 0 or last):
-            save_checkpoint({"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
-                             "scheduler": scheduler.state_dict(), "ema": ema.state_dict() if ema else None,
-                             "scaler": scaler.state_dict() if scaler else None, "epoch": epoch + 1,
-                             "train_time_s": train_time, "samples_seen": samples_seen, "best": best,
-                             "bad_epochs": bad_epochs, "rng": rng_state(), "config": dataclasses.asdict(cfg),
-                             "model_kwargs": model_kwargs}, ckpt_path)
-            last_saved = epoch + 1
-        if stopped_early:
-            log(f"early stopping: no validation improvement for {cfg.early_stop_patience} epochs")
-            break
+def _restore(state: TrainState, cfg: TrainConfig, saved_epochs: int, ctx: DistContext,
+             log: Callable[[str], None]) -> None:
+    """``--resume``: load ``last.pt`` into ``state``; more ``epochs`` than the run was planned with extend it."""
+    out = Path(cfg.out)
+    state.load_state_dict(load_checkpoint(out / "last.pt", map_location=ctx.device))
+    if cfg.epochs < state.epoch:
+        raise ValueError(f"--epochs {cfg.epochs} is fewer than the {state.epoch} epochs {out} has done")
+    if ctx.is_main:
+        truncate_history(out / "metrics.csv", state.epoch)
+    log(f"resuming {out}: {state.epoch}/{saved_epochs} epochs done")
+    if cfg.epochs != saved_epochs:
+        log(f"extending the run from {saved_epochs} to {cfg.epochs} epochs: the learning-rate schedule is "
+            f"recomputed over {cfg.epochs} epochs and continues from epoch {state.epoch}")
 
-    completed = epoch + 1 if cfg.epochs > start_epoch else start_epoch
-    history = read_history(out / "metrics.csv") if ctx.is_main else []
+
+def run_epoch(state: TrainState, run_model: nn.Module, data: RunData, cfg: TrainConfig, ctx: DistContext) -> dict:
+    """Train one epoch, evaluate, and advance ``state``; returns the epoch's metrics row."""
+    device, epoch = ctx.device, state.epoch
+    data.train.set_epoch(epoch)
+    bar = _progress(cfg, ctx, data.train, epoch)
+    try:
+        stats = train_one_epoch(run_model, data.train, state.optimizer, state.scheduler, _loss_fn(cfg), epoch=epoch,
+                                device=device, ctx=ctx, amp=cfg.amp, scaler=state.scaler, ema=state.ema,
+                                channels_last=cfg.channels_last, progress=bar, max_batches=cfg.max_train_batches)
+    finally:
+        if bar is not None:
+            bar.close()
+    state.epoch += 1
+    state.train_time_s += stats["seconds"]
+    state.samples_seen += stats["samples"]
+    row = {"epoch": state.epoch, "lr": state.optimizer.param_groups[0]["lr"], "train_loss": stats["loss"],
+           "train_top1": stats["top1"], "images_per_s": stats["images_per_s"]}
+    splits = {"test": data.test} if data.val is None else {"test": data.test, "val": data.val}
+    for split, loader in splits.items():
+        res = evaluate(run_model, loader, device=device, ctx=ctx, amp=cfg.amp, channels_last=cfg.channels_last)
+        row.update({f"{split}_loss": res["loss"], f"{split}_top1": res["top1"], f"{split}_top5": res["top5"]})
+    if state.ema is not None:
+        res = evaluate(state.ema.module, data.test, device=device, ctx=ctx, amp=cfg.amp,
+                       channels_last=cfg.channels_last)
+        row.update({"test_top1_ema": res["top1"], "test_top5_ema": res["top5"]})
+    state.record(row, row["val_top1"] if data.val is not None else row.get("test_top1_ema", row["test_top1"]))
+    return row
+
+
+def _loss_fn(cfg: TrainConfig) -> nn.Module:
+    return nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+
+
+def _epoch_line(row: dict, cfg: TrainConfig) -> str:
+    return (f"epoch {row['epoch']}/{cfg.epochs}: loss {row['train_loss']:.4f}, train top-1 {row['train_top1']:.4f}, "
+            + (f"val top-1 {row['val_top1']:.4f}, " if "val_top1" in row else "")
+            + f"test top-1 {row['test_top1']:.4f}"
+            + (f" (EMA {row['test_top1_ema']:.4f})" if "test_top1_ema" in row else "")
+            + f", {row['images_per_s']:.0f} img/s")
+
+
+def _summary(state: TrainState, cfg: TrainConfig, ctx: DistContext, data: RunData, params: int, last_row: dict,
+             stopped_early: bool) -> dict:
+    """The run's ``summary.json``: what ran, what it reached, how fast."""
+    history = read_history(Path(cfg.out) / "metrics.csv") if ctx.is_main else []
     final = last_row or (history[-1] if history else {})
-    summary = {
-        "model": cfg.model, "model_kwargs": model_kwargs, "data": cfg.data, "recipe": cfg.recipe,
-        "image_size": img, "params": params, "epochs": completed, "epochs_planned": cfg.epochs,
-        "best_acc": best["test_top1"], "best_epoch": best["epoch"],
+    return {
+        "model": cfg.model, "model_kwargs": model_build_kwargs(cfg), "num_classes": data.spec.num_classes,
+        "in_chans": data.spec.in_chans, "classes": data.spec.classes, "data": cfg.data, "recipe": cfg.recipe,
+        "image_size": cfg.img_size, "params": params, "epochs": state.epoch, "epochs_planned": cfg.epochs,
+        "best_acc": state.best["test_top1"], "best_epoch": state.best["epoch"],
         "final_acc": final.get("test_top1_ema", final.get("test_top1")),
         "final_top5": final.get("test_top5_ema", final.get("test_top5")),
         "final_acc_raw_weights": final.get("test_top1"),
-        "train_time_s": train_time, "images_per_s": samples_seen / max(train_time, 1e-9),
-        "processes": ctx.world, "stopped_early": stopped_early, "hardware": hardware_string(device),
-        "best_selected_by": "validation top-1" if val_loader is not None else "test top-1",
+        "train_time_s": state.train_time_s, "images_per_s": state.samples_seen / max(state.train_time_s, 1e-9),
+        "processes": ctx.world, "stopped_early": stopped_early, "hardware": hardware_string(ctx.device),
+        "best_selected_by": "validation top-1" if data.val is not None else "test top-1",
     }
-    if ctx.is_main:
-        export_safetensors(model, out / "model.safetensors")
-        if ema is not None:
-            export_safetensors(ema.module, out / "model_ema.safetensors")
-        summary["plots"] = [p.name for p in plot_history(history, out)]
-        write_json(summary, out / "summary.json")
-        logger.close()
-    log(f"done: final test top-1 {summary['final_acc']:.4f}, best {summary['best_acc']:.4f} (epoch "
-        f"{summary['best_epoch']}), {summary['train_time_s']:.1f}s training, {summary['images_per_s']:.0f} img/s "
-        f"-> {out}")
-    return summary
 
 
 def _progress(cfg: TrainConfig, ctx: DistContext, loader: ImageLoader, epoch: int):
@@ -337,7 +386,7 @@ def _progress(cfg: TrainConfig, ctx: DistContext, loader: ImageLoader, epoch: in
                 dynamic_ncols=True, file=sys.stderr, mininterval=interval)
 
 
-def _dry_run(model: nn.Module, loader: ImageLoader, cfg: TrainConfig, img: int, device: torch.device) -> None:
+def _dry_run(model: nn.Module, loader: ImageLoader, cfg: TrainConfig, device: torch.device) -> None:
     """One eval-mode forward on two test images, to turn shape problems into a clear error up front."""
     x, _ = next(iter(loader))
     x = x[:2].to(device)
@@ -348,12 +397,29 @@ def _dry_run(model: nn.Module, loader: ImageLoader, cfg: TrainConfig, img: int, 
         with torch.no_grad():
             model(x)
     except ValueError as err:
-        raise ValueError(f"model {cfg.model!r} cannot take {img}x{img} images from {cfg.data}: {err}") from None
+        raise ValueError(f"model {cfg.model!r} cannot take {cfg.img_size}x{cfg.img_size} images from {cfg.data}: "
+                         f"{err}") from None
+
+
+def restore_model(state: dict, spec: DatasetSpec, *, ema: bool = True) -> tuple[nn.Module, str]:
+    """The model of a checkpoint, rebuilt and loaded (EMA weights when present and ``ema``); returns
+    ``(model, "ema" | "raw")``."""
+    saved = dict(state.get("config") or {})
+    kwargs = dict(state.get("model_kwargs") or {})
+    model = create_model(saved["model"], num_classes=spec.num_classes, in_chans=spec.in_chans, **kwargs)
+    weights, kind = trained_weights(state, ema)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint does not fit {saved['model']}{kwargs}: missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]}")
+    return model, kind
 
 
 def evaluate_checkpoint(path: str | Path, *, data: str | None = None, split: str = "test", ema: bool = True,
                         batch_size: int = 256, device: str = "auto", data_dir: str | None = None) -> dict:
     """Top-1 / top-5 of a checkpoint's model (its EMA weights when present and ``ema``) on a dataset split."""
+    if split not in ("test", "train"):
+        raise ValueError(f"split must be one of ['test', 'train'], got {split!r}")
     state = load_checkpoint(path)
     saved = dict(state.get("config") or {})
     if not saved:
@@ -365,23 +431,12 @@ def evaluate_checkpoint(path: str | Path, *, data: str | None = None, split: str
     cfg = TrainConfig(**saved)
     ctx = DistContext(device=torch.device("cuda" if (device == "cuda" or (device == "auto" and
                                                                          torch.cuda.is_available())) else "cpu"))
-    spec, _, test = build_datasets(cfg.data, data_dir=cfg.data_dir, download=cfg.download)
-    img = cfg.img_size or spec.image_size
-    kwargs = dict(state.get("model_kwargs") or {})
-    model = create_model(cfg.model, num_classes=spec.num_classes, in_chans=spec.in_chans, **kwargs)
-    weights = state["model"]
-    if ema and state.get("ema"):
-        weights = {k[len("module."):]: v for k, v in state["ema"].items() if k.startswith("module.")}
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    if missing or unexpected:
-        raise CheckpointError(f"checkpoint {path} does not fit {cfg.model}{kwargs}: missing {missing[:5]}, "
-                              f"unexpected {unexpected[:5]}")
-    if split not in ("test", "train"):
-        raise ValueError(f"split must be one of ['test', 'train'], got {split!r}")
-    ds = test if split == "test" else build_datasets(cfg.data, data_dir=cfg.data_dir)[1]
-    loader = ImageLoader(ds, spec, img, train=False, batch_size=batch_size)
+    spec, train_ds, test_ds = build_datasets(cfg.data, data_dir=cfg.data_dir, download=cfg.download)
+    model, kind = restore_model(state, spec, ema=ema)
+    loader = ImageLoader(test_ds if split == "test" else train_ds, spec, cfg.img_size or spec.image_size, train=False,
+                         batch_size=batch_size)
     model.to(ctx.device)
     res = evaluate(model, loader, device=ctx.device, ctx=ctx)
-    res.update({"model": cfg.model, "data": cfg.data, "split": split, "checkpoint": str(path),
-                "weights": "ema" if (ema and state.get("ema")) else "raw", "epoch": int(state["epoch"])})
+    res.update({"model": cfg.model, "data": cfg.data, "split": split, "checkpoint": str(path), "weights": kind,
+                "epoch": int(state["epoch"])})
     return res

@@ -1,10 +1,12 @@
 """Layer-level benchmarks: the spatial layers of LambdaNetworks Table 4 (and HaloNet) at matched
-dimensions, across resolutions and batch sizes.
+dimensions, across resolutions and batch sizes, and our ``LambdaLayer`` / attention against the peers.
 
-``LAYER_SUITE`` names each configuration; :func:`memory_scaling` measures peak memory of a
-forward+backward pass as the number of positions grows and fits the log-log slope (Table 2's
-complexity classes: 2 for global attention, 1 for local attention and the lambda convolution, and a
-per-example slope of at most 1 for the global lambda layer, whose ``k n m`` term is shared by the batch).
+``LAYER_SUITE`` names each configuration. :func:`layer_sweep` measures forward and forward+backward time,
+peak memory and FLOPs across sizes and batches; :func:`scaling_slopes` fits the log-log slopes of its
+rows against the number of positions (Table 2's complexity classes: 2 for global attention, 1 for local
+attention and the lambda convolution, and a per-example slope of at most 1 for the global lambda layer,
+whose ``k n m`` term is shared by the batch). :func:`lambda_vs_peers` and :func:`attention_vs_peers`
+time several implementations on one input round-robin (:func:`interleaved_fwd_bwd`).
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lambdanet.bench.measure import count_flops, peak_memory, time_fn, timed_call
-from lambdanet.layers import RelativePositionEmbedding, create_spatial_layer
+from lambdanet.bench.peers import peer_attention_layers, peer_lambda_layers
+from lambdanet.layers import LambdaLayer, RelativePositionEmbedding, create_spatial_layer
+from lambdanet.runtime import count_flops, peak_memory, time_round_robin
 
-__all__ = ["LayerConfig", "LAYER_SUITE", "build_layer", "memory_scaling", "loglog_slope", "bench_layer"]
+__all__ = ["LayerConfig", "LAYER_SUITE", "TARGET_POINTS", "ATTENTION_POINTS", "build_layer", "loglog_slope",
+           "geomean", "bench_layer", "interleaved_fwd_bwd", "layer_sweep", "scaling_slopes", "lambda_vs_peers",
+           "attention_vs_peers"]
 
 
 @dataclass(frozen=True)
@@ -79,58 +84,67 @@ def loglog_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
     return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
 
 
-def _fwd_bwd(layer: nn.Module, x: torch.Tensor) -> Callable[[], None]:
+def _step(layer: nn.Module, x: torch.Tensor, backward: bool) -> Callable[[], None]:
+    """One forward (``backward=False``) or forward+backward (``layer(x).sum().backward()``) pass."""
     def step():
-        layer(x).float().sum().backward()
+        y = layer(x)
+        if backward:
+            y.float().sum().backward()
     return step
 
 
-def memory_scaling(names: Sequence[str], sides: Sequence[int], *, dim: int = 64, batch: int = 2,
-                   device: str = "cpu") -> list[dict]:
-    """Peak forward+backward memory per layer and size, at ``batch`` and ``2 * batch``.
-
-    Returns one row per (layer, side) with ``positions``, ``peak_bytes`` (at ``batch``) and
-    ``per_example_bytes`` (the growth from ``batch`` to ``2 batch``, divided by ``batch``), plus the fitted
-    slopes in each layer's last row (``slope``, ``per_example_slope``).
-    """
-    rows = []
-    for name in names:
-        config = LAYER_SUITE[name]
-        layer_rows = []
-        for side in sides:
-            layer = build_layer(config, dim, side, _shared_embedding(config, side)).to(device)
-            peaks = []
-            for b in (batch, 2 * batch):
-                x = torch.randn(b, dim, side, side, device=device, requires_grad=True)
-                peaks.append(peak_memory(_fwd_bwd(layer, x), device))
-            layer_rows.append({"layer": name, "side": side, "positions": side * side, "peak_bytes": peaks[0],
-                               "per_example_bytes": (peaks[1] - peaks[0]) / batch})
-        n = [r["positions"] for r in layer_rows]
-        layer_rows[-1]["slope"] = loglog_slope(n, [r["peak_bytes"] for r in layer_rows])
-        layer_rows[-1]["per_example_slope"] = loglog_slope(n, [r["per_example_bytes"] for r in layer_rows])
-        rows += layer_rows
-    return rows
+def _measure(layers: dict[str, nn.Module], steps: dict[str, Callable[[], None]], device: torch.device, *,
+             repeats: int, warmup: int, max_seconds: float | None = None) -> dict[str, dict]:
+    """Round-robin time, then peak memory and FLOPs of each step. The memory is that of a step that starts
+    without parameter gradients (like a training step after ``zero_grad(set_to_none=True)``), so the
+    gradients it creates are counted; they are dropped again afterwards."""
+    timings = time_round_robin(steps, device, warmup=warmup, repeats=repeats, max_seconds=max_seconds)
+    out = {}
+    for name, step in steps.items():
+        layers[name].zero_grad(set_to_none=True)
+        out[name] = {"median_ms": timings[name].median_s * 1e3, "iqr_ms": timings[name].iqr_s * 1e3,
+                     "repeats": timings[name].repeats, "peak_bytes": peak_memory(step, device),
+                     "flops": count_flops(step)}
+        layers[name].zero_grad(set_to_none=True)
+    return out
 
 
 def bench_layer(layer: nn.Module, x: torch.Tensor, *, backward: bool = True, repeats: int = 7,
                 warmup: int = 2, max_seconds: float | None = 20.0) -> dict:
     """Median time, peak memory and FLOPs of one forward (or forward+backward) pass of ``layer`` on ``x``."""
-    device = x.device
     x = x.detach().requires_grad_(backward)
-
-    def step():
-        y = layer(x)
-        if backward:
-            y.float().sum().backward()
-
-    timing = time_fn(step, device, warmup=warmup, repeats=repeats, max_seconds=max_seconds)
-    for p in layer.parameters():
-        p.grad = None
-    return {"median_ms": timing.median_s * 1e3, "iqr_ms": timing.iqr_s * 1e3, "repeats": timing.repeats,
-            "peak_bytes": peak_memory(step, device), "flops": count_flops(step)}
+    return _measure({"layer": layer}, {"layer": _step(layer, x, backward)}, x.device, repeats=repeats,
+                    warmup=warmup, max_seconds=max_seconds)["layer"]
 
 
-# (batch, channels, side, r) of the issue's targets: r=None is the global relative lambda layer
+def interleaved_fwd_bwd(impls: dict[str, nn.Module], x: torch.Tensor, *, repeats: int = 5, warmup: int = 2,
+                        log=print) -> dict[str, dict]:
+    """Forward+backward of several layers on the same input, timed round-robin (one call of each per round,
+    the order rotating) so that drifting machine speed affects them alike; then peak memory and FLOPs.
+    A layer whose warm-up fails (out of memory, unsupported input) is logged and left out."""
+    xs = x.detach().requires_grad_(True)
+    steps = {}
+    for name, layer in impls.items():
+        step = _step(layer, xs, backward=True)
+        try:
+            for _ in range(warmup):
+                step()
+        except RuntimeError as err:
+            log(f"  {name}: failed ({str(err)[:80]})")
+            continue
+        steps[name] = step
+    if not steps:
+        return {}
+    return _measure(impls, steps, x.device, repeats=repeats, warmup=0)
+
+
+def geomean(values: Sequence[float]) -> float:
+    """Geometric mean of the positive entries of ``values`` (``nan`` when there are none)."""
+    vals = [v for v in values if v and v > 0]
+    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else float("nan")
+
+
+# (batch, channels, side, r) of the speed target (BENCHMARKS.md section 1): r=None is the global lambda layer
 TARGET_POINTS = [(8, 256, 16, 9), (8, 256, 16, None), (32, 256, 14, 9), (8, 512, 8, 9), (8, 64, 56, 9)]
 
 
@@ -141,9 +155,6 @@ def lambda_vs_peers(points=TARGET_POINTS, *, device: str = "cpu", repeats: int =
     One row per (point, implementation) with ``ratio_vs_fastest_peer`` (peer time / ours, > 1 = we are
     faster) and ``memory_ratio`` (our peak / that peer's peak) on our rows.
     """
-    from lambdanet.bench.peers import peer_lambda_layers
-    from lambdanet.layers import LambdaLayer
-
     rows = []
     for b, c, side, r in points:
         torch.manual_seed(0)
@@ -167,45 +178,6 @@ def lambda_vs_peers(points=TARGET_POINTS, *, device: str = "cpu", repeats: int =
         log("  " + ", ".join(f"{k} {v['median_ms']:.1f} ms / {v['peak_bytes'] / 2**20:.0f} MiB"
                              for k, v in results.items()) + f"  @ {point}")
     return rows
-
-
-def interleaved_fwd_bwd(impls: dict[str, nn.Module], x: torch.Tensor, *, repeats: int = 5, warmup: int = 2,
-                        log=print) -> dict[str, dict]:
-    """Forward+backward of several layers on the same input, timed round-robin (one call of each per round,
-    the order rotating) so that drifting machine speed affects them alike; then peak memory and FLOPs."""
-    import statistics
-
-    device = x.device
-    xs = x.detach().requires_grad_(True)
-    steps, times = {}, {}
-    for name, layer in impls.items():
-        def step(layer=layer):
-            layer(xs).float().sum().backward()
-        try:
-            for _ in range(warmup):
-                step()
-        except RuntimeError as err:  # out of memory or unsupported
-            log(f"  {name}: failed ({str(err)[:80]})")
-            continue
-        steps[name], times[name] = step, []
-    names = list(steps)
-    for i in range(repeats):
-        for name in names[i % len(names):] + names[:i % len(names)]:
-            times[name].append(timed_call(steps[name], device))
-    out = {}
-    for name in names:
-        qs = statistics.quantiles(times[name], n=4) if len(times[name]) >= 2 else [times[name][0]] * 3
-        out[name] = {"median_ms": statistics.median(times[name]) * 1e3, "iqr_ms": (qs[2] - qs[0]) * 1e3,
-                     "repeats": len(times[name]), "peak_bytes": peak_memory(steps[name], device),
-                     "flops": count_flops(steps[name])}
-        for p in impls[name].parameters():
-            p.grad = None
-    return out
-
-
-def geomean(values: Sequence[float]) -> float:
-    vals = [v for v in values if v and v > 0]
-    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else float("nan")
 
 
 def layer_sweep(names: Sequence[str], sides: Sequence[int], batches: Sequence[int], *, dim: int = 64,
@@ -236,6 +208,35 @@ def layer_sweep(names: Sequence[str], sides: Sequence[int], batches: Sequence[in
     return rows
 
 
+def scaling_slopes(rows: Sequence[dict]) -> list[dict]:
+    """Log-log slopes of :func:`layer_sweep` rows against the number of positions ``n = H W``, per layer.
+
+    ``time_slope`` and ``memory_slope`` fit forward+backward time and peak memory at the smallest batch;
+    with two batches ``b1 < b2``, ``per_example_slope`` fits the per-example memory
+    ``(peak(b2) - peak(b1)) / (b2 - b1)`` (a term shared by the batch, like the global lambda layer's
+    ``k n m`` embeddings, drops out of it). A layer measured at fewer than two sizes has no row.
+    """
+    out = []
+    for layer in dict.fromkeys(r["layer"] for r in rows):
+        mine = [r for r in rows if r["layer"] == layer]
+        batches = sorted({r["batch"] for r in mine})
+        small = sorted((r for r in mine if r["batch"] == batches[0]), key=lambda r: r["positions"])
+        if len(small) < 2:
+            continue
+        n = [r["positions"] for r in small]
+        row = {"layer": layer, "batch": batches[0], "sides": len(small),
+               "time_slope": loglog_slope(n, [r["fwd_bwd_ms"] for r in small]),
+               "memory_slope": loglog_slope(n, [r["peak_bytes"] for r in small])}
+        if len(batches) >= 2:
+            b1, b2 = batches[0], batches[-1]
+            peaks = {(r["batch"], r["positions"]): r["peak_bytes"] for r in mine}
+            pairs = [(p, (peaks[b2, p] - peaks[b1, p]) / (b2 - b1)) for p in n if (b2, p) in peaks]
+            if len(pairs) >= 2 and all(v > 0 for _, v in pairs):
+                row["per_example_slope"] = loglog_slope([p for p, _ in pairs], [v for _, v in pairs])
+        out.append(row)
+    return out
+
+
 # (batch, channels, side) for the attention peers
 ATTENTION_POINTS = [(8, 256, 16), (8, 128, 32), (32, 256, 14)]
 
@@ -244,9 +245,6 @@ def attention_vs_peers(points=ATTENTION_POINTS, *, device: str = "cpu", repeats:
                        log=print) -> list[dict]:
     """Our HaloNet attention and global relative attention against timm's HaloAttn and BottleneckAttn at
     matched sizes (heads, block 8, halo 3), forward+backward, timed round-robin."""
-    from lambdanet.bench.peers import peer_attention_layers
-    from lambdanet.layers import create_spatial_layer
-
     rows = []
     for b, c, side in points:
         torch.manual_seed(0)

@@ -21,15 +21,16 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from lambdanet.bench.measure import count_flops, peak_memory, time_fn
+from lambdanet.bench.peers import available_peers
 from lambdanet.layers import LambdaLayer
 from lambdanet.layers.axial_attention import AxialAttention
 from lambdanet.layers.local_attention import LocalSelfAttention
 from lambdanet.layers.relative_attention import RelativeSelfAttention
 from lambdanet.models import create_model
-from lambdanet.train.engine import autocast_context
+from lambdanet.runtime import autocast_context, check_amp, count_flops, peak_memory, time_fn
 
-__all__ = ["MODEL_SUITES", "bench_model", "run_model_suite", "table4_memory", "TABLE4_PAPER_GB"]
+__all__ = ["MODEL_SUITES", "TABLE4_PAPER_GB", "suite_peers", "bench_model", "run_model_suite", "quadratic_bytes",
+           "table4_memory", "validate_quadratic_memory"]
 
 _T13 = ("CCCC", "LCCC", "LLCC", "LLLC", "LLLL", "CLLL", "CCLL", "CCCL")
 MODEL_SUITES: dict[str, list[tuple[str, str, dict]]] = {
@@ -43,12 +44,17 @@ MODEL_SUITES: dict[str, list[tuple[str, str, dict]]] = {
 }
 
 
+def suite_peers(suites: Sequence[str]) -> tuple[str, ...]:
+    """Peer packages (import names) that the models of ``suites`` need: ``("timm",)`` for ``timm:`` entries."""
+    return ("timm",) if any(name.startswith("timm:") for s in suites for _, name, _ in MODEL_SUITES[s]) else ()
+
+
 def _build(name: str, kwargs: dict, img: int) -> nn.Module | None:
     if name.startswith("timm:"):
-        try:
-            import timm
-        except ImportError:
+        if not available_peers(["timm"])["timm"]:
             return None
+        import timm
+
         return timm.create_model(name[5:], pretrained=False)
     return create_model(name, img_size=img, **kwargs)
 
@@ -67,6 +73,7 @@ def bench_model(model: nn.Module, img: int, batch: int, *, device: str = "cpu", 
     (compilation happens in the warm-up call and is not timed).
     """
     device = torch.device(device)
+    check_amp(amp, device)
     model = model.to(device)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -187,8 +194,8 @@ def quadratic_bytes(layer: nn.Module, size: tuple[int, int], batch: int, shared_
     local) for attention. The lambda convolution stores no such tensor (Table 4: "-")."""
     n = size[0] * size[1]
     if isinstance(layer, LambdaLayer):
-        if layer.choose_impl(size) != "einsum":
-            return 0.0
+        if layer.plan(size).position not in ("einsum", "einsum_absolute", "einsum_qe_whole", "einsum_qe_absolute"):
+            return 0.0  # no whole E tensor: the lambda convolution or E rows built per query chunk
         if shared_seen is not None:
             key = (id(layer.embedding), size)
             if key in shared_seen:

@@ -1,0 +1,62 @@
+"""The run directory: one process at a time.
+
+``lambdanet train --out DIR`` holds an exclusive lock on ``DIR/.lock`` for the whole run (rank 0 under
+torchrun). The lock is an advisory ``flock`` that the operating system drops when the process ends, even by
+SIGKILL, so a crashed run can be resumed at once while a live one can never be written by a second
+process (duplicate rows in ``metrics.csv``, two trainers on one ``last.pt``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["RunDirLock", "RunDirBusyError"]
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no locking (documented)
+    fcntl = None
+
+
+class RunDirBusyError(ValueError):
+    """Another live process holds the run directory."""
+
+
+class RunDirLock:
+    """Exclusive, non-blocking lock of a run directory (a context manager); ``acquire`` raises
+    :class:`RunDirBusyError` naming the holder's pid when another process has it."""
+
+    def __init__(self, out: str | os.PathLike):
+        self.out = Path(out)
+        self.path = self.out / ".lock"
+        self._fd: int | None = None
+
+    def acquire(self) -> RunDirLock:
+        if fcntl is None or self._fd is not None:
+            return self
+        self.out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RunDirBusyError(f"run directory {self.out} is in use by another lambdanet process (pid {holder}); "
+                                  "wait for it to end, or choose another --out") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> RunDirLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()

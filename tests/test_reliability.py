@@ -1,0 +1,241 @@
+"""What a new user meets: resolved configs, resume, sweeps, the run-directory lock, offline data, clear errors
+and help (issue 14)."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+
+import pytest
+import yaml
+
+from lambdanet import data as D
+from lambdanet.cli import build_parser, main
+from lambdanet.train import resolve_config, train
+from lambdanet.train.checkpoint import CheckpointError, load_checkpoint
+from lambdanet.train.config import TrainConfig
+from lambdanet.train.rundir import RunDirBusyError, RunDirLock
+
+FAST = dict(epochs=2, max_train_batches=2, batch_size=32, progress=False, tensorboard=False)
+ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "lambdanet", *args], capture_output=True, text=True, timeout=300,
+                          env=ENV)
+
+
+# ----------------------------------------------------------------------------------- resolved configuration
+
+
+def test_config_yaml_is_the_configuration_that_ran(tmp_path):
+    out = tmp_path / "run"
+    summary = train(resolve_config(overrides={**FAST, "epochs": 1, "out": str(out), "drop_rate": 0.1}))
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    # everything the run used is written in: the data's image size, the small-image stem and compact width the
+    # trainer chose, the dropout; nothing is left for the trainer to decide
+    assert saved["img_size"] == 16 and saved["drop_rate"] == 0.1 and saved["drop_path_rate"] == 0.0
+    assert saved["model_kwargs"] == {"stem": "cifar", "base_width": 16, "img_size": 16}
+    # the model rebuilt from config.yaml alone has the run's parameter count and loads its weights strictly
+    cfg = TrainConfig(**saved)
+    from lambdanet.train.trainer import build_model_for
+
+    model = build_model_for(cfg, D.dataset_spec(cfg.data))
+    assert sum(p.numel() for p in model.parameters()) == summary["params"]
+    model.load_state_dict(load_checkpoint(out / "last.pt")["model"])
+    assert summary["num_classes"] == 10 and summary["in_chans"] == 1
+
+
+def test_paper350_config_yaml_has_table20_values(tmp_path):
+    cfg = resolve_config("paper350", overrides={"model": "lambda_resnet50"})
+    path = tmp_path / "config.yaml"
+    from lambdanet.train.config import save_yaml
+
+    save_yaml(cfg, path)
+    saved = yaml.safe_load(path.read_text())
+    # LambdaNetworks Tables 19-20, LambdaResNet-50: trained at 160 px with RandAugment 10 and dropout 0.2
+    assert (saved["img_size"], saved["randaugment_magnitude"], saved["drop_rate"]) == (160, 10, 0.2)
+    assert saved["model_kwargs"]["img_size"] == 160
+
+
+# ------------------------------------------------------------------------------------------------- resume
+
+
+def test_resume_extends_the_schedule_and_refuses_other_changes(tmp_path, capsys):
+    out = tmp_path / "run"
+    train(resolve_config(overrides={**FAST, "out": str(out)}))
+    capsys.readouterr()
+    summary = train(resolve_config(overrides={"out": str(out), "resume": True, "epochs": 4, "progress": False}))
+    log = capsys.readouterr().out
+    assert summary["epochs"] == 4 and "extending the run from 2 to 4 epochs" in log
+    rows = (out / "metrics.csv").read_text().strip().splitlines()
+    assert len(rows) == 5  # header + 4 epochs, none repeated
+    assert yaml.safe_load((out / "config.yaml").read_text())["epochs"] == 4  # the file says what ran
+    # the schedule is the 4-epoch one (2 steps per epoch, 2 warm-up steps): after epoch 3 (6 steps) the cosine is at
+    # 0.25 of the base rate, where the old 2-epoch schedule had long reached 0
+    from lambdanet.train.optim import lr_at
+
+    assert lr_at(6, 8, 2) == pytest.approx(0.25) and lr_at(6, 4, 2) == 0.0
+    assert float(rows[3].split(",")[1]) == pytest.approx(2e-3 * 0.25)
+    # anything else that changes what is computed is refused, naming the flag
+    proc = _cli("train", "--out", str(out), "--resume", "--lr", "0.5", "--no-progress")
+    assert proc.returncode == 2 and "--lr 0.5 (the run has 0.002)" in proc.stderr and "Traceback" not in proc.stderr
+    with pytest.raises(ValueError, match="--epochs 1 is fewer than the 4 epochs"):
+        train(resolve_config(overrides={"out": str(out), "resume": True, "epochs": 1, "progress": False}))
+
+
+def test_sweep_reuses_only_runs_of_the_same_configuration(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    common = ["sweep", "--lrs", "0.002", "--model", "resnet26", "--epochs", "1", "--max-train-batches", "2",
+              "--batch-size", "32", "--no-progress", "--no-tensorboard", "--out", str(out)]
+    assert main(common) == 0
+    first = json.loads((out / "sweep.json").read_text())["rows"][0]
+    capsys.readouterr()
+    assert main(common) == 0  # the same sweep again: read back, not retrained
+    assert "already done with this configuration" in capsys.readouterr().out
+    assert json.loads((out / "sweep.json").read_text())["rows"][0] == first
+    # the docs' next command into the same --out: another model configuration must not reuse the conv run
+    assert main([*common, "--model-kwargs", "stage_layers=LLLL"]) == 2
+    err = capsys.readouterr().err
+    assert "holds a run with another configuration" in err and "--model-kwargs" in err
+
+
+# ----------------------------------------------------------------------------------------------- the lock
+
+
+def test_a_run_directory_is_used_by_one_process_at_a_time(tmp_path):
+    out = tmp_path / "run"
+    with RunDirLock(out):  # another holder (flock conflicts across open file descriptions, even in one process)
+        with pytest.raises(RunDirBusyError, match=f"in use by another lambdanet process \\(pid {os.getpid()}\\)"):
+            train(resolve_config(overrides={**FAST, "out": str(out)}))
+    assert not (out / "config.yaml").exists() and not (out / "metrics.csv").exists()
+    train(resolve_config(overrides={**FAST, "epochs": 1, "out": str(out)}))  # released: the run goes ahead
+
+
+def test_second_resume_while_the_first_runs_is_refused(tmp_path):
+    out = tmp_path / "run"
+    log = tmp_path / "first.log"
+    with open(log, "w") as f:
+        first = subprocess.Popen([sys.executable, "-m", "lambdanet", "train", "--out", str(out), "--epochs", "500",
+                                  "--max-train-batches", "2", "--batch-size", "32", "--no-progress",
+                                  "--no-tensorboard"], stdout=f, stderr=subprocess.STDOUT, env=ENV)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and first.poll() is None and not (out / "last.pt").exists():
+            time.sleep(0.05)
+        assert first.poll() is None and (out / "last.pt").exists(), log.read_text()[-2000:]
+        second = _cli("train", "--out", str(out), "--resume", "--no-progress")
+        assert second.returncode == 2, second.stderr
+        assert f"in use by another lambdanet process (pid {first.pid})" in second.stderr
+        assert "Traceback" not in second.stderr
+    finally:
+        first.kill()
+        first.wait()
+    epochs = [int(row.split(",")[0]) for row in (out / "metrics.csv").read_text().strip().splitlines()[1:]]
+    assert epochs == list(range(1, len(epochs) + 1))  # one writer: each epoch once, in order
+
+
+# ------------------------------------------------------------------------------------------ offline data
+
+
+def _no_network(*args, **kwargs):
+    raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
+
+
+@pytest.mark.parametrize("name", ["fashion-mnist", "cifar10", "cifar100"])
+def test_datasets_that_cannot_be_had_offline_give_one_line(tmp_path, monkeypatch, name):
+    import torchvision.datasets.cifar as tv_cifar
+    import torchvision.datasets.mnist as tv_mnist
+
+    monkeypatch.setattr(D, "FASHION_MNIST_DIR", tmp_path / "no-debian-package")
+    monkeypatch.setattr(tv_mnist, "download_and_extract_archive", _no_network)
+    monkeypatch.setattr(tv_cifar, "download_and_extract_archive", _no_network)
+    data_dir = tmp_path / "data"
+    with pytest.raises(D.DatasetUnavailableError) as err:
+        D.build_datasets(name, data_dir=data_dir, download=False)
+    msg = str(err.value)
+    assert "\n" not in msg and name in msg and str(data_dir) in msg and "--no-download was given" in msg
+    assert "download=True" not in msg  # not torchvision's advice, which the user cannot act on
+    if name == "fashion-mnist":
+        assert "dataset-fashion-mnist" in msg and "no-debian-package" in msg
+    with pytest.raises(D.DatasetUnavailableError) as err:
+        D.build_datasets(name, data_dir=data_dir, download=True)
+    msg = str(err.value)
+    assert "\n" not in msg and "the download failed (" in msg and "name resolution" in msg, msg
+
+
+def test_cli_offline_dataset_error_has_no_traceback(tmp_path):
+    proc = _cli("train", "--data", "cifar10", "--no-download", "--data-dir", str(tmp_path), "--out",
+                str(tmp_path / "run"), "--no-progress")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lambdanet train: error: dataset cifar10 was not found in")
+
+
+# -------------------------------------------------------------------------------------------- bad files
+
+
+def test_eval_of_a_file_that_is_not_a_checkpoint_says_what_it_is(tmp_path, capsys):
+    out = tmp_path / "run"
+    train(resolve_config(overrides={**FAST, "epochs": 1, "out": str(out)}))
+    capsys.readouterr()
+    for name, what in [("config.yaml", "is a text file (YAML"), ("summary.json", "is a text file (JSON"),
+                       ("model.safetensors", "is a safetensors weights file")]:
+        assert main(["eval", "--checkpoint", str(out / name)]) == 2
+        err = capsys.readouterr().err
+        assert what in err and "not a training checkpoint" in err and "weights_only" not in err, err
+    with pytest.raises(CheckpointError, match="an empty file"):
+        (tmp_path / "empty.pt").write_bytes(b"")
+        load_checkpoint(tmp_path / "empty.pt")
+
+
+# ------------------------------------------------------------------------------------------------- help
+
+
+def test_every_train_option_has_a_description_and_its_choices(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    import dataclasses
+
+    for f in dataclasses.fields(TrainConfig):
+        assert f.metadata["help"].split("(")[0].strip()[:30] in text, f.name
+    for flag, choices in [("--amp", "{none,bf16,fp16}"), ("--optimizer", "{sgd,adam,adamw,rmsprop}"),
+                          ("--schedule", "{cosine,constant,step}"), ("--recipe", "{quick,paper90,paper350,cifar_repro}")]:
+        assert f"{flag} {choices}" in text, flag
+
+
+def test_a_mistyped_flag_shows_the_commands_usage(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--epocs", "3"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "usage: lambdanet train" in err and "unrecognized arguments: --epocs 3" in err
+
+
+def test_top_level_help_says_what_lambdanet_is_and_demo_is_documented():
+    text = build_parser().format_help()
+    assert "LambdaNetworks" in text and "demo" in text
+    demo = build_parser().commands["demo"].format_help()
+    for flag in ("--dim", "--dim-k", "--heads", "--r", "--size", "--batch"):
+        line = next(l for l in demo.splitlines() if l.strip().startswith(flag + " "))
+        assert len(line.split()) > 2, line  # a description after the flag and its metavar
+
+
+def test_models_paper_honours_the_pattern(capsys):
+    assert main(["models", "--paper", "--no-flops", "lambda_resnet1*"]) == 0
+    rows = [l for l in capsys.readouterr().out.splitlines()[2:]]
+    from lambdanet.models.paper_tables import PAPER_ROWS
+
+    expected = [r for r in PAPER_ROWS if r.model and r.model.startswith("lambda_resnet1")]
+    assert len(rows) == len(expected) >= 4 and all("lambda_resnet1" in l for l in rows)
+
+
+def test_one_epoch_inside_the_warmup_is_flagged(tmp_path, capsys):
+    train(resolve_config(overrides={**FAST, "epochs": 1, "out": str(tmp_path / "run")}))
+    log = capsys.readouterr().out
+    assert "warning: --epochs 1 ends inside the 1-epoch learning-rate warm-up" in log
+    assert "warning" not in capsys.readouterr().out
+    train(resolve_config(overrides={**FAST, "epochs": 2, "out": str(tmp_path / "run2")}))
+    assert "warm-up" not in capsys.readouterr().out
