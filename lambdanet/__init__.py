@@ -15,6 +15,14 @@ from lambdanet.models import create_model, list_models, model_args, model_info, 
 
 __version__ = "0.1.0"
 
+
+def load_model(path, *, ema: bool = True):
+    """The trained model of a ``lambdanet train`` run directory, its safetensors weights or its ``last.pt``
+    (see :func:`lambdanet.train.load.load_model`)."""
+    from lambdanet.train.load import load_model as _load
+
+    return _load(path, ema=ema)
+
 __all__ = [
     "functional",
     "LambdaLayer",
@@ -27,5 +35,6 @@ __all__ = [
     "model_info",
     "model_args",
     "register_model",
+    "load_model",
     "__version__",
 ]

@@ -117,6 +117,9 @@ def test_bench_runs_on_tiny_sizes_and_writes_its_files(tmp_path):
     for row in ours:  # the ratio columns are the peers' rows at the same point against ours
         peers = [r for r in results["targets"] if r["impl"] != "lambdanet"
                  and all(r[k] == row[k] for k in ("batch", "channels", "side", "scope"))]
+        if not peers:  # the bench extra (timm, lambda-networks) is not installed: no ratio is made up
+            assert "fastest_peer" not in row and "ratio_vs_fastest_peer" not in row and "memory_ratio" not in row
+            continue
         fastest = min(peers, key=lambda r: r["median_ms"])
         assert row["fastest_peer"] == fastest["impl"]
         assert row["ratio_vs_fastest_peer"] == pytest.approx(fastest["median_ms"] / row["median_ms"])

@@ -231,7 +231,13 @@ def test_every_model_converts_to_channels_last(name):
     assert spatial > 10
 
 
-@pytest.mark.parametrize("name", list_models())
+# the 270- to 420-layer variants repeat the blocks of the shallower ones and take 5-9 s each to build even on the
+# meta device: they run with -m slow
+DEEP_MODELS = {n for n in list_models() if re.search(r"(270|350|420)", n)}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in DEEP_MODELS else n
+                                  for n in list_models()])
 def test_every_model_features_and_classifier(name):
     info = model_info(name)
     assert info.input_size > 0 and info.paper

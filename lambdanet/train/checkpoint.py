@@ -116,8 +116,9 @@ def _to_tuple(x):
     return tuple(_to_tuple(v) for v in x) if isinstance(x, list | tuple) else x
 
 
-def export_safetensors(model: nn.Module, path: str | os.PathLike) -> None:
-    """Model weights (and buffers) as safetensors; shared tensors are stored once."""
+def export_safetensors(model: nn.Module, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
+    """Model weights (and buffers) as safetensors; shared tensors are stored once. ``metadata`` (strings)
+    goes into the file's header: :func:`lambdanet.train.load.load_model` rebuilds the model from it."""
     from safetensors.torch import save_model
 
-    save_model(unwrap(model), str(path))
+    save_model(unwrap(model), str(path), metadata=metadata)

@@ -50,6 +50,7 @@ from lambdanet.train.distributed import (
     init_distributed,
 )
 from lambdanet.train.engine import NonFiniteLossError, evaluate, train_one_epoch
+from lambdanet.train.load import weights_metadata
 from lambdanet.train.logger import RunLogger, plot_history, read_history, truncate_history, write_json
 from lambdanet.train.optim import build_ema, build_optimizer, build_scheduler, set_bn_momentum
 from lambdanet.train.rundir import RunDirBusyError, RunDirLock
@@ -266,9 +267,13 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None]) -> di
 
     summary = _summary(state, cfg, ctx, data, params, last_row, stopped_early)
     if ctx.is_main:
-        export_safetensors(model, out / "model.safetensors")
+        spec = data.spec
+        meta = weights_metadata(model=cfg.model, model_kwargs=model_build_kwargs(cfg), num_classes=spec.num_classes,
+                                in_chans=spec.in_chans, classes=spec.classes, data=cfg.data, image_size=cfg.img_size,
+                                mean=spec.mean, std=spec.std)
+        export_safetensors(model, out / "model.safetensors", meta)
         if state.ema is not None:
-            export_safetensors(state.ema.module, out / "model_ema.safetensors")
+            export_safetensors(state.ema.module, out / "model_ema.safetensors", meta)
         summary["plots"] = [p.name for p in plot_history(read_history(out / "metrics.csv"), out)]
         write_json(summary, out / "summary.json")
         logger.close()

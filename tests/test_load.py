@@ -1,0 +1,59 @@
+"""Reload what ``lambdanet train`` trained: ``lambdanet.load_model`` from a run directory, its safetensors
+weights (which describe their model in the file's header) or its checkpoint."""
+
+import pytest
+import torch
+from safetensors.torch import save_model
+
+import lambdanet
+from lambdanet.data import ImageLoader, build_datasets
+from lambdanet.models import create_model
+from lambdanet.train import resolve_config, train
+
+FAST = dict(epochs=2, max_train_batches=3, batch_size=32, progress=False, tensorboard=False)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("load") / "run"
+    summary = train(resolve_config(overrides={**FAST, "out": str(out), "ema_decay": 0.9}))
+    return out, summary
+
+
+def _test_accuracy(model, image_size):
+    spec, _, test = build_datasets("digits")
+    loader = ImageLoader(test, spec, image_size, train=False, batch_size=256)  # as the trainer evaluates
+    with torch.no_grad():
+        hits = sum(int((model(x).argmax(1) == y).sum()) for x, y in loader)
+    return hits / len(test)
+
+
+def test_load_model_from_a_run_directory_reproduces_the_reported_accuracy(run):
+    out, summary = run
+    model = lambdanet.load_model(out)  # the EMA weights, which the summary reports
+    cfg = model.pretrained_cfg
+    assert (cfg["model"], cfg["num_classes"], cfg["in_chans"], cfg["image_size"]) == ("lambda_resnet26", 10, 1, 16)
+    assert cfg["mean"] == [0.30] and cfg["std"] == [0.38] and not model.training
+    assert sum(p.numel() for p in model.parameters()) == summary["params"]
+    assert _test_accuracy(model, cfg["image_size"]) == pytest.approx(summary["final_acc"], abs=1e-12)
+
+
+def test_every_form_of_a_run_loads_the_same_weights(run):
+    out, summary = run
+    x = torch.randn(3, 1, 16, 16)
+    raw = lambdanet.load_model(out / "model.safetensors")
+    assert _test_accuracy(raw, 16) == pytest.approx(summary["final_acc_raw_weights"], abs=1e-12)
+    for other in (lambdanet.load_model(out / "last.pt", ema=False), lambdanet.load_model(out, ema=False)):
+        torch.testing.assert_close(other(x), raw(x), rtol=0, atol=0)
+    ema_ckpt = lambdanet.load_model(out / "last.pt")
+    ema_file = lambdanet.load_model(out / "model_ema.safetensors")
+    torch.testing.assert_close(ema_ckpt(x), ema_file(x), rtol=0, atol=0)
+
+
+def test_weights_without_a_model_description_get_a_clear_error(tmp_path):
+    path = tmp_path / "plain.safetensors"
+    save_model(create_model("resnet26", num_classes=10, in_chans=1, base_width=8), str(path))
+    with pytest.raises(ValueError, match="without lambdanet's model description"):
+        lambdanet.load_model(path)
+    with pytest.raises(ValueError, match="holds no trained model"):
+        lambdanet.load_model(tmp_path)
