@@ -33,7 +33,7 @@ from lambdanet.runtime import AMP_DTYPES
 
 __all__ = ["TrainConfig", "RECIPES", "RECIPE_MODEL_KEYS", "RESUME_FREE", "ConfigSource", "resolve_config",
            "add_config_arguments", "load_yaml", "save_yaml", "config_from_args", "config_source_from_args",
-           "config_differences", "model_build_kwargs", "saved_run_config", "field_choices", "flag"]
+           "config_differences", "describe_differences", "model_build_kwargs", "saved_run_config", "field_choices", "flag"]
 
 
 def _opt(default, help: str, choices: tuple | None = None, **kw):
@@ -252,7 +252,7 @@ def _resolve_model_values(cfg: TrainConfig) -> None:
     for key in ("drop_rate", "drop_path_rate"):
         if key in kwargs:
             if getattr(cfg, key) is not None and getattr(cfg, key) != kwargs[key]:
-                raise ValueError(f"{key} is given twice: --{key.replace('_', '-')} {getattr(cfg, key)} and "
+                raise ValueError(f"{key} is given twice: {flag(key)} {getattr(cfg, key)} and "
                                  f"model_kwargs {key}={kwargs[key]}; give it once")
             setattr(cfg, key, kwargs.pop(key))
         if getattr(cfg, key) is None:
@@ -305,6 +305,11 @@ def config_differences(saved: dict, cfg: TrainConfig, ignore: tuple[str, ...] = 
 def flag(name: str) -> str:
     """``--flag`` spelling of a :class:`TrainConfig` field."""
     return "--" + name.replace("_", "-")
+
+
+def describe_differences(changed: dict[str, tuple]) -> str:
+    """``--lr 0.5 (the run has 0.002), ...`` for the output of :func:`config_differences`."""
+    return ", ".join(f"{flag(k)} {new!r} (the run has {old!r})" for k, (old, new) in changed.items())
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,9 @@ from pathlib import Path
 from torch import nn
 
 from lambdanet.models import create_model
-from lambdanet.train.checkpoint import load_checkpoint, trained_weights
+from lambdanet.train.checkpoint import CheckpointError, load_checkpoint, trained_weights
 
-__all__ = ["load_model", "weights_metadata", "METADATA_FORMAT"]
+__all__ = ["load_model", "restore_model", "weights_metadata", "METADATA_FORMAT"]
 
 METADATA_FORMAT = "lambdanet.weights.v1"
 
@@ -29,6 +29,20 @@ def weights_metadata(*, model: str, model_kwargs: dict, num_classes: int, in_cha
     values = {"model": model, "model_kwargs": model_kwargs, "num_classes": num_classes, "in_chans": in_chans,
               "classes": classes, "data": data, "image_size": image_size, "mean": list(mean), "std": list(std)}
     return {"format": METADATA_FORMAT, **{k: json.dumps(v) for k, v in values.items()}}
+
+
+def restore_model(state: dict, spec, *, ema: bool = True) -> tuple[nn.Module, str]:
+    """The model of a checkpoint (``load_checkpoint``) for a dataset ``spec``, rebuilt and loaded (EMA weights
+    when present and ``ema``); returns ``(model, "ema" | "raw")``."""
+    saved = dict(state.get("config") or {})
+    kwargs = dict(state.get("model_kwargs") or {})
+    model = create_model(saved["model"], num_classes=spec.num_classes, in_chans=spec.in_chans, **kwargs)
+    weights, kind = trained_weights(state, ema)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint does not fit {saved['model']}{kwargs}: missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]}")
+    return model, kind
 
 
 def _read_metadata(path: Path) -> dict:
@@ -78,10 +92,7 @@ def load_model(path: str | os.PathLike, *, ema: bool = True) -> nn.Module:
         from lambdanet.data import dataset_spec
 
         spec = dataset_spec(cfg["data"])
-        model = create_model(cfg["model"], num_classes=spec.num_classes, in_chans=spec.in_chans,
-                             **(state.get("model_kwargs") or {}))
-        weights, _ = trained_weights(state, ema)
-        model.load_state_dict(weights, strict=True)
+        model, _ = restore_model(state, spec, ema=ema)
         meta = {"model": cfg["model"], "num_classes": spec.num_classes, "in_chans": spec.in_chans,
                 "classes": spec.classes, "data": cfg["data"], "image_size": cfg.get("img_size") or spec.image_size,
                 "mean": list(spec.mean), "std": list(spec.std)}

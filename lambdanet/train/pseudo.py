@@ -14,7 +14,7 @@ import torch
 from lambdanet.data import ImageLoader, Subset, build_datasets, labeled_split
 from lambdanet.train.checkpoint import load_checkpoint
 from lambdanet.train.config import TrainConfig
-from lambdanet.train.trainer import restore_model
+from lambdanet.train.load import restore_model
 
 __all__ = ["make_pseudo_labels"]
 

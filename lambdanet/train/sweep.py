@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from lambdanet.train.config import RESUME_FREE, ConfigSource, config_differences, flag, load_yaml
+from lambdanet.train.config import RESUME_FREE, ConfigSource, config_differences, describe_differences, load_yaml
 from lambdanet.train.logger import write_json
 from lambdanet.train.trainer import train
 
@@ -35,8 +35,8 @@ def lr_sweep(source: ConfigSource, lrs: Sequence[float], models: Sequence[str] |
             if (run_dir / "config.yaml").exists():
                 changed = config_differences(load_yaml(run_dir / "config.yaml"), cfg, ignore=RESUME_FREE)
                 if changed:
-                    what = ", ".join(f"{flag(k)} {new!r} (the run has {old!r})" for k, (old, new) in changed.items())
-                    raise ValueError(f"{run_dir} holds a run with another configuration: {what}; choose another "
+                    raise ValueError(f"{run_dir} holds a run with another configuration: "
+                                     f"{describe_differences(changed)}; choose another "
                                      "--out for this sweep")
             if (run_dir / "summary.json").exists():
                 summary = json.loads((run_dir / "summary.json").read_text())

@@ -29,13 +29,13 @@ from lambdanet.train.checkpoint import (
     rng_state,
     save_checkpoint,
     set_rng_state,
-    trained_weights,
     unwrap,
 )
 from lambdanet.train.config import (
     RESUME_FREE,
     TrainConfig,
     config_differences,
+    describe_differences,
     flag,
     model_build_kwargs,
     resolve_config,
@@ -50,7 +50,7 @@ from lambdanet.train.distributed import (
     init_distributed,
 )
 from lambdanet.train.engine import NonFiniteLossError, evaluate, train_one_epoch
-from lambdanet.train.load import weights_metadata
+from lambdanet.train.load import restore_model, weights_metadata
 from lambdanet.train.logger import RunLogger, plot_history, read_history, truncate_history, write_json
 from lambdanet.train.optim import build_ema, build_optimizer, build_scheduler, set_bn_momentum
 from lambdanet.train.rundir import RunDirBusyError, RunDirLock
@@ -185,8 +185,8 @@ def _check_resume(cfg: TrainConfig) -> int:
     saved = dataclasses.asdict(resolve_config(overrides={"out": cfg.out, "resume": True}))
     changed = config_differences(saved, cfg, ignore=RESUME_FREE + ("epochs",))
     if changed:
-        what = ", ".join(f"{flag(k)} {new!r} (the run has {old!r})" for k, (old, new) in changed.items())
-        raise ValueError(f"--resume continues {cfg.out} as it was configured, but {what} differ; only --epochs (to "
+        raise ValueError(f"--resume continues {cfg.out} as it was configured, but {describe_differences(changed)} "
+                         "differ; only --epochs (to "
                          f"train longer) and {', '.join(flag(k) for k in RESUME_FREE if k not in ('resume', 'out'))} "
                          "may change: drop the others, or start a new run with another --out")
     return int(saved["epochs"])
@@ -265,7 +265,9 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None]) -> di
         if stopped_early:
             log(f"early stopping: no validation improvement for {cfg.early_stop_patience} epochs")
 
-    summary = _summary(state, cfg, ctx, data, params, last_row, stopped_early)
+    history = read_history(out / "metrics.csv") if ctx.is_main else []
+    final = last_row or (history[-1] if history else {})  # a resumed, already finished run trains no epoch
+    summary = _summary(state, cfg, ctx, data, params, final, stopped_early)
     if ctx.is_main:
         spec = data.spec
         meta = weights_metadata(model=cfg.model, model_kwargs=model_build_kwargs(cfg), num_classes=spec.num_classes,
@@ -274,7 +276,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None]) -> di
         export_safetensors(model, out / "model.safetensors", meta)
         if state.ema is not None:
             export_safetensors(state.ema.module, out / "model_ema.safetensors", meta)
-        summary["plots"] = [p.name for p in plot_history(read_history(out / "metrics.csv"), out)]
+        summary["plots"] = [p.name for p in plot_history(history, out)]
         write_json(summary, out / "summary.json")
         logger.close()
     log(f"done: final test top-1 {summary['final_acc']:.4f}, best {summary['best_acc']:.4f} (epoch "
@@ -358,11 +360,9 @@ def _epoch_line(row: dict, cfg: TrainConfig) -> str:
             + f", {row['images_per_s']:.0f} img/s")
 
 
-def _summary(state: TrainState, cfg: TrainConfig, ctx: DistContext, data: RunData, params: int, last_row: dict,
+def _summary(state: TrainState, cfg: TrainConfig, ctx: DistContext, data: RunData, params: int, final: dict,
              stopped_early: bool) -> dict:
-    """The run's ``summary.json``: what ran, what it reached, how fast."""
-    history = read_history(Path(cfg.out) / "metrics.csv") if ctx.is_main else []
-    final = last_row or (history[-1] if history else {})
+    """The run's ``summary.json``: what ran, what it reached (``final``: the last epoch's metrics row), how fast."""
     return {
         "model": cfg.model, "model_kwargs": model_build_kwargs(cfg), "num_classes": data.spec.num_classes,
         "in_chans": data.spec.in_chans, "classes": data.spec.classes, "data": cfg.data, "recipe": cfg.recipe,
@@ -404,20 +404,6 @@ def _dry_run(model: nn.Module, loader: ImageLoader, cfg: TrainConfig, device: to
     except ValueError as err:
         raise ValueError(f"model {cfg.model!r} cannot take {cfg.img_size}x{cfg.img_size} images from {cfg.data}: "
                          f"{err}") from None
-
-
-def restore_model(state: dict, spec: DatasetSpec, *, ema: bool = True) -> tuple[nn.Module, str]:
-    """The model of a checkpoint, rebuilt and loaded (EMA weights when present and ``ema``); returns
-    ``(model, "ema" | "raw")``."""
-    saved = dict(state.get("config") or {})
-    kwargs = dict(state.get("model_kwargs") or {})
-    model = create_model(saved["model"], num_classes=spec.num_classes, in_chans=spec.in_chans, **kwargs)
-    weights, kind = trained_weights(state, ema)
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    if missing or unexpected:
-        raise CheckpointError(f"checkpoint does not fit {saved['model']}{kwargs}: missing {missing[:5]}, "
-                              f"unexpected {unexpected[:5]}")
-    return model, kind
 
 
 def evaluate_checkpoint(path: str | Path, *, data: str | None = None, split: str = "test", ema: bool = True,
