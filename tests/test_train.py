@@ -441,3 +441,23 @@ def test_torchrun_two_processes_match_one_process_with_the_same_global_batch(tmp
     da = torch.cat([(a[k] - init[k]).flatten() for k in keys])
     db = torch.cat([(b[k] - init[k]).flatten() for k in keys])
     assert db.norm() > 0 and (da - db).norm() / db.norm() < 1e-2
+
+
+def test_unregister_model_forgets_its_declared_arguments():
+    def test_tmp_model(*, num_classes=10, in_chans=3, width=4):
+        return nn.Linear(in_chans, num_classes)
+
+    from lambdanet.models import model_args
+
+    register_model(test_tmp_model)
+    assert model_args("test_tmp_model") == {"width": 4}
+    unregister_model("test_tmp_model")
+    with pytest.raises(ValueError, match="unknown model 'test_tmp_model'"):
+        model_args("test_tmp_model")
+
+    def test_tmp_model(*, num_classes=10, in_chans=3, **kwargs):  # noqa: F811  same name, undeclared keywords
+        return nn.Linear(in_chans, num_classes)
+
+    register_model(test_tmp_model)
+    assert model_args("test_tmp_model") == {}  # not the first model's {"width": 4}
+    unregister_model("test_tmp_model")

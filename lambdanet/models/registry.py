@@ -101,6 +101,7 @@ def unregister_model(name: str) -> None:
     """Remove a registered model (for plug-ins and tests that register temporary models)."""
     _check_name(name)
     del _MODELS[name], _INFO[name]
+    _ARGS.pop(name, None)
 
 
 def list_models(pattern: str | None = None) -> list[str]:
