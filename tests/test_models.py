@@ -17,7 +17,7 @@ import torch
 
 from lambdanet.layers import LambdaLayer
 from lambdanet.models import Bottleneck, ResNet, ResNetArgs, create_model, list_models, model_args, model_info
-from lambdanet.models import halonet, mobilenet, zoo_resnet
+from lambdanet.models import byoa, halonet, mobilenet, zoo_resnet
 from lambdanet.models.halonet import halonet_config
 from lambdanet.models.paper_tables import PAPER_ROWS
 from lambdanet.models.resnet import build_resnet
@@ -25,7 +25,7 @@ from lambdanet.models.zoo_resnet import LAMBDA_C4_BLOCKS, RESNET_RS_LAYERS, TABL
 from lambdanet.runtime import count_flops
 from lambdanet.train.config import TrainConfig
 
-FAMILIES = (zoo_resnet, halonet, mobilenet)
+FAMILIES = (zoo_resnet, halonet, mobilenet, byoa)
 
 
 def n_params(model: torch.nn.Module) -> int:
@@ -45,8 +45,9 @@ def row_params_m(i: int) -> float:
 
 def narrowing(name: str) -> int:
     """By how much :func:`build_small` divides the widths of ``name``: 1 for the models registered as
-    ``small`` and the MobileNets (3.5M parameters, no width option), 8 for the other ResNets and HaloNets."""
-    return 1 if model_info(name).small or name in mobilenet.model_cfgs else 8
+    ``small``, the MobileNets (3.5M parameters, no width option) and timm's architectures (11-23M parameters,
+    fixed to their checkpoints), 8 for the other ResNets and HaloNets."""
+    return 1 if model_info(name).small or name in mobilenet.model_cfgs or name in byoa.model_cfgs else 8
 
 
 def build_small(name: str, **kwargs) -> torch.nn.Module:
@@ -58,6 +59,17 @@ def build_small(name: str, **kwargs) -> torch.nn.Module:
         num_classes = kwargs.pop("num_classes", 1000)
         return build_resnet(halonet_config(name, base_width=8), ResNetArgs(**kwargs), num_classes=num_classes)
     return create_model(name, base_width=8, **kwargs)
+
+
+# timm's architectures run at full width (3-11 s each in the float64 tests): the default suite keeps one per
+# block kind (local and global lambda, halo with ECA and groups, RegNetZ with SE and a pooled halo, BoTNet);
+# the others repeat those blocks in deeper trunks and run with -m slow
+BYOA_REPEATS = {"lambda_resnet50ts", "halonet26t", "sehalonet33ts", "halonet50ts", "sebotnet33ts_256",
+                "lamhalobotnet50ts_256", "halo2botnet50ts_256"}
+
+
+def slow_repeats(names):
+    return [pytest.param(n, marks=pytest.mark.slow) if n in BYOA_REPEATS else n for n in names]
 
 
 PARAM_ROWS = [i for i, r in enumerate(PAPER_ROWS) if r.model and r.params_m is not None]
@@ -169,7 +181,7 @@ def test_small_variants_keep_the_architecture_but_not_the_width(name):
     assert [f["num_chs"] // narrowing(name) for f in full.feature_info] == [f["num_chs"] for f in small.feature_info]
 
 
-@pytest.mark.parametrize("name", list_models())
+@pytest.mark.parametrize("name", slow_repeats(list_models()))
 def test_every_model_trains_a_step(name):
     """Forward and backward at a small size, no NaN, every parameter gets a (non-zero) gradient."""
     torch.manual_seed(0)
@@ -183,7 +195,7 @@ def test_every_model_trains_a_step(name):
     assert not missing, missing
 
 
-@pytest.mark.parametrize("name", list_models())
+@pytest.mark.parametrize("name", slow_repeats(list_models()))
 def test_every_model_converts_to_channels_last(name):
     """``model.to(memory_format=torch.channels_last)`` (the timm / torchvision idiom) works and changes
     nothing but the layout. Checked module by module: each layer of the converted model, given the
@@ -297,7 +309,7 @@ def test_every_table_3_and_4_row_is_one_create_model_call():
 @pytest.mark.parametrize(
     "call,needle",
     [
-        (lambda: create_model("resnet51"), "unknown model 'resnet51'; registered models: halonet_h0"),
+        (lambda: create_model("resnet51"), "unknown model 'resnet51'; registered models: botnet26t_256, eca_halon"),
         (lambda: create_model("resnet50", stage_layers="CCXL"), "stage_layers must be 4 letters"),
         (lambda: create_model("resnet50", stage_layers="CCLL", spatial_layer="magic"), "spatial_layer must be one of"),
         (lambda: create_model("resnet50", spatial_layer="halo_attention"), "also pass stage_layers"),
@@ -338,7 +350,7 @@ def test_model_args_of_lambda_resnet26():
 
 
 # one model per distinct declaration of keyword arguments (the families declare them once)
-ARGS_EXAMPLES = ["lambda_resnet26", "halonet_h0", "mobilenet_v2", "mobilenet_v2_lambda"]
+ARGS_EXAMPLES = ["lambda_resnet26", "halonet_h0", "mobilenet_v2", "mobilenet_v2_lambda", "lambda_resnet26t"]
 
 
 def test_args_examples_cover_every_declaration():
@@ -393,7 +405,8 @@ def test_paper_recipes():
 
 
 # ResNet-RS and LambdaResNets: the 350-epoch recipes of Tables 19-20 (lambda_resnet26 is not in the paper)
-TABLE20_MODELS = [n for n in list_models() if n.startswith(("resnet_rs", "lambda_resnet")) and n != "lambda_resnet26"]
+TABLE20_MODELS = [n for n in list_models() if n.startswith(("resnet_rs", "lambda_resnet")) and n != "lambda_resnet26"
+                  and n not in byoa.model_cfgs]
 
 
 @pytest.mark.parametrize("name", TABLE20_MODELS)

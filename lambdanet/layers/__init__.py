@@ -6,6 +6,7 @@
 
 from lambdanet.layers.axial_attention import AxialAttention
 from lambdanet.layers.conv import ConvLayer, ConvSE
+from lambdanet.layers.eca import EfficientChannelAttention
 from lambdanet.layers.lambda_layer import ImplPolicy, LambdaLayer, LambdaPlan, impl_policy, set_impl_policy
 from lambdanet.layers.linear_attention import DoubleAttention, EfficientAttention
 from lambdanet.layers.local_attention import BlockedLocalAttention, HaloAttention, LocalSelfAttention
@@ -16,7 +17,7 @@ from lambdanet.layers.squeeze_excite import SqueezeExcite
 
 __all__ = [
     "LambdaLayer", "LambdaPlan", "ImplPolicy", "impl_policy", "set_impl_policy", "RelativePositionEmbedding", "AbsolutePositionEmbedding",
-    "ConvLayer", "ConvSE", "SqueezeExcite", "EfficientAttention", "DoubleAttention",
+    "ConvLayer", "ConvSE", "SqueezeExcite", "EfficientChannelAttention", "EfficientAttention", "DoubleAttention",
     "RelativeSelfAttention", "AttentionAugmentedConv", "AxialAttention",
     "BlockedLocalAttention", "HaloAttention", "LocalSelfAttention",
     "create_spatial_layer", "list_spatial_layers", "spatial_layer_info",

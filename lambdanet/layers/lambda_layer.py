@@ -134,7 +134,12 @@ class LambdaLayer(nn.Module):
             lambda convolution, any input size. ``None``: global context with relative embeddings over
             ``feat_size``; smaller inputs use the central part of the relative table.
         feat_size: spatial size of the global context (``r=None`` or absolute embeddings).
-        stride: 1, or 2 for a 3x3 average pool of stride 2 after the layer (App. E.1).
+        stride: 1, or 2 for an average pool of stride 2 after the layer (3x3, App. E.1).
+        stride_pool: the kernel of that pool: 3 (App. E.1, padded by 1) or 2 (non-overlapping 2x2 windows, the
+            convention of timm's LambdaResNet checkpoints).
+        position_bias: a learned offset ``b[k]`` added to every position lambda, ``lambda^p_n[k, v] += b[k]``
+            (the bias of the lambda convolution in timm's checkpoints; not in the paper). It adds
+            ``q_n . b`` to every value channel of the output.
         spatial_dims: 1 (sequences), 2 (images) or 3 (video). Default: ``len(feat_size)`` when a tuple,
             1 when ``causal``, else 2.
         causal: masked lambdas for 1-d inputs (App. B.2): position ``t`` sees positions ``<= t``; keys
@@ -191,6 +196,8 @@ class LambdaLayer(nn.Module):
         query_softmax: bool = False,
         qv_norm: str | None = "auto",
         impl: str = "auto",
+        stride_pool: int = 3,
+        position_bias: bool = False,
     ):
         super().__init__()
         dim_out = dim if dim_out is None else dim_out
@@ -202,6 +209,7 @@ class LambdaLayer(nn.Module):
         if dim_out % heads:
             raise ValueError(f"heads={heads} must divide dim_out={dim_out} (value depth |v| = dim_out / heads)")
         check_choice(stride, "stride", (1, 2))
+        check_choice(stride_pool, "stride_pool", (2, 3))
         check_choice(key_norm, "key_norm", LF.KEY_NORMS)
         check_choice(qv_norm, "qv_norm", _QV_NORMS)
         check_choice(position_embedding, "position_embedding", _POS_EMBS)
@@ -223,6 +231,7 @@ class LambdaLayer(nn.Module):
         self.dim_v = dim_out // heads
         self.groups, self.multihead = (heads if multihead else 1), multihead
         self.spatial_dims, self.stride, self.causal = spatial_dims, stride, causal
+        self.stride_pool = stride_pool
         self.content, self.position = content, position
         self.key_norm, self.query_softmax, self.impl = key_norm, query_softmax, impl
         self.qv_norm = ("layer" if causal else "batch") if qv_norm == "auto" else qv_norm
@@ -240,6 +249,10 @@ class LambdaLayer(nn.Module):
         self.qkv = nn.Linear(dim, self.dim_qk_total + self.dim_keys_total + self.dim_values_total, bias=False)
         self.norm_q = self._make_norm(self.dim_qk_total)
         self.norm_v = self._make_norm(self.dim_values_total)
+        if position_bias and (not position or self.groups != 1 or dim_u != 1):
+            raise ValueError("position_bias=True needs position lambdas of a multi-query layer with dim_u=1")
+        # b[k]: one offset per key depth, shared by every position and value channel (zero: no effect)
+        self.position_bias = nn.Parameter(torch.zeros(dim_k)) if position_bias else None
         self.reset_parameters()
 
     # ------------------------------------------------------------------------------------------ construction
@@ -340,6 +353,10 @@ class LambdaLayer(nn.Module):
             parts.append(f"qv_norm={self.qv_norm!r}")
         if self.impl != "auto":
             parts.append(f"impl={self.impl!r}")
+        if self.stride > 1 and self.stride_pool != 3:
+            parts.append(f"stride_pool={self.stride_pool}")
+        if self.position_bias is not None:
+            parts.append("position_bias=True")
         return ", ".join(parts)
 
     # ------------------------------------------------------------------------------------------ planning
@@ -437,6 +454,8 @@ class LambdaLayer(nn.Module):
             y_p, lam_p = self._position(plan, q, vals, spatial)  # b n h v (queries-first) | b n g v k
             lam = _add(lam_p, lam_c)  # b n g v k: every per-query lambda, applied in one GEMM
             out = _add(y_c, y_p, None if lam is None else LF.apply_lambdas(q, lam))  # b n h v
+            if self.position_bias is not None:  # q_n . b on every value channel
+                out = out + (q @ self.position_bias.to(cdtype)).unsqueeze(-1)  # b n h v
         return self._output(out.to(out_dtype), spatial, channels_first)  # b d_out *S / stride
 
     def _project(self, x: Tensor, channels_first: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -520,7 +539,8 @@ class LambdaLayer(nn.Module):
         else:
             out = out.view(b, *spatial, self.dim_out).movedim(-1, 1)  # b d_out *S (channels-last)
         if self.stride > 1:
-            out = avg_pool_nd(self.spatial_dims)(out, kernel_size=3, stride=self.stride, padding=1)
+            pad = (self.stride_pool - 1) // 2  # 3x3: padded by 1 (App. E.1); 2x2: none
+            out = avg_pool_nd(self.spatial_dims)(out, kernel_size=self.stride_pool, stride=self.stride, padding=pad)
         return out
 
 

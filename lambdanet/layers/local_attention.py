@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lambdanet.helpers import check_input, check_positive_int
+from lambdanet.helpers import check_choice, check_input, check_positive_int
 from lambdanet.layers.pooling import pool_after
 from lambdanet.layers.relative_position import RelativePosition2d, attend
 
@@ -49,12 +49,23 @@ class BlockedLocalAttention(nn.Module):
         stride: query subsampling factor (must divide ``block_size``).
         window: if set (odd, ``<= 2 h + 1``), every query only sees the ``window x window`` pixels centred on it.
         rel_max_offset: relative table size (default: every offset the geometry can produce).
+        rel_split: ``"half"`` (HaloNet App. A: half of a head's channels per axis) or ``"full"`` (full-depth
+            height and width tables, as in timm's HaloNet checkpoints).
+        rel_geometry: ``"pixel"``: relative offsets are true pixel offsets between a query and a key.
+            ``"window"`` (timm's checkpoints): a query's offset is measured from its index inside its
+            (subsampled) block to the key's index inside the haloed window, with a ``2 (b + 2h) - 1``-entry
+            table; this is not translation geometry (queries sit ``h`` pixels to the right of where it places
+            them, and subsampled queries are not scaled by the stride), but it is what those weights learnt.
+        mask_padding: mask the halo padding and the image padding out of the softmax (default). ``False``
+            (timm's checkpoints): padded pixels take part as keys of zero content and zero value.
     """
 
     def __init__(self, dim: int, dim_out: int, *, block_size: int, halo_size: int, heads: int,
                  dim_qk: int | None = None, stride: int = 1, window: int | None = None,
-                 rel_max_offset: int | None = None):
+                 rel_max_offset: int | None = None, rel_split: str = "half", rel_geometry: str = "pixel",
+                 mask_padding: bool = True):
         super().__init__()
+        check_choice(rel_geometry, "rel_geometry", ("pixel", "window"))
         dim_qk = dim_out if dim_qk is None else dim_qk
         for name, val in (("dim", dim), ("dim_out", dim_out), ("heads", heads), ("dim_qk", dim_qk),
                           ("block_size", block_size), ("stride", stride)):
@@ -74,15 +85,21 @@ class BlockedLocalAttention(nn.Module):
                 raise ValueError(f"window={window} needs halo_size >= {window // 2}, got halo_size={halo_size}")
         self.dim, self.dim_out, self.dim_qk, self.heads = dim, dim_out, dim_qk, heads
         self.block_size, self.halo_size, self.stride, self.window = block_size, halo_size, stride, window
+        self.rel_geometry, self.mask_padding = rel_geometry, mask_padding
         self.q = nn.Conv2d(dim, dim_qk, 1, bias=False)
         self.kv = nn.Conv2d(dim, dim_qk + dim_out, 1, bias=False)
         if rel_max_offset is None:
-            rel_max_offset = window // 2 if window is not None else block_size + halo_size - 1
-        self.rel = RelativePosition2d((rel_max_offset, rel_max_offset), dim_qk // heads, split="half")
+            if rel_geometry == "window":
+                rel_max_offset = block_size + 2 * halo_size - 1
+            else:
+                rel_max_offset = window // 2 if window is not None else block_size + halo_size - 1
+        self.rel = RelativePosition2d((rel_max_offset, rel_max_offset), dim_qk // heads, split=rel_split)
 
     def extra_repr(self) -> str:
+        extra = "" if self.rel_geometry == "pixel" else f", rel_geometry={self.rel_geometry!r}"
+        extra += "" if self.mask_padding else ", mask_padding=False"
         return (f"block_size={self.block_size}, halo_size={self.halo_size}, heads={self.heads}, "
-                f"stride={self.stride}, window={self.window}")
+                f"stride={self.stride}, window={self.window}{extra}")
 
     def forward(self, x: Tensor) -> Tensor:
         check_input(x, self.dim, 2, type(self).__name__)
@@ -105,7 +122,10 @@ class BlockedLocalAttention(nn.Module):
         v = kv[:, self.dim_qk:].reshape(b, h, dv, nb, win * win).permute(0, 1, 3, 4, 2)  # b h nb (win win) dv
 
         mask = self._mask(hh, ww, x.device)  # nb (bq bq) (win win), True = a real pixel in reach
-        coords_q = torch.arange(bq, device=x.device) * s + hs
+        if self.rel_geometry == "pixel":  # query i of a block sits at window pixel i s + h
+            coords_q = torch.arange(bq, device=x.device) * s + hs
+        else:  # "window": at window index i
+            coords_q = torch.arange(bq, device=x.device)
         coords_k = torch.arange(win, device=x.device)
         bias = self.rel(q, (coords_q, coords_q), (coords_k, coords_k))  # b h nbh nbw bq bq win win
         bias = bias.reshape(b, h, nb, bq * bq, win * win)
@@ -114,12 +134,18 @@ class BlockedLocalAttention(nn.Module):
         out = out.reshape(b, self.dim_out, nbh * bq, nbw * bq)
         return out[..., :hq, :wq]
 
-    def _mask(self, hh: int, ww: int, device: torch.device) -> Tensor:
+    def _mask(self, hh: int, ww: int, device: torch.device) -> Tensor | None:
+        """``[nb, (bq bq) | 1, (win win)]``, True = a key the query may see; ``None``: every key."""
+        if not self.mask_padding and self.window is None:
+            return None
         bs, hs, s = self.block_size, self.halo_size, self.stride
         nbh, nbw = math.ceil(hh / bs), math.ceil(ww / bs)
         bq, win = bs // s, bs + 2 * hs
         valid = torch.zeros(nbh * bs + 2 * hs, nbw * bs + 2 * hs, dtype=torch.bool, device=device)
-        valid[hs:hs + hh, hs:hs + ww] = True
+        if self.mask_padding:
+            valid[hs:hs + hh, hs:hs + ww] = True
+        else:
+            valid[:] = True
         valid = valid.unfold(0, win, bs).unfold(1, win, bs).reshape(nbh * nbw, 1, win * win)
         if self.window is None:
             return valid
@@ -135,23 +161,36 @@ class HaloAttention(BlockedLocalAttention):
 
     Args:
         dim, dim_out: input / output channels.
-        stride: 1 or a divisor of ``block_size``: query subsampling (HaloNet Fig. 2).
+        stride: 1 or 2: query subsampling (HaloNet Fig. 2; ``stride`` must divide ``block_size``), or a 2x2
+            average pool after the stride-1 layer with ``downsample="pool"``.
         block_size: ``b`` (8).
         halo_size: ``h`` (3).
         heads: heads (default ``dim_out // 16``: 16 value channels per head).
         dim_qk: total query/key channels (default ``dim_out``).
         pixel_centered: mask each query to the ``(2h + 1)^2`` window centred on it (translation
             equivariant, HaloNet Sec. 4.3 "relaxing translational equivariance" ablation).
+        downsample: how ``stride=2`` downsamples: ``"subsample"`` the queries (default) or ``"pool"`` (timm's
+            convention where ``stride`` does not divide ``block_size``).
+        rel_split, rel_geometry, mask_padding: as in :class:`BlockedLocalAttention` (the defaults are the
+            paper's; ``"full"``, ``"window"``, ``False`` reproduce timm's HaloNet checkpoints).
     """
 
     def __init__(self, dim: int, dim_out: int | None = None, *, stride: int = 1, block_size: int = 8,
                  halo_size: int = 3, heads: int | None = None, dim_qk: int | None = None,
-                 pixel_centered: bool = False):
+                 pixel_centered: bool = False, downsample: str = "subsample", rel_split: str = "half",
+                 rel_geometry: str = "pixel", mask_padding: bool = True):
         dim_out = dim if dim_out is None else dim_out
         check_positive_int(dim_out, "dim_out")
+        check_choice(downsample, "downsample", ("subsample", "pool"))
         heads = max(1, dim_out // 16) if heads is None else heads
+        pool = downsample == "pool" and stride > 1
         super().__init__(dim, dim_out, block_size=block_size, halo_size=halo_size, heads=heads, dim_qk=dim_qk,
-                         stride=stride, window=2 * halo_size + 1 if pixel_centered else None)
+                         stride=1 if pool else stride, window=2 * halo_size + 1 if pixel_centered else None,
+                         rel_split=rel_split, rel_geometry=rel_geometry, mask_padding=mask_padding)
+        self.pool_stride = stride if pool else 1
+
+    def forward(self, x: Tensor) -> Tensor:
+        return pool_after(super().forward(x), self.pool_stride)
 
 
 class LocalSelfAttention(nn.Module):

@@ -1,7 +1,7 @@
 """Architectures and their registry: ``create_model(name, num_classes=..., **kwargs)``, ``list_models()``,
 ``model_info(name)``, ``model_args(name)``."""
 
-from lambdanet.models import halonet, mobilenet, zoo_resnet  # noqa: F401  (register the families)
+from lambdanet.models import byoa, halonet, mobilenet, zoo_resnet  # noqa: F401  (register the families)
 from lambdanet.models.registry import (
     ModelInfo,
     create_model,

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import fnmatch
 import inspect
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from torch import nn
 
-__all__ = ["unregister_model", "register_model", "create_model", "list_models", "model_info", "model_args", "ModelInfo"]
+__all__ = ["unregister_model", "register_model", "create_model", "default_pretrained_cfg", "list_models", "model_info", "model_args", "ModelInfo"]
 
 
 @dataclass(frozen=True)
@@ -129,15 +130,25 @@ def _check_name(name: str) -> None:
         raise ValueError(f"unknown model {name!r}; registered models: {', '.join(list_models())}")
 
 
-def create_model(name: str, *, num_classes: int = 1000, in_chans: int = 3, **kwargs) -> nn.Module:
+def create_model(name: str, *, num_classes: int = 1000, in_chans: int = 3, pretrained: bool = False,
+                 checkpoint_path: str | os.PathLike | None = None, **kwargs) -> nn.Module:
     """Build the registered model ``name``.
 
     Args:
         name: one of :func:`list_models`.
         num_classes: classifier outputs (0 for no classifier: ``forward`` returns pooled features).
         in_chans: input image channels.
+        pretrained: load the published ImageNet checkpoint (the timm-architecture models of
+            :mod:`lambdanet.models.byoa`): downloaded from the Hugging Face hub once, converted and cached
+            (:mod:`lambdanet.models.pretrained`). With another ``num_classes`` the classifier is new.
+        checkpoint_path: load a local weights file instead: timm's state dict of this model (``.pth``,
+            ``.bin``, ``.safetensors``) or lambdanet's own weights (a run's ``model.safetensors``), detected
+            from its keys.
         **kwargs: architecture options of that model (:func:`model_args`); unknown ones raise a
             ``ValueError`` listing the accepted ones.
+
+    The model carries ``pretrained_cfg``: what its inputs should look like (``image_size``, ``mean``, ``std``,
+    ``crop_pct``, ``interpolation``) and its ``classes`` (``None``: ImageNet's for 1000 classes).
     """
     _check_name(name)
     accepted = _ARGS.get(name)  # None: not declared (``**kwargs`` without ``args``), not validated
@@ -149,6 +160,41 @@ def create_model(name: str, *, num_classes: int = 1000, in_chans: int = 3, **kwa
         raise ValueError(f"num_classes must be a non-negative int, got {num_classes!r}")
     if not isinstance(in_chans, int) or in_chans <= 0:
         raise ValueError(f"in_chans must be a positive int, got {in_chans!r}")
+    if pretrained and checkpoint_path is not None:
+        raise ValueError("pass pretrained=True (the published checkpoint) or checkpoint_path=FILE, not both")
+    if pretrained:
+        from lambdanet.models.pretrained import hub_id
+
+        hub_id(name)  # fail before building when there are no weights
     model = _MODELS[name](num_classes=num_classes, in_chans=in_chans, **kwargs)
     model.model_name = name
+    if not isinstance(getattr(model, "pretrained_cfg", None), dict):
+        model.pretrained_cfg = default_pretrained_cfg(name, num_classes, in_chans)
+    if pretrained or checkpoint_path is not None:
+        _load_into(model, name, pretrained, checkpoint_path)
     return model
+
+
+def default_pretrained_cfg(name: str, num_classes: int, in_chans: int) -> dict:
+    """The preprocessing of a model without a checkpoint of its own: its default input size, ImageNet's mean
+    and standard deviation, a 0.875 centre crop (torchvision's ImageNet evaluation)."""
+    return {"model": name, "num_classes": num_classes, "in_chans": in_chans, "classes": None, "data": None,
+            "image_size": _INFO[name].input_size, "crop_pct": 0.875, "interpolation": "bilinear",
+            "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
+
+
+def _load_into(model: nn.Module, name: str, pretrained: bool, checkpoint_path) -> None:
+    import json
+
+    from lambdanet.models import pretrained as weights
+
+    notes = weights.load_pretrained(model, name) if pretrained else weights.load_weights(model, checkpoint_path, name)
+    if checkpoint_path is not None:  # lambdanet's run weights describe their data: classes and preprocessing
+        meta = weights.read_metadata(checkpoint_path)
+        for key in ("classes", "data", "image_size", "mean", "std"):
+            if key in meta and meta.get("format", "").startswith("lambdanet.weights"):
+                model.pretrained_cfg[key] = json.loads(meta[key])
+        if any("classifier" in n for n in notes):
+            model.pretrained_cfg["classes"] = None
+    model.pretrained_cfg["weights"] = "pretrained" if pretrained else str(checkpoint_path)
+    model.pretrained_cfg["load_notes"] = notes

@@ -1,0 +1,469 @@
+"""The twelve attention networks with public ImageNet weights (timm's "bring your own attention" family),
+declared as data and built from lambdanet's layers, under timm's names and with exactly timm's parameters.
+
+LambdaResNets (``lambda_resnet26t``, ``lambda_resnet50ts``, ``lambda_resnet26rpt_256``), HaloNets
+(``halonet26t``, ``halonet50ts``, ``sehalonet33ts``, ``eca_halonext26ts``, ``haloregnetz_b``), BoTNets
+(``botnet26t_256``, ``sebotnet33ts_256``) and hybrids (``lamhalobotnet50ts_256``, ``halo2botnet50ts_256``).
+Their trunk is a ResNet of bottleneck blocks (1x1, 3x3, 1x1) in which some blocks replace the 3x3 by a
+self-attention layer followed by BatchNorm and the activation. The suffixes follow timm: ``t`` a tiered
+3-conv stem (24, 32, 64 channels), ``s`` SiLU, ``rpt`` relative positions (a global lambda layer).
+
+Where those checkpoints differ from the papers, the layers take the checkpoints' convention as an option;
+the papers' defaults stay the layers' defaults:
+
+* lambda layers (``LambdaLayer``): a bias on the lambda convolution (``position_bias=True``), and a 2x2
+  average pool after a strided layer (``stride_pool=2``) instead of App. E.1's 3x3 one;
+* halo attention (``HaloAttention``): no padding mask (``mask_padding=False``), full-depth height/width
+  relative tables (``rel_split="full"``), offsets measured from a query's index in its (subsampled) block
+  (``rel_geometry="window"``), and a 2x2 average pool after the layer where the stride does not divide
+  the block (``downsample="pool"``, ``haloregnetz_b``);
+* BoTNet's attention is :class:`~lambdanet.layers.RelativeSelfAttention` with full-depth tables (Bello et
+  al. 2019), a 2x2 average pool after it when strided;
+* squeeze-and-excitation (``se``) and efficient channel attention (``eca``) gates after the 3x3 of the
+  convolution blocks, grouped 3x3 convolutions (``group_size``), and RegNetZ blocks (``haloregnetz_b``: the
+  bottleneck widens its *input* by ``bottle_ratio``, no activation after the sum, no projection shortcut:
+  a block that changes the shape has no residual).
+
+Every entry of :data:`model_cfgs` names its stages as strings of blocks, ``"b"`` a convolution block and
+``"a"`` a self-attention block, as timm's ``interleave_blocks`` places them. :mod:`lambdanet.models.pretrained`
+loads the checkpoints (``create_model(name, pretrained=True)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from torch import Tensor, nn
+
+from lambdanet.layers import (
+    EfficientChannelAttention,
+    HaloAttention,
+    LambdaLayer,
+    RelativeSelfAttention,
+    SqueezeExcite,
+)
+from lambdanet.layers.drop import DropPath
+from lambdanet.models.base import Backbone
+from lambdanet.models.registry import ModelInfo, register_model
+
+__all__ = ["ByoaStage", "ByoaSpec", "ByoaNet", "PretrainedCfg", "model_cfgs", "BYOA_ARGS", "make_divisible"]
+
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+def make_divisible(v: float, divisor: int = 8, round_limit: float = 0.9) -> int:
+    """``v`` rounded to the nearest multiple of ``divisor`` (at least ``divisor``), rounded up when rounding
+    would lose more than ``1 - round_limit`` of it (the channel rounding of timm's and MobileNet's zoos)."""
+    new_v = max(divisor, int(v + divisor / 2) // divisor * divisor)
+    return new_v + divisor if new_v < round_limit * v else new_v
+
+
+@dataclass(frozen=True)
+class PretrainedCfg:
+    """The published checkpoint of a model and the preprocessing it was trained with."""
+
+    hub_id: str  # Hugging Face hub repository (timm's weights)
+    top1: float | None  # ImageNet-1k top-1 (%) reported for it (None: not stated in our sources)
+    input_size: int = 256
+    crop_pct: float = 0.95
+    interpolation: str = "bicubic"
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    std: tuple[float, float, float] = IMAGENET_STD
+
+
+@dataclass(frozen=True)
+class ByoaStage:
+    """One stage: its blocks (``"b"`` convolution, ``"a"`` self-attention), output channels, stride of its
+    first block, group size of the 3x3 convolutions (0: dense), bottleneck ratio, and a self-attention
+    layer that overrides the model's (``(kind, kwargs)``)."""
+
+    blocks: str
+    channels: int
+    stride: int = 2
+    group_size: int = 0
+    bottle_ratio: float = 0.25
+    self_attn: tuple[str, dict] | None = None
+
+
+@dataclass(frozen=True)
+class ByoaSpec:
+    """A network: stem, stages, the self-attention layer (``"lambda"``, ``"halo"`` or ``"bottleneck"``
+    with its keyword arguments, timm's names), the channel gate of convolution blocks, and its checkpoint."""
+
+    stages: tuple[ByoaStage, ByoaStage, ByoaStage, ByoaStage]
+    pretrained: PretrainedCfg
+    self_attn: tuple[str, dict] | None = None
+    stem: str = "tiered"  # "tiered": 3x3 convs of 3/8, 1/2 and 1 x stem_chs; "3x3": one conv
+    stem_chs: int = 64
+    stem_pool: bool = True  # 3x3 max pool (else the last tiered conv has stride 2)
+    act: str = "relu"
+    num_features: int = 0  # a final 1x1 conv to this width (0: none)
+    channel_attn: str | None = None  # "se" | "eca" after the 3x3 of convolution blocks
+    se_ratio: float = 1 / 16
+    shortcut: str = "conv1x1"  # projection of blocks that change the shape; "": no residual there
+    bottle_in: bool = False  # bottleneck width from the block's input (RegNetZ) instead of its output
+    linear_out: bool = False  # no activation after the residual sum (RegNetZ)
+    fixed_input_size: bool = False  # global attention sized for one input size
+    notes: dict = field(default_factory=dict)
+
+
+_ACTS = {"relu": nn.ReLU, "silu": nn.SiLU}
+
+
+# ------------------------------------------------------------------------------------------- the twelve
+model_cfgs: dict[str, ByoaSpec] = {
+    "lambda_resnet26t": ByoaSpec(
+        stages=(ByoaStage("bb", 256, 1), ByoaStage("bb", 512), ByoaStage("ba", 1024), ByoaStage("aa", 2048)),
+        self_attn=("lambda", {"r": 9}),
+        pretrained=PretrainedCfg("timm/lambda_resnet26t.c1_in1k", 79.1, crop_pct=0.94)),
+    "lambda_resnet50ts": ByoaSpec(
+        stages=(ByoaStage("bbb", 256, 1), ByoaStage("bbba", 512), ByoaStage("bababa", 1024), ByoaStage("bab", 2048)),
+        self_attn=("lambda", {"r": 9}), act="silu",
+        pretrained=PretrainedCfg("timm/lambda_resnet50ts.a1h_in1k", 81.2, crop_pct=0.95)),
+    "lambda_resnet26rpt_256": ByoaSpec(
+        stages=(ByoaStage("bb", 256, 1), ByoaStage("bb", 512), ByoaStage("ba", 1024), ByoaStage("aa", 2048)),
+        self_attn=("lambda", {"r": None}), fixed_input_size=True,
+        pretrained=PretrainedCfg("timm/lambda_resnet26rpt_256.c1_in1k", 79.0, crop_pct=0.94)),
+    "halonet26t": ByoaSpec(
+        stages=(ByoaStage("bb", 256, 1), ByoaStage("bb", 512), ByoaStage("ba", 1024), ByoaStage("aa", 2048)),
+        self_attn=("halo", {"block_size": 8, "halo_size": 2}),
+        pretrained=PretrainedCfg("timm/halonet26t.a1h_in1k", 79.1, crop_pct=0.95)),
+    "sehalonet33ts": ByoaSpec(
+        stages=(ByoaStage("bb", 256, 1), ByoaStage("bba", 512), ByoaStage("bba", 1024),
+                ByoaStage("aa", 1536, bottle_ratio=0.333)),
+        self_attn=("halo", {"block_size": 8, "halo_size": 3}), stem_pool=False, act="silu", num_features=1280,
+        channel_attn="se",
+        pretrained=PretrainedCfg("timm/sehalonet33ts.ra2_in1k", 81.0, crop_pct=0.94)),
+    "halonet50ts": ByoaSpec(
+        stages=(ByoaStage("bbb", 256, 1),
+                ByoaStage("bbba", 512, self_attn=("halo", {"block_size": 8, "halo_size": 3, "num_heads": 4})),
+                ByoaStage("bababa", 1024), ByoaStage("bab", 2048)),
+        self_attn=("halo", {"block_size": 8, "halo_size": 3}), act="silu",
+        pretrained=PretrainedCfg("timm/halonet50ts.a1h_in1k", 81.6, crop_pct=0.94)),
+    "eca_halonext26ts": ByoaSpec(
+        stages=(ByoaStage("bb", 256, 1, 16), ByoaStage("bb", 512, 2, 16), ByoaStage("ba", 1024, 2, 16),
+                ByoaStage("aa", 2048, 2, 16)),
+        self_attn=("halo", {"block_size": 8, "halo_size": 2, "dim_head": 16}), act="silu", channel_attn="eca",
+        pretrained=PretrainedCfg("timm/eca_halonext26ts.c1_in1k", 79.5, crop_pct=0.94)),
+    "haloregnetz_b": ByoaSpec(
+        stages=(ByoaStage("bb", 48, 2, 16, 3), ByoaStage("bbbbbb", 96, 2, 16, 3),
+                ByoaStage("bbbabbbabbba", 192, 2, 16, 3), ByoaStage("aa", 288, 2, 16, 3)),
+        self_attn=("halo", {"block_size": 7, "halo_size": 2, "qk_ratio": 0.33}), stem="3x3", stem_chs=32,
+        stem_pool=False, act="silu", num_features=1536, channel_attn="se", se_ratio=0.25, shortcut="",
+        bottle_in=True, linear_out=True,
+        pretrained=PretrainedCfg("timm/haloregnetz_b.ra3_in1k", 81.1, input_size=224, crop_pct=0.94,
+                                 mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))),
+    "botnet26t_256": ByoaSpec(
+        stages=(ByoaStage("bb", 256, 1), ByoaStage("bb", 512), ByoaStage("ba", 1024), ByoaStage("aa", 2048)),
+        self_attn=("bottleneck", {}), fixed_input_size=True,
+        pretrained=PretrainedCfg("timm/botnet26t_256.c1_in1k", None, crop_pct=0.95)),
+    "sebotnet33ts_256": ByoaSpec(
+        stages=(ByoaStage("bb", 256, 1), ByoaStage("bba", 512), ByoaStage("bba", 1024),
+                ByoaStage("aa", 1536, bottle_ratio=0.333)),
+        self_attn=("bottleneck", {}), stem_pool=False, act="silu", num_features=1280, channel_attn="se",
+        fixed_input_size=True,
+        pretrained=PretrainedCfg("timm/sebotnet33ts_256.a1h_in1k", None, crop_pct=0.94)),
+    "lamhalobotnet50ts_256": ByoaSpec(
+        stages=(ByoaStage("bbb", 256, 1), ByoaStage("baba", 512, self_attn=("lambda", {"r": 13})),
+                ByoaStage("bababa", 1024, self_attn=("halo", {"halo_size": 3})),
+                ByoaStage("bab", 2048, self_attn=("bottleneck", {}))),
+        stem_pool=False, act="silu", fixed_input_size=True,
+        pretrained=PretrainedCfg("timm/lamhalobotnet50ts_256.a1h_in1k", 81.6, crop_pct=0.95)),
+    "halo2botnet50ts_256": ByoaSpec(
+        stages=(ByoaStage("bbb", 256, 1), ByoaStage("baba", 512, self_attn=("halo", {"halo_size": 3})),
+                ByoaStage("bababa", 1024, self_attn=("halo", {"halo_size": 3})),
+                ByoaStage("bab", 2048, self_attn=("bottleneck", {}))),
+        stem_pool=False, act="silu", fixed_input_size=True,
+        pretrained=PretrainedCfg("timm/halo2botnet50ts_256.a1h_in1k", 82.1, crop_pct=0.95)),
+}
+
+
+# ------------------------------------------------------------------------------------------- modules
+class ConvNormAct(nn.Sequential):
+    """``conv (no bias) -> BatchNorm -> activation`` (``conv``, ``bn``, ``act``)."""
+
+    def __init__(self, dim: int, dim_out: int, kernel_size: int, *, stride: int = 1, groups: int = 1,
+                 act: type[nn.Module] | None = nn.ReLU):
+        super().__init__()
+        self.conv = nn.Conv2d(dim, dim_out, kernel_size, stride, kernel_size // 2, groups=groups, bias=False)
+        self.bn = nn.BatchNorm2d(dim_out)
+        self.act = act(inplace=True) if act is not None else nn.Identity()
+
+
+class BatchNormAct(nn.BatchNorm2d):
+    """BatchNorm followed by an activation, one module (its parameters are the BatchNorm's)."""
+
+    def __init__(self, channels: int, act: type[nn.Module]):
+        super().__init__(channels)
+        self.act = act(inplace=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.act(super().forward(x))
+
+
+class ByoaBlock(nn.Module):
+    """A bottleneck block: ``1x1 -> (3x3 [-> channel gate] | self-attention -> BN -> act) -> 1x1 (+ shortcut)``.
+
+    ``spatial`` is the 3x3 convolution (a :class:`ConvNormAct`) or the self-attention layer; attention
+    blocks get ``post_attn`` (BN and activation), convolution blocks the optional channel gate ``attn``.
+    """
+
+    def __init__(self, dim: int, dim_out: int, mid: int, spatial: nn.Module, *, attention: bool, stride: int,
+                 act: type[nn.Module], gate: nn.Module | None, shortcut: str, linear_out: bool, drop_path: float):
+        super().__init__()
+        if dim != dim_out or stride != 1:
+            self.shortcut = ConvNormAct(dim, dim_out, 1, stride=stride, act=None) if shortcut else None
+        else:
+            self.shortcut = nn.Identity()
+        self.conv1_1x1 = ConvNormAct(dim, mid, 1, act=act)
+        if attention:
+            self.self_attn = spatial  # mid -> mid, its own stride
+            self.post_attn = BatchNormAct(mid, act)
+        else:
+            self.conv2_kxk = spatial  # the 3x3 ConvNormAct
+            self.attn = gate if gate is not None else nn.Identity()
+        self.attention = attention
+        self.conv3_1x1 = ConvNormAct(mid, dim_out, 1, act=None)
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.act = nn.Identity() if linear_out else act(inplace=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.conv1_1x1(x)  # b mid H W
+        if self.attention:
+            y = self.post_attn(self.self_attn(y))  # b mid H/s W/s
+        else:
+            y = self.attn(self.conv2_kxk(y))  # b mid H/s W/s
+        y = self.drop_path(self.conv3_1x1(y))  # b out H/s W/s
+        if self.shortcut is not None:
+            y = y + self.shortcut(x)
+        return self.act(y)
+
+    def zero_init_last(self) -> None:
+        if self.shortcut is not None:
+            nn.init.zeros_(self.conv3_1x1.bn.weight)
+
+
+def self_attention_layer(kind: str, kwargs: Mapping, dim: int, stride: int, feat_size: tuple[int, int]) -> nn.Module:
+    """The self-attention layer of a block (``dim`` channels in and out) from timm's layer name and
+    keyword arguments, built from lambdanet's layers with the checkpoints' conventions (module docstring)."""
+    kw = dict(kwargs)
+    if kind == "lambda":  # timm: 4 heads, k = 16, u = 1
+        r = kw.pop("r", 9)
+        layer = LambdaLayer(dim, dim, dim_k=kw.pop("dim_head", 16), heads=kw.pop("num_heads", 4), r=r,
+                            feat_size=None if r is not None else feat_size, stride=stride, stride_pool=2,
+                            position_bias=r is not None)
+    elif kind == "halo":  # timm: 8 heads, query/key depth from qk_ratio unless dim_head
+        heads = kw.pop("num_heads", 8)
+        dim_head = kw.pop("dim_head", None) or make_divisible(dim * kw.pop("qk_ratio", 1.0)) // heads
+        block = kw.pop("block_size", 8)
+        layer = HaloAttention(dim, dim, stride=stride, block_size=block, halo_size=kw.pop("halo_size", 3),
+                              heads=heads, dim_qk=heads * dim_head, downsample="pool" if block % stride else "subsample",
+                              rel_split="full", rel_geometry="window", mask_padding=False)
+    elif kind == "bottleneck":  # BoTNet: 4 heads, global, full-depth relative tables
+        heads = kw.pop("num_heads", 4)
+        dim_head = kw.pop("dim_head", None) or make_divisible(dim * kw.pop("qk_ratio", 1.0)) // heads
+        layer = RelativeSelfAttention(dim, dim, feat_size=feat_size, stride=stride, heads=heads,
+                                      dim_qk=heads * dim_head, rel_split="full")
+    else:
+        raise ValueError(f"self-attention layer must be one of ['lambda', 'halo', 'bottleneck'], got {kind!r}")
+    if kw:
+        raise ValueError(f"{kind} self-attention does not take {sorted(kw)}")
+    return layer
+
+
+def _stem(spec: ByoaSpec, in_chans: int, act: type[nn.Module]) -> tuple[nn.Module, int, int]:
+    """(stem, channels, reduction)."""
+    c = spec.stem_chs
+    if spec.stem == "3x3":
+        return ConvNormAct(in_chans, c, 3, stride=2, act=act), c, 2
+    chs, strides = (3 * c // 8, c // 2, c), (2, 1, 1 if spec.stem_pool else 2)
+    stem = nn.Sequential()
+    prev = in_chans
+    for i, (ch, s) in enumerate(zip(chs, strides)):
+        stem.add_module(f"conv{i + 1}", ConvNormAct(prev, ch, 3, stride=s, act=act))
+        prev = ch
+    if spec.stem_pool:
+        stem.add_module("pool", nn.MaxPool2d(3, 2, 1))
+    return stem, c, 4
+
+
+class ByoaNet(Backbone):
+    """A :class:`ByoaSpec` made module (timm's module names: ``stem``, ``stages.i.j``, ``final_conv``).
+
+    Args:
+        spec: the architecture.
+        num_classes, in_chans: classifier outputs (0: pooled features) and input channels.
+        img_size: the input size the global attention layers (BoTNet, ``r=None`` lambda) are sized for
+            (default: the checkpoint's); smaller inputs also run.
+        drop_rate: dropout before the classifier.
+        drop_path_rate: stochastic depth, increasing linearly over the blocks.
+        features_only: no head; ``forward`` returns the four stages' feature maps.
+        zero_init_last: zero the last BN gamma of every residual block.
+    """
+
+    def __init__(self, spec: ByoaSpec, *, num_classes: int = 1000, in_chans: int = 3, img_size: int | None = None,
+                 drop_rate: float = 0.0, drop_path_rate: float = 0.0, features_only: bool = False,
+                 zero_init_last: bool = True):
+        super().__init__()
+        if not 0.0 <= drop_path_rate < 1.0:
+            raise ValueError(f"drop_path_rate must be in [0, 1), got {drop_path_rate}")
+        img = spec.pretrained.input_size if img_size is None else img_size
+        if not isinstance(img, int) or img <= 0:
+            raise ValueError(f"img_size must be a positive int, got {img_size!r}")
+        self.spec, self.img_size = spec, (img, img)
+        act = _ACTS[spec.act]
+        self.stem, ch, reduction = _stem(spec, in_chans, act)
+        feat = (img // reduction, img // reduction)
+        total = sum(len(s.blocks) for s in spec.stages)
+        k, stages, self.feature_info = 0, [], []
+        for i, stage in enumerate(spec.stages):
+            blocks = []
+            for j, letter in enumerate(stage.blocks):
+                stride = stage.stride if j == 0 else 1
+                mid = make_divisible((ch if spec.bottle_in else stage.channels) * stage.bottle_ratio)
+                if letter == "a":
+                    kind, kwargs = stage.self_attn or spec.self_attn
+                    spatial = self_attention_layer(kind, kwargs, mid, stride, feat)
+                    gate = None
+                else:
+                    groups = mid // stage.group_size if stage.group_size else 1
+                    spatial = ConvNormAct(mid, mid, 3, stride=stride, groups=groups, act=act)
+                    gate = self._gate(spec, mid)
+                blocks.append(ByoaBlock(ch, stage.channels, mid, spatial, attention=letter == "a", stride=stride,
+                                        act=act, gate=gate, shortcut=spec.shortcut, linear_out=spec.linear_out,
+                                        drop_path=drop_path_rate * k / max(1, total - 1)))
+                ch, k = stage.channels, k + 1
+                if stride > 1:
+                    feat, reduction = (feat[0] // stride, feat[1] // stride), reduction * stride
+            stages.append(nn.Sequential(*blocks))
+            self.feature_info.append({"module": f"stages.{i}", "stage": f"c{i + 2}", "num_chs": ch,
+                                      "reduction": reduction})
+        self.stages = nn.Sequential(*stages)
+        self.final_conv: nn.Module = nn.Identity()
+        if spec.num_features:
+            self.final_conv = ConvNormAct(ch, spec.num_features, 1, act=act)
+            ch = spec.num_features
+        self._init_head(ch, num_classes, drop_rate, features_only)
+        self._init_weights(zero_init_last)
+
+    @staticmethod
+    def _gate(spec: ByoaSpec, channels: int) -> nn.Module | None:
+        if spec.channel_attn == "se":
+            return SqueezeExcite(channels, rd_channels=make_divisible(channels * spec.se_ratio, round_limit=0.0))
+        if spec.channel_attn == "eca":
+            return EfficientChannelAttention(channels)
+        return None
+
+    def _init_weights(self, zero_init_last: bool) -> None:
+        """He init (fan-out) for the trunk's convolutions, BN at identity; attention layers keep their own."""
+        for m in self.modules():
+            if isinstance(m, ConvNormAct):
+                nn.init.kaiming_normal_(m.conv.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+        if zero_init_last:
+            for m in self.modules():
+                if isinstance(m, ByoaBlock):
+                    m.zero_init_last()
+
+    def forward_stages(self, x: Tensor) -> list[Tensor]:
+        """Feature maps of c2..c5 (strides 4, 8, 16, 32)."""
+        x = self.stem(x)
+        feats = []
+        for stage in self.stages:
+            x = stage(x)
+            feats.append(x)
+        return feats
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        return self.final_conv(self.stages(self.stem(x)))
+
+
+# ------------------------------------------------------------------------------------------- registry
+BYOA_ARGS: dict[str, object] = {"img_size": None, "drop_rate": 0.0, "drop_path_rate": 0.0, "features_only": False,
+                                "zero_init_last": True}
+
+
+def pretrained_cfg(name: str) -> dict:
+    """The preprocessing of ``name``'s checkpoint, as ``model.pretrained_cfg`` holds it."""
+    p = model_cfgs[name].pretrained
+    return {"model": name, "hub_id": p.hub_id, "num_classes": 1000, "in_chans": 3, "classes": None,
+            "data": "imagenet", "image_size": p.input_size, "crop_pct": p.crop_pct,
+            "interpolation": p.interpolation, "mean": list(p.mean), "std": list(p.std)}
+
+
+def _create(variant: str, *, num_classes: int = 1000, in_chans: int = 3, **kwargs) -> ByoaNet:
+    model = ByoaNet(model_cfgs[variant], num_classes=num_classes, in_chans=in_chans, **kwargs)
+    model.pretrained_cfg = pretrained_cfg(variant) | {"num_classes": num_classes, "in_chans": in_chans}
+    return model
+
+
+def _register(fn: Callable[..., ByoaNet]) -> Callable[..., ByoaNet]:
+    name = fn.__name__
+    p = model_cfgs[name].pretrained
+    top1 = f"{p.top1}% top-1, " if p.top1 is not None else ""
+    paper = f"timm ImageNet checkpoint {p.hub_id} ({top1}{p.input_size}px)"
+    fn.__doc__ = paper
+    return register_model(fn, info=ModelInfo(name, p.input_size, paper), args=BYOA_ARGS)
+
+
+@_register
+def lambda_resnet26t(**kwargs) -> ByoaNet:
+    return _create("lambda_resnet26t", **kwargs)
+
+
+@_register
+def lambda_resnet50ts(**kwargs) -> ByoaNet:
+    return _create("lambda_resnet50ts", **kwargs)
+
+
+@_register
+def lambda_resnet26rpt_256(**kwargs) -> ByoaNet:
+    return _create("lambda_resnet26rpt_256", **kwargs)
+
+
+@_register
+def halonet26t(**kwargs) -> ByoaNet:
+    return _create("halonet26t", **kwargs)
+
+
+@_register
+def sehalonet33ts(**kwargs) -> ByoaNet:
+    return _create("sehalonet33ts", **kwargs)
+
+
+@_register
+def halonet50ts(**kwargs) -> ByoaNet:
+    return _create("halonet50ts", **kwargs)
+
+
+@_register
+def eca_halonext26ts(**kwargs) -> ByoaNet:
+    return _create("eca_halonext26ts", **kwargs)
+
+
+@_register
+def haloregnetz_b(**kwargs) -> ByoaNet:
+    return _create("haloregnetz_b", **kwargs)
+
+
+@_register
+def botnet26t_256(**kwargs) -> ByoaNet:
+    return _create("botnet26t_256", **kwargs)
+
+
+@_register
+def sebotnet33ts_256(**kwargs) -> ByoaNet:
+    return _create("sebotnet33ts_256", **kwargs)
+
+
+@_register
+def lamhalobotnet50ts_256(**kwargs) -> ByoaNet:
+    return _create("lamhalobotnet50ts_256", **kwargs)
+
+
+@_register
+def halo2botnet50ts_256(**kwargs) -> ByoaNet:
+    return _create("halo2botnet50ts_256", **kwargs)

@@ -1,0 +1,219 @@
+"""Pretrained weights: timm's ImageNet checkpoints on lambdanet's layers, and local weight files.
+
+``create_model(name, pretrained=True)`` downloads the checkpoint of ``name`` from the Hugging Face hub
+(``huggingface_hub``; the repository ids are in :data:`lambdanet.models.byoa.model_cfgs`), converts its keys
+to lambdanet's modules (:func:`convert_timm_state_dict`) and caches the converted weights as safetensors
+under :func:`cache_dir`; the next call reads the cache without touching the network.
+``create_model(name, checkpoint_path=FILE)`` loads a local file instead: a timm state dict of that model
+(``.pth``, ``.bin``, ``.safetensors``, also wrapped under ``"state_dict"`` / ``"model"``) or lambdanet's own
+weights (``model.safetensors`` of a run, :func:`save_weights`), told apart by their keys.
+
+A model built with another ``num_classes`` than the checkpoint's keeps a fresh classifier (fine-tuning);
+one built with ``in_chans=1`` gets the stem convolution summed over the checkpoint's RGB channels.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from lambdanet.layers import HaloAttention, LambdaLayer, RelativeSelfAttention
+
+__all__ = ["PretrainedUnavailableError", "WeightsMismatchError", "HUB_FILENAME", "cache_dir", "hub_id",
+           "convert_timm_state_dict", "read_state_dict", "read_metadata", "load_weights", "load_pretrained", "download_weights"]
+
+HUB_FILENAME = "model.safetensors"  # what timm publishes in each hub repository
+
+
+class PretrainedUnavailableError(ValueError):
+    """Weights asked for with ``pretrained=True`` could not be had (offline, no such checkpoint)."""
+
+
+class WeightsMismatchError(ValueError):
+    """A weights file does not fit the model it is loaded into."""
+
+
+def cache_dir() -> Path:
+    """Where converted checkpoints are kept: ``$LAMBDANET_CACHE``, else ``~/.cache/lambdanet/weights``."""
+    root = os.environ.get("LAMBDANET_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "lambdanet" / "weights"
+
+
+def hub_id(name: str) -> str:
+    """The Hugging Face hub repository of ``name``'s checkpoint (``ValueError`` for models without one)."""
+    from lambdanet.models.byoa import model_cfgs
+
+    if name not in model_cfgs:
+        raise PretrainedUnavailableError(
+            f"no pretrained weights are published for {name!r}; models with weights: {', '.join(sorted(model_cfgs))} "
+            "(for your own weights pass checkpoint_path=FILE)")
+    return model_cfgs[name].pretrained.hub_id
+
+
+# ------------------------------------------------------------------------------------------- conversion
+def _lambda_keys(layer: LambdaLayer, sd: dict[str, Tensor], p: str) -> None:
+    """timm ``LambdaLayer``: 1x1-conv ``qkv``, Conv3d ``conv_lambda`` (``[k, 1, r, r, 1]`` + bias) or a global
+    ``pos_emb`` ``[2H-1, 2W-1, k]`` -> our ``qkv`` (linear), ``embedding.weight`` ``[k, taps]``, ``position_bias``."""
+    sd[p + "qkv.weight"] = sd[p + "qkv.weight"].flatten(1)  # (q k v) d
+    if p + "conv_lambda.weight" in sd:
+        w = sd.pop(p + "conv_lambda.weight")  # k 1 r r 1: cross-correlation, tap (i, j) = offset (i - r//2, j - r//2)
+        sd[p + "embedding.weight"] = w.reshape(w.shape[0], -1)  # k (r r)
+        sd[p + "position_bias"] = sd.pop(p + "conv_lambda.bias")
+    if p + "pos_emb" in sd:
+        e = sd.pop(p + "pos_emb")  # 2H-1 2W-1 k, entry (i, j) = offset (i - (H-1), j - (W-1))
+        sd[p + "embedding.weight"] = e.permute(2, 0, 1).reshape(e.shape[2], -1)  # k ((2H-1) (2W-1))
+    sd.pop(p + "rel_pos_indices", None)
+
+
+def _halo_keys(layer: HaloAttention, sd: dict[str, Tensor], p: str) -> None:
+    """timm ``HaloAttn``: ``kv`` rows interleaved per head (``[k_h, v_h]`` for each head h) -> ours
+    ``[k (all heads), v (all heads)]``; ``pos_embed.{height,width}_rel`` -> ``rel.rel_{h,w}``."""
+    h, dk, dv = layer.heads, layer.dim_qk // layer.heads, layer.dim_out // layer.heads
+    kv = sd[p + "kv.weight"]  # (h (dk + dv)) d 1 1
+    kv = kv.view(h, dk + dv, *kv.shape[1:])
+    sd[p + "kv.weight"] = torch.cat([kv[:, :dk].reshape(h * dk, *kv.shape[2:]),
+                                     kv[:, dk:].reshape(h * dv, *kv.shape[2:])])  # (h dk + h dv) d 1 1
+    _rel_keys(sd, p)
+
+
+def _rel_keys(sd: dict[str, Tensor], p: str) -> None:
+    sd[p + "rel.rel_h"] = sd.pop(p + "pos_embed.height_rel")
+    sd[p + "rel.rel_w"] = sd.pop(p + "pos_embed.width_rel")
+
+
+def _bottleneck_keys(layer: RelativeSelfAttention, sd: dict[str, Tensor], p: str) -> None:
+    """timm ``BottleneckAttn``: the same ``qkv`` layout as ours; relative tables renamed."""
+    _rel_keys(sd, p)
+
+
+_CONVERTERS: dict[type, Callable[[nn.Module, dict, str], None]] = {
+    LambdaLayer: _lambda_keys, HaloAttention: _halo_keys, RelativeSelfAttention: _bottleneck_keys}
+
+
+def convert_timm_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """timm's state dict of the architecture of ``model`` (one of :data:`lambdanet.models.byoa.model_cfgs`)
+    with lambdanet's keys and layouts: the trunk keeps timm's names, the classifier ``head.fc`` becomes ``fc``,
+    and every attention layer is converted by its type."""
+    sd = {k.removeprefix("module."): v for k, v in state_dict.items()}
+    for key in ("weight", "bias"):
+        if f"head.fc.{key}" in sd:
+            sd[f"fc.{key}"] = sd.pop(f"head.fc.{key}")
+    for name, module in model.named_modules():
+        convert = _CONVERTERS.get(type(module))
+        if convert is not None and any(k.startswith(name + ".") for k in sd):
+            try:
+                convert(module, sd, name + ".")
+            except KeyError:  # not this layer's timm keys: left for load_weights to report
+                pass
+    return sd
+
+
+# ------------------------------------------------------------------------------------------- reading files
+def read_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
+    """The tensors of a weights file: safetensors, or a ``torch.save``'d state dict (possibly wrapped under
+    ``"state_dict"``, ``"model"`` or ``"state_dict_ema"``); loaded with ``weights_only=True``."""
+    path = Path(path)
+    if not path.is_file():
+        raise WeightsMismatchError(f"checkpoint_path {str(path)!r} does not exist (expected a weights file: "
+                                   ".safetensors, .pth, .bin or a run's last.pt)")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # pickles with arbitrary objects, truncated files, non-torch files
+        raise WeightsMismatchError(f"checkpoint_path {str(path)!r} is not a readable weights file ({err})") from err
+    for key in ("state_dict_ema", "model_ema", "state_dict", "model"):
+        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+            obj = obj[key]
+            break
+    if not isinstance(obj, dict) or not all(isinstance(v, Tensor) for v in obj.values()):
+        raise WeightsMismatchError(f"checkpoint_path {str(path)!r} holds no state dict of tensors")
+    return obj
+
+
+_FC = ("fc.weight", "fc.bias")
+
+
+def _fit(model: nn.Module, sd: dict[str, Tensor]) -> tuple[dict[str, Tensor], list[str]]:
+    """Adapt a converted state dict to ``model``: drop a classifier of another width (a new head for
+    fine-tuning), sum an RGB stem over its channels for a 1-channel model. Returns (state dict, notes)."""
+    own = model.state_dict()
+    notes = []
+    if "fc.weight" in sd and ("fc.weight" not in own or own["fc.weight"].shape != sd["fc.weight"].shape):
+        classes = sd["fc.weight"].shape[0]
+        for key in _FC:
+            sd.pop(key, None)
+        notes.append(f"the checkpoint's {classes}-class classifier is not loaded: the model has a new one "
+                     f"({getattr(model, 'num_classes', '?')} classes)")
+    for key, value in list(sd.items()):
+        if key in own and value.dim() == 4 == own[key].dim() and value.shape[1] == 3 and own[key].shape[1] == 1:
+            sd[key] = value.sum(dim=1, keepdim=True)  # a grey image is R = G = B
+            notes.append(f"{key} summed over its RGB input channels for in_chans=1")
+    return sd, notes
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """The header metadata of a safetensors file (``{}`` for other files or none)."""
+    if Path(path).suffix != ".safetensors":
+        return {}
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return dict(f.metadata() or {})
+
+
+def load_weights(model: nn.Module, path: str | os.PathLike, name: str | None = None) -> list[str]:
+    """Load a weights file into ``model``: lambdanet's own keys as they are, timm's converted
+    (:func:`convert_timm_state_dict`); strict apart from a classifier of another width. Returns notes on
+    what was adapted."""
+    sd = read_state_dict(path)
+    own = set(model.state_dict())
+    if set(sd) - set(_FC) != own - set(_FC):  # not lambdanet's own keys: timm's
+        sd = convert_timm_state_dict(model, sd)
+    sd, notes = _fit(model, sd)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if k not in _FC]
+    if missing or unexpected:
+        label = name or type(model).__name__
+        raise WeightsMismatchError(
+            f"checkpoint_path {str(path)!r} does not fit {label}: {len(missing)} missing keys "
+            f"{missing[:3]}, {len(unexpected)} unexpected {unexpected[:3]} (is it a checkpoint of this model?)")
+    return notes
+
+
+def download_weights(repo_id: str) -> str:
+    """Download ``repo_id``'s :data:`HUB_FILENAME` with ``huggingface_hub`` (its own cache); the local path."""
+    from huggingface_hub import hf_hub_download
+
+    return hf_hub_download(repo_id=repo_id, filename=HUB_FILENAME)
+
+
+def load_pretrained(model: nn.Module, name: str) -> list[str]:
+    """Load ``name``'s published checkpoint into ``model``: from :func:`cache_dir` when converted before,
+    else downloaded, converted and cached. ``PretrainedUnavailableError`` (one line naming the hub id and
+    ``checkpoint_path``) when it cannot be downloaded."""
+    repo = hub_id(name)
+    cached = cache_dir() / f"{name}.safetensors"
+    if not cached.is_file():
+        try:
+            path = download_weights(repo)
+        except Exception as err:  # offline, hub errors, missing huggingface_hub
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise PretrainedUnavailableError(
+                f"pretrained weights of {name} could not be downloaded from the Hugging Face hub "
+                f"({repo}: {reason}); download {HUB_FILENAME} from https://huggingface.co/{repo} and pass "
+                f"checkpoint_path=FILE (CLI: --checkpoint FILE)") from err
+        from safetensors.torch import save_file
+
+        sd = convert_timm_state_dict(model, read_state_dict(path))
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(".tmp")
+        save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp), metadata={"source": repo})
+        os.replace(tmp, cached)  # whole file or none: a crash never leaves half a cache entry
+    return load_weights(model, cached, name)
