@@ -57,3 +57,22 @@ def test_weights_without_a_model_description_get_a_clear_error(tmp_path):
         lambdanet.load_model(path)
     with pytest.raises(ValueError, match="holds no trained model"):
         lambdanet.load_model(tmp_path)
+
+
+def test_create_model_with_a_run_checkpoint_takes_its_weights_and_class_names(run):
+    """``create_model(name, checkpoint_path=run's model.safetensors)`` (lambdanet's own keys, loaded as they
+    are) gives the model ``load_model`` rebuilds, and the run's classes and preprocessing."""
+    import json
+
+    from safetensors import safe_open
+
+    out, _ = run
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        kwargs = json.loads(f.metadata()["model_kwargs"])
+    model = create_model("lambda_resnet26", num_classes=10, in_chans=1, checkpoint_path=out / "model.safetensors",
+                         **kwargs).eval()
+    ref = lambdanet.load_model(out / "model.safetensors")
+    x = torch.randn(3, 1, 16, 16)
+    torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+    for key in ("classes", "image_size", "mean", "std"):
+        assert model.pretrained_cfg[key] == ref.pretrained_cfg[key], key

@@ -23,10 +23,11 @@ from torch import Tensor, nn
 
 from lambdanet.layers import HaloAttention, LambdaLayer, RelativeSelfAttention
 
-__all__ = ["PretrainedUnavailableError", "WeightsMismatchError", "HUB_FILENAME", "cache_dir", "hub_id",
+__all__ = ["PretrainedUnavailableError", "WeightsMismatchError", "HUB_FILENAME", "METADATA_FORMAT", "cache_dir", "hub_id",
            "convert_timm_state_dict", "read_state_dict", "read_metadata", "load_weights", "load_pretrained", "download_weights"]
 
 HUB_FILENAME = "model.safetensors"  # what timm publishes in each hub repository
+METADATA_FORMAT = "lambdanet.weights.v1"  # the header of the weights lambdanet train writes (train/load.py)
 
 
 class PretrainedUnavailableError(ValueError):
@@ -177,6 +178,14 @@ def load_weights(model: nn.Module, path: str | os.PathLike, name: str | None = N
     if set(sd) - set(_FC) != own - set(_FC):  # not lambdanet's own keys: timm's
         sd = convert_timm_state_dict(model, sd)
     sd, notes = _fit(model, sd)
+    own = model.state_dict()
+    shapes = [f"{k} {tuple(v.shape)} in the file, {tuple(own[k].shape)} in the model" for k, v in sd.items()
+              if k in own and v.shape != own[k].shape]
+    if shapes:
+        raise WeightsMismatchError(
+            f"checkpoint_path {str(path)!r} does not fit {name or type(model).__name__}: {len(shapes)} tensors have "
+            f"other shapes, e.g. {shapes[0]} (global attention is sized by img_size: build the model at the "
+            "checkpoint's)")
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [k for k in missing if k not in _FC]
     if missing or unexpected:

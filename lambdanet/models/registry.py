@@ -192,7 +192,7 @@ def _load_into(model: nn.Module, name: str, pretrained: bool, checkpoint_path) -
     if checkpoint_path is not None:  # lambdanet's run weights describe their data: classes and preprocessing
         meta = weights.read_metadata(checkpoint_path)
         for key in ("classes", "data", "image_size", "mean", "std"):
-            if key in meta and meta.get("format", "").startswith("lambdanet.weights"):
+            if key in meta and meta.get("format") == weights.METADATA_FORMAT:
                 model.pretrained_cfg[key] = json.loads(meta[key])
         if any("classifier" in n for n in notes):
             model.pretrained_cfg["classes"] = None

@@ -52,6 +52,10 @@ class TrainConfig:
     model: str = _opt("lambda_resnet26", "registered model name (lambdanet models lists them)")
     model_kwargs: dict = _opt({}, "architecture options of the model, 'key=value,...' or a YAML mapping "
                                   "(e.g. stage_layers=CCLL); the resolved config adds stem/base_width/img_size")
+    pretrained: bool = _opt(False, "start from the model's published ImageNet weights (lambdanet models --pretrained "
+                                   "lists the models that have them), with a new classifier for the data's classes")
+    checkpoint: str | None = _opt(None, "start from a weights file: timm's checkpoint of the model (.pth, .bin, "
+                                        ".safetensors) or lambdanet's own (a run's model.safetensors)")
     data: str = _opt("digits", "dataset: digits, mnist5k, fashion-mnist, cifar10, cifar100 or imagefolder:PATH")
     data_dir: str = _opt("~/.cache/lambdanet/data", "folder holding (or receiving) downloaded datasets")
     download: bool = _opt(True, "download a dataset that is not on disk (cifar, fashion-mnist)")
@@ -134,6 +138,11 @@ class TrainConfig:
             raise ValueError(f"unknown dataset {self.data!r}; valid: {', '.join(list_datasets())}")
         if not 0.0 < self.labeled_fraction <= 1.0:
             raise ValueError(f"labeled_fraction must be in (0, 1], got {self.labeled_fraction}")
+        if self.pretrained and self.checkpoint:
+            raise ValueError("pass --pretrained (the published weights) or --checkpoint FILE, not both")
+        if self.checkpoint is not None and not Path(self.checkpoint).expanduser().is_file():
+            raise ValueError(f"checkpoint {self.checkpoint!r} does not exist (expected a weights file: .pth, .bin, "
+                             ".safetensors)")
         if not isinstance(self.model_kwargs, dict):
             raise ValueError(f"model_kwargs must be a mapping, got {self.model_kwargs!r}")
 
@@ -243,11 +252,11 @@ def _resolve_model_values(cfg: TrainConfig) -> None:
     ``model_kwargs`` (unless given) the small-image stem for images up to 64 px, the compact width and the
     image size where the model takes them; ``drop_rate`` / ``drop_path_rate`` from the model's defaults."""
     from lambdanet.data import dataset_spec
-    from lambdanet.models import model_args
+    from lambdanet.models import model_args, model_info
 
     accepted = model_args(cfg.model)
-    if cfg.img_size is None:
-        cfg.img_size = dataset_spec(cfg.data).image_size
+    if cfg.img_size is None:  # published weights: the size they were trained at (global attention is sized by it)
+        cfg.img_size = model_info(cfg.model).input_size if cfg.pretrained else dataset_spec(cfg.data).image_size
     kwargs = dict(cfg.model_kwargs)
     for key in ("drop_rate", "drop_path_rate"):
         if key in kwargs:

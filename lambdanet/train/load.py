@@ -16,11 +16,11 @@ from pathlib import Path
 from torch import nn
 
 from lambdanet.models import create_model
+from lambdanet.models.pretrained import METADATA_FORMAT
 from lambdanet.train.checkpoint import CheckpointError, load_checkpoint, trained_weights
 
 __all__ = ["load_model", "restore_model", "weights_metadata", "METADATA_FORMAT"]
 
-METADATA_FORMAT = "lambdanet.weights.v1"
 
 
 def weights_metadata(*, model: str, model_kwargs: dict, num_classes: int, in_chans: int, classes: list | None,

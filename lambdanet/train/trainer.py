@@ -72,9 +72,12 @@ def hardware_string(device: torch.device) -> str:
     return base
 
 
-def build_model_for(cfg: TrainConfig, spec: DatasetSpec) -> nn.Module:
-    """``create_model`` of a resolved ``cfg`` for a dataset's classes and channels."""
-    return create_model(cfg.model, num_classes=spec.num_classes, in_chans=spec.in_chans, **model_build_kwargs(cfg))
+def build_model_for(cfg: TrainConfig, spec: DatasetSpec, *, initial_weights: bool = True) -> nn.Module:
+    """``create_model`` of a resolved ``cfg`` for a dataset's classes and channels, starting from the weights
+    of ``--pretrained`` / ``--checkpoint`` when ``initial_weights`` (a resumed run takes its own instead)."""
+    weights = {"pretrained": cfg.pretrained, "checkpoint_path": cfg.checkpoint} if initial_weights else {}
+    return create_model(cfg.model, num_classes=spec.num_classes, in_chans=spec.in_chans, **weights,
+                        **model_build_kwargs(cfg))
 
 
 @dataclass
@@ -228,7 +231,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None]) -> di
     torch.manual_seed(cfg.seed)
 
     data = _prepare_data(cfg, ctx)
-    state = _initial_state(cfg, data, ctx)
+    state = _initial_state(cfg, data, ctx, log)
     if cfg.resume:
         _restore(state, cfg, saved_epochs, ctx, log)
     if ctx.is_main:
@@ -285,10 +288,14 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None]) -> di
     return summary
 
 
-def _initial_state(cfg: TrainConfig, data: RunData, ctx: DistContext) -> TrainState:
+def _initial_state(cfg: TrainConfig, data: RunData, ctx: DistContext, log: Callable[[str], None]) -> TrainState:
     """The model (checked on two test images), optimiser, schedule, EMA and loss scaler of a new run."""
     device = ctx.device
-    model = build_model_for(cfg, data.spec)
+    model = build_model_for(cfg, data.spec, initial_weights=not cfg.resume)
+    if (cfg.pretrained or cfg.checkpoint) and not cfg.resume:
+        source = f"{cfg.model}'s published weights" if cfg.pretrained else cfg.checkpoint
+        notes = "; ".join(model.pretrained_cfg.get("load_notes") or [])
+        log(f"starting from {source}" + (f" ({notes})" if notes else ""))
     if cfg.bn_momentum is not None:
         set_bn_momentum(model, cfg.bn_momentum)
     if cfg.sync_bn and ctx.enabled:
