@@ -154,3 +154,48 @@ def test_training_run_on_device_learns(tmp_path):
         device=DEVICE.type, amp="bf16", channels_last=True)))
     assert summary["epochs"] == 3 and summary["final_acc"] > 0.5, summary
     assert (tmp_path / "run" / "model.safetensors").exists()
+
+
+# the paper's shapes (App. E.1; Table 18): d = 256 inputs at 14x14 with k=16, h=4; a 23x23 local scope (u=1),
+# a global context, and the zoo's c5 blocks (u=4, r=7, 7x7 maps)
+TRITON_SHAPES = {"local23-u1": (dict(r=23), 14), "global-u1": (dict(r=None, feat_size=14), 14),
+                 "local7-u4": (dict(r=7, dim_u=4), 7)}
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the Triton kernels are compiled for CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", TRITON_SHAPES)
+def test_triton_kernels_at_the_paper_shapes(name, dtype):
+    """impl='triton' against impl='einsum' on the GPU: outputs and gradients. fp32: both accumulate in fp32
+    (einsum's GEMMs may use TF32 if enabled: it is not by default), relative error ~ terms * eps32; bf16:
+    operands rounded to bf16 (eps 2^-7), so a few eps."""
+    kwargs, side = TRITON_SHAPES[name]
+    torch.manual_seed(0)
+    ref = LambdaLayer(256, 256, dim_k=16, heads=4, impl="einsum", **kwargs).to(DEVICE)
+    fused = LambdaLayer(256, 256, dim_k=16, heads=4, impl="triton", **kwargs).to(DEVICE)
+    fused.load_state_dict(ref.state_dict())
+    x = torch.randn(32, 256, side, side, device=DEVICE)
+    tol = 1e-3 if dtype == torch.float32 else 4 * 2.0 ** -7
+    with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+        xs = [x.clone().requires_grad_() for _ in range(2)]
+        ys = [m(xi) for m, xi in zip((ref, fused), xs)]
+        g = torch.randn_like(ys[0])
+        grads = [torch.autograd.grad(y, [xi, *m.parameters()], g) for y, xi, m in zip(ys, xs, (ref, fused))]
+    assert (ys[1].float() - ys[0].float()).abs().max() <= tol * ys[0].float().abs().max()
+    for a, b in zip(grads[1], grads[0]):
+        assert (a.float() - b.float()).abs().max() <= tol * b.float().abs().max() + 1e-6
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the Triton kernels are compiled for CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_triton_op_in_half_precision_against_float64(dtype):
+    """The op itself on bf16/fp16 operands (fp32 accumulation) at 14x14, k=16, h=4, v=64, r=23."""
+    from lambdanet.kernels import lambda_position_output, lambda_position_output_reference
+
+    g = torch.Generator().manual_seed(0)
+    q, v, t = (torch.randn(*s, generator=g) for s in ((8, 196, 4, 16), (8, 196, 64, 1), (16, 1, 23, 23)))
+    ref = lambda_position_output_reference(q.double(), v.double(), t.double(), (11, 11), (14, 14))
+    bound = lambda_position_output_reference(q.double().abs(), v.double().abs(), t.double().abs(), (11, 11), (14, 14))
+    y = lambda_position_output(*(x.to(DEVICE, dtype) for x in (q, v, t)), (11, 11), (14, 14)).double().cpu()
+    eps = torch.finfo(dtype).eps
+    assert ((y - ref).abs() <= 2 * eps * bound + eps * ref.abs() + 1e-5).all()

@@ -27,7 +27,7 @@ from lambdanet.layers.position_embedding import AbsolutePositionEmbedding, Relat
 
 __all__ = ["LambdaLayer", "LambdaPlan", "ImplPolicy", "DEFAULT_IMPL_POLICY", "impl_policy", "set_impl_policy"]
 
-_IMPLS = ("auto",) + LF.POSITION_OUTPUT_IMPLS
+_IMPLS = ("auto",) + LF.POSITION_OUTPUT_IMPLS + ("triton",)
 _QV_NORMS = ("auto", "batch", "layer", None)
 _POS_EMBS = ("relative", "absolute")
 
@@ -90,7 +90,7 @@ def set_impl_policy(device_type: str, policy: ImplPolicy | None) -> ImplPolicy |
 
 
 # position steps of a plan: queries-first steps give y^p [b n h v], lambdas-first steps give lambda^p [b n g v k]
-QUERIES_FIRST_STEPS = ("einsum_qe_absolute", "einsum_qe_whole", "einsum_qe_chunked")
+QUERIES_FIRST_STEPS = ("einsum_qe_absolute", "einsum_qe_whole", "einsum_qe_chunked", "triton")
 LAMBDAS_FIRST_STEPS = ("depthwise_conv_tokens", "conv", "einsum", "einsum_absolute")
 
 
@@ -104,13 +104,13 @@ class LambdaPlan:
         position: the step that runs it, or ``None`` (``position=False``). Queries-first steps
             (:data:`QUERIES_FIRST_STEPS`) return the position output ``y^p``: ``"einsum_qe_absolute"``,
             ``"einsum_qe_whole"`` (the whole ``E``, cached in eval), ``"einsum_qe_chunked"`` (rows of ``E``
-            rebuilt per query chunk). Lambdas-first steps (:data:`LAMBDAS_FIRST_STEPS`) return the position
+            rebuilt per query chunk), ``"triton"`` (the fused kernels of :mod:`lambdanet.kernels`). Lambdas-first steps (:data:`LAMBDAS_FIRST_STEPS`) return the position
             lambdas ``lambda^p``: ``"depthwise_conv_tokens"`` (the depthwise lambda convolution on the value
             tokens), ``"conv"``, ``"einsum"``, ``"einsum_absolute"``.
 
-    A new implementation (such as a fused GPU kernel, ``impl="triton"``) is one more step: its name here, the
-    condition that picks it in :meth:`LambdaLayer.plan`, and a branch of ``LambdaLayer._position_output`` (a
-    kernel that returns ``y^p``) or ``LambdaLayer._position_lambdas`` (one that returns ``lambda^p``).
+    A new implementation is one more step: its name here, the condition that picks it in
+    :meth:`LambdaLayer.plan`, and a branch of ``LambdaLayer._position_output`` (a kernel that returns ``y^p``,
+    as ``"triton"`` does) or ``LambdaLayer._position_lambdas`` (one that returns ``lambda^p``).
     """
 
     impl: str
@@ -163,7 +163,11 @@ class LambdaLayer(nn.Module):
             depthwise with channel multiplier), ``"einsum"`` (masked embeddings, lambdas first as in Fig. 3),
             ``"einsum_qe"`` (the same embeddings contracted queries-first, ``(q E) V``: ``h (k + v)`` instead of
             ``k v`` multiply-adds per (n, m) pair, in query chunks no larger than ``lambda^p``; multi-query,
-            ``u = 1``, non-causal) or ``"auto"`` (see :meth:`choose_impl`).
+            ``u = 1``, non-causal), ``"triton"`` (the same contraction in fused Triton kernels, forward and
+            backward, with ``E`` read from the relative table inside the kernel: multi-query, relative
+            embeddings, 1-d or 2-d, any ``u``; CUDA, or CPU under ``TRITON_INTERPRET=1``; fp32 accumulation)
+            or ``"auto"`` (see :meth:`choose_impl`; it does not pick ``"triton"`` until the kernels have been
+            measured on a GPU).
 
     Complexity (Table 2, ``d = dim_out``): global ``Theta(b n m k d / h)`` time and ``Theta(k n m + b n k d / h)``
     space; lambda convolution ``Theta(b n r k d / h)`` time and ``Theta(k r + b n k d / h)`` space, linear in
@@ -220,6 +224,11 @@ class LambdaLayer(nn.Module):
             raise ValueError("embedding must be a RelativePositionEmbedding or AbsolutePositionEmbedding, "
                              f"got {type(embedding).__name__}")
         spatial_dims = self._resolve_spatial_dims(spatial_dims, embedding, causal, feat_size)
+        if impl == "triton" and (multihead or spatial_dims == 3 or position_embedding == "absolute"
+                                 or isinstance(embedding, AbsolutePositionEmbedding) or not position):
+            raise ValueError("impl='triton' needs a multi-query layer (multihead=False) with relative position "
+                             f"embeddings on 1-d or 2-d inputs; got multihead={multihead}, spatial_dims="
+                             f"{spatial_dims}, position_embedding={position_embedding!r}, position={position}")
         if causal and stride != 1:
             raise ValueError("causal=True needs stride=1 (the average pool would mix future positions)")
         feat = to_ntuple(feat_size, spatial_dims, "feat_size")
@@ -383,6 +392,8 @@ class LambdaLayer(nn.Module):
         n = math.prod(spatial)
         whole = self._whole_embeddings_fit(n, policy)  # E[n, m] may be materialised
         qe_ok = self.dim_u == 1 and self.groups == 1 and not self.causal  # queries-first: multi-query, u = 1
+        if self.impl == "triton":
+            return LambdaPlan("triton", "triton")
         impl = self.impl if self.impl != "auto" else self._auto_impl(spatial, n, whole, qe_ok, policy)
         if impl == "einsum_qe" and not qe_ok:
             impl = "einsum"
@@ -504,9 +515,15 @@ class LambdaLayer(nn.Module):
         return None, self._position_lambdas(plan.position, vals, spatial)
 
     def _position_output(self, step: str, q: Tensor, vals: Tensor, spatial: tuple[int, ...]) -> Tensor:
-        """Queries-first position output ``y^p = (q E) V``, ``[b, n, h, v]`` (multi-query, ``u = 1``)."""
+        """Queries-first position output ``y^p = (q E) V``, ``[b, n, h, v]`` (multi-query; ``u = 1`` but for
+        ``"triton"``)."""
         emb = self.embedding
         b, n = vals.shape[:2]
+        if step == "triton":  # fused kernels, any u: q [b n h k], V [b m v u], R [k u *K]
+            from lambdanet.kernels import lambda_position_output
+
+            vals = vals.view(b, n, self.dim_v, self.dim_u)  # b m v u
+            return lambda_position_output(q, vals, emb.table[0], emb.center, spatial)  # b n h v
         vals = vals.view(b, n, self.dim_v)  # b m v
         if step == "einsum_qe_absolute":
             y = LF.position_output_qe(q, emb.embeddings()[0, :, 0], vals)  # b h n v
