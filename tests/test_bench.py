@@ -139,7 +139,7 @@ def test_bench_runs_on_tiny_sizes_and_writes_its_files(tmp_path):
 
 def test_bench_cli_rejects_unknown_parts(tmp_path, capsys):
     assert main(["bench", "speed", "--quick", "--out", str(tmp_path)]) == 2
-    assert "unknown bench part(s) ['speed']; valid: targets, attention, scaling, models, table4" in \
+    assert "unknown bench part(s) ['speed']; valid: targets, impls, attention, scaling, models, table4" in \
         capsys.readouterr().err
 
 

@@ -22,7 +22,7 @@ from lambdanet.bench.peers import peer_attention_layers, peer_lambda_layers
 from lambdanet.layers import LambdaLayer, RelativePositionEmbedding, create_spatial_layer
 from lambdanet.runtime import count_flops, peak_memory, time_round_robin
 
-__all__ = ["LayerConfig", "LAYER_SUITE", "TARGET_POINTS", "ATTENTION_POINTS", "build_layer", "loglog_slope",
+__all__ = ["LayerConfig", "LAYER_SUITE", "TARGET_POINTS", "ATTENTION_POINTS", "IMPL_POINTS", "lambda_impls", "triton_runs", "build_layer", "loglog_slope",
            "geomean", "bench_layer", "interleaved_fwd_bwd", "layer_sweep", "scaling_slopes", "lambda_vs_peers",
            "attention_vs_peers"]
 
@@ -160,23 +160,66 @@ def lambda_vs_peers(points=TARGET_POINTS, *, device: str = "cpu", repeats: int =
         torch.manual_seed(0)
         x = torch.randn(b, c, side, side, device=device)
         impls = {"lambdanet": LambdaLayer(c, dim_k=dim_k, heads=heads, r=r, feat_size=side)}
+        if triton_runs(device):  # the fused kernels, opt-in until measured: their own row
+            impls["lambdanet-triton"] = LambdaLayer(c, dim_k=dim_k, heads=heads, r=r, feat_size=side, impl="triton")
         impls.update(peer_lambda_layers(c, side, r, dim_k=dim_k, heads=heads))
         point = {"batch": b, "channels": c, "side": side, "scope": "global" if r is None else f"{r}x{r}"}
         impls = {name: layer.to(device) for name, layer in impls.items()}
         results = interleaved_fwd_bwd(impls, x, repeats=repeats, log=log)
         for name, res in results.items():
             rows.append({**point, "impl": name, **res})
-        peers = {k: v for k, v in results.items() if k != "lambdanet"}
+        peers = {k: v for k, v in results.items() if not k.startswith("lambdanet")}
         if peers and "lambdanet" in results:
             fastest = min(peers, key=lambda k: peers[k]["median_ms"])
-            ours = results["lambdanet"]
             for row in rows[-len(results):]:
-                if row["impl"] == "lambdanet":
+                if row["impl"].startswith("lambdanet"):
+                    mine = results[row["impl"]]
                     row["fastest_peer"] = fastest
-                    row["ratio_vs_fastest_peer"] = peers[fastest]["median_ms"] / ours["median_ms"]
-                    row["memory_ratio"] = ours["peak_bytes"] / max(peers[fastest]["peak_bytes"], 1)
+                    row["ratio_vs_fastest_peer"] = peers[fastest]["median_ms"] / mine["median_ms"]
+                    row["memory_ratio"] = mine["peak_bytes"] / max(peers[fastest]["peak_bytes"], 1)
         log("  " + ", ".join(f"{k} {v['median_ms']:.1f} ms / {v['peak_bytes'] / 2**20:.0f} MiB"
                              for k, v in results.items()) + f"  @ {point}")
+    return rows
+
+
+def triton_runs(device: str | torch.device) -> bool:
+    """Whether ``impl="triton"`` is benchmarked on ``device``: on CUDA only (Triton's CPU interpreter runs the
+    kernels for tests; its timings mean nothing)."""
+    from lambdanet.kernels import kernels_available
+
+    return torch.device(device).type == "cuda" and kernels_available(device)[0]
+
+
+IMPL_POINTS = [(b, 256, side, r) for b in (64, 256) for side in (14, 28) for r in (7, 23, None)]
+
+
+def lambda_impls(points=IMPL_POINTS, *, device: str = "cpu", repeats: int = 5, dim_k: int = 16, heads: int = 4,
+                 dim_u: int = 1, log=print) -> list[dict]:
+    """Forward+backward time and peak memory of every position implementation of our ``LambdaLayer`` at each
+    point (``(batch, channels, side, r)``; ``r=None`` global), timed round-robin, with the one ``auto`` picks and
+    the fastest: the measurement an :class:`~lambdanet.layers.ImplPolicy` for the device is fitted to."""
+    impls = ["einsum_qe", "einsum", "depthwise_conv", "conv"] + (["triton"] if triton_runs(device) else [])
+    rows = []
+    for b, c, side, r in points:
+        torch.manual_seed(0)
+        x = torch.randn(b, c, side, side, device=device)
+        layers = {impl: LambdaLayer(c, dim_k=dim_k, heads=heads, dim_u=dim_u, r=r, feat_size=side, impl=impl)
+                  for impl in impls}
+        auto = LambdaLayer(c, dim_k=dim_k, heads=heads, dim_u=dim_u, r=r, feat_size=side).to(device)
+        layers = {k: v.to(device) for k, v in layers.items()}
+        try:
+            results = interleaved_fwd_bwd(layers, x, repeats=repeats, log=log)
+        except torch.OutOfMemoryError:
+            log(f"  out of memory at {(b, c, side, r)}: skipped")
+            continue
+        fastest = min(results, key=lambda k: results[k]["median_ms"])
+        picked = auto.choose_impl((side, side), torch.device(device).type)
+        for impl, res in results.items():
+            rows.append({"batch": b, "channels": c, "side": side, "scope": "global" if r is None else f"{r}x{r}",
+                         "dim_u": dim_u, "impl": impl, **res, "fastest": impl == fastest, "auto": impl == picked,
+                         "slowdown_vs_fastest": res["median_ms"] / results[fastest]["median_ms"]})
+        log(f"  {(b, c, side, r)}: fastest {fastest}, auto {picked} "
+            f"({results[picked]['median_ms'] / results[fastest]['median_ms']:.2f}x the fastest's time)")
     return rows
 
 

@@ -3,7 +3,8 @@
 Suites follow the papers' comparisons: ``table13`` (ResNet-50 with lambda layers per stage), ``table14``
 (LambdaResNets against ResNet-RS with and without SE), ``halonet`` (H0-H2), ``mobilenet`` (MobileNet-v2
 with and without lambda blocks) and ``hybrid26`` (the compact C-C-L-L hybrid against its all-conv twin,
-and timm's lambda_resnet26t / resnet26t when timm is installed).
+and timm's lambda_resnet26t / resnet26t when timm is installed) and ``timm26`` (our lambda_resnet26t and
+halonet26t, timm's architectures on our layers, against timm's own and resnet26t).
 
 Throughput is images per second of a full step (training: forward, backward and an SGD step; inference:
 a ``no_grad`` forward in eval mode). Like App. E.2, a batch that does not fit is halved until it does and
@@ -41,6 +42,10 @@ MODEL_SUITES: dict[str, list[tuple[str, str, dict]]] = {
     "mobilenet": [(n, n, {}) for n in ("mobilenet_v2", "mobilenet_v2_lambda")],
     "hybrid26": [("resnet26", "resnet26", {}), ("lambda_resnet26", "lambda_resnet26", {}),
                  ("timm:resnet26t", "timm:resnet26t", {}), ("timm:lambda_resnet26t", "timm:lambda_resnet26t", {})],
+    # the same architectures (and weights) as timm's, side by side with timm's own, relative to resnet26t
+    "timm26": [("timm:resnet26t", "timm:resnet26t", {}), ("lambda_resnet26t", "lambda_resnet26t", {}),
+               ("timm:lambda_resnet26t", "timm:lambda_resnet26t", {}), ("halonet26t", "halonet26t", {}),
+               ("timm:halonet26t", "timm:halonet26t", {})],
 }
 
 

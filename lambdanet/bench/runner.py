@@ -78,6 +78,21 @@ def _targets(s: BenchSettings, out: Path, log: Log) -> PartResult:
     return {"targets": rows}, report
 
 
+def _impls(s: BenchSettings, out: Path, log: Log) -> PartResult:
+    log("== impls: every LambdaLayer position implementation (forward+backward)")
+    points = [(2, 32, 8, 5), (2, 32, 8, None)] if s.quick else layer_bench.IMPL_POINTS
+    rows = layer_bench.lambda_impls(points, device=s.device, repeats=2 if s.quick else s.repeats, log=log)
+    missed = [r for r in rows if r["auto"] and not r["fastest"]]
+    return {"impls": rows}, [
+        "## LambdaLayer implementations (forward+backward)", "",
+        markdown(rows, [("batch", "B"), ("channels", "C"), ("side", "size"), ("scope", "scope"), ("impl", "impl"),
+                        ("median_ms", "ms"), ("peak_bytes", "peak bytes"), ("slowdown_vs_fastest", "x fastest"),
+                        ("auto", "auto's pick"), ("fastest", "fastest")]), "",
+        f"`auto` picks the fastest implementation at {sum(r['auto'] and r['fastest'] for r in rows)} of "
+        f"{sum(r['auto'] for r in rows)} points" + (f"; worst miss {max(r['slowdown_vs_fastest'] for r in missed):.2f}x."
+                                                     if missed else "."), ""]
+
+
 def _attention(s: BenchSettings, out: Path, log: Log) -> PartResult:
     log("== attention: halo and global relative attention against timm")
     points = [(2, 32, 16)] if s.quick else layer_bench.ATTENTION_POINTS
@@ -149,6 +164,7 @@ class Part(NamedTuple):
 
 PARTS: dict[str, Part] = {
     "targets": Part(_targets, lambda s: ("timm", "lambda_networks")),
+    "impls": Part(_impls, lambda s: ()),
     "attention": Part(_attention, lambda s: ("timm",)),
     "scaling": Part(_scaling, lambda s: ()),
     "models": Part(_models, lambda s: model_bench.suite_peers(s.model_suites)),
