@@ -140,3 +140,27 @@ def test_triton_impl_errors_are_clear(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     ok, why = kernels_available("cpu")
     assert not ok and "CUDA" in why and "TRITON_INTERPRET=1" in why
+
+
+def test_kernels_compile_for_hopper_without_spills():
+    """The interpreter cannot tell whether the kernels compile for a GPU: compile them ahead of time for
+    compute capability 9.0 (H100 / H200) with Triton's bundled ptxas, in fp32 and bf16, in a process without
+    TRITON_INTERPRET. None may spill to local memory; the bf16 kernels must use the matrix units (mma / wgmma
+    instructions); fp32 ones multiply in full fp32 (FMAs: TF32 only when PyTorch's allow_tf32 says so)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "import json; from lambdanet.kernels.lambda_position import compile_report; print(json.dumps(compile_report()))"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    if proc.returncode and "ptxas" in proc.stderr and "not found" in proc.stderr:
+        pytest.skip("Triton's ptxas is not available here")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {(r["kernel"], r["dtype"]) for r in rows} == {(k, d) for k in ("forward", "backward_q", "backward_kv")
+                                                         for d in ("fp32", "bf16")}
+    for r in rows:
+        assert r["local_loads"] == 0 and r["local_stores"] == 0 and r["cubin_bytes"] > 0, r
+        assert (r["mma"] > 0) == (r["dtype"] == "bf16"), r

@@ -14,7 +14,9 @@ Kernels (grid: query tiles x batch, or context tiles x batch):
 
 * ``_forward``: for each query tile, loop over the context tiles in its band; per tile the logits-like
   ``S[(n, h), m] = sum_k q[n, h, k] R[k, u, off(n, m)]`` (k gathered rows of ``R``, CUDA-core FMAs, fp32), then
-  ``y += S V_u`` (``tl.dot``, fp32 accumulation; half-precision ``V`` takes ``S`` rounded to its type).
+  ``y += S V_u`` (``tl.dot``, fp32 accumulation; half-precision ``V`` takes ``S`` rounded to its type and runs
+  on the matrix units; fp32 ``V`` multiplies in full fp32 (FMAs), or in TF32 on the matrix units when
+  ``torch.backends.cuda.matmul.allow_tf32`` is set, as PyTorch's own fp32 GEMMs do).
 * ``_backward_q``: ``dS = dy V_u^T`` per tile, ``dq[n, h, k] += sum_m dS[(n, h), m] R[k, u, off(n, m)]``.
 * ``_backward_kv``: per context tile, loop over the query tiles whose band holds it; ``dV_u += S^T dy`` and
   ``dR[k, u, off(n, m)] += sum_h q[n, h, k] dS[(n, h), m]`` (atomic adds into an fp32 table gradient).
@@ -65,7 +67,7 @@ def _scores(q_ptr, r_ptr, offs_n, offs_h, n_ok, h_ok, idx, valid, u, K, U, T, s_
 def _forward(q_ptr, v_ptr, r_ptr, y_ptr, N, H, K, V, U, S0, W, T0, T1, c0, c1,
              s_qb, s_qn, s_qh, s_vb, s_vm, s_vv, s_yb, s_yn, s_yh,
              BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr,
-             HALF_DOT: tl.constexpr):
+             HALF_DOT: tl.constexpr, F32_DOT: tl.constexpr):
     pid_n, b = tl.program_id(0), tl.program_id(1)
     T = T0 * T1
     q_ptr += b * s_qb
@@ -92,7 +94,7 @@ def _forward(q_ptr, v_ptr, r_ptr, y_ptr, N, H, K, V, U, S0, W, T0, T1, c0, c1,
             if HALF_DOT:  # half-precision operands, fp32 accumulation
                 acc += tl.dot(s2.to(vt.dtype), vt)
             else:
-                acc += tl.dot(s2, vt.to(tl.float32), input_precision="ieee")
+                acc += tl.dot(s2, vt.to(tl.float32), input_precision=F32_DOT)
     out = tl.reshape(acc, (BLOCK_N, BLOCK_H, BLOCK_V))
     y_ptrs = y_ptr + b * s_yb + offs_n[:, None, None] * s_yn + offs_h[None, :, None] * s_yh + offs_v[None, None, :]
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=n_ok[:, None, None] & h_ok[None, :, None] & v_ok[None, None, :])
@@ -102,7 +104,7 @@ def _forward(q_ptr, v_ptr, r_ptr, y_ptr, N, H, K, V, U, S0, W, T0, T1, c0, c1,
 def _backward_q(q_ptr, v_ptr, r_ptr, dy_ptr, dq_ptr, N, H, K, V, U, S0, W, T0, T1, c0, c1,
                 s_qb, s_qn, s_qh, s_vb, s_vm, s_vv, s_yb, s_yn, s_yh,
                 BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr,
-             HALF_DOT: tl.constexpr):
+             HALF_DOT: tl.constexpr, F32_DOT: tl.constexpr):
     """dq[n, h, k] = sum_{m, u} (dy[n, h] . V[m, :, u]) R[k, u, off(n, m)]; dq (fp32, zeroed, q's strides)
     is owned by this program's rows: read-modify-write without atomics."""
     pid_n, b = tl.program_id(0), tl.program_id(1)
@@ -132,7 +134,7 @@ def _backward_q(q_ptr, v_ptr, r_ptr, dy_ptr, dq_ptr, N, H, K, V, U, S0, W, T0, T
             if HALF_DOT:
                 ds = tl.dot(dy2.to(vt.dtype), tl.trans(vt))  # (n h) m
             else:
-                ds = tl.dot(dy2.to(tl.float32), tl.trans(vt.to(tl.float32)), input_precision="ieee")
+                ds = tl.dot(dy2.to(tl.float32), tl.trans(vt.to(tl.float32)), input_precision=F32_DOT)
             ds3 = tl.reshape(ds, (BLOCK_N, BLOCK_H, BLOCK_M))
             for k in range(K):
                 rk = tl.load(r_ptr + (k * U + u) * T + idx, mask=valid, other=0.0).to(tl.float32)  # n m
@@ -145,7 +147,7 @@ def _backward_q(q_ptr, v_ptr, r_ptr, dy_ptr, dq_ptr, N, H, K, V, U, S0, W, T0, T
 def _backward_kv(q_ptr, v_ptr, r_ptr, dy_ptr, dv_ptr, dr_ptr, N, H, K, V, U, S0, W, T0, T1, c0, c1,
                  s_qb, s_qn, s_qh, s_vb, s_vm, s_vv, s_yb, s_yn, s_yh,
                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr,
-             HALF_DOT: tl.constexpr):
+             HALF_DOT: tl.constexpr, F32_DOT: tl.constexpr):
     """Per context tile: dV[m, v, u] = sum_{n, h} S[(n, h), m] dy[n, h, v] (owned rows, fp32, V's strides)
     and dR[k, u, off(n, m)] += sum_h q[n, h, k] (dy[n, h] . V[m, :, u]) (atomic, fp32)."""
     pid_m, b = tl.program_id(0), tl.program_id(1)
@@ -186,8 +188,8 @@ def _backward_kv(q_ptr, v_ptr, r_ptr, dy_ptr, dv_ptr, dr_ptr, N, H, K, V, U, S0,
                 dv += tl.dot(s2.to(vt.dtype), dy2.to(vt.dtype))
                 ds = tl.dot(dy2.to(vt.dtype), tl.trans(vt))  # (n h) m
             else:
-                dv += tl.dot(s2, dy2.to(tl.float32), input_precision="ieee")
-                ds = tl.dot(dy2.to(tl.float32), tl.trans(vt.to(tl.float32)), input_precision="ieee")
+                dv += tl.dot(s2, dy2.to(tl.float32), input_precision=F32_DOT)
+                ds = tl.dot(dy2.to(tl.float32), tl.trans(vt.to(tl.float32)), input_precision=F32_DOT)
             ds3 = tl.reshape(ds, (BLOCK_N, BLOCK_H, BLOCK_M))
             for k in range(K):
                 qk = tl.load(q_ptr + offs_n[:, None] * s_qn + offs_h[None, :] * s_qh + k, mask=row_ok, other=0.0)
@@ -205,7 +207,8 @@ def _geometry(q, values, table, center, spatial):
     c0, c1 = (0, center[0]) if len(spatial) == 1 else center
     block_h = max(triton.next_power_of_2(h), 1)
     block_v = max(triton.next_power_of_2(v), 16)
-    geo = dict(N=n, H=h, K=k, V=v, U=u, S0=s0, W=w, T0=t0, T1=t1, c0=c0, c1=c1, HALF_DOT=_half_dot(values.dtype))
+    geo = dict(N=n, H=h, K=k, V=v, U=u, S0=s0, W=w, T0=t0, T1=t1, c0=c0, c1=c1, HALF_DOT=_half_dot(values.dtype),
+               F32_DOT="tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee")
     return geo, b, block_h, block_v
 
 
@@ -242,3 +245,39 @@ def launch_backward(grad, q, values, table, center, spatial, dq, dvalues, dtable
     _backward_q[(triton.cdiv(geo["N"], BLOCK_N), b)](q, values, table, grad, dq, **geo, **strides, **blocks)
     _backward_kv[(triton.cdiv(geo["N"], BLOCK_M), b)](q, values, table, grad, dvalues, dtable, **geo, **strides,
                                                        **blocks)
+
+
+_INT_ARGS = ("N", "H", "K", "V", "U", "S0", "W", "T0", "T1", "c0", "c1", "s_qb", "s_qn", "s_qh", "s_vb", "s_vm",
+             "s_vv", "s_yb", "s_yn", "s_yh")
+_KERNELS = {"forward": ("_forward", ("q_ptr", "v_ptr", "r_ptr", "y_ptr")),
+            "backward_q": ("_backward_q", ("q_ptr", "v_ptr", "r_ptr", "dy_ptr", "dq_ptr")),
+            "backward_kv": ("_backward_kv", ("q_ptr", "v_ptr", "r_ptr", "dy_ptr", "dv_ptr", "dr_ptr"))}
+
+
+def compile_report(arch: int = 90, *, block_h: int = 4, block_v: int = 64, num_warps: int = 4) -> list[dict]:
+    """Compile every kernel ahead of time for CUDA compute capability ``arch`` (no GPU needed: Triton's
+    bundled ``ptxas``), in fp32 and bf16: per kernel, the matrix-unit instructions in the PTX, local-memory
+    (spill) accesses and shared memory. Run it without ``TRITON_INTERPRET`` (the interpreter has no compiler)."""
+    import re
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("compile_report needs the compiler: unset TRITON_INTERPRET")
+    rows = []
+    for label, (fn_name, ptrs) in _KERNELS.items():
+        fn = globals()[fn_name]
+        for dtype, half in (("fp32", False), ("bf16", True)):
+            sig = {p: "*fp32" if p in ("dq_ptr", "dv_ptr", "dr_ptr") else f"*{dtype}" for p in ptrs}
+            sig |= {name: "i32" for name in _INT_ARGS}
+            consts = dict(BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, BLOCK_H=block_h, BLOCK_V=block_v, HALF_DOT=half,
+                          F32_DOT="ieee")
+            sig |= {name: "constexpr" for name in consts}
+            src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+            kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+            ptx = kernel.asm["ptx"]
+            rows.append({"kernel": label, "dtype": dtype, "mma": len(re.findall(r"\bw?gmma|\bmma\.", ptx)),
+                         "local_loads": ptx.count("ld.local"), "local_stores": ptx.count("st.local"),
+                         "shared_bytes": kernel.metadata.shared, "cubin_bytes": len(kernel.asm["cubin"])})
+    return rows
