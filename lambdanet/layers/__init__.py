@@ -13,6 +13,7 @@ from lambdanet.layers.local_attention import BlockedLocalAttention, HaloAttentio
 from lambdanet.layers.position_embedding import AbsolutePositionEmbedding, RelativePositionEmbedding
 from lambdanet.layers.registry import create_spatial_layer, list_spatial_layers, spatial_layer_info
 from lambdanet.layers.relative_attention import AttentionAugmentedConv, RelativeSelfAttention
+from lambdanet.layers.relative_position import attend, auto_attention_impl, use_attention_impl
 from lambdanet.layers.squeeze_excite import SqueezeExcite
 
 __all__ = [
@@ -21,4 +22,5 @@ __all__ = [
     "RelativeSelfAttention", "AttentionAugmentedConv", "AxialAttention",
     "BlockedLocalAttention", "HaloAttention", "LocalSelfAttention",
     "create_spatial_layer", "list_spatial_layers", "spatial_layer_info",
+    "attend", "auto_attention_impl", "use_attention_impl",
 ]

@@ -2,7 +2,9 @@
 the width axis, each with 1-d relative position logits. LambdaNetworks Table 4 "axial self-attention".
 
 Complexity (``n = H W``): time ``Theta(b n (H + W) d)``, space ``Theta(b h n (H + W))``, i.e.
-``Theta(b h n sqrt(n))`` for square maps. Stride 2: a 2x2 average pool (ceil mode) after.
+``Theta(b h n sqrt(n))`` for square maps. Stride 2: a 2x2 average pool (ceil mode) after. Each row (column)
+is one batch entry of :func:`~lambdanet.layers.relative_position.attend` (fused SDPA on CUDA, the math
+reference on CPU).
 """
 
 from __future__ import annotations

@@ -17,8 +17,13 @@ cannot happen: the test suite compares border pixels with a naive per-pixel refe
   window centred on it (7x7 default), computed blockwise with a mask; stride 2 = 2x2 average pool after.
 
 Complexity (HaloNet Table 1, ``c`` channels, ``n = H W``): memory ``Theta(n/b^2 (b + 2h)^2 c)`` for the
-gathered neighbourhoods and ``Theta(b_ h n (b + 2h)^2)`` for the attention weights (batch ``b_``, heads
-``h``); FLOPs per pixel ``Theta((b + 2h)^2 c)``. Both are linear in ``n``.
+gathered neighbourhoods and ``Theta(b_ h n (b + 2h)^2)`` for the relative logits and, on the math path, the
+attention weights (batch ``b_``, heads ``h``); FLOPs per pixel ``Theta((b + 2h)^2 c)``. Both are linear in ``n``.
+
+The softmax runs in :func:`~lambdanet.layers.relative_position.attend`: each block's ``(b/s)^2`` queries
+against its ``(b + 2h)^2`` keys are one batch entry of ``F.scaled_dot_product_attention`` on CUDA (the
+relative logits and the padding / window mask in one additive ``attn_mask``), the math reference on CPU;
+:func:`~lambdanet.layers.relative_position.auto_attention_impl` is the rule.
 """
 
 from __future__ import annotations

@@ -7,8 +7,11 @@
   ``dim_out - dv`` channels concatenated with ``dv`` channels of relative self-attention (LambdaNetworks
   Table 3 "conv + relative self-attention").
 
-Complexity (``n = m = H W``): time ``Theta(b n m (h k + d))``, space ``Theta(b h n m)`` (the attention maps).
-Stride 2: a 2x2 average pool (ceil mode) after the attention, as in BoTNet.
+Complexity (``n = m = H W``): time ``Theta(b n m (h k + d))``, space ``Theta(b h n m)`` (the relative logits
+and, on the math path, the attention maps). Stride 2: a 2x2 average pool (ceil mode) after the attention, as
+in BoTNet. The softmax runs in :func:`~lambdanet.layers.relative_position.attend` (fused
+``F.scaled_dot_product_attention`` with the relative logits as ``attn_mask`` on CUDA, the math reference on
+CPU; :func:`~lambdanet.layers.relative_position.auto_attention_impl` is the rule).
 """
 
 from __future__ import annotations

@@ -1,21 +1,51 @@
-"""Factorised 2-d relative position logits for the self-attention baselines.
+"""Factorised 2-d relative position logits and the softmax attention of the self-attention baselines.
 
 Bello et al. 2019 (attention augmentation, BoTNet): ``logit(n, m) = q_n . (k_m + r^H_{a-i} + r^W_{c-j})``
 with full-depth height and width tables. SASA (Ramachandran et al. 2019) and HaloNet allocate half of
 each head's channels to each axis: ``q_n[:d/2] . r^H_{a-i} + q_n[d/2:] . r^W_{c-j}``. Tables are shared by
 all heads (HaloNet App. A). Initialisation ``N(0, d^-1/2)``.
+
+Every baseline (global, local / halo, axial) then computes ``softmax(q k^T d^-1/2 + logits_rel) v``
+(Vaswani et al. 2017 with additive relative logits, Shaw et al. 2018) through :func:`attend`, the one place
+that picks the kernel. Two implementations compute the same function:
+
+* ``"math"`` (:func:`attend_math`): the readable reference, matmul + softmax in :func:`compute_dtype`;
+* ``"sdpa"`` (:func:`attend_sdpa`): ``torch.nn.functional.scaled_dot_product_attention`` with the relative
+  logits and the mask folded into one additive ``attn_mask``; on CUDA it runs the fused memory-efficient
+  or cuDNN kernels, which never write the ``n x m`` softmax to memory.
+
+Which one runs is decided by :func:`auto_attention_impl` (the tuning policy) unless the caller passes
+``impl`` or a :func:`use_attention_impl` block forces one (tests, GPU comparisons).
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+from collections.abc import Iterator
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from lambdanet.helpers import check_choice
-from lambdanet.helpers import compute_dtype
+from lambdanet.helpers import check_choice, compute_dtype
 
-__all__ = ["RelativePosition2d", "RelativePosition1d", "attend"]
-
+__all__ = [
+    "RelativePosition2d",
+    "RelativePosition1d",
+    "ATTENTION_IMPLS",
+    "HALF_DTYPES",
+    "SDPA_DEVICE_TYPES",
+    "SDPA_TRAINING_BACKENDS",
+    "auto_attention_impl",
+    "attention_impl",
+    "use_attention_impl",
+    "attend",
+    "attend_math",
+    "attend_sdpa",
+    "half_reductions_allowed",
+]
 
 class RelativePosition2d(nn.Module):
     """Relative position logits factorised over height and width.
@@ -66,13 +96,89 @@ class RelativePosition2d(nn.Module):
         return l_h.unsqueeze(-1) + l_w.unsqueeze(-2)  # ... Qh Qw Kh Kw
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None = None, mask: Tensor | None = None,
-           scale: float = 1.0) -> Tensor:
-    """Softmax attention ``softmax(q k^T scale + bias, masked) v``.
+ATTENTION_IMPLS = ("auto", "math", "sdpa")
+"""Values of ``impl``: ``"auto"`` defers to :func:`auto_attention_impl`."""
 
-    ``q [..., Nq, d]``, ``k [..., Nk, d]``, ``v [..., Nk, dv]``, ``bias`` broadcastable to ``[..., Nq, Nk]``,
-    ``mask`` (True = keep) broadcastable to it. The logits and the softmax run in :func:`compute_dtype`
-    (float32 for half-precision inputs, float64 for float64). Masked keys get the most negative finite
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+"""Half-precision input dtypes: ``"auto"`` picks SDPA for them on every device."""
+
+SDPA_DEVICE_TYPES = ("cuda",)
+"""Device types on which ``"auto"`` picks SDPA for float32 / float64 inputs (see :func:`auto_attention_impl`)."""
+
+SDPA_TRAINING_BACKENDS = (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+"""The SDPA kernels :func:`attend_sdpa` allows on CUDA when a gradient is needed. cuDNN attention is left
+out: it has no gradient for ``attn_mask`` (a bias that requires grad raises "not differentiable with respect
+to argument 'attn_bias'"), and with a mask its backward can return NaN query gradients (pytorch#196678).
+Flash attention takes no ``attn_mask`` at all. The memory-efficient kernel needs head depths that are multiples
+of 4 (float32) or 8 (half precision), else SDPA falls back to its math backend. Inference keeps SDPA's own
+choice (cuDNN first on H100 with a recent cuDNN)."""
+
+_forced_impl = "auto"  # set by use_attention_impl
+
+
+def auto_attention_impl(device: torch.device | str, dtype: torch.dtype) -> str:
+    """The attention policy: which implementation ``impl="auto"`` runs for inputs on ``device`` of ``dtype``.
+
+    * ``"sdpa"`` on the devices of :data:`SDPA_DEVICE_TYPES` (CUDA): the fused kernels are the fair
+      attention baseline on a GPU (no ``b h n m`` logits, softmax and attention tensors in memory).
+    * ``"sdpa"`` for float16 / bfloat16 inputs on any device: SDPA accumulates ``q k^T`` in float32, where
+      the math path rounds the logits to half precision before its float32 softmax.
+    * ``"math"`` otherwise (float32 / float64 on CPU): the code the project's CPU benchmarks measured,
+      so CPU numbers do not change. This rule is not the result of a timing study; change it here, and
+      only here, when a measurement says otherwise.
+
+    FlexAttention is not used: off CUDA it needs ``torch.compile``, and its gain (adding the factorised
+    ``l_h + l_w`` relative logits in a ``score_mod`` instead of materialising the bias) has not been measured.
+    """
+    device_type = torch.device(device).type
+    if device_type in SDPA_DEVICE_TYPES or dtype in HALF_DTYPES:
+        return "sdpa"
+    return "math"
+
+
+def attention_impl(q: Tensor, impl: str = "auto") -> str:
+    """The implementation :func:`attend` runs for queries ``q``: ``impl`` if it names one, else the one forced
+    by an enclosing :func:`use_attention_impl`, else :func:`auto_attention_impl`."""
+    check_choice(impl, "impl", ATTENTION_IMPLS)
+    if impl == "auto":
+        impl = _forced_impl
+    return auto_attention_impl(q.device, q.dtype) if impl == "auto" else impl
+
+
+@contextlib.contextmanager
+def use_attention_impl(impl: str) -> Iterator[None]:
+    """Run every :func:`attend` called with ``impl="auto"`` (every attention layer) inside the block with
+    ``impl`` (``"math"``, ``"sdpa"`` or ``"auto"``). Process-wide, not thread-local; read when a layer runs,
+    so ``torch.jit.trace`` / ``torch.export`` record the implementation in force while tracing."""
+    global _forced_impl
+    check_choice(impl, "impl", ATTENTION_IMPLS)
+    previous, _forced_impl = _forced_impl, impl
+    try:
+        yield
+    finally:
+        _forced_impl = previous
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None = None, mask: Tensor | None = None,
+           scale: float = 1.0, impl: str = "auto") -> Tensor:
+    """Softmax attention ``softmax(q k^T scale + bias, masked) v`` by the implementation
+    :func:`attention_impl` picks (``impl``: one of :data:`ATTENTION_IMPLS`).
+
+    ``q [..., Nq, d]``, ``k [..., Nk, d]``, ``v [..., Nk, dv]`` (same leading dims), ``bias`` broadcastable to
+    ``[..., Nq, Nk]``, ``mask`` (True = keep) broadcastable to it. A query row with no key left gives the
+    uniform average of all values (finite, zero gradient to its query and bias) in every implementation.
+    """
+    if attention_impl(q, impl) == "sdpa":
+        return attend_sdpa(q, k, v, bias, mask, scale)
+    return attend_math(q, k, v, bias, mask, scale)
+
+
+def attend_math(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None = None, mask: Tensor | None = None,
+                scale: float = 1.0) -> Tensor:
+    """The reference implementation of :func:`attend`.
+
+    The logits and the softmax run in :func:`compute_dtype` (float32 for half-precision inputs, float64 for
+    float64; ``q k^T`` itself is a matmul in the input dtype). Masked keys get the most negative finite
     logit, so a row with no valid key gives a uniform (finite) average instead of NaN.
     """
     logits = q @ k.transpose(-1, -2)  # ... Nq Nk
@@ -84,6 +190,58 @@ def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None = None, mask: Te
         logits = logits.masked_fill(~mask, torch.finfo(dtype).min)
     attn = logits.softmax(dim=-1).to(v.dtype)
     return attn @ v  # ... Nq dv
+
+
+@torch.compiler.assume_constant_result  # torch.compile reads the switch while tracing (no graph break)
+def half_reductions_allowed() -> bool:
+    """Whether SDPA's math backend may reduce float16 / bfloat16 inputs in half precision (the
+    ``allow_fp16_bf16_reduction_math_sdp`` switch; torch versions without it always did)."""
+    allowed = getattr(torch.backends.cuda, "fp16_bf16_reduction_math_sdp_allowed", None)
+    return True if allowed is None else bool(allowed())
+
+
+def attend_sdpa(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None = None, mask: Tensor | None = None,
+                scale: float = 1.0) -> Tensor:
+    """:func:`attend_math`'s function through ``F.scaled_dot_product_attention``.
+
+    * ``bias`` and ``mask`` become one additive ``attn_mask`` in the query dtype (the memory-efficient
+      kernel requires it; cuDNN before pytorch#191612 misread a float32 mask given with half queries):
+      ``bias`` where the mask keeps a key, ``-inf`` where it drops one (an exact zero weight, as in math).
+    * A query row with no key left would be ``-inf`` throughout (NaN or zeros, depending on the kernel). Its
+      query and its ``attn_mask`` row are set to zero instead: every logit is 0, the output is the uniform
+      average of all values and its query and bias get no gradient, exactly as in math.
+    * Leading dims are flattened to ``[B, rest, N, d]``: the fused kernels take 4-d inputs only.
+    * Precision: float32 / float64 inputs are computed in their own dtype (float64 on CPU, the math
+      backend, agrees with :func:`attend_math` to rounding). For float16 / bfloat16 the fused kernels keep
+      the logits and the softmax in float32 accumulators and SDPA's math backend upcasts to float32, unless
+      ``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)`` was set (it applies on CPU too): then
+      the inputs are upcast here, so the softmax is never computed in half precision.
+    * With a gradient needed on CUDA, the kernels are limited to :data:`SDPA_TRAINING_BACKENDS`.
+    """
+    dtype, lead, nq, nk = q.dtype, q.shape[:-2], q.shape[-2], k.shape[-2]
+    attn_mask = None if bias is None else bias.to(dtype)
+    if mask is not None:
+        has_key = mask.any(dim=-1, keepdim=True)  # ... Nq 1
+        fill = torch.where(has_key, -math.inf, 0.0).to(dtype)  # ... Nq 1
+        attn_mask = torch.where(mask, 0.0 if attn_mask is None else attn_mask, fill)  # ... Nq Nk
+        q = q.masked_fill(~has_key, 0.0)  # ... Nq d
+    if q.dim() != 4:  # [*lead, N, d] -> [B, rest, N, d]
+        lead4 = (lead[0], math.prod(lead[1:])) if lead else (1, 1)
+        q, k, v = (t.reshape(*lead4, *t.shape[-2:]) for t in (q, k, v))
+        if attn_mask is not None:
+            attn_mask = attn_mask.expand(*lead, nq, nk).reshape(*lead4, nq, nk)
+    upcast = dtype in HALF_DTYPES and half_reductions_allowed()
+    if upcast:
+        q, k, v = q.float(), k.float(), v.float()
+        attn_mask = None if attn_mask is None else attn_mask.float()
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, attn_mask))
+    kernels = sdpa_kernel(list(SDPA_TRAINING_BACKENDS)) if needs_grad and q.is_cuda else contextlib.nullcontext()
+    # autocast would cast the upcast inputs straight back to half precision
+    autocast = torch.autocast(q.device.type, enabled=False) if upcast else contextlib.nullcontext()
+    with kernels, autocast:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)  # B rest Nq dv
+    return out.to(dtype).reshape(*lead, nq, v.shape[-1])  # ... Nq dv
 
 
 class RelativePosition1d(nn.Module):
