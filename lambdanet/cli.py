@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -60,14 +61,24 @@ def _cmd_models(args: argparse.Namespace) -> int:
                                     ("paper_flops_g", "paper GFLOPs"), ("flops_s", "our GFLOPs")]))
         return 0
     rows = summarize_models(args.pattern, flops=not args.no_flops)
+    if args.pretrained:  # the models with published weights, their hub ids and accuracy
+        from lambdanet.models.byoa import model_cfgs as published
+
+        rows = [r for r in rows if r["model"] in published]
+        for r in rows:
+            p = published[r["model"]].pretrained
+            r["hub_id"], r["top1"] = p.hub_id, "-" if p.top1 is None else f"{p.top1:.1f}"
     if not rows:
-        print(f"no registered model matches {args.pattern!r}", file=sys.stderr)
+        print(f"no registered model{' with pretrained weights' if args.pretrained else ''} matches "
+              f"{args.pattern!r}", file=sys.stderr)
         return 1
     for r in rows:
         r["params_m"] = f"{r['params'] / 1e6:.2f}"
         r["gflops"] = f"{r['flops'] / 1e9:.2f}" if r["flops"] is not None else "-"
-    print(markdown_table(rows, [("model", "model"), ("params_m", "params (M)"), ("gflops", "GFLOPs"),
-                                ("input_size", "input size")]))
+    columns = [("model", "model"), ("params_m", "params (M)"), ("gflops", "GFLOPs"), ("input_size", "input size")]
+    if args.pretrained:
+        columns += [("hub_id", "weights (Hugging Face hub)"), ("top1", "ImageNet top-1")]
+    print(markdown_table(rows, columns))
     return 0
 
 
@@ -138,6 +149,76 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_predict(args: argparse.Namespace) -> int:
+    """Classify image files (library: ``lambdanet.predict.predict``)."""
+    import json
+
+    import torch
+
+    from lambdanet.helpers import check_positive_int
+    from lambdanet.predict import find_images, load_for_inference, predict
+
+    check_positive_int(args.top_k, "--top-k")
+    if args.pretrained and args.checkpoint is not None:
+        raise ValueError("--pretrained and --checkpoint exclude each other: the weights come from one of them")
+    if args.pretrained and args.model is None:
+        raise ValueError("--pretrained needs --model NAME (the model whose published weights to use)")
+    if not args.pretrained and args.checkpoint is None:
+        raise ValueError("give the weights: --checkpoint PATH (a run directory, .safetensors or last.pt) or "
+                         "--model NAME --pretrained")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda but no CUDA device is available")
+    device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
+    images = find_images(args.images)  # before loading the model: a wrong path fails fast
+    model = load_for_inference(args.checkpoint, model=args.model, pretrained=args.pretrained).to(device)
+    results = predict(model, images, top_k=args.top_k)
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return 0
+    for r in results:
+        print(r["image"])
+        for rank, c in enumerate(r["top_k"], 1):
+            index = "" if c["label"] == str(c["index"]) else f" (class {c['index']})"
+            print(f"  {rank}. {c['prob']:8.2%}  {c['label']}{index}")
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    """Export a model to ONNX, TorchScript or an ExportedProgram (library: ``lambdanet.export.export_model``)."""
+    from lambdanet.export import (
+        FORMATS,
+        default_export_path,
+        export_model,
+        require_format,
+    )
+    from lambdanet.helpers import check_choice
+    from lambdanet.models import model_info
+    from lambdanet.predict import load_for_inference
+
+    if (args.model is None) == (args.checkpoint is None):
+        raise ValueError("give either --model NAME or --checkpoint PATH" + (", not both" if args.model else ""))
+    if args.pretrained and args.model is None:
+        raise ValueError("--pretrained goes with --model NAME (a --checkpoint holds its own weights)")
+    check_choice(args.format, "--format", FORMATS)
+    require_format(args.format, check=not args.no_check)  # missing packages: before loading the model
+    model = load_for_inference(args.checkpoint, model=args.model, pretrained=args.pretrained,
+                               num_classes=args.num_classes, img_size=args.img_size)
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    name = cfg.get("model") or args.model
+    size = args.img_size or cfg.get("image_size") or model_info(name).input_size
+    out = args.out or default_export_path(name, args.format)
+    res = export_model(model, out, args.format, input_size=size, in_chans=cfg.get("in_chans") or 3,
+                       check=not args.no_check)
+    if res["checked"]:
+        against = "ONNX Runtime" if args.format == "onnx" else "reloaded"
+        check = (f"check passed ({against} vs eager): max abs error {res['max_abs_error']:.3g} <= tolerance "
+                 f"{res['tolerance']:.3g}")
+    else:
+        check = "check skipped"
+    print(f"{res['path']}: {args.format}, input {res['input_shape']}; {check}")
+    return 0
+
+
 def _add_demo(sub) -> None:
     """``lambdanet demo``"""
     demo = sub.add_parser("demo", help="run one lambda layer forward and backward on random data",
@@ -165,7 +246,39 @@ def _add_models(sub) -> None:
                              "model matches, or a table number such as 13)")
     models.add_argument("--paper", action="store_true", help="compare with the papers' parameter/FLOP tables")
     models.add_argument("--no-flops", action="store_true", help="skip FLOP counting (faster)")
+    models.add_argument("--pretrained", action="store_true",
+                        help="only the models with published ImageNet weights (create_model(name, pretrained=True)), "
+                             "with their hub ids and accuracy")
     models.set_defaults(func=_cmd_models)
+
+
+def _cmd_detect(args: argparse.Namespace) -> int:
+    """Train and evaluate a detector (library: ``lambdanet.detection.trainer.train_detector``)."""
+    from lambdanet.detection.trainer import DetectConfig, resolve_detect_config, train_detector
+    from lambdanet.train.config import load_yaml
+
+    names = {f.name for f in dataclasses.fields(DetectConfig)}
+    overrides = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    yaml_values = load_yaml(args.config) if args.config else {}
+    train_detector(resolve_detect_config(overrides.get("recipe"), yaml_values, overrides))
+    return 0
+
+
+def _add_detect(sub) -> None:
+    """``lambdanet detect``"""
+    from lambdanet.detection.trainer import DETECT_CHOICES, DETECT_RECIPES, DetectConfig
+    from lambdanet.train.config import add_config_arguments
+
+    detect = sub.add_parser(
+        "detect", help="train and evaluate Mask R-CNN / Faster R-CNN on a lambda, halo or convolution backbone",
+        description=f"Detection and instance segmentation (LambdaNetworks Table 6, HaloNet Table 5): torchvision's "
+                    f"Mask R-CNN on an FPN over a registered backbone. Recipes: {', '.join(DETECT_RECIPES)} (paper: "
+                    "App. E.3's 1024 px recipe). Data: glyphs (built-in offline scenes) or coco:DIR. Evaluation: COCO "
+                    "box and mask AP with pycocotools, in summary.json. Every option is also a YAML key (--config); "
+                    "--resume continues the run in --out; under torchrun it trains with DistributedDataParallel.")
+    detect.add_argument("--config", help="YAML file of options")
+    add_config_arguments(detect, DetectConfig, DETECT_CHOICES)
+    detect.set_defaults(func=_cmd_detect)
 
 
 def _add_train(sub) -> None:
@@ -243,7 +356,9 @@ def _add_bench(sub) -> None:
     bench = sub.add_parser(
         "bench", help="speed / memory / FLOPs benchmarks against the baselines and peers",
         description=f"Parts: targets (LambdaLayer, k=16 h=4, forward+backward against timm and lucidrains "
-                    f"lambda-networks at {points}), attention (HaloNet and global relative attention against "
+                    f"lambda-networks at {points}; with the Triton kernels as their own row on CUDA), impls (every "
+                    "LambdaLayer position implementation at batch 64-256, 14x14 and 28x28, scopes 7, 23 and global: "
+                    "the fastest and auto's pick), attention (HaloNet and global relative attention against "
                     "timm's HaloAttn and BottleneckAttn), scaling (Table 4 layers across resolutions: time, memory, "
                     "FLOPs, log-log slopes and plots), models (Table 13/14 suites, HaloNet, MobileNet, the 26-layer "
                     "hybrid: img/s, memory, params, FLOPs), table4 (Table 4's memory column from the complexity "
@@ -276,6 +391,52 @@ def _add_bench(sub) -> None:
     bench.set_defaults(func=_cmd_bench)
 
 
+def _add_predict(sub) -> None:
+    """``lambdanet predict``"""
+    from lambdanet.predict import IMAGE_SUFFIXES
+
+    pr = sub.add_parser("predict", help="classify image files",
+                        description="Top-k classes of image files with a trained run (--checkpoint) or a model's "
+                                    "published weights (--model NAME --pretrained), preprocessed as the model's "
+                                    f"pretrained_cfg says. A folder stands for every {'/'.join(IMAGE_SUFFIXES)} "
+                                    "file under it (recursively, sorted).")
+    pr.add_argument("images", nargs="+", metavar="IMAGE", help="image files or folders of images")
+    pr.add_argument("--model", default=None, help="registered model name (with --pretrained; with --checkpoint "
+                                                   "optional: it must be the run's model)")
+    pr.add_argument("--pretrained", action="store_true", help="use the model's published weights")
+    pr.add_argument("--checkpoint", default=None,
+                    help="a run directory, its .safetensors weights or its last.pt (lambdanet train)")
+    pr.add_argument("--top-k", type=int, default=5, help="classes shown per image (default: %(default)s)")
+    pr.add_argument("--json", action="store_true", help="print the predictions as JSON")
+    pr.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                    help="device (default: auto = CUDA when available)")
+    pr.set_defaults(func=_cmd_predict)
+
+
+def _add_export(sub) -> None:
+    """``lambdanet export``"""
+    from lambdanet.export import FORMATS, ONNX_INSTALL, SUFFIXES
+
+    ex = sub.add_parser("export", help="export a model to ONNX, TorchScript or a torch.export program",
+                        description="Write a model (--model NAME, random or --pretrained weights, or a trained "
+                                    "--checkpoint) as ONNX (dynamo exporter, checked with ONNX Runtime; needs "
+                                    f"{ONNX_INSTALL}), TorchScript (torch.jit.trace) or an ExportedProgram "
+                                    "(torch.export, .pt2), traced on one [1, C, N, N] input, then load it back "
+                                    "and compare it with the eager model.")
+    ex.add_argument("--model", default=None, help="registered model name")
+    ex.add_argument("--pretrained", action="store_true", help="with --model: its published weights")
+    ex.add_argument("--checkpoint", default=None,
+                    help="a run directory, its .safetensors weights or its last.pt (lambdanet train)")
+    ex.add_argument("--format", required=True, metavar="FORMAT", help=f"one of {', '.join(FORMATS)}")
+    ex.add_argument("--out", default=None,
+                    help="output file (default: <model>" + "|".join(SUFFIXES.values()) + " in this folder)")
+    ex.add_argument("--img-size", type=int, default=None,
+                    help="input height and width (default: the model's pretrained_cfg or paper input size)")
+    ex.add_argument("--num-classes", type=int, default=None, help="with --model: classifier outputs")
+    ex.add_argument("--no-check", action="store_true", help="skip loading the export back and comparing")
+    ex.set_defaults(func=_cmd_export)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from lambdanet import __version__
 
@@ -285,7 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="command")
     parser.commands = sub.choices  # name -> subparser, for errors in a command's own usage
 
-    for add in (_add_demo, _add_models, _add_train, _add_eval, _add_sweep, _add_pseudo_label, _add_bench):
+    for add in (_add_demo, _add_models, _add_train, _add_eval, _add_sweep, _add_pseudo_label, _add_predict,
+                _add_export, _add_detect, _add_bench):
         add(sub)
     return parser
 

@@ -486,8 +486,8 @@ class _PermuteCopy(torch.autograd.Function):
 
 def permute_copy(x: Tensor, dims: tuple[int, ...]) -> Tensor:
     """Permute into a contiguous tensor; the gradient flows back contiguous in ``x``'s layout."""
-    if torch.jit.is_scripting() or torch.compiler.is_compiling():
-        return x.permute(dims).contiguous()
+    if torch.jit.is_scripting() or torch.jit.is_tracing() or torch.compiler.is_compiling():
+        return x.permute(dims).contiguous()  # a graph, not a Python autograd.Function (see position_output_qe)
     return _PermuteCopy.apply(x, tuple(dims))
 
 
@@ -504,8 +504,7 @@ class _QEPositionOutput(torch.autograd.Function):
         out = values.new_empty(b, h, n, v)
         for i in range(0, n, chunk):
             j = min(n, i + chunk)
-            a = _qe_scores(q_n[i:j], e_n[i:j], b, h)  # b (h nc) m
-            out[:, :, i:j] = torch.bmm(a, values).view(b, h, j - i, v)
+            out[:, :, i:j] = _qe_chunk_output(q_n[i:j], e_n[i:j], values, b, h)  # b h nc v
         return out  # b h n v
 
     @staticmethod
@@ -529,6 +528,12 @@ class _QEPositionOutput(torch.autograd.Function):
             grad_q[i:j] = torch.bmm(g_a, e_n[i:j].transpose(1, 2))  # nc (b h) k
             grad_e[i:j] = torch.bmm(q_n[i:j].transpose(1, 2), g_a)  # nc k m
         return grad_q, grad_e, grad_v, None, None, None
+
+
+def _qe_chunk_output(q_c: Tensor, e_c: Tensor, values: Tensor, b: int, h: int) -> Tensor:
+    """``(q . E) V`` for a chunk of queries: ``[nc, (b h), k], [nc, k, m], [b, m, v] -> [b, h, nc, v]``."""
+    a = _qe_scores(q_c, e_c, b, h)  # b (h nc) m
+    return torch.bmm(a, values).view(b, h, q_c.shape[0], values.shape[2])  # b h nc v
 
 
 def _qe_scores(q_c: Tensor, e_c: Tensor, b: int, h: int) -> Tensor:
@@ -571,7 +576,17 @@ def position_output_qe(queries: Tensor, embeddings: Tensor, values: Tensor, *,
     chunk = _qe_chunk(b, n, h, k, m, v, max_chunk_elements)
     q_n = permute_copy(queries, (1, 0, 2, 3)).view(n, b * h, k)  # n (b h) k
     e_n = embeddings.transpose(0, 1)  # n k m (a strided view)
-    return _QEPositionOutput.apply(q_n, e_n, values.contiguous(), b, h, chunk)  # b h n v
+    values = values.contiguous()
+    if torch.jit.is_tracing():
+        # torch.jit.trace reads shapes as traced 0-dim tensors: handed to the autograd.Function as its b and h
+        # they belong to the outer graph, not the Function's subgraph (the tracer fails with
+        # "unordered_map::at"), and a traced Python Function could not be saved anyway. The same chunked
+        # GEMMs as plain ops instead (autograd's backward keeps the q . E chunks, which tracing for export
+        # does not mind).
+        chunks = [_qe_chunk_output(q_n[i:i + chunk], e_n[i:i + chunk], values, b, h)  # b h nc v
+                  for i in range(0, n, chunk)]
+        return torch.cat(chunks, dim=2)  # b h n v
+    return _QEPositionOutput.apply(q_n, e_n, values, b, h, chunk)  # b h n v
 
 
 def relative_position_output_qe(queries: Tensor, kernel: Tensor, center: Sequence[int], spatial: Sequence[int],
@@ -607,8 +622,7 @@ def relative_position_output_qe(queries: Tensor, kernel: Tensor, center: Sequenc
 
     def chunk_output(q_c: Tensor, kern: Tensor, vals: Tensor, start: int, stop: int) -> Tensor:
         e_c = gather_relative_embeddings(kern, center, spatial, rows=(start, stop))[0, :, 0]  # k nc m
-        a = _qe_scores(q_c, e_c.transpose(0, 1), b, h)  # b (h nc) m
-        return torch.bmm(a, vals).view(b, h, q_c.shape[0], v)  # b h nc v
+        return _qe_chunk_output(q_c, e_c.transpose(0, 1), vals, b, h)  # b h nc v
 
     q_n = permute_copy(queries, (1, 0, 2, 3)).view(n, b * h, k)  # n (b h) k
     values = values.contiguous()
@@ -616,7 +630,8 @@ def relative_position_output_qe(queries: Tensor, kernel: Tensor, center: Sequenc
     for start in range(0, spatial[0], rows):
         stop = min(spatial[0], start + rows)
         q_c = q_n[start * row:stop * row]  # nc (b h) k
-        if torch.is_grad_enabled():  # keep q, R and V only; the chunk's E rows and scores are rebuilt in backward
+        if torch.is_grad_enabled() and not torch.jit.is_tracing():  # keep q, R and V only; the chunk's E rows
+            # and scores are rebuilt in backward (a traced graph records plain ops, as in position_output_qe)
             outs.append(checkpoint(chunk_output, q_c, kernel, values, start, stop, use_reentrant=False))
         else:
             outs.append(chunk_output(q_c, kernel, values, start, stop))

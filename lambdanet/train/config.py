@@ -33,11 +33,13 @@ from lambdanet.runtime import AMP_DTYPES
 
 __all__ = ["TrainConfig", "RECIPES", "RECIPE_MODEL_KEYS", "RESUME_FREE", "ConfigSource", "resolve_config",
            "add_config_arguments", "load_yaml", "save_yaml", "config_from_args", "config_source_from_args",
-           "config_differences", "describe_differences", "model_build_kwargs", "saved_run_config", "field_choices", "flag"]
+           "config_differences", "describe_differences", "model_build_kwargs", "saved_run_config", "field_choices", "flag",
+           "option"]
 
 
-def _opt(default, help: str, choices: tuple | None = None, **kw):
-    """A :class:`TrainConfig` field with its one-line ``--help`` text and, where closed, its choices."""
+def option(default, help: str, choices: tuple | None = None, **kw):
+    """A configuration dataclass field with its one-line ``--help`` text and, where closed, its choices
+    (:func:`add_config_arguments` makes it a flag)."""
     meta = {"help": help, "choices": choices}
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: type(default)(default), metadata=meta, **kw)
@@ -49,66 +51,66 @@ class TrainConfig:
     """Every option of ``lambdanet train`` (each is also a ``--flag`` and a YAML key; ``null`` = unset)."""
 
     # model and data
-    model: str = _opt("lambda_resnet26", "registered model name (lambdanet models lists them)")
-    model_kwargs: dict = _opt({}, "architecture options of the model, 'key=value,...' or a YAML mapping "
+    model: str = option("lambda_resnet26", "registered model name (lambdanet models lists them)")
+    model_kwargs: dict = option({}, "architecture options of the model, 'key=value,...' or a YAML mapping "
                                   "(e.g. stage_layers=CCLL); the resolved config adds stem/base_width/img_size")
-    pretrained: bool = _opt(False, "start from the model's published ImageNet weights (lambdanet models --pretrained "
+    pretrained: bool = option(False, "start from the model's published ImageNet weights (lambdanet models --pretrained "
                                    "lists the models that have them), with a new classifier for the data's classes")
-    checkpoint: str | None = _opt(None, "start from a weights file: timm's checkpoint of the model (.pth, .bin, "
+    checkpoint: str | None = option(None, "start from a weights file: timm's checkpoint of the model (.pth, .bin, "
                                         ".safetensors) or lambdanet's own (a run's model.safetensors)")
-    data: str = _opt("digits", "dataset: digits, mnist5k, fashion-mnist, cifar10, cifar100 or imagefolder:PATH")
-    data_dir: str = _opt("~/.cache/lambdanet/data", "folder holding (or receiving) downloaded datasets")
-    download: bool = _opt(True, "download a dataset that is not on disk (cifar, fashion-mnist)")
-    img_size: int | None = _opt(None, "training resolution (null: the dataset's, or the model's paper size "
+    data: str = option("digits", "dataset: digits, mnist5k, fashion-mnist, cifar10, cifar100 or imagefolder:PATH")
+    data_dir: str = option("~/.cache/lambdanet/data", "folder holding (or receiving) downloaded datasets")
+    download: bool = option(True, "download a dataset that is not on disk (cifar, fashion-mnist)")
+    img_size: int | None = option(None, "training resolution (null: the dataset's, or the model's paper size "
                                       "under a recipe that sets it)")
-    val_split: float = _opt(0.0, "fraction of the training set held out for validation and model selection")
+    val_split: float = option(0.0, "fraction of the training set held out for validation and model selection")
     # recipe
-    recipe: str = _opt("quick", "named recipe whose values the other options override")
-    epochs: int = _opt(15, "training epochs (with --resume: more epochs extend the finished schedule)")
-    batch_size: int = _opt(64, "global batch size (split across torchrun processes)")
-    eval_batch_size: int = _opt(256, "batch size of evaluation")
-    optimizer: str = _opt("adamw", "optimizer", choices=("sgd", "adam", "adamw", "rmsprop"))
-    lr: float = _opt(2e-3, "base learning rate (scaled by batch_size / lr_batch_scale when that is set)")
-    lr_batch_scale: int | None = _opt(None, "linear scaling rule: lr * batch_size / this (the paper's 256)")
-    momentum: float = _opt(0.9, "momentum of SGD and RMSProp")
-    nesterov: bool = _opt(False, "Nesterov momentum for SGD")
-    betas: list = _opt([0.9, 0.999], "Adam/AdamW betas")
-    weight_decay: float = _opt(0.05, "weight decay (not on norms and biases)")
-    warmup_epochs: float = _opt(1.0, "linear learning-rate warm-up, in epochs")
-    warmup_start_factor: float = _opt(0.0, "warm-up starts at lr times this")
-    schedule: str = _opt("cosine", "learning-rate schedule after warm-up", choices=("cosine", "constant", "step"))
-    min_lr: float = _opt(0.0, "final learning rate of the cosine schedule, and floor of the step schedule")
-    lr_decay_rate: float = _opt(0.97, "step schedule: multiply the learning rate by this ...")
-    lr_decay_epochs: float = _opt(2.4, "... every this many epochs")
-    label_smoothing: float = _opt(0.1, "label smoothing of the cross-entropy")
-    ema_decay: float | None = _opt(None, "exponential moving average of the weights (e.g. 0.9999); null: none")
-    bn_momentum: float | None = _opt(None, "BatchNorm running-statistics momentum (TF decay 0.9999 = 1e-4)")
-    augment: bool = _opt(True, "random crops and flips during training")
-    randaugment_layers: int = _opt(0, "RandAugment operations per image (0: off)")
-    randaugment_magnitude: int = _opt(9, "RandAugment magnitude (0-30)")
-    drop_rate: float | None = _opt(None, "dropout before the classifier (null: the model's default)")
-    drop_path_rate: float | None = _opt(None, "stochastic depth rate (null: the model's default)")
-    compact_width: int | None = _opt(16, "base width given to ResNet-style models that do not set base_width "
+    recipe: str = option("quick", "named recipe whose values the other options override")
+    epochs: int = option(15, "training epochs (with --resume: more epochs extend the finished schedule)")
+    batch_size: int = option(64, "global batch size (split across torchrun processes)")
+    eval_batch_size: int = option(256, "batch size of evaluation")
+    optimizer: str = option("adamw", "optimizer", choices=("sgd", "adam", "adamw", "rmsprop"))
+    lr: float = option(2e-3, "base learning rate (scaled by batch_size / lr_batch_scale when that is set)")
+    lr_batch_scale: int | None = option(None, "linear scaling rule: lr * batch_size / this (the paper's 256)")
+    momentum: float = option(0.9, "momentum of SGD and RMSProp")
+    nesterov: bool = option(False, "Nesterov momentum for SGD")
+    betas: list = option([0.9, 0.999], "Adam/AdamW betas")
+    weight_decay: float = option(0.05, "weight decay (not on norms and biases)")
+    warmup_epochs: float = option(1.0, "linear learning-rate warm-up, in epochs")
+    warmup_start_factor: float = option(0.0, "warm-up starts at lr times this")
+    schedule: str = option("cosine", "learning-rate schedule after warm-up", choices=("cosine", "constant", "step"))
+    min_lr: float = option(0.0, "final learning rate of the cosine schedule, and floor of the step schedule")
+    lr_decay_rate: float = option(0.97, "step schedule: multiply the learning rate by this ...")
+    lr_decay_epochs: float = option(2.4, "... every this many epochs")
+    label_smoothing: float = option(0.1, "label smoothing of the cross-entropy")
+    ema_decay: float | None = option(None, "exponential moving average of the weights (e.g. 0.9999); null: none")
+    bn_momentum: float | None = option(None, "BatchNorm running-statistics momentum (TF decay 0.9999 = 1e-4)")
+    augment: bool = option(True, "random crops and flips during training")
+    randaugment_layers: int = option(0, "RandAugment operations per image (0: off)")
+    randaugment_magnitude: int = option(9, "RandAugment magnitude (0-30)")
+    drop_rate: float | None = option(None, "dropout before the classifier (null: the model's default)")
+    drop_path_rate: float | None = option(None, "stochastic depth rate (null: the model's default)")
+    compact_width: int | None = option(16, "base width given to ResNet-style models that do not set base_width "
                                          "(null: the paper's width)")
     # system
-    amp: str = _opt("none", "autocast precision (fp16 needs CUDA)", choices=tuple(AMP_DTYPES))
-    channels_last: bool = _opt(False, "channels_last memory format for model and inputs")
-    compile: bool = _opt(False, "torch.compile the model")
-    device: str = _opt("auto", "device (auto: CUDA when available)", choices=("auto", "cpu", "cuda"))
-    workers: int = _opt(0, "DataLoader worker processes for file datasets")
-    seed: int = _opt(0, "seed of initialisation, data order and augmentation")
-    sync_bn: bool = _opt(False, "synchronised BatchNorm across torchrun processes")
+    amp: str = option("none", "autocast precision (fp16 needs CUDA)", choices=tuple(AMP_DTYPES))
+    channels_last: bool = option(False, "channels_last memory format for model and inputs")
+    compile: bool = option(False, "torch.compile the model")
+    device: str = option("auto", "device (auto: CUDA when available)", choices=("auto", "cpu", "cuda"))
+    workers: int = option(0, "DataLoader worker processes for file datasets")
+    seed: int = option(0, "seed of initialisation, data order and augmentation")
+    sync_bn: bool = option(False, "synchronised BatchNorm across torchrun processes")
     # run
-    out: str = _opt("runs/lambdanet", "run directory (config, metrics, checkpoints, weights, plots, summary)")
-    checkpoint_every: int = _opt(1, "write last.pt every this many epochs (and at the end)")
-    resume: bool = _opt(False, "continue the run in --out where it stopped")
-    early_stop_patience: int | None = _opt(None, "stop after this many epochs without validation improvement "
+    out: str = option("runs/lambdanet", "run directory (config, metrics, checkpoints, weights, plots, summary)")
+    checkpoint_every: int = option(1, "write last.pt every this many epochs (and at the end)")
+    resume: bool = option(False, "continue the run in --out where it stopped")
+    early_stop_patience: int | None = option(None, "stop after this many epochs without validation improvement "
                                                  "(needs --val-split)")
-    tensorboard: bool = _opt(True, "write TensorBoard event files beside metrics.csv")
-    progress: bool = _opt(True, "progress bar on stderr")
-    labeled_fraction: float = _opt(1.0, "semi-supervised: the seeded fraction of training labels kept")
-    pseudo_labels: str | None = _opt(None, "semi-supervised: pseudo-label file from lambdanet pseudo-label")
-    max_train_batches: int | None = _opt(None, "stop each epoch after this many batches (smoke tests)")
+    tensorboard: bool = option(True, "write TensorBoard event files beside metrics.csv")
+    progress: bool = option(True, "progress bar on stderr")
+    labeled_fraction: float = option(1.0, "semi-supervised: the seeded fraction of training labels kept")
+    pseudo_labels: str | None = option(None, "semi-supervised: pseudo-label file from lambdanet pseudo-label")
+    max_train_batches: int | None = option(None, "stop each epoch after this many batches (smoke tests)")
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field and the valid values for anything out of range."""
@@ -359,12 +361,16 @@ def _optional(conv):
     return parse
 
 
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """One ``--flag`` per :class:`TrainConfig` field with its one-line help, choices and default (booleans:
-    ``--flag`` / ``--no-flag``); the parsed default is ``None`` = "not given", so recipe and YAML values survive."""
-    hints = typing.get_type_hints(TrainConfig)
-    choices = field_choices()
-    for f in dataclasses.fields(TrainConfig):
+def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type = None,
+                         choices: dict[str, tuple] | None = None) -> None:
+    """One ``--flag`` per field of ``config_cls`` (default :class:`TrainConfig`, whose closed options are
+    :func:`field_choices`; another dataclass passes its own ``choices``) with its one-line help (:func:`option`
+    metadata), choices and default (booleans: ``--flag`` / ``--no-flag``); the parsed default is ``None`` =
+    "not given", so recipe and YAML values survive."""
+    config_cls = TrainConfig if config_cls is None else config_cls
+    hints = typing.get_type_hints(config_cls)
+    choices = field_choices() if config_cls is TrainConfig else dict(choices or {})
+    for f in dataclasses.fields(config_cls):
         hint = hints[f.name]
         args = typing.get_args(hint)
         base = next((a for a in args if a is not type(None)), hint) if args else hint

@@ -1,0 +1,241 @@
+"""Classify image files with a trained or pretrained model: ``predict(model, images)``.
+
+The model says how its inputs must look in ``model.pretrained_cfg`` (what :func:`lambdanet.load_model` and
+``create_model(name, pretrained=True)`` attach): ``image_size``, ``mean``, ``std``, ``in_chans`` (1: grayscale,
+3: RGB), optionally ``crop_pct`` (default 1.0: resize straight to ``image_size``; below 1, timm's evaluation
+convention: resize the shorter side to ``int(image_size / crop_pct)``, then centre-crop ``image_size``),
+``interpolation`` (``"bilinear"`` default, or ``"bicubic"``) and ``classes`` (the class names, or ``None``).
+
+Labels are the model's ``classes`` when it has them, ImageNet's class names (torchvision's offline copy)
+for other 1000-class models, and the class index otherwise.
+
+:func:`load_for_inference` builds the model that ``lambdanet predict`` and ``lambdanet export`` work on
+from a registered name (optionally with pretrained weights) or from what ``lambdanet train`` wrote.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from lambdanet.helpers import check_choice, check_positive_int
+from lambdanet.models import create_model, model_args
+from lambdanet.train.load import METADATA_FORMAT, load_model
+
+__all__ = ["IMAGE_SUFFIXES", "INTERPOLATIONS", "class_labels", "find_images", "imagenet_classes",
+           "load_for_inference", "load_image", "predict", "preprocess_transform"]
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
+INTERPOLATIONS = ("bilinear", "bicubic")
+_PIL_MODES = {1: "L", 3: "RGB"}  # in_chans -> the PIL mode images are converted to
+
+
+# --------------------------------------------------------------------------------------------------- models
+def _is_run_output(path: Path) -> bool:
+    """Whether ``path`` is something ``lambdanet train`` wrote (a run directory, a ``.pt`` checkpoint, or
+    safetensors weights whose header describes their model), which :func:`lambdanet.load_model` reads."""
+    if path.is_dir() or path.suffix == ".pt":
+        return True
+    if path.suffix != ".safetensors" or not path.is_file():
+        return False
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return (f.metadata() or {}).get("format") == METADATA_FORMAT
+    except (SafetensorError, OSError):  # not readable as safetensors: let the weight loader report it
+        return False
+
+
+def load_for_inference(checkpoint: str | os.PathLike | None = None, *, model: str | None = None,
+                       pretrained: bool = False, num_classes: int | None = None, img_size: int | None = None,
+                       ema: bool = True) -> nn.Module:
+    """The model to predict with or export, in eval mode.
+
+    Args:
+        checkpoint: what ``lambdanet train`` wrote (a run directory, its ``.safetensors`` weights or its
+            ``last.pt``: :func:`lambdanet.load_model`, which attaches ``pretrained_cfg`` with the run's classes
+            and preprocessing), or, with ``model``, another weights file for ``create_model(model,
+            checkpoint_path=...)``.
+        model: a registered name (:func:`lambdanet.list_models`); with ``checkpoint`` pointing at a run it must
+            be the run's model.
+        pretrained: ``create_model(model, pretrained=True)`` (not with ``checkpoint``).
+        num_classes: classifier outputs of a model built by name (default: the model's own).
+        img_size: input size a model built by name is sized for (models taking ``img_size``).
+        ema: prefer a run's EMA weights.
+
+    A model built by name without weights has random weights (useful for export only).
+    """
+    if checkpoint is None and model is None:
+        raise ValueError("give a model name or a checkpoint (a run directory, .safetensors or last.pt)")
+    if checkpoint is not None and pretrained:
+        raise ValueError("pretrained and checkpoint exclude each other: the weights come from one of them")
+    kwargs: dict = {}
+    if model is not None:
+        accepted = model_args(model)  # also rejects unknown names, listing the registered ones
+        if num_classes is not None:
+            kwargs["num_classes"] = num_classes
+        if img_size is not None and "img_size" in accepted:
+            kwargs["img_size"] = img_size
+    if checkpoint is not None:
+        path = Path(checkpoint)
+        if not path.exists():
+            raise ValueError(f"checkpoint {str(path)!r} does not exist; pass a run directory, its .safetensors "
+                             "weights or its last.pt")
+        if model is None or _is_run_output(path):
+            net = load_model(path, ema=ema)
+            trained = net.pretrained_cfg["model"]
+            if model is not None and model != trained:
+                raise ValueError(f"model {model!r} does not match checkpoint {str(path)!r}, which holds {trained!r}")
+            if num_classes is not None and num_classes != net.pretrained_cfg["num_classes"]:
+                raise ValueError(f"num_classes={num_classes} does not match checkpoint {str(path)!r}, trained "
+                                 f"with {net.pretrained_cfg['num_classes']} classes")
+            return net.eval()
+        net = create_model(model, checkpoint_path=str(path), **kwargs)
+    elif pretrained:
+        net = create_model(model, pretrained=True, **kwargs)
+    else:
+        net = create_model(model, **kwargs)
+    return net.eval()
+
+
+# --------------------------------------------------------------------------------------------------- images
+def find_images(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
+    """The image files named by ``paths``: files as given, folders replaced by every file under them
+    (recursively, sorted) whose suffix is one of :data:`IMAGE_SUFFIXES` (any case)."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    found: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
+            if not files:
+                raise ValueError(f"{p} holds no image files ({', '.join(IMAGE_SUFFIXES)})")
+            found += files
+        elif p.is_file():
+            found.append(p)
+        else:
+            raise ValueError(f"{p} does not exist (expected an image file or a folder of images)")
+    if not found:
+        raise ValueError("no images given")
+    return found
+
+
+def load_image(path: str | os.PathLike, in_chans: int):
+    """The PIL image at ``path`` in the mode the model reads: ``"L"`` for ``in_chans=1``, ``"RGB"`` for 3."""
+    from PIL import Image
+
+    check_choice(in_chans, "in_chans", tuple(_PIL_MODES))
+    try:
+        with Image.open(path) as img:
+            return img.convert(_PIL_MODES[in_chans])  # reads the pixels: truncated files fail here too
+    except OSError as err:  # PIL.UnidentifiedImageError is an OSError
+        raise ValueError(f"{path} is not a readable image ({type(err).__name__}: {err})") from None
+
+
+def preprocess_transform(cfg: dict):
+    """The evaluation preprocessing ``model.pretrained_cfg`` describes (see the module docstring), from a PIL
+    image to a normalised float32 tensor ``[in_chans, image_size, image_size]``.
+
+    The image is resized as float32 (not rounded back to 8 bits), antialiased.
+    """
+    from torchvision.transforms import v2
+
+    missing = [k for k in ("image_size", "mean", "std", "in_chans") if cfg.get(k) is None]
+    if missing:
+        raise ValueError(f"pretrained_cfg lacks {missing}: it needs image_size, mean, std and in_chans")
+    size, in_chans = cfg["image_size"], cfg["in_chans"]
+    check_positive_int(size, "pretrained_cfg['image_size']")
+    check_choice(in_chans, "pretrained_cfg['in_chans']", tuple(_PIL_MODES))
+    mean, std = list(cfg["mean"]), list(cfg["std"])
+    if len(mean) != in_chans or len(std) != in_chans:
+        raise ValueError(f"pretrained_cfg mean and std must have in_chans={in_chans} entries, got {mean}, {std}")
+    crop_pct = cfg.get("crop_pct")
+    crop_pct = 1.0 if crop_pct is None else float(crop_pct)
+    if not 0.0 < crop_pct <= 1.0:
+        raise ValueError(f"pretrained_cfg['crop_pct'] must be in (0, 1], got {crop_pct}")
+    interpolation = cfg.get("interpolation") or "bilinear"
+    check_choice(interpolation, "pretrained_cfg['interpolation']", INTERPOLATIONS)
+    mode = {"bilinear": v2.InterpolationMode.BILINEAR, "bicubic": v2.InterpolationMode.BICUBIC}[interpolation]
+    ops = [v2.ToImage(), v2.ToDtype(torch.float32, scale=True)]  # uint8 HWC -> float32 [c, h, w] in [0, 1]
+    if crop_pct == 1.0:
+        ops.append(v2.Resize((size, size), interpolation=mode, antialias=True))
+    else:  # timm's eval transform: shorter side to size / crop_pct, centre crop
+        ops += [v2.Resize(int(size / crop_pct), interpolation=mode, antialias=True), v2.CenterCrop(size)]
+    ops.append(v2.Normalize(mean, std))
+    return v2.Compose(ops)
+
+
+@functools.cache
+def imagenet_classes() -> tuple[str, ...]:
+    """ImageNet-1k's 1000 class names in index order (torchvision's copy, no download)."""
+    from torchvision.models import ResNet50_Weights
+
+    return tuple(ResNet50_Weights.IMAGENET1K_V1.meta["categories"])
+
+
+def class_labels(classes: Sequence | None, num_outputs: int) -> list[str]:
+    """The label of each of a model's ``num_outputs`` classes: ``classes`` when given, ImageNet's names for
+    1000 outputs, else the index."""
+    if classes:
+        if len(classes) != num_outputs:
+            raise ValueError(f"the model has {num_outputs} outputs but pretrained_cfg names {len(classes)} classes")
+        return [str(c) for c in classes]
+    if num_outputs == 1000:
+        return list(imagenet_classes())
+    return [str(i) for i in range(num_outputs)]
+
+
+# --------------------------------------------------------------------------------------------------- predict
+def predict(model: nn.Module, images: str | os.PathLike | Sequence[str | os.PathLike], *, top_k: int = 5,
+            batch_size: int = 32) -> list[dict]:
+    """The ``top_k`` classes of each image, most probable first.
+
+    Args:
+        model: a classifier with ``pretrained_cfg`` (see the module docstring); it runs in eval mode (its
+            training flag is restored afterwards) on the device of its parameters.
+        images: image files and folders (:func:`find_images`).
+        top_k: classes reported per image (at most the number of classes).
+        batch_size: images per forward pass.
+
+    Returns:
+        ``[{"image": path, "top_k": [{"label": str, "index": int, "prob": float}, ...]}, ...]``, one entry per
+        image in :func:`find_images` order; ``prob`` is the softmax probability (computed in float64).
+    """
+    cfg = getattr(model, "pretrained_cfg", None)
+    if not cfg:
+        raise ValueError("the model has no pretrained_cfg describing its inputs; load it with "
+                         "lambdanet.load_model(RUN) or create_model(name, pretrained=True)")
+    check_positive_int(top_k, "top_k")
+    check_positive_int(batch_size, "batch_size")
+    transform = preprocess_transform(cfg)
+    paths = find_images(images)
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    labels: list[str] | None = None
+    results = []
+    was_training = model.training
+    model.eval()
+    try:
+        for start in range(0, len(paths), batch_size):
+            batch = paths[start:start + batch_size]
+            x = torch.stack([transform(load_image(p, cfg["in_chans"])) for p in batch]).to(device)  # b c s s
+            with torch.inference_mode():
+                logits = model(x)  # b classes
+            if not isinstance(logits, Tensor) or logits.dim() != 2:
+                raise ValueError("the model must return logits [batch, classes] (a classifier, not features_only)")
+            if labels is None:
+                labels = class_labels(cfg.get("classes"), logits.shape[1])
+            probs = logits.double().softmax(dim=1)  # b classes
+            values, indices = probs.topk(min(top_k, probs.shape[1]), dim=1)  # b k, sorted descending
+            for path, vs, ix in zip(batch, values.tolist(), indices.tolist()):
+                results.append({"image": str(path), "top_k": [{"label": labels[i], "index": i, "prob": v}
+                                                              for v, i in zip(vs, ix)]})
+    finally:
+        model.train(was_training)
+    return results

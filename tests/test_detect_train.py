@@ -1,0 +1,73 @@
+"""``lambdanet detect`` (lambdanet.detection.trainer): a run end to end on the built-in glyph scenes, resume,
+the recipes and the learning-rate schedule of LambdaNetworks App. E.3."""
+
+import json
+import math
+
+import pytest
+
+pytest.importorskip("pycocotools")
+
+from lambdanet.cli import main  # noqa: E402
+from lambdanet.detection.trainer import DETECT_RECIPES, lr_factor, resolve_detect_config  # noqa: E402
+
+# one step of batch 2 at 96 px, two test images, light heads: a smoke run of the whole pipeline
+TINY = ["--epochs", "1", "--batch-size", "2", "--max-train-batches", "1", "--max-eval-images", "2",
+        "--eval-batch-size", "2", "--img-size", "96", "--no-progress", "--no-tensorboard",
+        "--backbone-kwargs", "base_width=8", "--detector",
+        "{box_batch_size_per_image: 32, rpn_batch_size_per_image: 32, box_detections_per_img: 20}"]
+AP_KEYS = [f"{t}_{m}" for t in ("bbox", "segm") for m in ("AP", "AP50", "AP75", "AP_small", "AP_medium", "AP_large")]
+
+
+def test_detect_trains_evaluates_and_writes_the_run(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["detect", "--backbone", "lambda_resnet26", *TINY, "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    for key in AP_KEYS:  # COCO metrics as fractions (nan: no object of that size among the images evaluated)
+        assert key in summary and (math.isnan(summary[key]) or 0.0 <= summary[key] <= 1.0), key
+    assert summary["backbone"] == "lambda_resnet26" and summary["epochs"] == 1 and summary["params"] > 0
+    for name in ("config.yaml", "last.pt", "metrics.csv", "loss.png", "predictions.png", "model.safetensors"):
+        assert (out / name).is_file(), name
+    assert "box AP" in capsys.readouterr().out
+
+
+def test_detect_resume_continues_and_refuses_changes(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["detect", "--backbone", "resnet26", *TINY, "--out", str(out)]
+    assert main(args) == 0
+    assert main(args) == 2  # the run exists: --resume or another --out
+    assert "already holds a run" in capsys.readouterr().err
+    assert main([*args[:-2], "--out", str(out), "--resume", "--epochs", "2"]) == 0
+    rows = (out / "metrics.csv").read_text().strip().splitlines()
+    assert len(rows) == 3 and rows[2].startswith("2,")  # header + epochs 1 and 2
+    assert main(["detect", "--out", str(out), "--resume", "--lr", "0.5"]) == 2
+    assert "cannot change lr" in capsys.readouterr().err
+
+
+def test_paper_recipe_is_app_e3():
+    cfg = resolve_detect_config("paper", overrides={"batch_size": 64})
+    assert (cfg.img_size, cfg.jitter_min, cfg.jitter_max) == (1024, 0.1, 2.0)
+    assert cfg.optimizer == "sgd" and cfg.weight_decay == 4e-5 and cfg.sync_bn and cfg.warmup_steps == 1000
+    assert cfg.effective_lr() == pytest.approx(0.32 * 64 / 256) and cfg.lr_steps == [0.9, 0.95, 0.975]
+    assert set(DETECT_RECIPES) == {"quick", "paper"}
+
+
+def test_lr_schedule_warms_up_then_steps_down_tenfold():
+    total, warm = 1000, 100
+    assert lr_factor(0, total, warm, [0.9, 0.95, 0.975]) == pytest.approx(1e-3)
+    assert lr_factor(50, total, warm, [0.9, 0.95, 0.975]) == pytest.approx(1e-3 + (1 - 1e-3) * 0.5)
+    assert lr_factor(899, total, warm, [0.9, 0.95, 0.975]) == 1.0
+    assert lr_factor(900, total, warm, [0.9, 0.95, 0.975]) == pytest.approx(0.1)
+    assert lr_factor(960, total, warm, [0.9, 0.95, 0.975]) == pytest.approx(0.01)
+    assert lr_factor(999, total, warm, [0.9, 0.95, 0.975]) == pytest.approx(0.001)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--data", "voc"], "unknown detection dataset 'voc'"),
+    (["--jitter-min", "2", "--jitter-max", "1"], "jitter_min and jitter_max"),
+    (["--backbone", "resnet51"], "unknown backbone 'resnet51'"),
+])
+def test_bad_detect_arguments_fail_on_one_line(tmp_path, capsys, args, needle):
+    assert main(["detect", *args, *TINY, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1

@@ -1,0 +1,308 @@
+"""Tracing and export: ``torch.jit.trace`` of every registered model and spatial layer equals the eager model;
+``lambdanet.export.export_model`` / ``lambdanet export`` write ONNX, TorchScript and ExportedProgram files
+that, loaded back independently, compute what the eager model computes.
+
+Tolerances. A traced graph or an ExportedProgram replays the eager model's own ATen kernels in the same
+order on the same input, so it should agree bit for bit; ``64 * eps32 * max|eager|`` leaves room for a few
+elementwise ops recorded in another (re-associated) form, each costing a couple of float32 roundings at the
+output's scale, while a real tracing error (a branch frozen to the wrong value, a dropped op) moves the
+output by O(max|eager|). ONNX Runtime runs other kernels (its own convolutions and GEMMs, BatchNorm folded
+into convolutions): each of the graph's N nodes re-rounds its output, a few eps32 of its scale for blocked
+dot products, and to first order these errors add up, so ``4 * N * eps32 * max|eager|``.
+"""
+
+import io
+import json
+import sys
+import warnings
+
+import pytest
+import torch
+
+import lambdanet
+from lambdanet.cli import main
+from lambdanet.export import ExportCheckError, MissingDependencyError, export_model
+from lambdanet.layers import LambdaLayer, create_spatial_layer, list_spatial_layers
+from lambdanet.layers.lambda_layer import ImplPolicy, set_impl_policy
+from lambdanet.models import create_model, halonet, list_models, model_args, model_info
+from lambdanet.models.halonet import halonet_config
+from lambdanet.models.resnet import ResNetArgs, build_resnet
+from lambdanet.train import resolve_config, train
+
+EPS32 = torch.finfo(torch.float32).eps
+SMALL_SIZE = 64  # input of the models that take img_size: c4 is 4x4, c5 2x2, every block still runs
+
+# tracing takes 1-5 s per model on 2 CPU cores (the tracer walks every op in Python): the default suite keeps one
+# model per kind of attention (LambdaResNet-26, MobileNetV2 with lambda layers, and timm's lambda, global
+# relative-position lambda, BoTNet and HaloNet models; the layer tests below trace every spatial layer on its own,
+# SE included) and these run with -m slow
+SLOW_TRACE = {
+    # 101 to 420 layers
+    "lambda_resnet101", "lambda_resnet101_c4", "lambda_resnet152", "lambda_resnet152_c4", "lambda_resnet200",
+    "lambda_resnet200_c4", "lambda_resnet270", "lambda_resnet270_c4", "lambda_resnet350", "lambda_resnet420",
+    "resnet101", "resnet152", "resnet_rs101", "resnet_rs101_se", "resnet_rs152", "resnet_rs152_se", "resnet_rs200",
+    "resnet_rs200_se", "resnet_rs270", "resnet_rs270_se", "resnet_rs350", "resnet_rs350_se", "resnet_rs420",
+    "resnet_rs420_se",
+    # convolution-only, or the layers of a default-suite model in other numbers
+    "resnet26", "resnet50", "resnet_rs50", "resnet_rs50_se", "lambda_resnet50", "mobilenet_v2",
+    "halonet_h0", "halonet_h1", "halonet_h2", "halonet_h3", "halonet_h4", "halonet_h5", "halonet_h6", "halonet_h7",
+    "eca_halonext26ts", "halo2botnet50ts_256", "halonet50ts", "haloregnetz_b", "lambda_resnet50ts",
+    "lamhalobotnet50ts_256", "sebotnet33ts_256", "sehalonet33ts",
+}
+
+
+def small_model(name: str) -> tuple[torch.nn.Module, int]:
+    """``name`` made cheap on a CPU, in eval mode, and the input size it runs at: models registered as ``small``
+    at full width, the others at base width 8 (HaloNets: the same Table A2 row at base width 8) where they take
+    one; models that take ``img_size`` at :data:`SMALL_SIZE`, the others at ``model_info(name).input_size``.
+
+    Every residual branch contributes: the last BatchNorm of each branch, zero-initialised by the models, gets
+    the scale ``1 / sqrt(L)`` for ``L`` branches, so the residual stream grows by a bounded factor over the
+    network. (Eval-mode BatchNorm with its initial statistics normalises nothing; see :func:`calibrated`.)"""
+    info, accepted = model_info(name), model_args(name)
+    kwargs = {}
+    size = info.input_size
+    if "img_size" in accepted and size > SMALL_SIZE:
+        size = kwargs["img_size"] = SMALL_SIZE
+    if name in halonet.model_cfgs:
+        model = build_resnet(halonet_config(name, base_width=8), ResNetArgs(**kwargs), num_classes=10)
+    elif not info.small and "base_width" in accepted:
+        model = create_model(name, num_classes=10, base_width=8, **kwargs)
+    else:
+        model = create_model(name, num_classes=10, **kwargs)
+    zeroed = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d) and m.affine and not m.weight.any()]
+    with torch.no_grad():
+        for bn in zeroed:
+            bn.weight.fill_(len(zeroed) ** -0.5)
+    return model.eval(), size
+
+
+def calibrated(model: torch.nn.Module, x: torch.Tensor) -> torch.nn.Module:
+    """``model`` in eval mode with every BatchNorm's statistics set to those of its input on a batch of ``x`` and
+    three more random images (per channel; the biased variance, which training-mode BatchNorm divides by).
+
+    With the initial statistics (mean 0, variance 1) eval-mode BatchNorm normalises nothing, and the lambda
+    layers of a 200-layer LambdaResNet (a gain of ~50 each at random initialisation) overflow to inf. Statistics
+    of ``x`` alone are not enough either: at batch 1 a channel after attention barely varies over a 4x4 map, its
+    BatchNorm multiplies any difference by hundreds, and a deep HaloNet's eval output (which, unlike training
+    mode, does not renormalise) blows up; across four images the channels vary."""
+
+    def set_stats(bn, inputs, output):
+        dims = [d for d in range(inputs[0].dim()) if d != 1]  # all but the channels
+        bn.running_mean.copy_(inputs[0].mean(dim=dims))
+        bn.running_var.copy_(inputs[0].var(dim=dims, unbiased=False))
+
+    hooks = [m.register_forward_hook(set_stats) for m in model.modules()
+             if isinstance(m, (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d)) and m.track_running_stats]
+    model.train()
+    with torch.no_grad():
+        model(torch.cat([x, torch.randn(3, *x.shape[1:])]))
+    for h in hooks:
+        h.remove()
+    return model.eval()
+
+
+def assert_trace_matches_eager(module: torch.nn.Module, x: torch.Tensor) -> None:
+    """Trace in eval mode, save and reload the trace (no Python op may remain in it), compare with eager."""
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)  # shape-dependent Python branches, by design
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.jit")  # TorchScript's deprecation
+        eager = module(x)
+        traced = torch.jit.trace(module, x, check_trace=False)
+        buf = io.BytesIO()
+        torch.jit.save(traced, buf)
+        buf.seek(0)
+        out = torch.jit.load(buf)(x)
+    assert out.shape == eager.shape and torch.isfinite(eager).all()
+    scale = eager.abs().max().item()
+    assert scale > 0
+    atol = 64 * EPS32 * scale  # see the module docstring
+    torch.testing.assert_close(out, eager, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_TRACE else n
+                                  for n in list_models()])
+def test_every_registered_model_traces_and_equals_eager(name):
+    model, size = small_model(name)
+    x = torch.randn(1, 3, size, size)
+    assert_trace_matches_eager(calibrated(model, x), x)
+
+
+LAMBDA_VARIANTS = {
+    "local": {"r": 5},
+    "global": {"r": None, "feat_size": 8},
+    "intra_depth": {"r": 5, "dim_u": 2},
+    "multihead": {"r": 5, "multihead": True},
+    "absolute": {"r": None, "feat_size": 8, "position_embedding": "absolute"},
+    "strided": {"r": 5, "stride": 2},
+}
+
+
+# absolute embeddings run every lambdas-first impl as the einsum, intra-depth and multi-head layers run einsum_qe
+# as the einsum: those pairs would repeat the einsum cases; the stride is one average pool after any impl
+LAMBDA_CASES = [(impl, variant) for impl in ("conv", "depthwise_conv", "einsum", "einsum_qe")
+                for variant in LAMBDA_VARIANTS if not (impl in ("conv", "depthwise_conv") and variant == "absolute")
+                and not (impl == "einsum_qe" and variant in ("intra_depth", "multihead"))
+                and not (impl in ("depthwise_conv", "einsum") and variant == "strided")]
+
+
+@pytest.mark.parametrize("impl,variant", LAMBDA_CASES)
+def test_lambda_layer_traces_in_every_impl(impl, variant):
+    """Every position implementation traces to a graph equal to the eager layer."""
+    layer = LambdaLayer(64, dim_k=16, heads=4, impl=impl, **LAMBDA_VARIANTS[variant]).eval()
+    assert layer.choose_impl((8, 8)) == ("einsum" if variant == "absolute" and impl != "einsum_qe" else impl)
+    assert_trace_matches_eager(layer, torch.randn(2, 64, 8, 8))
+
+
+def test_lambda_layer_traces_with_embeddings_rebuilt_per_chunk_and_causal():
+    prev = set_impl_policy("cpu", ImplPolicy(max_whole_positions=1))  # E too large: rows rebuilt per query chunk
+    try:
+        layer = LambdaLayer(64, dim_k=16, heads=4, r=None, feat_size=8).eval()
+        assert layer.plan((8, 8)).position == "einsum_qe_chunked"
+        assert_trace_matches_eager(layer, torch.randn(2, 64, 8, 8))
+    finally:
+        set_impl_policy("cpu", prev)
+    causal = LambdaLayer(32, dim_k=8, heads=4, r=5, causal=True, spatial_dims=1).eval()
+    assert_trace_matches_eager(causal, torch.randn(2, 32, 12))
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize("name", list_spatial_layers())
+def test_every_spatial_layer_traces(name, stride):
+    """Halo, relative, axial, local, linear / double attention, SE and the lambda layers of the registry."""
+    torch.manual_seed(0)
+    layer = create_spatial_layer(name, 32, 32 * stride, stride=stride, feat_size=8).eval()  # local ones ignore it
+    assert_trace_matches_eager(layer, torch.randn(2, 32, 8, 8))
+
+
+# ------------------------------------------------------------------------------------------- export
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A digits run (lambda_resnet26 with the small-image stem, 1 channel, 16x16) trained for a few steps."""
+    out = tmp_path_factory.mktemp("export") / "run"
+    train(resolve_config(overrides={"epochs": 1, "max_train_batches": 2, "batch_size": 32, "progress": False,
+                                    "tensorboard": False, "out": str(out)}))
+    return out
+
+
+def reference_input(model) -> torch.Tensor:
+    """The example ``export_model`` traces on, rebuilt independently: seed 0, ``[1, C, S, S]``."""
+    cfg = model.pretrained_cfg
+    size, chans = cfg["image_size"], cfg["in_chans"]
+    return torch.randn(1, chans, size, size, generator=torch.Generator().manual_seed(0))
+
+
+def reload_and_run(path, fmt, x):
+    if fmt == "onnx":
+        import onnxruntime as ort
+
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        return torch.from_numpy(session.run(None, {session.get_inputs()[0].name: x.numpy()})[0])
+    if fmt == "torchscript":
+        return torch.jit.load(str(path))(x)
+    return torch.export.load(str(path)).module()(x)
+
+
+def tolerance(fmt, path, scale):
+    """See the module docstring."""
+    if fmt == "onnx":
+        import onnx
+
+        nodes = len(onnx.load(str(path)).graph.node)
+        return 4 * nodes * EPS32 * scale
+    return 64 * EPS32 * scale
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:FutureWarning")
+@pytest.mark.parametrize("fmt,suffix", [("onnx", ".onnx"), ("torchscript", ".pt"), ("exported-program", ".pt2")])
+def test_cli_exports_a_trained_run_that_reloads_to_the_eager_model(run, tmp_path, capsys, fmt, suffix):
+    out = tmp_path / f"digits{suffix}"
+    assert main(["export", "--checkpoint", str(run), "--format", fmt, "--out", str(out)]) == 0
+    line = capsys.readouterr().out.strip()
+    assert "\n" not in line and line.startswith(f"{out}: {fmt}, input [1, 1, 16, 16]; check passed")
+    model = lambdanet.load_model(run)
+    x = reference_input(model)
+    with torch.no_grad():
+        eager = model(x)
+        exported = reload_and_run(out, fmt, x)
+    assert exported.shape == eager.shape == (1, 10)
+    torch.testing.assert_close(exported, eager, rtol=0, atol=tolerance(fmt, out, eager.abs().max().item()))
+    # the error the command reports is the one measured here (same input, same files)
+    reported = float(line.split("max abs error ")[1].split(" ")[0])
+    assert reported == pytest.approx((exported - eager).abs().max().item(), rel=1e-2, abs=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:FutureWarning")
+def test_cli_exports_a_model_by_name_to_the_default_path(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", "--model", "resnet26", "--format", "torchscript", "--img-size", "32",
+                 "--num-classes", "7"]) == 0
+    assert capsys.readouterr().out.startswith("resnet26.pt: torchscript, input [1, 3, 32, 32]; check passed")
+    traced = torch.jit.load(str(tmp_path / "resnet26.pt"))
+    assert traced(torch.randn(1, 3, 32, 32)).shape == (1, 7)
+
+
+class _Counter(torch.nn.Module):
+    """Adds how often it was called: Python state that a trace freezes at its value during tracing."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(()))
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x.mean(dim=(1, 2, 3)) * self.scale + self.calls
+
+
+def test_an_export_that_differs_from_eager_is_reported_with_its_error(tmp_path):
+    # eager runs as call 1, the trace records call 2 as a constant: the reloaded export is off by exactly 1
+    with pytest.raises(ExportCheckError, match=r"differs from the eager model by up to 1 \(max abs\)"):
+        export_model(_Counter(), tmp_path / "c.pt", "torchscript", input_size=4, in_chans=3)
+    res = export_model(_Counter(), tmp_path / "c.pt", "torchscript", input_size=4, in_chans=3, check=False)
+    assert res["checked"] is False and res["max_abs_error"] is None and (tmp_path / "c.pt").is_file()
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--model", "resnet26", "--format", "tflite"],
+     "--format must be one of ['onnx', 'torchscript', 'exported-program'], got 'tflite'"),
+    (["--model", "resnet26", "--checkpoint", "x", "--format", "onnx"],
+     "give either --model NAME or --checkpoint PATH, not both"),
+    (["--format", "onnx"], "give either --model NAME or --checkpoint PATH"),
+    (["--model", "no_such_net", "--format", "torchscript"], "unknown model 'no_such_net'"),
+    (["--checkpoint", "/nonexistent/run", "--format", "torchscript"], "does not exist"),
+])
+def test_export_user_errors_are_one_line_and_exit_2(argv, needle, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith("lambdanet export: error: ") and needle in captured.err
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+@pytest.mark.parametrize("package", ["onnxscript", "onnxruntime"])
+def test_missing_onnx_packages_name_the_pip_command(package, monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, package, None)  # import raises ImportError, as when not installed
+    assert main(["export", "--model", "resnet26", "--format", "onnx", "--out", str(tmp_path / "m.onnx")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"needs {package}" in err and "pip install onnx onnxscript onnxruntime" in err
+    with pytest.raises(MissingDependencyError) as info:
+        export_model(torch.nn.Identity(), tmp_path / "m.onnx", "onnx", input_size=4, in_chans=3)
+    assert isinstance(info.value, ImportError) and not (tmp_path / "m.onnx").exists()
+
+
+def test_export_model_returns_what_it_wrote_and_measured(tmp_path):
+    """``export_model`` creates the folder, restores the training flag and returns (JSON-serialisable) what it
+    wrote and the error it measured, which is the error of the file loaded back here."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(4, 3))
+    res = export_model(model, tmp_path / "sub" / "m.pt2", "exported-program", input_size=6, in_chans=2)
+    assert json.loads(json.dumps(res)) == res and model.training
+    assert res["path"] == str(tmp_path / "sub" / "m.pt2") and res["input_shape"] == [1, 2, 6, 6]
+    x = torch.randn(1, 2, 6, 6, generator=torch.Generator().manual_seed(0))  # the documented example input
+    with torch.no_grad():
+        eager = model.eval()(x)
+        error = (torch.export.load(res["path"]).module()(x) - eager).abs().max().item()
+    assert res["max_abs_error"] == error <= res["tolerance"] == pytest.approx(1e-3 * eager.abs().max().item())
