@@ -314,7 +314,7 @@ def _train_epoch(state: DetectState, run_model: nn.Module, loader, cfg: DetectCo
         count += 1
         for k, v in losses.items():
             sums[k] = sums.get(k, 0.0) + float(v.detach())
-        bar.set_postfix(loss=f"{float(loss):.3f}")
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
         bar.update()
     bar.close()
     state.train_time_s += time.perf_counter() - start
