@@ -62,10 +62,11 @@ def build_small(name: str, **kwargs) -> torch.nn.Module:
 
 
 # timm's architectures run at full width (3-11 s each in the float64 tests): the default suite keeps one per
-# block kind (local and global lambda, halo with ECA and groups, RegNetZ with SE and a pooled halo, BoTNet);
-# the others repeat those blocks in deeper trunks and run with -m slow
+# block kind not covered elsewhere (local lambda with timm's conventions, halo with ECA and groups, RegNetZ
+# with SE and a pooled halo); the global lambda and BoTNet layers are the paper zoo's, and the others repeat
+# those blocks in deeper trunks: they run with -m slow
 BYOA_REPEATS = {"lambda_resnet50ts", "halonet26t", "sehalonet33ts", "halonet50ts", "sebotnet33ts_256",
-                "lamhalobotnet50ts_256", "halo2botnet50ts_256"}
+                "lamhalobotnet50ts_256", "halo2botnet50ts_256", "lambda_resnet26rpt_256", "botnet26t_256"}
 
 
 def slow_repeats(names):

@@ -18,9 +18,11 @@ from lambdanet.models import pretrained as weights
 timm = pytest.importorskip("timm")
 
 NAMES = sorted(byoa.model_cfgs)
-# 8-15 s each on 2 cores (timm's float64 halo attention is slow): run with -m slow. The default suite keeps
-# lamhalobotnet50ts_256, the 50-layer trunk with all three attention kinds, and the 26/33-layer models.
-SLOW = {"haloregnetz_b", "halonet50ts", "lambda_resnet50ts", "halo2botnet50ts_256"}
+# 3-15 s each on 2 cores (timm's float64 halo attention is slow): the default suite keeps one model per
+# convention (local and global lambda, halo with ECA and groups, BoTNet, and lamhalobotnet50ts_256: the 50-layer
+# trunk with all three attention kinds); the others repeat their blocks and run with -m slow
+SLOW = {"haloregnetz_b", "halonet50ts", "lambda_resnet50ts", "halo2botnet50ts_256", "sehalonet33ts",
+        "sebotnet33ts_256", "halonet26t"}
 
 
 def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:

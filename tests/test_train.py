@@ -252,7 +252,7 @@ def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(
 @pytest.mark.parametrize(
     "args,needle",
     [
-        (["--model", "resnet51"], "unknown model 'resnet51'; registered models: halonet_h0"),
+        (["--model", "resnet51"], "unknown model 'resnet51'; registered models: botnet26t_256"),
         (["--data", "svhn"], "unknown dataset 'svhn'; valid: cifar10, cifar100, digits"),
         (["--data", "imagefolder:/nonexistent/imagenet"], "needs the folders /nonexistent/imagenet/train"),
         (["--model", "resnet26", "--model-kwargs", "stage_layers=CCLL,spatial_layer=lambda,img_size=8",
