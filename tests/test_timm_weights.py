@@ -95,9 +95,10 @@ def test_pretrained_cfg_is_the_checkpoints_preprocessing():
         assert ours["hub_id"] == "timm/" + f"{cfg.architecture}.{cfg.tag}", name
 
 
-@pytest.fixture
-def botnet_file(tmp_path):
-    path = tmp_path / "botnet26t_256.pth"
+@pytest.fixture(scope="module")
+def botnet_file(tmp_path_factory):
+    """One timm BoTNet checkpoint shared by the tests below (they only read it)."""
+    path = tmp_path_factory.mktemp("botnet") / "botnet26t_256.pth"
     return path, timm_checkpoint("botnet26t_256", path)
 
 
