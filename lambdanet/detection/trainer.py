@@ -38,7 +38,7 @@ from lambdanet.train.checkpoint import (
 )
 from lambdanet.train.config import load_yaml, option, save_yaml
 from lambdanet.train.distributed import DistContext, barrier, cleanup, convert_sync_batchnorm, init_distributed
-from lambdanet.train.logger import RunLogger, read_history, truncate_history, write_json
+from lambdanet.train.logger import RunLogger, plot_history, read_history, truncate_history, write_json
 from lambdanet.train.rundir import RunDirLock
 
 __all__ = ["DetectConfig", "DETECT_RECIPES", "DETECT_CHOICES", "DETECT_RESUME_FREE", "resolve_detect_config",
@@ -440,31 +440,9 @@ def _run(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], No
 
 def plot_detection_history(history: list[dict], out: Path) -> list[Path]:
     """``loss.png`` (training losses) and ``ap.png`` (box / mask AP) per epoch."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = []
-    for name, select, ylabel in (("loss.png", lambda k: k.startswith("train_loss"), "loss"),
-                                 ("ap.png", lambda k: k in ("bbox_AP", "segm_AP", "bbox_AP50", "segm_AP50"), "AP")):
-        keys = sorted({k for r in history for k in r if select(k)})
-        if not keys:
-            continue
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for key in keys:
-            pts = [(r["epoch"], r[key]) for r in history if isinstance(r.get(key), float) and r[key] == r[key]]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", markersize=3, label=key)
-        ax.set_xlabel("epoch")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=100)
-        plt.close(fig)
-        paths.append(out / name)
-    return paths
+    losses = tuple(sorted({k for r in history for k in r if k.startswith("train_loss")}))
+    aps = tuple(k for k in ("bbox_AP", "bbox_AP50", "segm_AP", "segm_AP50") if any(k in r for r in history))
+    return plot_history(history, out, (("loss.png", losses, "loss"), ("ap.png", aps, "COCO AP")))
 
 
 def draw_predictions(model: nn.Module, dataset, path: Path, cfg: DetectConfig, device, count: int = 4,

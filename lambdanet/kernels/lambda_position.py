@@ -51,6 +51,15 @@ def _band(i_first, i_last, c0, T0, S0, W):
 
 
 @triton.jit
+def _pairs(offs_n, offs_m, n_ok, m_ok, W, T0, T1, c0, c1):
+    """Table index of every (query n, context m) pair of a tile, and whether the pair is in the table."""
+    di = offs_m[None, :] // W - offs_n[:, None] // W + c0  # n m
+    dj = offs_m[None, :] % W - offs_n[:, None] % W + c1
+    valid = (di >= 0) & (di < T0) & (dj >= 0) & (dj < T1) & n_ok[:, None] & m_ok[None, :]
+    return di * T1 + dj, valid
+
+
+@triton.jit
 def _scores(q_ptr, r_ptr, offs_n, offs_h, n_ok, h_ok, idx, valid, u, K, U, T, s_qn, s_qh,
             BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr):
     """S[n, h, m] = sum_k q[n, h, k] R[k, u, idx[n, m]] (fp32, zero where not valid)."""
@@ -76,16 +85,12 @@ def _forward(q_ptr, v_ptr, r_ptr, y_ptr, N, H, K, V, U, S0, W, T0, T1, c0, c1,
     offs_h = tl.arange(0, BLOCK_H)
     offs_v = tl.arange(0, BLOCK_V)
     n_ok, h_ok, v_ok = offs_n < N, offs_h < H, offs_v < V
-    i_n, j_n = offs_n // W, offs_n % W
     lo, hi = _band(pid_n * BLOCK_N // W, (tl.minimum(pid_n * BLOCK_N + BLOCK_N, N) - 1) // W, c0, T0, S0, W)
     acc = tl.zeros((BLOCK_N * BLOCK_H, BLOCK_V), dtype=tl.float32)
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         m_ok = offs_m < hi
-        di = offs_m[None, :] // W - i_n[:, None] + c0  # n m
-        dj = offs_m[None, :] % W - j_n[:, None] + c1
-        valid = (di >= 0) & (di < T0) & (dj >= 0) & (dj < T1) & n_ok[:, None] & m_ok[None, :]
-        idx = di * T1 + dj
+        idx, valid = _pairs(offs_n, offs_m, n_ok, m_ok, W, T0, T1, c0, c1)  # n m
         for u in range(U):
             s = _scores(q_ptr, r_ptr, offs_n, offs_h, n_ok, h_ok, idx, valid, u, K, U, T, s_qn, s_qh, BLOCK_N, BLOCK_H, BLOCK_M)
             vt = tl.load(v_ptr + offs_m[:, None] * s_vm + offs_v[None, :] * s_vv + u,
@@ -115,7 +120,6 @@ def _backward_q(q_ptr, v_ptr, r_ptr, dy_ptr, dq_ptr, N, H, K, V, U, S0, W, T0, T
     offs_h = tl.arange(0, BLOCK_H)
     offs_v = tl.arange(0, BLOCK_V)
     n_ok, h_ok, v_ok = offs_n < N, offs_h < H, offs_v < V
-    i_n, j_n = offs_n // W, offs_n % W
     row_ok = n_ok[:, None] & h_ok[None, :]
     dy = tl.load(dy_ptr + b * s_yb + offs_n[:, None, None] * s_yn + offs_h[None, :, None] * s_yh + offs_v[None, None, :],
                  mask=row_ok[:, :, None] & v_ok[None, None, :], other=0.0)
@@ -124,10 +128,7 @@ def _backward_q(q_ptr, v_ptr, r_ptr, dy_ptr, dq_ptr, N, H, K, V, U, S0, W, T0, T
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         m_ok = offs_m < hi
-        di = offs_m[None, :] // W - i_n[:, None] + c0
-        dj = offs_m[None, :] % W - j_n[:, None] + c1
-        valid = (di >= 0) & (di < T0) & (dj >= 0) & (dj < T1) & n_ok[:, None] & m_ok[None, :]
-        idx = di * T1 + dj
+        idx, valid = _pairs(offs_n, offs_m, n_ok, m_ok, W, T0, T1, c0, c1)  # n m
         for u in range(U):
             vt = tl.load(v_ptr + offs_m[:, None] * s_vm + offs_v[None, :] * s_vv + u,
                          mask=m_ok[:, None] & v_ok[None, :], other=0.0)  # m v
@@ -160,7 +161,6 @@ def _backward_kv(q_ptr, v_ptr, r_ptr, dy_ptr, dv_ptr, dr_ptr, N, H, K, V, U, S0,
     offs_h = tl.arange(0, BLOCK_H)
     offs_v = tl.arange(0, BLOCK_V)
     m_ok, h_ok, v_ok = offs_m < N, offs_h < H, offs_v < V
-    i_m, j_m = offs_m // W, offs_m % W
     # queries that reach this tile: rows i with i + (T0 - 1 - c0) >= i_first and i - c0 <= i_last
     i_first, i_last = pid_m * BLOCK_M // W, (tl.minimum(pid_m * BLOCK_M + BLOCK_M, N) - 1) // W
     lo = tl.maximum(i_first - (T0 - 1 - c0), 0) * W
@@ -174,11 +174,7 @@ def _backward_kv(q_ptr, v_ptr, r_ptr, dy_ptr, dv_ptr, dr_ptr, N, H, K, V, U, S0,
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_ok = (offs_n < hi) & (offs_n < N)
             row_ok = n_ok[:, None] & h_ok[None, :]
-            i_n, j_n = offs_n // W, offs_n % W
-            di = i_m[None, :] - i_n[:, None] + c0  # n m
-            dj = j_m[None, :] - j_n[:, None] + c1
-            valid = (di >= 0) & (di < T0) & (dj >= 0) & (dj < T1) & n_ok[:, None] & m_ok[None, :]
-            idx = di * T1 + dj
+            idx, valid = _pairs(offs_n, offs_m, n_ok, m_ok, W, T0, T1, c0, c1)  # n m
             s = _scores(q_ptr, r_ptr, offs_n, offs_h, n_ok, h_ok, idx, valid, u, K, U, T, s_qn, s_qh, BLOCK_N, BLOCK_H, BLOCK_M)
             dy = tl.load(dy_ptr + offs_n[:, None, None] * s_yn + offs_h[None, :, None] * s_yh + offs_v[None, None, :],
                          mask=row_ok[:, :, None] & v_ok[None, None, :], other=0.0)

@@ -8,8 +8,8 @@ __all__ = ["Backbone"]
 
 
 class Backbone(nn.Module):
-    """Subclasses build their trunk, call :meth:`_init_head` and implement ``forward_stages`` (c2..c5 feature
-    maps) and ``forward_features`` (the last map before pooling)."""
+    """Subclasses build their trunk (``stem``, ``stages``, ``final_conv``, or their own ``forward_stages`` (c2..c5
+    feature maps) and ``forward_features`` (the last map before pooling)) and call :meth:`_init_head`."""
 
     num_features: int
     feature_info: list[dict]
@@ -28,10 +28,18 @@ class Backbone(nn.Module):
         self.fc = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
 
     def forward_stages(self, x: Tensor) -> list[Tensor]:
-        raise NotImplementedError
+        """Feature maps of c2..c5 (strides 4, 8, 16, 32 with the ImageNet stems), for a trunk of ``stem``
+        then ``stages`` (a subclass with another layout overrides this and :meth:`forward_features`)."""
+        x = self.stem(x)
+        feats = []
+        for stage in self.stages:
+            x = stage(x)
+            feats.append(x)
+        return feats
 
     def forward_features(self, x: Tensor) -> Tensor:
-        raise NotImplementedError
+        """The last feature map (after ``final_conv``), before pooling."""
+        return self.final_conv(self.stages(self.stem(x)))
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
         x = self.head_drop(x.mean(dim=(2, 3)))

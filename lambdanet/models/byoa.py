@@ -368,18 +368,6 @@ class ByoaNet(Backbone):
                 if isinstance(m, ByoaBlock):
                     m.zero_init_last()
 
-    def forward_stages(self, x: Tensor) -> list[Tensor]:
-        """Feature maps of c2..c5 (strides 4, 8, 16, 32)."""
-        x = self.stem(x)
-        feats = []
-        for stage in self.stages:
-            x = stage(x)
-            feats.append(x)
-        return feats
-
-    def forward_features(self, x: Tensor) -> Tensor:
-        return self.final_conv(self.stages(self.stem(x)))
-
 
 # ------------------------------------------------------------------------------------------- registry
 BYOA_ARGS: dict[str, object] = {"img_size": None, "drop_rate": 0.0, "drop_path_rate": 0.0, "features_only": False,

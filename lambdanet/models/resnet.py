@@ -282,19 +282,6 @@ class ResNet(Backbone):
                 if isinstance(m, Bottleneck):
                     m.zero_init_last()
 
-    def forward_stages(self, x: Tensor) -> list[Tensor]:
-        """Feature maps of c2..c5 (strides 4, 8, 16, 32 with the ImageNet stems)."""
-        x = self.stem(x)
-        feats = []
-        for stage in self.stages:
-            x = stage(x)
-            feats.append(x)
-        return feats
-
-    def forward_features(self, x: Tensor) -> Tensor:
-        """The last feature map (after ``final_conv``), before pooling."""
-        return self.final_conv(self.stages(self.stem(x)))
-
 
 def _shared_embedding(shared: dict, layer: str, kwargs: Mapping, size: tuple[int, int]) -> RelativePositionEmbedding:
     dim_k, dim_u = kwargs.get("dim_k", 16), kwargs.get("dim_u", 1)

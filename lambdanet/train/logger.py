@@ -79,8 +79,14 @@ def truncate_history(path: Path, epochs: int) -> None:
                 writer.writerow({k: (int(v) if k == "epoch" else v) for k, v in r.items()})
 
 
-def plot_history(history: list[dict], out: Path) -> list[Path]:
-    """``loss.png`` and ``accuracy.png`` per epoch from the CSV rows."""
+# the classification run's plots: (file, metrics, y label)
+TRAIN_PANELS = (("loss.png", ("train_loss", "val_loss", "test_loss"), "cross-entropy"),
+                ("accuracy.png", ("train_top1", "val_top1", "test_top1", "test_top1_ema"), "top-1"))
+
+
+def plot_history(history: list[dict], out: Path, panels=TRAIN_PANELS) -> list[Path]:
+    """One PNG per panel (``(file name, metric keys, y label)``), the metrics per epoch from the CSV rows;
+    epochs where a metric is missing (not evaluated) are skipped."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -88,15 +94,16 @@ def plot_history(history: list[dict], out: Path) -> list[Path]:
 
     if not history:
         return []
-    epochs = [r["epoch"] for r in history]
     paths = []
-    for name, keys, ylabel in (("loss.png", ("train_loss", "val_loss", "test_loss"), "cross-entropy"),
-                               ("accuracy.png", ("train_top1", "val_top1", "test_top1", "test_top1_ema"), "top-1")):
+    for name, keys, ylabel in panels:
+        if not keys:
+            continue
         fig, ax = plt.subplots(figsize=(6, 4))
         for key in keys:
-            vals = [r.get(key) for r in history]
-            if any(isinstance(v, float) and v == v for v in vals):
-                ax.plot(epochs, vals, marker="o", markersize=3, label=key)
+            pts = [(r["epoch"], r[key]) for r in history
+                   if isinstance(r.get(key), int | float) and not isinstance(r[key], bool) and r[key] == r[key]]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", markersize=3, label=key)
         ax.set_xlabel("epoch")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
