@@ -195,8 +195,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from lambdanet.models import model_info
     from lambdanet.predict import load_for_inference
 
-    if (args.model is None) == (args.checkpoint is None):
-        raise ValueError("give either --model NAME or --checkpoint PATH" + (", not both" if args.model else ""))
+    if args.model is None and args.checkpoint is None:
+        raise ValueError("give --model NAME, --checkpoint PATH (a run), or both (a weights file of that model)")
     if args.pretrained and args.model is None:
         raise ValueError("--pretrained goes with --model NAME (a --checkpoint holds its own weights)")
     check_choice(args.format, "--format", FORMATS)
@@ -405,7 +405,8 @@ def _add_predict(sub) -> None:
                                                    "optional: it must be the run's model)")
     pr.add_argument("--pretrained", action="store_true", help="use the model's published weights")
     pr.add_argument("--checkpoint", default=None,
-                    help="a run directory, its .safetensors weights or its last.pt (lambdanet train)")
+                    help="a run directory, its .safetensors weights or its last.pt (lambdanet train); with --model, "
+                         "a weights file of that model (timm's checkpoint or lambdanet's own)")
     pr.add_argument("--top-k", type=int, default=5, help="classes shown per image (default: %(default)s)")
     pr.add_argument("--json", action="store_true", help="print the predictions as JSON")
     pr.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
@@ -426,7 +427,8 @@ def _add_export(sub) -> None:
     ex.add_argument("--model", default=None, help="registered model name")
     ex.add_argument("--pretrained", action="store_true", help="with --model: its published weights")
     ex.add_argument("--checkpoint", default=None,
-                    help="a run directory, its .safetensors weights or its last.pt (lambdanet train)")
+                    help="a run directory, its .safetensors weights or its last.pt (lambdanet train); with --model, "
+                         "a weights file of that model (timm's checkpoint or lambdanet's own)")
     ex.add_argument("--format", required=True, metavar="FORMAT", help=f"one of {', '.join(FORMATS)}")
     ex.add_argument("--out", default=None,
                     help="output file (default: <model>" + "|".join(SUFFIXES.values()) + " in this folder)")

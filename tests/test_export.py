@@ -270,9 +270,8 @@ def test_an_export_that_differs_from_eager_is_reported_with_its_error(tmp_path):
 @pytest.mark.parametrize("argv,needle", [
     (["--model", "resnet26", "--format", "tflite"],
      "--format must be one of ['onnx', 'torchscript', 'exported-program'], got 'tflite'"),
-    (["--model", "resnet26", "--checkpoint", "x", "--format", "onnx"],
-     "give either --model NAME or --checkpoint PATH, not both"),
-    (["--format", "onnx"], "give either --model NAME or --checkpoint PATH"),
+    (["--model", "resnet26", "--checkpoint", "x.pth", "--format", "onnx"], "'x.pth' does not exist"),
+    (["--format", "onnx"], "give --model NAME, --checkpoint PATH (a run), or both"),
     (["--model", "no_such_net", "--format", "torchscript"], "unknown model 'no_such_net'"),
     (["--checkpoint", "/nonexistent/run", "--format", "torchscript"], "does not exist"),
 ])
@@ -310,3 +309,23 @@ def test_export_model_returns_what_it_wrote_and_measured(tmp_path):
         eager = model.eval()(x)
         error = (torch.export.load(res["path"]).module()(x) - eager).abs().max().item()
     assert res["max_abs_error"] == error <= res["tolerance"] == pytest.approx(1e-3 * eager.abs().max().item())
+
+
+def test_export_a_model_from_a_timm_weights_file(tmp_path, capsys):
+    """``--model NAME --checkpoint FILE``: a timm checkpoint of that architecture, converted on load; the
+    TorchScript file reloads to the model ``create_model(NAME, checkpoint_path=FILE)`` builds."""
+    timm = pytest.importorskip("timm")
+    from lambdanet.models import create_model
+
+    torch.manual_seed(0)
+    path = tmp_path / "lambda_resnet26t.pth"
+    torch.save(timm.create_model("lambda_resnet26t").state_dict(), path)
+    out = tmp_path / "m.pt"
+    assert main(["export", "--model", "lambda_resnet26t", "--checkpoint", str(path), "--format", "torchscript",
+                 "--img-size", "64", "--out", str(out)]) == 0
+    assert "check passed" in capsys.readouterr().out
+    x = torch.randn(1, 3, 64, 64)
+    ref = create_model("lambda_resnet26t", checkpoint_path=path).eval()
+    with torch.no_grad():
+        want, got = ref(x), torch.jit.load(str(out))(x)
+    assert (got - want).abs().max() <= 64 * EPS32 * want.abs().max()
