@@ -16,3 +16,32 @@ if not torch.cuda.is_available():
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="session")
+def image_folder(tmp_path_factory):
+    """An ImageNet-style tree (``train/`` and ``val/``) of two classes, cats and dogs, 6 RGB 20x24 images each;
+    the classes differ in brightness so a model can learn them. Tests only read it."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("image_folder") / "imgs"
+    g = torch.Generator().manual_seed(0)
+    for split in ("train", "val"):
+        for c, cls in enumerate(("cats", "dogs")):
+            (root / split / cls).mkdir(parents=True)
+            for i in range(6):
+                img = (torch.rand(20, 24, 3, generator=g) * 120 + 100 * c).to(torch.uint8)
+                Image.fromarray(img.numpy()).save(root / split / cls / f"{i}.png")
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_digits_run(tmp_path_factory):
+    """A digits run (lambda_resnet26 with the small-image stem, 1 channel, 16x16, classes unnamed) trained for
+    two steps; tests only read it."""
+    from lambdanet.train import resolve_config, train
+
+    out = tmp_path_factory.mktemp("tiny_digits") / "run"
+    train(resolve_config(overrides={"epochs": 1, "max_train_batches": 2, "batch_size": 32, "progress": False,
+                                    "tensorboard": False, "out": str(out)}))
+    return out

@@ -27,7 +27,6 @@ from lambdanet.layers.lambda_layer import ImplPolicy, set_impl_policy
 from lambdanet.models import create_model, halonet, list_models, model_args, model_info
 from lambdanet.models.halonet import halonet_config
 from lambdanet.models.resnet import ResNetArgs, build_resnet
-from lambdanet.train import resolve_config, train
 
 EPS32 = torch.finfo(torch.float32).eps
 SMALL_SIZE = 64  # input of the models that take img_size: c4 is 4x4, c5 2x2, every block still runs
@@ -180,12 +179,9 @@ def test_every_spatial_layer_traces(name, stride):
 
 # ------------------------------------------------------------------------------------------- export
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tiny_digits_run):
     """A digits run (lambda_resnet26 with the small-image stem, 1 channel, 16x16) trained for a few steps."""
-    out = tmp_path_factory.mktemp("export") / "run"
-    train(resolve_config(overrides={"epochs": 1, "max_train_batches": 2, "batch_size": 32, "progress": False,
-                                    "tensorboard": False, "out": str(out)}))
-    return out
+    return tiny_digits_run
 
 
 def reference_input(model) -> torch.Tensor:

@@ -12,19 +12,9 @@ timm = pytest.importorskip("timm")
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    """An ImageNet-style tree of two classes, 6 train and 6 val images each."""
-    from PIL import Image
-
-    root = tmp_path_factory.mktemp("finetune") / "imgs"
-    g = torch.Generator().manual_seed(0)
-    for split in ("train", "val"):
-        for c, cls in enumerate(("cats", "dogs")):
-            (root / split / cls).mkdir(parents=True)
-            for i in range(6):
-                img = (torch.rand(20, 24, 3, generator=g) * 120 + 100 * c).to(torch.uint8)
-                Image.fromarray(img.numpy()).save(root / split / cls / f"{i}.png")
-    return root
+def folder(image_folder):
+    """Two classes, 6 train and 6 val images each (conftest's ``image_folder``)."""
+    return image_folder
 
 
 @pytest.fixture(scope="module")

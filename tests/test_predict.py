@@ -22,18 +22,14 @@ import lambdanet
 from lambdanet.cli import main
 from lambdanet.data import build_datasets
 from lambdanet.predict import find_images, predict
-from lambdanet.train import resolve_config, train
 
 EPS32 = torch.finfo(torch.float32).eps
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """A digits run (lambda_resnet26, small-image stem, 1 channel, 16x16, classes unnamed) trained briefly."""
-    out = tmp_path_factory.mktemp("predict") / "run"
-    train(resolve_config(overrides={"epochs": 1, "max_train_batches": 2, "batch_size": 32, "progress": False,
-                                    "tensorboard": False, "out": str(out)}))
-    return out
+def run(tiny_digits_run):
+    """A digits run (lambda_resnet26 with the small-image stem, 1 channel, 16x16) trained for a few steps."""
+    return tiny_digits_run
 
 
 @pytest.fixture(scope="module")

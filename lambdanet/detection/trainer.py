@@ -36,9 +36,10 @@ from lambdanet.train.checkpoint import (
     set_rng_state,
     unwrap,
 )
-from lambdanet.train.config import load_yaml, option, save_yaml
+from lambdanet.train.config import config_differences, describe_differences, load_yaml, option, save_yaml
 from lambdanet.train.distributed import DistContext, barrier, cleanup, convert_sync_batchnorm, init_distributed
 from lambdanet.train.logger import RunLogger, plot_history, read_history, truncate_history, write_json
+from lambdanet.train.optim import param_groups
 from lambdanet.train.rundir import RunDirLock
 
 __all__ = ["DetectConfig", "DETECT_RECIPES", "DETECT_CHOICES", "DETECT_RESUME_FREE", "resolve_detect_config",
@@ -151,13 +152,11 @@ def resolve_detect_config(recipe: str | None = None, yaml_values: dict | None = 
         for k, v in explicit.items():  # mappings were resolved over the recipe's: compare what they would give
             if isinstance(v, dict) and isinstance(saved.get(k), dict):
                 explicit[k] = {**saved[k], **v}
-        changed = {k: (v, saved.get(k)) for k, v in explicit.items()
-                   if k not in DETECT_RESUME_FREE and saved.get(k) != v}
-        if changed:
-            k, (new, old) = next(iter(changed.items()))
-            raise ValueError(f"--resume cannot change {k.replace('_', '-')} to {new!r} (the run has {old!r}); "
-                             "only how the run is watched, where it runs and its epochs may change")
         cfg = DetectConfig(**{**saved, **explicit})
+        changed = config_differences(saved, cfg, DETECT_RESUME_FREE)
+        if changed:
+            raise ValueError(f"--resume cannot change {', '.join(changed)}: {describe_differences(changed)}; only how "
+                             "the run is watched, where it runs and its epochs may change")
     else:
         name = explicit.get("recipe") or recipe or "quick"
         if name not in DETECT_RECIPES:
@@ -216,14 +215,8 @@ def _set_eval_size(model: nn.Module, cfg: DetectConfig) -> None:
     transform.max_size = 2 * max(transform.min_size)
 
 
-def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
 def _optimizer(model: nn.Module, cfg: DetectConfig) -> torch.optim.Optimizer:
-    groups = _param_groups(model, cfg.weight_decay)
+    groups = param_groups(model, cfg.weight_decay)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=cfg.effective_lr(), momentum=cfg.momentum)
     return torch.optim.AdamW(groups, lr=cfg.effective_lr())
@@ -268,7 +261,7 @@ def _loader(dataset, cfg: DetectConfig, ctx: DistContext, train: bool):
 
 
 def _train_epoch(state: DetectState, run_model: nn.Module, loader, cfg: DetectConfig, ctx: DistContext,
-                 total_steps: int, log: Callable[[str], None]) -> dict:
+                 total_steps: int) -> dict:
     from tqdm.auto import tqdm
 
     from lambdanet.runtime import autocast_context
@@ -401,7 +394,7 @@ def _run(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], No
     metrics: dict = {}
     try:
         while state.epoch < cfg.epochs:
-            row = _train_epoch(state, run_model, loader, cfg, ctx, total, log)
+            row = _train_epoch(state, run_model, loader, cfg, ctx, total)
             state.epoch += 1
             if state.epoch % cfg.eval_every == 0 or state.epoch == cfg.epochs:
                 metrics = _evaluate(model, test, cfg, ctx) if ctx.is_main else {}

@@ -44,7 +44,9 @@ BLOCK_M = 32  # context positions per inner step
 
 @triton.jit
 def _band(i_first, i_last, c0, T0, S0, W):
-    """Flattened context range [lo, hi) whose rows are within reach of query rows i_first..i_last."""
+    """Flattened context range [lo, hi) whose rows are within reach of query rows i_first..i_last (rows
+    ``i - c0 .. i + T0 - 1 - c0``); with ``c0`` mirrored to ``T0 - 1 - c0``, the query rows that reach
+    context rows i_first..i_last."""
     lo = tl.maximum(i_first - c0, 0) * W
     hi = tl.minimum(i_last + T0 - c0, S0) * W
     return lo, hi
@@ -161,11 +163,8 @@ def _backward_kv(q_ptr, v_ptr, r_ptr, dy_ptr, dv_ptr, dr_ptr, N, H, K, V, U, S0,
     offs_h = tl.arange(0, BLOCK_H)
     offs_v = tl.arange(0, BLOCK_V)
     m_ok, h_ok, v_ok = offs_m < N, offs_h < H, offs_v < V
-    # queries that reach this tile: rows i with i + (T0 - 1 - c0) >= i_first and i - c0 <= i_last
-    i_first, i_last = pid_m * BLOCK_M // W, (tl.minimum(pid_m * BLOCK_M + BLOCK_M, N) - 1) // W
-    lo = tl.maximum(i_first - (T0 - 1 - c0), 0) * W
-    hi = tl.minimum(i_last + c0 + 1, S0) * W
-    lo = lo // BLOCK_N * BLOCK_N
+    # the queries that reach this tile: the band of the mirrored table (offsets seen from the context side)
+    lo, hi = _band(pid_m * BLOCK_M // W, (tl.minimum(pid_m * BLOCK_M + BLOCK_M, N) - 1) // W, T0 - 1 - c0, T0, S0, W)
     for u in range(U):
         vt = tl.load(v_ptr + offs_m[:, None] * s_vm + offs_v[None, :] * s_vv + u,
                      mask=m_ok[:, None] & v_ok[None, :], other=0.0)  # m v

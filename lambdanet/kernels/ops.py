@@ -33,8 +33,8 @@ def kernels_available(device: torch.device | str) -> tuple[bool, str]:
                    f"got {device.type}")
 
 
-def _check(q: Tensor, values: Tensor, table: Tensor) -> None:
-    ok, why = kernels_available(q.device)
+def _check(device: torch.device) -> None:
+    ok, why = kernels_available(device)
     if not ok:
         raise RuntimeError(f"impl='triton': {why}")
 
@@ -44,7 +44,7 @@ def _position_output(q: Tensor, values: Tensor, table: Tensor, center0: int, cen
                      width: int) -> Tensor:
     from lambdanet.kernels.lambda_position import launch_forward
 
-    _check(q, values, table)
+    _check(q.device)
     q, values, table = q.contiguous(), values.contiguous(), table.contiguous()
     b, n, h, _ = q.shape
     out = torch.empty(b, n, h, values.shape[2], device=q.device, dtype=q.dtype)
@@ -62,7 +62,7 @@ def _position_output_backward(grad: Tensor, q: Tensor, values: Tensor, table: Te
                               height: int, width: int) -> tuple[Tensor, Tensor, Tensor]:
     from lambdanet.kernels.lambda_position import launch_backward
 
-    _check(q, values, table)
+    _check(q.device)
     grad, q, values, table = grad.contiguous(), q.contiguous(), values.contiguous(), table.contiguous()
     f32 = dict(device=q.device, dtype=torch.float32)
     dq, dvalues, dtable = torch.zeros(q.shape, **f32), torch.zeros(values.shape, **f32), torch.zeros(table.shape, **f32)
@@ -90,7 +90,7 @@ def _backward(ctx, grad):
 _position_output.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _geometry(table: Tensor, center: Sequence[int], spatial: Sequence[int]) -> tuple[int, int, int, int]:
+def _geometry(center: Sequence[int], spatial: Sequence[int]) -> tuple[int, int, int, int]:
     if len(spatial) == 1:
         return 0, int(center[0]), 1, int(spatial[0])
     if len(spatial) == 2:
@@ -110,7 +110,7 @@ def lambda_position_output(q: Tensor, values: Tensor, table: Tensor, center: Seq
         center: per axis, the table index of offset zero (``T // 2``; ``T - 1`` for causal tables).
         spatial: the input's spatial size (1 or 2 dims).
     """
-    c0, c1, height, width = _geometry(table, center, spatial)
+    c0, c1, height, width = _geometry(center, spatial)
     if len(spatial) == 1:
         table = table.unsqueeze(2)  # k u 1 T
     return _position_output(q, values, table, c0, c1, height, width)
@@ -119,7 +119,7 @@ def lambda_position_output(q: Tensor, values: Tensor, table: Tensor, center: Seq
 def lambda_position_output_reference(q: Tensor, values: Tensor, table: Tensor, center: Sequence[int],
                                      spatial: Sequence[int]) -> Tensor:
     """The same function computed plainly in PyTorch (materialises ``E[n, m]``; for tests)."""
-    c0, c1, height, width = _geometry(table, center, spatial)
+    c0, c1, height, width = _geometry(center, spatial)
     t = table.unsqueeze(2) if len(spatial) == 1 else table  # k u T0 T1
     ii, jj = torch.meshgrid(torch.arange(height, device=q.device), torch.arange(width, device=q.device),
                             indexing="ij")

@@ -22,6 +22,18 @@ class Backbone(nn.Module):
         self.head_drop = nn.Dropout(drop_rate) if drop_rate > 0 else nn.Identity()
         self.fc = nn.Linear(num_features, num_classes) if num_classes > 0 and not features_only else nn.Identity()
 
+    def _init_norms(self, block_type: type[nn.Module], zero_init_last: bool) -> None:
+        """Every BatchNorm at identity (weight 1, bias 0); with ``zero_init_last`` every ``block_type`` block
+        zeroes its last BatchNorm (``zero_init_last()``), so its residual branch starts at zero."""
+        for m in self.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+        if zero_init_last:
+            for m in self.modules():
+                if isinstance(m, block_type):
+                    m.zero_init_last()
+
     def reset_classifier(self, num_classes: int) -> None:
         """Replace the classifier by a fresh one with ``num_classes`` outputs (0: no classifier)."""
         self.num_classes = num_classes

@@ -32,7 +32,7 @@ loads the checkpoints (``create_model(name, pretrained=True)``).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from torch import Tensor, nn
 
@@ -105,7 +105,6 @@ class ByoaSpec:
     bottle_in: bool = False  # bottleneck width from the block's input (RegNetZ) instead of its output
     linear_out: bool = False  # no activation after the residual sum (RegNetZ)
     fixed_input_size: bool = False  # global attention sized for one input size
-    notes: dict = field(default_factory=dict)
 
 
 _ACTS = {"relu": nn.ReLU, "silu": nn.SiLU}
@@ -360,13 +359,7 @@ class ByoaNet(Backbone):
         for m in self.modules():
             if isinstance(m, ConvNormAct):
                 nn.init.kaiming_normal_(m.conv.weight, mode="fan_out", nonlinearity="relu")
-            elif isinstance(m, nn.BatchNorm2d):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
-        if zero_init_last:
-            for m in self.modules():
-                if isinstance(m, ByoaBlock):
-                    m.zero_init_last()
+        self._init_norms(ByoaBlock, zero_init_last)
 
 
 # ------------------------------------------------------------------------------------------- registry

@@ -14,6 +14,7 @@ one built with ``in_chans=1`` gets the stem convolution summed over the checkpoi
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -24,7 +25,7 @@ from torch import Tensor, nn
 from lambdanet.layers import HaloAttention, LambdaLayer, RelativeSelfAttention
 
 __all__ = ["PretrainedUnavailableError", "WeightsMismatchError", "HUB_FILENAME", "METADATA_FORMAT", "cache_dir", "hub_id",
-           "convert_timm_state_dict", "read_state_dict", "read_metadata", "load_weights", "load_pretrained", "download_weights"]
+           "convert_timm_state_dict", "read_state_dict", "run_metadata", "load_weights", "load_pretrained", "download_weights"]
 
 HUB_FILENAME = "model.safetensors"  # what timm publishes in each hub repository
 METADATA_FORMAT = "lambdanet.weights.v1"  # the header of the weights lambdanet train writes (train/load.py)
@@ -141,10 +142,10 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
 _FC = ("fc.weight", "fc.bias")
 
 
-def _fit(model: nn.Module, sd: dict[str, Tensor]) -> tuple[dict[str, Tensor], list[str]]:
-    """Adapt a converted state dict to ``model``: drop a classifier of another width (a new head for
-    fine-tuning), sum an RGB stem over its channels for a 1-channel model. Returns (state dict, notes)."""
-    own = model.state_dict()
+def _fit(model: nn.Module, own: dict[str, Tensor], sd: dict[str, Tensor]) -> tuple[dict[str, Tensor], list[str]]:
+    """Adapt a converted state dict to ``model`` (whose state dict is ``own``): drop a classifier of another
+    width (a new head for fine-tuning), sum an RGB stem over its channels for a 1-channel model. Returns
+    (state dict, notes)."""
     notes = []
     if "fc.weight" in sd and ("fc.weight" not in own or own["fc.weight"].shape != sd["fc.weight"].shape):
         classes = sd["fc.weight"].shape[0]
@@ -159,14 +160,18 @@ def _fit(model: nn.Module, sd: dict[str, Tensor]) -> tuple[dict[str, Tensor], li
     return sd, notes
 
 
-def read_metadata(path: str | os.PathLike) -> dict[str, str]:
-    """The header metadata of a safetensors file (``{}`` for other files or none)."""
+def run_metadata(path: str | os.PathLike) -> dict | None:
+    """The model description in the header of weights written by ``lambdanet train`` (:data:`METADATA_FORMAT`:
+    model, kwargs, classes, preprocessing; JSON values decoded), ``None`` for any other file."""
     if Path(path).suffix != ".safetensors":
-        return {}
+        return None
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
-        return dict(f.metadata() or {})
+        meta = f.metadata() or {}
+    if meta.get("format") != METADATA_FORMAT:
+        return None
+    return {k: json.loads(v) for k, v in meta.items() if k != "format"}
 
 
 def load_weights(model: nn.Module, path: str | os.PathLike, name: str | None = None) -> list[str]:
@@ -174,22 +179,20 @@ def load_weights(model: nn.Module, path: str | os.PathLike, name: str | None = N
     (:func:`convert_timm_state_dict`); strict apart from a classifier of another width. Returns notes on
     what was adapted."""
     sd = read_state_dict(path)
-    own = set(model.state_dict())
-    if set(sd) - set(_FC) != own - set(_FC):  # not lambdanet's own keys: timm's
-        sd = convert_timm_state_dict(model, sd)
-    sd, notes = _fit(model, sd)
     own = model.state_dict()
+    if set(sd) - set(_FC) != set(own) - set(_FC):  # not lambdanet's own keys: timm's
+        sd = convert_timm_state_dict(model, sd)
+    sd, notes = _fit(model, own, sd)
+    label = name or type(model).__name__
     shapes = [f"{k} {tuple(v.shape)} in the file, {tuple(own[k].shape)} in the model" for k, v in sd.items()
               if k in own and v.shape != own[k].shape]
     if shapes:
         raise WeightsMismatchError(
-            f"checkpoint_path {str(path)!r} does not fit {name or type(model).__name__}: {len(shapes)} tensors have "
-            f"other shapes, e.g. {shapes[0]} (global attention is sized by img_size: build the model at the "
-            "checkpoint's)")
+            f"checkpoint_path {str(path)!r} does not fit {label}: {len(shapes)} tensors have other shapes, e.g. "
+            f"{shapes[0]} (global attention is sized by img_size: build the model at the checkpoint's)")
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [k for k in missing if k not in _FC]
     if missing or unexpected:
-        label = name or type(model).__name__
         raise WeightsMismatchError(
             f"checkpoint_path {str(path)!r} does not fit {label}: {len(missing)} missing keys "
             f"{missing[:3]}, {len(unexpected)} unexpected {unexpected[:3]} (is it a checkpoint of this model?)")

@@ -184,16 +184,12 @@ def default_pretrained_cfg(name: str, num_classes: int, in_chans: int) -> dict:
 
 
 def _load_into(model: nn.Module, name: str, pretrained: bool, checkpoint_path) -> None:
-    import json
-
     from lambdanet.models import pretrained as weights
 
     notes = weights.load_pretrained(model, name) if pretrained else weights.load_weights(model, checkpoint_path, name)
     if checkpoint_path is not None:  # lambdanet's run weights describe their data: classes and preprocessing
-        meta = weights.read_metadata(checkpoint_path)
-        for key in ("classes", "data", "image_size", "mean", "std"):
-            if key in meta and meta.get("format") == weights.METADATA_FORMAT:
-                model.pretrained_cfg[key] = json.loads(meta[key])
+        meta = weights.run_metadata(checkpoint_path) or {}
+        model.pretrained_cfg.update({k: meta[k] for k in ("classes", "data", "image_size", "mean", "std") if k in meta})
         if any("classifier" in n for n in notes):
             model.pretrained_cfg["classes"] = None
     model.pretrained_cfg["weights"] = "pretrained" if pretrained else str(checkpoint_path)

@@ -273,14 +273,7 @@ class ResNet(Backbone):
                     convs.append(block.spatial.conv)
         for conv in convs:
             nn.init.kaiming_normal_(conv.weight, mode="fan_out", nonlinearity="relu")
-        for m in self.modules():
-            if isinstance(m, nn.BatchNorm2d):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
-        if zero_init_last:
-            for m in self.modules():
-                if isinstance(m, Bottleneck):
-                    m.zero_init_last()
+        self._init_norms(Bottleneck, zero_init_last)
 
 
 def _shared_embedding(shared: dict, layer: str, kwargs: Mapping, size: tuple[int, int]) -> RelativePositionEmbedding:

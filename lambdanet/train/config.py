@@ -305,10 +305,11 @@ def saved_run_config(out: str | Path) -> dict:
     return load_yaml(out / "config.yaml")
 
 
-def config_differences(saved: dict, cfg: TrainConfig, ignore: tuple[str, ...] = RESUME_FREE) -> dict[str, tuple]:
-    """``{field: (saved value, new value)}`` for every field of ``cfg`` that differs from ``saved``."""
+def config_differences(saved: dict, cfg, ignore: tuple[str, ...] = RESUME_FREE) -> dict[str, tuple]:
+    """``{field: (saved value, new value)}`` for every field of ``cfg`` (a :class:`TrainConfig` or another
+    options dataclass) that differs from ``saved`` (a field missing there counts as its default)."""
     now = dataclasses.asdict(cfg)
-    default = dataclasses.asdict(TrainConfig())
+    default = dataclasses.asdict(type(cfg)())
     return {k: (saved.get(k, default[k]), v) for k, v in now.items()
             if k not in ignore and saved.get(k, default[k]) != v}
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from torch import nn
 
 from lambdanet.models import create_model
-from lambdanet.models.pretrained import METADATA_FORMAT
+from lambdanet.models.pretrained import METADATA_FORMAT, run_metadata
 from lambdanet.train.checkpoint import CheckpointError, load_checkpoint, trained_weights
 
 __all__ = ["load_model", "restore_model", "weights_metadata", "METADATA_FORMAT"]
@@ -46,15 +46,12 @@ def restore_model(state: dict, spec, *, ema: bool = True) -> tuple[nn.Module, st
 
 
 def _read_metadata(path: Path) -> dict:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-    if meta.get("format") != METADATA_FORMAT:
+    meta = run_metadata(path)
+    if meta is None:
         raise ValueError(f"{path} holds weights without lambdanet's model description (written by an older "
                          "lambdanet or another tool); load it into create_model(...) yourself with "
                          "safetensors.torch.load_model, or pass the run's last.pt")
-    return {k: json.loads(v) for k, v in meta.items() if k != "format"}
+    return meta
 
 
 def load_model(path: str | os.PathLike, *, ema: bool = True) -> nn.Module:

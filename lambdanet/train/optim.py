@@ -8,10 +8,10 @@ import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-__all__ = ["build_optimizer", "build_scheduler", "build_ema", "set_bn_momentum", "lr_at"]
+__all__ = ["param_groups", "build_optimizer", "build_scheduler", "build_ema", "set_bn_momentum", "lr_at"]
 
 
-def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """No weight decay on normalisation parameters and biases (1-d tensors)."""
     decay, no_decay = [], []
     for p in model.parameters():
@@ -22,7 +22,7 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
     """SGD (momentum), Adam (L2 weight decay, as the reproduction report), AdamW or RMSProp."""
-    lr, groups = cfg.effective_lr(), _param_groups(model, cfg.weight_decay)
+    lr, groups = cfg.effective_lr(), param_groups(model, cfg.weight_decay)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
     if cfg.optimizer == "adam":
