@@ -13,7 +13,7 @@ from lambdanet.detection.trainer import DETECT_RECIPES, lr_factor, resolve_detec
 
 # one step of batch 2 at 96 px, two test images, light heads: a smoke run of the whole pipeline
 TINY = ["--epochs", "1", "--batch-size", "2", "--max-train-batches", "1", "--max-eval-images", "2",
-        "--eval-batch-size", "2", "--img-size", "96", "--no-progress", "--no-tensorboard",
+        "--eval-batch-size", "2", "--img-size", "96", "--no-progress", "--no-tensorboard", "--pretrain-steps", "0",
         "--backbone-kwargs", "base_width=8", "--detector",
         "{box_batch_size_per_image: 32, rpn_batch_size_per_image: 32, box_detections_per_img: 20}"]
 AP_KEYS = [f"{t}_{m}" for t in ("bbox", "segm") for m in ("AP", "AP50", "AP75", "AP_small", "AP_medium", "AP_large")]
@@ -71,3 +71,21 @@ def test_bad_detect_arguments_fail_on_one_line(tmp_path, capsys, args, needle):
     assert main(["detect", *args, *TINY, "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1
+
+
+def test_metrics_csv_takes_rows_with_new_columns(tmp_path):
+    """detect evaluates every few epochs: a row with AP columns after rows without them widens the header
+    (the file is rewritten), rows without them leave empty cells, and reading skips those cells."""
+    from lambdanet.train.logger import RunLogger, read_history, truncate_history
+
+    logger = RunLogger(tmp_path, tensorboard=False)
+    logger.log_epoch({"epoch": 1, "train_loss": 2.5})
+    logger.log_epoch({"epoch": 2, "train_loss": 2.0, "bbox_AP": 0.25})
+    logger.log_epoch({"epoch": 3, "train_loss": 1.5})
+    path = tmp_path / "metrics.csv"
+    lines = path.read_text().splitlines()
+    assert lines == ["epoch,train_loss,bbox_AP", "1,2.5,", "2,2.0,0.25", "3,1.5,"]
+    assert read_history(path) == [{"epoch": 1, "train_loss": 2.5}, {"epoch": 2, "train_loss": 2.0, "bbox_AP": 0.25},
+                                  {"epoch": 3, "train_loss": 1.5}]
+    truncate_history(path, 2)
+    assert path.read_text().splitlines() == lines[:3]

@@ -254,7 +254,7 @@ def test_global_context_layers_are_sized_by_the_largest_padded_input():
 
 
 def test_halonet_table5_presets_replace_c5_convolutions_by_halo_attention():
-    assert set(BACKBONE_PRESETS) == {f"resnet{d}_se{s}" for d in (50, 101) for s in ("", "_halo_b8", "_halo_b32")}
+    assert set(BACKBONE_PRESETS) == {f"resnet{d}_se{s}" for d in (26, 50, 101) for s in ("", "_halo_b8", "_halo_b32")}
     for block in (8, 32):
         body, name, kwargs = create_feature_backbone(f"resnet50_se_halo_b{block}", max_size=128, base_width=8)
         assert name == "resnet50" and kwargs["stage_layers"] == "CCCL" and kwargs["se"] is True

@@ -10,6 +10,9 @@ of ``bench.md``):
 * ``scaling``: every Table 4 layer (and HaloNet's) across resolutions and batches: forward and
   forward+backward time, peak memory and FLOPs, log-log slopes and plots against the number of positions.
 * ``models``: model suites (Table 13 hybrids, Table 14, HaloNet, MobileNet, the 26-layer hybrid).
+* ``detection``: the detection study's backbones (ResNet-26, +SE, lambda and halo hybrids) alone at
+  512, 768 and 1024 px, batch 1 and 2: forward and training time, peak memory, and the slope of memory
+  against image area.
 * ``table4``: Table 4's memory column from the complexity formulas on each variant's layer shapes.
 
 A peer package that is not installed leaves out its rows; the run says so in one line on stderr and in
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from lambdanet.bench import layer_bench, model_bench
+from lambdanet.bench import detection_bench, layer_bench, model_bench
 from lambdanet.bench.peers import missing_peers_warning
 from lambdanet.bench.report import environment, markdown, plot_scaling, write_rows
 from lambdanet.runtime import check_amp
@@ -144,6 +147,24 @@ def _models(s: BenchSettings, out: Path, log: Log) -> PartResult:
                  + ([("error", "failed")] if any("error" in r for r in rows) else [])), ""]
 
 
+def _detection(s: BenchSettings, out: Path, log: Log) -> PartResult:
+    log("== detection: backbone-only time and peak memory at detection sizes")
+    sizes, batches = ((64, 96, 128), (1,)) if s.quick else (detection_bench.DETECTION_SIZES,
+                                                             detection_bench.DETECTION_BATCHES)
+    rows = detection_bench.backbone_costs(sizes=sizes, batches=batches, device=s.device,
+                                          repeats=1 if s.quick else 3, log=log)
+    slopes = detection_bench.memory_slopes(rows)
+    return {"detection": rows, "detection_slopes": slopes}, [
+        "## Detection backbones (backbone only, quick-recipe width)", "",
+        markdown(rows, [("label", "backbone"), ("params", "params"), ("size", "size"), ("batch", "B"),
+                        ("forward_ms", "forward ms"), ("forward_peak_bytes", "forward peak bytes"),
+                        ("train_ms", "fwd+bwd ms"), ("train_peak_bytes", "fwd+bwd peak bytes")]), "",
+        "Log-log slope of peak memory against image area (1: linear, 2: quadratic).", "",
+        markdown(slopes, [("backbone", "backbone"), ("batch", "B"), ("sizes", "sizes"),
+                          ("forward_memory_slope", "forward slope"), ("train_memory_slope", "fwd+bwd slope"),
+                          ("area_ratio", "area ratio"), ("train_peak_ratio", "fwd+bwd peak ratio")]), ""]
+
+
 def _table4(s: BenchSettings, out: Path, log: Log) -> PartResult:
     log("== table4: memory column")
     rows = model_bench.table4_memory()
@@ -169,6 +190,7 @@ PARTS: dict[str, Part] = {
     "scaling": Part(_scaling, lambda s: ()),
     "models": Part(_models, lambda s: model_bench.suite_peers(s.model_suites)),
     "table4": Part(_table4, lambda s: ()),
+    "detection": Part(_detection, lambda s: ()),
 }
 
 

@@ -100,7 +100,7 @@ GLYPH_SOURCES: dict[str, GlyphSource] = {
     "mnist5k": GlyphSource("mnist5k", STROKE, DIGIT_CLASSES),
     "fashion-mnist": GlyphSource("fashion-mnist", SILHOUETTE, FASHION_MNIST_CLASSES),
 }
-GLYPH_SETS = ("auto", "digits", "digits+mnist5k", "digits+fashion-mnist")
+GLYPH_SETS = ("auto", "digits", "digits+mnist5k", "digits+fashion-mnist", "fashion-mnist")
 
 
 @dataclass(frozen=True)

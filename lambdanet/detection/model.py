@@ -34,7 +34,8 @@ from torch import Tensor, nn
 from lambdanet.models import create_model, list_models, model_args
 
 __all__ = ["DetectorOptions", "BackbonePreset", "BACKBONE_PRESETS", "FeaturePyramidBackbone", "create_detector",
-           "create_feature_backbone", "detector_input_size", "halo_hybrid_kwargs"]
+           "create_feature_backbone", "detector_input_size", "halo_hybrid_kwargs", "resolve_backbone",
+           "input_normalization", "STUDY_BACKBONES"]
 
 FEATURE_NAMES = ("0", "1", "2", "3")  # the FPN levels P2..P5 the RoI heads pool from (P6 is "pool")
 
@@ -52,6 +53,9 @@ class DetectorOptions:
         mask_head_channels: width of the mask head's four 3x3 convolutions.
         size_divisible: batches are padded to a multiple of this (must be a multiple of the backbone's
             largest stride, 32).
+        rpn_pre_nms_top_n, rpn_post_nms_top_n: (training, inference) proposals the RPN keeps per level
+            before its non-maximum suppression and per image after it (torchvision: 2000 / 1000 each; scenes
+            with a few objects need far fewer, and the RoI heads' cost is proportional to them).
         rpn_batch_size_per_image, box_batch_size_per_image: anchors / proposals sampled per image for the
             RPN and box-head losses.
         box_score_thresh: detections scoring less are dropped at inference.
@@ -67,6 +71,8 @@ class DetectorOptions:
     representation_size: int = 1024
     mask_head_channels: int = 256
     size_divisible: int = 32
+    rpn_pre_nms_top_n: tuple[int, int] = (2000, 1000)
+    rpn_post_nms_top_n: tuple[int, int] = (2000, 1000)
     rpn_batch_size_per_image: int = 256
     box_batch_size_per_image: int = 512
     box_score_thresh: float = 0.05
@@ -79,6 +85,11 @@ class DetectorOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"DetectorOptions.{name} must be a positive int, got {value!r}")
+        for name in ("rpn_pre_nms_top_n", "rpn_post_nms_top_n"):
+            value = getattr(self, name)
+            if len(value) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in value):
+                raise ValueError(f"DetectorOptions.{name} must be two positive ints (training, inference), "
+                                 f"got {value!r}")
         if len(self.anchor_sizes) != len(FEATURE_NAMES) + 1 or any(s <= 0 for s in self.anchor_sizes):
             raise ValueError(f"DetectorOptions.anchor_sizes must be {len(FEATURE_NAMES) + 1} positive sizes, one "
                              f"per level P2..P6, got {self.anchor_sizes!r}")
@@ -107,17 +118,36 @@ def halo_hybrid_kwargs(block_size: int, halo_size: int = 3, heads: int = 8) -> d
 
 
 # HaloNet Table 5's backbones: ResNet-50/101 + SE, and the hybrids with halo attention (b = 8 or 32, h = 3) in
-# c5. LambdaNetworks Table 6 compares registered models directly (resnet101 / lambda_resnet101, resnet152 /
-# lambda_resnet152). The SE ratio is lambdanet's ResNet default (1/16, Hu et al. 2018).
+# c5; at 26 layers they are the halo side of the side-by-side study (STUDY_BACKBONES). LambdaNetworks Table 6
+# compares registered models directly (resnet101 / lambda_resnet101, resnet152 / lambda_resnet152). The SE
+# ratio is lambdanet's ResNet default (1/16, Hu et al. 2018).
 BACKBONE_PRESETS: dict[str, BackbonePreset] = {
-    f"resnet{depth}_se{suffix}": BackbonePreset(f"resnet{depth}", kwargs, f"HaloNet Table 5: ResNet-{depth} + SE{note}")
-    for depth in (50, 101)
+    f"resnet{depth}_se{suffix}": BackbonePreset(f"resnet{depth}", kwargs, f"{source}: ResNet-{depth} + SE{note}")
+    for depth, source in ((26, "HaloNet Table 5's recipe at 26 layers"), (50, "HaloNet Table 5"),
+                          (101, "HaloNet Table 5"))
     for suffix, kwargs, note in (
         ("", {"se": True}, " (baseline)"),
         ("_halo_b8", halo_hybrid_kwargs(8), ", c5 3x3 convolutions replaced by halo attention (b=8, h=3)"),
         ("_halo_b32", halo_hybrid_kwargs(32), ", c5 3x3 convolutions replaced by halo attention (b=32, h=3)"),
     )
 }
+
+# The side-by-side study (docs/detection.md, in Table 6's layout): a ResNet, its +SE twin, its lambda hybrid
+# (lambda layers in c4 and c5, LambdaNetworks Table 13's C-C-L-L) and its halo hybrid (HaloNet Table 5), all
+# with [2, 2, 2, 2] blocks so that a 2-core CPU trains each in minutes.
+STUDY_BACKBONES: dict[str, str] = {
+    "resnet26": "ResNet-26",
+    "resnet26_se": "ResNet-26 + SE",
+    "lambda_resnet26": "LambdaResNet-26 (lambda layers in c4, c5)",
+    "resnet26_se_halo_b8": "ResNet-26 + SE, halo attention in c5 (b=8, h=3)",
+}
+
+
+def input_normalization(model: nn.Module) -> tuple[list[float], list[float]]:
+    """(mean, std) per RGB channel that ``model``'s inputs are normalised with: its ``pretrained_cfg``'s, else
+    ImageNet's (torchvision's detection default)."""
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    return list(cfg.get("mean", (0.485, 0.456, 0.406))), list(cfg.get("std", (0.229, 0.224, 0.225)))
 
 
 def detector_input_size(max_size: int, size_divisible: int) -> int:
@@ -247,12 +277,14 @@ def create_detector(backbone: str, num_classes: int, *, masks: bool = True, min_
     levels = len(opts.anchor_sizes)
     anchors = AnchorGenerator(tuple((s,) for s in opts.anchor_sizes), (tuple(opts.aspect_ratios),) * levels)
     c = opts.fpn_channels
-    cfg = getattr(body, "pretrained_cfg", None) or {}
+    mean, std = input_normalization(body)
     common = {
-        "min_size": min_size, "max_size": max_size, "image_mean": list(cfg.get("mean", (0.485, 0.456, 0.406))),
-        "image_std": list(cfg.get("std", (0.229, 0.224, 0.225))), "size_divisible": opts.size_divisible,
+        "min_size": min_size, "max_size": max_size, "image_mean": mean, "image_std": std,
+        "size_divisible": opts.size_divisible,
         "rpn_anchor_generator": anchors, "rpn_head": RPNHead(c, anchors.num_anchors_per_location()[0]),
         "rpn_batch_size_per_image": opts.rpn_batch_size_per_image,
+        "rpn_pre_nms_top_n_train": opts.rpn_pre_nms_top_n[0], "rpn_pre_nms_top_n_test": opts.rpn_pre_nms_top_n[1],
+        "rpn_post_nms_top_n_train": opts.rpn_post_nms_top_n[0], "rpn_post_nms_top_n_test": opts.rpn_post_nms_top_n[1],
         "box_roi_pool": MultiScaleRoIAlign(list(FEATURE_NAMES), output_size=7, sampling_ratio=2),
         "box_head": TwoMLPHead(c * 7 * 7, opts.representation_size),
         "box_predictor": FastRCNNPredictor(opts.representation_size, num_classes + 1),

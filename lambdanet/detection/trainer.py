@@ -5,8 +5,9 @@ machinery of ``lambdanet train``: named recipes, YAML, a flag per option, AMP, a
 
 Recipes:
 
-* ``quick`` (default): the built-in glyph scenes on a CPU in minutes: AdamW, 128 px images with mild scale
-  jitter, small anchors, a compact backbone.
+* ``quick`` (default): the built-in glyph scenes on a CPU in minutes: the backbone (base width 16) first
+  pre-trained on glyph crops (:mod:`lambdanet.detection.pretrain`, the stand-in for ImageNet weights), then
+  AdamW at the scenes' own 256 px, anchors 16-256 px, light heads and a proposal budget for a few objects.
 * ``paper``: LambdaNetworks App. E.3 / Table 6's Mask R-CNN recipe: 1024 px with multi-scale jitter 0.1-2.0,
   SGD momentum 0.9, linear warm-up over 1000 steps to 0.32 per 256 images, the learning rate x0.1 at 90%,
   95% and 97.5% of the steps, weight decay 4e-5, synchronised BatchNorm.
@@ -38,12 +39,12 @@ from lambdanet.train.checkpoint import (
 )
 from lambdanet.train.config import config_differences, describe_differences, load_yaml, option, save_yaml
 from lambdanet.train.distributed import DistContext, barrier, cleanup, convert_sync_batchnorm, init_distributed
-from lambdanet.train.logger import RunLogger, plot_history, read_history, truncate_history, write_json
+from lambdanet.train.logger import RunLogger, plot_history, read_history, read_json, truncate_history, write_json
 from lambdanet.train.optim import param_groups
 from lambdanet.train.rundir import RunDirLock
 
 __all__ = ["DetectConfig", "DETECT_RECIPES", "DETECT_CHOICES", "DETECT_RESUME_FREE", "resolve_detect_config",
-           "train_detector", "lr_factor", "plot_detection_history", "draw_predictions"]
+           "train_detector", "quick_backbone_kwargs", "lr_factor", "plot_detection_history", "draw_predictions"]
 
 
 @dataclass
@@ -54,14 +55,16 @@ class DetectConfig:
                                               "(lambdanet.detection.BACKBONE_PRESETS)")
     backbone_kwargs: dict = option({}, "create_model options of the backbone, 'key=value,...' or a YAML mapping")
     pretrained_backbone: bool = option(False, "start the backbone from its published ImageNet weights")
+    pretrain_steps: int = option(0, "first pre-train the backbone as a classifier of glyph crops for this many "
+                                    "steps (the offline stand-in for ImageNet weights; 0: none)")
     masks: bool = option(True, "Mask R-CNN (instance masks); --no-masks: Faster R-CNN")
     detector: dict = option({}, "DetectorOptions overrides (anchor_sizes, representation_size, ...)")
     data: str = option("glyphs", "glyphs (built-in offline scenes of digit / Fashion-MNIST glyphs) or coco:DIR")
     recipe: str = option("quick", "named recipe whose values the other options override")
-    img_size: int = option(128, "shorter image side in training and evaluation (the longer capped at 2x)")
+    img_size: int = option(256, "shorter image side in training and evaluation (the longer capped at 2x)")
     jitter_min: float = option(1.0, "multi-scale jitter: smallest scale of img_size in training")
     jitter_max: float = option(1.0, "multi-scale jitter: largest scale of img_size in training")
-    epochs: int = option(12, "training epochs (with --resume: more epochs extend the run)")
+    epochs: int = option(8, "training epochs (with --resume: more epochs extend the run)")
     batch_size: int = option(8, "global batch size (split across torchrun processes)")
     eval_batch_size: int = option(8, "images per forward pass in evaluation")
     optimizer: str = option("adamw", "optimizer", choices=("sgd", "adamw"))
@@ -103,6 +106,14 @@ class DetectConfig:
             raise ValueError(f"lr must be positive and warmup_steps non-negative, got {self.lr}, {self.warmup_steps}")
         if any(not 0 < f < 1 for f in self.lr_steps) or list(self.lr_steps) != sorted(self.lr_steps):
             raise ValueError(f"lr_steps must be increasing fractions in (0, 1), got {self.lr_steps}")
+        if isinstance(self.pretrain_steps, bool) or not isinstance(self.pretrain_steps, int) or self.pretrain_steps < 0:
+            raise ValueError(f"pretrain_steps must be a non-negative int, got {self.pretrain_steps!r}")
+        if self.pretrain_steps and self.pretrained_backbone:
+            raise ValueError("pretrain_steps and pretrained_backbone both initialise the backbone: choose one "
+                             "(--pretrain-steps 0 with --pretrained-backbone)")
+        if self.pretrain_steps and self.data != "glyphs":
+            raise ValueError(f"pretrain_steps pre-trains on glyph crops, which only the glyphs data has; with "
+                             f"data {self.data!r} use --pretrain-steps 0 (or --pretrained-backbone)")
         if not isinstance(self.backbone_kwargs, dict) or not isinstance(self.detector, dict):
             raise ValueError("backbone_kwargs and detector must be mappings")
         from lambdanet.detection.data import list_detection_datasets
@@ -129,10 +140,15 @@ DETECT_CHOICES = {f.name: f.metadata["choices"] for f in dataclasses.fields(Dete
 DETECT_CHOICES["recipe"] = tuple(DETECT_RECIPES)
 DETECT_RESUME_FREE = ("progress", "tensorboard", "workers", "resume", "out", "device", "epochs")
 
-# the quick recipe's detector for ~128 px scenes: anchors one octave below torchvision's 800 px defaults,
-# lighter heads (the glyph scenes need no 1024-wide box head)
-QUICK_DETECTOR = {"anchor_sizes": [8, 16, 32, 64, 128], "representation_size": 256, "mask_head_channels": 128,
-                  "fpn_channels": 128, "rpn_batch_size_per_image": 128, "box_batch_size_per_image": 128}
+# the quick recipe's detector for the 256 px glyph scenes (objects 8-240 px): anchors one octave below
+# torchvision's 800 px defaults; light heads and few proposals (1-6 objects per image need no 1024-wide box
+# head nor 2000 proposals, and on a CPU the RoI heads' cost is proportional to both)
+QUICK_DETECTOR = {"anchor_sizes": [16, 32, 64, 128, 256], "fpn_channels": 64, "representation_size": 256,
+                  "mask_head_channels": 64, "rpn_batch_size_per_image": 128, "box_batch_size_per_image": 64,
+                  "rpn_pre_nms_top_n": [600, 300], "rpn_post_nms_top_n": [300, 150]}
+# glyph-crop pre-training steps of the quick recipe on the glyph scenes (another dataset, or ImageNet weights
+# asked for with --pretrained-backbone, gets none)
+QUICK_PRETRAIN_STEPS = 600
 
 
 def resolve_detect_config(recipe: str | None = None, yaml_values: dict | None = None,
@@ -166,20 +182,25 @@ def resolve_detect_config(recipe: str | None = None, yaml_values: dict | None = 
                     **explicit.get("detector", {})}
         values["detector"] = detector
         if name == "quick" and "backbone_kwargs" not in explicit:
-            values["backbone_kwargs"] = _quick_backbone_kwargs(values.get("backbone", DetectConfig.backbone))
+            values["backbone_kwargs"] = quick_backbone_kwargs(values.get("backbone", DetectConfig.backbone))
+        if (name == "quick" and "pretrain_steps" not in explicit and not values.get("pretrained_backbone")
+                and values.get("data", DetectConfig.data) == "glyphs"):
+            values["pretrain_steps"] = QUICK_PRETRAIN_STEPS
         cfg = DetectConfig(**values)
     cfg.validate()
     return cfg
 
 
-def _quick_backbone_kwargs(backbone: str) -> dict:
-    """The compact width (base_width 16) where the backbone takes one: a 2-core CPU trains it in minutes."""
-    from lambdanet.models import model_args
+def quick_backbone_kwargs(backbone: str) -> dict:
+    """The quick recipe's backbone options: the compact width (base_width 16) where the backbone (or the
+    model under a preset) takes one, so that a 2-core CPU trains it in minutes."""
+    from lambdanet.detection.model import BACKBONE_PRESETS, resolve_backbone
+    from lambdanet.models import list_models, model_args
 
-    try:
-        return {"base_width": 16} if "base_width" in model_args(backbone) else {}
-    except ValueError:  # a preset name: its own options
-        return {}
+    if backbone not in BACKBONE_PRESETS and backbone not in list_models():
+        return {}  # validate() names the valid backbones
+    name, _ = resolve_backbone(backbone, {})
+    return {"base_width": 16} if "base_width" in model_args(name) else {}
 
 
 def lr_factor(step: int, total: int, warmup: int, steps: list[float]) -> float:
@@ -356,6 +377,23 @@ def train_detector(cfg: DetectConfig, log: Callable[[str], None] = print) -> dic
         cleanup(ctx)
 
 
+def _pretrain(model: nn.Module, cfg: DetectConfig, log: Callable[[str], None]) -> dict:
+    """Pre-train the detector's backbone on glyph crops (:mod:`lambdanet.detection.pretrain`) and load it."""
+    from lambdanet.detection.pretrain import PretrainConfig, pretrain_backbone
+
+    body = model.backbone.body
+    weights, info = pretrain_backbone(cfg.backbone, PretrainConfig(steps=cfg.pretrain_steps), seed=cfg.seed,
+                                      progress=cfg.progress, log=log, **cfg.backbone_kwargs)
+    for key, value in body.state_dict().items():
+        if key not in weights or weights[key].shape != value.shape:
+            raise ValueError(f"glyph pre-training cannot initialise backbone {cfg.backbone!r}: its tensor {key!r} "
+                             f"{tuple(value.shape)} is {tuple(weights[key].shape) if key in weights else 'absent'} in "
+                             "the classifier (layers sized by the input, like global relative tables, differ); "
+                             "use --pretrain-steps 0")
+    body.load_state_dict({k: weights[k] for k in body.state_dict()})
+    return info
+
+
 def _run(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], None]) -> dict:
     from lambdanet.detection.data import build_detection_datasets
 
@@ -368,6 +406,9 @@ def _run(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], No
     if cfg.sync_bn and ctx.enabled:
         model = convert_sync_batchnorm(model, ctx.device)
     model = model.to(ctx.device)
+    if cfg.pretrain_steps and not cfg.resume and ctx.is_main:  # DDP broadcasts rank 0's weights to the others
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(_pretrain(unwrap(model), cfg, log), out / "pretrain.json")
     state = DetectState(model, _optimizer(model, cfg), torch.amp.GradScaler("cuda") if cfg.amp == "fp16" else None)
     if cfg.resume:
         state.load_state_dict(load_checkpoint(out / "last.pt", map_location=ctx.device))
@@ -419,9 +460,10 @@ def _run(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], No
         plots = plot_detection_history(history, out)
         picture = draw_predictions(unwrap(model), test, out / "predictions.png", cfg, ctx.device,
                                    count=min(4, cfg.max_eval_images or 4))
+        pretrained = read_json(out / "pretrain.json") if (out / "pretrain.json").is_file() else {}
         summary = {"backbone": cfg.backbone, "backbone_kwargs": cfg.backbone_kwargs, "masks": cfg.masks,
                    "data": cfg.data, "recipe": cfg.recipe, "epochs": state.epoch, "params": params,
-                   "backbone_params": backbone_params, "train_time_s": state.train_time_s, **metrics,
+                   "backbone_params": backbone_params, **pretrained, "train_time_s": state.train_time_s, **metrics,
                    "plots": [p.name for p in plots] + [picture.name]}
         write_json(summary, out / "summary.json")
         log(f"done: box AP {metrics.get('bbox_AP', float('nan')):.3f}"

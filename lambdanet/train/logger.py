@@ -6,7 +6,7 @@ import csv
 import json
 from pathlib import Path
 
-__all__ = ["RunLogger", "plot_history", "write_json"]
+__all__ = ["RunLogger", "plot_history", "write_json", "read_json"]
 
 
 def write_json(data: dict, path: str | Path) -> None:
@@ -15,8 +15,17 @@ def write_json(data: dict, path: str | Path) -> None:
     tmp.replace(path)
 
 
+def read_json(path: str | Path) -> dict:
+    """What :func:`write_json` wrote."""
+    return json.loads(Path(path).read_text())
+
+
 class RunLogger:
-    """Appends epoch rows to ``metrics.csv`` and scalars to TensorBoard (``tb/``)."""
+    """Appends epoch rows to ``metrics.csv`` and scalars to TensorBoard (``tb/``).
+
+    Rows may differ in their keys (``lambdanet detect`` evaluates every few epochs): a row with a key the
+    file's header lacks rewrites the file (atomically) under the union of the keys; a missing key is an
+    empty cell, which :func:`read_history` leaves out of its row."""
 
     def __init__(self, out: Path, enabled: bool = True, tensorboard: bool = True):
         self.out, self.enabled = out, enabled
@@ -33,12 +42,12 @@ class RunLogger:
         if not self.enabled:
             return
         path = self.out / "metrics.csv"
-        new = not path.exists()
-        with open(path, "a", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(row))
-            if new:
-                writer.writeheader()
-            writer.writerow(row)
+        fields = _header(path)
+        if fields is not None and set(row) <= set(fields):
+            with open(path, "a", newline="") as f:
+                csv.DictWriter(f, fieldnames=fields).writerow(row)
+        else:
+            _write_rows(path, list(dict.fromkeys([*(fields or []), *row])), read_history(path) + [row])
         if self.writer is not None:
             for key, value in row.items():
                 if key != "epoch" and isinstance(value, int | float) and value == value:
@@ -50,11 +59,30 @@ class RunLogger:
             self.writer.close()
 
 
+def _write_rows(path: Path, fields: list[str], rows: list[dict]) -> None:
+    """``rows`` under the header ``fields``, written to a temporary file that then replaces ``path``."""
+    tmp = path.with_suffix(".csv.tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: (int(v) if k == "epoch" else v) for k, v in r.items()})
+    tmp.replace(path)
+
+
+def _header(path: Path) -> list[str] | None:
+    if not path.exists():
+        return None
+    with open(path, newline="") as f:
+        return next(csv.reader(f), None)
+
+
 def read_history(path: Path) -> list[dict]:
+    """The rows of ``metrics.csv``, numbers as floats, empty cells left out."""
     if not path.exists():
         return []
-    with open(path) as f:
-        return [{k: _num(v) for k, v in row.items()} for row in csv.DictReader(f)]
+    with open(path, newline="") as f:
+        return [{k: _num(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
 
 
 def _num(v: str):
@@ -69,14 +97,7 @@ def truncate_history(path: Path, epochs: int) -> None:
     rows = [r for r in read_history(path) if r.get("epoch", 0) <= epochs]
     if not path.exists():
         return
-    with open(path, newline="") as f:
-        fields = next(csv.reader(f), None)
-    with open(path, "w", newline="") as f:
-        if fields:
-            writer = csv.DictWriter(f, fieldnames=fields)
-            writer.writeheader()
-            for r in rows:
-                writer.writerow({k: (int(v) if k == "epoch" else v) for k, v in r.items()})
+    _write_rows(path, _header(path) or [], rows)
 
 
 # the classification run's plots: (file, metrics, y label)

@@ -1,0 +1,154 @@
+"""Backbone pre-training on glyph crops: the offline stand-in for ImageNet pre-training.
+
+LambdaNetworks App. E.3 (Table 6) and HaloNet Sec. 4.4 (Table 5) fine-tune ImageNet-pretrained backbones
+for detection. On the built-in glyph scenes, where no such weights can be downloaded, the quick recipe
+first trains the backbone as a classifier of single glyphs: :class:`GlyphCrops` renders one glyph of the
+train glyph pool per image (the scene renderer with one object, at small and medium scales, on the same
+textured backgrounds), and :func:`pretrain_backbone` trains ``create_model(backbone, num_classes=...)`` on
+them with AdamW and a cosine schedule, then returns the state dict of its body, which the
+``features_only`` backbone of the detector loads (their parameter names agree; the classifier is left out).
+Accuracy on crops of the test glyphs is logged.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch.utils.data import Dataset
+
+from lambdanet.detection.data import GlyphPool, GlyphSceneConfig, glyph_categories, render_scene, \
+    resolve_glyph_sources
+
+__all__ = ["PretrainConfig", "GlyphCrops", "pretrain_backbone"]
+
+
+@dataclass(frozen=True)
+class PretrainConfig:
+    """Glyph-crop pre-training (:func:`pretrain_backbone`).
+
+    Attributes:
+        steps: optimizer steps.
+        batch_size: crops per step.
+        img_size: side of the crops.
+        lr: AdamW's peak learning rate (linear warm-up over ``warmup_steps``, then cosine decay to 0).
+        weight_decay: AdamW's weight decay (not on norms and biases).
+        warmup_steps: warm-up steps.
+        eval_images: test-glyph crops the accuracy is measured on.
+    """
+
+    steps: int = 600
+    batch_size: int = 64
+    img_size: int = 64
+    lr: float = 2e-3
+    weight_decay: float = 0.05
+    warmup_steps: int = 50
+    eval_images: int = 512
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "img_size", "eval_images"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"PretrainConfig.{name} must be a positive int, got {value!r}")
+        if self.img_size < 32:
+            raise ValueError(f"PretrainConfig.img_size must be at least 32, got {self.img_size}")
+        if self.lr <= 0 or self.weight_decay < 0 or self.warmup_steps < 0:
+            raise ValueError(f"PretrainConfig needs lr > 0, weight_decay >= 0 and warmup_steps >= 0, got "
+                             f"{self.lr}, {self.weight_decay}, {self.warmup_steps}")
+
+
+def crop_scene_config(img_size: int, glyphs: str = "auto") -> GlyphSceneConfig:
+    """One object per image, small or medium: mask areas from 1.5% to 45% of the crop."""
+    area = img_size * img_size
+    return GlyphSceneConfig(image_size=img_size, glyphs=glyphs, max_objects=1, large_prob=0.0, small_prob=0.5,
+                            small_area=(0.015 * area, 0.08 * area), medium_area=(0.08 * area, 0.45 * area))
+
+
+class GlyphCrops(Dataset):
+    """``length`` single-glyph images of one split's glyph pool: ``(image [3, S, S] in [0, 1], label)``
+    (0-based category, :func:`lambdanet.detection.data.glyph_categories`); image ``i`` is rendered from a
+    generator seeded by ``(seed, i)``, so a crop is the same on every call and machine."""
+
+    def __init__(self, split: str, length: int, *, img_size: int = 64, seed: int = 0, glyphs: str = "auto"):
+        sources = resolve_glyph_sources(glyphs)
+        self.pool = GlyphPool(sources, split)
+        self.categories = glyph_categories(sources)
+        self.config = crop_scene_config(img_size, glyphs)
+        self.length, self.seed = length, seed
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> tuple[Tensor, int]:
+        if not 0 <= i < self.length:
+            raise IndexError(f"index {i} out of range for {self.length} crops")
+        rng = np.random.default_rng([self.seed, i])
+        while True:  # a glyph too thin for its drawn area can be skipped by the renderer: draw again
+            image, _, labels = render_scene(self.pool, self.config, rng)
+            if labels:
+                return torch.from_numpy(image).float() / 255, labels[0]
+
+
+def _accuracy(model: nn.Module, data: GlyphCrops, batch_size: int, mean: Tensor, std: Tensor) -> float:
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for start in range(0, len(data), batch_size):
+            images, labels = zip(*(data[i] for i in range(start, min(start + batch_size, len(data)))))
+            logits = model((torch.stack(images) - mean) / std)  # b classes
+            correct += int((logits.argmax(1) == torch.tensor(labels)).sum())
+    return correct / len(data)
+
+
+def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, seed: int = 0,
+                      glyphs: str = "auto", progress: bool = True, log: Callable[[str], None] = print,
+                      **model_kwargs) -> tuple[dict[str, Tensor], dict]:
+    """Train ``create_model(backbone, num_classes=<glyph categories>, **model_kwargs)`` on :class:`GlyphCrops`
+    of the train glyphs for ``cfg.steps`` steps; returns (its state dict without the classifier, ``{"
+    pretrain_accuracy": top-1 on test-glyph crops, "pretrain_time_s": seconds}``). ``backbone`` may be a
+    :data:`lambdanet.detection.model.BACKBONE_PRESETS` name; ``model_kwargs`` override its options."""
+    from tqdm.auto import tqdm
+
+    from lambdanet.detection.model import input_normalization, resolve_backbone
+    from lambdanet.models import create_model, model_args
+    from lambdanet.train.optim import param_groups
+
+    name, kwargs = resolve_backbone(backbone, model_kwargs)
+    if "img_size" in model_args(name):
+        kwargs["img_size"] = cfg.img_size
+    train = GlyphCrops("train", cfg.steps * cfg.batch_size, img_size=cfg.img_size, seed=seed, glyphs=glyphs)
+    test = GlyphCrops("test", cfg.eval_images, img_size=cfg.img_size, seed=seed, glyphs=glyphs)
+    torch.manual_seed(seed)
+    model = create_model(name, num_classes=len(train.categories), **kwargs)
+    mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in input_normalization(model))  # 1 3 1 1: as the detector
+    opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr)
+    log(f"pre-training {backbone} on {cfg.steps} x {cfg.batch_size} glyph crops ({cfg.img_size} px, "
+        f"{len(train.categories)} classes)")
+    start = time.perf_counter()
+    model.train()
+    bar = tqdm(range(cfg.steps), desc="pre-training the backbone on glyph crops", leave=False, disable=not progress)
+    for step in bar:
+        factor = (step + 1) / cfg.warmup_steps if step < cfg.warmup_steps else \
+            0.5 * (1 + math.cos(math.pi * (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)))
+        for group in opt.param_groups:
+            group["lr"] = cfg.lr * factor
+        batch = [train[step * cfg.batch_size + j] for j in range(cfg.batch_size)]
+        images = (torch.stack([b[0] for b in batch]) - mean) / std  # b 3 s s
+        labels = torch.tensor([b[1] for b in batch])  # b
+        loss = nn.functional.cross_entropy(model(images), labels)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
+    bar.close()
+    seconds = time.perf_counter() - start
+    accuracy = _accuracy(model, test, cfg.batch_size, mean, std)
+    log(f"pre-trained in {seconds:.0f}s: top-1 {accuracy:.1%} on {len(test)} crops of test glyphs")
+    head = {k for k in model.state_dict() if k.split(".")[0] in ("fc", "head", "classifier")}
+    state = {k: v for k, v in model.state_dict().items() if k not in head}
+    return state, {"pretrain_accuracy": accuracy, "pretrain_time_s": seconds}

@@ -1,0 +1,196 @@
+"""The detection study's pieces: its four backbones, backbone-only cost (lambdanet.bench.detection_bench),
+the RPN's proposal budget, and glyph-crop pre-training of the backbone (lambdanet.detection.pretrain)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lambdanet.bench.detection_bench import backbone_costs, memory_slopes
+from lambdanet.detection.model import (
+    STUDY_BACKBONES,
+    DetectorOptions,
+    create_detector,
+    create_feature_backbone,
+)
+from lambdanet.detection.pretrain import GlyphCrops, PretrainConfig, pretrain_backbone
+from lambdanet.detection.trainer import quick_backbone_kwargs, resolve_detect_config
+from lambdanet.layers import ConvLayer, HaloAttention, LambdaLayer, SqueezeExcite
+from lambdanet.runtime import peak_memory
+
+
+# ---------------------------------------------------------------------------------------- study backbones
+def test_study_backbones_are_a_resnet_its_se_twin_and_its_lambda_and_halo_hybrids():
+    bodies = {}
+    for name in STUDY_BACKBONES:
+        assert quick_backbone_kwargs(name) == {"base_width": 16}  # presets too: the model under them
+        bodies[name] = create_feature_backbone(name, max_size=256, **quick_backbone_kwargs(name))[0]
+    spatial = {name: [[type(b.spatial) for b in stage] for stage in body.stages] for name, body in bodies.items()}
+    assert all([len(s) for s in layers] == [2, 2, 2, 2] for layers in spatial.values())
+    assert spatial["resnet26"] == spatial["resnet26_se"] == [[ConvLayer] * 2] * 4
+    assert spatial["lambda_resnet26"] == [[ConvLayer] * 2] * 2 + [[LambdaLayer] * 2] * 2
+    assert spatial["resnet26_se_halo_b8"] == [[ConvLayer] * 2] * 3 + [[HaloAttention] * 2]
+    se = {name: [isinstance(b.se, SqueezeExcite) for stage in body.stages for b in stage] for name, body in bodies.items()}
+    assert not any(se["resnet26"]) and all(se["resnet26_se"]) and not any(se["lambda_resnet26"])
+    params = {name: sum(p.numel() for p in body.parameters()) for name, body in bodies.items()}
+    # "of comparable size": the SE gates add 2 C^2 / 16 per block (about 10%); attention replaces 3x3
+    # convolutions (9 C^2 weights) by 1x1 projections, so the hybrids are smaller, not larger
+    se_params = sum(p.numel() for stage in bodies["resnet26_se"].stages for b in stage for p in b.se.parameters())
+    assert params["resnet26_se"] == params["resnet26"] + se_params
+    assert all(0.5 * params["resnet26"] <= params[n] < params["resnet26"] for n in ("lambda_resnet26",
+                                                                                    "resnet26_se_halo_b8")), params
+
+
+def test_rpn_proposal_budget_is_an_option():
+    opts = DetectorOptions(fpn_channels=16, representation_size=32, mask_head_channels=16,
+                           rpn_pre_nms_top_n=(60, 40), rpn_post_nms_top_n=(30, 12), box_score_thresh=0.0)
+    model = create_detector("resnet26", 3, min_size=64, max_size=64, options=opts, base_width=8)
+    assert (model.rpn.pre_nms_top_n(), model.rpn.post_nms_top_n()) == (60, 30)  # training
+    model.eval()
+    assert (model.rpn.pre_nms_top_n(), model.rpn.post_nms_top_n()) == (40, 12)
+    with torch.no_grad():
+        images, _ = model.transform([torch.rand(3, 64, 64)])
+        proposals, _ = model.rpn(images, model.backbone(images.tensors))
+    assert len(proposals[0]) <= 12
+    with pytest.raises(ValueError, match=r"DetectorOptions.rpn_post_nms_top_n must be two positive ints"):
+        DetectorOptions(rpn_post_nms_top_n=(100, 0))
+
+
+# ------------------------------------------------------------------------------------------ backbone cost
+def test_memory_slopes_recover_the_growth_exponent():
+    rows = [{"backbone": name, "size": s, "batch": b, "forward_peak_bytes": c * (s * s) ** e * b,
+             "train_peak_bytes": 3 * c * (s * s) ** e * b}
+            for name, e, c in (("linear", 1, 5.0), ("quadratic", 2, 1e-3)) for s in (512, 768, 1024) for b in (1, 2)]
+    slopes = {r["backbone"]: r for r in memory_slopes(rows)}
+    assert slopes["linear"]["forward_memory_slope"] == pytest.approx(1.0)
+    assert slopes["quadratic"]["train_memory_slope"] == pytest.approx(2.0)
+    assert slopes["linear"]["area_ratio"] == pytest.approx(4.0) and slopes["linear"]["batch"] == 1
+    assert slopes["quadratic"]["train_peak_ratio"] == pytest.approx(16.0)
+
+
+def test_backbone_costs_measure_each_backbone_alone():
+    rows = backbone_costs(["lambda_resnet26"], sizes=(64,), batches=(1, 2), repeats=1, log=lambda _: None)
+    assert [(r["size"], r["batch"]) for r in rows] == [(64, 1), (64, 2)]
+    body = create_feature_backbone("lambda_resnet26", max_size=64, base_width=16)[0]
+    assert all(r["params"] == sum(p.numel() for p in body.parameters()) for r in rows)
+    for r in rows:
+        assert r["forward_ms"] > 0 and r["train_ms"] > 0
+        # training keeps the activations for backward: more than inference, which frees them as it goes
+        assert r["train_peak_bytes"] > r["forward_peak_bytes"] > 0
+    # a second image adds its activations, but not a second copy of the parameters' gradients (4 bytes per
+    # parameter), which the batch-1 peak already holds
+    grads = 4 * rows[0]["params"]
+    assert rows[0]["train_peak_bytes"] > grads
+    assert rows[0]["train_peak_bytes"] < rows[1]["train_peak_bytes"] < 2 * rows[0]["train_peak_bytes"] - grads / 2
+
+
+@pytest.mark.parametrize("name", ["lambda_resnet26", "resnet26_se_halo_b8"])
+def test_lambda_convolution_and_halo_backbone_memory_is_linear_in_area(name):
+    """LambdaNetworks Table 2: lambda convolutions and blocked local attention cost Theta(b n m) memory for a
+    fixed context m, so the peak of a forward pass grows with the area n (x2.25 from 512 to 768 px); global
+    attention would grow it x5. At these sizes c4 has more than ImplPolicy.max_whole_positions (852)
+    positions, so the lambda layers run as convolutions (below it they may materialise E [n, m], quadratic
+    by design, capped at max_whole_elements), and c5 is a whole number of 8 x 8 halo blocks."""
+    peaks = {}
+    for size in (512, 768):
+        torch.manual_seed(0)
+        body = create_feature_backbone(name, max_size=size, base_width=16)[0].eval()
+        x = torch.randn(1, 3, size, size)  # 1 3 s s
+
+        def forward(body=body, x=x):
+            with torch.no_grad():
+                body(x)
+
+        peaks[size] = peak_memory(forward)
+    # the returned maps c2..c5 and the largest live intermediates all scale with the area; only the
+    # position embeddings (kilobytes) do not
+    assert 2.0 < peaks[768] / peaks[512] < 2.5, peaks
+
+
+# ------------------------------------------------------------------------------------------- pre-training
+def test_glyph_crops_are_deterministic_single_glyphs():
+    crops = GlyphCrops("train", 8, img_size=48, seed=1, glyphs="digits")
+    image, label = crops[3]
+    again, label_again = GlyphCrops("train", 8, img_size=48, seed=1, glyphs="digits")[3]
+    assert torch.equal(image, again) and label == label_again
+    assert image.shape == (3, 48, 48) and 0.0 <= image.min() and image.max() <= 1.0
+    assert {crops[i][1] for i in range(8)} <= set(range(len(crops.categories)))
+    assert len(crops.categories) == 10
+    with pytest.raises(IndexError):
+        crops[8]
+
+
+def test_pretrained_backbone_loads_into_the_detector_body():
+    cfg = PretrainConfig(steps=2, batch_size=4, img_size=32, warmup_steps=1, eval_images=4)
+    state, info = pretrain_backbone("resnet26_se", cfg, glyphs="digits", progress=False, log=lambda _: None,
+                                    base_width=8)
+    body = create_feature_backbone("resnet26_se", max_size=64, base_width=8)[0]
+    assert set(state) == set(body.state_dict())  # the classifier is left out, nothing else
+    body.load_state_dict(state)
+    assert 0.0 <= info["pretrain_accuracy"] <= 1.0 and info["pretrain_time_s"] > 0
+
+
+def test_detect_run_pretrains_then_fine_tunes(tmp_path):
+    from lambdanet.cli import main
+
+    pytest.importorskip("pycocotools")
+    out = tmp_path / "run"
+    assert main(["detect", "--backbone", "resnet26", "--pretrain-steps", "1", "--epochs", "1", "--batch-size", "2",
+                 "--max-train-batches", "1", "--max-eval-images", "2", "--eval-batch-size", "2", "--img-size", "64",
+                 "--no-progress", "--no-tensorboard", "--backbone-kwargs", "base_width=8", "--detector",
+                 "{box_batch_size_per_image: 16, rpn_batch_size_per_image: 16, box_detections_per_img: 10}",
+                 "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert json.loads((out / "pretrain.json").read_text())["pretrain_accuracy"] == summary["pretrain_accuracy"]
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"pretrain_steps": 5, "pretrained_backbone": True}, "pretrain_steps and pretrained_backbone"),
+    ({"pretrain_steps": 5, "data": "coco:/nowhere"}, "only the glyphs data has"),
+    ({"pretrain_steps": -1}, "pretrain_steps must be a non-negative int"),
+])
+def test_pretraining_conflicts_are_refused(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_detect_config(overrides=overrides)
+
+
+def test_bench_detection_part_writes_rows_slopes_and_its_section(tmp_path):
+    from lambdanet.bench.runner import run_benchmarks
+
+    results = run_benchmarks(["detection"], quick=True, out=tmp_path, log=lambda _: None)
+    rows = json.loads((tmp_path / "detection.json").read_text())
+    assert {(r["backbone"], r["size"]) for r in rows} == {(b, s) for b in STUDY_BACKBONES for s in (64, 96, 128)}
+    assert [r["backbone"] for r in results["detection_slopes"]] == list(STUDY_BACKBONES)
+    assert "## Detection backbones" in (tmp_path / "bench.md").read_text()
+
+
+def test_quick_recipe_pretrains_on_glyphs_only():
+    from lambdanet.detection.trainer import QUICK_PRETRAIN_STEPS
+
+    assert resolve_detect_config().pretrain_steps == QUICK_PRETRAIN_STEPS > 0
+    assert resolve_detect_config(overrides={"data": "coco:/data/coco"}).pretrain_steps == 0
+    assert resolve_detect_config(overrides={"pretrained_backbone": True}).pretrain_steps == 0
+    assert resolve_detect_config("paper").pretrain_steps == 0
+    assert resolve_detect_config(overrides={"pretrain_steps": 7}).pretrain_steps == 7
+
+
+def test_study_table_has_table6_columns_in_percent(tmp_path, capsys):
+    from lambdanet.detection.study import main, study_table
+
+    summary = {"backbone_params": 592832, "train_time_s": 900.0, "bbox_AP": 0.3, "bbox_AP_small": 0.1,
+               "bbox_AP_medium": 0.35, "bbox_AP_large": float("nan"), "segm_AP": 0.25, "segm_AP_small": 0.05,
+               "segm_AP_medium": 0.3, "segm_AP_large": 0.6}
+    bench = [{"backbone": "lambda_resnet26", "size": s, "batch": b, "train_ms": 100.0 * b * s / 1024,
+              "train_peak_bytes": 2 ** 20 * b * s} for s in (512, 1024) for b in (1, 2)]
+    lines = study_table({"lambda_resnet26": summary}, bench).splitlines()
+    assert lines[0].split(" | ")[2:6] == ["AP bb", "AP bb s/m/l", "AP mask", "AP mask s/m/l"]
+    cells = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert cells == [STUDY_BACKBONES["lambda_resnet26"], "0.59", "30.0", "10.0/35.0/-", "25.0", "5.0/30.0/60.0",
+                     "100 / 1024", "200 / 2048"]
+    run = tmp_path / "lambda_resnet26"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps(summary))
+    assert main([str(tmp_path)]) == 0 and "30.0" in capsys.readouterr().out
+    assert main([str(tmp_path / "none")]) == 2 and "no " in capsys.readouterr().err
