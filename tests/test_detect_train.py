@@ -49,6 +49,7 @@ def test_paper_recipe_is_app_e3():
     assert (cfg.img_size, cfg.jitter_min, cfg.jitter_max) == (1024, 0.1, 2.0)
     assert cfg.optimizer == "sgd" and cfg.weight_decay == 4e-5 and cfg.sync_bn and cfg.warmup_steps == 1000
     assert cfg.effective_lr() == pytest.approx(0.32 * 64 / 256) and cfg.lr_steps == [0.9, 0.95, 0.975]
+    assert cfg.epochs == math.ceil(130_000 * 256 / 118_287) and cfg.pretrain_steps == 0  # from scratch, >= 130k steps
     assert set(DETECT_RECIPES) == {"quick", "paper"}
 
 
@@ -81,11 +82,11 @@ def test_metrics_csv_takes_rows_with_new_columns(tmp_path):
     logger = RunLogger(tmp_path, tensorboard=False)
     logger.log_epoch({"epoch": 1, "train_loss": 2.5})
     logger.log_epoch({"epoch": 2, "train_loss": 2.0, "bbox_AP": 0.25})
-    logger.log_epoch({"epoch": 3, "train_loss": 1.5})
+    logger.log_epoch({"epoch": 3, "train_loss": 1.5, "steps": 186})
     path = tmp_path / "metrics.csv"
     lines = path.read_text().splitlines()
-    assert lines == ["epoch,train_loss,bbox_AP", "1,2.5,", "2,2.0,0.25", "3,1.5,"]
+    assert lines == ["epoch,train_loss,bbox_AP,steps", "1,2.5,,", "2,2.0,0.25,", "3,1.5,,186"]  # cells as written
     assert read_history(path) == [{"epoch": 1, "train_loss": 2.5}, {"epoch": 2, "train_loss": 2.0, "bbox_AP": 0.25},
-                                  {"epoch": 3, "train_loss": 1.5}]
+                                  {"epoch": 3, "train_loss": 1.5, "steps": 186}]
     truncate_history(path, 2)
     assert path.read_text().splitlines() == lines[:3]

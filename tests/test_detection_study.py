@@ -15,7 +15,13 @@ from lambdanet.detection.model import (
     create_detector,
     create_feature_backbone,
 )
-from lambdanet.detection.pretrain import GlyphCrops, PretrainConfig, pretrain_backbone
+from lambdanet.detection.pretrain import (
+    GlyphCrops,
+    PretrainConfig,
+    load_backbone_weights,
+    pretrain_backbone,
+    transfer_mismatch,
+)
 from lambdanet.detection.trainer import quick_backbone_kwargs, resolve_detect_config
 from lambdanet.layers import ConvLayer, HaloAttention, LambdaLayer, SqueezeExcite
 from lambdanet.runtime import peak_memory
@@ -54,8 +60,9 @@ def test_rpn_proposal_budget_is_an_option():
         images, _ = model.transform([torch.rand(3, 64, 64)])
         proposals, _ = model.rpn(images, model.backbone(images.tensors))
     assert len(proposals[0]) <= 12
-    with pytest.raises(ValueError, match=r"DetectorOptions.rpn_post_nms_top_n must be two positive ints"):
-        DetectorOptions(rpn_post_nms_top_n=(100, 0))
+    for bad in ((100, 0), 500, (1, 2, 3)):
+        with pytest.raises(ValueError, match=r"DetectorOptions.rpn_post_nms_top_n must be two positive ints"):
+            DetectorOptions(rpn_post_nms_top_n=bad)
 
 
 # ------------------------------------------------------------------------------------------ backbone cost
@@ -128,11 +135,24 @@ def test_pretrained_backbone_loads_into_the_detector_body():
                                     base_width=8)
     body = create_feature_backbone("resnet26_se", max_size=64, base_width=8)[0]
     assert set(state) == set(body.state_dict())  # the classifier is left out, nothing else
-    body.load_state_dict(state)
+    load_backbone_weights(body, state)
+    assert all(torch.equal(v, state[k]) for k, v in body.state_dict().items())
     assert 0.0 <= info["pretrain_accuracy"] <= 1.0 and info["pretrain_time_s"] > 0
+    state.pop("stem.0.weight" if "stem.0.weight" in state else next(iter(state)))
+    with pytest.raises(ValueError, match="pre-trained weights do not fit the backbone"):
+        load_backbone_weights(body, state)
 
 
-def test_detect_run_pretrains_then_fine_tunes(tmp_path):
+def test_input_sized_layers_do_not_transfer_from_crops():
+    assert transfer_mismatch("lambda_resnet26", {"base_width": 16}, img_size=64, max_size=512) is None
+    mismatch = transfer_mismatch("botnet26t_256", {}, img_size=64, max_size=512)
+    assert mismatch is not None and "rel" in mismatch  # BoTNet's global relative tables are sized by the input
+    assert resolve_detect_config(overrides={"backbone": "botnet26t_256"}).pretrain_steps == 0  # quick: none
+    with pytest.raises(ValueError, match="cannot initialise backbone 'botnet26t_256'"):
+        resolve_detect_config(overrides={"backbone": "botnet26t_256", "pretrain_steps": 5})
+
+
+def test_detect_run_pretrains_then_fine_tunes(tmp_path, capsys):
     from lambdanet.cli import main
 
     pytest.importorskip("pycocotools")
@@ -143,7 +163,12 @@ def test_detect_run_pretrains_then_fine_tunes(tmp_path):
                  "{box_batch_size_per_image: 16, rpn_batch_size_per_image: 16, box_detections_per_img: 10}",
                  "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
-    assert json.loads((out / "pretrain.json").read_text())["pretrain_accuracy"] == summary["pretrain_accuracy"]
+    pretrained = json.loads((out / "pretrain.json").read_text())
+    assert pretrained["pretrain_accuracy"] == summary["pretrain_accuracy"]
+    assert "pre-training resnet26" in capsys.readouterr().out
+    assert main(["detect", "--out", str(out), "--resume", "--epochs", "2", "--no-progress"]) == 0
+    assert "pre-training" not in capsys.readouterr().out  # resuming keeps the pre-trained, fine-tuned weights
+    assert json.loads((out / "pretrain.json").read_text()) == pretrained
 
 
 @pytest.mark.parametrize("overrides, match", [
@@ -194,3 +219,5 @@ def test_study_table_has_table6_columns_in_percent(tmp_path, capsys):
     (run / "summary.json").write_text(json.dumps(summary))
     assert main([str(tmp_path)]) == 0 and "30.0" in capsys.readouterr().out
     assert main([str(tmp_path / "none")]) == 2 and "no " in capsys.readouterr().err
+    assert main([str(tmp_path), str(tmp_path / "missing.json")]) == 2
+    assert "no benchmark rows" in capsys.readouterr().err

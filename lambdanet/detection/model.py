@@ -87,7 +87,8 @@ class DetectorOptions:
                 raise ValueError(f"DetectorOptions.{name} must be a positive int, got {value!r}")
         for name in ("rpn_pre_nms_top_n", "rpn_post_nms_top_n"):
             value = getattr(self, name)
-            if len(value) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in value):
+            if (not isinstance(value, (list, tuple)) or len(value) != 2
+                    or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in value)):
                 raise ValueError(f"DetectorOptions.{name} must be two positive ints (training, inference), "
                                  f"got {value!r}")
         if len(self.anchor_sizes) != len(FEATURE_NAMES) + 1 or any(s <= 0 for s in self.anchor_sizes):

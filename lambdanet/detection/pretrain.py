@@ -1,13 +1,16 @@
-"""Backbone pre-training on glyph crops: the offline stand-in for ImageNet pre-training.
+"""Backbone pre-training on glyph crops: a warm start for detection on a CPU budget.
 
-LambdaNetworks App. E.3 (Table 6) and HaloNet Sec. 4.4 (Table 5) fine-tune ImageNet-pretrained backbones
-for detection. On the built-in glyph scenes, where no such weights can be downloaded, the quick recipe
-first trains the backbone as a classifier of single glyphs: :class:`GlyphCrops` renders one glyph of the
+LambdaNetworks Table 6 trains its detectors from scratch, for 130k steps of batch 256 at 1024 px; the quick
+recipe of ``lambdanet detect`` has minutes of a 2-core CPU, in which a detector whose backbone starts from
+random weights barely begins to tell glyphs apart. So the quick recipe on the built-in glyph scenes first
+trains the backbone as a classifier of single glyphs: :class:`GlyphCrops` renders one glyph of the
 train glyph pool per image (the scene renderer with one object, at small and medium scales, on the same
 textured backgrounds), and :func:`pretrain_backbone` trains ``create_model(backbone, num_classes=...)`` on
 them with AdamW and a cosine schedule, then returns the state dict of its body, which the
 ``features_only`` backbone of the detector loads (their parameter names agree; the classifier is left out).
-Accuracy on crops of the test glyphs is logged.
+Accuracy on crops of the test glyphs is logged. :func:`transfer_mismatch` tells beforehand whether a
+backbone's weights carry over (layers sized by the input, like global relative tables, do not), and
+:func:`load_backbone_weights` loads them.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from torch.utils.data import Dataset
 from lambdanet.detection.data import GlyphPool, GlyphSceneConfig, glyph_categories, render_scene, \
     resolve_glyph_sources
 
-__all__ = ["PretrainConfig", "GlyphCrops", "pretrain_backbone"]
+__all__ = ["PretrainConfig", "GlyphCrops", "pretrain_backbone", "transfer_mismatch", "load_backbone_weights"]
 
 
 @dataclass(frozen=True)
@@ -89,9 +92,9 @@ class GlyphCrops(Dataset):
             raise IndexError(f"index {i} out of range for {self.length} crops")
         rng = np.random.default_rng([self.seed, i])
         while True:  # a glyph too thin for its drawn area can be skipped by the renderer: draw again
-            image, _, labels = render_scene(self.pool, self.config, rng)
+            image, _, labels = render_scene(self.pool, self.config, rng)  # 3 s s uint8
             if labels:
-                return torch.from_numpy(image).float() / 255, labels[0]
+                return torch.from_numpy(image).float() / 255, labels[0]  # 3 s s in [0, 1]
 
 
 def _accuracy(model: nn.Module, data: GlyphCrops, batch_size: int, mean: Tensor, std: Tensor) -> float:
@@ -100,32 +103,70 @@ def _accuracy(model: nn.Module, data: GlyphCrops, batch_size: int, mean: Tensor,
     with torch.no_grad():
         for start in range(0, len(data), batch_size):
             images, labels = zip(*(data[i] for i in range(start, min(start + batch_size, len(data)))))
-            logits = model((torch.stack(images) - mean) / std)  # b classes
-            correct += int((logits.argmax(1) == torch.tensor(labels)).sum())
+            logits = model((torch.stack(images).to(mean.device) - mean) / std)  # b classes
+            correct += int((logits.argmax(1).cpu() == torch.tensor(labels)).sum())
     return correct / len(data)
 
 
+def _classifier_name_kwargs(backbone: str, model_kwargs: dict, img_size: int) -> tuple[str, dict]:
+    from lambdanet.detection.model import resolve_backbone
+    from lambdanet.models import model_args
+
+    name, kwargs = resolve_backbone(backbone, model_kwargs)
+    if "img_size" in model_args(name):
+        kwargs["img_size"] = img_size
+    return name, kwargs
+
+
+def transfer_mismatch(backbone: str, backbone_kwargs: dict, *, img_size: int, max_size: int) -> str | None:
+    """``None`` when the weights of the classifier :func:`pretrain_backbone` trains on ``img_size`` crops fit
+    the detector's backbone built for inputs up to ``max_size``, else the first tensor that does not fit
+    (both built on the meta device: no memory, a fraction of a second)."""
+    from lambdanet.detection.model import create_feature_backbone
+    from lambdanet.models import create_model
+
+    name, kwargs = _classifier_name_kwargs(backbone, dict(backbone_kwargs), img_size)
+    with torch.device("meta"):
+        classifier = create_model(name, num_classes=10, **kwargs).state_dict()
+        body = create_feature_backbone(backbone, max_size=max_size, **backbone_kwargs)[0].state_dict()
+    for key, value in body.items():
+        if key not in classifier or classifier[key].shape != value.shape:
+            have = tuple(classifier[key].shape) if key in classifier else "absent"
+            return f"{key} {tuple(value.shape)} is {have} in the {img_size} px classifier"
+    return None
+
+
+def load_backbone_weights(body: nn.Module, weights: dict[str, Tensor]) -> None:
+    """Load :func:`pretrain_backbone`'s weights into a detector's ``features_only`` backbone (every tensor of
+    ``body`` must be among them with its shape)."""
+    state = body.state_dict()
+    for key, value in state.items():
+        if key not in weights or weights[key].shape != value.shape:
+            raise ValueError(f"pre-trained weights do not fit the backbone: {key} {tuple(value.shape)} is "
+                             f"{tuple(weights[key].shape) if key in weights else 'absent'} in them")
+    body.load_state_dict({k: weights[k] for k in state})
+
+
 def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, seed: int = 0,
-                      glyphs: str = "auto", progress: bool = True, log: Callable[[str], None] = print,
-                      **model_kwargs) -> tuple[dict[str, Tensor], dict]:
+                      glyphs: str = "auto", device: str | torch.device = "cpu", progress: bool = True,
+                      log: Callable[[str], None] = print, **model_kwargs) -> tuple[dict[str, Tensor], dict]:
     """Train ``create_model(backbone, num_classes=<glyph categories>, **model_kwargs)`` on :class:`GlyphCrops`
     of the train glyphs for ``cfg.steps`` steps; returns (its state dict without the classifier, ``{"
     pretrain_accuracy": top-1 on test-glyph crops, "pretrain_time_s": seconds}``). ``backbone`` may be a
     :data:`lambdanet.detection.model.BACKBONE_PRESETS` name; ``model_kwargs`` override its options."""
     from tqdm.auto import tqdm
 
-    from lambdanet.detection.model import input_normalization, resolve_backbone
-    from lambdanet.models import create_model, model_args
+    from lambdanet.detection.model import input_normalization
+    from lambdanet.models import create_model
     from lambdanet.train.optim import param_groups
 
-    name, kwargs = resolve_backbone(backbone, model_kwargs)
-    if "img_size" in model_args(name):
-        kwargs["img_size"] = cfg.img_size
+    name, kwargs = _classifier_name_kwargs(backbone, model_kwargs, cfg.img_size)
+    device = torch.device(device)
     train = GlyphCrops("train", cfg.steps * cfg.batch_size, img_size=cfg.img_size, seed=seed, glyphs=glyphs)
     test = GlyphCrops("test", cfg.eval_images, img_size=cfg.img_size, seed=seed, glyphs=glyphs)
     torch.manual_seed(seed)
-    model = create_model(name, num_classes=len(train.categories), **kwargs)
-    mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in input_normalization(model))  # 1 3 1 1: as the detector
+    model = create_model(name, num_classes=len(train.categories), **kwargs).to(device)
+    mean, std = (torch.tensor(v, device=device).view(1, 3, 1, 1) for v in input_normalization(model))  # 1 3 1 1
     opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr)
     log(f"pre-training {backbone} on {cfg.steps} x {cfg.batch_size} glyph crops ({cfg.img_size} px, "
         f"{len(train.categories)} classes)")
@@ -138,8 +179,8 @@ def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, 
         for group in opt.param_groups:
             group["lr"] = cfg.lr * factor
         batch = [train[step * cfg.batch_size + j] for j in range(cfg.batch_size)]
-        images = (torch.stack([b[0] for b in batch]) - mean) / std  # b 3 s s
-        labels = torch.tensor([b[1] for b in batch])  # b
+        images = (torch.stack([b[0] for b in batch]).to(device) - mean) / std  # b 3 s s, as the detector's
+        labels = torch.tensor([b[1] for b in batch], device=device)  # b
         loss = nn.functional.cross_entropy(model(images), labels)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -150,5 +191,5 @@ def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, 
     accuracy = _accuracy(model, test, cfg.batch_size, mean, std)
     log(f"pre-trained in {seconds:.0f}s: top-1 {accuracy:.1%} on {len(test)} crops of test glyphs")
     head = {k for k in model.state_dict() if k.split(".")[0] in ("fc", "head", "classifier")}
-    state = {k: v for k, v in model.state_dict().items() if k not in head}
+    state = {k: v.cpu() for k, v in model.state_dict().items() if k not in head}
     return state, {"pretrain_accuracy": accuracy, "pretrain_time_s": seconds}

@@ -78,6 +78,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not summaries:
         print(f"error: no {runs}/<backbone>/summary.json for any of {', '.join(STUDY_BACKBONES)}", file=sys.stderr)
         return 2
+    if len(args) == 2 and not Path(args[1]).is_file():
+        print(f"error: no benchmark rows at {args[1]} (lambdanet bench detection --out DIR writes DIR/detection.json)",
+              file=sys.stderr)
+        return 2
     bench = json.loads(Path(args[1]).read_text()) if len(args) == 2 else []
     print(study_table(summaries, bench))
     return 0

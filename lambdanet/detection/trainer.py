@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lambdanet.detection.pretrain import PretrainConfig
 from lambdanet.runtime import AMP_DTYPES
 from lambdanet.train.checkpoint import (
     export_safetensors,
@@ -114,6 +115,11 @@ class DetectConfig:
         if self.pretrain_steps and self.data != "glyphs":
             raise ValueError(f"pretrain_steps pre-trains on glyph crops, which only the glyphs data has; with "
                              f"data {self.data!r} use --pretrain-steps 0 (or --pretrained-backbone)")
+        if self.pretrain_steps and _known_backbone(self.backbone):
+            mismatch = pretrain_mismatch(self)
+            if mismatch is not None:
+                raise ValueError(f"glyph-crop pre-training cannot initialise backbone {self.backbone!r}: {mismatch} "
+                                 "(layers sized by the input do not carry over); use --pretrain-steps 0")
         if not isinstance(self.backbone_kwargs, dict) or not isinstance(self.detector, dict):
             raise ValueError("backbone_kwargs and detector must be mappings")
         from lambdanet.detection.data import list_detection_datasets
@@ -134,6 +140,7 @@ DETECT_RECIPES: dict[str, dict] = {
     "paper": {"img_size": 1024, "jitter_min": 0.1, "jitter_max": 2.0, "optimizer": "sgd", "momentum": 0.9,
               "lr": 0.32, "lr_batch_scale": 256, "warmup_steps": 1000, "lr_steps": [0.9, 0.95, 0.975],
               "weight_decay": 4e-5, "sync_bn": True, "batch_size": 64, "grad_clip": None,
+              "epochs": 282,  # at least 130k steps of batch 256 on COCO train2017 (118,287 images), from scratch
               "detector": {"anchor_sizes": [32, 64, 128, 256, 512]}},
 }
 DETECT_CHOICES = {f.name: f.metadata["choices"] for f in dataclasses.fields(DetectConfig) if f.metadata.get("choices")}
@@ -146,9 +153,10 @@ DETECT_RESUME_FREE = ("progress", "tensorboard", "workers", "resume", "out", "de
 QUICK_DETECTOR = {"anchor_sizes": [16, 32, 64, 128, 256], "fpn_channels": 64, "representation_size": 256,
                   "mask_head_channels": 64, "rpn_batch_size_per_image": 128, "box_batch_size_per_image": 64,
                   "rpn_pre_nms_top_n": [600, 300], "rpn_post_nms_top_n": [300, 150]}
-# glyph-crop pre-training steps of the quick recipe on the glyph scenes (another dataset, or ImageNet weights
-# asked for with --pretrained-backbone, gets none)
-QUICK_PRETRAIN_STEPS = 600
+# the quick recipe on the glyph scenes pre-trains the backbone on glyph crops for PretrainConfig.steps steps
+# (another dataset, ImageNet weights asked for with --pretrained-backbone, or a backbone whose weights do not
+# carry over from crops to scenes gets none)
+QUICK_PRETRAIN_STEPS = PretrainConfig().steps
 
 
 def resolve_detect_config(recipe: str | None = None, yaml_values: dict | None = None,
@@ -183,21 +191,36 @@ def resolve_detect_config(recipe: str | None = None, yaml_values: dict | None = 
         values["detector"] = detector
         if name == "quick" and "backbone_kwargs" not in explicit:
             values["backbone_kwargs"] = quick_backbone_kwargs(values.get("backbone", DetectConfig.backbone))
-        if (name == "quick" and "pretrain_steps" not in explicit and not values.get("pretrained_backbone")
-                and values.get("data", DetectConfig.data) == "glyphs"):
-            values["pretrain_steps"] = QUICK_PRETRAIN_STEPS
         cfg = DetectConfig(**values)
+        if (name == "quick" and "pretrain_steps" not in explicit and not cfg.pretrained_backbone
+                and cfg.data == "glyphs" and _known_backbone(cfg.backbone) and pretrain_mismatch(cfg) is None):
+            cfg.pretrain_steps = QUICK_PRETRAIN_STEPS
     cfg.validate()
     return cfg
+
+
+def _known_backbone(backbone: str) -> bool:
+    from lambdanet.detection.model import BACKBONE_PRESETS
+    from lambdanet.models import list_models
+
+    return backbone in BACKBONE_PRESETS or backbone in list_models()
+
+
+def pretrain_mismatch(cfg: DetectConfig) -> str | None:
+    """Why the backbone of ``cfg`` cannot take glyph-crop pre-trained weights (``None``: it can)."""
+    from lambdanet.detection.pretrain import transfer_mismatch
+
+    return transfer_mismatch(cfg.backbone, cfg.backbone_kwargs, img_size=PretrainConfig().img_size,
+                             max_size=_max_size(cfg))
 
 
 def quick_backbone_kwargs(backbone: str) -> dict:
     """The quick recipe's backbone options: the compact width (base_width 16) where the backbone (or the
     model under a preset) takes one, so that a 2-core CPU trains it in minutes."""
-    from lambdanet.detection.model import BACKBONE_PRESETS, resolve_backbone
-    from lambdanet.models import list_models, model_args
+    from lambdanet.detection.model import resolve_backbone
+    from lambdanet.models import model_args
 
-    if backbone not in BACKBONE_PRESETS and backbone not in list_models():
+    if not _known_backbone(backbone):
         return {}  # validate() names the valid backbones
     name, _ = resolve_backbone(backbone, {})
     return {"base_width": 16} if "base_width" in model_args(name) else {}
@@ -217,7 +240,7 @@ def build_detector(cfg: DetectConfig, num_classes: int) -> nn.Module:
     options = DetectorOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in cfg.detector.items()})
     # built at img_size; _set_eval_size switches the transform to the jittered sizes for training
     return create_detector(cfg.backbone, num_classes, masks=cfg.masks, min_size=cfg.img_size,
-                           max_size=2 * max(_train_sizes(cfg)), pretrained_backbone=cfg.pretrained_backbone,
+                           max_size=_max_size(cfg), pretrained_backbone=cfg.pretrained_backbone,
                            options=options, **cfg.backbone_kwargs)
 
 
@@ -227,6 +250,11 @@ def _train_sizes(cfg: DetectConfig) -> tuple[int, ...]:
         return (round(cfg.img_size * cfg.jitter_min),)
     lo, hi = cfg.img_size * cfg.jitter_min, cfg.img_size * cfg.jitter_max
     return tuple(sorted({max(16, round(lo + (hi - lo) * i / 15)) for i in range(16)}))
+
+
+def _max_size(cfg: DetectConfig) -> int:
+    """The longest image side the detector resizes to (twice the largest shorter side)."""
+    return 2 * max(_train_sizes(cfg))
 
 
 def _set_eval_size(model: nn.Module, cfg: DetectConfig) -> None:
@@ -377,20 +405,13 @@ def train_detector(cfg: DetectConfig, log: Callable[[str], None] = print) -> dic
         cleanup(ctx)
 
 
-def _pretrain(model: nn.Module, cfg: DetectConfig, log: Callable[[str], None]) -> dict:
+def _pretrain(model: nn.Module, cfg: DetectConfig, device: torch.device, log: Callable[[str], None]) -> dict:
     """Pre-train the detector's backbone on glyph crops (:mod:`lambdanet.detection.pretrain`) and load it."""
-    from lambdanet.detection.pretrain import PretrainConfig, pretrain_backbone
+    from lambdanet.detection.pretrain import load_backbone_weights, pretrain_backbone
 
-    body = model.backbone.body
     weights, info = pretrain_backbone(cfg.backbone, PretrainConfig(steps=cfg.pretrain_steps), seed=cfg.seed,
-                                      progress=cfg.progress, log=log, **cfg.backbone_kwargs)
-    for key, value in body.state_dict().items():
-        if key not in weights or weights[key].shape != value.shape:
-            raise ValueError(f"glyph pre-training cannot initialise backbone {cfg.backbone!r}: its tensor {key!r} "
-                             f"{tuple(value.shape)} is {tuple(weights[key].shape) if key in weights else 'absent'} in "
-                             "the classifier (layers sized by the input, like global relative tables, differ); "
-                             "use --pretrain-steps 0")
-    body.load_state_dict({k: weights[k] for k in body.state_dict()})
+                                      device=device, progress=cfg.progress, log=log, **cfg.backbone_kwargs)
+    load_backbone_weights(model.backbone.body, weights)
     return info
 
 
@@ -406,9 +427,13 @@ def _run(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], No
     if cfg.sync_bn and ctx.enabled:
         model = convert_sync_batchnorm(model, ctx.device)
     model = model.to(ctx.device)
-    if cfg.pretrain_steps and not cfg.resume and ctx.is_main:  # DDP broadcasts rank 0's weights to the others
-        out.mkdir(parents=True, exist_ok=True)
-        write_json(_pretrain(unwrap(model), cfg, log), out / "pretrain.json")
+    if not cfg.resume and ctx.is_main and (out / "pretrain.json").exists():
+        (out / "pretrain.json").unlink()  # left by an earlier attempt that ended before its first epoch
+    if cfg.pretrain_steps and not cfg.resume:  # every rank (deterministic): no rank waits in a collective
+        info = _pretrain(unwrap(model), cfg, ctx.device, log)
+        if ctx.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            write_json(info, out / "pretrain.json")
     state = DetectState(model, _optimizer(model, cfg), torch.amp.GradScaler("cuda") if cfg.amp == "fp16" else None)
     if cfg.resume:
         state.load_state_dict(load_checkpoint(out / "last.pt", map_location=ctx.device))

@@ -47,7 +47,7 @@ class RunLogger:
             with open(path, "a", newline="") as f:
                 csv.DictWriter(f, fieldnames=fields).writerow(row)
         else:
-            _write_rows(path, list(dict.fromkeys([*(fields or []), *row])), read_history(path) + [row])
+            _write_rows(path, list(dict.fromkeys([*(fields or []), *row])), _cells(path) + [row])
         if self.writer is not None:
             for key, value in row.items():
                 if key != "epoch" and isinstance(value, int | float) and value == value:
@@ -66,8 +66,16 @@ def _write_rows(path: Path, fields: list[str], rows: list[dict]) -> None:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         for r in rows:
-            writer.writerow({k: (int(v) if k == "epoch" else v) for k, v in r.items()})
+            writer.writerow({k: (int(float(v)) if k == "epoch" else v) for k, v in r.items()})
     tmp.replace(path)
+
+
+def _cells(path: Path) -> list[dict]:
+    """The rows of ``metrics.csv`` as written (strings, empty cells left out)."""
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        return [{k: v for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
 
 
 def _header(path: Path) -> list[str] | None:
@@ -94,9 +102,9 @@ def _num(v: str):
 
 def truncate_history(path: Path, epochs: int) -> None:
     """Keep the rows of the first ``epochs`` epochs (a resumed run redoes the epoch it was killed in)."""
-    rows = [r for r in read_history(path) if r.get("epoch", 0) <= epochs]
     if not path.exists():
         return
+    rows = [r for r in _cells(path) if float(r.get("epoch", 0)) <= epochs]
     _write_rows(path, _header(path) or [], rows)
 
 
