@@ -38,7 +38,8 @@ def test_study_backbones_are_a_resnet_its_se_twin_and_its_lambda_and_halo_hybrid
     assert spatial["resnet26"] == spatial["resnet26_se"] == [[ConvLayer] * 2] * 4
     assert spatial["lambda_resnet26"] == [[ConvLayer] * 2] * 2 + [[LambdaLayer] * 2] * 2
     assert spatial["resnet26_se_halo_b8"] == [[ConvLayer] * 2] * 3 + [[HaloAttention] * 2]
-    se = {name: [isinstance(b.se, SqueezeExcite) for stage in body.stages for b in stage] for name, body in bodies.items()}
+    se = {name: [isinstance(b.se, SqueezeExcite) for stage in body.stages for b in stage]
+          for name, body in bodies.items()}
     assert not any(se["resnet26"]) and all(se["resnet26_se"]) and not any(se["lambda_resnet26"])
     params = {name: sum(p.numel() for p in body.parameters()) for name, body in bodies.items()}
     # "of comparable size": the SE gates add 2 C^2 / 16 per block (about 10%); attention replaces 3x3

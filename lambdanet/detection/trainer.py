@@ -505,10 +505,16 @@ def plot_detection_history(history: list[dict], out: Path) -> list[Path]:
     return plot_history(history, out, (("loss.png", losses, "loss"), ("ap.png", aps, "COCO AP")))
 
 
+def _category(dataset, label: int) -> str:
+    """The name of 1-based ``label`` (the dataset's ``categories``), else the number."""
+    names = getattr(dataset, "categories", None)
+    return str(names[label - 1]) if names and 0 < label <= len(names) else str(label)
+
+
 def draw_predictions(model: nn.Module, dataset, path: Path, cfg: DetectConfig, device, count: int = 4,
                      score: float = 0.5) -> Path:
-    """Boxes (labelled, with scores) and masks of the detections above ``score`` on the first ``count`` test
-    images, side by side, saved as one PNG."""
+    """Boxes (labelled with category names and scores) and masks of the detections above ``score`` on the
+    first ``count`` test images, side by side, saved as one PNG."""
     from torchvision.utils import draw_bounding_boxes, draw_segmentation_masks, make_grid, save_image
 
     model.eval()
@@ -522,7 +528,8 @@ def draw_predictions(model: nn.Module, dataset, path: Path, cfg: DetectConfig, d
             canvas = (image.clamp(0, 1) * 255).to(torch.uint8).cpu()
             if "masks" in pred and keep.any():
                 canvas = draw_segmentation_masks(canvas, pred["masks"][keep, 0].cpu() > 0.5, alpha=0.4)
-            labels = [f"{int(c)}:{s:.2f}" for c, s in zip(pred["labels"][keep], pred["scores"][keep])]
+            labels = [f"{_category(dataset, int(c))} {s:.2f}"
+                      for c, s in zip(pred["labels"][keep], pred["scores"][keep])]
             canvas = draw_bounding_boxes(canvas, pred["boxes"][keep].cpu(), labels=labels, colors="yellow")
             tiles.append(canvas.float() / 255)
     size = max(t.shape[-1] for t in tiles), max(t.shape[-2] for t in tiles)
