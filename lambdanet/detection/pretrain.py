@@ -129,10 +129,16 @@ def transfer_mismatch(backbone: str, backbone_kwargs: dict, *, img_size: int, ma
     with torch.device("meta"):
         classifier = create_model(name, num_classes=10, **kwargs).state_dict()
         body = create_feature_backbone(backbone, max_size=max_size, **backbone_kwargs)[0].state_dict()
-    for key, value in body.items():
-        if key not in classifier or classifier[key].shape != value.shape:
-            have = tuple(classifier[key].shape) if key in classifier else "absent"
-            return f"{key} {tuple(value.shape)} is {have} in the {img_size} px classifier"
+    misfit = _misfit(body, classifier)
+    return None if misfit is None else f"{misfit} in the {img_size} px classifier"
+
+
+def _misfit(target: dict[str, Tensor], weights: dict[str, Tensor]) -> str | None:
+    """The first tensor of ``target`` that ``weights`` lacks or holds with another shape, as ``"key (shape)
+    is (shape) / absent"``; ``None`` when all fit."""
+    for key, value in target.items():
+        if key not in weights or weights[key].shape != value.shape:
+            return f"{key} {tuple(value.shape)} is {tuple(weights[key].shape) if key in weights else 'absent'}"
     return None
 
 
@@ -140,10 +146,9 @@ def load_backbone_weights(body: nn.Module, weights: dict[str, Tensor]) -> None:
     """Load :func:`pretrain_backbone`'s weights into a detector's ``features_only`` backbone (every tensor of
     ``body`` must be among them with its shape)."""
     state = body.state_dict()
-    for key, value in state.items():
-        if key not in weights or weights[key].shape != value.shape:
-            raise ValueError(f"pre-trained weights do not fit the backbone: {key} {tuple(value.shape)} is "
-                             f"{tuple(weights[key].shape) if key in weights else 'absent'} in them")
+    misfit = _misfit(state, weights)
+    if misfit is not None:
+        raise ValueError(f"pre-trained weights do not fit the backbone: {misfit} in them")
     body.load_state_dict({k: weights[k] for k in state})
 
 

@@ -192,9 +192,12 @@ def resolve_detect_config(recipe: str | None = None, yaml_values: dict | None = 
         if name == "quick" and "backbone_kwargs" not in explicit:
             values["backbone_kwargs"] = quick_backbone_kwargs(values.get("backbone", DetectConfig.backbone))
         cfg = DetectConfig(**values)
+        cfg.validate()
+        # validated without pre-training: switching it on here needs only the rule's own conditions
         if (name == "quick" and "pretrain_steps" not in explicit and not cfg.pretrained_backbone
-                and cfg.data == "glyphs" and _known_backbone(cfg.backbone) and pretrain_mismatch(cfg) is None):
+                and cfg.data == "glyphs" and pretrain_mismatch(cfg) is None):
             cfg.pretrain_steps = QUICK_PRETRAIN_STEPS
+        return cfg
     cfg.validate()
     return cfg
 

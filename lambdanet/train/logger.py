@@ -87,10 +87,7 @@ def _header(path: Path) -> list[str] | None:
 
 def read_history(path: Path) -> list[dict]:
     """The rows of ``metrics.csv``, numbers as floats, empty cells left out."""
-    if not path.exists():
-        return []
-    with open(path, newline="") as f:
-        return [{k: _num(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+    return [{k: _num(v) for k, v in row.items()} for row in _cells(path)]
 
 
 def _num(v: str):
