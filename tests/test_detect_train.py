@@ -90,3 +90,40 @@ def test_metrics_csv_takes_rows_with_new_columns(tmp_path):
                                   {"epoch": 3, "train_loss": 1.5, "steps": 186}]
     truncate_history(path, 2)
     assert path.read_text().splitlines() == lines[:3]
+
+
+def test_local_processes_rule(monkeypatch):
+    from lambdanet.detection import trainer
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(trainer, "usable_cores", lambda: 2)
+    quick = resolve_detect_config(overrides={"device": "cpu"})
+    assert trainer.local_processes(quick) == 2  # batch 8 on 2 cores: one process per core, 4 images each
+    assert trainer.local_processes(resolve_detect_config(overrides={"device": "cpu", "batch_size": 4})) == 1
+    assert trainer.local_processes(resolve_detect_config(overrides={"device": "cpu", "procs": 3})) == 3
+    monkeypatch.setattr(trainer, "usable_cores", lambda: 1)
+    assert trainer.local_processes(quick) == 1
+    monkeypatch.setattr(trainer, "usable_cores", lambda: 16)
+    assert trainer.local_processes(resolve_detect_config(overrides={"device": "cpu", "batch_size": 64})) == 16
+    monkeypatch.setenv("WORLD_SIZE", "2")  # started by torchrun: never launches more
+    assert trainer.local_processes(quick) == 1
+    with pytest.raises(ValueError, match="procs must be a non-negative int"):
+        resolve_detect_config(overrides={"procs": -1})
+
+
+def test_detect_on_two_local_processes(tmp_path, capfd):
+    """Two processes share out the batch and the pre-training crops; the main one writes the run, and a user
+    error is one line in the launching process."""
+    out = tmp_path / "run"
+    args = ["detect", "--backbone", "resnet26", *TINY, "--pretrain-steps", "1", "--procs", "2", "--out", str(out)]
+    assert main(args) == 0
+    printed = capfd.readouterr().out
+    assert "2 local processes" in printed and printed.count("pre-training resnet26") == 1  # the main one prints
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["epochs"] == 1 and 0.0 <= summary["pretrain_accuracy"] <= 1.0
+    for key in AP_KEYS:
+        assert math.isnan(summary[key]) or 0.0 <= summary[key] <= 1.0, key
+    assert main(args) == 2
+    assert "already holds a run" in capfd.readouterr().err
+    assert main([*args[:-2], "--batch-size", "3", "--out", str(tmp_path / "odd")]) == 2
+    assert "must be a multiple of procs 2" in capfd.readouterr().err

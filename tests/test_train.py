@@ -319,6 +319,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _report_group(path):
+    (Path(path) / os.environ["RANK"]).write_text(json.dumps(
+        {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")} | {"threads": torch.get_num_threads()}))
+
+
+def _user_error(message):
+    raise ValueError(message)
+
+
+def test_launch_local_starts_a_process_group_and_relays_user_errors(tmp_path):
+    from lambdanet.train.distributed import DistContext, all_threads_on_main, launch_local, usable_cores
+
+    launch_local(_report_group, (str(tmp_path),), 2)
+    seen = [json.loads((tmp_path / r).read_text()) for r in ("0", "1")]
+    assert [(s["RANK"], s["LOCAL_RANK"], s["WORLD_SIZE"]) for s in seen] == [("0", "0", "2"), ("1", "1", "2")]
+    assert all(s["threads"] == max(1, usable_cores() // 2) for s in seen)  # the cores shared out
+    with pytest.raises(ValueError, match="^bad option x: expected y$"):  # one line, as raised in the worker
+        launch_local(_user_error, ("bad option x: expected y",), 2)
+    with pytest.raises(ValueError, match="nprocs must be a positive int"):
+        launch_local(_user_error, ("",), 0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with all_threads_on_main(DistContext(rank=0, world=2)):
+            assert torch.get_num_threads() == usable_cores()  # the others wait at a barrier meanwhile
+        assert torch.get_num_threads() == 1
+        with all_threads_on_main(DistContext(rank=1, world=2)):
+            assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _sync_bn_worker(rank, world, port, path):
     import torch.distributed as dist
 

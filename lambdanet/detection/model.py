@@ -29,6 +29,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
+import torch
 from torch import Tensor, nn
 
 from lambdanet.models import create_model, list_models, model_args
@@ -63,6 +64,8 @@ class DetectorOptions:
         frozen_bn: keep the backbone's BatchNorm statistics and affine parameters fixed (as torchvision
             does with pretrained backbones and small per-device batches); ``None``: frozen exactly when the
             backbone is pretrained.
+        channels_last: run the backbone body in the channels-last memory format (oneDNN's and cuDNN's
+            faster convolution layout; the pyramid and the heads see ordinary contiguous maps).
     """
 
     fpn_channels: int = 256
@@ -78,6 +81,7 @@ class DetectorOptions:
     box_score_thresh: float = 0.05
     box_detections_per_img: int = 100
     frozen_bn: bool | None = None
+    channels_last: bool = False
 
     def __post_init__(self):
         for name in ("fpn_channels", "representation_size", "mask_head_channels", "size_divisible",
@@ -98,6 +102,10 @@ class DetectorOptions:
             raise ValueError(f"DetectorOptions.aspect_ratios must be positive ratios, got {self.aspect_ratios!r}")
         if not 0.0 <= self.box_score_thresh <= 1.0:
             raise ValueError(f"DetectorOptions.box_score_thresh must be in [0, 1], got {self.box_score_thresh!r}")
+        for name in ("frozen_bn", "channels_last"):
+            value = getattr(self, name)
+            if not (isinstance(value, bool) or (value is None and name == "frozen_bn")):
+                raise ValueError(f"DetectorOptions.{name} must be true or false, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -203,9 +211,12 @@ class FeaturePyramidBackbone(nn.Module):
         body: returns the list of c2..c5 maps; ``body.feature_info[i]["num_chs"]`` are their channels.
         out_channels: channels of the pyramid.
         frozen_bn: keep the body's BatchNorm layers in eval mode and their parameters fixed.
+        channels_last: hold the body's weights and run it in the channels-last memory format; its maps are
+            made contiguous again for the pyramid.
     """
 
-    def __init__(self, body: nn.Module, out_channels: int = 256, *, frozen_bn: bool = False):
+    def __init__(self, body: nn.Module, out_channels: int = 256, *, frozen_bn: bool = False,
+                 channels_last: bool = False):
         from torchvision.ops import FeaturePyramidNetwork
         from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 
@@ -215,6 +226,9 @@ class FeaturePyramidBackbone(nn.Module):
                                          extra_blocks=LastLevelMaxPool())
         self.out_channels = out_channels
         self.frozen_bn = frozen_bn
+        self.channels_last = channels_last
+        if channels_last:
+            body.to(memory_format=torch.channels_last)
         if frozen_bn:
             for m in self.batch_norms():
                 for p in m.parameters():
@@ -231,7 +245,11 @@ class FeaturePyramidBackbone(nn.Module):
         return self
 
     def forward(self, x: Tensor) -> OrderedDict[str, Tensor]:
-        feats = self.body(x)  # [c2 (B, C2, H/4, W/4), ..., c5 (B, C5, H/32, W/32)]
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)  # B 3 H W, stored B H W 3
+            feats = [f.contiguous() for f in self.body(x)]
+        else:
+            feats = self.body(x)  # [c2 (B, C2, H/4, W/4), ..., c5 (B, C5, H/32, W/32)]
         return self.fpn(OrderedDict(zip(FEATURE_NAMES, feats)))  # "0".."3", "pool": (B, out_channels, h, w)
 
 
@@ -274,7 +292,7 @@ def create_detector(backbone: str, num_classes: int, *, masks: bool = True, min_
     body, name, kwargs = create_feature_backbone(backbone, max_size=max_size, size_divisible=opts.size_divisible,
                                                  pretrained=pretrained_backbone, **backbone_kwargs)
     frozen = pretrained_backbone if opts.frozen_bn is None else opts.frozen_bn
-    features = FeaturePyramidBackbone(body, opts.fpn_channels, frozen_bn=frozen)
+    features = FeaturePyramidBackbone(body, opts.fpn_channels, frozen_bn=frozen, channels_last=opts.channels_last)
     levels = len(opts.anchor_sizes)
     anchors = AnchorGenerator(tuple((s,) for s in opts.anchor_sizes), (tuple(opts.aspect_ratios),) * levels)
     c = opts.fpn_channels

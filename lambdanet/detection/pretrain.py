@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from lambdanet.detection.data import GlyphPool, GlyphSceneConfig, glyph_categories, render_scene, \
     resolve_glyph_sources
@@ -43,21 +44,31 @@ class PretrainConfig:
         weight_decay: AdamW's weight decay (not on norms and biases).
         warmup_steps: warm-up steps.
         eval_images: test-glyph crops the accuracy is measured on.
+        channels_last: train in the channels-last memory format (as the detector's
+            ``DetectorOptions.channels_last``).
+        workers: processes rendering the crops ahead of the training (0: rendered in the training loop;
+            on a 2-core CPU a worker only contends with the training, on a GPU it hides the rendering).
     """
 
-    steps: int = 600
+    steps: int = 900
     batch_size: int = 64
     img_size: int = 64
     lr: float = 2e-3
     weight_decay: float = 0.05
     warmup_steps: int = 50
     eval_images: int = 512
+    channels_last: bool = False
+    workers: int = 0
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "img_size", "eval_images"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"PretrainConfig.{name} must be a positive int, got {value!r}")
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 0:
+            raise ValueError(f"PretrainConfig.workers must be a non-negative int, got {self.workers!r}")
+        if not isinstance(self.channels_last, bool):
+            raise ValueError(f"PretrainConfig.channels_last must be true or false, got {self.channels_last!r}")
         if self.img_size < 32:
             raise ValueError(f"PretrainConfig.img_size must be at least 32, got {self.img_size}")
         if self.lr <= 0 or self.weight_decay < 0 or self.warmup_steps < 0:
@@ -97,14 +108,21 @@ class GlyphCrops(Dataset):
                 return torch.from_numpy(image).float() / 255, labels[0]  # 3 s s in [0, 1]
 
 
-def _accuracy(model: nn.Module, data: GlyphCrops, batch_size: int, mean: Tensor, std: Tensor) -> float:
+def _accuracy(model: nn.Module, data: GlyphCrops, batch_size: int, mean: Tensor, std: Tensor,
+              rank: int = 0, world: int = 1) -> float:
+    """Top-1 on ``data``; in a process group each process classifies every ``world``-th crop."""
     model.eval()
     correct = 0
+    mine = list(range(rank, len(data), world))
     with torch.no_grad():
-        for start in range(0, len(data), batch_size):
-            images, labels = zip(*(data[i] for i in range(start, min(start + batch_size, len(data)))))
+        for start in range(0, len(mine), batch_size):
+            images, labels = zip(*(data[i] for i in mine[start:start + batch_size]))
             logits = model((torch.stack(images).to(mean.device) - mean) / std)  # b classes
             correct += int((logits.argmax(1).cpu() == torch.tensor(labels)).sum())
+    if world > 1:
+        total = torch.tensor([correct], dtype=torch.float64, device=mean.device)
+        dist.all_reduce(total)
+        correct = int(total.item())
     return correct / len(data)
 
 
@@ -167,34 +185,49 @@ def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, 
 
     name, kwargs = _classifier_name_kwargs(backbone, model_kwargs, cfg.img_size)
     device = torch.device(device)
+    grouped = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if grouped else (0, 1)
+    if cfg.batch_size % world:
+        raise ValueError(f"PretrainConfig.batch_size {cfg.batch_size} must be a multiple of the {world} processes")
+    share = cfg.batch_size // world
     train = GlyphCrops("train", cfg.steps * cfg.batch_size, img_size=cfg.img_size, seed=seed, glyphs=glyphs)
     test = GlyphCrops("test", cfg.eval_images, img_size=cfg.img_size, seed=seed, glyphs=glyphs)
     torch.manual_seed(seed)
     model = create_model(name, num_classes=len(train.categories), **kwargs).to(device)
+    layout = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    model.to(memory_format=layout)
     mean, std = (torch.tensor(v, device=device).view(1, 3, 1, 1) for v in input_normalization(model))  # 1 3 1 1
     opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr)
+    # in a process group each process trains on its share of every batch (gradients averaged by DDP)
+    run = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None) \
+        if world > 1 else model
     log(f"pre-training {backbone} on {cfg.steps} x {cfg.batch_size} glyph crops ({cfg.img_size} px, "
         f"{len(train.categories)} classes)")
     start = time.perf_counter()
     model.train()
     bar = tqdm(range(cfg.steps), desc="pre-training the backbone on glyph crops", leave=False, disable=not progress)
-    for step in bar:
+    # crops in order (crop i is the same wherever it is rendered), by workers ahead of the training if any
+    mine = Subset(train, [step * cfg.batch_size + rank * share + j for step in range(cfg.steps) for j in range(share)])
+    loader = DataLoader(mine, batch_size=share, num_workers=cfg.workers, prefetch_factor=4 if cfg.workers else None)
+    for step, (images, labels) in zip(bar, loader):  # b 3 s s in [0, 1], b
         factor = (step + 1) / cfg.warmup_steps if step < cfg.warmup_steps else \
             0.5 * (1 + math.cos(math.pi * (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)))
         for group in opt.param_groups:
             group["lr"] = cfg.lr * factor
-        batch = [train[step * cfg.batch_size + j] for j in range(cfg.batch_size)]
-        images = (torch.stack([b[0] for b in batch]).to(device) - mean) / std  # b 3 s s, as the detector's
-        labels = torch.tensor([b[1] for b in batch], device=device)  # b
-        loss = nn.functional.cross_entropy(model(images), labels)
+        images = ((images.to(device) - mean) / std).contiguous(memory_format=layout)  # b 3 s s, as the detector's
+        labels = labels.to(device)  # b
+        loss = nn.functional.cross_entropy(run(images), labels)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
     bar.close()
+    if world > 1:  # BatchNorm statistics: the main process's everywhere (as DDP hands them out every step)
+        for buffer in model.buffers():
+            dist.broadcast(buffer, 0)
     seconds = time.perf_counter() - start
-    accuracy = _accuracy(model, test, cfg.batch_size, mean, std)
+    accuracy = _accuracy(model, test, cfg.batch_size, mean, std, rank, world)
     log(f"pre-trained in {seconds:.0f}s: top-1 {accuracy:.1%} on {len(test)} crops of test glyphs")
     head = {k for k in model.state_dict() if k.split(".")[0] in ("fc", "head", "classifier")}
-    state = {k: v.cpu() for k, v in model.state_dict().items() if k not in head}
+    state = {k: v.cpu().contiguous() for k, v in model.state_dict().items() if k not in head}
     return state, {"pretrain_accuracy": accuracy, "pretrain_time_s": seconds}

@@ -12,6 +12,10 @@ Recipes:
   SGD momentum 0.9, linear warm-up over 1000 steps to 0.32 per 256 images, the learning rate x0.1 at 90%,
   95% and 97.5% of the steps, weight decay 4e-5, synchronised BatchNorm.
 
+Without torchrun, a run on a CPU trains on several local processes of its own (:func:`local_processes`,
+``--procs``): a detector's small operations keep cores busier as data-parallel processes than as one
+process's intra-op threads.
+
 Scale jitter is torchvision's: each training image is resized so its shorter side is a size drawn from
 ``img_size x [jitter_min, jitter_max]`` (in 16 steps), the longer side capped at ``2 x`` that (the paper
 resizes and crops to 1024 px; the resize is the part torchvision's transform does).
@@ -39,13 +43,24 @@ from lambdanet.train.checkpoint import (
     unwrap,
 )
 from lambdanet.train.config import config_differences, describe_differences, load_yaml, option, save_yaml
-from lambdanet.train.distributed import DistContext, barrier, cleanup, convert_sync_batchnorm, init_distributed
+from lambdanet.train.distributed import (
+    DistContext,
+    all_threads_on_main,
+    barrier,
+    cleanup,
+    convert_sync_batchnorm,
+    in_process_group,
+    init_distributed,
+    launch_local,
+    usable_cores,
+)
 from lambdanet.train.logger import RunLogger, plot_history, read_history, read_json, truncate_history, write_json
 from lambdanet.train.optim import param_groups
 from lambdanet.train.rundir import RunDirLock
 
 __all__ = ["DetectConfig", "DETECT_RECIPES", "DETECT_CHOICES", "DETECT_RESUME_FREE", "resolve_detect_config",
-           "train_detector", "quick_backbone_kwargs", "lr_factor", "plot_detection_history", "draw_predictions"]
+           "train_detector", "local_processes", "quick_backbone_kwargs", "lr_factor", "plot_detection_history",
+           "draw_predictions"]
 
 
 @dataclass
@@ -78,11 +93,14 @@ class DetectConfig:
     grad_clip: float | None = option(10.0, "clip the gradient norm (null: no clipping)")
     amp: str = option("none", "autocast precision", choices=tuple(AMP_DTYPES))
     sync_bn: bool = option(False, "synchronised BatchNorm across torchrun processes")
-    eval_every: int = option(4, "evaluate (COCO AP) every this many epochs, and after the last")
+    eval_every: int = option(8, "evaluate (COCO AP) every this many epochs, and after the last")
     max_train_batches: int | None = option(None, "stop each epoch after this many batches (smoke tests)")
     max_eval_images: int | None = option(None, "evaluate on the first this many test images (smoke tests)")
     seed: int = option(0, "random seed (data generation, initialisation, order)")
     workers: int = option(0, "data-loading worker processes")
+    procs: int = option(0, "local training processes when not started by torchrun (data parallel, the cores "
+                           "shared out; 0: auto, on a CPU one per 4 images of the batch up to the usable cores, "
+                           "on a GPU 1)")
     device: str = option("auto", "device", choices=("auto", "cpu", "cuda"))
     progress: bool = option(True, "progress bars")
     tensorboard: bool = option(True, "TensorBoard logs under <out>/tb")
@@ -97,6 +115,8 @@ class DetectConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if isinstance(self.procs, bool) or not isinstance(self.procs, int) or self.procs < 0:
+            raise ValueError(f"procs must be a non-negative int (0: auto), got {self.procs!r}")
         for name, valid in DETECT_CHOICES.items():
             if getattr(self, name) not in valid:
                 raise ValueError(f"{name} must be one of {list(valid)}, got {getattr(self, name)!r}")
@@ -145,14 +165,14 @@ DETECT_RECIPES: dict[str, dict] = {
 }
 DETECT_CHOICES = {f.name: f.metadata["choices"] for f in dataclasses.fields(DetectConfig) if f.metadata.get("choices")}
 DETECT_CHOICES["recipe"] = tuple(DETECT_RECIPES)
-DETECT_RESUME_FREE = ("progress", "tensorboard", "workers", "resume", "out", "device", "epochs")
+DETECT_RESUME_FREE = ("progress", "tensorboard", "workers", "procs", "resume", "out", "device", "epochs")
 
 # the quick recipe's detector for the 256 px glyph scenes (objects 8-240 px): anchors one octave below
 # torchvision's 800 px defaults; light heads and few proposals (1-6 objects per image need no 1024-wide box
 # head nor 2000 proposals, and on a CPU the RoI heads' cost is proportional to both)
 QUICK_DETECTOR = {"anchor_sizes": [16, 32, 64, 128, 256], "fpn_channels": 64, "representation_size": 256,
                   "mask_head_channels": 64, "rpn_batch_size_per_image": 128, "box_batch_size_per_image": 64,
-                  "rpn_pre_nms_top_n": [600, 300], "rpn_post_nms_top_n": [300, 150]}
+                  "rpn_pre_nms_top_n": [600, 300], "rpn_post_nms_top_n": [300, 150], "channels_last": True}
 # the quick recipe on the glyph scenes pre-trains the backbone on glyph crops for PretrainConfig.steps steps
 # (another dataset, ImageNet weights asked for with --pretrained-backbone, or a backbone whose weights do not
 # carry over from crops to scenes gets none)
@@ -395,8 +415,31 @@ def _evaluate(model: nn.Module, test, cfg: DetectConfig, ctx: DistContext) -> di
                                  progress=cfg.progress and ctx.is_main)
 
 
+def local_processes(cfg: DetectConfig) -> int:
+    """How many local processes :func:`train_detector` trains ``cfg`` with: 1 inside a process group (torchrun
+    started this one), ``cfg.procs`` when set, else on a GPU 1 and on a CPU one per 4 images of the batch (the
+    BatchNorm statistics of each process need a few images) up to the usable cores."""
+    if in_process_group():
+        return 1
+    if cfg.procs:
+        return cfg.procs
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        return 1
+    return max(1, min(usable_cores(), cfg.batch_size // 4))
+
+
 def train_detector(cfg: DetectConfig, log: Callable[[str], None] = print) -> dict:
-    """Train and evaluate; returns the summary written to ``<out>/summary.json``."""
+    """Train and evaluate; returns the summary written to ``<out>/summary.json``. Without torchrun, it runs
+    on :func:`local_processes` processes (the main one's output is printed)."""
+    procs = local_processes(cfg)
+    if procs > 1:
+        _check_out(cfg)  # a user error is one line here, not one per process
+        if cfg.batch_size % procs:
+            raise ValueError(f"batch_size {cfg.batch_size} must be a multiple of procs {procs} (one share per "
+                             f"process); set --procs or --batch-size")
+        log(f"detect: {procs} local processes, {max(1, usable_cores() // procs)} threads each")
+        launch_local(_process_main, (cfg,), procs)
+        return read_json(Path(cfg.out) / "summary.json")
     ctx = init_distributed(cfg.device)
     out = Path(cfg.out)
     lock = RunDirLock(out).acquire() if ctx.is_main else None
@@ -408,12 +451,25 @@ def train_detector(cfg: DetectConfig, log: Callable[[str], None] = print) -> dic
         cleanup(ctx)
 
 
-def _pretrain(model: nn.Module, cfg: DetectConfig, device: torch.device, log: Callable[[str], None]) -> dict:
+def _process_main(cfg: DetectConfig) -> None:
+    """One process of :func:`launch_local`'s group."""
+    train_detector(cfg)
+
+
+def _check_out(cfg: DetectConfig) -> None:
+    out = Path(cfg.out)
+    if not cfg.resume and (out / "last.pt").exists():
+        raise ValueError(f"{out} already holds a run (last.pt); pass --resume to continue it or choose another --out")
+
+
+def _pretrain(model: nn.Module, cfg: DetectConfig, ctx: DistContext, log: Callable[[str], None]) -> dict:
     """Pre-train the detector's backbone on glyph crops (:mod:`lambdanet.detection.pretrain`) and load it."""
     from lambdanet.detection.pretrain import load_backbone_weights, pretrain_backbone
 
-    weights, info = pretrain_backbone(cfg.backbone, PretrainConfig(steps=cfg.pretrain_steps), seed=cfg.seed,
-                                      device=device, progress=cfg.progress, log=log, **cfg.backbone_kwargs)
+    settings = PretrainConfig(steps=cfg.pretrain_steps, workers=cfg.workers,
+                              channels_last=bool(cfg.detector.get("channels_last")))  # the detector's layout
+    weights, info = pretrain_backbone(cfg.backbone, settings, seed=cfg.seed, device=ctx.device,
+                                      progress=cfg.progress and ctx.is_main, log=log, **cfg.backbone_kwargs)
     load_backbone_weights(model.backbone.body, weights)
     return info
 
@@ -421,8 +477,7 @@ def _pretrain(model: nn.Module, cfg: DetectConfig, device: torch.device, log: Ca
 def _run(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], None]) -> dict:
     from lambdanet.detection.data import build_detection_datasets
 
-    if not cfg.resume and (out / "last.pt").exists():
-        raise ValueError(f"{out} already holds a run (last.pt); pass --resume to continue it or choose another --out")
+    _check_out(cfg)
     torch.manual_seed(cfg.seed)
     train, test = build_detection_datasets(cfg.data, seed=cfg.seed, progress=cfg.progress and ctx.is_main)
     num_classes = train.num_classes
@@ -432,8 +487,8 @@ def _run(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], No
     model = model.to(ctx.device)
     if not cfg.resume and ctx.is_main and (out / "pretrain.json").exists():
         (out / "pretrain.json").unlink()  # left by an earlier attempt that ended before its first epoch
-    if cfg.pretrain_steps and not cfg.resume:  # every rank (deterministic): no rank waits in a collective
-        info = _pretrain(unwrap(model), cfg, ctx.device, log)
+    if cfg.pretrain_steps and not cfg.resume:  # every process, each on its share of the crops
+        info = _pretrain(unwrap(model), cfg, ctx, log)
         if ctx.is_main:
             out.mkdir(parents=True, exist_ok=True)
             write_json(info, out / "pretrain.json")
@@ -466,7 +521,8 @@ def _run(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], No
             row = _train_epoch(state, run_model, loader, cfg, ctx, total)
             state.epoch += 1
             if state.epoch % cfg.eval_every == 0 or state.epoch == cfg.epochs:
-                metrics = _evaluate(model, test, cfg, ctx) if ctx.is_main else {}
+                with all_threads_on_main(ctx):
+                    metrics = _evaluate(model, test, cfg, ctx) if ctx.is_main else {}
             row = {"epoch": state.epoch, **row, **{k: v for k, v in metrics.items() if state.epoch % cfg.eval_every == 0
                                                     or state.epoch == cfg.epochs}, "train_time_s": state.train_time_s}
             logger.log_epoch(row)
@@ -481,23 +537,31 @@ def _run(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], No
         logger.close()
     summary = {}
     if ctx.is_main:
-        if not metrics:  # resumed after the last epoch: evaluate what was trained
-            metrics = _evaluate(model, test, cfg, ctx)
-        export_safetensors(unwrap(model), out / "model.safetensors", {"backbone": cfg.backbone})
-        history = read_history(out / "metrics.csv")
-        plots = plot_detection_history(history, out)
-        picture = draw_predictions(unwrap(model), test, out / "predictions.png", cfg, ctx.device,
-                                   count=min(4, cfg.max_eval_images or 4))
-        pretrained = read_json(out / "pretrain.json") if (out / "pretrain.json").is_file() else {}
-        summary = {"backbone": cfg.backbone, "backbone_kwargs": cfg.backbone_kwargs, "masks": cfg.masks,
-                   "data": cfg.data, "recipe": cfg.recipe, "epochs": state.epoch, "params": params,
-                   "backbone_params": backbone_params, **pretrained, "train_time_s": state.train_time_s, **metrics,
-                   "plots": [p.name for p in plots] + [picture.name]}
-        write_json(summary, out / "summary.json")
-        log(f"done: box AP {metrics.get('bbox_AP', float('nan')):.3f}"
-            + (f", mask AP {metrics['segm_AP']:.3f}" if "segm_AP" in metrics else "")
-            + f" (AP_s/m/l {metrics.get('bbox_AP_small', float('nan')):.3f}/{metrics.get('bbox_AP_medium', float('nan')):.3f}/"
-            f"{metrics.get('bbox_AP_large', float('nan')):.3f}), {state.train_time_s:.0f}s training -> {out}")
+        with all_threads_on_main(ctx):
+            summary = _finish(cfg, ctx, out, model, test, metrics, state, params, backbone_params, log)
+    return summary
+
+
+def _finish(cfg: DetectConfig, ctx: DistContext, out: Path, model: nn.Module, test, metrics: dict,
+            state: DetectState, params: int, backbone_params: int, log: Callable[[str], None]) -> dict:
+    """The main process's outputs after the last epoch: weights, plots, the picture, ``summary.json``."""
+    if not metrics:  # resumed after the last epoch: evaluate what was trained
+        metrics = _evaluate(model, test, cfg, ctx)
+    export_safetensors(unwrap(model), out / "model.safetensors", {"backbone": cfg.backbone})
+    history = read_history(out / "metrics.csv")
+    plots = plot_detection_history(history, out)
+    picture = draw_predictions(unwrap(model), test, out / "predictions.png", cfg, ctx.device,
+                               count=min(4, cfg.max_eval_images or 4))
+    pretrained = read_json(out / "pretrain.json") if (out / "pretrain.json").is_file() else {}
+    summary = {"backbone": cfg.backbone, "backbone_kwargs": cfg.backbone_kwargs, "masks": cfg.masks,
+               "data": cfg.data, "recipe": cfg.recipe, "epochs": state.epoch, "params": params,
+               "backbone_params": backbone_params, **pretrained, "train_time_s": state.train_time_s, **metrics,
+               "plots": [p.name for p in plots] + [picture.name]}
+    write_json(summary, out / "summary.json")
+    log(f"done: box AP {metrics.get('bbox_AP', float('nan')):.3f}"
+        + (f", mask AP {metrics['segm_AP']:.3f}" if "segm_AP" in metrics else "")
+        + f" (AP_s/m/l {metrics.get('bbox_AP_small', float('nan')):.3f}/{metrics.get('bbox_AP_medium', float('nan')):.3f}/"
+        f"{metrics.get('bbox_AP_large', float('nan')):.3f}), {state.train_time_s:.0f}s training -> {out}")
     return summary
 
 

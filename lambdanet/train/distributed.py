@@ -12,6 +12,8 @@ clusters (and makes a multi-process run compute what one process computes on the
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +21,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 __all__ = ["DistContext", "init_distributed", "all_reduce_sum", "all_gather_with_grad", "AllReduceBatchNorm",
-           "convert_sync_batchnorm", "barrier", "cleanup"]
+           "convert_sync_batchnorm", "barrier", "cleanup", "usable_cores", "in_process_group", "launch_local",
+           "all_threads_on_main"]
 
 
 @dataclass
@@ -54,6 +57,62 @@ def init_distributed(device: str = "auto") -> DistContext:
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
     return DistContext(rank, world, local_rank, dev)
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def in_process_group() -> bool:
+    """Whether this process was started as one of a group (torchrun's or :func:`launch_local`'s variables)."""
+    return "WORLD_SIZE" in os.environ
+
+
+def launch_local(fn: Callable[..., object], args: tuple, nprocs: int) -> None:
+    """Run ``fn(*args)`` in ``nprocs`` new processes on this machine, joined as one process group: each gets
+    torchrun's environment variables (so :func:`init_distributed` picks them up) and ``usable_cores() //
+    nprocs`` threads. A ``ValueError`` (a user error) in a worker is raised here as the same one-line error.
+
+    On a CPU, data parallelism over processes uses the cores better than one process's intra-op threads
+    when the operations are small (detection heads, RoI ops, lambda layers on small maps)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nprocs),
+           "LOCAL_WORLD_SIZE": str(nprocs)}
+    try:
+        mp.spawn(_local_worker, args=(fn, args, env, max(1, usable_cores() // nprocs)), nprocs=nprocs, join=True)
+    except mp.ProcessRaisedException as err:
+        last = str(err).strip().splitlines()[-1]
+        if last.startswith("ValueError: "):
+            raise ValueError(last.removeprefix("ValueError: ")) from None
+        raise
+
+
+def _local_worker(rank: int, fn: Callable[..., object], args: tuple, env: dict[str, str], threads: int) -> None:
+    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
+    torch.set_num_threads(threads)
+    fn(*args)
+
+
+@contextmanager
+def all_threads_on_main(ctx: DistContext):
+    """While the main process works alone on a CPU (evaluation, outputs) and the others wait at a barrier,
+    let it use every usable core; its own share again afterwards."""
+    threads = torch.get_num_threads()
+    if ctx.enabled and ctx.is_main and ctx.device.type == "cpu":
+        torch.set_num_threads(max(threads, usable_cores()))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def all_reduce_sum(values: list[float], ctx: DistContext) -> list[float]:
