@@ -100,6 +100,11 @@ def test_local_processes_rule(monkeypatch):
     quick = resolve_detect_config(overrides={"device": "cpu"})
     assert trainer.local_processes(quick) == 2  # batch 8 on 2 cores: one process per core, 4 images each
     assert trainer.local_processes(resolve_detect_config(overrides={"device": "cpu", "batch_size": 4})) == 1
+    odd = resolve_detect_config(overrides={"device": "cpu", "batch_size": 9})
+    assert trainer.local_processes(odd) == 1  # 2 processes would not divide the batch of 9
+    monkeypatch.setattr(trainer, "usable_cores", lambda: 4)
+    assert trainer.local_processes(resolve_detect_config(overrides={"device": "cpu", "batch_size": 12})) == 3
+    monkeypatch.setattr(trainer, "usable_cores", lambda: 2)
     assert trainer.local_processes(resolve_detect_config(overrides={"device": "cpu", "procs": 3})) == 3
     monkeypatch.setattr(trainer, "usable_cores", lambda: 1)
     assert trainer.local_processes(quick) == 1

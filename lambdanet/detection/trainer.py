@@ -418,14 +418,21 @@ def _evaluate(model: nn.Module, test, cfg: DetectConfig, ctx: DistContext) -> di
 def local_processes(cfg: DetectConfig) -> int:
     """How many local processes :func:`train_detector` trains ``cfg`` with: 1 inside a process group (torchrun
     started this one), ``cfg.procs`` when set, else on a GPU 1 and on a CPU one per 4 images of the batch (the
-    BatchNorm statistics of each process need a few images) up to the usable cores."""
+    BatchNorm statistics of each process need a few images) up to the usable cores, and dividing the batch."""
     if in_process_group():
         return 1
     if cfg.procs:
         return cfg.procs
-    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+    if _on_cuda(cfg):
         return 1
-    return max(1, min(usable_cores(), cfg.batch_size // 4))
+    procs = max(1, min(usable_cores(), cfg.batch_size // 4))
+    while cfg.batch_size % procs:
+        procs -= 1
+    return procs
+
+
+def _on_cuda(cfg: DetectConfig) -> bool:
+    return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
 
 
 def train_detector(cfg: DetectConfig, log: Callable[[str], None] = print) -> dict:
@@ -437,6 +444,8 @@ def train_detector(cfg: DetectConfig, log: Callable[[str], None] = print) -> dic
         if cfg.batch_size % procs:
             raise ValueError(f"batch_size {cfg.batch_size} must be a multiple of procs {procs} (one share per "
                              f"process); set --procs or --batch-size")
+        if _on_cuda(cfg) and procs > torch.cuda.device_count():
+            raise ValueError(f"procs {procs} needs one GPU per process, {torch.cuda.device_count()} visible")
         log(f"detect: {procs} local processes, {max(1, usable_cores() // procs)} threads each")
         launch_local(_process_main, (cfg,), procs)
         return read_json(Path(cfg.out) / "summary.json")
@@ -558,10 +567,10 @@ def _finish(cfg: DetectConfig, ctx: DistContext, out: Path, model: nn.Module, te
                "backbone_params": backbone_params, **pretrained, "train_time_s": state.train_time_s, **metrics,
                "plots": [p.name for p in plots] + [picture.name]}
     write_json(summary, out / "summary.json")
+    sizes = "/".join(f"{metrics.get(f'bbox_AP_{s}', float('nan')):.3f}" for s in ("small", "medium", "large"))
     log(f"done: box AP {metrics.get('bbox_AP', float('nan')):.3f}"
         + (f", mask AP {metrics['segm_AP']:.3f}" if "segm_AP" in metrics else "")
-        + f" (AP_s/m/l {metrics.get('bbox_AP_small', float('nan')):.3f}/{metrics.get('bbox_AP_medium', float('nan')):.3f}/"
-        f"{metrics.get('bbox_AP_large', float('nan')):.3f}), {state.train_time_s:.0f}s training -> {out}")
+        + f" (AP_s/m/l {sizes}), {state.train_time_s:.0f}s training -> {out}")
     return summary
 
 
