@@ -120,7 +120,8 @@ def test_detect_on_two_local_processes(tmp_path, capfd):
     """Two processes share out the batch and the pre-training crops; the main one writes the run, and a user
     error is one line in the launching process."""
     out = tmp_path / "run"
-    args = ["detect", "--backbone", "resnet26", *TINY, "--pretrain-steps", "1", "--procs", "2", "--out", str(out)]
+    args = ["detect", "--backbone", "resnet26", *TINY, "--pretrain-steps", "2", "--procs", "2", "--device", "cpu",
+            "--out", str(out)]
     assert main(args) == 0
     printed = capfd.readouterr().out
     assert "2 local processes" in printed and printed.count("pre-training resnet26") == 1  # the main one prints

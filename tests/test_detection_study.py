@@ -19,6 +19,7 @@ from lambdanet.detection.model import (
 from lambdanet.detection.pretrain import (
     GlyphCrops,
     PretrainConfig,
+    batch_share,
     load_backbone_weights,
     pretrain_backbone,
     transfer_mismatch,
@@ -160,6 +161,14 @@ def test_glyph_crops_are_deterministic_single_glyphs():
     assert len(crops.categories) == 10
     with pytest.raises(IndexError):
         crops[8]
+
+
+@pytest.mark.parametrize("batch, world", [(64, 1), (64, 2), (64, 3), (64, 7), (5, 5), (12, 5)])
+def test_pretraining_shares_partition_every_batch(batch, world):
+    shares = [batch_share(batch, r, world) for r in range(world)]
+    items = [first + j for first, count in shares for j in range(count)]
+    assert items == list(range(batch))  # each crop once, in order
+    assert max(c for _, c in shares) - min(c for _, c in shares) <= 1
 
 
 def test_pretrained_backbone_loads_into_the_detector_body():

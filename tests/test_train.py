@@ -324,8 +324,12 @@ def _report_group(path):
         {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")} | {"threads": torch.get_num_threads()}))
 
 
+class _BusyError(ValueError):
+    """A user error of a ValueError subclass (as RunDirBusyError is)."""
+
+
 def _user_error(message):
-    raise ValueError(message)
+    raise _BusyError(message)
 
 
 def test_launch_local_starts_a_process_group_and_relays_user_errors(tmp_path):
@@ -335,7 +339,7 @@ def test_launch_local_starts_a_process_group_and_relays_user_errors(tmp_path):
     seen = [json.loads((tmp_path / r).read_text()) for r in ("0", "1")]
     assert [(s["RANK"], s["LOCAL_RANK"], s["WORLD_SIZE"]) for s in seen] == [("0", "0", "2"), ("1", "1", "2")]
     assert all(s["threads"] == max(1, usable_cores() // 2) for s in seen)  # the cores shared out
-    with pytest.raises(ValueError, match="^bad option x: expected y$"):  # one line, as raised in the worker
+    with pytest.raises(ValueError, match="^bad option x: expected y$"):  # one line, subclasses too
         launch_local(_user_error, ("bad option x: expected y",), 2)
     with pytest.raises(ValueError, match="nprocs must be a positive int"):
         launch_local(_user_error, ("",), 0)

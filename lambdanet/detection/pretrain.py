@@ -29,7 +29,8 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from lambdanet.detection.data import GlyphPool, GlyphSceneConfig, glyph_categories, render_scene, \
     resolve_glyph_sources
 
-__all__ = ["PretrainConfig", "GlyphCrops", "pretrain_backbone", "transfer_mismatch", "load_backbone_weights"]
+__all__ = ["PretrainConfig", "GlyphCrops", "pretrain_backbone", "transfer_mismatch", "load_backbone_weights",
+           "batch_share"]
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,13 @@ class GlyphCrops(Dataset):
             image, _, labels = render_scene(self.pool, self.config, rng)  # 3 s s uint8
             if labels:
                 return torch.from_numpy(image).float() / 255, labels[0]  # 3 s s in [0, 1]
+
+
+def batch_share(batch_size: int, rank: int, world: int) -> tuple[int, int]:
+    """(first, count): process ``rank`` of ``world`` takes items ``first .. first + count - 1`` of every batch;
+    the shares partition the batch in order and differ by at most one item."""
+    base, extra = divmod(batch_size, world)
+    return rank * base + min(rank, extra), base + (rank < extra)
 
 
 def _accuracy(model: nn.Module, data: GlyphCrops, batch_size: int, mean: Tensor, std: Tensor,
@@ -187,9 +195,9 @@ def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, 
     device = torch.device(device)
     grouped = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if grouped else (0, 1)
-    if cfg.batch_size % world:
-        raise ValueError(f"PretrainConfig.batch_size {cfg.batch_size} must be a multiple of the {world} processes")
-    share = cfg.batch_size // world
+    if cfg.batch_size < world:
+        raise ValueError(f"PretrainConfig.batch_size {cfg.batch_size} must be at least the {world} processes")
+    first, share = batch_share(cfg.batch_size, rank, world)
     train = GlyphCrops("train", cfg.steps * cfg.batch_size, img_size=cfg.img_size, seed=seed, glyphs=glyphs)
     test = GlyphCrops("test", cfg.eval_images, img_size=cfg.img_size, seed=seed, glyphs=glyphs)
     torch.manual_seed(seed)
@@ -207,7 +215,7 @@ def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, 
     model.train()
     bar = tqdm(range(cfg.steps), desc="pre-training the backbone on glyph crops", leave=False, disable=not progress)
     # crops in order (crop i is the same wherever it is rendered), by workers ahead of the training if any
-    mine = Subset(train, [step * cfg.batch_size + rank * share + j for step in range(cfg.steps) for j in range(share)])
+    mine = Subset(train, [step * cfg.batch_size + first + j for step in range(cfg.steps) for j in range(share)])
     loader = DataLoader(mine, batch_size=share, num_workers=cfg.workers, prefetch_factor=4 if cfg.workers else None)
     for step, (images, labels) in zip(bar, loader):  # b 3 s s in [0, 1], b
         factor = (step + 1) / cfg.warmup_steps if step < cfg.warmup_steps else \
@@ -216,7 +224,8 @@ def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, 
             group["lr"] = cfg.lr * factor
         images = ((images.to(device) - mean) / std).contiguous(memory_format=layout)  # b 3 s s, as the detector's
         labels = labels.to(device)  # b
-        loss = nn.functional.cross_entropy(run(images), labels)
+        # DDP averages over processes: weigh each share's mean by its size, for the mean over the batch
+        loss = nn.functional.cross_entropy(run(images), labels) * (share * world / cfg.batch_size)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

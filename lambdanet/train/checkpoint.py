@@ -121,4 +121,4 @@ def export_safetensors(model: nn.Module, path: str | os.PathLike, metadata: dict
     goes into the file's header: :func:`lambdanet.train.load.load_model` rebuilds the model from it."""
     from safetensors.torch import save_model
 
-    save_model(unwrap(model), str(path), metadata=metadata)
+    save_model(unwrap(model), str(path), metadata=metadata, force_contiguous=True)  # channels-last weights too

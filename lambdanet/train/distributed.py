@@ -99,13 +99,16 @@ def launch_local(fn: Callable[..., object], args: tuple, nprocs: int) -> None:
 def _local_worker(rank: int, fn: Callable[..., object], args: tuple, env: dict[str, str], threads: int) -> None:
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)
-    fn(*args)
+    try:
+        fn(*args)
+    except (ValueError, FileNotFoundError) as err:  # user errors (subclasses too): relayed as a plain ValueError
+        raise ValueError(str(err)) from None
 
 
 @contextmanager
 def all_threads_on_main(ctx: DistContext):
-    """While the main process works alone on a CPU (evaluation, outputs) and the others wait at a barrier,
-    let it use every usable core; its own share again afterwards."""
+    """While the main process works alone on a CPU (evaluation, outputs) and the others wait at a barrier or
+    have finished, let it use every usable core; its own share again afterwards."""
     threads = torch.get_num_threads()
     if ctx.enabled and ctx.is_main and ctx.device.type == "cpu":
         torch.set_num_threads(max(threads, usable_cores()))
