@@ -51,7 +51,7 @@ class PretrainConfig:
             on a 2-core CPU a worker only contends with the training, on a GPU it hides the rendering).
     """
 
-    steps: int = 900
+    steps: int = 1200
     batch_size: int = 64
     img_size: int = 64
     lr: float = 2e-3
