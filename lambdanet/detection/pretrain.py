@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from lambdanet.detection.data import GlyphPool, GlyphSceneConfig, glyph_categories, render_scene, \
     resolve_glyph_sources
+from lambdanet.train.distributed import DistContext, all_reduce_sum
 
 __all__ = ["PretrainConfig", "GlyphCrops", "pretrain_backbone", "transfer_mismatch", "load_backbone_weights",
            "batch_share"]
@@ -127,11 +128,8 @@ def _accuracy(model: nn.Module, data: GlyphCrops, batch_size: int, mean: Tensor,
             images, labels = zip(*(data[i] for i in mine[start:start + batch_size]))
             logits = model((torch.stack(images).to(mean.device) - mean) / std)  # b classes
             correct += int((logits.argmax(1).cpu() == torch.tensor(labels)).sum())
-    if world > 1:
-        total = torch.tensor([correct], dtype=torch.float64, device=mean.device)
-        dist.all_reduce(total)
-        correct = int(total.item())
-    return correct / len(data)
+    total = all_reduce_sum([correct], DistContext(rank, world, device=mean.device))[0]  # a no-op alone
+    return total / len(data)
 
 
 def _classifier_name_kwargs(backbone: str, model_kwargs: dict, img_size: int) -> tuple[str, dict]:

@@ -52,7 +52,9 @@ from lambdanet.train.distributed import (
     in_process_group,
     init_distributed,
     launch_local,
+    threads_per_process,
     usable_cores,
+    uses_cuda,
 )
 from lambdanet.train.logger import RunLogger, plot_history, read_history, read_json, truncate_history, write_json
 from lambdanet.train.optim import param_groups
@@ -423,16 +425,12 @@ def local_processes(cfg: DetectConfig) -> int:
         return 1
     if cfg.procs:
         return cfg.procs
-    if _on_cuda(cfg):
+    if uses_cuda(cfg.device):
         return 1
     procs = max(1, min(usable_cores(), cfg.batch_size // 4))
     while cfg.batch_size % procs:
         procs -= 1
     return procs
-
-
-def _on_cuda(cfg: DetectConfig) -> bool:
-    return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
 
 
 def train_detector(cfg: DetectConfig, log: Callable[[str], None] = print) -> dict:
@@ -444,9 +442,9 @@ def train_detector(cfg: DetectConfig, log: Callable[[str], None] = print) -> dic
         if cfg.batch_size % procs:
             raise ValueError(f"batch_size {cfg.batch_size} must be a multiple of procs {procs} (one share per "
                              f"process); set --procs or --batch-size")
-        if _on_cuda(cfg) and procs > torch.cuda.device_count():
+        if uses_cuda(cfg.device) and procs > torch.cuda.device_count():
             raise ValueError(f"procs {procs} needs one GPU per process, {torch.cuda.device_count()} visible")
-        log(f"detect: {procs} local processes, {max(1, usable_cores() // procs)} threads each")
+        log(f"detect: {procs} local processes, {threads_per_process(procs)} threads each")
         launch_local(_process_main, (cfg,), procs)
         return read_json(Path(cfg.out) / "summary.json")
     ctx = init_distributed(cfg.device)

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 __all__ = ["DistContext", "init_distributed", "all_reduce_sum", "all_gather_with_grad", "AllReduceBatchNorm",
-           "convert_sync_batchnorm", "barrier", "cleanup", "usable_cores", "in_process_group", "launch_local",
-           "all_threads_on_main"]
+           "convert_sync_batchnorm", "barrier", "cleanup", "uses_cuda", "usable_cores", "threads_per_process",
+           "in_process_group", "launch_local", "all_threads_on_main"]
 
 
 @dataclass
@@ -46,7 +46,7 @@ def init_distributed(device: str = "auto") -> DistContext:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    use_cuda = uses_cuda(device)
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but no CUDA device is available; use --device cpu")
     if use_cuda:
@@ -59,9 +59,19 @@ def init_distributed(device: str = "auto") -> DistContext:
     return DistContext(rank, world, local_rank, dev)
 
 
+def uses_cuda(device: str) -> bool:
+    """Whether the ``device`` option (``"auto"``, ``"cpu"`` or ``"cuda"``) runs on CUDA."""
+    return torch.cuda.is_available() if device == "auto" else device == "cuda"
+
+
 def usable_cores() -> int:
     """CPU cores this process may run on (its affinity mask where the OS has one)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def threads_per_process(nprocs: int) -> int:
+    """The intra-op threads each of ``nprocs`` local processes gets: the usable cores shared out."""
+    return max(1, usable_cores() // nprocs)
 
 
 def in_process_group() -> bool:
@@ -88,7 +98,7 @@ def launch_local(fn: Callable[..., object], args: tuple, nprocs: int) -> None:
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nprocs),
            "LOCAL_WORLD_SIZE": str(nprocs)}
     try:
-        mp.spawn(_local_worker, args=(fn, args, env, max(1, usable_cores() // nprocs)), nprocs=nprocs, join=True)
+        mp.spawn(_local_worker, args=(fn, args, env, threads_per_process(nprocs)), nprocs=nprocs, join=True)
     except mp.ProcessRaisedException as err:
         last = str(err).strip().splitlines()[-1]
         if last.startswith("ValueError: "):
