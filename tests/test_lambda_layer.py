@@ -523,6 +523,53 @@ def test_policy_numbers_move_the_auto_choice_where_the_cost_model_says(set_polic
         assert layer.choose_impl(size) == want, policy
 
 
+def test_dense_conv_window_and_speedup_move_the_auto_choice_where_the_cost_model_says(set_policy):
+    """The detector's c4 layer (k=16, h=4, v=16, r=23) on a 32x32 map: n = 1024 > 852, so E's rows are rebuilt
+    per chunk and no GEMM factor applies. Queries-first costs n h (k + v) = 131072 multiply-adds per context
+    position, the lambda convolution taps k v = 529 * 256 = 135424: the depthwise form loses (ratio 1.033), the
+    dense form (529 taps, inside the default window) wins once counted 135424 / 131072 = 1.0332x cheaper."""
+    from lambdanet.layers.lambda_layer import ImplPolicy
+
+    layer = LambdaLayer(64, dim_k=16, heads=4, r=23)
+    size = (32, 32)
+    assert layer.choose_impl(size) == "conv"  # default: 196 <= 529 <= 2304, 1.5 > 1.0332
+    for policy, want in [
+        (ImplPolicy(dense_conv_speedup=1.034), "conv"), (ImplPolicy(dense_conv_speedup=1.033), "einsum_qe"),
+        (ImplPolicy(dense_conv_taps=(529, 529)), "conv"), (ImplPolicy(dense_conv_taps=(530, 2304)), "einsum_qe"),
+        (ImplPolicy(dense_conv_taps=(0, 528)), "einsum_qe"),
+    ]:
+        set_policy("cpu", policy)
+        assert layer.choose_impl(size) == want, policy
+    # a scope below the window keeps the depthwise form: r=5 on 40x40 (25 taps, n = 1600 > 852)
+    set_policy("cpu", None)
+    assert LambdaLayer(64, dim_k=16, heads=4, r=5).choose_impl((40, 40)) == "depthwise_conv"
+    # with the whole E the GEMM factor is shared with the dense form: 24x24 (n = 576), 529 taps; queries-first
+    # 73728 <= 2.5 / 1.5 * 135424 keeps einsum_qe; a GEMM factor below 1.5 * 73728 / 135424 = 0.817 hands it to
+    # the lambdas-first forms: the einsum at 2 positions per tap (576 <= 1058), the dense convolution at 1
+    assert layer.choose_impl((24, 24)) == "einsum_qe"
+    for policy, want in [(ImplPolicy(gemm_speedup=0.82), "einsum_qe"), (ImplPolicy(gemm_speedup=0.81), "einsum"),
+                         (ImplPolicy(gemm_speedup=0.81, einsum_positions_per_tap=1.0), "conv")]:
+        set_policy("cpu", policy)
+        assert layer.choose_impl((24, 24)) == want, policy
+
+
+def test_dense_conv_auto_choice_runs_the_dense_convolution_and_matches_the_depthwise_output(monkeypatch):
+    """What auto picks for a 15x15 scope on a 22x22 map (225 taps, n = 484 > 2 * 225 for the lambdas-first einsum;
+    u = 4 rules out queries-first) is the dense lambda convolution, and it equals the depthwise form: both sum
+    the same taps k v products per position, so they differ by float64 rounding only."""
+    torch.manual_seed(0)
+    layer = randomize_norms(LambdaLayer(16, dim_k=4, heads=2, dim_u=4, r=15)).eval().double()
+    assert layer.choose_impl((22, 22)) == "conv"
+    ran = _record_position_functions(monkeypatch)
+    x = torch.randn(2, 16, 22, 22, dtype=torch.float64)
+    dense = layer(x)
+    layer.impl = "depthwise_conv"
+    depthwise = layer(x)
+    assert ran == ["conv", "depthwise_conv"]
+    # sums of at most 225 * 4 products of magnitude ~|E||v| ~ 1: float64 rounding ~ 1e3 * 1e-16
+    torch.testing.assert_close(dense, depthwise, atol=1e-11 * depthwise.abs().max().item(), rtol=0)
+
+
 def test_policy_is_per_device_type_and_forward_follows_it(set_policy, monkeypatch):
     """A global 16x16 layer (taps 31^2 = 961): queries-first at any policy; its whole E (n = 256) is used up to
     max_whole_positions, then rows per chunk. Same output either way, up to float64 rounding."""
@@ -553,6 +600,12 @@ def test_bad_policies_raise_value_error():
         ImplPolicy(max_whole_positions=0)
     with pytest.raises(ValueError, match="gemm_speedup must be a non-negative number"):
         ImplPolicy(gemm_speedup=-1.0)
+    with pytest.raises(ValueError, match="dense_conv_speedup must be a positive number"):
+        ImplPolicy(dense_conv_speedup=0)
+    with pytest.raises(ValueError, match="dense_conv_taps must be"):
+        ImplPolicy(dense_conv_taps=(300, 200))
+    with pytest.raises(ValueError, match="dense_conv_taps must be"):
+        ImplPolicy(dense_conv_taps=200)
     with pytest.raises(ValueError, match="policy must be an ImplPolicy or None"):
         set_impl_policy("cpu", {"gemm_speedup": 3.0})
     with pytest.raises(ValueError, match="device_type must be"):

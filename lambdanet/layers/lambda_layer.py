@@ -46,6 +46,15 @@ class ImplPolicy:
             2.5 is a CPU measurement (BENCHMARKS.md, section 1); with ``E`` built chunk by chunk the factor is 1.
         einsum_positions_per_tap: the lambdas-first ``einsum`` serves maps of at most this many positions per
             kernel tap (small maps that their scope covers), when ``E`` may be materialised.
+        dense_conv_taps: the scopes (``(fewest, most)`` kernel taps after cropping to the map) whose lambda
+            convolution runs as the batch-folded dense convolution (``"conv"``: ``v`` folded into the batch, one
+            input channel, ``k`` output channels) rather than the depthwise one; both do ``taps k v``
+            multiply-adds per position. On the CPU of BENCHMARKS.md (section 1) the dense form trained
+            1.2-1.9x faster from 15x15 to 31x31 scopes and 1.1x at 47x47, the depthwise one was as fast at
+            13x13 and faster below, and the dense backward collapsed at 111x111 (12x slower).
+        dense_conv_speedup: how much faster per multiply-add the dense convolution runs than the depthwise one
+            (and the row-chunked ``einsum_qe``) inside ``dense_conv_taps``: the cost model divides its
+            multiply-adds by this (1.5 on that CPU, training).
 
     Every device type uses these CPU values until a policy is registered for it with
     :func:`set_impl_policy`; CUDA in particular has not been measured yet and runs on the CPU values.
@@ -55,6 +64,8 @@ class ImplPolicy:
     max_whole_elements: int = 1 << 24
     gemm_speedup: float = 2.5
     einsum_positions_per_tap: float = 2.0
+    dense_conv_taps: tuple[int, int] = (196, 2304)
+    dense_conv_speedup: float = 1.5
 
     def __post_init__(self):
         check_positive_int(self.max_whole_positions, "max_whole_positions")
@@ -63,6 +74,14 @@ class ImplPolicy:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+        speedup = self.dense_conv_speedup
+        if isinstance(speedup, bool) or not isinstance(speedup, (int, float)) or not speedup > 0:
+            raise ValueError(f"dense_conv_speedup must be a positive number, got {speedup!r}")
+        taps = self.dense_conv_taps
+        if (not isinstance(taps, (tuple, list)) or len(taps) != 2
+                or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in taps) or taps[0] > taps[1]):
+            raise ValueError(f"dense_conv_taps must be (fewest, most) non-negative int taps with fewest <= most, "
+                             f"got {taps!r}")
 
 
 DEFAULT_IMPL_POLICY = ImplPolicy()
@@ -412,12 +431,15 @@ class LambdaLayer(nn.Module):
         emb = self.embedding
         taps = math.prod(LF.cropped_kernel_size(emb.kernel_size, emb.center, spatial))
         h, k, v = self.heads, self.dim_k, self.dim_v
-        gemm_speedup = policy.gemm_speedup if whole else 1.0
+        fewest, most = policy.dense_conv_taps
+        dense = fewest <= taps <= most  # the dense lambda convolution beats the depthwise one at this scope
+        conv_speedup = policy.dense_conv_speedup if dense else 1.0
+        gemm_speedup = (policy.gemm_speedup if whole else 1.0) / conv_speedup
         if qe_ok and n * h * (k + v) <= gemm_speedup * taps * k * v:
             return "einsum_qe"
         if whole and n <= policy.einsum_positions_per_tap * taps:
             return "einsum"
-        return "depthwise_conv"
+        return "conv" if dense else "depthwise_conv"
 
     def _whole_embeddings_fit(self, n: int, policy: ImplPolicy) -> bool:
         """Whether the gathered ``E[n, m]`` may be materialised (``policy.max_whole_positions`` positions and
@@ -436,8 +458,10 @@ class LambdaLayer(nn.Module):
         (:func:`~lambdanet.functional.relative_position_output_qe`) and the einsum must undercut the
         convolution's multiply-adds outright: global scopes keep it, local scopes on large maps take the
         convolution. Otherwise the lambdas-first ``einsum`` for small maps (at most
-        ``einsum_positions_per_tap`` positions per kernel tap, ``E`` materialisable), else the depthwise
-        lambda convolution. Intra-depth, multi-head and causal layers use the lambdas-first forms (an
+        ``einsum_positions_per_tap`` positions per kernel tap, ``E`` materialisable), else the lambda
+        convolution: the dense form (``"conv"``) for scopes of ``dense_conv_taps`` taps, its multiply-adds
+        counted ``dense_conv_speedup`` times cheaper in the comparisons above, the depthwise one
+        (``"depthwise_conv"``) otherwise. Intra-depth, multi-head and causal layers use the lambdas-first forms (an
         explicit ``impl="einsum_qe"`` runs as ``"einsum"`` there), absolute embeddings the einsums.
         ``"none"`` when the layer has no position lambdas.
         """
