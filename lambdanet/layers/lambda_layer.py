@@ -70,13 +70,12 @@ class ImplPolicy:
     def __post_init__(self):
         check_positive_int(self.max_whole_positions, "max_whole_positions")
         check_positive_int(self.max_whole_elements, "max_whole_elements")
-        for name in ("gemm_speedup", "einsum_positions_per_tap"):
+        for name, positive in (("gemm_speedup", False), ("einsum_positions_per_tap", False),
+                               ("dense_conv_speedup", True)):  # the cost model divides by dense_conv_speedup
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise ValueError(f"{name} must be a non-negative number, got {value!r}")
-        speedup = self.dense_conv_speedup
-        if isinstance(speedup, bool) or not isinstance(speedup, (int, float)) or not speedup > 0:
-            raise ValueError(f"dense_conv_speedup must be a positive number, got {speedup!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    value > 0 if positive else value >= 0):
+                raise ValueError(f"{name} must be a {'positive' if positive else 'non-negative'} number, got {value!r}")
         taps = self.dense_conv_taps
         if (not isinstance(taps, (tuple, list)) or len(taps) != 2
                 or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in taps) or taps[0] > taps[1]):
@@ -434,8 +433,8 @@ class LambdaLayer(nn.Module):
         fewest, most = policy.dense_conv_taps
         dense = fewest <= taps <= most  # the dense lambda convolution beats the depthwise one at this scope
         conv_speedup = policy.dense_conv_speedup if dense else 1.0
-        gemm_speedup = (policy.gemm_speedup if whole else 1.0) / conv_speedup
-        if qe_ok and n * h * (k + v) <= gemm_speedup * taps * k * v:
+        qe_speedup = (policy.gemm_speedup if whole else 1.0) / conv_speedup  # einsum_qe's per multiply-add edge
+        if qe_ok and n * h * (k + v) <= qe_speedup * taps * k * v:
             return "einsum_qe"
         if whole and n <= policy.einsum_positions_per_tap * taps:
             return "einsum"
