@@ -15,7 +15,7 @@ mkdir -p "$OUT"
 for backbone in resnet26 resnet26_se lambda_resnet26 resnet26_se_halo_b8; do
   run="$OUT/$backbone"
   if [[ -f "$run/summary.json" ]]; then continue; fi
-  if [[ -f "$run/last.pt" ]]; then
+  if [[ -f "$run/last.pt" || -f "$run/pretrain.pt" ]]; then
     $LAMBDANET detect --out "$run" --resume --no-progress 2>&1 | tee -a "$OUT/$backbone.log"
   else
     $LAMBDANET detect --backbone "$backbone" --out "$run" --no-progress 2>&1 | tee "$OUT/$backbone.log"

@@ -191,6 +191,40 @@ def test_pretrained_backbone_loads_into_the_detector_body():
         load_backbone_weights(body, state)
 
 
+def test_pretraining_continues_from_its_checkpoint_to_the_same_weights(tmp_path, monkeypatch):
+    from lambdanet.detection import pretrain
+    from lambdanet.train.checkpoint import load_checkpoint
+
+    cfg = PretrainConfig(steps=4, batch_size=4, img_size=32, warmup_steps=1, eval_images=4)
+    quiet = {"glyphs": "digits", "progress": False, "log": lambda _: None, "base_width": 8}
+    whole, whole_info = pretrain_backbone("resnet26_se", cfg, **quiet)
+    whole_rng = torch.get_rng_state()  # what the detector's training goes on with
+    path = tmp_path / "pretrain.pt"
+    save = pretrain.save_checkpoint
+
+    def save_then_die(state, where):
+        save(state, where)
+        raise RuntimeError("power cut")
+
+    monkeypatch.setattr(pretrain, "save_checkpoint", save_then_die)
+    with pytest.raises(RuntimeError, match="power cut"):
+        pretrain_backbone("resnet26_se", cfg, checkpoint=path, checkpoint_every=3, **quiet)
+    monkeypatch.undo()
+    assert load_checkpoint(path)["step"] == 3
+    logs = []
+    resumed, info = pretrain_backbone("resnet26_se", cfg, checkpoint=path, checkpoint_every=3,
+                                      **{**quiet, "log": logs.append})
+    assert any(f"{path}: 3/4 steps done" in line for line in logs)
+    assert resumed.keys() == whole.keys() and all(torch.equal(resumed[k], v) for k, v in whole.items())
+    assert info["pretrain_accuracy"] == whole_info["pretrain_accuracy"]
+    assert torch.equal(torch.get_rng_state(), whole_rng)
+    assert load_checkpoint(path)["step"] == 3  # the last step is not saved: the caller keeps the result
+    with pytest.raises(ValueError, match="holds another pre-training"):  # another seed: not this training's
+        pretrain_backbone("resnet26_se", cfg, seed=1, checkpoint=path, **quiet)
+    with pytest.raises(ValueError, match="checkpoint_every must be a positive int, got 0"):
+        pretrain_backbone("resnet26_se", cfg, checkpoint=path, checkpoint_every=0, **quiet)
+
+
 def test_input_sized_layers_do_not_transfer_from_crops():
     assert transfer_mismatch("lambda_resnet26", {"base_width": 16}, img_size=64, max_size=512) is None
     mismatch = transfer_mismatch("botnet26t_256", {}, img_size=64, max_size=512)

@@ -332,17 +332,26 @@ def _user_error(message):
     raise _BusyError(message)
 
 
+def _diverge(message):
+    from lambdanet.train.trainer import TrainingDivergedError
+
+    raise TrainingDivergedError(message)
+
+
 def test_launch_local_starts_a_process_group_and_relays_user_errors(tmp_path):
     from lambdanet.train.distributed import DistContext, all_threads_on_main, launch_local, usable_cores
+    from lambdanet.train.trainer import TrainingDivergedError
 
     launch_local(_report_group, (str(tmp_path),), 2)
     seen = [json.loads((tmp_path / r).read_text()) for r in ("0", "1")]
     assert [(s["RANK"], s["LOCAL_RANK"], s["WORLD_SIZE"]) for s in seen] == [("0", "0", "2"), ("1", "1", "2")]
     assert all(s["threads"] == max(1, usable_cores() // 2) for s in seen)  # the cores shared out
     with pytest.raises(ValueError, match="^bad option x: expected y$"):  # one line, subclasses too
-        launch_local(_user_error, ("bad option x: expected y",), 2)
+        launch_local(_user_error, ("bad option x: expected y",), 1)
     with pytest.raises(ValueError, match="nprocs must be a positive int"):
         launch_local(_user_error, ("",), 0)
+    with pytest.raises(TrainingDivergedError, match="^loss nan at step 3: lower --lr$"):  # a type asked for
+        launch_local(_diverge, ("loss nan at step 3: lower --lr",), 1, relay=(TrainingDivergedError,))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -438,6 +447,7 @@ def test_allreduce_batchnorm_equals_whole_batch_batchnorm(tmp_path):
         torch.testing.assert_close(got["q"], (w0, w1)[rank])  # exp(0) = 1: the gather left the shared gradient alone
 
 
+@pytest.mark.slow  # 30 s; launch_local's tests (here and test_detect_train.py) cover the same process group
 def test_torchrun_two_processes_match_one_process_with_the_same_global_batch(tmp_path):
     args = ["train", "--epochs", "2", "--max-train-batches", "4", "--batch-size", "32", "--sync-bn", "--optimizer",
             "sgd", "--lr", "0.05", "--no-progress", "--no-tensorboard"]

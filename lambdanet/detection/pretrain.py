@@ -18,7 +18,8 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -28,6 +29,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from lambdanet.detection.data import GlyphPool, GlyphSceneConfig, glyph_categories, render_scene, \
     resolve_glyph_sources
+from lambdanet.train.checkpoint import CheckpointError, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from lambdanet.train.distributed import DistContext, all_reduce_sum
 
 __all__ = ["PretrainConfig", "GlyphCrops", "pretrain_backbone", "transfer_mismatch", "load_backbone_weights",
@@ -178,11 +180,16 @@ def load_backbone_weights(body: nn.Module, weights: dict[str, Tensor]) -> None:
 
 def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, seed: int = 0,
                       glyphs: str = "auto", device: str | torch.device = "cpu", progress: bool = True,
-                      log: Callable[[str], None] = print, **model_kwargs) -> tuple[dict[str, Tensor], dict]:
+                      log: Callable[[str], None] = print, checkpoint: str | Path | None = None,
+                      checkpoint_every: int = 100, **model_kwargs) -> tuple[dict[str, Tensor], dict]:
     """Train ``create_model(backbone, num_classes=<glyph categories>, **model_kwargs)`` on :class:`GlyphCrops`
     of the train glyphs for ``cfg.steps`` steps; returns (its state dict without the classifier, ``{"
     pretrain_accuracy": top-1 on test-glyph crops, "pretrain_time_s": seconds}``). ``backbone`` may be a
-    :data:`lambdanet.detection.model.BACKBONE_PRESETS` name; ``model_kwargs`` override its options."""
+    :data:`lambdanet.detection.model.BACKBONE_PRESETS` name; ``model_kwargs`` override its options.
+
+    With ``checkpoint``, the main process saves the training there every ``checkpoint_every`` steps, and a
+    call that finds it continues from it (to the same weights as a run that never stopped; the file must
+    come from the same backbone, options and seed). The caller deletes it once the weights are kept."""
     from tqdm.auto import tqdm
 
     from lambdanet.detection.model import input_normalization
@@ -195,6 +202,8 @@ def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, 
     rank, world = (dist.get_rank(), dist.get_world_size()) if grouped else (0, 1)
     if cfg.batch_size < world:
         raise ValueError(f"PretrainConfig.batch_size {cfg.batch_size} must be at least the {world} processes")
+    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every <= 0:
+        raise ValueError(f"checkpoint_every must be a positive int, got {checkpoint_every!r}")
     first, share = batch_share(cfg.batch_size, rank, world)
     train = GlyphCrops("train", cfg.steps * cfg.batch_size, img_size=cfg.img_size, seed=seed, glyphs=glyphs)
     test = GlyphCrops("test", cfg.eval_images, img_size=cfg.img_size, seed=seed, glyphs=glyphs)
@@ -204,6 +213,20 @@ def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, 
     model.to(memory_format=layout)
     mean, std = (torch.tensor(v, device=device).view(1, 3, 1, 1) for v in input_normalization(model))  # 1 3 1 1
     opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr)
+    # what must agree for a saved training to continue (workers and progress only change how it runs)
+    identity = {"backbone": backbone, "model_kwargs": dict(model_kwargs), "seed": seed, "glyphs": glyphs,
+                "config": {k: v for k, v in asdict(cfg).items() if k != "workers"}}
+    done, elapsed = 0, 0.0
+    if checkpoint is not None and Path(checkpoint).is_file():
+        saved = load_checkpoint(checkpoint, map_location=device)
+        if saved.get("identity") != identity:
+            raise CheckpointError(f"{checkpoint} holds another pre-training ({saved.get('identity')}), not "
+                                  f"{identity}; delete it to start over")
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        done, elapsed = saved["step"], saved["time_s"]
+        set_rng_state(saved["rng"])
+        log(f"continuing the pre-training from {checkpoint}: {done}/{cfg.steps} steps done")
     # in a process group each process trains on its share of every batch (gradients averaged by DDP)
     run = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None) \
         if world > 1 else model
@@ -211,10 +234,13 @@ def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, 
         f"{len(train.categories)} classes)")
     start = time.perf_counter()
     model.train()
-    bar = tqdm(range(cfg.steps), desc="pre-training the backbone on glyph crops", leave=False, disable=not progress)
+    bar = tqdm(range(done, cfg.steps), desc="pre-training the backbone on glyph crops", leave=False,
+               disable=not progress, initial=done, total=cfg.steps)
     # crops in order (crop i is the same wherever it is rendered), by workers ahead of the training if any
-    mine = Subset(train, [step * cfg.batch_size + first + j for step in range(cfg.steps) for j in range(share)])
-    loader = DataLoader(mine, batch_size=share, num_workers=cfg.workers, prefetch_factor=4 if cfg.workers else None)
+    mine = Subset(train, [step * cfg.batch_size + first + j for step in range(done, cfg.steps) for j in range(share)])
+    # its own generator: starting the loader leaves the global RNG alone (the same after a continued run)
+    loader = DataLoader(mine, batch_size=share, num_workers=cfg.workers, prefetch_factor=4 if cfg.workers else None,
+                        generator=torch.Generator().manual_seed(seed))
     for step, (images, labels) in zip(bar, loader):  # b 3 s s in [0, 1], b
         factor = (step + 1) / cfg.warmup_steps if step < cfg.warmup_steps else \
             0.5 * (1 + math.cos(math.pi * (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)))
@@ -228,11 +254,15 @@ def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, 
         loss.backward()
         opt.step()
         bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
+        if checkpoint is not None and rank == 0 and (step + 1) % checkpoint_every == 0 and step + 1 < cfg.steps:
+            save_checkpoint({"identity": identity, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                             "step": step + 1, "time_s": elapsed + time.perf_counter() - start, "rng": rng_state()},
+                            checkpoint)
     bar.close()
     if world > 1:  # BatchNorm statistics: the main process's everywhere (as DDP hands them out every step)
         for buffer in model.buffers():
             dist.broadcast(buffer, 0)
-    seconds = time.perf_counter() - start
+    seconds = elapsed + time.perf_counter() - start
     accuracy = _accuracy(model, test, cfg.batch_size, mean, std, rank, world)
     log(f"pre-trained in {seconds:.0f}s: top-1 {accuracy:.1%} on {len(test)} crops of test glyphs")
     head = {k for k in model.state_dict() if k.split(".")[0] in ("fc", "head", "classifier")}

@@ -59,6 +59,7 @@ from lambdanet.train.distributed import (
 from lambdanet.train.logger import RunLogger, plot_history, read_history, read_json, truncate_history, write_json
 from lambdanet.train.optim import param_groups
 from lambdanet.train.rundir import RunDirLock
+from lambdanet.train.trainer import TrainingDivergedError
 
 __all__ = ["DetectConfig", "DETECT_RECIPES", "DETECT_CHOICES", "DETECT_RESUME_FREE", "resolve_detect_config",
            "train_detector", "local_processes", "quick_backbone_kwargs", "lr_factor", "plot_detection_history",
@@ -107,7 +108,8 @@ class DetectConfig:
     progress: bool = option(True, "progress bars")
     tensorboard: bool = option(True, "TensorBoard logs under <out>/tb")
     out: str = option("runs/detect", "run directory")
-    resume: bool = option(False, "continue the run in --out from its last.pt")
+    resume: bool = option(False, "continue the run in --out from its last.pt (or, stopped in the pre-training, "
+                                         "its pretrain.pt)")
 
     def effective_lr(self) -> float:
         return self.lr * self.batch_size / self.lr_batch_scale if self.lr_batch_scale else self.lr
@@ -179,6 +181,8 @@ QUICK_DETECTOR = {"anchor_sizes": [16, 32, 64, 128, 256], "fpn_channels": 64, "r
 # (another dataset, ImageNet weights asked for with --pretrained-backbone, or a backbone whose weights do not
 # carry over from crops to scenes gets none)
 QUICK_PRETRAIN_STEPS = PretrainConfig().steps
+# a run's pre-training saves itself here this often (steps), and --resume continues it; gone once last.pt holds it
+PRETRAIN_CHECKPOINT, PRETRAIN_CHECKPOINT_EVERY = "pretrain.pt", 100
 
 
 def resolve_detect_config(recipe: str | None = None, yaml_values: dict | None = None,
@@ -192,8 +196,9 @@ def resolve_detect_config(recipe: str | None = None, yaml_values: dict | None = 
         raise ValueError(f"unknown option(s) {unknown}; valid options: {', '.join(sorted(names))}")
     if explicit.get("resume"):
         out = Path(explicit.get("out", DetectConfig.out))
-        if not (out / "config.yaml").is_file() or not (out / "last.pt").is_file():
-            raise ValueError(f"nothing to resume in {out}: it needs config.yaml and last.pt from an earlier run")
+        if not (out / "config.yaml").is_file() or not _run_files(out):
+            raise ValueError(f"nothing to resume in {out}: it needs config.yaml and last.pt (or {PRETRAIN_CHECKPOINT}) "
+                             "from an earlier run")
         saved = load_yaml(out / "config.yaml")
         for k, v in explicit.items():  # mappings were resolved over the recipe's: compare what they would give
             if isinstance(v, dict) and isinstance(saved.get(k), dict):
@@ -328,7 +333,7 @@ def _loader(dataset, cfg: DetectConfig, ctx: DistContext, train: bool):
     from lambdanet.detection.data import collate_detection
 
     sampler = DistributedSampler(dataset, ctx.world, ctx.rank, shuffle=train, seed=cfg.seed) if ctx.enabled else None
-    per_rank = max(1, cfg.batch_size // ctx.world) if train else cfg.eval_batch_size
+    per_rank = cfg.batch_size // ctx.world if train else cfg.eval_batch_size
     g = torch.Generator().manual_seed(cfg.seed)
     return DataLoader(dataset, batch_size=per_rank, shuffle=train and sampler is None, sampler=sampler,
                       collate_fn=collate_detection, num_workers=cfg.workers, generator=g, drop_last=train)
@@ -345,6 +350,8 @@ def _train_epoch(state: DetectState, run_model: nn.Module, loader, cfg: DetectCo
     _set_eval_size(model, cfg)
     if hasattr(loader.sampler, "set_epoch"):
         loader.sampler.set_epoch(state.epoch)
+    else:  # the shuffle (and the workers' seeds) are a function of (seed, epoch): a resumed run draws the same
+        loader.generator.manual_seed((cfg.seed * 1_000_003 + state.epoch) % 2**63)
     sums: dict[str, float] = {}
     count = 0
     batches = len(loader) if cfg.max_train_batches is None else min(len(loader), cfg.max_train_batches)
@@ -362,8 +369,8 @@ def _train_epoch(state: DetectState, run_model: nn.Module, loader, cfg: DetectCo
             losses = model(images, targets)
         loss = sum(losses.values())
         if not torch.isfinite(loss):
-            raise RuntimeError(f"non-finite detection loss {loss.item()} at epoch {state.epoch + 1}, step {i + 1}: "
-                               "lower --lr or raise --warmup-steps")
+            raise TrainingDivergedError(f"non-finite detection loss {loss.item()} at epoch {state.epoch + 1}, step "
+                                        f"{i + 1}: lower --lr or raise --warmup-steps")
         opt.zero_grad(set_to_none=True)
         if state.scaler is not None:
             state.scaler.scale(loss).backward()
@@ -445,7 +452,7 @@ def train_detector(cfg: DetectConfig, log: Callable[[str], None] = print) -> dic
         if uses_cuda(cfg.device) and procs > torch.cuda.device_count():
             raise ValueError(f"procs {procs} needs one GPU per process, {torch.cuda.device_count()} visible")
         log(f"detect: {procs} local processes, {threads_per_process(procs)} threads each")
-        launch_local(_process_main, (cfg,), procs)
+        launch_local(_process_main, (cfg,), procs, relay=(TrainingDivergedError,))
         return read_json(Path(cfg.out) / "summary.json")
     ctx = init_distributed(cfg.device)
     out = Path(cfg.out)
@@ -463,10 +470,17 @@ def _process_main(cfg: DetectConfig) -> None:
     train_detector(cfg)
 
 
+def _run_files(out: Path) -> list[str]:
+    """The checkpoints in ``out`` that a run can continue from."""
+    return [name for name in ("last.pt", PRETRAIN_CHECKPOINT) if (out / name).is_file()]
+
+
 def _check_out(cfg: DetectConfig) -> None:
     out = Path(cfg.out)
-    if not cfg.resume and (out / "last.pt").exists():
-        raise ValueError(f"{out} already holds a run (last.pt); pass --resume to continue it or choose another --out")
+    found = _run_files(out)
+    if not cfg.resume and found:
+        raise ValueError(f"{out} already holds a run ({found[0]}); pass --resume to continue it or choose another "
+                         "--out")
 
 
 def _pretrain(model: nn.Module, cfg: DetectConfig, ctx: DistContext, log: Callable[[str], None]) -> dict:
@@ -476,7 +490,9 @@ def _pretrain(model: nn.Module, cfg: DetectConfig, ctx: DistContext, log: Callab
     settings = PretrainConfig(steps=cfg.pretrain_steps, workers=cfg.workers,
                               channels_last=bool(cfg.detector.get("channels_last")))  # the detector's layout
     weights, info = pretrain_backbone(cfg.backbone, settings, seed=cfg.seed, device=ctx.device,
-                                      progress=cfg.progress and ctx.is_main, log=log, **cfg.backbone_kwargs)
+                                      progress=cfg.progress and ctx.is_main, log=log,
+                                      checkpoint=Path(cfg.out) / PRETRAIN_CHECKPOINT,
+                                      checkpoint_every=PRETRAIN_CHECKPOINT_EVERY, **cfg.backbone_kwargs)
     load_backbone_weights(model.backbone.body, weights)
     return info
 
@@ -485,6 +501,9 @@ def _run(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], No
     from lambdanet.detection.data import build_detection_datasets
 
     _check_out(cfg)
+    if cfg.batch_size % ctx.world:  # under torchrun; local_processes picks a divisor itself
+        raise ValueError(f"batch_size {cfg.batch_size} must be a multiple of the {ctx.world} processes (one share "
+                         f"per process); set --batch-size or --nproc-per-node")
     torch.manual_seed(cfg.seed)
     train, test = build_detection_datasets(cfg.data, seed=cfg.seed, progress=cfg.progress and ctx.is_main)
     num_classes = train.num_classes
@@ -493,26 +512,29 @@ def _run(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], No
         model = convert_sync_batchnorm(model, ctx.device)
     model = model.to(ctx.device)
     if not cfg.resume and ctx.is_main and (out / "pretrain.json").exists():
-        (out / "pretrain.json").unlink()  # left by an earlier attempt that ended before its first epoch
-    if cfg.pretrain_steps and not cfg.resume:  # every process, each on its share of the crops
-        info = _pretrain(unwrap(model), cfg, ctx, log)
-        if ctx.is_main:
-            out.mkdir(parents=True, exist_ok=True)
-            write_json(info, out / "pretrain.json")
+        (out / "pretrain.json").unlink()  # left by an earlier attempt that ended before its first checkpoint
     state = DetectState(model, _optimizer(model, cfg), torch.amp.GradScaler("cuda") if cfg.amp == "fp16" else None)
-    if cfg.resume:
+    trained = cfg.resume and (out / "last.pt").is_file()  # else resumed within the pre-training, or fresh
+    if ctx.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        save_yaml(dataclasses.replace(cfg, resume=False), out / "config.yaml")
+    barrier(ctx)
+    if cfg.pretrain_steps and not trained:  # every process, each on its share of the crops
+        info = _pretrain(unwrap(model), cfg, ctx, log)
+        if ctx.is_main:  # an epoch-0 checkpoint: a crash in epoch 1 does not cost the pre-training
+            write_json(info, out / "pretrain.json")
+            save_checkpoint(state.state_dict(cfg), out / "last.pt")
+            (out / PRETRAIN_CHECKPOINT).unlink(missing_ok=True)
+    if trained:
         state.load_state_dict(load_checkpoint(out / "last.pt", map_location=ctx.device))
         if ctx.is_main:
             truncate_history(out / "metrics.csv", state.epoch)
+            (out / PRETRAIN_CHECKPOINT).unlink(missing_ok=True)  # if a crash came between last.pt and its removal
         log(f"resuming {out}: {state.epoch}/{cfg.epochs} epochs done")
     run_model = model
     if ctx.enabled:
         run_model = nn.parallel.DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda"
                                                         else None)
-    if ctx.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        save_yaml(dataclasses.replace(cfg, resume=False), out / "config.yaml")
-    barrier(ctx)
     params = sum(p.numel() for p in unwrap(model).parameters())
     backbone_params = sum(p.numel() for p in unwrap(model).backbone.body.parameters())
     log(f"detect: {cfg.backbone} {'Mask' if cfg.masks else 'Faster'} R-CNN, {params / 1e6:.2f}M parameters "

@@ -107,9 +107,9 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     random.setstate(_to_tuple(state["python"]))
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(state["torch"].cpu())  # a checkpoint loaded onto a GPU moved these too; they are bytes
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 def _to_tuple(x):

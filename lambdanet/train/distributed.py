@@ -79,10 +79,12 @@ def in_process_group() -> bool:
     return "WORLD_SIZE" in os.environ
 
 
-def launch_local(fn: Callable[..., object], args: tuple, nprocs: int) -> None:
+def launch_local(fn: Callable[..., object], args: tuple, nprocs: int,
+                 relay: tuple[type[Exception], ...] = ()) -> None:
     """Run ``fn(*args)`` in ``nprocs`` new processes on this machine, joined as one process group: each gets
     torchrun's environment variables (so :func:`init_distributed` picks them up) and ``usable_cores() //
-    nprocs`` threads. A ``ValueError`` (a user error) in a worker is raised here as the same one-line error.
+    nprocs`` threads. A ``ValueError`` (a user error) in a worker is raised here as the same one-line error,
+    and so is an exception of a ``relay`` type (constructed from its message), with its own type.
 
     On a CPU, data parallelism over processes uses the cores better than one process's intra-op threads
     when the operations are small (detection heads, RoI ops, lambda layers on small maps)."""
@@ -100,9 +102,11 @@ def launch_local(fn: Callable[..., object], args: tuple, nprocs: int) -> None:
     try:
         mp.spawn(_local_worker, args=(fn, args, env, threads_per_process(nprocs)), nprocs=nprocs, join=True)
     except mp.ProcessRaisedException as err:
-        last = str(err).strip().splitlines()[-1]
-        if last.startswith("ValueError: "):
-            raise ValueError(last.removeprefix("ValueError: ")) from None
+        last = str(err).strip().splitlines()[-1]  # the worker's traceback ends "module.Type: message"
+        for kind in (ValueError, *relay):
+            name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+            if last.startswith(f"{name}: "):
+                raise kind(last.removeprefix(f"{name}: ")) from None
         raise
 
 
