@@ -38,9 +38,11 @@ def test_detect_resume_continues_and_refuses_changes(tmp_path, capsys):
     assert main(args) == 0
     assert main(args) == 2  # the run exists: --resume or another --out
     assert "already holds a run" in capsys.readouterr().err
-    assert main([*args[:-2], "--out", str(out), "--resume", "--epochs", "2"]) == 0
-    rows = (out / "metrics.csv").read_text().strip().splitlines()
-    assert len(rows) == 3 and rows[2].startswith("2,")  # header + epochs 1 and 2
+    assert main([*args[:-2], "--out", str(out), "--resume", "--epochs", "3", "--eval-every", "2"]) == 0
+    rows = [row.split(",") for row in (out / "metrics.csv").read_text().strip().splitlines()]
+    assert [row[0] for row in rows[1:]] == ["1", "2", "3"]  # epochs 1-3, each once
+    ap = rows[0].index("bbox_AP")
+    assert [bool(row[ap]) for row in rows[1:]] == [True, True, True]  # the first run's last, then 2 and the last
     assert main(["detect", "--out", str(out), "--resume", "--lr", "0.5"]) == 2
     assert "cannot change lr" in capsys.readouterr().err
 
@@ -141,6 +143,19 @@ def test_paper_recipe_is_app_e3():
     assert cfg.effective_lr() == pytest.approx(0.32 * 64 / 256) and cfg.lr_steps == [0.9, 0.95, 0.975]
     assert cfg.epochs == math.ceil(130_000 * 256 / 118_287) and cfg.pretrain_steps == 0  # from scratch, >= 130k steps
     assert set(DETECT_RECIPES) == {"quick", "paper"}
+
+
+def test_evaluation_comes_after_the_last_epoch_and_every_eval_every():
+    def evaluated(**overrides):
+        cfg = resolve_detect_config(overrides=overrides)
+        return [epoch for epoch in range(1, cfg.epochs + 1) if cfg.evaluates_after(epoch)]
+
+    assert evaluated(epochs=24) == [24]  # the default: once, after the last epoch
+    assert evaluated(epochs=24, eval_every=9) == [9, 18, 24]
+    assert evaluated(epochs=3, eval_every=1) == [1, 2, 3]
+    with pytest.raises(ValueError, match=r"eval_every must be a non-negative int \(0: after the last epoch only\), "
+                                         "got -1"):
+        resolve_detect_config(overrides={"eval_every": -1})
 
 
 def test_lr_schedule_warms_up_then_steps_down_tenfold():

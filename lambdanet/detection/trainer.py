@@ -96,7 +96,7 @@ class DetectConfig:
     grad_clip: float | None = option(10.0, "clip the gradient norm (null: no clipping)")
     amp: str = option("none", "autocast precision", choices=tuple(AMP_DTYPES))
     sync_bn: bool = option(False, "synchronised BatchNorm across torchrun processes")
-    eval_every: int = option(9, "evaluate (COCO AP) every this many epochs, and after the last")
+    eval_every: int = option(0, "also evaluate (COCO AP) every this many epochs (0: after the last only)")
     max_train_batches: int | None = option(None, "stop each epoch after this many batches (smoke tests)")
     max_eval_images: int | None = option(None, "evaluate on the first this many test images (smoke tests)")
     seed: int = option(0, "random seed (data generation, initialisation, order)")
@@ -114,11 +114,18 @@ class DetectConfig:
     def effective_lr(self) -> float:
         return self.lr * self.batch_size / self.lr_batch_scale if self.lr_batch_scale else self.lr
 
+    def evaluates_after(self, epoch: int) -> bool:
+        """Whether the run evaluates COCO AP after ``epoch`` (1-based): the last, and every ``eval_every``."""
+        return epoch == self.epochs or bool(self.eval_every) and epoch % self.eval_every == 0
+
     def validate(self) -> None:
-        for name in ("epochs", "batch_size", "eval_batch_size", "img_size", "eval_every"):
+        for name in ("epochs", "batch_size", "eval_batch_size", "img_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) or self.eval_every < 0:
+            raise ValueError(f"eval_every must be a non-negative int (0: after the last epoch only), got "
+                             f"{self.eval_every!r}")
         if isinstance(self.procs, bool) or not isinstance(self.procs, int) or self.procs < 0:
             raise ValueError(f"procs must be a non-negative int (0: auto), got {self.procs!r}")
         for name, valid in DETECT_CHOICES.items():
@@ -169,7 +176,7 @@ DETECT_RECIPES: dict[str, dict] = {
 }
 DETECT_CHOICES = {f.name: f.metadata["choices"] for f in dataclasses.fields(DetectConfig) if f.metadata.get("choices")}
 DETECT_CHOICES["recipe"] = tuple(DETECT_RECIPES)
-DETECT_RESUME_FREE = ("progress", "tensorboard", "workers", "procs", "resume", "out", "device", "epochs")
+DETECT_RESUME_FREE = ("progress", "tensorboard", "workers", "procs", "resume", "out", "device", "epochs", "eval_every")
 
 # the quick recipe's detector for the 256 px glyph scenes (objects 8-240 px): anchors one octave below
 # torchvision's 800 px defaults; light heads and few proposals (1-6 objects per image need no 1024-wide box
@@ -533,8 +540,8 @@ def _run(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], No
         log(f"resuming {out}: {state.epoch}/{cfg.epochs} epochs done")
     run_model = model
     if ctx.enabled:
-        run_model = nn.parallel.DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda"
-                                                        else None)
+        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        run_model = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     params = sum(p.numel() for p in unwrap(model).parameters())
     backbone_params = sum(p.numel() for p in unwrap(model).backbone.body.parameters())
     log(f"detect: {cfg.backbone} {'Mask' if cfg.masks else 'Faster'} R-CNN, {params / 1e6:.2f}M parameters "
@@ -549,11 +556,11 @@ def _run(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], No
         while state.epoch < cfg.epochs:
             row = _train_epoch(state, run_model, loader, cfg, ctx, total)
             state.epoch += 1
-            if state.epoch % cfg.eval_every == 0 or state.epoch == cfg.epochs:
+            evaluated = cfg.evaluates_after(state.epoch)
+            if evaluated:
                 with all_threads_on_main(ctx):
                     metrics = _evaluate(model, test, cfg, ctx) if ctx.is_main else {}
-            row = {"epoch": state.epoch, **row, **{k: v for k, v in metrics.items() if state.epoch % cfg.eval_every == 0
-                                                    or state.epoch == cfg.epochs}, "train_time_s": state.train_time_s}
+            row = {"epoch": state.epoch, **row, **(metrics if evaluated else {}), "train_time_s": state.train_time_s}
             logger.log_epoch(row)
             if ctx.is_main:
                 save_checkpoint(state.state_dict(cfg), out / "last.pt")
