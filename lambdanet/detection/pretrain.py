@@ -226,12 +226,13 @@ def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, 
         opt.load_state_dict(saved["optimizer"])
         done, elapsed = saved["step"], saved["time_s"]
         set_rng_state(saved["rng"])
-        log(f"continuing the pre-training from {checkpoint}: {done}/{cfg.steps} steps done")
     # in a process group each process trains on its share of every batch (gradients averaged by DDP)
     run = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None) \
         if world > 1 else model
     log(f"pre-training {backbone} on {cfg.steps} x {cfg.batch_size} glyph crops ({cfg.img_size} px, "
         f"{len(train.categories)} classes)")
+    if done:
+        log(f"continuing the pre-training from {checkpoint}: {done}/{cfg.steps} steps done")
     start = time.perf_counter()
     model.train()
     bar = tqdm(range(done, cfg.steps), desc="pre-training the backbone on glyph crops", leave=False,
