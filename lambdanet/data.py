@@ -36,8 +36,8 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 __all__ = ["DatasetSpec", "list_datasets", "dataset_spec", "build_datasets", "SeededTransformDataset",
-           "build_transforms", "split_indices", "labeled_split", "FASHION_MNIST_DIR", "epoch_indices", "ImageLoader",
-           "TensorImages", "Subset", "resize_images", "DatasetUnavailableError"]
+           "build_transforms", "split_indices", "labeled_split", "FASHION_MNIST_DIR", "epoch_seed", "epoch_indices",
+           "ImageLoader", "TensorImages", "Subset", "resize_images", "DatasetUnavailableError"]
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 
@@ -100,6 +100,11 @@ class Subset(Dataset):
 
     def __getitem__(self, i: int):
         return self.base[self.indices[i]]
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The seed of the data order in ``epoch`` of a run seeded ``seed``."""
+    return (seed * 1_000_003 + epoch) % (2 ** 63)
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -330,7 +335,7 @@ def epoch_indices(n: int, epoch: int, seed: int, *, shuffle: bool, rank: int = 0
     ranks' ``i``-th batches is the single-process ``i``-th batch of size ``B = batch_size``.
     """
     if shuffle:
-        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        g = torch.Generator().manual_seed(epoch_seed(seed, epoch))
         order = torch.randperm(n, generator=g).tolist()
     else:
         order = list(range(n))

@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from lambdanet.detection.data import GlyphPool, GlyphSceneConfig, glyph_categories, render_scene, \
     resolve_glyph_sources
+from lambdanet.helpers import check_positive_int
 from lambdanet.train.checkpoint import CheckpointError, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from lambdanet.train.distributed import DistContext, all_reduce_sum
 
@@ -202,8 +203,7 @@ def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, 
     rank, world = (dist.get_rank(), dist.get_world_size()) if grouped else (0, 1)
     if cfg.batch_size < world:
         raise ValueError(f"PretrainConfig.batch_size {cfg.batch_size} must be at least the {world} processes")
-    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every <= 0:
-        raise ValueError(f"checkpoint_every must be a positive int, got {checkpoint_every!r}")
+    check_positive_int(checkpoint_every, "checkpoint_every")
     first, share = batch_share(cfg.batch_size, rank, world)
     train = GlyphCrops("train", cfg.steps * cfg.batch_size, img_size=cfg.img_size, seed=seed, glyphs=glyphs)
     test = GlyphCrops("test", cfg.eval_images, img_size=cfg.img_size, seed=seed, glyphs=glyphs)

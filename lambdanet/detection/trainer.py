@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lambdanet.data import epoch_seed
 from lambdanet.detection.pretrain import PretrainConfig
 from lambdanet.runtime import AMP_DTYPES
 from lambdanet.train.checkpoint import (
@@ -358,7 +359,7 @@ def _train_epoch(state: DetectState, run_model: nn.Module, loader, cfg: DetectCo
     if hasattr(loader.sampler, "set_epoch"):
         loader.sampler.set_epoch(state.epoch)
     else:  # the shuffle (and the workers' seeds) are a function of (seed, epoch): a resumed run draws the same
-        loader.generator.manual_seed((cfg.seed * 1_000_003 + state.epoch) % 2**63)
+        loader.generator.manual_seed(epoch_seed(cfg.seed, state.epoch))
     sums: dict[str, float] = {}
     count = 0
     batches = len(loader) if cfg.max_train_batches is None else min(len(loader), cfg.max_train_batches)
@@ -531,12 +532,12 @@ def _run(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], No
         if ctx.is_main:  # an epoch-0 checkpoint: a crash in epoch 1 does not cost the pre-training
             write_json(info, out / "pretrain.json")
             save_checkpoint(state.state_dict(cfg), out / "last.pt")
-            (out / PRETRAIN_CHECKPOINT).unlink(missing_ok=True)
     if trained:
         state.load_state_dict(load_checkpoint(out / "last.pt", map_location=ctx.device))
         if ctx.is_main:
             truncate_history(out / "metrics.csv", state.epoch)
-            (out / PRETRAIN_CHECKPOINT).unlink(missing_ok=True)  # if a crash came between last.pt and its removal
+    if ctx.is_main:  # last.pt holds the pre-training now (also after a crash between the two files)
+        (out / PRETRAIN_CHECKPOINT).unlink(missing_ok=True)
         log(f"resuming {out}: {state.epoch}/{cfg.epochs} epochs done")
     run_model = model
     if ctx.enabled:
