@@ -156,9 +156,15 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     import torch
 
     from lambdanet.helpers import check_positive_int
-    from lambdanet.predict import find_images, load_for_inference, predict
+    from lambdanet.predict import (
+        find_images,
+        load_for_inference,
+        predict,
+        resolve_dtype,
+    )
 
     check_positive_int(args.top_k, "--top-k")
+    dtype = resolve_dtype(args.dtype, "--dtype")
     if args.pretrained and args.checkpoint is not None:
         raise ValueError("--pretrained and --checkpoint exclude each other: the weights come from one of them")
     if args.pretrained and args.model is None:
@@ -170,7 +176,7 @@ def _cmd_predict(args: argparse.Namespace) -> int:
         raise ValueError("--device cuda but no CUDA device is available")
     device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
     images = find_images(args.images)  # before loading the model: a wrong path fails fast
-    model = load_for_inference(args.checkpoint, model=args.model, pretrained=args.pretrained).to(device)
+    model = load_for_inference(args.checkpoint, model=args.model, pretrained=args.pretrained, dtype=dtype).to(device)
     results = predict(model, images, top_k=args.top_k)
     if args.json:
         print(json.dumps(results, indent=2))
@@ -187,35 +193,48 @@ def _cmd_export(args: argparse.Namespace) -> int:
     """Export a model to ONNX, TorchScript or an ExportedProgram (library: ``lambdanet.export.export_model``)."""
     from lambdanet.export import (
         FORMATS,
+        check_dtype,
         default_export_path,
         export_model,
         require_format,
     )
-    from lambdanet.helpers import check_choice
+    from lambdanet.helpers import check_choice, check_positive_int
     from lambdanet.models import model_info
-    from lambdanet.predict import load_for_inference
+    from lambdanet.predict import load_for_inference, resolve_dtype
 
     if args.model is None and args.checkpoint is None:
         raise ValueError("give --model NAME, --checkpoint PATH (a run), or both (a weights file of that model)")
     if args.pretrained and args.model is None:
         raise ValueError("--pretrained goes with --model NAME (a --checkpoint holds its own weights)")
     check_choice(args.format, "--format", FORMATS)
+    dtype = resolve_dtype(args.dtype, "--dtype")
+    check_dtype(args.format, dtype, "--dtype")
+    if args.batch_size is not None:
+        check_positive_int(args.batch_size, "--batch-size")
+    if not args.static_batch and args.batch_size is not None and args.batch_size < 2:
+        raise ValueError(f"--batch-size must be at least 2 with a dynamic batch (torch.export specialises a "
+                         f"dimension of size 1), got {args.batch_size}; or add --static-batch")
     require_format(args.format, check=not args.no_check)  # missing packages: before loading the model
     model = load_for_inference(args.checkpoint, model=args.model, pretrained=args.pretrained,
-                               num_classes=args.num_classes, img_size=args.img_size)
+                               num_classes=args.num_classes, img_size=args.img_size, dtype=dtype)
     cfg = getattr(model, "pretrained_cfg", None) or {}
     name = cfg.get("model") or args.model
     size = args.img_size or cfg.get("image_size") or model_info(name).input_size
     out = args.out or default_export_path(name, args.format)
     res = export_model(model, out, args.format, input_size=size, in_chans=cfg.get("in_chans") or 3,
-                       check=not args.no_check)
+                       check=not args.no_check, batch_size=args.batch_size, dynamic_batch=not args.static_batch)
+    shape = (["batch"] if res["dynamic_batch"] else []) + res["input_shape"][1 if res["dynamic_batch"] else 0:]
+    batches = " and ".join(map(str, res["check_batches"]))
     if res["checked"]:
         against = "ONNX Runtime" if args.format == "onnx" else "reloaded"
-        check = (f"check passed ({against} vs eager): max abs error {res['max_abs_error']:.3g} <= tolerance "
-                 f"{res['tolerance']:.3g}")
+        check = (f"check passed at batch {batches} ({against} vs eager): max abs error {res['max_abs_error']:.3g} "
+                 f"<= tolerance {res['tolerance']:.3g}")
     else:
         check = "check skipped"
-    print(f"{res['path']}: {args.format}, input {res['input_shape']}; {check}")
+    print(f"{res['path']}: {args.format} {res['dtype']}, input [{', '.join(map(str, shape))}]; {check}")
+    if res["external_data"]:
+        print(f"{res['path']}: the weights are too large for one .onnx file (2 GB protobuf limit) and are in "
+              f"{res['external_data']}, which must stay next to it")
     return 0
 
 
@@ -266,18 +285,19 @@ def _cmd_detect(args: argparse.Namespace) -> int:
 
 def _add_detect(sub) -> None:
     """``lambdanet detect``"""
-    from lambdanet.detection.trainer import DETECT_CHOICES, DETECT_RECIPES, DetectConfig
+    from lambdanet.detection.trainer import DETECT_CHOICES, DETECT_RECIPES, DetectConfig, recipe_values
     from lambdanet.train.config import add_config_arguments
 
     detect = sub.add_parser(
         "detect", help="train and evaluate Mask R-CNN / Faster R-CNN on a lambda, halo or convolution backbone",
         description=f"Detection and instance segmentation (LambdaNetworks Table 6, HaloNet Table 5): torchvision's "
                     f"Mask R-CNN on an FPN over a registered backbone. Recipes: {', '.join(DETECT_RECIPES)} (paper: "
-                    "App. E.3's 1024 px recipe). Data: glyphs (built-in offline scenes) or coco:DIR. Evaluation: COCO "
-                    "box and mask AP with pycocotools, in summary.json. Every option is also a YAML key (--config); "
-                    "--resume continues the run in --out; under torchrun it trains with DistributedDataParallel.")
+                    "App. E.2's 1024 px COCO recipe). Data: glyphs (built-in offline scenes) or coco:DIR. "
+                    "Evaluation: COCO box and mask AP with pycocotools, in summary.json. Every option is also a YAML "
+                    "key (--config); --resume continues the run in --out; under torchrun it trains with "
+                    "DistributedDataParallel.")
     detect.add_argument("--config", help="YAML file of options")
-    add_config_arguments(detect, DetectConfig, DETECT_CHOICES)
+    add_config_arguments(detect, DetectConfig, DETECT_CHOICES, recipe_values())
     detect.set_defaults(func=_cmd_detect)
 
 
@@ -291,7 +311,9 @@ def _add_train(sub) -> None:
         "train", help="train and evaluate a model",
         description=f"Train and evaluate. Recipes: {recipes}. Data: {', '.join(list_datasets())}. Every option is "
                     "also a YAML key (--config FILE); precedence: defaults < --recipe < --config < flags. "
-                    "--resume continues the run in --out where it stopped. Under torchrun the same command trains "
+                    "--resume continues the run in --out where it stopped. --checkpoint RUN_OR_FILE fine-tunes a "
+                    "run's model (its architecture and image size unless given) or timm's weights, adapting the "
+                    "input channels and the classifier to the data. Under torchrun the same command trains "
                     "with DistributedDataParallel.")
     train.add_argument("--config", help="YAML file of options")
     add_config_arguments(train)
@@ -303,7 +325,8 @@ def _add_eval(sub) -> None:
     ev = sub.add_parser("eval", help="evaluate a checkpoint",
                         description="Top-1/top-5 accuracy and loss of a training checkpoint (its EMA weights when it "
                                     "has them) on its dataset or another one.")
-    ev.add_argument("--checkpoint", required=True, help="a last.pt written by lambdanet train")
+    ev.add_argument("--checkpoint", required=True,
+                    help="a run directory of lambdanet train or its last.pt (the training checkpoint)")
     ev.add_argument("--data", default=None, help="dataset (default: the checkpoint's)")
     ev.add_argument("--data-dir", default=None, help="dataset folder (default: the checkpoint's)")
     ev.add_argument("--split", default="test", choices=["test", "train"], help="split to evaluate (default: test)")
@@ -393,7 +416,7 @@ def _add_bench(sub) -> None:
 
 def _add_predict(sub) -> None:
     """``lambdanet predict``"""
-    from lambdanet.predict import IMAGE_SUFFIXES
+    from lambdanet.predict import DTYPES, IMAGE_SUFFIXES
 
     pr = sub.add_parser("predict", help="classify image files",
                         description="Top-k classes of image files with a trained run (--checkpoint) or a model's "
@@ -411,19 +434,24 @@ def _add_predict(sub) -> None:
     pr.add_argument("--json", action="store_true", help="print the predictions as JSON")
     pr.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                     help="device (default: auto = CUDA when available)")
+    pr.add_argument("--dtype", default="float32", metavar="DTYPE",
+                    help=f"precision the model runs in, one of {', '.join(DTYPES)} (default: %(default)s; float16 "
+                         "is slow on a CPU)")
     pr.set_defaults(func=_cmd_predict)
 
 
 def _add_export(sub) -> None:
     """``lambdanet export``"""
-    from lambdanet.export import FORMATS, ONNX_INSTALL, SUFFIXES
+    from lambdanet.export import FORMAT_DTYPES, FORMATS, ONNX_INSTALL, SUFFIXES
 
     ex = sub.add_parser("export", help="export a model to ONNX, TorchScript or a torch.export program",
                         description="Write a model (--model NAME, random or --pretrained weights, or a trained "
-                                    "--checkpoint) as ONNX (dynamo exporter, checked with ONNX Runtime; needs "
+                                    "--checkpoint) as ONNX (dynamo exporter, one self-contained .onnx file unless "
+                                    "the weights exceed 1.5 GB, checked with ONNX Runtime; needs "
                                     f"{ONNX_INSTALL}), TorchScript (torch.jit.trace) or an ExportedProgram "
-                                    "(torch.export, .pt2), traced on one [1, C, N, N] input, then load it back "
-                                    "and compare it with the eager model.")
+                                    "(torch.export, .pt2), for inputs [batch, C, N, N] of any batch (traced at "
+                                    "batch 2; --static-batch: the traced batch only), then load it back and "
+                                    "compare it with the eager model at batch 1 and at the traced batch + 1.")
     ex.add_argument("--model", default=None, help="registered model name")
     ex.add_argument("--pretrained", action="store_true", help="with --model: its published weights")
     ex.add_argument("--checkpoint", default=None,
@@ -436,6 +464,13 @@ def _add_export(sub) -> None:
                     help="input height and width (default: the model's pretrained_cfg or paper input size)")
     ex.add_argument("--num-classes", type=int, default=None, help="with --model: classifier outputs")
     ex.add_argument("--no-check", action="store_true", help="skip loading the export back and comparing")
+    ex.add_argument("--dtype", default="float32", metavar="DTYPE",
+                    help="precision of the exported model and its input: " + "; ".join(
+                        f"{f}: {', '.join(d)}" for f, d in FORMAT_DTYPES.items()) + " (default: %(default)s)")
+    ex.add_argument("--static-batch", action="store_true",
+                    help="export for the traced batch only (default: any batch)")
+    ex.add_argument("--batch-size", type=int, default=None,
+                    help="batch the export is traced on (default: 2; 1 with --static-batch)")
     ex.set_defaults(func=_cmd_export)
 
 
@@ -463,8 +498,13 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    from lambdanet.train.preempt import Preempted, exit_status
+
     try:
         return int(args.func(args) or 0)
+    except Preempted as err:  # a checkpoint was saved: one line, and the signal's conventional exit status
+        print(f"lambdanet {args.command}: {err}", file=sys.stderr)
+        return exit_status(err)
     except _user_errors() as err:
         print(f"lambdanet {args.command}: error: {err}", file=sys.stderr)
         return 2

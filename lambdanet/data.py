@@ -294,7 +294,7 @@ def build_transforms(spec: DatasetSpec, image_size: int, *, train: bool, augment
     if train and augment and spec.hflip:
         ops.append(v2.RandomHorizontalFlip())
     if train and randaugment:
-        ops.append(v2.RandAugment(num_ops=randaugment[0], magnitude=randaugment[1]))
+        ops.append(rand_augment(*randaugment))
     ops += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(spec.mean, spec.std)]
     return v2.Compose(ops)
 
@@ -351,6 +351,14 @@ def epoch_indices(n: int, epoch: int, seed: int, *, shuffle: bool, rank: int = 0
     return batches
 
 
+def rand_augment(layers: int, magnitude: int):
+    """torchvision's RandAugment with ``layers`` operations at ``magnitude``. Its scale has 31 bins (0-30);
+    a larger magnitude (HaloNet H7's 31, Table A2's recipe) gets the bins to reach it, its maximum strength."""
+    from torchvision.transforms import v2
+
+    return v2.RandAugment(num_ops=layers, magnitude=magnitude, num_magnitude_bins=max(31, magnitude + 1))
+
+
 class ImageLoader:
     """Batches of normalised float images for one rank, epoch by epoch (``set_epoch``).
 
@@ -368,16 +376,14 @@ class ImageLoader:
             raise ValueError(f"batch_size={batch_size} must be divisible by the number of processes ({world})")
         self.spec, self.image_size, self.train = spec, image_size, train
         self.batch_size, self.seed, self.rank, self.world = batch_size, seed, rank, world
-        self.augment, self.epoch = augment and train, 0
+        self.augment, self.epoch, self.start_batch = augment and train, 0, 0
         base, indices = dataset, None
         if isinstance(dataset, Subset) and isinstance(dataset.base, TensorImages):
             base, indices = dataset.base, dataset.indices
         self.fast = isinstance(base, TensorImages) and spec.small
         self.randaugment = None
         if self.fast and train and randaugment:
-            from torchvision.transforms import v2
-
-            self.randaugment = v2.RandAugment(num_ops=randaugment[0], magnitude=randaugment[1])
+            self.randaugment = rand_augment(*randaugment)
         if self.fast:
             images = base.images if indices is None else base.images[indices]
             labels = base.labels if indices is None else base.labels[indices]
@@ -391,8 +397,11 @@ class ImageLoader:
             self.n = len(dataset)
             self.workers = workers
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Iterate over ``epoch``'s batches from batch ``start_batch`` on (a preempted epoch continued: the
+        batches and their augmentation are functions of seed, epoch and index, so the rest is as it would
+        have been)."""
+        self.epoch, self.start_batch = epoch, start_batch
         if not self.fast:
             self.dataset.set_epoch(epoch)
 
@@ -409,7 +418,7 @@ class ImageLoader:
         return sum(len(b) for b in self.batches())
 
     def __iter__(self):
-        batches = self.batches()
+        batches = self.batches()[self.start_batch:]
         if not self.fast:
             loader = torch.utils.data.DataLoader(self.dataset, batch_sampler=batches, num_workers=self.workers)
             yield from loader

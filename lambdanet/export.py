@@ -4,21 +4,40 @@ Formats (:data:`FORMATS`):
 
 * ``"onnx"``: the dynamo exporter (``torch.onnx.export(model, (x,), path, dynamo=True)``), checked with
   ONNX Runtime. Needs the optional packages ``onnx``, ``onnxscript`` and ``onnxruntime``
-  (:data:`ONNX_INSTALL`), imported only here.
+  (:data:`ONNX_INSTALL`), imported only here. The file is self-contained (weights included, one ``.onnx``
+  file) unless the weights exceed :data:`ONNX_SINGLE_FILE_MAX_BYTES` (protobuf caps a file at 2 GB): then
+  they go to ``<path>.data`` next to it, which must stay there, and the result's ``external_data`` names it.
 * ``"torchscript"``: ``torch.jit.trace`` in eval mode, saved with ``.save``; reload with ``torch.jit.load``.
   (PyTorch deprecates TorchScript in favour of ``torch.export``; its deprecation warnings are not repeated
   here.)
 * ``"exported-program"``: ``torch.export.export`` saved with ``torch.export.save`` (``.pt2``); reload with
   ``torch.export.load(path).module()``.
 
-Every export is traced on one example input ``[batch_size, in_chans, input_size, input_size]`` and is
-specialised to that shape. With ``check`` the written file is loaded back, run on the example and compared
-with the eager model: the largest absolute difference must stay within :func:`check_tolerance`.
+Batch. Every export is traced on one example input ``[batch_size, in_chans, input_size, input_size]`` and is
+specialised to its channels and size. With ``dynamic_batch`` (the default) the batch dimension stays
+symbolic: ONNX and ExportedProgram declare it dynamic (``torch.export.Dim("batch")``; the ONNX input
+``image`` has shape ``["batch", C, N, N]``), and a TorchScript trace, which records shapes as they are read,
+works at any batch for every registered model. The example then has batch 2 (``torch.export`` specialises a
+dimension of size 1 to the constant 1), and the check runs the loaded file at batches 1 and 3, neither of them
+the traced one, so an export that froze the batch fails the check. ``dynamic_batch=False`` exports for the
+example's batch only (default 1) and checks at that batch. Every registered model exports with a dynamic
+batch in all three formats; a model that cannot gets an error saying to use ``dynamic_batch=False``
+(``lambdanet export --static-batch``).
+
+Precision. The export computes in the dtype of the model's floating-point parameters
+(:func:`lambdanet.predict.floating_dtype`; convert the model with ``.half()`` / ``.to(torch.bfloat16)``, or
+``lambdanet export --dtype``), and its input is in that dtype. TorchScript and ExportedProgram take float32,
+float16 and bfloat16; ONNX takes float32 and float16 (:data:`FORMAT_DTYPES`: ONNX Runtime's CPU provider has
+no bfloat16 convolution, so a bfloat16 ONNX file could not be checked or run there).
+
+With ``check`` the written file is loaded back, run on the check inputs and compared with the eager model:
+the largest absolute difference must stay within :func:`check_tolerance`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import math
 import os
@@ -30,13 +49,21 @@ import torch
 from torch import Tensor, nn
 
 from lambdanet.helpers import check_choice, check_positive_int
+from lambdanet.predict import DTYPES, floating_dtype
 
-__all__ = ["CHECK_RTOL", "FORMATS", "ONNX_INSTALL", "SUFFIXES", "ExportCheckError", "MissingDependencyError",
-           "check_tolerance", "default_export_path", "export_model", "require_format"]
+__all__ = ["CHECK_RTOL", "FORMATS", "FORMAT_DTYPES", "HALF_CHECK_RTOL", "ONNX_INSTALL", "ONNX_SINGLE_FILE_MAX_BYTES",
+           "SUFFIXES", "ExportCheckError", "MissingDependencyError", "check_dtype", "check_tolerance",
+           "default_export_path", "export_model", "require_format"]
 
 FORMATS = ("onnx", "torchscript", "exported-program")
 SUFFIXES = {"onnx": ".onnx", "torchscript": ".pt", "exported-program": ".pt2"}
 ONNX_INSTALL = "pip install onnx onnxscript onnxruntime (or: pip install 'lambdanet[dev]')"
+# the precisions each format exports in (names of lambdanet.predict.DTYPES); see the module docstring
+FORMAT_DTYPES = {"onnx": ("float32", "float16"), "torchscript": tuple(DTYPES), "exported-program": tuple(DTYPES)}
+# weights above this go to an external .data file: a protobuf message (an .onnx file) cannot exceed 2 GB, and
+# the graph needs room next to the weights; torch.onnx externalises above the same size on its own
+ONNX_SINGLE_FILE_MAX_BYTES = 1536 * 1024 * 1024
+_DYNAMIC_BATCH = 2  # the example's batch with a dynamic batch: torch.export specialises a size of 1
 
 # The exported graph computes what the eager model computes, with other float32 kernels (ONNX Runtime's
 # convolutions and GEMMs, BatchNorm folded into convolutions) that sum in another order. Each re-ordered op
@@ -46,6 +73,14 @@ ONNX_INSTALL = "pip install onnx onnxscript onnxruntime (or: pip install 'lambda
 # scale, rounded up to 1e-3. A wrong export (a dropped or misrouted op) changes the logits by O(1) of
 # their scale, far above it.
 CHECK_RTOL = 1e-3
+# In float16 / bfloat16 every op's output is rounded to the half type (eps 2**-10 / 2**-7). ONNX Runtime's
+# float16 kernels, like any other kernel, may round an op's output to the neighbouring half value, an error of
+# one eps of its scale; the linear bound of CHECK_RTOL (~1000 ops) exceeds 1 here, but these roundings are
+# independent in sign and add in quadrature: ~4 * sqrt(1000) * eps16 = 0.12, so 1/8 of the output's scale.
+# TorchScript and ExportedProgram replay the eager ATen kernels (bit-equal outputs), so in bfloat16, the only
+# precision ONNX does not take, only the few ops recorded in another, re-associated form differ: 16 roundings
+# at the output's scale, 16 * eps_bf16 = 1/8 too. A wrong export changes the output by O(1) of its scale.
+HALF_CHECK_RTOL = 0.125
 
 
 class MissingDependencyError(ImportError, ValueError):
@@ -56,11 +91,25 @@ class ExportCheckError(ValueError):
     """The exported model, loaded back, disagrees with the eager model beyond :func:`check_tolerance`."""
 
 
-def require_format(format: str, *, check: bool = True) -> None:
-    """Check that ``format`` is one of :data:`FORMATS` and that the packages it needs import (ONNX: ``onnx``
-    and ``onnxscript``, and ``onnxruntime`` when ``check``); raise a ``ValueError`` /
-    :class:`MissingDependencyError` saying what to do otherwise."""
+def check_dtype(format: str, dtype: torch.dtype, name: str = "dtype") -> None:
+    """Raise a one-line ``ValueError`` naming ``name`` unless ``format`` exports in ``dtype`` (a torch dtype;
+    :data:`FORMAT_DTYPES`)."""
     check_choice(format, "format", FORMATS)
+    names = {v: k for k, v in DTYPES.items()}
+    if names.get(dtype) not in FORMAT_DTYPES[format]:
+        why = " (ONNX Runtime's CPU provider has no bfloat16 convolution)" if dtype == torch.bfloat16 else ""
+        raise ValueError(f"{name} must be one of {list(FORMAT_DTYPES[format])} for the {format} format, got "
+                         f"{names.get(dtype, dtype)!r}{why}")
+
+
+def require_format(format: str, *, check: bool = True, dtype: torch.dtype | None = None) -> None:
+    """Check that ``format`` is one of :data:`FORMATS`, that it exports in ``dtype`` when given
+    (:func:`check_dtype`) and that the packages it needs import (ONNX: ``onnx`` and ``onnxscript``, and
+    ``onnxruntime`` when ``check``); raise a ``ValueError`` / :class:`MissingDependencyError` saying what to do
+    otherwise."""
+    check_choice(format, "format", FORMATS)
+    if dtype is not None:
+        check_dtype(format, dtype)
     if format != "onnx":
         return
     needed = ["onnx", "onnxscript"] + (["onnxruntime"] if check else [])
@@ -81,12 +130,15 @@ def default_export_path(name: str, format: str) -> Path:
     return Path(f"{name}{SUFFIXES[format]}")
 
 
-def check_tolerance(expected: Tensor) -> float:
+def check_tolerance(expected: Tensor, dtype: torch.dtype | None = None) -> float:
     """The largest absolute difference the check accepts between an export and the eager output
-    ``expected``: :data:`CHECK_RTOL` times the output's largest magnitude (see the note at
-    :data:`CHECK_RTOL`), and at least ``CHECK_RTOL * float32 tiny`` for an all-zero output."""
+    ``expected`` of a model computing in ``dtype`` (default: ``expected.dtype``): :data:`CHECK_RTOL` (float32
+    and wider) or :data:`HALF_CHECK_RTOL` (float16, bfloat16) times the output's largest magnitude (see the
+    notes at both), and at least that times float32 tiny for an all-zero output."""
+    dtype = expected.dtype if dtype is None else dtype
+    rtol = HALF_CHECK_RTOL if dtype in (torch.float16, torch.bfloat16) else CHECK_RTOL
     scale = max(float(expected.detach().abs().max()), torch.finfo(torch.float32).tiny) if expected.numel() else 1.0
-    return CHECK_RTOL * scale
+    return rtol * scale
 
 
 def _tensors(out) -> list[Tensor]:
@@ -120,83 +172,174 @@ def _quiet_torchscript() -> Iterator[None]:
         yield
 
 
-def _load_and_run(path: Path, format: str, x: Tensor) -> list[Tensor]:
-    """The outputs of the exported file at ``path`` on ``x`` (ONNX on ONNX Runtime's CPU provider)."""
+def _load(path: Path, format: str, device: torch.device):
+    """The exported file at ``path`` loaded back: a callable from a tensor to the list of output tensors (ONNX
+    on ONNX Runtime's CPU provider, its own warnings silenced)."""
     if format == "onnx":
         import onnxruntime as ort
 
-        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-        outputs = session.run(None, {session.get_inputs()[0].name: x.detach().cpu().numpy()})
-        return [torch.from_numpy(o) for o in outputs]
+        options = ort.SessionOptions()
+        options.log_severity_level = 3  # errors only: not "could not constant-fold" notes of float16 graphs
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        name = session.get_inputs()[0].name
+        return lambda x: [torch.from_numpy(o) for o in session.run(None, {name: x.detach().cpu().numpy()})]
     if format == "torchscript":
         with _quiet_torchscript():
-            return _tensors(torch.jit.load(str(path), map_location=x.device)(x))
-    return _tensors(torch.export.load(str(path)).module()(x))
+            module = torch.jit.load(str(path), map_location=device)
+    else:
+        module = torch.export.load(str(path)).module()
+    return lambda x: _tensors(module(x))
+
+
+def _onnx_export(model: nn.Module, x: Tensor, path: Path, dynamic_shapes) -> str | None:
+    """Write ``model`` to ``path`` with the dynamo exporter, in one file when its weights allow it (see the
+    module docstring); the external data file it wrote next to ``path``, or ``None``."""
+    import onnx
+
+    weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    external = weight_bytes > ONNX_SINGLE_FILE_MAX_BYTES
+    kwargs = {"dynamo": True, "verbose": False, "input_names": ["image"], "dynamic_shapes": dynamic_shapes}
+    single_file_flag = "external_data" in inspect.signature(torch.onnx.export).parameters
+    if single_file_flag:
+        kwargs["external_data"] = external
+    with _quiet_onnx():
+        torch.onnx.export(model, (x,), str(path), **kwargs)
+    locations = _external_locations(path)
+    if locations and not external and not single_file_flag:  # an exporter that always writes .data: merge it
+        proto = onnx.load(str(path))  # with its external data
+        onnx.save_model(proto, str(path), save_as_external_data=False)
+        for location in locations:
+            (path.parent / location).unlink(missing_ok=True)
+        locations = _external_locations(path)
+    if len(locations) > 1:
+        raise ValueError(f"{path}: the ONNX exporter wrote its weights to {len(locations)} files, expected one")
+    return str(path.parent / locations[0]) if locations else None
+
+
+def _external_locations(path: Path) -> list[str]:
+    """The external data files the ONNX model at ``path`` refers to (relative to its folder)."""
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    tensors = [*proto.graph.initializer, *(a.t for n in proto.graph.node for a in n.attribute if a.HasField("t"))]
+    found = []
+    for tensor in tensors:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            location = next(e.value for e in tensor.external_data if e.key == "location")
+            if location not in found:
+                found.append(location)
+    return found
 
 
 def export_model(model: nn.Module, path: str | os.PathLike, format: str, *, input_size: int, in_chans: int,
-                 check: bool = True, batch_size: int = 1) -> dict:
+                 check: bool = True, batch_size: int | None = None, dynamic_batch: bool = True) -> dict:
     """Write ``model`` to ``path`` in ``format`` (see the module docstring) and check it.
 
     Args:
-        model: the model; exported in eval mode (its training flag is restored afterwards), on its device.
+        model: the model; exported in eval mode (its training flag is restored afterwards), on its device, in
+            the dtype of its floating-point parameters (one of ``FORMAT_DTYPES[format]``).
         path: the output file (its folder is created).
         format: one of :data:`FORMATS`.
         input_size: height and width of the example input the export is specialised to.
         in_chans: channels of the example input.
-        check: load the file back, run it on the example and compare with the eager model; raise
+        check: load the file back, run it on the check inputs and compare with the eager model; raise
             :class:`ExportCheckError` naming the largest difference if it exceeds :func:`check_tolerance`.
-        batch_size: batch of the example input.
+        batch_size: batch of the example input the export is traced on: default 2 with ``dynamic_batch``
+            (which needs at least 2), else 1.
+        dynamic_batch: export with a symbolic batch dimension, checked at batches 1 and ``batch_size + 1``;
+            ``False``: specialised to ``batch_size``, checked at it.
+
+    The example input is ``torch.randn(batch_size, in_chans, input_size, input_size)`` from a generator seeded
+    with 0, cast to the model's dtype; with ``dynamic_batch`` the check inputs are drawn after it from the
+    same generator, one per check batch in order; otherwise the check runs on the example.
 
     Returns:
-        ``{"path", "format", "input_shape", "checked", "max_abs_error", "tolerance"}`` (the last two ``None``
-        without ``check``).
+        ``{"path", "format", "dtype", "input_shape" (the example's), "dynamic_batch", "check_batches",
+        "external_data" (ONNX's weights file next to ``path`` when they could not be in it, else ``None``),
+        "checked", "max_abs_error", "tolerance"}`` (the last two ``None`` without ``check``).
     """
+    check_choice(format, "format", FORMATS)
+    dtype = floating_dtype(model)
+    check_dtype(format, dtype, "the model's dtype")  # before the packages: a bfloat16 ONNX export needs none
     require_format(format, check=check)
     check_positive_int(input_size, "input_size")
     check_positive_int(in_chans, "in_chans")
+    check_choice(dynamic_batch, "dynamic_batch", (True, False))
+    if batch_size is None:
+        batch_size = _DYNAMIC_BATCH if dynamic_batch else 1
     check_positive_int(batch_size, "batch_size")
+    if dynamic_batch and batch_size < 2:
+        raise ValueError(f"batch_size must be at least 2 with dynamic_batch=True (torch.export specialises a "
+                         f"dimension of size 1 to the constant 1), got {batch_size}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(batch_size, in_chans, input_size, input_size, generator=generator).to(device)  # b c s s
+
+    def draw(batch: int) -> Tensor:
+        return torch.randn(batch, in_chans, input_size, input_size, generator=generator).to(device, dtype)
+
+    x = draw(batch_size)  # b c s s
+    check_batches = [1, batch_size + 1] if dynamic_batch else [batch_size]
+    inputs = [draw(b) for b in check_batches] if dynamic_batch else [x]
+    dynamic_shapes = ({0: torch.export.Dim("batch")},) if dynamic_batch else None
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            expected = _tensors(model(x))
-        if format == "onnx":
-            with _quiet_onnx():
-                torch.onnx.export(model, (x,), str(path), dynamo=True, verbose=False, input_names=["image"])
-        elif format == "torchscript":
-            with torch.no_grad(), _quiet_torchscript():
-                traced = torch.jit.trace(model, x, check_trace=False)
-                traced.save(str(path))
-        else:  # "exported-program"
-            torch.export.save(torch.export.export(model, (x,)), str(path))
-        result = {"path": str(path), "format": format, "input_shape": list(x.shape), "checked": check,
-                  "max_abs_error": None, "tolerance": None}
+            expected = [_tensors(model(xi)) for xi in inputs] if check else []
+        external_data = None
+        try:
+            if format == "onnx":
+                external_data = _onnx_export(model, x, path, dynamic_shapes)
+            elif format == "torchscript":
+                with torch.no_grad(), _quiet_torchscript():
+                    traced = torch.jit.trace(model, x, check_trace=False)
+                    traced.save(str(path))
+            else:  # "exported-program"
+                torch.export.save(torch.export.export(model, (x,), dynamic_shapes=dynamic_shapes), str(path))
+        except OSError:  # the file could not be written: not the batch's fault
+            raise
+        except Exception as err:
+            if not dynamic_batch:
+                raise
+            first = (str(err).strip().splitlines() or [""])[0]
+            raise ValueError(f"the {format} export with a dynamic batch failed ({type(err).__name__}: {first}); "
+                             f"dynamic_batch=False (lambdanet export --static-batch) exports for batch "
+                             f"{batch_size} only") from err
+        result = {"path": str(path), "format": format, "dtype": str(dtype).removeprefix("torch."),
+                  "input_shape": list(x.shape), "dynamic_batch": dynamic_batch, "check_batches": check_batches,
+                  "external_data": external_data, "checked": check, "max_abs_error": None, "tolerance": None}
         if not check:
             return result
+        run = _load(path, format, device)
+        actual = []
         with torch.no_grad():
-            actual = _load_and_run(path, format, x)
+            for b, xi in zip(check_batches, inputs):
+                try:
+                    actual.append(run(xi))
+                except Exception as err:  # e.g. a trace whose reshapes froze the traced batch
+                    first = (str(err).strip().splitlines() or [""])[0]
+                    raise ExportCheckError(f"{path}: the {format} export fails at batch {b} "
+                                           f"({type(err).__name__}: {first})") from err
     finally:
         model.train(was_training)
-    if len(actual) != len(expected):
-        raise ExportCheckError(f"{path}: the export returns {len(actual)} outputs, the model {len(expected)}")
-    worst = (0.0, 0.0, float("inf"))  # (error / tolerance, error, tolerance) of the worst output
-    for a, e in zip(actual, expected):
-        if tuple(a.shape) != tuple(e.shape):
-            raise ExportCheckError(f"{path}: the export returns shape {tuple(a.shape)}, the model {tuple(e.shape)}")
-        err = float((a.to(e.device, e.dtype) - e).abs().max()) if e.numel() else 0.0
-        tol = check_tolerance(e)
-        ratio = float("inf") if math.isnan(err) else err / tol  # NaN: the worst
-        if ratio >= worst[0]:
-            worst = (ratio, err, tol)
-    _, error, tolerance = worst
+    worst = (0.0, 0.0, float("inf"), check_batches[0])  # (error / tolerance, error, tolerance, batch), worst
+    for b, got, want in zip(check_batches, actual, expected):
+        if len(got) != len(want):
+            raise ExportCheckError(f"{path}: the export returns {len(got)} outputs, the model {len(want)}")
+        for a, e in zip(got, want):
+            if tuple(a.shape) != tuple(e.shape):
+                raise ExportCheckError(f"{path}: at batch {b} the export returns shape {tuple(a.shape)}, the "
+                                       f"model {tuple(e.shape)}")
+            err = float((a.to(e.device, e.dtype) - e).abs().max()) if e.numel() else 0.0
+            tol = check_tolerance(e, dtype)
+            ratio = float("inf") if math.isnan(err) else err / tol  # NaN: the worst
+            if ratio >= worst[0]:
+                worst = (ratio, err, tol, b)
+    _, error, tolerance, batch = worst
     if not error <= tolerance:  # also catches NaN
         raise ExportCheckError(f"{path}: the {format} export differs from the eager model by up to {error:.3g} "
-                               f"(max abs), above the tolerance {tolerance:.3g}")
+                               f"(max abs) at batch {batch}, above the tolerance {tolerance:.3g}")
     return result | {"max_abs_error": error, "tolerance": tolerance}

@@ -267,7 +267,7 @@ def gather_relative_embeddings(kernel: Tensor, center: Sequence[int], spatial: S
 
     ``E[n, m] = R[m - n + center]`` where that index lies inside the kernel and 0 elsewhere, per axis, so
     the einsum form of the position lambdas equals the lambda convolution with the same kernel
-    (App. B.1: "masking the position embeddings outside of the local contexts"). Memory: ``g k u n m``.
+    (App. E.1: "masking the position embeddings outside of the local contexts"). Memory: ``g k u n m``.
 
     ``E`` is Toeplitz in every axis: after zero-padding ``R`` to cover every offset, the row of query ``i``
     is the window of ``R`` starting at ``center - i``. So ``E`` is built from ``unfold`` windows and one

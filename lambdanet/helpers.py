@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+import operator
+from collections.abc import Iterable, Sequence
 from typing import Callable
 
 import torch
@@ -17,6 +19,7 @@ __all__ = [
     "conv_nd",
     "avg_pool_nd",
     "check_input",
+    "check_real",
 ]
 
 
@@ -27,31 +30,57 @@ def to_ntuple(value: int | Sequence[int] | None, n: int, name: str) -> tuple[int
     """
     if value is None:
         return None
-    if isinstance(value, int):
-        return (int(value),) * n
-    try:
-        out = tuple(int(v) for v in value)
-    except TypeError:
-        raise ValueError(f"{name} must be an int or a sequence of {n} ints, got {value!r}") from None
-    if len(out) != n:
+    if _is_int(value):
+        return (operator.index(value),) * n
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise ValueError(f"{name} must be an int or a sequence of {n} ints, got {value!r}")
+    entries = tuple(value)
+    if not all(_is_int(v) for v in entries):  # 4.5 is not silently truncated to 4, True is not 1
+        raise ValueError(f"{name} must be an int or a sequence of {n} ints, got {value!r}")
+    if len(entries) != n:
         raise ValueError(f"{name} must have {n} entries (one per spatial dim), got {value!r}")
-    return out
+    return tuple(operator.index(v) for v in entries)
+
+
+def _is_int(value) -> bool:
+    """An integer that is not a bool (``operator.index`` accepts ints, numpy ints and 0-d integer tensors)."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 def check_positive_int(value, name: str, *, odd: bool = False, allow_none: bool = False) -> None:
     """Raise a ``ValueError`` naming ``name`` unless ``value`` is a positive (odd) int."""
     if value is None and allow_none:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or (odd and value % 2 == 0):
+    if not _is_int(value) or value <= 0 or (odd and value % 2 == 0):
         kind = "a positive odd int" if odd else "a positive int"
         extra = " or None" if allow_none else ""
         raise ValueError(f"{name} must be {kind}{extra}, got {value!r}")
 
 
 def check_choice(value, name: str, choices: Sequence) -> None:
-    """Raise a ``ValueError`` naming ``name`` and listing ``choices`` unless ``value`` is one of them."""
-    if value not in choices:
+    """Raise a ``ValueError`` naming ``name`` and listing ``choices`` unless ``value`` is one of them.
+
+    Equality alone is not enough: ``True == 1`` and ``2.0 == 2``, so a bool or a float is no int choice.
+    """
+    if not any(_same_choice(value, c) for c in choices):
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+def _same_choice(value, choice) -> bool:
+    if isinstance(choice, int) and not isinstance(choice, bool):
+        return _is_int(value) and value == choice
+    if isinstance(choice, bool) or isinstance(value, bool):
+        return value is choice
+    try:
+        return bool(value == choice)
+    except Exception:  # an object whose == fails or is not a truth value (a tensor) is no choice
+        return False
 
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -68,16 +97,48 @@ def avg_pool_nd(spatial_dims: int) -> Callable[..., Tensor]:
     return _AVG_POOL[spatial_dims]
 
 
-def check_input(x: Tensor, dim: int, spatial_dims: int, layer: str) -> None:
-    """Validate a ``[B, C, *spatial]`` input: rank and channel count, with a clear ``ValueError``."""
-    if x.dim() != spatial_dims + 2:
-        names = {1: "[B, C, L]", 2: "[B, C, H, W]", 3: "[B, C, D, H, W]"}[spatial_dims]
-        raise ValueError(
-            f"{layer} expects input of rank {spatial_dims + 2} {names} (spatial_dims={spatial_dims}), "
-            f"got shape {tuple(x.shape)}"
-        )
+def check_input(x: Tensor, dim: int, spatial_dims: int | None, layer: str, *, dim_name: str = "dim") -> None:
+    """Validate a ``[B, C, *spatial]`` input with a one-line ``ValueError``: a floating-point tensor with
+    ``spatial_dims`` spatial axes (``None``: any of 1, 2 or 3), ``dim`` channels and no empty spatial axis.
+
+    A rank mismatch names the ``spatial_dims`` the input has (``spatial_dims=3`` for a 5-d input), i.e. the
+    configuration a layer would need to take it. ``dim_name``: the constructor argument that set ``dim``.
+    """
+    if not isinstance(x, Tensor):
+        raise ValueError(f"{layer} expects a tensor input [B, C, *spatial], got {type(x).__name__}")
+    expected = (1, 2, 3) if spatial_dims is None else (spatial_dims,)
+    got = x.dim() - 2
+    if got not in expected:
+        names = " or ".join(f"rank {d + 2} {_LAYOUTS[d]}" for d in expected)
+        wanted = "spatial_dims 1, 2 or 3" if spatial_dims is None else f"spatial_dims={spatial_dims}"
+        if got in _LAYOUTS:
+            has = f"which has spatial_dims={got}"
+        elif got > 3:
+            has = f"which has {got} spatial dims (spatial_dims is 1, 2 or 3)"
+        else:
+            has = "which has no spatial axes"
+        raise ValueError(f"{layer} expects input of {names} ({wanted}), got shape {tuple(x.shape)}, {has}")
     if x.shape[1] != dim:
-        raise ValueError(f"{layer} was built with dim={dim} input channels, got input with {x.shape[1]} channels")
+        raise ValueError(f"{layer} was built with {dim_name}={dim} input channels, got input with {x.shape[1]} "
+                         "channels")
+    if not x.is_floating_point():
+        raise ValueError(f"{layer} expects a floating-point input, got dtype {x.dtype}")
+    if any(s == 0 for s in x.shape[2:]):
+        raise ValueError(f"{layer} expects a non-empty spatial size, got input of shape {tuple(x.shape)}")
+
+
+_LAYOUTS = {1: "[B, C, L]", 2: "[B, C, H, W]", 3: "[B, C, D, H, W]"}
+
+
+def check_real(value, name: str, *, low: float = 0, high: float | None = None, high_open: bool = False) -> None:
+    """Raise a ``ValueError`` naming ``name`` unless ``value`` is a finite real number (an int or float, not a
+    bool) in ``(low, high]`` (``(low, high)`` with ``high_open``; no upper end for ``high=None``)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and low < value
+    if ok and high is not None:
+        ok = value < high if high_open else value <= high
+    if not ok:
+        upper = "inf)" if high is None else f"{high}{')' if high_open else ']'}"
+        raise ValueError(f"{name} must be in ({low}, {upper}, got {value!r}")
 
 
 def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:

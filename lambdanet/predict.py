@@ -9,6 +9,11 @@ convention: resize the shorter side to ``int(image_size / crop_pct)``, then cent
 Labels are the model's ``classes`` when it has them, ImageNet's class names (torchvision's offline copy)
 for other 1000-class models, and the class index otherwise.
 
+Precision: :func:`predict` runs in the dtype of the model's floating-point parameters (:func:`floating_dtype`):
+float32, or half precision after ``model.half()`` / ``model.to(torch.bfloat16)`` (``load_for_inference(...,
+dtype="float16")``, ``lambdanet predict --dtype``; :data:`DTYPES`). The lambda layers compute their lambdas in
+float32 and cast back; on a CPU, float16 convolutions are much slower than float32 ones (bfloat16 ones less so).
+
 :func:`load_for_inference` builds the model that ``lambdanet predict`` and ``lambdanet export`` work on
 from a registered name (optionally with pretrained weights) or from what ``lambdanet train`` wrote.
 """
@@ -27,12 +32,33 @@ from lambdanet.helpers import check_choice, check_positive_int
 from lambdanet.models import create_model, model_args
 from lambdanet.train.load import METADATA_FORMAT, load_model
 
-__all__ = ["IMAGE_SUFFIXES", "INTERPOLATIONS", "class_labels", "find_images", "imagenet_classes",
-           "load_for_inference", "load_image", "predict", "preprocess_transform"]
+__all__ = ["DTYPES", "IMAGE_SUFFIXES", "INTERPOLATIONS", "class_labels", "find_images", "floating_dtype",
+           "imagenet_classes", "load_for_inference", "load_image", "predict", "preprocess_transform",
+           "resolve_dtype"]
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 INTERPOLATIONS = ("bilinear", "bicubic")
 _PIL_MODES = {1: "L", 3: "RGB"}  # in_chans -> the PIL mode images are converted to
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # inference precisions
+
+
+def resolve_dtype(dtype: str | torch.dtype, name: str = "dtype") -> torch.dtype:
+    """``dtype`` (a key of :data:`DTYPES`, or one of its values) as a ``torch.dtype``; a one-line
+    ``ValueError`` naming ``name`` otherwise."""
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"{name} must be one of {list(DTYPES)}, got {dtype!r}")
+
+
+def floating_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of the model's first floating-point parameter (or buffer): the precision it computes in;
+    float32 for a model without any."""
+    for t in (*model.parameters(), *model.buffers()):
+        if t.is_floating_point():
+            return t.dtype
+    return torch.float32
 
 
 # --------------------------------------------------------------------------------------------------- models
@@ -54,8 +80,8 @@ def _is_run_output(path: Path) -> bool:
 
 def load_for_inference(checkpoint: str | os.PathLike | None = None, *, model: str | None = None,
                        pretrained: bool = False, num_classes: int | None = None, img_size: int | None = None,
-                       ema: bool = True) -> nn.Module:
-    """The model to predict with or export, in eval mode.
+                       ema: bool = True, dtype: str | torch.dtype = "float32") -> nn.Module:
+    """The model to predict with or export, in eval mode, in ``dtype``.
 
     Args:
         checkpoint: what ``lambdanet train`` wrote (a run directory, its ``.safetensors`` weights or its
@@ -68,9 +94,12 @@ def load_for_inference(checkpoint: str | os.PathLike | None = None, *, model: st
         num_classes: classifier outputs of a model built by name (default: the model's own).
         img_size: input size a model built by name is sized for (models taking ``img_size``).
         ema: prefer a run's EMA weights.
+        dtype: the precision of the returned model's parameters and buffers, one of :data:`DTYPES` (checked
+            before anything is loaded).
 
     A model built by name without weights has random weights (useful for export only).
     """
+    dtype = resolve_dtype(dtype)
     if checkpoint is None and model is None:
         raise ValueError("give a model name or a checkpoint (a run directory, .safetensors or last.pt)")
     if checkpoint is not None and pretrained:
@@ -95,13 +124,13 @@ def load_for_inference(checkpoint: str | os.PathLike | None = None, *, model: st
             if num_classes is not None and num_classes != net.pretrained_cfg["num_classes"]:
                 raise ValueError(f"num_classes={num_classes} does not match checkpoint {str(path)!r}, trained "
                                  f"with {net.pretrained_cfg['num_classes']} classes")
-            return net.eval()
+            return net.to(dtype).eval()
         net = create_model(model, checkpoint_path=str(path), **kwargs)
     elif pretrained:
         net = create_model(model, pretrained=True, **kwargs)
     else:
         net = create_model(model, **kwargs)
-    return net.eval()
+    return net.to(dtype).eval()
 
 
 # --------------------------------------------------------------------------------------------------- images
@@ -198,14 +227,16 @@ def predict(model: nn.Module, images: str | os.PathLike | Sequence[str | os.Path
 
     Args:
         model: a classifier with ``pretrained_cfg`` (see the module docstring); it runs in eval mode (its
-            training flag is restored afterwards) on the device of its parameters.
+            training flag is restored afterwards) on the device of its parameters, in their dtype
+            (:func:`floating_dtype`: the preprocessed float32 images are cast to it).
         images: image files and folders (:func:`find_images`).
         top_k: classes reported per image (at most the number of classes).
         batch_size: images per forward pass.
 
     Returns:
         ``[{"image": path, "top_k": [{"label": str, "index": int, "prob": float}, ...]}, ...]``, one entry per
-        image in :func:`find_images` order; ``prob`` is the softmax probability (computed in float64).
+        image in :func:`find_images` order; ``prob`` is the softmax probability (computed in float64 from the
+        logits, whatever the model's dtype).
     """
     cfg = getattr(model, "pretrained_cfg", None)
     if not cfg:
@@ -217,6 +248,7 @@ def predict(model: nn.Module, images: str | os.PathLike | Sequence[str | os.Path
     paths = find_images(images)
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
+    dtype = floating_dtype(model)
     labels: list[str] | None = None
     results = []
     was_training = model.training
@@ -224,7 +256,8 @@ def predict(model: nn.Module, images: str | os.PathLike | Sequence[str | os.Path
     try:
         for start in range(0, len(paths), batch_size):
             batch = paths[start:start + batch_size]
-            x = torch.stack([transform(load_image(p, cfg["in_chans"])) for p in batch]).to(device)  # b c s s
+            x = torch.stack([transform(load_image(p, cfg["in_chans"])) for p in batch])  # b c s s, float32
+            x = x.to(device=device, dtype=dtype)
             with torch.inference_mode():
                 logits = model(x)  # b classes
             if not isinstance(logits, Tensor) or logits.dim() != 2:

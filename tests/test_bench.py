@@ -81,6 +81,28 @@ def test_scaling_slopes_separate_the_batch_shared_term():
     assert slopes["per_example_slope"] == pytest.approx(1.0)
 
 
+def test_disagreeing_rounds_and_impossible_orders_are_flagged_not_printed_clean():
+    """The issue's case: one round (no spread) and fwd+bwd faster than fwd, then a negative time slope."""
+    from lambdanet.bench.layer_bench import MAX_TIMING_SPREAD, timing_flags
+
+    clean = {"median_ms": 10.0, "iqr_ms": 1.0, "repeats": 3}
+    assert timing_flags(clean, {"median_ms": 25.0, "iqr_ms": 2.0, "repeats": 3}) == []
+    assert "fwd+bwd faster than fwd" in timing_flags(clean, {"median_ms": 8.0, "iqr_ms": 0.5, "repeats": 3})
+    wide = {"median_ms": 10.0, "iqr_ms": 10.0 * MAX_TIMING_SPREAD * 1.01, "repeats": 5}
+    assert any("rounds spread" in f for f in timing_flags(wide, {"median_ms": 30.0, "iqr_ms": 0.0, "repeats": 5}))
+    assert any("no spread" in f for f in timing_flags({"median_ms": 1.0, "iqr_ms": 0.0, "repeats": 1},
+                                                       {"median_ms": 3.0, "iqr_ms": 0.0, "repeats": 1}))
+    rows = [{"layer": "x", "side": s, "positions": s * s, "batch": 1, "fwd_bwd_ms": t, "peak_bytes": s * s * 100,
+             "flags": f} for s, t, f in ((8, 4.0, ""), (12, 1.0, "fwd+bwd faster than fwd"))]
+    (slope,) = scaling_slopes(rows)
+    assert slope["time_slope"] < 0
+    assert "side 12" in slope["flags"] and "time falls" in slope["flags"]
+    for r in rows:
+        r["flags"] = ""
+    rows[1]["fwd_bwd_ms"] = 9.0  # growing time, clean points: no flag
+    assert scaling_slopes(rows)[0]["flags"] == ""
+
+
 def test_table4_memory_follows_the_complexity_formulas():
     """Table 4's memory column, computed by hand from the paper's complexity formulas on ResNet-50's layer
     shapes: 16 spatial layers (blocks 3, 4, 6, 3) at 224x224 see n = 56^2 (3 blocks, and the strided first

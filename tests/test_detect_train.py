@@ -22,14 +22,19 @@ AP_KEYS = [f"{t}_{m}" for t in ("bbox", "segm") for m in ("AP", "AP50", "AP75", 
 
 def test_detect_trains_evaluates_and_writes_the_run(tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(["detect", "--backbone", "lambda_resnet26", *TINY, "--out", str(out)]) == 0
+    with_progress = [a for a in TINY if a != "--no-progress"]  # bars asked for, output not a terminal
+    assert main(["detect", "--backbone", "lambda_resnet26", *with_progress, "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
     for key in AP_KEYS:  # COCO metrics as fractions (nan: no object of that size among the images evaluated)
         assert key in summary and (math.isnan(summary[key]) or 0.0 <= summary[key] <= 1.0), key
     assert summary["backbone"] == "lambda_resnet26" and summary["epochs"] == 1 and summary["params"] > 0
     for name in ("config.yaml", "last.pt", "metrics.csv", "loss.png", "predictions.png", "model.safetensors"):
         assert (out / name).is_file(), name
-    assert "box AP" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "box AP" in printed.out
+    assert "resuming" not in printed.out  # a fresh run resumes nothing
+    # a log (stdout and stderr are not terminals here) gets lines, not carriage-return redraws of progress bars
+    assert "\r" not in printed.out + printed.err and "it/s" not in printed.err
 
 
 def test_detect_resume_continues_and_refuses_changes(tmp_path, capsys):

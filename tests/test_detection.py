@@ -242,6 +242,33 @@ def test_faster_rcnn_without_masks(scenes):
     assert set(out) == {"boxes", "labels", "scores"}
 
 
+def test_mask_roi_size_sets_the_mask_heads_resolution(scenes):
+    """The mask head upsamples its RoI features 2x: 14 -> 28 x 28 logits (torchvision's), 28 -> 56 x 56."""
+    import dataclasses
+
+    for size in (14, 28):
+        opts = dataclasses.replace(SMALL, mask_roi_size=size)
+        model = create_detector("resnet26", 10, min_size=96, max_size=128, options=opts, base_width=8)
+        features = {k: torch.randn(1, opts.fpn_channels, 96 // s, 96 // s) for k, s in
+                    zip(("0", "1", "2", "3"), (4, 8, 16, 32))}
+        boxes = [torch.tensor([[10.0, 10.0, 60.0, 50.0]])]
+        heads = model.roi_heads
+        pooled = heads.mask_roi_pool(features, boxes, [(96, 96)])  # 1 c size size
+        logits = heads.mask_predictor(heads.mask_head(pooled))
+        assert pooled.shape[-1] == size and logits.shape[-2:] == (2 * size, 2 * size)
+    with pytest.raises(ValueError, match="mask_roi_size"):
+        DetectorOptions(mask_roi_size=0)
+
+
+def test_the_glyph_note_names_the_sets_and_the_missing_package(monkeypatch, tmp_path):
+    from lambdanet.detection import trainer
+
+    assert trainer.glyph_note("digits+mnist5k") == "glyphs: digits+mnist5k"
+    monkeypatch.setattr(det_data, "FASHION_MNIST_DIR", tmp_path)  # not installed
+    note = trainer.glyph_note("auto")
+    assert note.startswith("glyphs: digits+mnist5k (auto)") and "apt-get install dataset-fashion-mnist" in note
+
+
 def test_global_context_layers_are_sized_by_the_largest_padded_input():
     model = create_detector("resnet26", 3, min_size=100, max_size=150, options=SMALL, base_width=8,
                             stage_layers="CCCL", spatial_layer="lambda").eval()  # r=None: a global lambda in c5

@@ -76,3 +76,79 @@ def test_create_model_with_a_run_checkpoint_takes_its_weights_and_class_names(ru
     torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
     for key in ("classes", "image_size", "mean", "std"):
         assert model.pretrained_cfg[key] == ref.pretrained_cfg[key], key
+
+
+def _truncated_copies(src, tmp_path):
+    """``src`` cut inside its tensor data and inside its header."""
+    data = src.read_bytes()
+    cut = {"data": data[: len(data) // 2], "header": data[:100]}
+    paths = []
+    for name, part in cut.items():
+        (tmp_path / name).mkdir()
+        path = tmp_path / name / "model.safetensors"
+        path.write_bytes(part)
+        paths.append(path)
+    return paths
+
+
+def test_truncated_safetensors_get_a_one_line_error_everywhere(tiny_digits_run, tmp_path, capsys):
+    """A truncated weights file: one line naming it as corrupted or truncated, from load_model (the file or its
+    run directory), create_model(checkpoint_path=...), and the predict / export / train commands."""
+    from PIL import Image
+
+    from lambdanet.cli import main
+
+    image = tmp_path / "grey.png"
+    Image.new("L", (8, 8), 128).save(image)
+    for path in _truncated_copies(tiny_digits_run / "model.safetensors", tmp_path):
+        for source in (path, path.parent):
+            with pytest.raises(ValueError, match=f"weights file {path} is corrupted or truncated"):
+                lambdanet.load_model(source)
+        with pytest.raises(ValueError, match="is corrupted or truncated"):
+            create_model("lambda_resnet26", num_classes=10, in_chans=1, checkpoint_path=path)
+        for argv in (["predict", str(image), "--checkpoint", str(path)],
+                     ["export", "--checkpoint", str(path), "--format", "torchscript", "--no-check",
+                      "--out", str(tmp_path / "m.pt")],
+                     ["train", "--checkpoint", str(path), "--out", str(tmp_path / "run"), "--no-progress"]):
+            assert main(argv) == 2, argv
+            err = capsys.readouterr().err.strip()
+            assert f"weights file {path} is corrupted or truncated" in err and len(err.splitlines()) == 1, err
+
+
+def test_create_model_takes_a_run_directory_as_load_model_does(run):
+    """create_model(checkpoint_path=RUN_DIR) loads the file load_model(RUN_DIR) loads (the EMA weights here)."""
+    out, _ = run
+    import json
+
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model_ema.safetensors"), framework="pt") as f:
+        kwargs = json.loads(f.metadata()["model_kwargs"])
+    model = create_model("lambda_resnet26", num_classes=10, in_chans=1, checkpoint_path=out, **kwargs).eval()
+    assert model.pretrained_cfg["weights"] == str(out / "model_ema.safetensors")
+    x = torch.randn(3, 1, 16, 16)
+    torch.testing.assert_close(model(x), lambdanet.load_model(out)(x), rtol=0, atol=0)
+
+
+def test_shared_embeddings_round_trip_through_every_loader(tmp_path):
+    """safetensors stores a shared tensor once (share_embeddings: one position embedding for several lambda
+    layers); load_model and create_model(checkpoint_path=...) fill the other names in and give the saved model."""
+    from lambdanet.train.checkpoint import export_safetensors
+    from lambdanet.train.load import weights_metadata
+
+    kwargs = {"stem": "cifar", "base_width": 8, "img_size": 16, "share_embeddings": True}
+    src = create_model("lambda_resnet26", num_classes=10, in_chans=1, **kwargs).eval()
+    with torch.no_grad():
+        for p in src.parameters():
+            p.add_(torch.randn_like(p) * 0.1)  # not the initialisation a fresh model would have
+    path = tmp_path / "model.safetensors"
+    export_safetensors(src, path, weights_metadata(model="lambda_resnet26", model_kwargs=kwargs, num_classes=10,
+                                                   in_chans=1, classes=None, data="digits", image_size=16,
+                                                   mean=[0.3], std=[0.38]))
+    x = torch.randn(2, 1, 16, 16)
+    want = src(x)
+    again = create_model("lambda_resnet26", num_classes=10, in_chans=1, checkpoint_path=path, **kwargs).eval()
+    for model in (lambdanet.load_model(path), again):
+        torch.testing.assert_close(model(x), want, rtol=0, atol=0)
+        emb = model.state_dict()
+        assert emb["stages.2.0.spatial.embedding.weight"].data_ptr() == emb["stages.3.1.spatial.embedding.weight"].data_ptr()

@@ -6,6 +6,10 @@ its result (a few eps32 of its scale for the blocked sums of convolutions and GE
 errors add along the network, so the logits may differ by ``4 * N * eps32 * max|logits|`` with ``N`` the
 network's leaf modules (more than its ops on any path). A softmax probability moves by at most half the
 largest logit change (the rows of the softmax Jacobian sum to ``2 p (1 - p) <= 1/2`` in absolute value).
+
+In float16 / bfloat16 (``--dtype``) every op rounds its output to the half type (eps 2**-10 / 2**-7); the linear
+bound ``4 * N * eps`` then exceeds 1, but the roundings are independent in sign and add in quadrature (the
+probabilistic rounding-error bound, Higham and Mary 2019): ``4 * sqrt(N) * eps * max|logits|``.
 """
 
 import copy
@@ -91,6 +95,37 @@ def test_cli_json_is_the_library_result(run, digits, capsys):
             assert isinstance(c["label"], str) and isinstance(c["index"], int) and isinstance(c["prob"], float)
             assert 0.0 <= c["prob"] <= 1.0
     assert printed == predict(lambdanet.load_model(run), digits, top_k=3)  # same weights, same batch: exact
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_cli_predicts_in_half_precision(run, digits, capsys, dtype):
+    """``--dtype``: the run's model converted to the half type (the same numbers as the library on
+    ``load_model(run).to(dtype)``), close to the float64 reference within the half-precision bound."""
+    half = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    argv = ["predict", str(digits), "--checkpoint", str(run), "--json", "--top-k", "10", "--device", "cpu"]
+    assert main([*argv, "--dtype", dtype]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    model = lambdanet.load_model(run)
+    assert printed == predict(copy.deepcopy(model).to(half), digits, top_k=10)  # same weights, same batch: exact
+    logits, probs = by_hand([r["image"] for r in printed], model)
+    n_modules = sum(1 for m in model.modules() if not list(m.children()))
+    logit_tol = 4 * n_modules ** 0.5 * torch.finfo(half).eps * logits.abs().max().item()  # the module docstring
+    for r, p in zip(printed, probs):
+        got = torch.tensor([c["prob"] for c in r["top_k"]], dtype=torch.float64)
+        torch.testing.assert_close(got, p[[c["index"] for c in r["top_k"]]], rtol=0, atol=logit_tol / 2)
+        assert sorted(c["index"] for c in r["top_k"]) == list(range(10))
+
+
+def test_predict_runs_in_the_dtype_of_the_model(tmp_path):
+    """The float32 preprocessed images are cast to the dtype of the model's parameters."""
+    rng = np.random.default_rng(2)
+    Image.fromarray(rng.integers(0, 256, size=(8, 8), dtype=np.uint8), mode="L").save(tmp_path / "g.png")
+    cfg = {"image_size": 8, "mean": [0.5], "std": [0.25], "in_chans": 1, "classes": None}
+    reference, half = Probe(cfg, 3), Probe(cfg, 3).to(torch.bfloat16)
+    predict(reference, tmp_path / "g.png")
+    predict(half, tmp_path / "g.png")
+    assert reference.seen[0].dtype == torch.float32 and half.seen[0].dtype == torch.bfloat16
+    assert torch.equal(half.seen[0], reference.seen[0].to(torch.bfloat16))
 
 
 def test_cli_table_lists_every_image_with_its_top_k(run, digits, capsys):
@@ -179,6 +214,8 @@ def test_find_images_expands_folders_and_rejects_what_is_not_there(digits, tmp_p
     (["IMG", "--model", "resnet26", "--checkpoint", "RUN"], "does not match checkpoint"),
     (["IMG", "--model", "resnet26", "--pretrained"], "pretrained"),  # no weights published: no download tried
     (["IMG", "--checkpoint", "RUN", "--top-k", "0"], "--top-k must be a positive int, got 0"),
+    (["IMG", "--checkpoint", "RUN", "--dtype", "half"],
+     "--dtype must be one of ['float32', 'float16', 'bfloat16'], got 'half'"),
 ])
 def test_predict_user_errors_are_one_line_and_exit_2(run, tmp_path, capsys, argv, needle):
     bad, good = tmp_path / "not_an_image.png", tmp_path / "image.png"

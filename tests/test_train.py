@@ -498,3 +498,64 @@ def test_unregister_model_forgets_its_declared_arguments():
     register_model(test_tmp_model)
     assert model_args("test_tmp_model") == {}  # not the first model's {"width": 4}
     unregister_model("test_tmp_model")
+
+
+# ------------------------------------------------------------------------------- run directories, size options
+
+
+def test_eval_takes_a_run_directory_as_its_last_pt(tiny_digits_run, tmp_path, capsys):
+    """``eval --checkpoint RUN_DIR`` evaluates the run's last.pt (the same numbers as naming the file); a folder
+    without one is a one-line error naming what it lacks."""
+    results = []
+    for path in (tiny_digits_run / "last.pt", tiny_digits_run):
+        assert main(["eval", "--checkpoint", str(path), "--json"]) == 0
+        results.append(json.loads(capsys.readouterr().out))
+    assert results[1] == results[0] and results[1]["checkpoint"] == str(tiny_digits_run / "last.pt")
+    assert results[1]["samples"] == 359 and results[1]["top1"] == pytest.approx(
+        json.loads((tiny_digits_run / "summary.json").read_text())["final_acc"])
+    assert main(["eval", "--checkpoint", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{tmp_path} is a directory but holds no training checkpoint (last.pt)" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_randaugment_reaches_the_papers_largest_magnitude():
+    """HaloNet H7's recipe takes RandAugment magnitude 31, one past torchvision's default 31 bins (0-30), where
+    its RandAugment fails with an IndexError: the bins are widened to reach it."""
+    from lambdanet.data import rand_augment
+    from lambdanet.models import model_info
+
+    assert model_info("halonet_h7").recipe["randaugment_magnitude"] == 31
+    image = torch.randint(0, 256, (3, 16, 16), dtype=torch.uint8)
+    torch.manual_seed(0)
+    for magnitude in (0, 15, 30, 31):
+        out = rand_augment(2, magnitude)(image)
+        assert out.shape == image.shape and out.dtype == torch.uint8
+    assert rand_augment(2, 31).num_magnitude_bins == 32 and rand_augment(2, 10).num_magnitude_bins == 31
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--img-size", "0"], "img_size must be a positive int (the training resolution in pixels"),
+    (["--img-size", "-3"], "img_size must be a positive int"),
+    (["--max-train-batches", "0"], "max_train_batches must be a positive int (batches per epoch) or null, got 0"),
+    (["--val-split", "0.1", "--early-stop-patience", "0"], "early_stop_patience must be a positive int (epochs)"),
+    (["--compact-width", "0"], "compact_width must be a positive int (channels) or null, got 0"),
+    (["--lr-batch-scale", "0"], "lr_batch_scale must be a positive int (a batch size) or null, got 0"),
+    (["--workers", "-1"], "workers must be a non-negative int, got -1"),
+    (["--randaugment-layers", "-1"], "randaugment_layers must be a non-negative int, got -1"),
+    (["--randaugment-magnitude", "-1"], "randaugment_magnitude must be a non-negative int, got -1"),
+    (["--lr-decay-epochs", "0"], "lr_decay_epochs must be positive, got 0"),
+    (["--warmup-epochs", "-1"], "warmup_epochs must be >= 0, got -1"),
+    (["--model", "lambda_resnet26t", "--img-size", "8"],
+     "cannot take 8x8 images from digits"),
+    (["--model-kwargs", "in_chans=1"], "model_kwargs must not set in_chans or num_classes: the model takes the "
+                                       "data's channels"),
+])
+def test_size_options_out_of_range_fail_in_one_line(tmp_path, capsys, args, needle):
+    """Sizes and counts out of range stop before any data or model work with one line naming the option and
+    what it must be; an image size below what a model's downsampling needs is caught by the dry run."""
+    assert main(["train", *args, "--out", str(tmp_path / "run"), "--no-progress", "--no-tensorboard"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err
+    if "lambda_resnet26t" in args:
+        assert err.endswith("it downsamples by 32: use --img-size 32 or more")

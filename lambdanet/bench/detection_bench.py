@@ -9,8 +9,8 @@ no autograd), forward+backward time (training: the loss is the sum of every map'
 memory of each (tensors created during the call, :func:`lambdanet.runtime.peak_memory`).
 
 :func:`memory_slopes` fits the log-log slope of peak memory against the image area: 1 is linear growth
-(LambdaNetworks Table 2: lambda convolutions and local attention cost ``Theta(b n m)`` with a fixed
-``m``), 2 the quadratic growth of global attention.
+(lambda convolutions, LambdaNetworks Table 2, and blocked local attention, HaloNet Table 1, cost
+``Theta(b n m)`` with a fixed ``m``), 2 the quadratic growth of global attention.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ dimensions, across resolutions and batch sizes, and our ``LambdaLayer`` / attent
 
 ``LAYER_SUITE`` names each configuration. :func:`layer_sweep` measures forward and forward+backward time,
 peak memory and FLOPs across sizes and batches; :func:`scaling_slopes` fits the log-log slopes of its
-rows against the number of positions (Table 2's complexity classes: 2 for global attention, 1 for local
-attention and the lambda convolution, and a per-example slope of at most 1 for the global lambda layer,
+rows against the number of positions (the complexity classes of Tables 2 and 4: 2 for global attention, 1
+for local attention and the lambda convolution, and a per-example slope of at most 1 for the global lambda layer,
 whose ``k n m`` term is shared by the batch). :func:`lambda_vs_peers` and :func:`attention_vs_peers`
 time several implementations on one input round-robin (:func:`interleaved_fwd_bwd`).
 """
@@ -223,9 +223,32 @@ def lambda_impls(points=IMPL_POINTS, *, device: str = "cpu", repeats: int = 5, d
     return rows
 
 
+# a timing whose rounds spread (interquartile range) by more than this fraction of its median is not a clean
+# number: on a 2-core VM, steal and other jobs easily move single rounds by 2x
+MAX_TIMING_SPREAD = 0.25
+
+
+def timing_flags(fwd: dict, fwd_bwd: dict, spread: float = MAX_TIMING_SPREAD) -> list[str]:
+    """Why a (forward, forward+backward) pair of :func:`bench_layer` results cannot be trusted: rounds that
+    disagree (``iqr / median > spread``, or a single round, which states no spread) or a forward+backward pass
+    faster than the forward it contains. Empty when the pair is clean."""
+    flags = []
+    for name, res in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+        if res.get("repeats", 0) < 3:
+            flags.append(f"{name}: {res.get('repeats', 0)} round(s), no spread")
+        elif res["iqr_ms"] > spread * res["median_ms"]:
+            flags.append(f"{name}: rounds spread {res['iqr_ms'] / res['median_ms']:.0%} > {spread:.0%}")
+    if fwd_bwd["median_ms"] < fwd["median_ms"]:
+        flags.append("fwd+bwd faster than fwd")
+    return flags
+
+
 def layer_sweep(names: Sequence[str], sides: Sequence[int], batches: Sequence[int], *, dim: int = 64,
                 device: str = "cpu", repeats: int = 3, log=print) -> list[dict]:
-    """Forward and forward+backward time, peak memory and FLOPs of each layer across sizes and batches."""
+    """Forward and forward+backward time, peak memory and FLOPs of each layer across sizes and batches.
+
+    A point whose timings fail :func:`timing_flags` is measured once more with twice the rounds; if it still
+    fails, its row carries the reasons under ``"flags"`` (and the log says so) instead of passing as clean."""
     rows = []
     for name in names:
         config = LAYER_SUITE[name]
@@ -237,17 +260,21 @@ def layer_sweep(names: Sequence[str], sides: Sequence[int], batches: Sequence[in
             for b in batches:
                 x = torch.randn(b, dim, side, side, device=device)
                 try:
-                    fwd = bench_layer(layer, x, backward=False, repeats=repeats)
-                    fb = bench_layer(layer, x, backward=True, repeats=repeats)
+                    for rounds in (repeats, 2 * repeats):  # a second try when the first is not clean
+                        fwd = bench_layer(layer, x, backward=False, repeats=rounds)
+                        fb = bench_layer(layer, x, backward=True, repeats=rounds)
+                        flags = timing_flags(fwd, fb)
+                        if not flags:
+                            break
                 except RuntimeError as err:
                     log(f"  {name} {side}x{side} b{b}: failed ({str(err)[:60]})")
                     continue
                 rows.append({"layer": name, "side": side, "positions": side * side, "batch": b,
                              "forward_ms": fwd["median_ms"], "fwd_bwd_ms": fb["median_ms"],
                              "peak_bytes": fb["peak_bytes"], "forward_peak_bytes": fwd["peak_bytes"],
-                             "gflops_fwd_bwd": fb["flops"] / 1e9})
+                             "gflops_fwd_bwd": fb["flops"] / 1e9, "flags": "; ".join(flags)})
                 log(f"  {name} {side}x{side} b{b}: fwd {fwd['median_ms']:.1f} ms, fwd+bwd {fb['median_ms']:.1f} ms, "
-                    f"{fb['peak_bytes'] / 2**20:.1f} MiB")
+                    f"{fb['peak_bytes'] / 2**20:.1f} MiB" + (f"  [UNRELIABLE: {'; '.join(flags)}]" if flags else ""))
     return rows
 
 
@@ -257,7 +284,9 @@ def scaling_slopes(rows: Sequence[dict]) -> list[dict]:
     ``time_slope`` and ``memory_slope`` fit forward+backward time and peak memory at the smallest batch;
     with two batches ``b1 < b2``, ``per_example_slope`` fits the per-example memory
     ``(peak(b2) - peak(b1)) / (b2 - b1)`` (a term shared by the batch, like the global lambda layer's
-    ``k n m`` embeddings, drops out of it). A layer measured at fewer than two sizes has no row.
+    ``k n m`` embeddings, drops out of it). A layer measured at fewer than two sizes has no row. A time slope
+    fitted to flagged points (:func:`timing_flags`), or negative (time falling as the positions grow), carries
+    ``"flags"``: it is no measurement of the layer's scaling.
     """
     out = []
     for layer in dict.fromkeys(r["layer"] for r in rows):
@@ -270,6 +299,11 @@ def scaling_slopes(rows: Sequence[dict]) -> list[dict]:
         row = {"layer": layer, "batch": batches[0], "sides": len(small),
                "time_slope": loglog_slope(n, [r["fwd_bwd_ms"] for r in small]),
                "memory_slope": loglog_slope(n, [r["peak_bytes"] for r in small])}
+        flagged = [str(r["side"]) for r in small if r.get("flags")]
+        flags = [f"unreliable timings at side {', '.join(flagged)}"] if flagged else []
+        if row["time_slope"] < 0:
+            flags.append("time falls as positions grow")
+        row["flags"] = "; ".join(flags)
         if len(batches) >= 2:
             b1, b2 = batches[0], batches[-1]
             peaks = {(r["batch"], r["positions"]): r["peak_bytes"] for r in mine}

@@ -114,16 +114,22 @@ def _scaling(s: BenchSettings, out: Path, log: Log) -> PartResult:
     sides = [8, 12] if s.quick else [14, 16, 24, 32, 48, 64, 96, 128]
     batches = [1] if s.quick else [1, 4]
     rows = layer_bench.layer_sweep(names, sides, batches, dim=16 if s.quick else 64, device=s.device,
-                                   repeats=1 if s.quick else 3, log=log)
+                                   repeats=3, log=log)
     slopes = layer_bench.scaling_slopes(rows)
     plots = plot_scaling(rows, out)
-    report = ["## Spatial layers across resolutions", "",
+    flagged = [r for r in rows + slopes if r.get("flags")]
+    warning = [f"**Warning: {len(flagged)} row(s) below are flagged unreliable** (timing rounds spreading by more "
+               f"than {layer_bench.MAX_TIMING_SPREAD:.0%} of the median after a re-measurement, fwd+bwd faster than "
+               "fwd, or a negative time slope): rerun on a quiet machine before quoting them.", ""] if flagged else []
+    if flagged:
+        log(f"warning: {len(flagged)} scaling row(s) flagged unreliable (see 'flags' in the report)")
+    report = ["## Spatial layers across resolutions", "", *warning,
               markdown(rows, [("layer", "layer"), ("side", "size"), ("batch", "B"), ("forward_ms", "fwd ms"),
                               ("fwd_bwd_ms", "fwd+bwd ms"), ("peak_bytes", "peak bytes"),
-                              ("gflops_fwd_bwd", "GFLOPs")]), "",
+                              ("gflops_fwd_bwd", "GFLOPs"), ("flags", "flags")]), "",
               "Log-log slopes against the number of positions (per example: growth of the peak with the batch).", "",
               markdown(slopes, [("layer", "layer"), ("time_slope", "time slope"), ("memory_slope", "memory slope"),
-                                ("per_example_slope", "per-example memory slope")]), ""]
+                                ("per_example_slope", "per-example memory slope"), ("flags", "flags")]), ""]
     report += [f"![{p.stem}]({p.name})" for p in plots] + [""]
     return {"scaling": rows, "scaling_slopes": slopes}, report
 

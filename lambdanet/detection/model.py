@@ -52,6 +52,8 @@ class DetectorOptions:
         aspect_ratios: anchor aspect ratios (height / width) at every level.
         representation_size: width of the box head's two fully connected layers.
         mask_head_channels: width of the mask head's four 3x3 convolutions.
+        mask_roi_size: side of the RoI features the mask head reads (torchvision: 14); its masks are twice as
+            fine (28 x 28 by default, 56 x 56 at 28): thin strokes such as handwritten digits need the finer one.
         size_divisible: batches are padded to a multiple of this (must be a multiple of the backbone's
             largest stride, 32).
         rpn_pre_nms_top_n, rpn_post_nms_top_n: (training, inference) proposals the RPN keeps per level
@@ -73,6 +75,7 @@ class DetectorOptions:
     aspect_ratios: tuple[float, ...] = (0.5, 1.0, 2.0)
     representation_size: int = 1024
     mask_head_channels: int = 256
+    mask_roi_size: int = 14
     size_divisible: int = 32
     rpn_pre_nms_top_n: tuple[int, int] = (2000, 1000)
     rpn_post_nms_top_n: tuple[int, int] = (2000, 1000)
@@ -84,7 +87,7 @@ class DetectorOptions:
     channels_last: bool = False
 
     def __post_init__(self):
-        for name in ("fpn_channels", "representation_size", "mask_head_channels", "size_divisible",
+        for name in ("fpn_channels", "representation_size", "mask_head_channels", "mask_roi_size", "size_divisible",
                      "rpn_batch_size_per_image", "box_batch_size_per_image", "box_detections_per_img"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -312,7 +315,8 @@ def create_detector(backbone: str, num_classes: int, *, masks: bool = True, min_
     if masks:
         m = opts.mask_head_channels
         model = MaskRCNN(features, num_classes=None, **common,
-                         mask_roi_pool=MultiScaleRoIAlign(list(FEATURE_NAMES), output_size=14, sampling_ratio=2),
+                         mask_roi_pool=MultiScaleRoIAlign(list(FEATURE_NAMES), output_size=opts.mask_roi_size,
+                                                           sampling_ratio=2),
                          mask_head=MaskRCNNHeads(c, (m,) * 4, 1),
                          mask_predictor=MaskRCNNPredictor(m, m, num_classes + 1))
     else:

@@ -1,8 +1,8 @@
 """Backbone pre-training on glyph crops: a warm start for detection on a CPU budget.
 
-LambdaNetworks Table 6 trains its detectors from scratch, for 130k steps of batch 256 at 1024 px; the quick
-recipe of ``lambdanet detect`` has minutes of a 2-core CPU, in which a detector whose backbone starts from
-random weights barely begins to tell glyphs apart. So the quick recipe on the built-in glyph scenes first
+LambdaNetworks Table 6 trains its detectors from scratch, for 130k steps of batch 256 at 1024 px (App. E.2);
+the quick recipe of ``lambdanet detect`` has minutes of a 2-core CPU, in which a detector whose backbone starts
+from random weights barely begins to tell glyphs apart. So the quick recipe on the built-in glyph scenes first
 trains the backbone as a classifier of single glyphs: :class:`GlyphCrops` renders one glyph of the
 train glyph pool per image (the scene renderer with one object, at small and medium scales, on the same
 textured backgrounds), and :func:`pretrain_backbone` trains ``create_model(backbone, num_classes=...)`` on
@@ -32,6 +32,7 @@ from lambdanet.detection.data import GlyphPool, GlyphSceneConfig, glyph_categori
 from lambdanet.helpers import check_positive_int
 from lambdanet.train.checkpoint import CheckpointError, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from lambdanet.train.distributed import DistContext, all_reduce_sum
+from lambdanet.train.preempt import Preempted
 
 __all__ = ["PretrainConfig", "GlyphCrops", "pretrain_backbone", "transfer_mismatch", "load_backbone_weights",
            "batch_share"]
@@ -182,7 +183,7 @@ def load_backbone_weights(body: nn.Module, weights: dict[str, Tensor]) -> None:
 def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, seed: int = 0,
                       glyphs: str = "auto", device: str | torch.device = "cpu", progress: bool = True,
                       log: Callable[[str], None] = print, checkpoint: str | Path | None = None,
-                      checkpoint_every: int = 100, **model_kwargs) -> tuple[dict[str, Tensor], dict]:
+                      checkpoint_every: int = 100, stop=None, **model_kwargs) -> tuple[dict[str, Tensor], dict]:
     """Train ``create_model(backbone, num_classes=<glyph categories>, **model_kwargs)`` on :class:`GlyphCrops`
     of the train glyphs for ``cfg.steps`` steps; returns (its state dict without the classifier, ``{"
     pretrain_accuracy": top-1 on test-glyph crops, "pretrain_time_s": seconds}``). ``backbone`` may be a
@@ -190,7 +191,11 @@ def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, 
 
     With ``checkpoint``, the main process saves the training there every ``checkpoint_every`` steps, and a
     call that finds it continues from it (to the same weights as a run that never stopped; the file must
-    come from the same backbone, options and seed). The caller deletes it once the weights are kept."""
+    come from the same backbone, options and seed). The caller deletes it once the weights are kept.
+
+    ``stop`` (a :class:`lambdanet.train.preempt.StopSignals`) is asked after every step; once a signal has
+    arrived the training is saved to ``checkpoint`` at that step and :class:`~lambdanet.train.preempt.Preempted`
+    is raised."""
     from tqdm.auto import tqdm
 
     from lambdanet.detection.model import input_normalization
@@ -255,10 +260,17 @@ def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, 
         loss.backward()
         opt.step()
         bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
-        if checkpoint is not None and rank == 0 and (step + 1) % checkpoint_every == 0 and step + 1 < cfg.steps:
+        signalled = stop is not None and stop.requested(DistContext(rank, world, device=device)) is not None
+        due = (step + 1) % checkpoint_every == 0 and step + 1 < cfg.steps
+        if checkpoint is not None and rank == 0 and (due or signalled):
             save_checkpoint({"identity": identity, "model": model.state_dict(), "optimizer": opt.state_dict(),
                              "step": step + 1, "time_s": elapsed + time.perf_counter() - start, "rng": rng_state()},
                             checkpoint)
+        if signalled:
+            bar.close()
+            where = f"saved {checkpoint}" if checkpoint is not None else "nothing saved (no checkpoint file)"
+            raise Preempted(f"stopped by {stop.received.name} in the pre-training after step {step + 1}/"
+                            f"{cfg.steps}: {where}")
     bar.close()
     if world > 1:  # BatchNorm statistics: the main process's everywhere (as DDP hands them out every step)
         for buffer in model.buffers():

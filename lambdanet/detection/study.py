@@ -24,7 +24,7 @@ from lambdanet.detection.model import STUDY_BACKBONES
 
 __all__ = ["study_rows", "study_table"]
 
-SIZE = 1024  # Table 6 and Table 5 detect at 1024 x 1024
+SIZE = 1024  # LambdaNetworks Table 6 and HaloNet Table 5 detect at 1024 x 1024
 
 
 def _ap(value) -> str:

@@ -8,9 +8,9 @@ Recipes:
 * ``quick`` (default): the built-in glyph scenes on a CPU in minutes: the backbone (base width 16) first
   pre-trained on glyph crops (:mod:`lambdanet.detection.pretrain`, the stand-in for ImageNet weights), then
   AdamW at the scenes' own 256 px, anchors 16-256 px, light heads and a proposal budget for a few objects.
-* ``paper``: LambdaNetworks App. E.3 / Table 6's Mask R-CNN recipe: 1024 px with multi-scale jitter 0.1-2.0,
-  SGD momentum 0.9, linear warm-up over 1000 steps to 0.32 per 256 images, the learning rate x0.1 at 90%,
-  95% and 97.5% of the steps, weight decay 4e-5, synchronised BatchNorm.
+* ``paper``: LambdaNetworks App. E.2 (COCO object detection) / Table 6's Mask R-CNN recipe: 1024 px with
+  multi-scale jitter 0.1-2.0, SGD momentum 0.9, linear warm-up over 1000 steps to 0.32 per 256 images, the
+  learning rate x0.1 at 90%, 95% and 97.5% of the steps, weight decay 4e-5, synchronised BatchNorm.
 
 Without torchrun, a run on a CPU trains on several local processes of its own (:func:`local_processes`,
 ``--procs``): a detector's small operations keep cores busier as data-parallel processes than as one
@@ -24,6 +24,7 @@ resizes and crops to 1024 px; the resize is the part torchvision's transform doe
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ import torch
 from torch import nn
 
 from lambdanet.data import epoch_seed
+from lambdanet.detection.data import GLYPH_SETS, resolve_glyph_sources
 from lambdanet.detection.pretrain import PretrainConfig
 from lambdanet.runtime import AMP_DTYPES
 from lambdanet.train.checkpoint import (
@@ -59,6 +61,7 @@ from lambdanet.train.distributed import (
 )
 from lambdanet.train.logger import RunLogger, plot_history, read_history, read_json, truncate_history, write_json
 from lambdanet.train.optim import param_groups
+from lambdanet.train.preempt import Preempted, StopSignals
 from lambdanet.train.rundir import RunDirLock
 from lambdanet.train.trainer import TrainingDivergedError
 
@@ -80,6 +83,9 @@ class DetectConfig:
     masks: bool = option(True, "Mask R-CNN (instance masks); --no-masks: Faster R-CNN")
     detector: dict = option({}, "DetectorOptions overrides (anchor_sizes, representation_size, ...)")
     data: str = option("glyphs", "glyphs (built-in offline scenes of digit / Fashion-MNIST glyphs) or coco:DIR")
+    glyphs: str = option("auto", "the glyph sets of the glyphs data and its pre-training crops (auto: digits with "
+                                 "Fashion-MNIST where its Debian package is installed, else with mnist5k)",
+                         choices=GLYPH_SETS)
     recipe: str = option("quick", "named recipe whose values the other options override")
     img_size: int = option(256, "shorter image side in training and evaluation (the longer capped at 2x)")
     jitter_min: float = option(1.0, "multi-scale jitter: smallest scale of img_size in training")
@@ -106,7 +112,7 @@ class DetectConfig:
                            "shared out; 0: auto, on a CPU one per 4 images of the batch up to the usable cores, "
                            "on a GPU 1)")
     device: str = option("auto", "device", choices=("auto", "cpu", "cuda"))
-    progress: bool = option(True, "progress bars")
+    progress: bool = option(True, "progress bars (drawn only on a terminal: logs get one line per epoch)")
     tensorboard: bool = option(True, "TensorBoard logs under <out>/tb")
     out: str = option("runs/detect", "run directory")
     resume: bool = option(False, "continue the run in --out from its last.pt (or, stopped in the pre-training, "
@@ -166,7 +172,7 @@ class DetectConfig:
             raise ValueError(f"unknown detection dataset {self.data!r}; valid: {', '.join(list_detection_datasets())}")
 
 
-# LambdaNetworks App. E.3 (Table 6): the Mask R-CNN recipe at 1024 px
+# LambdaNetworks App. E.2, "COCO object detection" (Table 6): the Mask R-CNN recipe at 1024 px
 DETECT_RECIPES: dict[str, dict] = {
     "quick": {},
     "paper": {"img_size": 1024, "jitter_min": 0.1, "jitter_max": 2.0, "optimizer": "sgd", "momentum": 0.9,
@@ -235,6 +241,21 @@ def resolve_detect_config(recipe: str | None = None, yaml_values: dict | None = 
         return cfg
     cfg.validate()
     return cfg
+
+
+def recipe_values() -> dict[str, dict]:
+    """Per recipe, the values of :class:`DetectConfig` it runs with on the default backbone and data, as
+    :func:`resolve_detect_config` settles them (``--help`` shows these), without building a model."""
+    base = dataclasses.asdict(DetectConfig())
+    out = {}
+    for name, values in DETECT_RECIPES.items():
+        quick = name == "quick"
+        out[name] = {**base, **values, "recipe": name,
+                     "detector": {**(QUICK_DETECTOR if quick else {}), **values.get("detector", {})},
+                     "backbone_kwargs": quick_backbone_kwargs(base["backbone"]) if quick else {}}
+        if quick and base["data"] == "glyphs":
+            out[name]["pretrain_steps"] = QUICK_PRETRAIN_STEPS
+    return out
 
 
 def _known_backbone(backbone: str) -> bool:
@@ -320,11 +341,13 @@ class DetectState:
     epoch: int = 0
     step: int = 0
     train_time_s: float = 0.0
+    epoch_partial: dict | None = None  # a preempted epoch: its batches done and running loss sums
 
     def state_dict(self, cfg: DetectConfig) -> dict:
         return {"model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scaler": self.scaler.state_dict() if self.scaler else None, "epoch": self.epoch, "step": self.step,
-                "train_time_s": self.train_time_s, "rng": rng_state(), "config": dataclasses.asdict(cfg)}
+                "train_time_s": self.train_time_s, "rng": rng_state(), "config": dataclasses.asdict(cfg),
+                "epoch_partial": self.epoch_partial}
 
     def load_state_dict(self, state: dict) -> None:
         unwrap(self.model).load_state_dict(state["model"])
@@ -332,6 +355,7 @@ class DetectState:
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.epoch, self.step, self.train_time_s = state["epoch"], state["step"], state["train_time_s"]
+        self.epoch_partial = state.get("epoch_partial")  # absent at epoch ends and in older runs
         set_rng_state(state["rng"])
 
 
@@ -348,7 +372,9 @@ def _loader(dataset, cfg: DetectConfig, ctx: DistContext, train: bool):
 
 
 def _train_epoch(state: DetectState, run_model: nn.Module, loader, cfg: DetectConfig, ctx: DistContext,
-                 total_steps: int) -> dict:
+                 total_steps: int, stop: StopSignals | None = None) -> dict | None:
+    """One epoch (or the rest of a preempted one, ``state.epoch_partial``); ``None`` when ``stop`` ended it
+    early, ``state.epoch_partial`` then saying where."""
     from tqdm.auto import tqdm
 
     from lambdanet.runtime import autocast_context
@@ -360,13 +386,17 @@ def _train_epoch(state: DetectState, run_model: nn.Module, loader, cfg: DetectCo
         loader.sampler.set_epoch(state.epoch)
     else:  # the shuffle (and the workers' seeds) are a function of (seed, epoch): a resumed run draws the same
         loader.generator.manual_seed(epoch_seed(cfg.seed, state.epoch))
-    sums: dict[str, float] = {}
-    count = 0
+    partial = state.epoch_partial or {}
+    done = int(partial.get("batches", 0))
+    sums: dict[str, float] = dict(partial.get("sums", {}))
+    count = done
     batches = len(loader) if cfg.max_train_batches is None else min(len(loader), cfg.max_train_batches)
-    bar = tqdm(total=batches, desc=f"epoch {state.epoch + 1}/{cfg.epochs}", leave=False,
-               disable=not (cfg.progress and ctx.is_main))
+    bar = tqdm(total=batches, initial=done, desc=f"epoch {state.epoch + 1}/{cfg.epochs}", leave=False,
+               disable=not _bars(cfg, ctx))
     start = time.perf_counter()
     for i, (images, targets) in enumerate(loader):
+        if i < done:  # a preempted epoch: its first batches were trained (drawn in the same order, skipped)
+            continue
         if i >= batches:
             break
         for group in opt.param_groups:
@@ -398,8 +428,14 @@ def _train_epoch(state: DetectState, run_model: nn.Module, loader, cfg: DetectCo
             sums[k] = sums.get(k, 0.0) + float(v.detach())
         bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
         bar.update()
+        if stop is not None and stop.requested(ctx):
+            bar.close()
+            state.train_time_s += time.perf_counter() - start
+            state.epoch_partial = {"batches": i + 1, "sums": sums}
+            return None
     bar.close()
     state.train_time_s += time.perf_counter() - start
+    state.epoch_partial = None
     return {f"train_{k}": v / max(count, 1) for k, v in sums.items()} | {
         "train_loss": sum(sums.values()) / max(count, 1), "lr": opt.param_groups[0]["lr"]}
 
@@ -429,7 +465,26 @@ def _evaluate(model: nn.Module, test, cfg: DetectConfig, ctx: DistContext) -> di
     data = test if cfg.max_eval_images is None else _Head(test, cfg.max_eval_images)
     with torch.no_grad():
         return evaluate_detector(plain, data, batch_size=cfg.eval_batch_size, device=ctx.device,
-                                 progress=cfg.progress and ctx.is_main)
+                                 progress=_bars(cfg, ctx))
+
+
+def glyph_note(glyphs: str) -> str:
+    """The line a glyphs run prints about its glyph sets: with ``auto``, which ones this machine gave it, and
+    when Fashion-MNIST's Debian package is missing, that the documented figures were measured with it (the
+    handwritten strokes of mnist5k make a harder mask task: the quick recipe's mask AP is 0.19 there, 0.27
+    with Fashion-MNIST; docs/detection.md)."""
+    sources = resolve_glyph_sources(glyphs)
+    line = f"glyphs: {'+'.join(sources)}" + (" (auto)" if glyphs == "auto" else "")
+    if glyphs == "auto" and "fashion-mnist" not in sources:
+        line += ("; Fashion-MNIST is not installed (apt-get install dataset-fashion-mnist): docs/detection.md's "
+                 "figures use digits+fashion-mnist, on which masks score higher")
+    return line
+
+
+def _bars(cfg: DetectConfig, ctx: DistContext) -> bool:
+    """Progress bars: asked for, on the main process, and on a terminal (redirected to a log, carriage-return
+    redraws would only fill it; the per-epoch lines say what a log needs)."""
+    return cfg.progress and ctx.is_main and sys.stderr.isatty()
 
 
 def local_processes(cfg: DetectConfig) -> int:
@@ -460,13 +515,14 @@ def train_detector(cfg: DetectConfig, log: Callable[[str], None] = print) -> dic
         if uses_cuda(cfg.device) and procs > torch.cuda.device_count():
             raise ValueError(f"procs {procs} needs one GPU per process, {torch.cuda.device_count()} visible")
         log(f"detect: {procs} local processes, {threads_per_process(procs)} threads each")
-        launch_local(_process_main, (cfg,), procs, relay=(TrainingDivergedError,))
+        launch_local(_process_main, (cfg,), procs, relay=(TrainingDivergedError, Preempted))
         return read_json(Path(cfg.out) / "summary.json")
     ctx = init_distributed(cfg.device)
     out = Path(cfg.out)
     lock = RunDirLock(out).acquire() if ctx.is_main else None
     try:
-        return _run(cfg, ctx, out, log if ctx.is_main else (lambda *_: None))
+        with StopSignals() as stop:  # SIGTERM / SIGINT: a step-level checkpoint, then Preempted
+            return _run(cfg, ctx, out, log if ctx.is_main else (lambda *_: None), stop)
     finally:
         if lock is not None:
             lock.release()
@@ -491,29 +547,32 @@ def _check_out(cfg: DetectConfig) -> None:
                          "--out")
 
 
-def _pretrain(model: nn.Module, cfg: DetectConfig, ctx: DistContext, log: Callable[[str], None]) -> dict:
+def _pretrain(model: nn.Module, cfg: DetectConfig, ctx: DistContext, log: Callable[[str], None],
+              stop: StopSignals | None = None) -> dict:
     """Pre-train the detector's backbone on glyph crops (:mod:`lambdanet.detection.pretrain`) and load it."""
     from lambdanet.detection.pretrain import load_backbone_weights, pretrain_backbone
 
     settings = PretrainConfig(steps=cfg.pretrain_steps, workers=cfg.workers,
                               channels_last=bool(cfg.detector.get("channels_last")))  # the detector's layout
-    weights, info = pretrain_backbone(cfg.backbone, settings, seed=cfg.seed, device=ctx.device,
-                                      progress=cfg.progress and ctx.is_main, log=log,
+    weights, info = pretrain_backbone(cfg.backbone, settings, seed=cfg.seed, glyphs=cfg.glyphs, device=ctx.device,
+                                      progress=_bars(cfg, ctx), log=log,
                                       checkpoint=Path(cfg.out) / PRETRAIN_CHECKPOINT,
-                                      checkpoint_every=PRETRAIN_CHECKPOINT_EVERY, **cfg.backbone_kwargs)
+                                      checkpoint_every=PRETRAIN_CHECKPOINT_EVERY, stop=stop, **cfg.backbone_kwargs)
     load_backbone_weights(model.backbone.body, weights)
     return info
 
 
-def _run(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], None]) -> dict:
-    from lambdanet.detection.data import build_detection_datasets
+def _run(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], None],
+         stop: StopSignals | None = None) -> dict:
+    from lambdanet.detection.data import GlyphSceneConfig, build_detection_datasets
 
     _check_out(cfg)
     if cfg.batch_size % ctx.world:  # under torchrun; local_processes picks a divisor itself
         raise ValueError(f"batch_size {cfg.batch_size} must be a multiple of the {ctx.world} processes (one share "
                          f"per process); set --batch-size or --nproc-per-node")
     torch.manual_seed(cfg.seed)
-    train, test = build_detection_datasets(cfg.data, seed=cfg.seed, progress=cfg.progress and ctx.is_main)
+    train, test = build_detection_datasets(cfg.data, seed=cfg.seed, config=GlyphSceneConfig(glyphs=cfg.glyphs),
+                                           progress=_bars(cfg, ctx))
     num_classes = train.num_classes
     model = build_detector(cfg, num_classes)
     if cfg.sync_bn and ctx.enabled:
@@ -528,7 +587,10 @@ def _run(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], No
         save_yaml(dataclasses.replace(cfg, resume=False), out / "config.yaml")
     barrier(ctx)
     if cfg.pretrain_steps and not trained:  # every process, each on its share of the crops
-        info = _pretrain(unwrap(model), cfg, ctx, log)
+        try:
+            info = _pretrain(unwrap(model), cfg, ctx, log, stop)
+        except Preempted as err:
+            raise Preempted(f"{err}; continue with --resume --out {out}") from None
         if ctx.is_main:  # an epoch-0 checkpoint: a crash in epoch 1 does not cost the pre-training
             write_json(info, out / "pretrain.json")
             save_checkpoint(state.state_dict(cfg), out / "last.pt")
@@ -538,7 +600,10 @@ def _run(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], No
             truncate_history(out / "metrics.csv", state.epoch)
     if ctx.is_main:  # last.pt holds the pre-training now (also after a crash between the two files)
         (out / PRETRAIN_CHECKPOINT).unlink(missing_ok=True)
-        log(f"resuming {out}: {state.epoch}/{cfg.epochs} epochs done")
+    if trained:
+        within = state.epoch_partial
+        log(f"resuming {out}: {state.epoch}/{cfg.epochs} epochs done"
+            + (f", epoch {state.epoch + 1} from batch {within['batches'] + 1}" if within else ""))
     run_model = model
     if ctx.enabled:
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
@@ -548,6 +613,8 @@ def _run(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], No
     log(f"detect: {cfg.backbone} {'Mask' if cfg.masks else 'Faster'} R-CNN, {params / 1e6:.2f}M parameters "
         f"(backbone {backbone_params / 1e6:.2f}M), {len(train)} train / {len(test)} test images, "
         f"{num_classes} classes, train sizes {list(_train_sizes(cfg))}")
+    if cfg.data == "glyphs":
+        log(glyph_note(cfg.glyphs))
     loader = _loader(train, cfg, ctx, train=True)
     per_epoch = len(loader) if cfg.max_train_batches is None else min(len(loader), cfg.max_train_batches)
     total = cfg.epochs * per_epoch
@@ -555,7 +622,13 @@ def _run(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], No
     metrics: dict = {}
     try:
         while state.epoch < cfg.epochs:
-            row = _train_epoch(state, run_model, loader, cfg, ctx, total)
+            row = _train_epoch(state, run_model, loader, cfg, ctx, total, stop)
+            if row is None:  # a signal: save where the epoch stands, then stop
+                if ctx.is_main:
+                    save_checkpoint(state.state_dict(cfg), out / "last.pt")
+                raise Preempted(f"stopped by {stop.received.name} in epoch {state.epoch + 1}/{cfg.epochs} after "
+                                f"batch {state.epoch_partial['batches']}/{per_epoch}: saved {out / 'last.pt'}; "
+                                f"continue with --resume --out {out}")
             state.epoch += 1
             evaluated = cfg.evaluates_after(state.epoch)
             if evaluated:
@@ -592,6 +665,7 @@ def _finish(cfg: DetectConfig, ctx: DistContext, out: Path, model: nn.Module, te
     pretrained = read_json(out / "pretrain.json") if (out / "pretrain.json").is_file() else {}
     summary = {"backbone": cfg.backbone, "backbone_kwargs": cfg.backbone_kwargs, "masks": cfg.masks,
                "data": cfg.data, "recipe": cfg.recipe, "epochs": state.epoch, "params": params,
+               **({"glyphs": "+".join(resolve_glyph_sources(cfg.glyphs))} if cfg.data == "glyphs" else {}),
                "backbone_params": backbone_params, **pretrained, "train_time_s": state.train_time_s, **metrics,
                "plots": [p.name for p in plots] + [picture.name]}
     write_json(summary, out / "summary.json")

@@ -27,6 +27,8 @@ class AxialAttention1d(nn.Module):
     def __init__(self, dim: int, dim_out: int, *, axis: int, max_len: int, heads: int = 8):
         super().__init__()
         check_choice(axis, "axis", (2, 3))
+        for name, val in (("dim", dim), ("dim_out", dim_out), ("heads", heads), ("max_len", max_len)):
+            check_positive_int(val, name)
         if dim_out % heads:
             raise ValueError(f"heads={heads} must divide dim_out={dim_out}")
         self.dim, self.dim_out, self.heads, self.axis = dim, dim_out, heads, axis
@@ -64,6 +66,8 @@ class AxialAttention(nn.Module):
             raise ValueError("AxialAttention needs feat_size, the (largest) input size, for its relative tables")
         self.dim, self.stride = dim, stride
         self.feat_size = to_ntuple(feat_size, 2, "feat_size")
+        for s in self.feat_size:
+            check_positive_int(s, "feat_size")
         self.height = AxialAttention1d(dim, dim_out, axis=2, max_len=self.feat_size[0], heads=heads)
         self.width = AxialAttention1d(dim_out, dim_out, axis=3, max_len=self.feat_size[1], heads=heads)
 

@@ -7,7 +7,7 @@ import math
 
 from torch import Tensor, nn
 
-from lambdanet.helpers import check_positive_int
+from lambdanet.helpers import check_input, check_positive_int
 
 __all__ = ["EfficientChannelAttention", "eca_kernel_size"]
 
@@ -33,9 +33,11 @@ class EfficientChannelAttention(nn.Module):
         check_positive_int(channels, "channels")
         kernel_size = eca_kernel_size(channels) if kernel_size is None else kernel_size
         check_positive_int(kernel_size, "kernel_size", odd=True)
+        self.channels = channels
         self.conv = nn.Conv1d(1, 1, kernel_size, padding=kernel_size // 2, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
+        check_input(x, self.channels, None, type(self).__name__, dim_name="channels")
         b, c = x.shape[:2]
         s = x.mean(dim=tuple(range(2, x.dim()))).view(b, 1, c)  # b 1 c
         gate = self.conv(s).sigmoid().view(b, c, *([1] * (x.dim() - 2)))  # b c 1 1

@@ -292,7 +292,11 @@ class LambdaLayer(nn.Module):
             if causal:
                 spatial_dims = 1
             elif feat_size is not None and not isinstance(feat_size, int):
-                spatial_dims = len(tuple(feat_size))
+                n = len(feat_size) if hasattr(feat_size, "__len__") and not isinstance(feat_size, str) else 0
+                if not 1 <= n <= 3:  # its entries are checked with the resolved spatial_dims
+                    raise ValueError("feat_size must be an int or a sequence of 1, 2 or 3 ints (one per spatial dim), "
+                                     f"got {feat_size!r}")
+                spatial_dims = n
             else:
                 spatial_dims = 2
         check_choice(spatial_dims, "spatial_dims", (1, 2, 3))
@@ -388,6 +392,9 @@ class LambdaLayer(nn.Module):
 
     # ------------------------------------------------------------------------------------------ planning
     def _check_spatial(self, spatial: tuple[int, ...]) -> None:
+        if self.stride > 1 and self.stride_pool == 2 and min(spatial) < 2:
+            raise ValueError(f"stride_pool=2 pools non-overlapping 2-wide windows: every spatial side must be at "
+                             f"least 2, got an input of spatial size {spatial} (stride_pool=3 pools any size)")
         emb = self.embedding
         if isinstance(emb, AbsolutePositionEmbedding):
             if spatial != emb.feat_size:
@@ -480,7 +487,7 @@ class LambdaLayer(nn.Module):
         ctx = torch.autocast(device_type=x.device.type, enabled=False) if autocast_on else nullcontext()
         cdtype = compute_dtype(out_dtype)
         with ctx:  # lambdas in fp32 (at least): key softmax and lambda accumulation never in half precision
-            q = q.to(cdtype).view(b, -1, self.heads, self.dim_k)  # b n h k
+            q = q.to(cdtype).view(b, math.prod(spatial), self.heads, self.dim_k)  # b n h k (explicit n: b may be 0)
             if self.query_softmax:
                 q = q.softmax(dim=-1)
             vals = vals.to(cdtype)  # b n (g v u)
@@ -540,47 +547,50 @@ class LambdaLayer(nn.Module):
     def _position_output(self, step: str, q: Tensor, vals: Tensor, spatial: tuple[int, ...]) -> Tensor:
         """Queries-first position output ``y^p = (q E) V``, ``[b, n, h, v]`` (multi-query; ``u = 1`` but for
         ``"triton"``)."""
-        emb = self.embedding
+        emb, dtype = self.embedding, vals.dtype  # the compute dtype: half-precision tables are widened
         b, n = vals.shape[:2]
         if step == "triton":  # fused kernels, any u: q [b n h k], V [b m v u], R [k u *K]
             from lambdanet.kernels import lambda_position_output
 
             vals = vals.view(b, n, self.dim_v, self.dim_u)  # b m v u
-            return lambda_position_output(q, vals, emb.table[0], emb.center, spatial)  # b n h v
+            return lambda_position_output(q, vals, emb.table[0].to(dtype), emb.center, spatial)  # b n h v
         vals = vals.view(b, n, self.dim_v)  # b m v
         if step == "einsum_qe_absolute":
-            y = LF.position_output_qe(q, emb.embeddings()[0, :, 0], vals)  # b h n v
+            y = LF.position_output_qe(q, emb.embeddings()[0, :, 0].to(dtype), vals)  # b h n v
         elif step == "einsum_qe_whole":  # whole E, cached in eval
-            y = LF.position_output_qe(q, emb.embeddings(spatial)[0, :, 0], vals)  # b h n v
+            y = LF.position_output_qe(q, emb.embeddings(spatial)[0, :, 0].to(dtype), vals)  # b h n v
         else:  # "einsum_qe_chunked": E row chunks built on the fly, no k n m tensor
-            y = LF.relative_position_output_qe(q, emb.table, emb.center, spatial, vals)  # b h n v
+            y = LF.relative_position_output_qe(q, emb.table.to(dtype), emb.center, spatial, vals)  # b h n v
         return y.transpose(1, 2)  # b n h v
 
     def _position_lambdas(self, step: str, vals: Tensor, spatial: tuple[int, ...]) -> Tensor:
         """Lambdas-first position lambdas ``[b, n, g, v, k]`` from normalised values ``[b, n, (g v u)]``."""
-        emb = self.embedding
+        emb, dtype = self.embedding, vals.dtype  # the compute dtype: half-precision tables are widened
         b, n = vals.shape[:2]
         g, v, u, k = self.groups, self.dim_v, self.dim_u, self.dim_k
         if step == "depthwise_conv_tokens":  # channels-last in and out: no layout copies
-            return LF.token_position_lambdas(vals, emb.table, emb.center, spatial)  # b n g v k
+            return LF.token_position_lambdas(vals, emb.table.to(dtype), emb.center, spatial)  # b n g v k
         vals_cf = LF.permute_copy(vals, (0, 2, 1)).view(b, g, v, u, *spatial)  # b g v u *S
         if step == "einsum_absolute":
-            lam = LF.einsum_position_lambdas(vals_cf.reshape(b, g, v, u, n), emb.embeddings(self.causal))  # b g v k n
+            e = emb.embeddings(self.causal).to(dtype)  # g k u n m
+            lam = LF.einsum_position_lambdas(vals_cf.reshape(b, g, v, u, n), e)  # b g v k n
         else:  # "conv" | "einsum"
-            lam = LF.position_lambdas(vals_cf, emb.table, emb.center, step)  # b g v k *S
+            lam = LF.position_lambdas(vals_cf, emb.table.to(dtype), emb.center, step)  # b g v k *S
         return LF.permute_copy(lam.reshape(b, g, v, k, n), (0, 4, 1, 2, 3))  # b n g v k
 
     def _output(self, out: Tensor, spatial: tuple[int, ...], channels_first: bool) -> Tensor:
         """``[b, n, h, v]`` -> ``[b, d_out, *S]`` in the input's memory format, then the stride-2 pool."""
         b = out.shape[0]
-        out = out.reshape(b, -1, self.dim_out)  # b n d_out
+        out = out.reshape(b, math.prod(spatial), self.dim_out)  # b n d_out
         if channels_first:
             out = LF.permute_copy(out, (0, 2, 1)).view(b, self.dim_out, *spatial)  # b d_out *S
         else:
             out = out.view(b, *spatial, self.dim_out).movedim(-1, 1)  # b d_out *S (channels-last)
         if self.stride > 1:
-            pad = (self.stride_pool - 1) // 2  # 3x3: padded by 1 (App. E.1); 2x2: none
-            out = avg_pool_nd(self.spatial_dims)(out, kernel_size=self.stride_pool, stride=self.stride, padding=pad)
+            if self.stride_pool == 3:  # 3x3 padded by 1 (App. E.1), the zeros counted as avg_pool's padding does;
+                # padded here since avg_pool3d refuses a padded window larger than the unpadded input
+                out = F.pad(out, (1, 1) * self.spatial_dims)
+            out = avg_pool_nd(self.spatial_dims)(out, kernel_size=self.stride_pool, stride=self.stride)
         return out
 
 

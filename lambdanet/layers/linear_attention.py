@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from lambdanet.helpers import check_input, check_positive_int
+from lambdanet.helpers import check_choice, check_input, check_positive_int
 from lambdanet.layers.conv import ConvLayer
 from lambdanet.helpers import compute_dtype
 
@@ -37,9 +37,11 @@ class EfficientAttention(nn.Module):
 
     def __init__(self, dim: int, dim_k: int | None = None, dim_v: int | None = None, heads: int = 4):
         super().__init__()
+        check_positive_int(dim, "dim")
+        check_positive_int(heads, "heads")
         dim_k = max(heads, dim // 2) if dim_k is None else dim_k
         dim_v = max(heads, dim // 2) if dim_v is None else dim_v
-        for name, val in (("dim", dim), ("dim_k", dim_k), ("dim_v", dim_v), ("heads", heads)):
+        for name, val in (("dim_k", dim_k), ("dim_v", dim_v)):
             check_positive_int(val, name)
         if dim_k % heads or dim_v % heads:
             raise ValueError(f"heads={heads} must divide dim_k={dim_k} and dim_v={dim_v}")
@@ -53,9 +55,10 @@ class EfficientAttention(nn.Module):
         h = self.heads
         qkv = self.qkv(x).flatten(2)  # b c n
         q, k, v = qkv.to(compute_dtype(qkv.dtype)).split([self.dim_k, self.dim_k, self.dim_v], dim=1)  # b c n
-        q = q.reshape(b, h, self.dim_k // h, -1).softmax(dim=2)  # b h k n (over channels)
-        k = k.reshape(b, h, self.dim_k // h, -1).softmax(dim=3)  # b h k n (over positions)
-        v = v.reshape(b, h, self.dim_v // h, -1)  # b h v n
+        n = hh * ww  # explicit (not -1): an empty batch reshapes too
+        q = q.reshape(b, h, self.dim_k // h, n).softmax(dim=2)  # b h k n (over channels)
+        k = k.reshape(b, h, self.dim_k // h, n).softmax(dim=3)  # b h k n (over positions)
+        v = v.reshape(b, h, self.dim_v // h, n)  # b h v n
         context = k @ v.transpose(-1, -2)  # b h k v
         out = context.transpose(-1, -2) @ q  # b h v n
         out = out.reshape(b, self.dim_v, hh, ww).to(x.dtype)
@@ -73,9 +76,10 @@ class DoubleAttention(nn.Module):
 
     def __init__(self, dim: int, c_m: int | None = None, c_n: int | None = None):
         super().__init__()
+        check_positive_int(dim, "dim")
         c_m = max(1, dim // 2) if c_m is None else c_m
         c_n = max(1, dim // 2) if c_n is None else c_n
-        for name, val in (("dim", dim), ("c_m", c_m), ("c_n", c_n)):
+        for name, val in (("c_m", c_m), ("c_n", c_n)):
             check_positive_int(val, name)
         self.dim, self.c_m, self.c_n = dim, c_m, c_n
         self.conv_abv = nn.Conv2d(dim, c_m + 2 * c_n, 1)  # A | B | V
@@ -98,6 +102,7 @@ class ConvPlusAttention(nn.Module):
         super().__init__()
         dim_out = dim if dim_out is None else dim_out
         check_positive_int(stride, "stride")
+        check_choice(attention, "attention", ("efficient", "double"))
         self.conv = ConvLayer(dim, dim_out, stride=stride)
         if attention == "efficient":
             self.attn = EfficientAttention(dim_out, **kwargs)

@@ -10,7 +10,7 @@ cannot happen: the test suite compares border pixels with a naive per-pixel refe
 
 * :class:`HaloAttention` (HaloNet): unmasked block + halo neighbourhood; translation equivariant only
   for shifts by multiples of ``b`` unless ``pixel_centered=True``, which masks every query to its own
-  ``(2h + 1)^2`` window. Downsampling subsamples the queries (Fig. 2): same neighbourhood, 4x fewer
+  ``(2h + 1)^2`` window. Downsampling subsamples the queries (HaloNet Fig. 2): same neighbourhood, 4x fewer
   queries. Relative embeddings factorised over height and width, half the channels of a head each,
   shared by the heads (HaloNet App. A).
 * :class:`LocalSelfAttention` (SASA, Ramachandran et al. 2019): every pixel attends to the ``k x k``
@@ -71,12 +71,16 @@ class BlockedLocalAttention(nn.Module):
                  mask_padding: bool = True):
         super().__init__()
         check_choice(rel_geometry, "rel_geometry", ("pixel", "window"))
+        check_choice(rel_split, "rel_split", ("half", "full"))
         dim_qk = dim_out if dim_qk is None else dim_qk
         for name, val in (("dim", dim), ("dim_out", dim_out), ("heads", heads), ("dim_qk", dim_qk),
                           ("block_size", block_size), ("stride", stride)):
             check_positive_int(val, name)
-        if not isinstance(halo_size, int) or halo_size < 0:
+        if isinstance(halo_size, bool) or not isinstance(halo_size, int) or halo_size < 0:
             raise ValueError(f"halo_size must be a non-negative int, got {halo_size!r}")
+        if rel_max_offset is not None and (isinstance(rel_max_offset, bool) or not isinstance(rel_max_offset, int)
+                                           or rel_max_offset < 0):
+            raise ValueError(f"rel_max_offset must be a non-negative int or None, got {rel_max_offset!r}")
         if dim_out % heads or dim_qk % heads:
             raise ValueError(f"heads={heads} must divide dim_out={dim_out} and dim_qk={dim_qk}")
         if (dim_qk // heads) < 2:
@@ -214,8 +218,7 @@ class LocalSelfAttention(nn.Module):
         super().__init__()
         dim_out = dim if dim_out is None else dim_out
         check_positive_int(kernel_size, "kernel_size", odd=True)
-        if stride not in (1, 2):
-            raise ValueError(f"stride must be one of [1, 2], got {stride!r}")
+        check_choice(stride, "stride", (1, 2))
         self.stride, self.kernel_size = stride, kernel_size
         self.attn = BlockedLocalAttention(dim, dim_out, block_size=block_size, halo_size=kernel_size // 2,
                                           heads=heads, dim_qk=dim_qk, window=kernel_size)

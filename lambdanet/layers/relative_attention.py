@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from lambdanet.helpers import check_choice, check_input, check_positive_int, to_ntuple
+from lambdanet.helpers import check_choice, check_input, check_positive_int, check_real, to_ntuple
 from lambdanet.layers.pooling import pool_after
 from lambdanet.layers.relative_position import RelativePosition2d, attend
 
@@ -56,12 +56,18 @@ class RelativeSelfAttention(nn.Module):
         for name, val in (("dim", dim), ("dim_out", dim_out), ("heads", heads), ("dim_qk", dim_qk)):
             check_positive_int(val, name)
         check_choice(stride, "stride", (1, 2))
+        check_choice(rel_split, "rel_split", ("full", "half"))
         if feat_size is None:
             raise ValueError(f"{type(self).__name__} is global: it needs feat_size, the (largest) input size")
         if dim_out % heads or dim_qk % heads:
             raise ValueError(f"heads={heads} must divide dim_out={dim_out} and dim_qk={dim_qk}")
+        if rel_split == "half" and dim_qk // heads < 2:
+            raise ValueError(f"rel_split='half' needs at least 2 query/key channels per head, got dim_qk={dim_qk} "
+                             f"for heads={heads}")
         self.dim, self.dim_out, self.dim_qk, self.heads, self.stride = dim, dim_out, dim_qk, heads, stride
         self.feat_size = to_ntuple(feat_size, 2, "feat_size")
+        for s in self.feat_size:
+            check_positive_int(s, "feat_size")
         self.qkv = nn.Conv2d(dim, 2 * dim_qk + dim_out, 1, bias=False)
         self.rel = RelativePosition2d((self.feat_size[0] - 1, self.feat_size[1] - 1), dim_qk // heads, rel_split)
 
@@ -99,10 +105,12 @@ class AttentionAugmentedConv(nn.Module):
                  rel_split: str = "full"):
         super().__init__()
         dim_out = dim if dim_out is None else dim_out
+        check_positive_int(dim, "dim")
         check_positive_int(dim_out, "dim_out")
         check_positive_int(heads, "heads")
-        if not (0 < k_ratio and 0 < v_ratio < 1):
-            raise ValueError(f"k_ratio must be > 0 and v_ratio in (0, 1), got {k_ratio}, {v_ratio}")
+        check_choice(stride, "stride", (1, 2))
+        check_real(k_ratio, "k_ratio")
+        check_real(v_ratio, "v_ratio", high=1, high_open=True)
         dk = max(heads, round(k_ratio * dim_out / heads) * heads)
         dv = max(heads, round(v_ratio * dim_out / heads) * heads)
         if dv >= dim_out:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from lambdanet.helpers import check_positive_int
+from lambdanet.helpers import check_input, check_positive_int, check_real
 
 __all__ = ["SqueezeExcite"]
 
@@ -27,15 +27,16 @@ class SqueezeExcite(nn.Module):
         super().__init__()
         check_positive_int(channels, "channels")
         if rd_channels is None:
-            if not 0 < rd_ratio <= 1:
-                raise ValueError(f"rd_ratio must be in (0, 1], got {rd_ratio}")
+            check_real(rd_ratio, "rd_ratio", high=1)
             rd_channels = max(1, int(channels * rd_ratio))
         check_positive_int(rd_channels, "rd_channels")
+        self.channels = channels
         self.fc1 = nn.Conv2d(channels, rd_channels, 1)
         self.act = act()
         self.fc2 = nn.Conv2d(rd_channels, channels, 1)
 
     def forward(self, x: Tensor) -> Tensor:
+        check_input(x, self.channels, None, type(self).__name__, dim_name="channels")
         s = x.mean(dim=tuple(range(2, x.dim())), keepdim=True)  # b c 1 1
         s = self.fc2(self.act(self.fc1(s.view(s.shape[0], s.shape[1], 1, 1))))  # b c 1 1
         return x * s.sigmoid().view(*s.shape[:2], *([1] * (x.dim() - 2)))

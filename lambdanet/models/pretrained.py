@@ -9,7 +9,11 @@ under :func:`cache_dir`; the next call reads the cache without touching the netw
 weights (``model.safetensors`` of a run, :func:`save_weights`), told apart by their keys.
 
 A model built with another ``num_classes`` than the checkpoint's keeps a fresh classifier (fine-tuning);
-one built with ``in_chans=1`` gets the stem convolution summed over the checkpoint's RGB channels.
+one built with another ``in_chans`` gets the checkpoint's input convolution adapted (:func:`adapt_input_conv`,
+timm's rule): summed over its channels for one channel, repeated over the channels and rescaled otherwise.
+A run directory of ``lambdanet train`` stands for its weights file (:func:`run_file`, the one rule every
+entry point uses). Every safetensors file is read through one function, which turns a damaged file into a
+one-line :class:`WeightsMismatchError`.
 """
 
 from __future__ import annotations
@@ -24,11 +28,13 @@ from torch import Tensor, nn
 
 from lambdanet.layers import HaloAttention, LambdaLayer, RelativeSelfAttention
 
-__all__ = ["PretrainedUnavailableError", "WeightsMismatchError", "HUB_FILENAME", "METADATA_FORMAT", "cache_dir", "hub_id",
-           "convert_timm_state_dict", "read_state_dict", "run_metadata", "load_weights", "load_pretrained", "download_weights"]
+__all__ = ["PretrainedUnavailableError", "WeightsMismatchError", "HUB_FILENAME", "METADATA_FORMAT", "RUN_FILES",
+           "cache_dir", "hub_id", "convert_timm_state_dict", "read_state_dict", "run_metadata", "run_file",
+           "adapt_input_conv", "tie_shared", "load_weights", "load_pretrained", "download_weights"]
 
 HUB_FILENAME = "model.safetensors"  # what timm publishes in each hub repository
 METADATA_FORMAT = "lambdanet.weights.v1"  # the header of the weights lambdanet train writes (train/load.py)
+RUN_FILES = ("model_ema.safetensors", "model.safetensors", "last.pt")  # what a run directory holds, preferred first
 
 
 class PretrainedUnavailableError(ValueError):
@@ -115,6 +121,41 @@ def convert_timm_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor]) 
 
 
 # ------------------------------------------------------------------------------------------- reading files
+def run_file(path: str | os.PathLike, *, ema: bool = True, checkpoint: bool = False) -> Path:
+    """The file a run directory of ``lambdanet train`` stands for; any other path as it is (``~`` expanded).
+
+    The weights (default): ``model_ema.safetensors`` when present and ``ema``, else ``model.safetensors``,
+    else ``last.pt`` (a run stopped before its end). With ``checkpoint``: its ``last.pt``, the training
+    checkpoint (configuration, raw and EMA weights). ``ValueError`` for a directory without such a file."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        return path
+    names = ("last.pt",) if checkpoint else RUN_FILES[0 if ema else 1:]
+    found = next((path / n for n in names if (path / n).is_file()), None)
+    if found is None:
+        what = "training checkpoint (last.pt)" if checkpoint else f"trained model ({', '.join(names)})"
+        raise ValueError(f"{path} is a directory but holds no {what}; pass a run directory of lambdanet train or "
+                         "a weights file")
+    return found
+
+
+def _read_safetensors(path: Path, tensors: bool = True) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """The one place a safetensors file is read: ``(its tensors (none unless tensors), its header
+    metadata)``; a truncated or damaged file is a one-line :class:`WeightsMismatchError`."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            sd = {k: f.get_tensor(k) for k in f.keys()} if tensors else {}
+    except SafetensorError as err:
+        raise WeightsMismatchError(f"weights file {path} is corrupted or truncated and cannot be loaded "
+                                   f"({type(err).__name__}: {str(err)[:200]}); delete it or restore a copy") from None
+    except OSError as err:
+        raise WeightsMismatchError(f"weights file {path} cannot be read ({err})") from None
+    return sd, meta
+
+
 def read_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
     """The tensors of a weights file: safetensors, or a ``torch.save``'d state dict (possibly wrapped under
     ``"state_dict"``, ``"model"`` or ``"state_dict_ema"``); loaded with ``weights_only=True``."""
@@ -123,9 +164,7 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
         raise WeightsMismatchError(f"checkpoint_path {str(path)!r} does not exist (expected a weights file: "
                                    ".safetensors, .pth, .bin or a run's last.pt)")
     if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(str(path))
+        return _read_safetensors(path)[0]
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # pickles with arbitrary objects, truncated files, non-torch files
@@ -142,10 +181,52 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
 _FC = ("fc.weight", "fc.bias")
 
 
+def adapt_input_conv(weight: Tensor, in_chans: int, dtype: torch.dtype | None = None) -> Tensor:
+    """The weight ``[out, N, kh, kw]`` of a convolution reading N-channel images, for ``in_chans`` = M channels
+    (timm's rule, ``timm.models.adapt_input_conv``, generalised from N = 3): summed over the N channels for
+    M = 1 (a grey image is R = G = B); otherwise the N channels repeated cyclically up to M and scaled by N / M,
+    so that an image whose channels are equal gives the same output (exactly when M is a multiple of N, e.g.
+    1 -> 3: the weight repeated, divided by 3). Computed in float64, rounded once to ``dtype`` (default:
+    ``weight``'s; the model's parameter dtype when loading)."""
+    n = weight.shape[1]
+    if n == in_chans:
+        return weight
+    w = weight.double()
+    if in_chans == 1:
+        w = w.sum(dim=1, keepdim=True)
+    else:
+        w = w.repeat(1, -(-in_chans // n), 1, 1)[:, :in_chans] * (n / in_chans)
+    return w.to(dtype or weight.dtype)
+
+
+def _input_conv_key(model: nn.Module) -> str | None:
+    """The state-dict key of the convolution that reads the image: the model's first ``Conv2d`` (the stem's
+    first convolution in every registered model)."""
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Conv2d):
+            return f"{name}.weight" if m.groups == 1 else None
+    return None
+
+
+def tie_shared(model: nn.Module, sd: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``sd`` with the keys of ``model``'s shared tensors (e.g. ``share_embeddings``) that safetensors stores
+    once filled in from the stored one (in place; returned)."""
+    groups: dict[tuple, list[str]] = {}
+    for k, v in model.state_dict(keep_vars=True).items():
+        if v.numel():
+            groups.setdefault((v.device, v.data_ptr(), tuple(v.shape), v.stride()), []).append(k)
+    for keys in groups.values():
+        stored = next((k for k in keys if k in sd), None)
+        if stored is not None and len(keys) > 1:
+            for k in keys:
+                sd.setdefault(k, sd[stored])
+    return sd
+
+
 def _fit(model: nn.Module, own: dict[str, Tensor], sd: dict[str, Tensor]) -> tuple[dict[str, Tensor], list[str]]:
     """Adapt a converted state dict to ``model`` (whose state dict is ``own``): drop a classifier of another
-    width (a new head for fine-tuning), sum an RGB stem over its channels for a 1-channel model. Returns
-    (state dict, notes)."""
+    width (a new head for fine-tuning), adapt the input convolution to the model's input channels
+    (:func:`adapt_input_conv`). Returns (state dict, notes)."""
     notes = []
     if "fc.weight" in sd and ("fc.weight" not in own or own["fc.weight"].shape != sd["fc.weight"].shape):
         classes = sd["fc.weight"].shape[0]
@@ -153,10 +234,15 @@ def _fit(model: nn.Module, own: dict[str, Tensor], sd: dict[str, Tensor]) -> tup
             sd.pop(key, None)
         notes.append(f"the checkpoint's {classes}-class classifier is not loaded: the model has a new one "
                      f"({getattr(model, 'num_classes', '?')} classes)")
-    for key, value in list(sd.items()):
-        if key in own and value.dim() == 4 == own[key].dim() and value.shape[1] == 3 and own[key].shape[1] == 1:
-            sd[key] = value.sum(dim=1, keepdim=True)  # a grey image is R = G = B
-            notes.append(f"{key} summed over its RGB input channels for in_chans=1")
+    key = _input_conv_key(model)
+    value, mine = sd.get(key), own.get(key)
+    if (value is not None and mine is not None and value.dim() == 4 == mine.dim() and value.shape[1] != mine.shape[1]
+            and value.shape[0] == mine.shape[0] and value.shape[2:] == mine.shape[2:]):
+        n, m = value.shape[1], mine.shape[1]
+        sd[key] = adapt_input_conv(value, m, mine.dtype)
+        how = "summed over them" if m == 1 else f"repeated over them and scaled by {n}/{m}"
+        notes.append(f"the input convolution {key} is adapted from the checkpoint's {n} input channel"
+                     f"{'s' * (n != 1)} to the model's {m} ({how})")
     return sd, notes
 
 
@@ -165,31 +251,35 @@ def run_metadata(path: str | os.PathLike) -> dict | None:
     model, kwargs, classes, preprocessing; JSON values decoded), ``None`` for any other file."""
     if Path(path).suffix != ".safetensors":
         return None
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
+    meta = _read_safetensors(Path(path), tensors=False)[1]
     if meta.get("format") != METADATA_FORMAT:
         return None
-    return {k: json.loads(v) for k, v in meta.items() if k != "format"}
+    out = {}
+    for k, v in meta.items():
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:  # safetensors' own entries: a shared tensor's other name -> the stored name
+            pass
+    out.pop("format", None)
+    return out
 
 
 def load_weights(model: nn.Module, path: str | os.PathLike, name: str | None = None) -> list[str]:
     """Load a weights file into ``model``: lambdanet's own keys as they are, timm's converted
     (:func:`convert_timm_state_dict`); strict apart from a classifier of another width. Returns notes on
     what was adapted."""
-    sd = read_state_dict(path)
+    sd = tie_shared(model, read_state_dict(path))
     own = model.state_dict()
     if set(sd) - set(_FC) != set(own) - set(_FC):  # not lambdanet's own keys: timm's
         sd = convert_timm_state_dict(model, sd)
     sd, notes = _fit(model, own, sd)
     label = name or type(model).__name__
-    shapes = [f"{k} {tuple(v.shape)} in the file, {tuple(own[k].shape)} in the model" for k, v in sd.items()
-              if k in own and v.shape != own[k].shape]
+    shapes = [k for k, v in sd.items() if k in own and v.shape != own[k].shape]
     if shapes:
+        k = shapes[0]
         raise WeightsMismatchError(
             f"checkpoint_path {str(path)!r} does not fit {label}: {len(shapes)} tensors have other shapes, e.g. "
-            f"{shapes[0]} (global attention is sized by img_size: build the model at the checkpoint's)")
+            f"{k} {tuple(sd[k].shape)} in the file, {tuple(own[k].shape)} in the model ({_shape_hint(model, path, k)})")
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [k for k in missing if k not in _FC]
     if missing or unexpected:
@@ -197,6 +287,20 @@ def load_weights(model: nn.Module, path: str | os.PathLike, name: str | None = N
             f"checkpoint_path {str(path)!r} does not fit {label}: {len(missing)} missing keys "
             f"{missing[:3]}, {len(unexpected)} unexpected {unexpected[:3]} (is it a checkpoint of this model?)")
     return notes
+
+
+def _shape_hint(model: nn.Module, path, key: str) -> str:
+    """Why a tensor of a weights file may not fit the model: the settings the file's header records, else
+    global attention sized by another image size, else other architecture options."""
+    meta = run_metadata(path)
+    if meta is not None:
+        return (f"the file holds {meta['model']} built with {meta['model_kwargs']} for {meta['image_size']} px, "
+                f"{meta['in_chans']}-channel images: build the model with those, as lambdanet.load_model(FILE) and "
+                "lambdanet train --checkpoint FILE do")
+    attention = [n for n, m in model.named_modules() if type(m) in _CONVERTERS]
+    if any(key.startswith(n + ".") for n in attention):
+        return "global attention is sized by img_size: build the model at the checkpoint's"
+    return "the checkpoint was built with other architecture options (stem, widths, layers): build the model with those"
 
 
 def download_weights(repo_id: str) -> str:

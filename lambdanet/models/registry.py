@@ -142,8 +142,9 @@ def create_model(name: str, *, num_classes: int = 1000, in_chans: int = 3, pretr
             :mod:`lambdanet.models.byoa`): downloaded from the Hugging Face hub once, converted and cached
             (:mod:`lambdanet.models.pretrained`). With another ``num_classes`` the classifier is new.
         checkpoint_path: load a local weights file instead: timm's state dict of this model (``.pth``,
-            ``.bin``, ``.safetensors``) or lambdanet's own weights (a run's ``model.safetensors``), detected
-            from its keys.
+            ``.bin``, ``.safetensors``) or lambdanet's own weights (a run's ``model.safetensors``, or the run
+            directory: :func:`lambdanet.models.pretrained.run_file`), detected from its keys. A checkpoint with
+            another number of input channels has its input convolution adapted to ``in_chans``.
         **kwargs: architecture options of that model (:func:`model_args`); unknown ones raise a
             ``ValueError`` listing the accepted ones.
 
@@ -186,6 +187,8 @@ def default_pretrained_cfg(name: str, num_classes: int, in_chans: int) -> dict:
 def _load_into(model: nn.Module, name: str, pretrained: bool, checkpoint_path) -> None:
     from lambdanet.models import pretrained as weights
 
+    if checkpoint_path is not None:
+        checkpoint_path = weights.run_file(checkpoint_path)  # a run directory: its weights file
     notes = weights.load_pretrained(model, name) if pretrained else weights.load_weights(model, checkpoint_path, name)
     if checkpoint_path is not None:  # lambdanet's run weights describe their data: classes and preprocessing
         meta = weights.run_metadata(checkpoint_path) or {}

@@ -101,9 +101,11 @@ class ZooModel(NamedTuple):
 
 
 def _resnet_v1(depth: int, *, small: bool = False) -> ZooModel:
+    # only ResNet-50 is a row of LambdaNetworks Tables 3, 9 and 13
+    tables = "; LambdaNetworks Tables 3, 9, 13" if depth == 50 else ""
     cfg = ResNetConfig(RESNET_LAYERS[depth], input_size=224, paper=f"ResNet-{depth} v1 (He et al. 2016; stride on "
-                                                                   "the 3x3 conv); LambdaNetworks Tables 3, 9, 13")
-    return ZooModel(cfg, "He et al. 2016; LambdaNetworks Table 3", {"epochs": 90},
+                                                                   f"the 3x3 conv){tables}")
+    return ZooModel(cfg, "He et al. 2016" + ("; LambdaNetworks Table 3" if depth == 50 else ""), {"epochs": 90},
                     "LambdaNetworks App. E.2, 90-epoch setup", small)
 
 
@@ -111,9 +113,11 @@ def _resnet_rs(depth: int, *, se: bool = False) -> ZooModel:
     cfg = ResNetConfig(RESNET_RS_LAYERS[depth], stem="rs", shortcut="avg", se_ratio=0.25 if se else 0.0,
                        input_size=DEFAULT_SIZE[depth],
                        paper=f"ResNet-RS-{depth} {'w/' if se else 'wo/'} SE (Bello et al. 2021): ResNet-D stem and "
-                             "shortcut, max pool replaced by a strided 3x3 conv, SE ratio 0.25; "
-                             "LambdaNetworks Table 14")
-    return ZooModel(cfg, "LambdaNetworks Table 14, Table 18 blocks", *table20_recipe(depth, DEFAULT_SIZE[depth]))
+                             "shortcut, max pool replaced by a strided 3x3 conv, SE ratio 0.25; LambdaNetworks "
+                             + ("Table 14" if depth in (101, 152) else "Table 18 blocks"))
+    # Table 14 lists ResNet-RS-101 and -152 only; Table 18 gives every depth's blocks
+    tables = "LambdaNetworks Table 14, Table 18 blocks" if depth in (101, 152) else "LambdaNetworks Table 18 blocks"
+    return ZooModel(cfg, tables, *table20_recipe(depth, DEFAULT_SIZE[depth]))
 
 
 def _lambda_resnet(depth: int) -> ZooModel:
@@ -123,15 +127,22 @@ def _lambda_resnet(depth: int) -> ZooModel:
                        stage_kwargs=({}, {}, C4_LAMBDA, C5_LAMBDA), input_size=DEFAULT_SIZE[depth],
                        paper=f"LambdaResNet-{depth}: Table 18 ({'-'.join(map(str, layers))}, lambda in c4 blocks "
                              f"{LAMBDA_C4_BLOCKS[depth]} and all of c5)")
-    return ZooModel(cfg, "LambdaNetworks Tables 14, 18-20", *table20_recipe(depth, DEFAULT_SIZE[depth]))
+    # Table 14 has the parameter counts of -101 and -152; Tables 19-20 list every depth but 200
+    tables = ("Table 14, " if depth in (101, 152) else "") + (
+        "Tables 18-20" if depth in TABLE20_REGULARIZATION else "Table 18")
+    return ZooModel(cfg, f"LambdaNetworks {tables}", *table20_recipe(depth, DEFAULT_SIZE[depth]))
 
 
 def _lambda_resnet_c4(depth: int, c4_lambda: Mapping) -> ZooModel:
     layers = RESNET_RS_LAYERS[depth]
     cfg = ResNetConfig(layers, stem="rs", shortcut="avg", pattern=lambda_resnet_pattern(layers, "all"),
                        stage_kwargs=({}, {}, c4_lambda, C5_LAMBDA), input_size=DEFAULT_SIZE[depth],
-                       paper=f"LambdaResNet-{depth}-C4: every c4 and c5 block a lambda layer (Tables 14-16)")
-    return ZooModel(cfg, "LambdaNetworks Tables 14-16", *table20_recipe(depth, DEFAULT_SIZE[depth]))
+                       paper=f"LambdaResNet-{depth}-C4: every c4 and c5 block a lambda layer ({C4_TABLES[depth]})")
+    return ZooModel(cfg, f"LambdaNetworks {C4_TABLES[depth]}", *table20_recipe(depth, DEFAULT_SIZE[depth]))
+
+
+# the tables that list each LambdaResNet-C4
+C4_TABLES = {101: "Table 14", 152: "Tables 14-15", 200: "Table 15", 270: "Table 16"}
 
 
 # Every ResNet-family model, by registered name (each has an entry point of that name below).

@@ -56,8 +56,11 @@ class TrainConfig:
                                   "(e.g. stage_layers=CCLL); the resolved config adds stem/base_width/img_size")
     pretrained: bool = option(False, "start from the model's published ImageNet weights (lambdanet models --pretrained "
                                    "lists the models that have them), with a new classifier for the data's classes")
-    checkpoint: str | None = option(None, "start from a weights file: timm's checkpoint of the model (.pth, .bin, "
-                                        ".safetensors) or lambdanet's own (a run's model.safetensors)")
+    checkpoint: str | None = option(None, "start from weights: timm's checkpoint of the model (.pth, .bin, "
+                                        ".safetensors) or a run of lambdanet train (its directory, .safetensors or "
+                                        "last.pt; its model, model_kwargs and img_size are taken unless given); "
+                                        "another input channel count is adapted, another class count gets a new "
+                                        "classifier")
     data: str = option("digits", "dataset: digits, mnist5k, fashion-mnist, cifar10, cifar100 or imagefolder:PATH")
     data_dir: str = option("~/.cache/lambdanet/data", "folder holding (or receiving) downloaded datasets")
     download: bool = option(True, "download a dataset that is not on disk (cifar, fashion-mnist)")
@@ -120,8 +123,23 @@ class TrainConfig:
         positive = ("epochs", "batch_size", "eval_batch_size", "checkpoint_every")
         for name in positive:
             v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        for name, what in _OPTIONAL_SIZES.items():
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+                raise ValueError(f"{name} must be a positive int ({what}) or null, got {v!r}")
+        for name in ("workers", "randaugment_layers"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+        m = self.randaugment_magnitude
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise ValueError(f"randaugment_magnitude must be a non-negative int, got {m!r}")
+        if not self.warmup_epochs >= 0:
+            raise ValueError(f"warmup_epochs must be >= 0, got {self.warmup_epochs}")
+        if not self.lr_decay_epochs > 0:
+            raise ValueError(f"lr_decay_epochs must be positive, got {self.lr_decay_epochs}")
         if not 0.0 <= self.val_split < 1.0:
             raise ValueError(f"val_split must be in [0, 1), got {self.val_split}")
         if self.lr <= 0:
@@ -142,9 +160,13 @@ class TrainConfig:
             raise ValueError(f"labeled_fraction must be in (0, 1], got {self.labeled_fraction}")
         if self.pretrained and self.checkpoint:
             raise ValueError("pass --pretrained (the published weights) or --checkpoint FILE, not both")
-        if self.checkpoint is not None and not Path(self.checkpoint).expanduser().is_file():
-            raise ValueError(f"checkpoint {self.checkpoint!r} does not exist (expected a weights file: .pth, .bin, "
-                             ".safetensors)")
+        if self.checkpoint is not None:
+            from lambdanet.models.pretrained import run_file
+
+            if not Path(self.checkpoint).expanduser().exists():
+                raise ValueError(f"checkpoint {self.checkpoint!r} does not exist (expected a run directory of lambdanet "
+                                 "train or a weights file: .safetensors, .pth, .bin, a run's last.pt)")
+            run_file(self.checkpoint)  # a directory without weights: one line naming it
         if not isinstance(self.model_kwargs, dict):
             raise ValueError(f"model_kwargs must be a mapping, got {self.model_kwargs!r}")
 
@@ -160,6 +182,12 @@ class TrainConfig:
     def effective_lr(self) -> float:
         """``lr * batch_size / lr_batch_scale`` (the paper's ``0.1 B / 256``) or ``lr``."""
         return self.lr * self.batch_size / self.lr_batch_scale if self.lr_batch_scale else self.lr
+
+
+# the size-like options that may be null, and what they count (TrainConfig.validate)
+_OPTIONAL_SIZES = {"img_size": "the training resolution in pixels; each model has its own minimum, checked "
+                               "before training", "max_train_batches": "batches per epoch",
+                   "early_stop_patience": "epochs", "compact_width": "channels", "lr_batch_scale": "a batch size"}
 
 
 RECIPES: dict[str, dict] = {
@@ -221,6 +249,10 @@ def resolve_config(recipe: str | None = None, yaml_values: dict | None = None, o
     small-image stem, the compact width, the model's own dropout / stochastic depth) is written in, so that
     ``config.yaml`` says exactly what runs.
 
+    With ``checkpoint`` set to what ``lambdanet train`` wrote, the model, its architecture options and the image
+    size are the checkpoint's (:func:`_checkpoint_values`; over the recipe and the model's paper values) unless
+    given explicitly.
+
     With ``resume`` set, the run's saved ``config.yaml`` takes the place of defaults and recipe; the trainer
     then refuses any change other than :data:`RESUME_FREE` and more ``epochs``.
     """
@@ -235,6 +267,7 @@ def resolve_config(recipe: str | None = None, yaml_values: dict | None = None, o
         _check_keys(saved, f"{Path(out) / 'config.yaml'}")
         cfg = TrainConfig(**{**saved, **explicit})
     else:
+        explicit = _checkpoint_values(explicit)
         name = explicit.get("recipe") or recipe or "quick"
         if name not in RECIPES:
             raise ValueError(f"unknown recipe {name!r}; valid recipes: {', '.join(RECIPES)}")
@@ -247,6 +280,42 @@ def resolve_config(recipe: str | None = None, yaml_values: dict | None = None, o
     cfg.validate()
     _resolve_model_values(cfg)  # idempotent: a saved (resolved) configuration stays as it is
     return cfg
+
+
+def _checkpoint_values(explicit: dict) -> dict:
+    """Fine-tuning from what ``lambdanet train`` wrote (``checkpoint``: a run directory, its safetensors weights
+    or its ``last.pt``) builds the checkpoint's model: ``explicit`` with the model, its architecture options
+    (``model_kwargs``, stem and width included) and its image size filled in from the checkpoint's header
+    (:func:`lambdanet.train.load.checkpoint_settings`) where not given. Given ``model_kwargs`` override single
+    options; a given ``img_size`` builds the model at that size; another ``model`` is refused."""
+    ckpt = explicit.get("checkpoint")
+    given = explicit.get("model_kwargs") or {}
+    if not ckpt or explicit.get("pretrained") or not isinstance(given, dict):
+        return explicit  # nothing to take, or an error validate() reports
+    from lambdanet.models import model_args
+    from lambdanet.train.load import checkpoint_settings
+
+    settings = checkpoint_settings(ckpt)
+    if settings is None:  # timm's weights, or a file the weight loader will report on
+        return explicit
+    model = settings["model"]
+    if explicit.get("model") not in (None, model):
+        raise ValueError(f"model {explicit['model']!r} does not match checkpoint {str(ckpt)!r}, which holds "
+                         f"{model!r}: drop --model to fine-tune the checkpoint's model")
+    kwargs = dict(settings["model_kwargs"])
+    for key in ("drop_rate", "drop_path_rate"):  # regularisation, not architecture: a flag wins
+        if explicit.get(key) is not None:
+            kwargs.pop(key, None)
+    if explicit.get("img_size") is not None:
+        kwargs.pop("img_size", None)  # built at the size asked for (global attention must then fit it)
+    accepted = model_args(model)
+    for key in ("stem", "base_width"):  # the checkpoint's own, never the small-image / compact defaults
+        if key in accepted:
+            kwargs.setdefault(key, None)
+    out = {**explicit, "model": model, "model_kwargs": {**kwargs, **given}}
+    if explicit.get("img_size") is None and settings["image_size"] is not None:
+        out["img_size"] = settings["image_size"]
+    return out
 
 
 def _resolve_model_values(cfg: TrainConfig) -> None:
@@ -278,6 +347,11 @@ def _resolve_model_values(cfg: TrainConfig) -> None:
         kwargs["base_width"] = cfg.compact_width
     if "img_size" in accepted and "img_size" not in kwargs:
         kwargs["img_size"] = cfg.img_size
+    if "in_chans" in kwargs or "num_classes" in kwargs:
+        raise ValueError("model_kwargs must not set in_chans or num_classes: the model takes the data's channels "
+                         "(digits, mnist5k, fashion-mnist: 1; cifar10/100, imagefolder: 3) and classes; weights from "
+                         "--checkpoint or --pretrained with other channels have their input convolution adapted, "
+                         "with other classes get a new classifier")
     unknown = sorted(set(kwargs) - set(accepted))
     if unknown:
         raise ValueError(f"model {cfg.model!r} does not take {unknown}; it accepts: {', '.join(accepted)}")
@@ -362,22 +436,52 @@ def _optional(conv):
     return parse
 
 
+def recipe_values() -> dict[str, dict]:
+    """Per recipe, the values of :class:`TrainConfig` it runs with before the data and the model are known;
+    the options a recipe takes from the model (:data:`RECIPE_MODEL_KEYS`) read ``"the model's"``."""
+    base = dataclasses.asdict(TrainConfig())
+    out = {}
+    for name, values in RECIPES.items():
+        out[name] = {**base, **values, "recipe": name}
+        out[name].update({k: "the model's" for k in RECIPE_MODEL_KEYS.get(name, ())})
+    return out
+
+
+def _shown(value) -> str:
+    return "null" if value is None else str(value)
+
+
+def describe_default(name: str, values: dict[str, dict], default_recipe: str) -> str:
+    """``default: X`` when every recipe runs ``name`` with the same value, else the default recipe's value and
+    each other recipe's (``default: 1200 (quick recipe); paper: 0``), so ``--help`` shows what will run."""
+    first = _shown(values[default_recipe][name])
+    others = [f"{recipe}: {_shown(v[name])}" for recipe, v in values.items()
+              if recipe != default_recipe and _shown(v[name]) != first]
+    if name == "recipe" or not others:
+        return f"default: {first}"
+    return f"default: {first} ({default_recipe} recipe); " + "; ".join(others)
+
+
 def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type = None,
-                         choices: dict[str, tuple] | None = None) -> None:
+                         choices: dict[str, tuple] | None = None, recipes: dict[str, dict] | None = None,
+                         default_recipe: str = "quick") -> None:
     """One ``--flag`` per field of ``config_cls`` (default :class:`TrainConfig`, whose closed options are
-    :func:`field_choices`; another dataclass passes its own ``choices``) with its one-line help (:func:`option`
-    metadata), choices and default (booleans: ``--flag`` / ``--no-flag``); the parsed default is ``None`` =
-    "not given", so recipe and YAML values survive."""
+    :func:`field_choices` and recipes :func:`recipe_values`; another dataclass passes its own ``choices`` and
+    ``recipes``, name -> the values it runs with) with its one-line help (:func:`option` metadata), choices and
+    default as the recipes set it (:func:`describe_default`; booleans: ``--flag`` / ``--no-flag``); the parsed
+    default is ``None`` = "not given", so recipe and YAML values survive."""
     config_cls = TrainConfig if config_cls is None else config_cls
     hints = typing.get_type_hints(config_cls)
     choices = field_choices() if config_cls is TrainConfig else dict(choices or {})
+    if recipes is None:
+        recipes = recipe_values() if config_cls is TrainConfig else {
+            default_recipe: dataclasses.asdict(config_cls())}
     for f in dataclasses.fields(config_cls):
         hint = hints[f.name]
         args = typing.get_args(hint)
         base = next((a for a in args if a is not type(None)), hint) if args else hint
         optional = type(None) in args
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        help_text = f"{f.metadata['help']} (default: {'null' if default is None else default})"
+        help_text = f"{f.metadata['help']} ({describe_default(f.name, recipes, default_recipe)})"
         if base is bool:
             parser.add_argument(flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=None,
                                 help=help_text)

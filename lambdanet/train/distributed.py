@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 
 import torch
@@ -99,8 +99,12 @@ def launch_local(fn: Callable[..., object], args: tuple, nprocs: int,
         port = s.getsockname()[1]
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nprocs),
            "LOCAL_WORLD_SIZE": str(nprocs)}
+    context = mp.start_processes(_local_worker, args=(fn, args, env, threads_per_process(nprocs)), nprocs=nprocs,
+                                 join=False, start_method="spawn")
     try:
-        mp.spawn(_local_worker, args=(fn, args, env, threads_per_process(nprocs)), nprocs=nprocs, join=True)
+        with _forwarded_signals(context.processes):  # SIGTERM / SIGINT to this process reach every worker
+            while not context.join():
+                pass
     except mp.ProcessRaisedException as err:
         last = str(err).strip().splitlines()[-1]  # the worker's traceback ends "module.Type: message"
         for kind in (ValueError, *relay):
@@ -108,6 +112,31 @@ def launch_local(fn: Callable[..., object], args: tuple, nprocs: int,
             if last.startswith(f"{name}: "):
                 raise kind(last.removeprefix(f"{name}: ")) from None
         raise
+
+
+@contextmanager
+def _forwarded_signals(processes):
+    """While inside, SIGTERM and SIGINT sent to this process are passed on to ``processes`` (which stop on them,
+    see :mod:`lambdanet.train.preempt`) instead of ending this one first. Main thread only."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(signum, frame):
+        for p in processes:
+            if p.is_alive():
+                with suppress(ProcessLookupError):
+                    os.kill(p.pid, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _local_worker(rank: int, fn: Callable[..., object], args: tuple, env: dict[str, str], threads: int) -> None:

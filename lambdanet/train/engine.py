@@ -37,17 +37,26 @@ def _to(x: Tensor, device: torch.device, channels_last: bool) -> Tensor:
 def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer, scheduler, loss_fn: nn.Module, *,
                     epoch: int, device: torch.device, ctx: DistContext | None = None, amp: str = "none",
                     scaler: torch.amp.GradScaler | None = None, ema=None, channels_last: bool = False,
-                    progress=None, max_batches: int | None = None) -> dict:
+                    progress=None, max_batches: int | None = None, partial: dict | None = None,
+                    stop=None) -> dict:
     """One pass over ``loader``: forward, loss, backward, step, schedule step, EMA update.
 
     Raises :class:`NonFiniteLossError` as soon as the loss is NaN or infinite (before the step that
     would spoil the weights). Returns the epoch's mean loss, top-1, samples seen (all ranks) and speed.
+
+    ``stop`` (a :class:`lambdanet.train.preempt.StopSignals`) is asked after every step whether a signal
+    asked the run to stop; if so the pass ends there and the result holds ``"partial"``: the batches done
+    and this rank's running sums, which, handed back as ``partial`` with ``loader`` positioned after those
+    batches, continue the epoch as if it had never stopped.
     """
     ctx = ctx or DistContext()
     model.train()
-    loss_sum, correct, seen = 0.0, 0, 0
-    start = time.perf_counter()
-    for step, (x, y) in enumerate(loader):
+    partial = partial or {}
+    done = int(partial.get("batches", 0))  # batches of this epoch trained before (a resumed, preempted epoch)
+    loss_sum, correct, seen = float(partial.get("loss_sum", 0.0)), int(partial.get("correct", 0)), int(
+        partial.get("seen", 0))
+    start = time.perf_counter() - float(partial.get("seconds", 0.0))
+    for step, (x, y) in enumerate(loader, start=done):
         if max_batches is not None and step >= max_batches:
             break
         x, y = _to(x, device, channels_last), y.to(device, non_blocking=True)
@@ -76,6 +85,10 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer, 
             progress.update(n * ctx.world)
             progress.set_postfix(loss=f"{loss_sum / seen:.3f}", lr=f"{optimizer.param_groups[0]['lr']:.2e}",
                                  refresh=False)  # drawn at the bar's own interval
+        if stop is not None and stop.requested(ctx):  # the sums of every rank, to be carried by one
+            loss_sum, correct, seen = all_reduce_sum([loss_sum, correct, seen], ctx)
+            return {"partial": {"batches": step + 1, "loss_sum": loss_sum, "correct": int(correct),
+                                "seen": int(seen), "seconds": time.perf_counter() - start}}
     elapsed = time.perf_counter() - start
     loss_sum, correct, seen = all_reduce_sum([loss_sum, correct, seen], ctx)
     return {"loss": loss_sum / max(seen, 1), "top1": correct / max(seen, 1), "samples": int(seen),

@@ -4,7 +4,9 @@ The safetensors weights a run writes (``model.safetensors``, ``model_ema.safeten
 model in the file's header (:func:`weights_metadata`): the registered name and keyword arguments, the
 number of classes and input channels, the class names and the preprocessing (image size, mean, std).
 ``load_model`` reads that header, builds the model with ``create_model`` and loads the weights strictly;
-it also takes a run directory (the EMA weights when the run kept them) or a ``last.pt`` checkpoint.
+it also takes a run directory (the EMA weights when the run kept them; :func:`run_file`, the rule every
+command uses for a run directory) or a ``last.pt`` checkpoint. :func:`checkpoint_settings` is what
+fine-tuning (``lambdanet train --checkpoint RUN_OR_FILE``) takes from the same header.
 """
 
 from __future__ import annotations
@@ -16,10 +18,17 @@ from pathlib import Path
 from torch import nn
 
 from lambdanet.models import create_model
-from lambdanet.models.pretrained import METADATA_FORMAT, run_metadata
+from lambdanet.models.pretrained import (
+    METADATA_FORMAT,
+    WeightsMismatchError,
+    read_state_dict,
+    run_file,
+    run_metadata,
+    tie_shared,
+)
 from lambdanet.train.checkpoint import CheckpointError, load_checkpoint, trained_weights
 
-__all__ = ["load_model", "restore_model", "weights_metadata", "METADATA_FORMAT"]
+__all__ = ["load_model", "restore_model", "weights_metadata", "checkpoint_settings", "run_file", "METADATA_FORMAT"]
 
 
 
@@ -65,22 +74,17 @@ def load_model(path: str | os.PathLike, *, ema: bool = True) -> nn.Module:
     The returned model has ``pretrained_cfg``: ``{"model", "num_classes", "in_chans", "classes", "data",
     "image_size", "mean", "std"}`` (what its inputs must look like and what its outputs mean).
     """
-    path = Path(path)
-    if path.is_dir():
-        candidates = (["model_ema.safetensors"] if ema else []) + ["model.safetensors", "last.pt"]
-        found = next((path / c for c in candidates if (path / c).is_file()), None)
-        if found is None:
-            raise ValueError(f"{path} holds no trained model (model.safetensors, model_ema.safetensors or last.pt)")
-        path = found
+    path = run_file(path, ema=ema)
     if not path.is_file():
         raise ValueError(f"{path} does not exist; pass a run directory, its model.safetensors or its last.pt")
     if path.suffix == ".safetensors":
-        from safetensors.torch import load_model as load_weights
-
         meta = _read_metadata(path)
         model = create_model(meta["model"], num_classes=meta["num_classes"], in_chans=meta["in_chans"],
                              **meta["model_kwargs"])
-        load_weights(model, str(path), strict=True)
+        missing, unexpected = model.load_state_dict(tie_shared(model, read_state_dict(path)), strict=False)
+        if missing or unexpected:
+            raise WeightsMismatchError(f"{path} does not hold the weights its header describes ({meta['model']}"
+                                       f"{meta['model_kwargs']}): missing {missing[:3]}, unexpected {unexpected[:3]}")
     else:
         state = load_checkpoint(path)
         cfg = dict(state.get("config") or {})
@@ -96,3 +100,29 @@ def load_model(path: str | os.PathLike, *, ema: bool = True) -> nn.Module:
     model.pretrained_cfg = {k: meta[k] for k in ("model", "num_classes", "in_chans", "classes", "data", "image_size",
                                                  "mean", "std")}
     return model.eval()
+
+
+def checkpoint_settings(path: str | os.PathLike) -> dict | None:
+    """The model settings of what ``lambdanet train`` wrote (a run directory, its safetensors weights or a
+    ``last.pt``): ``{"model", "model_kwargs", "image_size", "file"}`` (``file``: what :func:`run_file` picked),
+    ``None`` for weights of another origin (timm's) or a file that cannot be read (its loader reports why)."""
+    file = run_file(path)
+    if file.suffix == ".safetensors" and file.is_file():
+        meta = run_metadata(file)
+        if meta is None:
+            return None
+        return {"model": meta["model"], "model_kwargs": dict(meta["model_kwargs"]), "image_size": meta["image_size"],
+                "file": file}
+    if file.suffix == ".pt" and file.is_file():
+        try:
+            state = load_checkpoint(file)
+        except CheckpointError:  # not a run's checkpoint, or damaged: create_model's loader says which
+            return None
+        cfg = state.get("config") or {}
+        if "model" not in cfg:
+            return None
+        kwargs = state.get("model_kwargs")  # create_model's keywords (the configuration's model_kwargs and more)
+        if kwargs is None:
+            kwargs = cfg.get("model_kwargs") or {}
+        return {"model": cfg["model"], "model_kwargs": dict(kwargs), "image_size": cfg.get("img_size"), "file": file}
+    return None

@@ -50,9 +50,10 @@ from lambdanet.train.distributed import (
     init_distributed,
 )
 from lambdanet.train.engine import NonFiniteLossError, evaluate, train_one_epoch
-from lambdanet.train.load import restore_model, weights_metadata
+from lambdanet.train.load import restore_model, run_file, weights_metadata
 from lambdanet.train.logger import RunLogger, plot_history, read_history, truncate_history, write_json
 from lambdanet.train.optim import build_ema, build_optimizer, build_scheduler, set_bn_momentum
+from lambdanet.train.preempt import Preempted, StopSignals
 from lambdanet.train.rundir import RunDirBusyError, RunDirLock
 
 __all__ = ["train", "evaluate_checkpoint", "TrainingDivergedError", "TrainState", "build_model_for",
@@ -96,6 +97,7 @@ class TrainState:
     samples_seen: int = 0
     best: dict = field(default_factory=lambda: {"score": -1.0, "test_top1": 0.0, "epoch": 0})
     bad_epochs: int = 0  # epochs since the best score (early stopping)
+    epoch_partial: dict | None = None  # a preempted epoch's batches done and running sums (train_one_epoch)
 
     def state_dict(self, cfg: TrainConfig) -> dict:
         return {"model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
@@ -103,7 +105,7 @@ class TrainState:
                 "scaler": self.scaler.state_dict() if self.scaler else None, "epoch": self.epoch,
                 "train_time_s": self.train_time_s, "samples_seen": self.samples_seen, "best": dict(self.best),
                 "bad_epochs": self.bad_epochs, "rng": rng_state(), "config": dataclasses.asdict(cfg),
-                "model_kwargs": model_build_kwargs(cfg)}
+                "model_kwargs": model_build_kwargs(cfg), "epoch_partial": self.epoch_partial}
 
     def load_state_dict(self, state: dict) -> None:
         unwrap(self.model).load_state_dict(state["model"])
@@ -116,6 +118,7 @@ class TrainState:
         self.epoch, self.train_time_s = int(state["epoch"]), float(state["train_time_s"])
         self.samples_seen, self.best = int(state["samples_seen"]), dict(state["best"])
         self.bad_epochs = int(state["bad_epochs"])
+        self.epoch_partial = state.get("epoch_partial")  # absent from checkpoints of epoch ends (and older runs)
         set_rng_state(state["rng"])
 
     def record(self, row: dict, score: float) -> None:
@@ -210,7 +213,8 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
                 busy = err
         if all_reduce_sum([float(busy is not None)], ctx)[0]:  # every rank stops when rank 0 could not lock
             raise busy or RunDirBusyError(f"run directory {cfg.out} is in use by another process")
-        summary = _train(cfg, ctx, log if ctx.is_main else (lambda s: None))
+        with StopSignals() as stop:  # SIGTERM / SIGINT: a step-level checkpoint, then Preempted
+            summary = _train(cfg, ctx, log if ctx.is_main else (lambda s: None), stop)
         finished = True
         return summary
     finally:
@@ -218,7 +222,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
         cleanup(ctx, synchronize=finished)
 
 
-def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None]) -> dict:
+def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None], stop: StopSignals | None = None) -> dict:
     cfg.validate()
     out = Path(cfg.out)
     ckpt_path = out / "last.pt"
@@ -254,11 +258,19 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None]) -> di
     stopped_early, last_row, last_saved = False, {}, state.epoch
     while state.epoch < cfg.epochs and not stopped_early:
         try:
-            last_row = run_epoch(state, run_model, data, cfg, ctx)
+            row = run_epoch(state, run_model, data, cfg, ctx, stop)
         except NonFiniteLossError as err:
             where = (f"the last good checkpoint is {ckpt_path} (epoch {last_saved})" if last_saved
                      else "no checkpoint had been written yet")
             raise TrainingDivergedError(f"{err}; training stopped, {where}. Lower --lr or check the data.") from None
+        if row is None:  # a signal: save where the epoch stands, then stop
+            if ctx.is_main:
+                save_checkpoint(state.state_dict(cfg), ckpt_path)
+            logger.close()
+            raise Preempted(f"stopped by {stop.received.name} in epoch {state.epoch + 1}/{cfg.epochs} after batch "
+                            f"{state.epoch_partial['batches']}/{_batches_per_epoch(cfg, data)}: saved {ckpt_path}; continue with "
+                            f"--resume --out {out}")
+        last_row = row
         logger.log_epoch(last_row)
         log(_epoch_line(last_row, cfg))
         stopped_early = cfg.early_stop_patience is not None and state.bad_epochs >= cfg.early_stop_patience
@@ -294,6 +306,9 @@ def _initial_state(cfg: TrainConfig, data: RunData, ctx: DistContext, log: Calla
     model = build_model_for(cfg, data.spec, initial_weights=not cfg.resume)
     if (cfg.pretrained or cfg.checkpoint) and not cfg.resume:
         source = f"{cfg.model}'s published weights" if cfg.pretrained else cfg.checkpoint
+        used = model.pretrained_cfg.get("weights")
+        if not cfg.pretrained and used != str(cfg.checkpoint):  # a run directory: the file it stands for
+            source = f"{cfg.checkpoint} ({used})"
         notes = "; ".join(model.pretrained_cfg.get("load_notes") or [])
         log(f"starting from {source}" + (f" ({notes})" if notes else ""))
     if cfg.bn_momentum is not None:
@@ -305,10 +320,15 @@ def _initial_state(cfg: TrainConfig, data: RunData, ctx: DistContext, log: Calla
         model = model.to(memory_format=torch.channels_last)
     _dry_run(model, data.test, cfg, device)
     optimizer = build_optimizer(model, cfg)
-    steps = len(data.train) if cfg.max_train_batches is None else min(len(data.train), cfg.max_train_batches)
+    steps = _batches_per_epoch(cfg, data)
     return TrainState(model, optimizer, build_scheduler(optimizer, cfg, steps),
                       ema=build_ema(model, cfg.ema_decay) if cfg.ema_decay else None,
                       scaler=torch.amp.GradScaler("cuda") if cfg.amp == "fp16" else None)
+
+
+def _batches_per_epoch(cfg: TrainConfig, data: RunData) -> int:
+    """The optimiser steps of one epoch (``max_train_batches`` caps the loader's batches)."""
+    return len(data.train) if cfg.max_train_batches is None else min(len(data.train), cfg.max_train_batches)
 
 
 def _restore(state: TrainState, cfg: TrainConfig, saved_epochs: int, ctx: DistContext,
@@ -320,24 +340,36 @@ def _restore(state: TrainState, cfg: TrainConfig, saved_epochs: int, ctx: DistCo
         raise ValueError(f"--epochs {cfg.epochs} is fewer than the {state.epoch} epochs {out} has done")
     if ctx.is_main:
         truncate_history(out / "metrics.csv", state.epoch)
-    log(f"resuming {out}: {state.epoch}/{saved_epochs} epochs done")
+    within = state.epoch_partial
+    log(f"resuming {out}: {state.epoch}/{saved_epochs} epochs done"
+        + (f", epoch {state.epoch + 1} from batch {within['batches'] + 1}" if within else ""))
     if cfg.epochs != saved_epochs:
         log(f"extending the run from {saved_epochs} to {cfg.epochs} epochs: the learning-rate schedule is "
             f"recomputed over {cfg.epochs} epochs and continues from epoch {state.epoch}")
 
 
-def run_epoch(state: TrainState, run_model: nn.Module, data: RunData, cfg: TrainConfig, ctx: DistContext) -> dict:
-    """Train one epoch, evaluate, and advance ``state``; returns the epoch's metrics row."""
+def run_epoch(state: TrainState, run_model: nn.Module, data: RunData, cfg: TrainConfig, ctx: DistContext,
+              stop: StopSignals | None = None) -> dict | None:
+    """Train one epoch (or the rest of a preempted one), evaluate, and advance ``state``; returns the epoch's
+    metrics row, or ``None`` when ``stop`` ended the epoch early (``state.epoch_partial`` then says where)."""
     device, epoch = ctx.device, state.epoch
-    data.train.set_epoch(epoch)
-    bar = _progress(cfg, ctx, data.train, epoch)
+    partial = dict(state.epoch_partial or {})
+    if partial and not ctx.is_main:  # the sums of every rank were saved once: the main process carries them
+        partial = {"batches": partial["batches"], "seconds": partial.get("seconds", 0.0)}
+    data.train.set_epoch(epoch, start_batch=int(partial.get("batches", 0)))
+    bar = _progress(cfg, ctx, data.train, epoch, initial=int(partial.get("seen", 0)))
     try:
         stats = train_one_epoch(run_model, data.train, state.optimizer, state.scheduler, _loss_fn(cfg), epoch=epoch,
                                 device=device, ctx=ctx, amp=cfg.amp, scaler=state.scaler, ema=state.ema,
-                                channels_last=cfg.channels_last, progress=bar, max_batches=cfg.max_train_batches)
+                                channels_last=cfg.channels_last, progress=bar, max_batches=cfg.max_train_batches,
+                                partial=partial, stop=stop)
     finally:
         if bar is not None:
             bar.close()
+    if "partial" in stats:
+        state.epoch_partial = stats["partial"]
+        return None
+    state.epoch_partial = None
     state.epoch += 1
     state.train_time_s += stats["seconds"]
     state.samples_seen += stats["samples"]
@@ -384,7 +416,7 @@ def _summary(state: TrainState, cfg: TrainConfig, ctx: DistContext, data: RunDat
     }
 
 
-def _progress(cfg: TrainConfig, ctx: DistContext, loader: ImageLoader, epoch: int):
+def _progress(cfg: TrainConfig, ctx: DistContext, loader: ImageLoader, epoch: int, initial: int = 0):
     if not (cfg.progress and ctx.is_main):
         return None
     from tqdm import tqdm
@@ -394,8 +426,8 @@ def _progress(cfg: TrainConfig, ctx: DistContext, loader: ImageLoader, epoch: in
         total = min(total, cfg.max_train_batches * cfg.batch_size)
     # redirected to a file (cluster logs): redraws at most every 30 s instead of several per second
     interval = 0.1 if sys.stderr.isatty() else 30.0
-    return tqdm(total=total, unit="img", unit_scale=True, desc=f"epoch {epoch + 1}/{cfg.epochs}", leave=False,
-                dynamic_ncols=True, file=sys.stderr, mininterval=interval)
+    return tqdm(total=total, initial=initial, unit="img", unit_scale=True, desc=f"epoch {epoch + 1}/{cfg.epochs}",
+                leave=False, dynamic_ncols=True, file=sys.stderr, mininterval=interval)
 
 
 def _dry_run(model: nn.Module, loader: ImageLoader, cfg: TrainConfig, device: torch.device) -> None:
@@ -405,19 +437,27 @@ def _dry_run(model: nn.Module, loader: ImageLoader, cfg: TrainConfig, device: to
     if cfg.channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     model.eval()
+    stride = max((f.get("reduction", 0) for f in getattr(unwrap(model), "feature_info", None) or []), default=0)
     try:
         with torch.no_grad():
             model(x)
-    except ValueError as err:
+    except (ValueError, RuntimeError) as err:
+        small = cfg.img_size < stride  # a RuntimeError of larger images is no size problem: left as it is
+        if isinstance(err, RuntimeError) and not small:
+            raise
+        hint = f"; it downsamples by {stride}: use --img-size {stride} or more" if small else ""
         raise ValueError(f"model {cfg.model!r} cannot take {cfg.img_size}x{cfg.img_size} images from {cfg.data}: "
-                         f"{err}") from None
+                         f"{str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}{hint}"
+                         ) from None
 
 
 def evaluate_checkpoint(path: str | Path, *, data: str | None = None, split: str = "test", ema: bool = True,
                         batch_size: int = 256, device: str = "auto", data_dir: str | None = None) -> dict:
-    """Top-1 / top-5 of a checkpoint's model (its EMA weights when present and ``ema``) on a dataset split."""
+    """Top-1 / top-5 of a checkpoint's model (its EMA weights when present and ``ema``) on a dataset split;
+    ``path`` is a ``last.pt`` or a run directory (its ``last.pt``: :func:`lambdanet.train.load.run_file`)."""
     if split not in ("test", "train"):
         raise ValueError(f"split must be one of ['test', 'train'], got {split!r}")
+    path = run_file(path, checkpoint=True)  # a run directory: its last.pt (raw and EMA weights, configuration)
     state = load_checkpoint(path)
     saved = dict(state.get("config") or {})
     if not saved:

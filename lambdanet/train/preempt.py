@@ -1,0 +1,76 @@
+"""Preemption: a run stopped by SIGTERM or SIGINT saves a step-level checkpoint and exits non-zero.
+
+Cluster schedulers stop a job with SIGTERM and kill it with SIGKILL after a grace period; a terminal sends
+SIGINT on Ctrl-C. Inside :class:`StopSignals` such a signal only sets a flag; the training loops look at it
+after every optimiser step (:meth:`StopSignals.requested`, agreed between the processes of a process group so
+that all of them stop after the same step), save the run where it stands, and raise :class:`Preempted`,
+which the command line prints as one line and turns into the exit status ``128 + signal number`` (143 for
+SIGTERM, 130 for SIGINT), as a shell reports a process killed by that signal. ``--resume`` continues from
+that step.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+from lambdanet.train.distributed import DistContext, all_reduce_sum
+
+__all__ = ["Preempted", "StopSignals", "STOP_SIGNALS", "exit_status"]
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Preempted(RuntimeError):
+    """The run was stopped by a signal after saving a checkpoint that ``--resume`` continues from. The
+    message names the signal (``SIGTERM`` / ``SIGINT``), as :func:`exit_status` reads it."""
+
+
+def exit_status(err: Preempted) -> int:
+    """``128 + signal number`` of the signal ``err`` names (143 for SIGTERM, 130 for SIGINT)."""
+    for sig in STOP_SIGNALS:
+        if sig.name in str(err):
+            return 128 + int(sig)
+    return 128 + int(signal.SIGTERM)
+
+
+class StopSignals:
+    """While entered, SIGTERM and SIGINT set :attr:`received` instead of ending the process.
+
+    Handlers can only be installed from the main thread: elsewhere (a run started from a worker thread) the
+    process keeps its handlers and :meth:`requested` reports only what :meth:`request` was told.
+    """
+
+    def __init__(self):
+        self.received: signal.Signals | None = None
+        self._previous: dict[signal.Signals, object] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        self.request(signal.Signals(signum))
+
+    def request(self, sig: signal.Signals = signal.SIGTERM) -> None:
+        """Ask the run to stop after its current step (what a received signal does)."""
+        if self.received is None:
+            self.received = sig
+
+    def requested(self, ctx: DistContext | None = None) -> signal.Signals | None:
+        """The signal the run stops for, or ``None``. In a process group every process must call this after the
+        same step: a signal received by any of them stops all (each then reports SIGTERM unless it received
+        one itself)."""
+        if ctx is None or not ctx.enabled:
+            return self.received
+        anyone = all_reduce_sum([float(self.received is not None)], ctx)[0]
+        if anyone and self.received is None:
+            self.received = signal.SIGTERM
+        return self.received

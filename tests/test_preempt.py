@@ -1,0 +1,137 @@
+"""Preemption: SIGTERM / SIGINT mid-epoch saves a step-level checkpoint, exits non-zero on one line, and
+``--resume`` ends with the weights of a run that was never stopped."""
+
+import contextlib
+import json
+import os
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from lambdanet.cli import main
+from lambdanet.train.checkpoint import load_checkpoint
+from lambdanet.train.preempt import Preempted, StopSignals, exit_status
+
+# 2 epochs of 5 batches: a signal after global step 7 lands in epoch 2, after its batch 2
+TRAIN = ["train", "--model", "resnet26", "--epochs", "2", "--max-train-batches", "5", "--batch-size", "16", "--no-progress",
+         "--no-tensorboard", "--optimizer", "sgd", "--lr", "0.05", "--ema-decay", "0.9"]
+
+
+@contextlib.contextmanager
+def signal_after_step(step: int, sig: signal.Signals):
+    """Send ``sig`` to this process right after the ``step``-th optimiser step (counted over every optimiser):
+    the handler runs before the loop's next look at its flag, so the run stops after exactly that step."""
+    count = [0]
+
+    def hook(optimizer, args, kwargs):
+        count[0] += 1
+        if count[0] == step:
+            os.kill(os.getpid(), sig)
+
+    handle = register_optimizer_step_post_hook(hook)
+    try:
+        yield count
+    finally:
+        handle.remove()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    ref = tmp_path_factory.mktemp("preempt") / "ref"
+    assert main([*TRAIN, "--out", str(ref)]) == 0
+    return ref
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signalled_train_run_saves_its_step_and_resumes_to_the_uninterrupted_weights(tmp_path, capsys, sig,
+                                                                                       uninterrupted):
+    ref = uninterrupted
+    out = tmp_path / "stopped"
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    with signal_after_step(7, sig):
+        status = main([*TRAIN, "--out", str(out)])
+    assert status == 128 + int(sig)  # as a shell reports a process ended by that signal
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert f"stopped by {sig.name} in epoch 2/2 after batch 2/5" in err and "--resume" in err
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers  # restored
+
+    saved = load_checkpoint(out / "last.pt")
+    assert saved["epoch"] == 1 and saved["epoch_partial"]["batches"] == 2
+    assert saved["epoch_partial"]["seen"] == 2 * 16
+    assert saved["scheduler"]["last_epoch"] == 7  # the schedule stepped once per optimiser step
+    assert len((out / "metrics.csv").read_text().strip().splitlines()) == 2  # header and epoch 1 only
+
+    assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 0
+    assert "epoch 2 from batch 3" in capsys.readouterr().out
+    for name in ("model.safetensors", "model_ema.safetensors"):
+        a, b = load_file(ref / name), load_file(out / name)
+        assert a.keys() == b.keys()
+        for key in a:  # the same operations in the same order in one process: bit for bit
+            assert torch.equal(a[key], b[key]), (name, key)
+    rows = [(out / "metrics.csv").read_text(), (ref / "metrics.csv").read_text()]
+    ref_rows = [r.split(",") for r in rows[1].strip().splitlines()]
+    got_rows = [r.split(",") for r in rows[0].strip().splitlines()]
+    assert len(got_rows) == len(ref_rows) == 3
+    header = ref_rows[0]
+    for name in ("train_loss", "train_top1", "test_top1", "test_top1_ema"):  # epoch 2's sums carried over the stop
+        i = header.index(name)
+        assert [r[i] for r in got_rows[1:]] == [r[i] for r in ref_rows[1:]], name
+    summaries = [json.loads((d / "summary.json").read_text()) for d in (out, ref)]
+    assert summaries[0]["final_acc"] == summaries[1]["final_acc"]
+
+
+def test_a_run_stopped_in_its_first_epoch_resumes(tmp_path, capsys):
+    """No epoch finished yet: the step-level checkpoint is the run's first, and --resume takes it."""
+    out = tmp_path / "early"
+    with signal_after_step(1, signal.SIGTERM):
+        assert main([*TRAIN, "--out", str(out)]) == 143
+    assert "in epoch 1/2 after batch 1/5" in capsys.readouterr().err
+    assert load_checkpoint(out / "last.pt")["epoch"] == 0
+    assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 0
+    assert json.loads((out / "summary.json").read_text())["epochs"] == 2
+
+
+def test_stop_signals_flag_restore_and_exit_status():
+    before = signal.getsignal(signal.SIGTERM)
+    with StopSignals() as stop:
+        assert stop.requested() is None
+        os.kill(os.getpid(), signal.SIGTERM)  # handled: the process goes on
+        assert stop.requested() is signal.SIGTERM
+        os.kill(os.getpid(), signal.SIGINT)  # the first signal is the one reported
+        assert stop.requested() is signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert exit_status(Preempted("stopped by SIGINT in epoch 1")) == 130
+    assert exit_status(Preempted("stopped by SIGTERM in epoch 1")) == 143
+
+
+def test_a_signalled_detect_run_stops_in_pretraining_and_in_an_epoch_and_resumes_exactly(tmp_path, capsys):
+    """The detector's two phases: a signal in the glyph-crop pre-training saves pretrain.pt at that step, one
+    in an epoch saves last.pt at that batch; each --resume continues there, and the run ends with the weights
+    of one that never stopped."""
+    pytest.importorskip("pycocotools")
+    tiny = ["detect", "--backbone", "resnet26", "--epochs", "2", "--batch-size", "2", "--max-train-batches", "2",
+            "--max-eval-images", "2", "--eval-batch-size", "2", "--img-size", "96", "--no-progress",
+            "--no-tensorboard", "--pretrain-steps", "3", "--backbone-kwargs", "base_width=8", "--procs", "1",
+            "--device", "cpu", "--detector",
+            "{box_batch_size_per_image: 32, rpn_batch_size_per_image: 32, box_detections_per_img: 20}"]
+    assert main([*tiny, "--out", str(tmp_path / "whole")]) == 0
+    out = tmp_path / "stopped"
+    with signal_after_step(2, signal.SIGTERM):  # pre-training step 2 of 3
+        assert main([*tiny, "--out", str(out)]) == 143
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "in the pre-training after step 2/3" in err and "--resume" in err
+    assert load_checkpoint(out / "pretrain.pt")["step"] == 2 and not (out / "last.pt").exists()
+    with signal_after_step(2, signal.SIGTERM):  # pre-training step 3, then epoch 1's first batch
+        assert main(["detect", "--out", str(out), "--resume"]) == 143
+    assert "in epoch 1/2 after batch 1/2" in capsys.readouterr().err
+    assert load_checkpoint(out / "last.pt")["epoch_partial"]["batches"] == 1
+    assert main(["detect", "--out", str(out), "--resume"]) == 0
+    assert "epoch 1 from batch 2" in capsys.readouterr().out
+    whole, resumed = load_file(tmp_path / "whole" / "model.safetensors"), load_file(out / "model.safetensors")
+    assert whole.keys() == resumed.keys()
+    for key in whole:  # one process, the same operations in the same order: bit for bit
+        assert torch.equal(whole[key], resumed[key]), key
