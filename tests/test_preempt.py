@@ -104,6 +104,14 @@ def test_stop_signals_flag_restore_and_exit_status():
         os.kill(os.getpid(), signal.SIGINT)  # the first signal is the one reported
         assert stop.requested() is signal.SIGTERM
     assert signal.getsignal(signal.SIGTERM) is before
+    with StopSignals() as outer:  # a worker's own guard while it starts: the run's guard inherits its signal
+        os.kill(os.getpid(), signal.SIGTERM)
+        with StopSignals() as inner:
+            assert inner.requested() is signal.SIGTERM
+        assert outer.requested() is signal.SIGTERM
+    with StopSignals() as outer, StopSignals() as inner:
+        assert inner.requested() is None
+    assert signal.getsignal(signal.SIGTERM) is before
     assert exit_status(Preempted("stopped by SIGINT in epoch 1")) == 130
     assert exit_status(Preempted("stopped by SIGTERM in epoch 1")) == 143
 
@@ -135,3 +143,34 @@ def test_a_signalled_detect_run_stops_in_pretraining_and_in_an_epoch_and_resumes
     assert whole.keys() == resumed.keys()
     for key in whole:  # one process, the same operations in the same order: bit for bit
         assert torch.equal(whole[key], resumed[key]), key
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_two_process_detect_run_reaches_its_workers(tmp_path):
+    """``kill PID`` of ``lambdanet detect`` with two local processes: the launcher forwards the signal, both
+    workers stop after the same step, the main one saves, and the command ends with one line and status 143;
+    --resume then finishes the run from that batch."""
+    import subprocess
+    import sys
+    import time
+
+    pytest.importorskip("pycocotools")
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "lambdanet", "detect", "--backbone", "resnet26", "--epochs", "40", "--batch-size",
+            "4", "--max-train-batches", "6", "--max-eval-images", "2", "--eval-batch-size", "2", "--img-size", "96",
+            "--no-progress", "--no-tensorboard", "--pretrain-steps", "0", "--backbone-kwargs", "base_width=8",
+            "--procs", "2", "--device", "cpu", "--out", str(out), "--detector",
+            "{box_batch_size_per_image: 32, rpn_batch_size_per_image: 32, box_detections_per_img: 20}"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and not (out / "metrics.csv").exists():  # epoch 1 is done
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 143, stderr
+    lines = [line for line in stderr.splitlines() if line.startswith("lambdanet detect:")]
+    assert len(lines) == 1 and "stopped by SIGTERM in epoch" in lines[0] and "Traceback" not in stderr
+    saved = load_checkpoint(out / "last.pt")
+    assert saved["epoch_partial"] is not None or saved["epoch"] >= 1
+    assert main(["detect", "--out", str(out), "--resume"]) == 0
+    assert json.loads((out / "summary.json").read_text())["epochs"] == 40

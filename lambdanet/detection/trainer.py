@@ -530,8 +530,11 @@ def train_detector(cfg: DetectConfig, log: Callable[[str], None] = print) -> dic
 
 
 def _process_main(cfg: DetectConfig) -> None:
-    """One process of :func:`launch_local`'s group."""
-    train_detector(cfg)
+    """One process of :func:`launch_local`'s group. A signal the launcher forwards while this process sets up
+    or finishes does not kill it: caught here, it stops the training at its first step (or, after the last,
+    changes nothing)."""
+    with StopSignals():
+        train_detector(cfg)
 
 
 def _run_files(out: Path) -> list[str]:
@@ -626,6 +629,7 @@ def _run(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], No
             if row is None:  # a signal: save where the epoch stands, then stop
                 if ctx.is_main:
                     save_checkpoint(state.state_dict(cfg), out / "last.pt")
+                barrier(ctx)  # the others wait for the save: a process that ends first gets the rest stopped
                 raise Preempted(f"stopped by {stop.received.name} in epoch {state.epoch + 1}/{cfg.epochs} after "
                                 f"batch {state.epoch_partial['batches']}/{per_epoch}: saved {out / 'last.pt'}; "
                                 f"continue with --resume --out {out}")

@@ -101,10 +101,19 @@ def launch_local(fn: Callable[..., object], args: tuple, nprocs: int,
            "LOCAL_WORLD_SIZE": str(nprocs)}
     context = mp.start_processes(_local_worker, args=(fn, args, env, threads_per_process(nprocs)), nprocs=nprocs,
                                  join=False, start_method="spawn")
+    forwarded: list[int] = []
     try:
-        with _forwarded_signals(context.processes):  # SIGTERM / SIGINT to this process reach every worker
+        with _forwarded_signals(context.processes, forwarded):  # SIGTERM / SIGINT to this process reach the workers
             while not context.join():
                 pass
+    except mp.ProcessExitedException as err:
+        if forwarded:  # a worker ended by the signal before it could catch it (starting up, say): one line
+            import signal
+
+            raise ValueError(f"stopped by {signal.Signals(forwarded[0]).name} before the worker processes could "
+                             f"save anything ({err}); run the command again (with --resume if a run was saved)"
+                             ) from None
+        raise
     except mp.ProcessRaisedException as err:
         last = str(err).strip().splitlines()[-1]  # the worker's traceback ends "module.Type: message"
         for kind in (ValueError, *relay):
@@ -115,9 +124,10 @@ def launch_local(fn: Callable[..., object], args: tuple, nprocs: int,
 
 
 @contextmanager
-def _forwarded_signals(processes):
+def _forwarded_signals(processes, forwarded: list[int]):
     """While inside, SIGTERM and SIGINT sent to this process are passed on to ``processes`` (which stop on them,
-    see :mod:`lambdanet.train.preempt`) instead of ending this one first. Main thread only."""
+    see :mod:`lambdanet.train.preempt`) instead of ending this one first, and appended to ``forwarded``. Main
+    thread only."""
     import signal
     import threading
 
@@ -126,6 +136,7 @@ def _forwarded_signals(processes):
         return
 
     def forward(signum, frame):
+        forwarded.append(signum)
         for p in processes:
             if p.is_alive():
                 with suppress(ProcessLookupError):

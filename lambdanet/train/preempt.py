@@ -49,6 +49,9 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
+            for outer in self._previous.values():  # nested in another: a signal it caught already counts here
+                if isinstance(getattr(outer, "__self__", None), StopSignals) and outer.__self__.received:
+                    self.request(outer.__self__.received)
         return self
 
     def __exit__(self, *exc) -> None:

@@ -266,6 +266,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None], stop:
         if row is None:  # a signal: save where the epoch stands, then stop
             if ctx.is_main:
                 save_checkpoint(state.state_dict(cfg), ckpt_path)
+            barrier(ctx)  # under torchrun the others wait for the save before they end
             logger.close()
             raise Preempted(f"stopped by {stop.received.name} in epoch {state.epoch + 1}/{cfg.epochs} after batch "
                             f"{state.epoch_partial['batches']}/{_batches_per_epoch(cfg, data)}: saved {ckpt_path}; continue with "
