@@ -206,7 +206,9 @@ def test_fine_tuning_takes_a_run_s_settings_unless_given(tiny_digits_run, folder
     # the header holds create_model's keywords: model_kwargs and the dropout / stochastic depth the config keeps apart
     assert cfg.model == "lambda_resnet26" and cfg.img_size == 16
     assert cfg.model_kwargs == {k: v for k, v in source.items() if k not in ("drop_rate", "drop_path_rate")}
-    assert (cfg.drop_rate, cfg.drop_path_rate) == (source["drop_rate"], source["drop_path_rate"])
+    # dropout and stochastic depth are the new run's (here the model's defaults), not the checkpoint's
+    fresh = resolve_config(overrides={"model": "lambda_resnet26", "data": data})
+    assert (cfg.drop_rate, cfg.drop_path_rate) == (fresh.drop_rate, fresh.drop_path_rate)
     assert {k: cfg.model_kwargs[k] for k in ("stem", "base_width", "img_size")} == {
         "stem": "cifar", "base_width": 16, "img_size": 16}
     cfg = resolve_config(overrides={"checkpoint": str(tiny_digits_run), "data": data, "img_size": 24,

@@ -174,3 +174,40 @@ def test_sigterm_to_a_two_process_detect_run_reaches_its_workers(tmp_path):
     assert saved["epoch_partial"] is not None or saved["epoch"] >= 1
     assert main(["detect", "--out", str(out), "--resume"]) == 0
     assert json.loads((out / "summary.json").read_text())["epochs"] == 40
+
+
+def test_processes_agree_on_what_they_knew_when_they_entered_the_reduce(monkeypatch):
+    """A signal that lands while this process waits in the agreement's all-reduce (the others having seen no
+    signal: the reduce sums to 0) counts at the next step; answering with it now would stop this process
+    alone and leave the others waiting in the next step's collectives."""
+    from lambdanet.train import preempt
+    from lambdanet.train.distributed import DistContext
+
+    ctx = DistContext(rank=1, world=2)
+    seen = []
+
+    def reduce_during_which_a_signal_lands(values, ctx):
+        seen.append(values[0])
+        os.kill(os.getpid(), signal.SIGTERM)  # handled on return from this call, as after a blocking reduce
+        return [values[0] + 0.0]  # the other process saw nothing
+
+    monkeypatch.setattr(preempt, "all_reduce_sum", reduce_during_which_a_signal_lands)
+    with StopSignals() as stop:
+        assert stop.requested(ctx) is None and seen == [0.0]  # not now...
+        assert stop.requested(ctx) is signal.SIGTERM and seen[-1] == 1.0  # ...at the next step, everywhere
+    monkeypatch.setattr(preempt, "all_reduce_sum", lambda values, ctx: [values[0] + 1.0])  # another saw one
+    with StopSignals() as stop:
+        assert stop.requested(ctx) is signal.SIGTERM  # stops with the others, reported as SIGTERM
+
+
+def test_a_second_ctrl_c_interrupts_at_once(monkeypatch):
+    from lambdanet.train import preempt
+
+    with StopSignals() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)  # the same press delivered twice (group + forwarding): no effect
+        assert stop.requested() is signal.SIGINT
+        monkeypatch.setattr(preempt, "REPEAT_WINDOW_S", -1.0)  # a later press
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -303,9 +303,8 @@ def _checkpoint_values(explicit: dict) -> dict:
         raise ValueError(f"model {explicit['model']!r} does not match checkpoint {str(ckpt)!r}, which holds "
                          f"{model!r}: drop --model to fine-tune the checkpoint's model")
     kwargs = dict(settings["model_kwargs"])
-    for key in ("drop_rate", "drop_path_rate"):  # regularisation, not architecture: a flag wins
-        if explicit.get(key) is not None:
-            kwargs.pop(key, None)
+    for key in ("drop_rate", "drop_path_rate"):  # regularisation, not architecture: the new run's own
+        kwargs.pop(key, None)  # (its flags, its recipe's paper values, or the model's defaults)
     if explicit.get("img_size") is not None:
         kwargs.pop("img_size", None)  # built at the size asked for (global attention must then fit it)
     accepted = model_args(model)

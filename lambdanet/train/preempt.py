@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 
 from lambdanet.train.distributed import DistContext, all_reduce_sum
 
 __all__ = ["Preempted", "StopSignals", "STOP_SIGNALS", "exit_status"]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# a second signal this long after the first stops the process at once (Ctrl-C twice); one within it is the
+# same signal delivered twice (a terminal signals the whole process group, and the launcher forwards it too)
+REPEAT_WINDOW_S = 1.0
 
 
 class Preempted(RuntimeError):
@@ -35,7 +39,9 @@ def exit_status(err: Preempted) -> int:
 
 
 class StopSignals:
-    """While entered, SIGTERM and SIGINT set :attr:`received` instead of ending the process.
+    """While entered, SIGTERM and SIGINT set :attr:`received` instead of ending the process; the same or the
+    other signal again, more than :data:`REPEAT_WINDOW_S` later, does what it would have done without this
+    guard (Ctrl-C twice interrupts a long evaluation or a hung process group).
 
     Handlers can only be installed from the main thread: elsewhere (a run started from a worker thread) the
     process keeps its handlers and :meth:`requested` reports only what :meth:`request` was told.
@@ -43,6 +49,7 @@ class StopSignals:
 
     def __init__(self):
         self.received: signal.Signals | None = None
+        self._first = 0.0
         self._previous: dict[signal.Signals, object] = {}
 
     def __enter__(self) -> StopSignals:
@@ -60,6 +67,17 @@ class StopSignals:
         self._previous.clear()
 
     def _handle(self, signum: int, frame) -> None:
+        now = time.monotonic()
+        if self.received is not None and now - self._first > REPEAT_WINDOW_S:  # asked again: stop now
+            previous = self._previous.get(signal.Signals(signum), signal.SIG_DFL)
+            self.__exit__()
+            if callable(previous):
+                previous(signum, frame)  # Python's SIGINT handler: KeyboardInterrupt
+            else:
+                signal.raise_signal(signum)  # the default action: the process ends by this signal
+            return
+        if self.received is None:
+            self._first = now
         self.request(signal.Signals(signum))
 
     def request(self, sig: signal.Signals = signal.SIGTERM) -> None:
@@ -73,7 +91,11 @@ class StopSignals:
         one itself)."""
         if ctx is None or not ctx.enabled:
             return self.received
+        # what this process knew when it entered the reduce: a signal landing while it waits there counts at
+        # the next step, as it does for the others (answering with it now would stop this process alone)
         anyone = all_reduce_sum([float(self.received is not None)], ctx)[0]
-        if anyone and self.received is None:
+        if not anyone:
+            return None
+        if self.received is None:
             self.received = signal.SIGTERM
         return self.received
