@@ -270,9 +270,7 @@ def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, 
             bar.close()
             if world > 1:  # the others wait for the main process's save (the first to end stops the rest)
                 dist.barrier()
-            where = f"saved {checkpoint}" if checkpoint is not None else "nothing saved (no checkpoint file)"
-            raise Preempted(f"stopped by {stop.received.name} in the pre-training after step {step + 1}/"
-                            f"{cfg.steps}: {where}")
+            raise Preempted.at(stop.received, f"in the pre-training after step {step + 1}/{cfg.steps}", checkpoint)
     bar.close()
     if world > 1:  # BatchNorm statistics: the main process's everywhere (as DDP hands them out every step)
         for buffer in model.buffers():

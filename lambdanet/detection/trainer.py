@@ -61,7 +61,7 @@ from lambdanet.train.distributed import (
 )
 from lambdanet.train.logger import RunLogger, plot_history, read_history, read_json, truncate_history, write_json
 from lambdanet.train.optim import param_groups
-from lambdanet.train.preempt import Preempted, StopSignals
+from lambdanet.train.preempt import Preempted, StopSignals, resume_point
 from lambdanet.train.rundir import RunDirLock
 from lambdanet.train.trainer import TrainingDivergedError
 
@@ -604,9 +604,7 @@ def _run(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], No
     if ctx.is_main:  # last.pt holds the pre-training now (also after a crash between the two files)
         (out / PRETRAIN_CHECKPOINT).unlink(missing_ok=True)
     if trained:
-        within = state.epoch_partial
-        log(f"resuming {out}: {state.epoch}/{cfg.epochs} epochs done"
-            + (f", epoch {state.epoch + 1} from batch {within['batches'] + 1}" if within else ""))
+        log(f"resuming {out}: {state.epoch}/{cfg.epochs} epochs done{resume_point(state.epoch, state.epoch_partial)}")
     run_model = model
     if ctx.enabled:
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
@@ -630,9 +628,8 @@ def _run(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], No
                 if ctx.is_main:
                     save_checkpoint(state.state_dict(cfg), out / "last.pt")
                 barrier(ctx)  # the others wait for the save: a process that ends first gets the rest stopped
-                raise Preempted(f"stopped by {stop.received.name} in epoch {state.epoch + 1}/{cfg.epochs} after "
-                                f"batch {state.epoch_partial['batches']}/{per_epoch}: saved {out / 'last.pt'}; "
-                                f"continue with --resume --out {out}")
+                raise Preempted.at(stop.received, f"in epoch {state.epoch + 1}/{cfg.epochs} after batch "
+                                   f"{state.epoch_partial['batches']}/{per_epoch}", out / "last.pt", out)
             state.epoch += 1
             evaluated = cfg.evaluates_after(state.epoch)
             if evaluated:

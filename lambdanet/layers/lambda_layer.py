@@ -558,7 +558,7 @@ class LambdaLayer(nn.Module):
         if step == "einsum_qe_absolute":
             y = LF.position_output_qe(q, emb.embeddings()[0, :, 0].to(dtype), vals)  # b h n v
         elif step == "einsum_qe_whole":  # whole E, cached in eval
-            y = LF.position_output_qe(q, emb.embeddings(spatial)[0, :, 0].to(dtype), vals)  # b h n v
+            y = LF.position_output_qe(q, emb.embeddings(spatial, dtype)[0, :, 0], vals)  # b h n v
         else:  # "einsum_qe_chunked": E row chunks built on the fly, no k n m tensor
             y = LF.relative_position_output_qe(q, emb.table.to(dtype), emb.center, spatial, vals)  # b h n v
         return y.transpose(1, 2)  # b n h v

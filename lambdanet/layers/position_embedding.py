@@ -124,8 +124,9 @@ class RelativePositionEmbedding(_FlatTable):
         kernel = tuple(s if causal else 2 * s - 1 for s in size)
         return cls(dim_k, kernel, dim_u=dim_u, groups=groups, causal=causal, feat_size=size)
 
-    def embeddings(self, spatial: Sequence[int]) -> Tensor:
-        """``E[g, k, u, n, m]`` for an input of size ``spatial`` (see ``functional.gather_relative_embeddings``).
+    def embeddings(self, spatial: Sequence[int], dtype: torch.dtype | None = None) -> Tensor:
+        """``E[g, k, u, n, m]`` for an input of size ``spatial`` (see ``functional.gather_relative_embeddings``),
+        in ``dtype`` (default: the table's; a half-precision table is read in its layer's float32).
 
         Without autograd (inference) the result is cached until the table changes (its version counter
         moves with every optimiser step or ``load_state_dict``); layers sharing this module share it too.
@@ -133,14 +134,15 @@ class RelativePositionEmbedding(_FlatTable):
         from lambdanet.functional import gather_relative_embeddings
 
         spatial = tuple(spatial)
-        if torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return gather_relative_embeddings(self.table, self.center, spatial)
         w = self.weight
-        key = (w.data_ptr(), w._version, w.dtype, w.device, spatial)
+        dtype = w.dtype if dtype is None else dtype
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return gather_relative_embeddings(self.table.to(dtype), self.center, spatial)
+        key = (w.data_ptr(), w._version, w.dtype, dtype, w.device, spatial)
         cache = self.__dict__.setdefault("_cache", {})
         if key not in cache:
             cache.clear()  # one entry per embedding: the current weights at the last size used
-            cache[key] = gather_relative_embeddings(self.table.detach(), self.center, spatial)
+            cache[key] = gather_relative_embeddings(self.table.detach().to(dtype), self.center, spatial)
         return cache[key]
 
     def extra_repr(self) -> str:

@@ -101,22 +101,22 @@ class ZooModel(NamedTuple):
 
 
 def _resnet_v1(depth: int, *, small: bool = False) -> ZooModel:
-    # only ResNet-50 is a row of LambdaNetworks Tables 3, 9 and 13
-    tables = "; LambdaNetworks Tables 3, 9, 13" if depth == 50 else ""
+    paper_row = depth == 50  # only ResNet-50 is a row of LambdaNetworks Tables 3, 9 and 13
+    tables = "; LambdaNetworks Tables 3, 9, 13" if paper_row else ""
     cfg = ResNetConfig(RESNET_LAYERS[depth], input_size=224, paper=f"ResNet-{depth} v1 (He et al. 2016; stride on "
                                                                    f"the 3x3 conv){tables}")
-    return ZooModel(cfg, "He et al. 2016" + ("; LambdaNetworks Table 3" if depth == 50 else ""), {"epochs": 90},
+    return ZooModel(cfg, "He et al. 2016" + ("; LambdaNetworks Table 3" if paper_row else ""), {"epochs": 90},
                     "LambdaNetworks App. E.2, 90-epoch setup", small)
 
 
 def _resnet_rs(depth: int, *, se: bool = False) -> ZooModel:
+    listed = depth in TABLE14_DEPTHS  # Table 14 lists ResNet-RS-101 and -152; Table 18 gives every depth's blocks
     cfg = ResNetConfig(RESNET_RS_LAYERS[depth], stem="rs", shortcut="avg", se_ratio=0.25 if se else 0.0,
                        input_size=DEFAULT_SIZE[depth],
                        paper=f"ResNet-RS-{depth} {'w/' if se else 'wo/'} SE (Bello et al. 2021): ResNet-D stem and "
                              "shortcut, max pool replaced by a strided 3x3 conv, SE ratio 0.25; LambdaNetworks "
-                             + ("Table 14" if depth in (101, 152) else "Table 18 blocks"))
-    # Table 14 lists ResNet-RS-101 and -152 only; Table 18 gives every depth's blocks
-    tables = "LambdaNetworks Table 14, Table 18 blocks" if depth in (101, 152) else "LambdaNetworks Table 18 blocks"
+                             + ("Table 14" if listed else "Table 18 blocks"))
+    tables = "LambdaNetworks " + ("Table 14, Table 18 blocks" if listed else "Table 18 blocks")
     return ZooModel(cfg, tables, *table20_recipe(depth, DEFAULT_SIZE[depth]))
 
 
@@ -128,7 +128,7 @@ def _lambda_resnet(depth: int) -> ZooModel:
                        paper=f"LambdaResNet-{depth}: Table 18 ({'-'.join(map(str, layers))}, lambda in c4 blocks "
                              f"{LAMBDA_C4_BLOCKS[depth]} and all of c5)")
     # Table 14 has the parameter counts of -101 and -152; Tables 19-20 list every depth but 200
-    tables = ("Table 14, " if depth in (101, 152) else "") + (
+    tables = ("Table 14, " if depth in TABLE14_DEPTHS else "") + (
         "Tables 18-20" if depth in TABLE20_REGULARIZATION else "Table 18")
     return ZooModel(cfg, f"LambdaNetworks {tables}", *table20_recipe(depth, DEFAULT_SIZE[depth]))
 
@@ -141,6 +141,8 @@ def _lambda_resnet_c4(depth: int, c4_lambda: Mapping) -> ZooModel:
     return ZooModel(cfg, f"LambdaNetworks {C4_TABLES[depth]}", *table20_recipe(depth, DEFAULT_SIZE[depth]))
 
 
+# the depths whose ResNet-RS and LambdaResNet rows (parameter counts) are in Table 14
+TABLE14_DEPTHS = (101, 152)
 # the tables that list each LambdaResNet-C4
 C4_TABLES = {101: "Table 14", 152: "Tables 14-15", 200: "Table 15", 270: "Table 16"}
 

@@ -17,7 +17,7 @@ import time
 
 from lambdanet.train.distributed import DistContext, all_reduce_sum
 
-__all__ = ["Preempted", "StopSignals", "STOP_SIGNALS", "exit_status"]
+__all__ = ["Preempted", "StopSignals", "STOP_SIGNALS", "exit_status", "resume_point"]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # a second signal this long after the first stops the process at once (Ctrl-C twice); one within it is the
@@ -28,6 +28,20 @@ REPEAT_WINDOW_S = 1.0
 class Preempted(RuntimeError):
     """The run was stopped by a signal after saving a checkpoint that ``--resume`` continues from. The
     message names the signal (``SIGTERM`` / ``SIGINT``), as :func:`exit_status` reads it."""
+
+    @classmethod
+    def at(cls, sig: signal.Signals, where: str, saved, out=None) -> Preempted:
+        """``stopped by SIGTERM <where>: saved <saved>; continue with --resume --out <out>`` (the last part when
+        ``out`` is known; ``saved=None``: nothing could be saved)."""
+        kept = f"saved {saved}" if saved is not None else "nothing saved (no checkpoint file)"
+        resume = f"; continue with --resume --out {out}" if out is not None else ""
+        return cls(f"stopped by {sig.name} {where}: {kept}{resume}")
+
+
+def resume_point(epochs_done: int, partial: dict | None) -> str:
+    """What a ``resuming ...`` line adds for a checkpoint saved inside an epoch (``epoch_partial``):
+    ``", epoch 3 from batch 18"``, or nothing at an epoch's end."""
+    return f", epoch {epochs_done + 1} from batch {partial['batches'] + 1}" if partial else ""
 
 
 def exit_status(err: Preempted) -> int:

@@ -53,7 +53,7 @@ from lambdanet.train.engine import NonFiniteLossError, evaluate, train_one_epoch
 from lambdanet.train.load import restore_model, run_file, weights_metadata
 from lambdanet.train.logger import RunLogger, plot_history, read_history, truncate_history, write_json
 from lambdanet.train.optim import build_ema, build_optimizer, build_scheduler, set_bn_momentum
-from lambdanet.train.preempt import Preempted, StopSignals
+from lambdanet.train.preempt import Preempted, StopSignals, resume_point
 from lambdanet.train.rundir import RunDirBusyError, RunDirLock
 
 __all__ = ["train", "evaluate_checkpoint", "TrainingDivergedError", "TrainState", "build_model_for",
@@ -268,9 +268,8 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None], stop:
                 save_checkpoint(state.state_dict(cfg), ckpt_path)
             barrier(ctx)  # under torchrun the others wait for the save before they end
             logger.close()
-            raise Preempted(f"stopped by {stop.received.name} in epoch {state.epoch + 1}/{cfg.epochs} after batch "
-                            f"{state.epoch_partial['batches']}/{_batches_per_epoch(cfg, data)}: saved {ckpt_path}; continue with "
-                            f"--resume --out {out}")
+            raise Preempted.at(stop.received, f"in epoch {state.epoch + 1}/{cfg.epochs} after batch "
+                               f"{state.epoch_partial['batches']}/{_batches_per_epoch(cfg, data)}", ckpt_path, out)
         last_row = row
         logger.log_epoch(last_row)
         log(_epoch_line(last_row, cfg))
@@ -341,9 +340,7 @@ def _restore(state: TrainState, cfg: TrainConfig, saved_epochs: int, ctx: DistCo
         raise ValueError(f"--epochs {cfg.epochs} is fewer than the {state.epoch} epochs {out} has done")
     if ctx.is_main:
         truncate_history(out / "metrics.csv", state.epoch)
-    within = state.epoch_partial
-    log(f"resuming {out}: {state.epoch}/{saved_epochs} epochs done"
-        + (f", epoch {state.epoch + 1} from batch {within['batches'] + 1}" if within else ""))
+    log(f"resuming {out}: {state.epoch}/{saved_epochs} epochs done{resume_point(state.epoch, state.epoch_partial)}")
     if cfg.epochs != saved_epochs:
         log(f"extending the run from {saved_epochs} to {cfg.epochs} epochs: the learning-rate schedule is "
             f"recomputed over {cfg.epochs} epochs and continues from epoch {state.epoch}")
