@@ -587,10 +587,10 @@ class LambdaLayer(nn.Module):
         else:
             out = out.view(b, *spatial, self.dim_out).movedim(-1, 1)  # b d_out *S (channels-last)
         if self.stride > 1:
-            if self.stride_pool == 3:  # 3x3 padded by 1 (App. E.1), the zeros counted as avg_pool's padding does;
-                # padded here since avg_pool3d refuses a padded window larger than the unpadded input
-                out = F.pad(out, (1, 1) * self.spatial_dims)
-            out = avg_pool_nd(self.spatial_dims)(out, kernel_size=self.stride_pool, stride=self.stride)
+            pad = (self.stride_pool - 1) // 2  # 3x3: padded by 1 (App. E.1), the zeros counted; 2x2: none
+            if pad and self.spatial_dims == 3 and min(spatial) < 3:  # avg_pool3d refuses a padded window larger
+                out, pad = F.pad(out, (pad, pad) * 3), 0  # than the input: the same zeros, padded beforehand
+            out = avg_pool_nd(self.spatial_dims)(out, kernel_size=self.stride_pool, stride=self.stride, padding=pad)
         return out
 
 
