@@ -1,0 +1,104 @@
+"""Runs written by an earlier lambdanet (``tests/fixtures/runs_v1``, made by ``make_runs_v1.py`` with the code
+before the single training engine) still load and resume.
+
+A resumed old run is compared with the same run made, stopped and resumed by this version (whose resume is
+exact: ``test_preempt.py``), so the two agree only if the old files are read as this version's own are.
+Both do the same operations on the same data in the same order; the only difference is that the old run's
+first steps ran on the machine that made the fixture, whose float32 reductions may be ordered otherwise
+(AVX2 vs AVX-512): a relative difference of a few 2^-24 per reduction, some 1e-6 of the weights after the
+few steps taken here. Reading a piece of the old state wrongly differs by far more (measured by skipping
+it only for the old files): the SGD momentum 2e-3 of the weights, the EMA 0.2, and the wrong RNG state or
+data position changes the batch altogether. ``RTOL`` = 1e-4 sits between the two.
+"""
+
+import csv
+import importlib.util
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lambdanet.cli import main
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+RUNS = FIXTURES / "runs_v1"
+RTOL = 1e-4
+
+_spec = importlib.util.spec_from_file_location("make_runs_v1", FIXTURES / "make_runs_v1.py")
+make = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(make)
+
+
+def copy_run(name: str, tmp_path: Path) -> Path:
+    out = tmp_path / name
+    shutil.copytree(RUNS / name, out)
+    return out
+
+
+def relative_difference(a: dict, b: dict) -> float:
+    """``||a - b|| / ||b||`` over every floating-point tensor of two state dicts with the same keys."""
+    assert a.keys() == b.keys()
+    keys = [k for k in b if b[k].is_floating_point()]
+    diff = sum(float((a[k].double() - b[k].double()).square().sum()) for k in keys)
+    norm = sum(float(b[k].double().square().sum()) for k in keys)
+    return (diff / norm) ** 0.5
+
+
+def metrics_rows(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def stopped_run(args: list[str], out: Path, stop_after: int) -> Path:
+    with make.sigterm_after_step(stop_after):
+        assert main([*args, "--out", str(out)]) == 143
+    return out
+
+
+def test_a_stopped_v1_train_run_resumes_to_the_weights_of_this_version(tmp_path, capsys):
+    old = copy_run("train", tmp_path)
+    new = stopped_run(make.TRAIN, tmp_path / "new", stop_after=5)
+    capsys.readouterr()
+    assert main(["train", "--out", str(old), "--resume", "--no-progress"]) == 0
+    assert "1/2 epochs done, epoch 2 from batch 3" in capsys.readouterr().out
+    assert main(["train", "--out", str(new), "--resume", "--no-progress"]) == 0
+    for name in ("model.safetensors", "model_ema.safetensors"):
+        assert relative_difference(load_file(old / name), load_file(new / name)) < RTOL, name
+    saved = metrics_rows(RUNS / "train" / "metrics.csv")
+    rows = metrics_rows(old / "metrics.csv")
+    assert [r["epoch"] for r in rows] == ["1", "2"] and rows[0] == saved[0]  # epoch 1's row kept as written
+
+
+def test_a_finished_v1_train_run_loads_and_fine_tunes(tmp_path, capsys):
+    from lambdanet import load_model
+
+    run = RUNS / "train_done"
+    model = load_model(run)  # a run directory: its EMA weights
+    weights = load_file(run / "model_ema.safetensors")
+    state = model.state_dict()
+    assert set(weights) <= set(state)
+    for key, tensor in weights.items():  # loading is copying: bit for bit
+        assert torch.equal(state[key], tensor), key
+    assert main(["eval", "--checkpoint", str(run), "--json"]) == 0
+    assert '"epoch": 1' in capsys.readouterr().out
+    out = tmp_path / "tuned"
+    assert main(["train", "--checkpoint", str(run), "--epochs", "1", "--max-train-batches", "1", "--batch-size", "8",
+                 "--no-progress", "--no-tensorboard", "--out", str(out)]) == 0
+    assert (out / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("name, stop_after, printed", [
+    ("detect", 4, "0/2 epochs done, epoch 1 from batch 2"),
+    ("detect_pretrain", 2, "2/3 steps done"),
+])
+def test_a_stopped_v1_detect_run_resumes_to_the_weights_of_this_version(tmp_path, capsys, name, stop_after, printed):
+    pytest.importorskip("pycocotools")
+    old = copy_run(name, tmp_path)
+    new = stopped_run(make.DETECT, tmp_path / "new", stop_after=stop_after)
+    capsys.readouterr()
+    assert main(["detect", "--out", str(old), "--resume"]) == 0
+    assert printed in capsys.readouterr().out
+    assert main(["detect", "--out", str(new), "--resume"]) == 0
+    assert relative_difference(load_file(old / "model.safetensors"), load_file(new / "model.safetensors")) < RTOL
