@@ -62,11 +62,12 @@ def _cmd_models(args: argparse.Namespace) -> int:
         return 0
     rows = summarize_models(args.pattern, flops=not args.no_flops)
     if args.pretrained:  # the models with published weights, their hub ids and accuracy
-        from lambdanet.models.byoa import model_cfgs as published
+        from lambdanet.models.registry import published_models
 
+        published = published_models()
         rows = [r for r in rows if r["model"] in published]
         for r in rows:
-            p = published[r["model"]].pretrained
+            p = published[r["model"]]
             r["hub_id"], r["top1"] = p.hub_id, "-" if p.top1 is None else f"{p.top1:.1f}"
     if not rows:
         print(f"no registered model{' with pretrained weights' if args.pretrained else ''} matches "

@@ -35,6 +35,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from lambdanet.constants import IMAGENET_MEAN, IMAGENET_STD
+
 __all__ = ["DatasetSpec", "list_datasets", "dataset_spec", "build_datasets", "SeededTransformDataset",
            "build_transforms", "split_indices", "labeled_split", "FASHION_MNIST_DIR", "epoch_seed", "epoch_indices",
            "ImageLoader", "TensorImages", "Subset", "resize_images", "DatasetUnavailableError"]
@@ -64,7 +66,6 @@ _SPECS = {
     "cifar10": DatasetSpec("cifar10", 10, 3, 32, (0.491, 0.482, 0.447), (0.247, 0.243, 0.262), True, True),
     "cifar100": DatasetSpec("cifar100", 100, 3, 32, (0.507, 0.487, 0.441), (0.267, 0.256, 0.276), True, True),
 }
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 class DatasetUnavailableError(ValueError):

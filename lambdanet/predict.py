@@ -30,7 +30,8 @@ from torch import Tensor, nn
 
 from lambdanet.helpers import check_choice, check_positive_int
 from lambdanet.models import create_model, model_args
-from lambdanet.train.load import METADATA_FORMAT, load_model
+from lambdanet.files import is_run_weights
+from lambdanet.train.load import load_model
 
 __all__ = ["DTYPES", "IMAGE_SUFFIXES", "INTERPOLATIONS", "class_labels", "find_images", "floating_dtype",
            "imagenet_classes", "load_for_inference", "load_image", "predict", "preprocess_transform",
@@ -67,15 +68,7 @@ def _is_run_output(path: Path) -> bool:
     safetensors weights whose header describes their model), which :func:`lambdanet.load_model` reads."""
     if path.is_dir() or path.suffix == ".pt":
         return True
-    if path.suffix != ".safetensors" or not path.is_file():
-        return False
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return (f.metadata() or {}).get("format") == METADATA_FORMAT
-    except (SafetensorError, OSError):  # not readable as safetensors: let the weight loader report it
-        return False
+    return is_run_weights(path)
 
 
 def load_for_inference(checkpoint: str | os.PathLike | None = None, *, model: str | None = None,

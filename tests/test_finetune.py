@@ -197,7 +197,7 @@ def test_fine_tuning_takes_a_run_s_settings_unless_given(tiny_digits_run, folder
     from lambdanet.data import dataset_spec
     from lambdanet.train import resolve_config
     from lambdanet.train.checkpoint import export_safetensors
-    from lambdanet.train.load import weights_metadata
+    from lambdanet.files import weights_metadata
     from lambdanet.train.trainer import build_model_for
 
     source = _header_kwargs(tiny_digits_run / "model.safetensors")

@@ -134,7 +134,7 @@ def test_shared_embeddings_round_trip_through_every_loader(tmp_path):
     """safetensors stores a shared tensor once (share_embeddings: one position embedding for several lambda
     layers); load_model and create_model(checkpoint_path=...) fill the other names in and give the saved model."""
     from lambdanet.train.checkpoint import export_safetensors
-    from lambdanet.train.load import weights_metadata
+    from lambdanet.files import weights_metadata
 
     kwargs = {"stem": "cifar", "base_width": 8, "img_size": 16, "share_embeddings": True}
     src = create_model("lambda_resnet26", num_classes=10, in_chans=1, **kwargs).eval()

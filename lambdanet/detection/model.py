@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor, nn
 
+from lambdanet.constants import IMAGENET_MEAN, IMAGENET_STD
 from lambdanet.models import create_model, list_models, model_args
 
 __all__ = ["DetectorOptions", "BackbonePreset", "BACKBONE_PRESETS", "FeaturePyramidBackbone", "create_detector",
@@ -159,7 +160,7 @@ def input_normalization(model: nn.Module) -> tuple[list[float], list[float]]:
     """(mean, std) per RGB channel that ``model``'s inputs are normalised with: its ``pretrained_cfg``'s, else
     ImageNet's (torchvision's detection default)."""
     cfg = getattr(model, "pretrained_cfg", None) or {}
-    return list(cfg.get("mean", (0.485, 0.456, 0.406))), list(cfg.get("std", (0.229, 0.224, 0.225)))
+    return list(cfg.get("mean", IMAGENET_MEAN)), list(cfg.get("std", IMAGENET_STD))
 
 
 def detector_input_size(max_size: int, size_divisible: int) -> int:

@@ -2,9 +2,10 @@
 ``model_info(name)``, ``model_args(name)``."""
 
 from lambdanet.models import byoa, halonet, mobilenet, zoo_resnet  # noqa: F401  (register the families)
+from lambdanet.models.factory import create_model
 from lambdanet.models.registry import (
     ModelInfo,
-    create_model,
+    PretrainedCfg,
     list_models,
     model_args,
     model_info,
@@ -13,5 +14,5 @@ from lambdanet.models.registry import (
 )
 from lambdanet.models.resnet import Bottleneck, ResNet, ResNetArgs, ResNetConfig
 
-__all__ = ["create_model", "list_models", "model_info", "model_args", "register_model", "unregister_model", "ModelInfo", "ResNet",
+__all__ = ["create_model", "list_models", "model_info", "model_args", "register_model", "unregister_model", "ModelInfo", "PretrainedCfg", "ResNet",
            "ResNetConfig", "ResNetArgs", "Bottleneck"]

@@ -43,33 +43,19 @@ from lambdanet.layers import (
     RelativeSelfAttention,
     SqueezeExcite,
 )
+from lambdanet.layers.conv_norm_act import BatchNormAct, ConvNormAct, get_act, make_divisible
 from lambdanet.layers.drop import DropPath
 from lambdanet.models.base import Backbone
-from lambdanet.models.registry import ModelInfo, register_model
+from lambdanet.models.registry import ModelInfo, PretrainedCfg, register_model
 
-__all__ = ["ByoaStage", "ByoaSpec", "ByoaNet", "PretrainedCfg", "model_cfgs", "BYOA_ARGS", "make_divisible"]
-
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+__all__ = ["ByoaStage", "ByoaSpec", "ByoaNet", "timm_weights", "model_cfgs", "BYOA_ARGS"]
 
 
-def make_divisible(v: float, divisor: int = 8, round_limit: float = 0.9) -> int:
-    """``v`` rounded to the nearest multiple of ``divisor`` (at least ``divisor``), rounded up when rounding
-    would lose more than ``1 - round_limit`` of it (the channel rounding of timm's and MobileNet's zoos)."""
-    new_v = max(divisor, int(v + divisor / 2) // divisor * divisor)
-    return new_v + divisor if new_v < round_limit * v else new_v
-
-
-@dataclass(frozen=True)
-class PretrainedCfg:
-    """The published checkpoint of a model and the preprocessing it was trained with."""
-
-    hub_id: str  # Hugging Face hub repository (timm's weights)
-    top1: float | None  # ImageNet-1k top-1 (%) reported for it (None: not stated in our sources)
-    input_size: int = 256
-    crop_pct: float = 0.95
-    interpolation: str = "bicubic"
-    mean: tuple[float, float, float] = IMAGENET_MEAN
-    std: tuple[float, float, float] = IMAGENET_STD
+def timm_weights(hub_id: str, top1: float | None, *, input_size: int = 256, crop_pct: float = 0.95,
+                 interpolation: str = "bicubic", **kwargs) -> PretrainedCfg:
+    """The :class:`PretrainedCfg` of a timm checkpoint: ``hub_id``, its reported ImageNet top-1 (%, ``None``
+    when our sources do not state it) and its evaluation preprocessing (timm's defaults for this family)."""
+    return PretrainedCfg(input_size, crop_pct, interpolation, hub_id=hub_id, top1=top1, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -107,100 +93,75 @@ class ByoaSpec:
     fixed_input_size: bool = False  # global attention sized for one input size
 
 
-_ACTS = {"relu": nn.ReLU, "silu": nn.SiLU}
-
-
 # ------------------------------------------------------------------------------------------- the twelve
 model_cfgs: dict[str, ByoaSpec] = {
     "lambda_resnet26t": ByoaSpec(
         stages=(ByoaStage("bb", 256, 1), ByoaStage("bb", 512), ByoaStage("ba", 1024), ByoaStage("aa", 2048)),
         self_attn=("lambda", {"r": 9}),
-        pretrained=PretrainedCfg("timm/lambda_resnet26t.c1_in1k", 79.1, crop_pct=0.94)),
+        pretrained=timm_weights("timm/lambda_resnet26t.c1_in1k", 79.1, crop_pct=0.94)),
     "lambda_resnet50ts": ByoaSpec(
         stages=(ByoaStage("bbb", 256, 1), ByoaStage("bbba", 512), ByoaStage("bababa", 1024), ByoaStage("bab", 2048)),
         self_attn=("lambda", {"r": 9}), act="silu",
-        pretrained=PretrainedCfg("timm/lambda_resnet50ts.a1h_in1k", 81.2, crop_pct=0.95)),
+        pretrained=timm_weights("timm/lambda_resnet50ts.a1h_in1k", 81.2, crop_pct=0.95)),
     "lambda_resnet26rpt_256": ByoaSpec(
         stages=(ByoaStage("bb", 256, 1), ByoaStage("bb", 512), ByoaStage("ba", 1024), ByoaStage("aa", 2048)),
         self_attn=("lambda", {"r": None}), fixed_input_size=True,
-        pretrained=PretrainedCfg("timm/lambda_resnet26rpt_256.c1_in1k", 79.0, crop_pct=0.94)),
+        pretrained=timm_weights("timm/lambda_resnet26rpt_256.c1_in1k", 79.0, crop_pct=0.94)),
     "halonet26t": ByoaSpec(
         stages=(ByoaStage("bb", 256, 1), ByoaStage("bb", 512), ByoaStage("ba", 1024), ByoaStage("aa", 2048)),
         self_attn=("halo", {"block_size": 8, "halo_size": 2}),
-        pretrained=PretrainedCfg("timm/halonet26t.a1h_in1k", 79.1, crop_pct=0.95)),
+        pretrained=timm_weights("timm/halonet26t.a1h_in1k", 79.1, crop_pct=0.95)),
     "sehalonet33ts": ByoaSpec(
         stages=(ByoaStage("bb", 256, 1), ByoaStage("bba", 512), ByoaStage("bba", 1024),
                 ByoaStage("aa", 1536, bottle_ratio=0.333)),
         self_attn=("halo", {"block_size": 8, "halo_size": 3}), stem_pool=False, act="silu", num_features=1280,
         channel_attn="se",
-        pretrained=PretrainedCfg("timm/sehalonet33ts.ra2_in1k", 81.0, crop_pct=0.94)),
+        pretrained=timm_weights("timm/sehalonet33ts.ra2_in1k", 81.0, crop_pct=0.94)),
     "halonet50ts": ByoaSpec(
         stages=(ByoaStage("bbb", 256, 1),
                 ByoaStage("bbba", 512, self_attn=("halo", {"block_size": 8, "halo_size": 3, "num_heads": 4})),
                 ByoaStage("bababa", 1024), ByoaStage("bab", 2048)),
         self_attn=("halo", {"block_size": 8, "halo_size": 3}), act="silu",
-        pretrained=PretrainedCfg("timm/halonet50ts.a1h_in1k", 81.6, crop_pct=0.94)),
+        pretrained=timm_weights("timm/halonet50ts.a1h_in1k", 81.6, crop_pct=0.94)),
     "eca_halonext26ts": ByoaSpec(
         stages=(ByoaStage("bb", 256, 1, 16), ByoaStage("bb", 512, 2, 16), ByoaStage("ba", 1024, 2, 16),
                 ByoaStage("aa", 2048, 2, 16)),
         self_attn=("halo", {"block_size": 8, "halo_size": 2, "dim_head": 16}), act="silu", channel_attn="eca",
-        pretrained=PretrainedCfg("timm/eca_halonext26ts.c1_in1k", 79.5, crop_pct=0.94)),
+        pretrained=timm_weights("timm/eca_halonext26ts.c1_in1k", 79.5, crop_pct=0.94)),
     "haloregnetz_b": ByoaSpec(
         stages=(ByoaStage("bb", 48, 2, 16, 3), ByoaStage("bbbbbb", 96, 2, 16, 3),
                 ByoaStage("bbbabbbabbba", 192, 2, 16, 3), ByoaStage("aa", 288, 2, 16, 3)),
         self_attn=("halo", {"block_size": 7, "halo_size": 2, "qk_ratio": 0.33}), stem="3x3", stem_chs=32,
         stem_pool=False, act="silu", num_features=1536, channel_attn="se", se_ratio=0.25, shortcut="",
         bottle_in=True, linear_out=True,
-        pretrained=PretrainedCfg("timm/haloregnetz_b.ra3_in1k", 81.1, input_size=224, crop_pct=0.94,
+        pretrained=timm_weights("timm/haloregnetz_b.ra3_in1k", 81.1, input_size=224, crop_pct=0.94,
                                  mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))),
     "botnet26t_256": ByoaSpec(
         stages=(ByoaStage("bb", 256, 1), ByoaStage("bb", 512), ByoaStage("ba", 1024), ByoaStage("aa", 2048)),
         self_attn=("bottleneck", {}), fixed_input_size=True,
-        pretrained=PretrainedCfg("timm/botnet26t_256.c1_in1k", None, crop_pct=0.95)),
+        pretrained=timm_weights("timm/botnet26t_256.c1_in1k", None, crop_pct=0.95)),
     "sebotnet33ts_256": ByoaSpec(
         stages=(ByoaStage("bb", 256, 1), ByoaStage("bba", 512), ByoaStage("bba", 1024),
                 ByoaStage("aa", 1536, bottle_ratio=0.333)),
         self_attn=("bottleneck", {}), stem_pool=False, act="silu", num_features=1280, channel_attn="se",
         fixed_input_size=True,
-        pretrained=PretrainedCfg("timm/sebotnet33ts_256.a1h_in1k", None, crop_pct=0.94)),
+        pretrained=timm_weights("timm/sebotnet33ts_256.a1h_in1k", None, crop_pct=0.94)),
     "lamhalobotnet50ts_256": ByoaSpec(
         stages=(ByoaStage("bbb", 256, 1), ByoaStage("baba", 512, self_attn=("lambda", {"r": 13})),
                 ByoaStage("bababa", 1024, self_attn=("halo", {"halo_size": 3})),
                 ByoaStage("bab", 2048, self_attn=("bottleneck", {}))),
         stem_pool=False, act="silu", fixed_input_size=True,
-        pretrained=PretrainedCfg("timm/lamhalobotnet50ts_256.a1h_in1k", 81.6, crop_pct=0.95)),
+        pretrained=timm_weights("timm/lamhalobotnet50ts_256.a1h_in1k", 81.6, crop_pct=0.95)),
     "halo2botnet50ts_256": ByoaSpec(
         stages=(ByoaStage("bbb", 256, 1), ByoaStage("baba", 512, self_attn=("halo", {"halo_size": 3})),
                 ByoaStage("bababa", 1024, self_attn=("halo", {"halo_size": 3})),
                 ByoaStage("bab", 2048, self_attn=("bottleneck", {}))),
         stem_pool=False, act="silu", fixed_input_size=True,
-        pretrained=PretrainedCfg("timm/halo2botnet50ts_256.a1h_in1k", 82.1, crop_pct=0.95)),
+        pretrained=timm_weights("timm/halo2botnet50ts_256.a1h_in1k", 82.1, crop_pct=0.95)),
 }
 
 
 # ------------------------------------------------------------------------------------------- modules
-class ConvNormAct(nn.Sequential):
-    """``conv (no bias) -> BatchNorm -> activation`` (``conv``, ``bn``, ``act``)."""
-
-    def __init__(self, dim: int, dim_out: int, kernel_size: int, *, stride: int = 1, groups: int = 1,
-                 act: type[nn.Module] | None = nn.ReLU):
-        super().__init__()
-        self.conv = nn.Conv2d(dim, dim_out, kernel_size, stride, kernel_size // 2, groups=groups, bias=False)
-        self.bn = nn.BatchNorm2d(dim_out)
-        self.act = act(inplace=True) if act is not None else nn.Identity()
-
-
-class BatchNormAct(nn.BatchNorm2d):
-    """BatchNorm followed by an activation, one module (its parameters are the BatchNorm's)."""
-
-    def __init__(self, channels: int, act: type[nn.Module]):
-        super().__init__(channels)
-        self.act = act(inplace=True)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.act(super().forward(x))
-
-
 class ByoaBlock(nn.Module):
     """A bottleneck block: ``1x1 -> (3x3 [-> channel gate] | self-attention -> BN -> act) -> 1x1 (+ shortcut)``.
 
@@ -311,7 +272,7 @@ class ByoaNet(Backbone):
         if not isinstance(img, int) or img <= 0:
             raise ValueError(f"img_size must be a positive int, got {img_size!r}")
         self.spec, self.img_size = spec, (img, img)
-        act = _ACTS[spec.act]
+        act = get_act(spec.act, "act")
         self.stem, ch, reduction = _stem(spec, in_chans, act)
         feat = (img // reduction, img // reduction)
         total = sum(len(s.blocks) for s in spec.stages)
@@ -367,18 +328,8 @@ BYOA_ARGS: dict[str, object] = {"img_size": None, "drop_rate": 0.0, "drop_path_r
                                 "zero_init_last": True}
 
 
-def pretrained_cfg(name: str) -> dict:
-    """The preprocessing of ``name``'s checkpoint, as ``model.pretrained_cfg`` holds it."""
-    p = model_cfgs[name].pretrained
-    return {"model": name, "hub_id": p.hub_id, "num_classes": 1000, "in_chans": 3, "classes": None,
-            "data": "imagenet", "image_size": p.input_size, "crop_pct": p.crop_pct,
-            "interpolation": p.interpolation, "mean": list(p.mean), "std": list(p.std)}
-
-
 def _create(variant: str, *, num_classes: int = 1000, in_chans: int = 3, **kwargs) -> ByoaNet:
-    model = ByoaNet(model_cfgs[variant], num_classes=num_classes, in_chans=in_chans, **kwargs)
-    model.pretrained_cfg = pretrained_cfg(variant) | {"num_classes": num_classes, "in_chans": in_chans}
-    return model
+    return ByoaNet(model_cfgs[variant], num_classes=num_classes, in_chans=in_chans, **kwargs)
 
 
 def _register(fn: Callable[..., ByoaNet]) -> Callable[..., ByoaNet]:
@@ -387,7 +338,7 @@ def _register(fn: Callable[..., ByoaNet]) -> Callable[..., ByoaNet]:
     top1 = f"{p.top1}% top-1, " if p.top1 is not None else ""
     paper = f"timm ImageNet checkpoint {p.hub_id} ({top1}{p.input_size}px)"
     fn.__doc__ = paper
-    return register_model(fn, info=ModelInfo(name, p.input_size, paper), args=BYOA_ARGS)
+    return register_model(fn, info=ModelInfo(name, p.input_size, paper, pretrained=p), args=BYOA_ARGS)
 
 
 @_register

@@ -15,6 +15,7 @@ from typing import NamedTuple
 from torch import Tensor, nn
 
 from lambdanet.layers import LambdaLayer
+from lambdanet.layers.conv_norm_act import conv_norm_act
 from lambdanet.models.base import Backbone
 from lambdanet.models.registry import ModelInfo, register_model
 
@@ -28,19 +29,15 @@ INVERTED_RESIDUAL_SETTING = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64
 FEATURE_ROWS = {"c2": 1, "c3": 2, "c4": 4, "c5": 6}
 
 
-def _cbr(cin: int, cout: int, k: int = 1, stride: int = 1, groups: int = 1, act: bool = True) -> list[nn.Module]:
-    layers: list[nn.Module] = [nn.Conv2d(cin, cout, k, stride, k // 2, groups=groups, bias=False), nn.BatchNorm2d(cout)]
-    return layers + [nn.ReLU6(inplace=True)] if act else layers
-
-
 class InvertedResidual(nn.Module):
     """Expand (1x1), depthwise 3x3, project (1x1, linear); residual when the shape is kept."""
 
     def __init__(self, cin: int, cout: int, stride: int, expand: int):
         super().__init__()
         hidden = cin * expand
-        layers = _cbr(cin, hidden) if expand != 1 else []
-        layers += _cbr(hidden, hidden, 3, stride, groups=hidden) + _cbr(hidden, cout, act=False)
+        layers = conv_norm_act(cin, hidden, act="relu6") if expand != 1 else []
+        layers += conv_norm_act(hidden, hidden, 3, stride=stride, groups=hidden, act="relu6")  # depthwise
+        layers += conv_norm_act(hidden, cout, act=None)  # linear projection
         self.block = nn.Sequential(*layers)
         self.residual = stride == 1 and cin == cout
 
@@ -54,8 +51,8 @@ class LambdaBlock(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int, *, r: int = 5, dim_k: int = 32, heads: int = 4):
         super().__init__()
         self.block = nn.Sequential(
-            *_cbr(cin, cin), LambdaLayer(cin, cin, dim_k=dim_k, heads=heads, r=r, stride=stride),
-            nn.BatchNorm2d(cin), nn.ReLU6(inplace=True), *_cbr(cin, cout, act=False))
+            *conv_norm_act(cin, cin, act="relu6"), LambdaLayer(cin, cin, dim_k=dim_k, heads=heads, r=r, stride=stride),
+            nn.BatchNorm2d(cin), nn.ReLU6(inplace=True), *conv_norm_act(cin, cout, act=None))
         self.residual = stride == 1 and cin == cout
 
     def forward(self, x: Tensor) -> Tensor:
@@ -72,7 +69,7 @@ class MobileNetV2(Backbone):
         if any(not 1 <= i <= total for i in lambda_blocks):
             raise ValueError(f"lambda_blocks must be 1-indexed inverted bottlenecks in 1..{total}, got {lambda_blocks}")
         self.img_size = (img_size, img_size)
-        stem = nn.Sequential(*_cbr(in_chans, 32, 3, 2))
+        stem = nn.Sequential(*conv_norm_act(in_chans, 32, 3, stride=2, act="relu6"))
         blocks: list[nn.Module] = [stem]
         self.feature_info, self._taps = [], []
         stage_of_row = {row: stage for stage, row in FEATURE_ROWS.items()}
@@ -89,7 +86,7 @@ class MobileNetV2(Backbone):
                 self.feature_info.append({"module": f"features.{len(blocks) - 1}", "stage": stage_of_row[row],
                                           "num_chs": c, "reduction": reduction})
         self.features = nn.Sequential(*blocks)
-        self.final_conv = nn.Sequential(*_cbr(cin, 1280))
+        self.final_conv = nn.Sequential(*conv_norm_act(cin, 1280, act="relu6"))
         self._init_head(1280, num_classes, drop_rate, features_only)
         for m in self.modules():
             if isinstance(m, nn.Conv2d):

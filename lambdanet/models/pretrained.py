@@ -1,7 +1,7 @@
 """Pretrained weights: timm's ImageNet checkpoints on lambdanet's layers, and local weight files.
 
 ``create_model(name, pretrained=True)`` downloads the checkpoint of ``name`` from the Hugging Face hub
-(``huggingface_hub``; the repository ids are in :data:`lambdanet.models.byoa.model_cfgs`), converts its keys
+(``huggingface_hub``; the repository ids are the registry's :func:`lambdanet.models.registry.published_models`), converts its keys
 to lambdanet's modules (:func:`convert_timm_state_dict`) and caches the converted weights as safetensors
 under :func:`cache_dir`; the next call reads the cache without touching the network.
 ``create_model(name, checkpoint_path=FILE)`` loads a local file instead: a timm state dict of that model
@@ -11,14 +11,12 @@ weights (``model.safetensors`` of a run, :func:`save_weights`), told apart by th
 A model built with another ``num_classes`` than the checkpoint's keeps a fresh classifier (fine-tuning);
 one built with another ``in_chans`` gets the checkpoint's input convolution adapted (:func:`adapt_input_conv`,
 timm's rule): summed over its channels for one channel, repeated over the channels and rescaled otherwise.
-A run directory of ``lambdanet train`` stands for its weights file (:func:`run_file`, the one rule every
-entry point uses). Every safetensors file is read through one function, which turns a damaged file into a
-one-line :class:`WeightsMismatchError`.
+A run directory of ``lambdanet train`` stands for its weights file (:func:`lambdanet.files.run_file`, the one
+rule every entry point uses); the files themselves are read by :mod:`lambdanet.files`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -26,23 +24,23 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from lambdanet.files import (
+    WeightsMismatchError,
+    read_state_dict,
+    run_file,
+    run_metadata,
+)
 from lambdanet.layers import HaloAttention, LambdaLayer, RelativeSelfAttention
+from lambdanet.models.registry import published_models
 
-__all__ = ["PretrainedUnavailableError", "WeightsMismatchError", "HUB_FILENAME", "METADATA_FORMAT", "RUN_FILES",
-           "cache_dir", "hub_id", "convert_timm_state_dict", "read_state_dict", "run_metadata", "run_file",
-           "adapt_input_conv", "tie_shared", "load_weights", "load_pretrained", "download_weights"]
+__all__ = ["PretrainedUnavailableError", "HUB_FILENAME", "cache_dir", "hub_id", "convert_timm_state_dict",
+           "adapt_input_conv", "tie_shared", "load_weights", "load_pretrained", "load_into", "download_weights"]
 
 HUB_FILENAME = "model.safetensors"  # what timm publishes in each hub repository
-METADATA_FORMAT = "lambdanet.weights.v1"  # the header of the weights lambdanet train writes (train/load.py)
-RUN_FILES = ("model_ema.safetensors", "model.safetensors", "last.pt")  # what a run directory holds, preferred first
 
 
 class PretrainedUnavailableError(ValueError):
     """Weights asked for with ``pretrained=True`` could not be had (offline, no such checkpoint)."""
-
-
-class WeightsMismatchError(ValueError):
-    """A weights file does not fit the model it is loaded into."""
 
 
 def cache_dir() -> Path:
@@ -53,13 +51,12 @@ def cache_dir() -> Path:
 
 def hub_id(name: str) -> str:
     """The Hugging Face hub repository of ``name``'s checkpoint (``ValueError`` for models without one)."""
-    from lambdanet.models.byoa import model_cfgs
-
-    if name not in model_cfgs:
+    published = published_models()
+    if name not in published:
         raise PretrainedUnavailableError(
-            f"no pretrained weights are published for {name!r}; models with weights: {', '.join(sorted(model_cfgs))} "
+            f"no pretrained weights are published for {name!r}; models with weights: {', '.join(sorted(published))} "
             "(for your own weights pass checkpoint_path=FILE)")
-    return model_cfgs[name].pretrained.hub_id
+    return published[name].hub_id
 
 
 # ------------------------------------------------------------------------------------------- conversion
@@ -121,63 +118,6 @@ def convert_timm_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor]) 
 
 
 # ------------------------------------------------------------------------------------------- reading files
-def run_file(path: str | os.PathLike, *, ema: bool = True, checkpoint: bool = False) -> Path:
-    """The file a run directory of ``lambdanet train`` stands for; any other path as it is (``~`` expanded).
-
-    The weights (default): ``model_ema.safetensors`` when present and ``ema``, else ``model.safetensors``,
-    else ``last.pt`` (a run stopped before its end). With ``checkpoint``: its ``last.pt``, the training
-    checkpoint (configuration, raw and EMA weights). ``ValueError`` for a directory without such a file."""
-    path = Path(path).expanduser()
-    if not path.is_dir():
-        return path
-    names = ("last.pt",) if checkpoint else RUN_FILES[0 if ema else 1:]
-    found = next((path / n for n in names if (path / n).is_file()), None)
-    if found is None:
-        what = "training checkpoint (last.pt)" if checkpoint else f"trained model ({', '.join(names)})"
-        raise ValueError(f"{path} is a directory but holds no {what}; pass a run directory of lambdanet train or "
-                         "a weights file")
-    return found
-
-
-def _read_safetensors(path: Path, tensors: bool = True) -> tuple[dict[str, Tensor], dict[str, str]]:
-    """The one place a safetensors file is read: ``(its tensors (none unless tensors), its header
-    metadata)``; a truncated or damaged file is a one-line :class:`WeightsMismatchError`."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            sd = {k: f.get_tensor(k) for k in f.keys()} if tensors else {}
-    except SafetensorError as err:
-        raise WeightsMismatchError(f"weights file {path} is corrupted or truncated and cannot be loaded "
-                                   f"({type(err).__name__}: {str(err)[:200]}); delete it or restore a copy") from None
-    except OSError as err:
-        raise WeightsMismatchError(f"weights file {path} cannot be read ({err})") from None
-    return sd, meta
-
-
-def read_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
-    """The tensors of a weights file: safetensors, or a ``torch.save``'d state dict (possibly wrapped under
-    ``"state_dict"``, ``"model"`` or ``"state_dict_ema"``); loaded with ``weights_only=True``."""
-    path = Path(path)
-    if not path.is_file():
-        raise WeightsMismatchError(f"checkpoint_path {str(path)!r} does not exist (expected a weights file: "
-                                   ".safetensors, .pth, .bin or a run's last.pt)")
-    if path.suffix == ".safetensors":
-        return _read_safetensors(path)[0]
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # pickles with arbitrary objects, truncated files, non-torch files
-        raise WeightsMismatchError(f"checkpoint_path {str(path)!r} is not a readable weights file ({err})") from err
-    for key in ("state_dict_ema", "model_ema", "state_dict", "model"):
-        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
-            obj = obj[key]
-            break
-    if not isinstance(obj, dict) or not all(isinstance(v, Tensor) for v in obj.values()):
-        raise WeightsMismatchError(f"checkpoint_path {str(path)!r} holds no state dict of tensors")
-    return obj
-
-
 _FC = ("fc.weight", "fc.bias")
 
 
@@ -244,24 +184,6 @@ def _fit(model: nn.Module, own: dict[str, Tensor], sd: dict[str, Tensor]) -> tup
         notes.append(f"the input convolution {key} is adapted from the checkpoint's {n} input channel"
                      f"{'s' * (n != 1)} to the model's {m} ({how})")
     return sd, notes
-
-
-def run_metadata(path: str | os.PathLike) -> dict | None:
-    """The model description in the header of weights written by ``lambdanet train`` (:data:`METADATA_FORMAT`:
-    model, kwargs, classes, preprocessing; JSON values decoded), ``None`` for any other file."""
-    if Path(path).suffix != ".safetensors":
-        return None
-    meta = _read_safetensors(Path(path), tensors=False)[1]
-    if meta.get("format") != METADATA_FORMAT:
-        return None
-    out = {}
-    for k, v in meta.items():
-        try:
-            out[k] = json.loads(v)
-        except json.JSONDecodeError:  # safetensors' own entries: a shared tensor's other name -> the stored name
-            pass
-    out.pop("format", None)
-    return out
 
 
 def load_weights(model: nn.Module, path: str | os.PathLike, name: str | None = None) -> list[str]:
@@ -333,3 +255,20 @@ def load_pretrained(model: nn.Module, name: str) -> list[str]:
         save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp), metadata={"source": repo})
         os.replace(tmp, cached)  # whole file or none: a crash never leaves half a cache entry
     return load_weights(model, cached, name)
+
+
+def load_into(model: nn.Module, name: str, *, pretrained: bool = False,
+              checkpoint_path: str | os.PathLike | None = None) -> None:
+    """Load ``name``'s published weights (``pretrained``) or a weights file / run directory into ``model``
+    and record in its ``pretrained_cfg`` where they came from (``weights``), what was adapted
+    (``load_notes``) and, for lambdanet's own run weights, their classes and preprocessing."""
+    if checkpoint_path is not None:
+        checkpoint_path = run_file(checkpoint_path)  # a run directory: its weights file
+    notes = load_pretrained(model, name) if pretrained else load_weights(model, checkpoint_path, name)
+    if checkpoint_path is not None:  # lambdanet's run weights describe their data: classes and preprocessing
+        meta = run_metadata(checkpoint_path) or {}
+        model.pretrained_cfg.update({k: meta[k] for k in ("classes", "data", "image_size", "mean", "std") if k in meta})
+        if any("classifier" in n for n in notes):
+            model.pretrained_cfg["classes"] = None
+    model.pretrained_cfg["weights"] = "pretrained" if pretrained else str(checkpoint_path)
+    model.pretrained_cfg["load_notes"] = notes

@@ -11,13 +11,38 @@ from __future__ import annotations
 
 import fnmatch
 import inspect
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from torch import nn
 
-__all__ = ["unregister_model", "register_model", "create_model", "default_pretrained_cfg", "list_models", "model_info", "model_args", "ModelInfo"]
+from lambdanet.constants import DEFAULT_CROP_PCT, DEFAULT_INTERPOLATION, IMAGENET_MEAN, IMAGENET_STD
+
+__all__ = ["unregister_model", "register_model", "entry_point", "pretrained_cfg", "published_models", "list_models", "model_info",
+           "model_args", "ModelInfo", "PretrainedCfg"]
+
+
+@dataclass(frozen=True)
+class PretrainedCfg:
+    """How a model's inputs must look (timm's ``pretrained_cfg``, typed) and, for a model with published
+    weights, where they are: declared beside each family's entry points, collected here.
+
+    Attributes:
+        input_size: side of the square input.
+        crop_pct: evaluation crop: resize the shorter side to ``input_size / crop_pct``, centre-crop.
+        interpolation: ``"bilinear"`` or ``"bicubic"``.
+        mean, std: per-channel normalisation (RGB).
+        hub_id: Hugging Face hub repository of the published weights (``None``: none published).
+        top1: ImageNet-1k top-1 (%) reported for them (``None``: not stated in our sources).
+    """
+
+    input_size: int = 224
+    crop_pct: float = DEFAULT_CROP_PCT
+    interpolation: str = DEFAULT_INTERPOLATION
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    std: tuple[float, float, float] = IMAGENET_STD
+    hub_id: str | None = None
+    top1: float | None = None
 
 
 @dataclass(frozen=True)
@@ -32,6 +57,8 @@ class ModelInfo:
             (``{"img_size": 160, "randaugment_magnitude": 10, "drop_rate": 0.2, ...}``).
         small: fast enough to build and train at its full width in CPU tests.
         recipe_source: where in the papers ``recipe`` comes from.
+        pretrained: the published weights and their preprocessing (``None``: none; the preprocessing is
+            then :attr:`preprocessing`'s default at ``input_size``).
     """
 
     name: str
@@ -40,6 +67,13 @@ class ModelInfo:
     recipe: dict = field(default_factory=dict)
     small: bool = False
     recipe_source: str = ""
+    pretrained: PretrainedCfg | None = None
+
+    @property
+    def preprocessing(self) -> PretrainedCfg:
+        """The inputs the model expects: its published weights', else ImageNet's normalisation, a 0.875
+        bilinear centre crop (torchvision's ImageNet evaluation) at ``input_size``."""
+        return self.pretrained or PretrainedCfg(input_size=self.input_size)
 
 
 # name -> entry point; name -> metadata; name -> accepted architecture keywords and their defaults
@@ -130,70 +164,29 @@ def _check_name(name: str) -> None:
         raise ValueError(f"unknown model {name!r}; registered models: {', '.join(list_models())}")
 
 
-def create_model(name: str, *, num_classes: int = 1000, in_chans: int = 3, pretrained: bool = False,
-                 checkpoint_path: str | os.PathLike | None = None, **kwargs) -> nn.Module:
-    """Build the registered model ``name``.
-
-    Args:
-        name: one of :func:`list_models`.
-        num_classes: classifier outputs (0 for no classifier: ``forward`` returns pooled features).
-        in_chans: input image channels.
-        pretrained: load the published ImageNet checkpoint (the timm-architecture models of
-            :mod:`lambdanet.models.byoa`): downloaded from the Hugging Face hub once, converted and cached
-            (:mod:`lambdanet.models.pretrained`). With another ``num_classes`` the classifier is new.
-        checkpoint_path: load a local weights file instead: timm's state dict of this model (``.pth``,
-            ``.bin``, ``.safetensors``) or lambdanet's own weights (a run's ``model.safetensors``, or the run
-            directory: :func:`lambdanet.models.pretrained.run_file`), detected from its keys. A checkpoint with
-            another number of input channels has its input convolution adapted to ``in_chans``.
-        **kwargs: architecture options of that model (:func:`model_args`); unknown ones raise a
-            ``ValueError`` listing the accepted ones.
-
-    The model carries ``pretrained_cfg``: what its inputs should look like (``image_size``, ``mean``, ``std``,
-    ``crop_pct``, ``interpolation``) and its ``classes`` (``None``: ImageNet's for 1000 classes).
-    """
+def entry_point(name: str, kwargs: Mapping[str, object] = {}) -> Callable[..., nn.Module]:
+    """The entry point of ``name``, once ``kwargs`` are checked against the architecture arguments it
+    declares (a ``ValueError`` listing them for unknown ones; undeclared entry points are not checked)."""
     _check_name(name)
     accepted = _ARGS.get(name)  # None: not declared (``**kwargs`` without ``args``), not validated
     if accepted is not None:
         unknown = sorted(set(kwargs) - set(accepted))
         if unknown:
             raise ValueError(f"model {name!r} does not take {unknown}; it accepts: {', '.join(accepted)}")
-    if not isinstance(num_classes, int) or num_classes < 0:
-        raise ValueError(f"num_classes must be a non-negative int, got {num_classes!r}")
-    if not isinstance(in_chans, int) or in_chans <= 0:
-        raise ValueError(f"in_chans must be a positive int, got {in_chans!r}")
-    if pretrained and checkpoint_path is not None:
-        raise ValueError("pass pretrained=True (the published checkpoint) or checkpoint_path=FILE, not both")
-    if pretrained:
-        from lambdanet.models.pretrained import hub_id
-
-        hub_id(name)  # fail before building when there are no weights
-    model = _MODELS[name](num_classes=num_classes, in_chans=in_chans, **kwargs)
-    model.model_name = name
-    if not isinstance(getattr(model, "pretrained_cfg", None), dict):
-        model.pretrained_cfg = default_pretrained_cfg(name, num_classes, in_chans)
-    if pretrained or checkpoint_path is not None:
-        _load_into(model, name, pretrained, checkpoint_path)
-    return model
+    return _MODELS[name]
 
 
-def default_pretrained_cfg(name: str, num_classes: int, in_chans: int) -> dict:
-    """The preprocessing of a model without a checkpoint of its own: its default input size, ImageNet's mean
-    and standard deviation, a 0.875 centre crop (torchvision's ImageNet evaluation)."""
-    return {"model": name, "num_classes": num_classes, "in_chans": in_chans, "classes": None, "data": None,
-            "image_size": _INFO[name].input_size, "crop_pct": 0.875, "interpolation": "bilinear",
-            "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
+def pretrained_cfg(name: str, num_classes: int = 1000, in_chans: int = 3) -> dict:
+    """``model.pretrained_cfg`` of ``create_model(name, num_classes=..., in_chans=...)`` before any weights are
+    loaded: the model's :meth:`ModelInfo.preprocessing` as plain data, with ``classes`` ``None`` (ImageNet's
+    when there are 1000) and, for a model with published weights, their ``hub_id`` and ``data``."""
+    p = model_info(name).preprocessing
+    cfg = {"model": name, "num_classes": num_classes, "in_chans": in_chans, "classes": None,
+           "data": "imagenet" if p.hub_id else None, "image_size": p.input_size, "crop_pct": p.crop_pct,
+           "interpolation": p.interpolation, "mean": list(p.mean), "std": list(p.std)}
+    return cfg | ({"hub_id": p.hub_id} if p.hub_id else {})
 
 
-def _load_into(model: nn.Module, name: str, pretrained: bool, checkpoint_path) -> None:
-    from lambdanet.models import pretrained as weights
-
-    if checkpoint_path is not None:
-        checkpoint_path = weights.run_file(checkpoint_path)  # a run directory: its weights file
-    notes = weights.load_pretrained(model, name) if pretrained else weights.load_weights(model, checkpoint_path, name)
-    if checkpoint_path is not None:  # lambdanet's run weights describe their data: classes and preprocessing
-        meta = weights.run_metadata(checkpoint_path) or {}
-        model.pretrained_cfg.update({k: meta[k] for k in ("classes", "data", "image_size", "mean", "std") if k in meta})
-        if any("classifier" in n for n in notes):
-            model.pretrained_cfg["classes"] = None
-    model.pretrained_cfg["weights"] = "pretrained" if pretrained else str(checkpoint_path)
-    model.pretrained_cfg["load_notes"] = notes
+def published_models() -> dict[str, PretrainedCfg]:
+    """The registered models with published weights (a ``hub_id``) and their :class:`PretrainedCfg`."""
+    return {n: _INFO[n].pretrained for n in list_models() if _INFO[n].pretrained and _INFO[n].pretrained.hub_id}

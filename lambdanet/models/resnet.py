@@ -29,6 +29,7 @@ from lambdanet.layers import (
     create_spatial_layer,
     list_spatial_layers,
 )
+from lambdanet.layers.conv_norm_act import conv_norm_act, get_act
 from lambdanet.layers.drop import DropPath
 from lambdanet.models.base import Backbone
 
@@ -36,7 +37,6 @@ __all__ = ["ResNetConfig", "ResNetArgs", "RESNET_ARGS", "ResNet", "Bottleneck", 
            "STAGE_NAMES"]
 
 STAGE_NAMES = ("c2", "c3", "c4", "c5")
-_ACTS = {"relu": nn.ReLU, "silu": nn.SiLU}
 
 
 @dataclass(frozen=True)
@@ -131,8 +131,8 @@ def stage_pattern(layers: Sequence[int], stage_layers: str) -> tuple[str, str, s
 def _stem(kind: str, in_chans: int, act: type[nn.Module]) -> tuple[nn.Sequential, int, int]:
     """Returns (stem, out channels, reduction)."""
 
-    def cba(cin, cout, k, s):
-        return [nn.Conv2d(cin, cout, k, s, k // 2, bias=False), nn.BatchNorm2d(cout), act(inplace=True)]
+    def cba(cin, cout, k, s):  # flat: the stem's keys are indices
+        return conv_norm_act(cin, cout, k, stride=s, act=act)
 
     if kind == "resnet":
         return nn.Sequential(*cba(in_chans, 64, 7, 2), nn.MaxPool2d(3, 2, 1)), 64, 4
@@ -211,7 +211,7 @@ class ResNet(Backbone):
         if len(img) != 2 or min(img) <= 0:
             raise ValueError(f"img_size must be a positive int or (H, W), got {img_size!r}")
         self.img_size = img
-        act = _ACTS[cfg.act]
+        act = get_act(cfg.act)
         self.stem, ch, reduction = _stem(cfg.stem, in_chans, act)
         size = tuple(math.ceil(s / reduction) for s in img)
         pattern = cfg.block_pattern()
@@ -299,8 +299,7 @@ def _validate_config(cfg: ResNetConfig) -> None:
             raise ValueError(f"pattern of stage {STAGE_NAMES[i]} must be {n} letters C/L, got {letters!r}")
     if cfg.spatial_layer not in list_spatial_layers():
         raise ValueError(f"spatial_layer must be one of {list_spatial_layers()}, got {cfg.spatial_layer!r}")
-    if cfg.act not in _ACTS:
-        raise ValueError(f"act must be one of {list(_ACTS)}, got {cfg.act!r}")
+    get_act(cfg.act)  # a known activation name
     if cfg.shortcut not in ("conv", "avg"):
         raise ValueError(f"shortcut must be one of ['conv', 'avg'], got {cfg.shortcut!r}")
     for stage, blocks in cfg.nonlocal_blocks.items():

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from lambdanet.models.paper_tables import PAPER_ROWS, PaperRow
-from lambdanet.models.registry import create_model, list_models, model_info
+from lambdanet.models.factory import create_model
+from lambdanet.models.registry import list_models, model_info
 from lambdanet.runtime import count_flops
 
 __all__ = ["model_summary", "summarize_models", "paper_comparison", "markdown_table"]

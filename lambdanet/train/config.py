@@ -161,7 +161,7 @@ class TrainConfig:
         if self.pretrained and self.checkpoint:
             raise ValueError("pass --pretrained (the published weights) or --checkpoint FILE, not both")
         if self.checkpoint is not None:
-            from lambdanet.models.pretrained import run_file
+            from lambdanet.files import run_file
 
             if not Path(self.checkpoint).expanduser().exists():
                 raise ValueError(f"checkpoint {self.checkpoint!r} does not exist (expected a run directory of lambdanet "

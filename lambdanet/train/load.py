@@ -1,43 +1,32 @@
 """Use a trained model: ``load_model(RUN_DIR | FILE)`` rebuilds what ``lambdanet train`` trained.
 
 The safetensors weights a run writes (``model.safetensors``, ``model_ema.safetensors``) carry their
-model in the file's header (:func:`weights_metadata`): the registered name and keyword arguments, the
+model in the file's header (:func:`lambdanet.files.weights_metadata`): the registered name and keyword arguments, the
 number of classes and input channels, the class names and the preprocessing (image size, mean, std).
 ``load_model`` reads that header, builds the model with ``create_model`` and loads the weights strictly;
-it also takes a run directory (the EMA weights when the run kept them; :func:`run_file`, the rule every
+it also takes a run directory (the EMA weights when the run kept them; :func:`lambdanet.files.run_file`, the rule every
 command uses for a run directory) or a ``last.pt`` checkpoint. :func:`checkpoint_settings` is what
 fine-tuning (``lambdanet train --checkpoint RUN_OR_FILE``) takes from the same header.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 from torch import nn
 
-from lambdanet.models import create_model
-from lambdanet.models.pretrained import (
-    METADATA_FORMAT,
+from lambdanet.files import (
     WeightsMismatchError,
     read_state_dict,
     run_file,
     run_metadata,
-    tie_shared,
 )
+from lambdanet.models import create_model
+from lambdanet.models.pretrained import tie_shared
 from lambdanet.train.checkpoint import CheckpointError, load_checkpoint, trained_weights
 
-__all__ = ["load_model", "restore_model", "weights_metadata", "checkpoint_settings", "run_file", "METADATA_FORMAT"]
-
-
-
-def weights_metadata(*, model: str, model_kwargs: dict, num_classes: int, in_chans: int, classes: list | None,
-                     data: str, image_size: int, mean, std) -> dict[str, str]:
-    """The header of a run's safetensors weights (safetensors metadata holds strings: JSON values)."""
-    values = {"model": model, "model_kwargs": model_kwargs, "num_classes": num_classes, "in_chans": in_chans,
-              "classes": classes, "data": data, "image_size": image_size, "mean": list(mean), "std": list(std)}
-    return {"format": METADATA_FORMAT, **{k: json.dumps(v) for k, v in values.items()}}
+__all__ = ["load_model", "restore_model", "checkpoint_settings"]
 
 
 def restore_model(state: dict, spec, *, ema: bool = True) -> tuple[nn.Module, str]:
@@ -104,7 +93,7 @@ def load_model(path: str | os.PathLike, *, ema: bool = True) -> nn.Module:
 
 def checkpoint_settings(path: str | os.PathLike) -> dict | None:
     """The model settings of what ``lambdanet train`` wrote (a run directory, its safetensors weights or a
-    ``last.pt``): ``{"model", "model_kwargs", "image_size", "file"}`` (``file``: what :func:`run_file` picked),
+    ``last.pt``): ``{"model", "model_kwargs", "image_size", "file"}`` (``file``: what :func:`lambdanet.files.run_file` picked),
     ``None`` for weights of another origin (timm's) or a file that cannot be read (its loader reports why)."""
     file = run_file(path)
     if file.suffix == ".safetensors" and file.is_file():

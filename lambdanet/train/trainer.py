@@ -50,7 +50,8 @@ from lambdanet.train.distributed import (
     init_distributed,
 )
 from lambdanet.train.engine import NonFiniteLossError, evaluate, train_one_epoch
-from lambdanet.train.load import restore_model, run_file, weights_metadata
+from lambdanet.files import run_file, weights_metadata
+from lambdanet.train.load import restore_model
 from lambdanet.train.logger import RunLogger, plot_history, read_history, truncate_history, write_json
 from lambdanet.train.optim import build_ema, build_optimizer, build_scheduler, set_bn_momentum
 from lambdanet.train.preempt import Preempted, StopSignals, resume_point
@@ -452,7 +453,7 @@ def _dry_run(model: nn.Module, loader: ImageLoader, cfg: TrainConfig, device: to
 def evaluate_checkpoint(path: str | Path, *, data: str | None = None, split: str = "test", ema: bool = True,
                         batch_size: int = 256, device: str = "auto", data_dir: str | None = None) -> dict:
     """Top-1 / top-5 of a checkpoint's model (its EMA weights when present and ``ema``) on a dataset split;
-    ``path`` is a ``last.pt`` or a run directory (its ``last.pt``: :func:`lambdanet.train.load.run_file`)."""
+    ``path`` is a ``last.pt`` or a run directory (its ``last.pt``: :func:`lambdanet.files.run_file`)."""
     if split not in ("test", "train"):
         raise ValueError(f"split must be one of ['test', 'train'], got {split!r}")
     path = run_file(path, checkpoint=True)  # a run directory: its last.pt (raw and EMA weights, configuration)

@@ -1,0 +1,118 @@
+"""The package's structure (docs/architecture.md): dependencies point down the stack and no module imports
+itself back through others, function-level (lazy) imports included; each shared constant and primitive is
+defined once."""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "lambdanet"
+
+# the stack, bottom first: a module may import its own level and the ones below it
+LEVELS = [
+    ("lambdanet.constants", "lambdanet.files", "lambdanet.helpers", "lambdanet.runtime"),
+    ("lambdanet.functional", "lambdanet.kernels"),
+    ("lambdanet.layers",),
+    ("lambdanet.models",),
+    ("lambdanet.data", "lambdanet.train"),
+    ("lambdanet.detection", "lambdanet.predict", "lambdanet.export"),
+    ("lambdanet.bench",),
+    ("lambdanet.cli", "lambdanet.__main__"),
+]
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        found[".".join(parts).removesuffix(".__init__")] = path
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the package modules it imports anywhere in its body. ``from pkg import name`` counts as an
+    import of ``pkg.name`` when that is a module, else of ``pkg`` (its ``__init__``)."""
+    mods = modules()
+    graph = {}
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
+                subs = {f"{base}.{a.name}" for a in node.names} & set(mods)
+                deps.update(subs or {base})
+        graph[name] = {d for d in deps if d in mods and d != name}
+    return graph
+
+
+def level(module: str) -> int | None:
+    for i, prefixes in enumerate(LEVELS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return i
+    return None
+
+
+def test_every_module_has_a_level_and_imports_only_its_own_or_lower():
+    graph = import_graph()
+    unplaced = sorted(m for m in graph if m != "lambdanet" and level(m) is None)
+    assert not unplaced, f"modules outside the stack (add them to LEVELS and docs/architecture.md): {unplaced}"
+    upward = sorted(f"{m} -> {d}" for m, deps in graph.items() if m != "lambdanet"
+                    for d in deps if d != "lambdanet" and level(d) > level(m))
+    assert not upward, upward
+
+
+def test_no_import_cycle():
+    """Tarjan's strongly connected components of the import graph: all of size one."""
+    graph = import_graph()
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not cycles, cycles
+
+
+@pytest.mark.parametrize("pattern, what", [
+    (r"^(\s*)(def|class) (make_divisible|conv_norm_act|ConvNormAct|BatchNormAct|get_act)\b", "conv-norm-act primitives"),
+    (r"\{\s*\"relu\":\s*nn\.ReLU\b", "the activations by name"),
+    (r"0\.485,\s*0\.456,\s*0\.406", "ImageNet's mean"),
+    (r"0\.229,\s*0\.224,\s*0\.225", "ImageNet's std"),
+    (r"^\s*METADATA_FORMAT\s*=", "the run-weights header format"),
+    (r"^(\s*)def (run_file|read_state_dict|read_safetensors|_read_safetensors)\b", "reading weight files"),
+    (r"^class PretrainedCfg\b", "the preprocessing metadata type"),
+])
+def test_each_shared_piece_is_defined_once(pattern, what):
+    found = [f"{path.relative_to(PACKAGE.parent)}:{i}" for path in sorted(PACKAGE.rglob("*.py"))
+             for i, line in enumerate(path.read_text().splitlines(), 1) if re.search(pattern, line)]
+    names = {re.search(pattern, line).group(0).split()[-1] for path in PACKAGE.rglob("*.py")
+             for line in path.read_text().splitlines() if re.search(pattern, line)}
+    assert len(found) == len(names) >= 1, f"{what} defined in {found}"
