@@ -243,3 +243,30 @@ def test_detect_on_two_local_processes(tmp_path, capfd):
     assert "already holds a run" in capfd.readouterr().err
     assert main([*args[:-2], "--batch-size", "3", "--out", str(tmp_path / "odd")]) == 2
     assert "must be a multiple of procs 2" in capfd.readouterr().err
+
+
+def test_loss_weights_scale_the_losses_trained_on(tmp_path):
+    """A loss weighted 0 trains nothing that only it reaches: the mask predictor's bias (1-d, so without
+    AdamW's weight decay) keeps its initial value, while the box predictor's moves; weighted 1 (the default)
+    the mask bias moves too."""
+    from safetensors.torch import load_file
+
+    from lambdanet.detection.data import GlyphSceneConfig, build_detection_datasets
+    from lambdanet.detection.trainer import build_detector
+
+    args = ["detect", "--backbone", "resnet26", *TINY, "--procs", "1", "--device", "cpu"]
+    cfg = resolve_detect_config(overrides={"backbone": "resnet26", "pretrain_steps": 0, "img_size": 96,
+                                           "backbone_kwargs": {"base_width": 8},
+                                           "detector": {"box_batch_size_per_image": 32, "rpn_batch_size_per_image": 32,
+                                                        "box_detections_per_img": 20}})
+    torch.manual_seed(cfg.seed)  # as a run builds its detector: seeded, after the scenes are read
+    train, _ = build_detection_datasets("glyphs", seed=cfg.seed, config=GlyphSceneConfig(glyphs=cfg.glyphs))
+    initial = build_detector(cfg, train.num_classes).state_dict()
+    mask_bias, box_bias = "roi_heads.mask_predictor.mask_fcn_logits.bias", "roi_heads.box_predictor.cls_score.bias"
+    for weights, mask_moves in (("{loss_mask: 0}", False), ("{}", True)):
+        out = tmp_path / f"run{int(mask_moves)}"
+        assert main([*args, "--loss-weights", weights, "--out", str(out)]) == 0
+        trained = load_file(out / "model.safetensors")
+        assert not torch.equal(trained[box_bias], initial[box_bias])
+        assert torch.equal(trained[mask_bias], initial[mask_bias]) is not mask_moves, weights
+    assert main([*args, "--loss-weights", "{loss_mask: -1}", "--out", str(tmp_path / "bad")]) == 2

@@ -70,6 +70,10 @@ __all__ = ["DetectConfig", "DETECT_RECIPES", "DETECT_CHOICES", "DETECT_RESUME_FR
            "draw_predictions"]
 
 
+# the losses torchvision's Mask R-CNN returns in training (Faster R-CNN: all but loss_mask)
+DETECTOR_LOSSES = ("loss_classifier", "loss_box_reg", "loss_mask", "loss_objectness", "loss_rpn_box_reg")
+
+
 @dataclass
 class DetectConfig:
     """Every option of ``lambdanet detect`` (each is also a ``--flag`` and a YAML key)."""
@@ -100,6 +104,8 @@ class DetectConfig:
     weight_decay: float = option(1e-4, "weight decay (not on norms and biases)")
     warmup_steps: int = option(100, "linear warm-up steps from lr / 1000 (the paper: 1000)")
     lr_steps: list = option([0.75, 0.9], "fractions of the steps after which the rate is multiplied by 0.1")
+    loss_weights: dict = option({}, "weights of the detector's losses in the sum it trains on (" +
+                                ", ".join(DETECTOR_LOSSES) + "; 1 where not given); the logs show them unweighted")
     grad_clip: float | None = option(10.0, "clip the gradient norm (null: no clipping)")
     amp: str = option("none", "autocast precision", choices=tuple(AMP_DTYPES))
     sync_bn: bool = option(False, "synchronised BatchNorm across torchrun processes")
@@ -160,6 +166,11 @@ class DetectConfig:
                                  "(layers sized by the input do not carry over); use --pretrain-steps 0")
         if not isinstance(self.backbone_kwargs, dict) or not isinstance(self.detector, dict):
             raise ValueError("backbone_kwargs and detector must be mappings")
+        if not isinstance(self.loss_weights, dict) or any(
+                k not in DETECTOR_LOSSES or isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0
+                for k, v in self.loss_weights.items()):
+            raise ValueError(f"loss_weights must map loss names ({', '.join(DETECTOR_LOSSES)}) to non-negative "
+                             f"numbers, got {self.loss_weights!r}")
         from lambdanet.detection.data import list_detection_datasets
         from lambdanet.detection.model import BACKBONE_PRESETS
         from lambdanet.models import list_models
@@ -405,7 +416,7 @@ def _train_epoch(state: DetectState, run_model: nn.Module, loader, cfg: DetectCo
         targets = [{k: v.to(ctx.device) if torch.is_tensor(v) else v for k, v in t.items()} for t in targets]
         with autocast_context(ctx.device, cfg.amp):
             losses = model(images, targets)
-        loss = sum(losses.values())
+        loss = sum(cfg.loss_weights.get(k, 1.0) * v for k, v in losses.items())
         if not torch.isfinite(loss):
             raise TrainingDivergedError(f"non-finite detection loss {loss.item()} at epoch {state.epoch + 1}, step "
                                         f"{i + 1}: lower --lr or raise --warmup-steps")
