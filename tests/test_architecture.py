@@ -17,7 +17,7 @@ LEVELS = [
     ("lambdanet.layers",),
     ("lambdanet.models",),
     ("lambdanet.data", "lambdanet.train"),
-    ("lambdanet.detection", "lambdanet.predict", "lambdanet.export"),
+    ("lambdanet.detection", "lambdanet.predict", "lambdanet.export"),  # detection: targets <- coco <- glyphs <- data
     ("lambdanet.bench",),
     ("lambdanet.cli", "lambdanet.__main__"),
 ]

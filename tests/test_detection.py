@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from lambdanet.detection import data as det_data
+from lambdanet.detection import glyphs as det_glyphs
 from lambdanet.detection.data import (
     GlyphInstances,
     GlyphSceneConfig,
@@ -69,13 +69,13 @@ def test_glyph_scenes_are_deterministic(scenes):
 def test_glyph_cache_is_written_once_and_reread(scenes, tmp_path, monkeypatch):
     data = glyph_scenes(SCENES, SEED, cache_dir=tmp_path, progress=False)
     path = glyph_cache_path(SCENES, SEED, tmp_path)
-    assert path.name.startswith(f"glyph-instances-{det_data.VERSION}-{SEED}-") and path.suffix == ".pt"
+    assert path.name.startswith(f"glyph-instances-{det_glyphs.VERSION}-{SEED}-") and path.suffix == ".pt"
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # written atomically: no temporary file left
 
     def no_generation(*args, **kwargs):
         raise AssertionError("the cached scenes should have been read")
 
-    monkeypatch.setattr(det_data, "generate_glyph_scenes", no_generation)
+    monkeypatch.setattr(det_glyphs, "generate_glyph_scenes", no_generation)
     reread = glyph_scenes(SCENES, SEED, cache_dir=tmp_path, progress=False)
     for split in ("train", "test"):
         for key in ("images", "instances", "labels", "offsets"):
@@ -121,14 +121,14 @@ def test_glyph_sizes_cover_the_coco_size_classes(scenes):
 
 def test_fully_hidden_glyphs_are_dropped(monkeypatch):
     placed = []
-    place = det_data.place
+    place = det_glyphs.place
 
     def counting_place(*args, **kwargs):
         corner = place(*args, **kwargs)
         placed.append(corner is not None)
         return corner
 
-    monkeypatch.setattr(det_data, "place", counting_place)
+    monkeypatch.setattr(det_glyphs, "place", counting_place)
     # crowded small images and no visibility requirement: later glyphs hide some earlier ones completely
     cfg = GlyphSceneConfig(image_size=96, train_images=4, test_images=1, glyphs="digits", max_objects=40,
                            min_visible=0.0, large_prob=0.0, small_prob=0.5)
@@ -264,7 +264,7 @@ def test_the_glyph_note_names_the_sets_and_the_missing_package(monkeypatch, tmp_
     from lambdanet.detection import trainer
 
     assert trainer.glyph_note("digits+mnist5k") == "glyphs: digits+mnist5k"
-    monkeypatch.setattr(det_data, "FASHION_MNIST_DIR", tmp_path)  # not installed
+    monkeypatch.setattr(det_glyphs, "FASHION_MNIST_DIR", tmp_path)  # not installed
     note = trainer.glyph_note("auto")
     assert note.startswith("glyphs: digits+mnist5k (auto)") and "apt-get install dataset-fashion-mnist" in note
 

@@ -19,7 +19,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-from lambdanet.detection.data import coco_ground_truth, collate_detection, encode_masks
+from lambdanet.detection.coco import coco_ground_truth, encode_masks
+from lambdanet.detection.targets import collate_detection
 
 __all__ = ["evaluate_detector", "evaluate_predictions", "predictions_to_coco", "METRICS", "IOU_TYPES"]
 

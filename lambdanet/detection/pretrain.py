@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from lambdanet.detection.data import GlyphPool, GlyphSceneConfig, glyph_categories, render_scene, \
+from lambdanet.detection.glyphs import GlyphPool, GlyphSceneConfig, glyph_categories, render_scene, \
     resolve_glyph_sources
 from lambdanet.helpers import check_positive_int
 from lambdanet.train.checkpoint import CheckpointError, load_checkpoint, rng_state, save_checkpoint, set_rng_state

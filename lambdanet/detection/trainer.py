@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from lambdanet.data import epoch_seed
-from lambdanet.detection.data import GLYPH_SETS, resolve_glyph_sources
+from lambdanet.detection.glyphs import GLYPH_SETS, resolve_glyph_sources
 from lambdanet.detection.pretrain import PretrainConfig
 from lambdanet.runtime import AMP_DTYPES
 from lambdanet.train.checkpoint import (
@@ -373,7 +373,7 @@ class DetectState:
 def _loader(dataset, cfg: DetectConfig, ctx: DistContext, train: bool):
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from lambdanet.detection.data import collate_detection
+    from lambdanet.detection.targets import collate_detection
 
     sampler = DistributedSampler(dataset, ctx.world, ctx.rank, shuffle=train, seed=cfg.seed) if ctx.enabled else None
     per_rank = cfg.batch_size // ctx.world if train else cfg.eval_batch_size
