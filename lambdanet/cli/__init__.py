@@ -1,0 +1,60 @@
+"""Command-line interface: a thin layer over library functions, one module per group of commands
+(``info``, ``training``, ``deploy``, ``detect``, ``bench``), each adding its commands with ``register``.
+
+``lambdanet <command> --help`` documents each command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lambdanet.cli import bench, deploy, detect, info, training
+
+__all__ = ["main", "build_parser"]
+
+DESCRIPTION = ("lambdanet: LambdaNetworks (Bello, ICLR 2021) in PyTorch: lambda layers, LambdaResNets and the "
+               "convolution / attention baselines they are measured against (SE, linear, relative, local, axial "
+               "and halo attention), with the papers' models, training recipes and benchmarks.")
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from lambdanet.train.trainer import TrainingDivergedError
+
+    return (ValueError, TrainingDivergedError, FileNotFoundError)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from lambdanet import __version__
+
+    parser = argparse.ArgumentParser(prog="lambdanet", description=DESCRIPTION,
+                                     epilog="Run 'lambdanet COMMAND --help' for a command's options.")
+    parser.add_argument("--version", action="version", version=f"lambdanet {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="command")
+    parser.commands = sub.choices  # name -> subparser, for errors in a command's own usage
+
+    for module in (info, training, deploy, detect, bench):  # the order of 'lambdanet --help'
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # a mistyped option: the subcommand's usage, not the top-level one
+        where = parser.commands.get(getattr(args, "command", None), parser)
+        where.error(f"unrecognized arguments: {' '.join(extra)} (see 'lambdanet {args.command or ''} --help')")
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    from lambdanet.train.preempt import Preempted, exit_status
+
+    try:
+        return int(args.func(args) or 0)
+    except Preempted as err:  # a checkpoint was saved: one line, and the signal's conventional exit status
+        print(f"lambdanet {args.command}: {err}", file=sys.stderr)
+        return exit_status(err)
+    except _user_errors() as err:
+        print(f"lambdanet {args.command}: error: {err}", file=sys.stderr)
+        return 2
+

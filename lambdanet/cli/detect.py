@@ -1,0 +1,43 @@
+"""``lambdanet detect``: Mask R-CNN with a lambdanet backbone."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+__all__ = ["register"]
+
+
+def _cmd_detect(args: argparse.Namespace) -> int:
+    """Train and evaluate a detector (library: ``lambdanet.detection.trainer.train_detector``)."""
+    from lambdanet.detection.trainer import DetectConfig, resolve_detect_config, train_detector
+    from lambdanet.train.config import load_yaml
+
+    names = {f.name for f in dataclasses.fields(DetectConfig)}
+    overrides = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    yaml_values = load_yaml(args.config) if args.config else {}
+    train_detector(resolve_detect_config(overrides.get("recipe"), yaml_values, overrides))
+    return 0
+
+
+def _add_detect(sub) -> None:
+    """``lambdanet detect``"""
+    from lambdanet.detection.trainer import DETECT_CHOICES, DETECT_RECIPES, DetectConfig, recipe_values
+    from lambdanet.train.config import add_config_arguments
+
+    detect = sub.add_parser(
+        "detect", help="train and evaluate Mask R-CNN / Faster R-CNN on a lambda, halo or convolution backbone",
+        description=f"Detection and instance segmentation (LambdaNetworks Table 6, HaloNet Table 5): torchvision's "
+                    f"Mask R-CNN on an FPN over a registered backbone. Recipes: {', '.join(DETECT_RECIPES)} (paper: "
+                    "App. E.2's 1024 px COCO recipe). Data: glyphs (built-in offline scenes) or coco:DIR. "
+                    "Evaluation: COCO box and mask AP with pycocotools, in summary.json. Every option is also a YAML "
+                    "key (--config); --resume continues the run in --out; under torchrun it trains with "
+                    "DistributedDataParallel.")
+    detect.add_argument("--config", help="YAML file of options")
+    add_config_arguments(detect, DetectConfig, DETECT_CHOICES, recipe_values())
+    detect.set_defaults(func=_cmd_detect)
+
+
+def register(sub) -> None:
+    """Add this module's commands to the subparsers ``sub``."""
+    _add_detect(sub)

@@ -1,0 +1,126 @@
+"""Training commands: ``lambdanet train``, ``eval``, ``sweep`` and ``pseudo-label``."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["register"]
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    """Train and evaluate a model (library: ``lambdanet.train.train``)."""
+    from lambdanet.train.config import config_from_args
+    from lambdanet.train.trainer import train
+
+    cfg = config_from_args(args)
+    train(cfg)
+    return 0
+
+
+def _add_train(sub) -> None:
+    """``lambdanet train``"""
+    from lambdanet.data import list_datasets
+    from lambdanet.train.config import RECIPES, add_config_arguments
+
+    recipes = ", ".join(RECIPES)
+    train = sub.add_parser(
+        "train", help="train and evaluate a model",
+        description=f"Train and evaluate. Recipes: {recipes}. Data: {', '.join(list_datasets())}. Every option is "
+                    "also a YAML key (--config FILE); precedence: defaults < --recipe < --config < flags. "
+                    "--resume continues the run in --out where it stopped. --checkpoint RUN_OR_FILE fine-tunes a "
+                    "run's model (its architecture and image size unless given) or timm's weights, adapting the "
+                    "input channels and the classifier to the data. Under torchrun the same command trains "
+                    "with DistributedDataParallel.")
+    train.add_argument("--config", help="YAML file of options")
+    add_config_arguments(train)
+    train.set_defaults(func=_cmd_train)
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    """Top-1 / top-5 of a checkpoint on a dataset (library: ``lambdanet.train.evaluate_checkpoint``)."""
+    import json
+
+    from lambdanet.train.trainer import evaluate_checkpoint
+
+    res = evaluate_checkpoint(args.checkpoint, data=args.data, split=args.split, ema=not args.no_ema,
+                              batch_size=args.batch_size, device=args.device, data_dir=args.data_dir)
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        print(f"{res['model']} ({res['weights']} weights, epoch {res['epoch']}) on {res['data']} {res['split']}: "
+              f"top-1 {res['top1']:.4f}, top-5 {res['top5']:.4f}, loss {res['loss']:.4f} ({res['samples']} images)")
+    return 0
+
+
+def _add_eval(sub) -> None:
+    """``lambdanet eval``"""
+    ev = sub.add_parser("eval", help="evaluate a checkpoint",
+                        description="Top-1/top-5 accuracy and loss of a training checkpoint (its EMA weights when it "
+                                    "has them) on its dataset or another one.")
+    ev.add_argument("--checkpoint", required=True,
+                    help="a run directory of lambdanet train or its last.pt (the training checkpoint)")
+    ev.add_argument("--data", default=None, help="dataset (default: the checkpoint's)")
+    ev.add_argument("--data-dir", default=None, help="dataset folder (default: the checkpoint's)")
+    ev.add_argument("--split", default="test", choices=["test", "train"], help="split to evaluate (default: test)")
+    ev.add_argument("--batch-size", type=int, default=256, help="evaluation batch size (default: 256)")
+    ev.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                    help="device (default: auto = CUDA when available)")
+    ev.add_argument("--no-ema", action="store_true", help="use the raw weights even if an EMA exists")
+    ev.add_argument("--json", action="store_true", help="print the result as JSON")
+    ev.set_defaults(func=_cmd_eval)
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    """Learning-rate sensitivity study (library: ``lambdanet.train.sweep.lr_sweep``)."""
+    from lambdanet.train.config import config_source_from_args
+    from lambdanet.train.sweep import lr_sweep, sweep_markdown
+
+    rows = lr_sweep(config_source_from_args(args), args.lrs, args.models)
+    print(sweep_markdown(rows))
+    return 0
+
+
+def _add_sweep(sub) -> None:
+    """``lambdanet sweep``"""
+    sw = sub.add_parser("sweep", help="learning-rate sensitivity study",
+                        description="Train the same recipe at several learning rates (and models) into "
+                                    "--out/<model>/lr_<lr>; writes sweep.md, sweep.json and sweep.png (accuracy vs "
+                                    "learning rate) into --out. Rerunning reuses finished runs of the same resolved "
+                                    "configuration and resumes unfinished ones; a run folder holding another "
+                                    "configuration is refused. Every train option applies.")
+    sw.add_argument("--lrs", type=float, nargs="+", required=True, help="learning rates")
+    sw.add_argument("--models", nargs="+", default=None, help="models (default: --model)")
+    sw.add_argument("--config", help="YAML file of options")
+    from lambdanet.train.config import add_config_arguments
+
+    add_config_arguments(sw)
+    sw.set_defaults(func=_cmd_sweep)
+
+
+def _cmd_pseudo(args: argparse.Namespace) -> int:
+    """Pseudo-label a teacher's unlabelled images (library: ``lambdanet.train.pseudo.make_pseudo_labels``)."""
+    from lambdanet.train.pseudo import make_pseudo_labels
+
+    res = make_pseudo_labels(args.checkpoint, args.out, threshold=args.threshold)
+    print(f"{len(res['labels'])} pseudo-labels for {res['data']} (labeled_fraction {res['labeled_fraction']}, "
+          f"seed {res['seed']}), {res['agreement_with_true_labels']:.4f} agree with the hidden labels -> {args.out}")
+    return 0
+
+
+def _add_pseudo_label(sub) -> None:
+    """``lambdanet pseudo-label``"""
+    ps = sub.add_parser("pseudo-label", help="label a teacher's unlabelled images",
+                        description="Label the unlabelled part (1 - labeled_fraction) of a teacher run's training "
+                                    "set; train a student with --labeled-fraction F --pseudo-labels FILE.")
+    ps.add_argument("--checkpoint", required=True, help="the teacher's last.pt (trained with --labeled-fraction < 1)")
+    ps.add_argument("--out", required=True, help="output file (.pt)")
+    ps.add_argument("--threshold", type=float, default=0.0, help="keep labels with at least this confidence")
+    ps.set_defaults(func=_cmd_pseudo)
+
+
+def register(sub) -> None:
+    """Add this module's commands to the subparsers ``sub``."""
+    _add_train(sub)
+    _add_eval(sub)
+    _add_sweep(sub)
+    _add_pseudo_label(sub)
