@@ -1,39 +1,10 @@
-"""Functional core of the lambda layer, written to be read next to the paper's figures.
+"""The fast path of the lambda layer (:class:`lambdanet.layers.LambdaLayer`), N-d: relative embeddings as a
+kernel re-indexed into per-position embeddings (paper Sec. 3.3), position lambdas through the lambda
+convolution (three interchangeable implementations, App. B.1) or fused with the queries, content lambdas
+(global, or causal through cumulative sums, App. B.2), and the application of lambdas to queries as GEMMs.
+Symbols and layouts: :mod:`lambdanet.functional`; the readable reference path beside it:
+:mod:`lambdanet.functional.reference`."""
 
-Symbols (LambdaNetworks, Bello 2021): ``b`` batch, ``n`` queries (input positions), ``m`` context
-positions, ``k`` query/key depth, ``v`` value depth, ``h`` heads (queries per lambda), ``u`` intra-depth,
-``r`` local scope size, ``d = h * v`` output dimension, ``g`` lambda groups (1 for the multi-query
-layer, ``h`` for the multi-head layer of Fig. 7).
-
-Two families live here:
-
-* Paper-shaped functions with the figures' argument order and shapes: :func:`lambda_layer` (Fig. 3,
-  with the optional intra-depth of Fig. 8), :func:`compute_position_lambdas` (Fig. 5),
-  :func:`masked_lambda_layer` (Fig. 6) and :func:`multihead_lambda_layer` (Fig. 7).  They are the
-  readable reference path: plain einsums, exactly as printed.
-* N-d building blocks used by :class:`lambdanet.layers.LambdaLayer` (the fast path): relative
-  embeddings as a kernel ``R[g, k, u, *K]`` re-indexed into ``E[g, k, u, n, m]`` (paper Sec. 3.3),
-  position lambdas through the lambda convolution (three interchangeable implementations, App. B.1),
-  content lambdas (global or causal through cumulative sums, App. B.2) and the application of
-  lambdas to queries as GEMMs.
-
-Layouts of the intra-depth axis ``u`` (Fig. 8 orders it ``[k, n, m, u]`` / ``[r, 1, u, k]``):
-
-* Paper-shaped functions: ``u`` last (``keys [b, m, k, u]``, ``values [b, m, v, u]``,
-  ``embeddings [n, m, k, u]``).
-* Relative kernels and embeddings: ``u`` after ``k``, the spatial axes last, as a convolution weight
-  (``R [g, k, u, *K]``, ``E [g, k, u, n, m]``); values for the lambda convolution ``[b, g, v, u, *S]``.
-* Content lambdas: ``u`` last (``keys [b, m, g, k, u]``, ``values [b, m, g, v, u]``); value tokens
-  ``[b, n, (g v u)]``.
-* Lambdas carry no ``u`` (it is summed): ``[b, g, v, k, *S]`` from the convolutions, ``[b, n, g, v, k]``
-  per position for :func:`apply_lambdas`.
-
-Where the paper disagrees with itself the choice is written down: Fig. 7 prints the multi-head position
-output as ``'bhnk,bnkv->bnhv'``; the position lambdas it builds are ``bnhkv`` (one per head), so the
-contraction must be ``'bhnk,bnhkv->bnhv'``.
-
-Speed measurements of these implementations are in BENCHMARKS.md, not here.
-"""
 
 from __future__ import annotations
 
@@ -47,181 +18,11 @@ from torch.utils.checkpoint import checkpoint
 
 from lambdanet.helpers import check_choice, compute_dtype, conv_nd
 
-__all__ = [
-    "lambda_layer",
-    "compute_position_lambdas",
-    "masked_lambda_layer",
-    "multihead_lambda_layer",
-    "POSITION_IMPLS",
-    "KEY_NORMS",
-    "crop_relative_kernel",
-    "cropped_kernel_size",
-    "gather_relative_embeddings",
-    "position_lambdas",
-    "einsum_position_lambdas",
-    "normalize_keys",
-    "content_lambda",
-    "causal_content_lambdas",
-    "apply_lambdas",
-    "apply_content_lambda",
-    "permute_copy",
-    "position_output_qe",
-    "relative_position_output_qe",
-    "POSITION_OUTPUT_IMPLS",
-    "token_position_lambdas",
-]
+__all__ = ["POSITION_IMPLS", "KEY_NORMS", "crop_relative_kernel", "cropped_kernel_size", "gather_relative_embeddings", "position_lambdas", "einsum_position_lambdas", "normalize_keys", "content_lambda", "causal_content_lambdas", "apply_lambdas", "apply_content_lambda", "permute_copy", "position_output_qe", "relative_position_output_qe", "POSITION_OUTPUT_IMPLS", "token_position_lambdas"]
 
 POSITION_IMPLS = ("conv", "depthwise_conv", "einsum")
 POSITION_OUTPUT_IMPLS = POSITION_IMPLS + ("einsum_qe",)
 KEY_NORMS = ("softmax", "l2", "none")
-
-
-# --------------------------------------------------------------------------------------------------
-# argument checking: every paper-shaped function names the offending argument
-# --------------------------------------------------------------------------------------------------
-
-
-def _bind(**named: tuple[Tensor, str]) -> dict[str, int]:
-    """Check each tensor against a space-separated axis spec and that shared axes agree.
-
-    ``_bind(queries=(q, "b h n k"), keys=(k, "b m k"))`` returns ``{"b": .., "h": .., ...}`` or raises a
-    ``ValueError`` that names the argument and the expected shape.
-    """
-    sizes: dict[str, tuple[int, str]] = {}
-    for arg, (t, spec) in named.items():
-        axes = spec.split()
-        if not isinstance(t, Tensor):
-            raise ValueError(f"{arg} must be a tensor of shape [{', '.join(axes)}], got {type(t).__name__}")
-        if t.dim() != len(axes):
-            raise ValueError(f"{arg} must have shape [{', '.join(axes)}], got shape {tuple(t.shape)}")
-        for ax, s in zip(axes, t.shape):
-            if ax in sizes and sizes[ax][0] != s:
-                other_size, other_arg = sizes[ax]
-                raise ValueError(
-                    f"{arg} has {ax}={s} but {other_arg} has {ax}={other_size}; "
-                    f"expected {arg} of shape [{', '.join(axes)}]"
-                )
-            sizes.setdefault(ax, (int(s), arg))
-    return {ax: s for ax, (s, _) in sizes.items()}
-
-
-# --------------------------------------------------------------------------------------------------
-# paper-shaped reference functions (Figures 3, 5, 6, 7, 8)
-# --------------------------------------------------------------------------------------------------
-
-
-def lambda_layer(queries: Tensor, keys: Tensor, embeddings: Tensor, values: Tensor) -> Tensor:
-    """Multi-query lambda layer, Fig. 3 (and Fig. 8 when an intra-depth axis ``u`` is present).
-
-    Args:
-        queries: ``[b, h, n, k]``.
-        keys: ``[b, m, k]`` raw keys (normalised here with a softmax over the context ``m``),
-            or ``[b, m, k, u]`` with intra-depth.
-        embeddings: ``[n, m, k]`` position embeddings ``E`` (or ``[n, m, k, u]``).
-        values: ``[b, m, v]`` (or ``[b, m, v, u]``).
-
-    Returns:
-        ``[b, n, h * v]``: ``y_n = concat_h((lambda^c + lambda^p_n)^T q^h_n)`` (Eq. 1-2).
-    """
-    if keys.dim() == 4 or values.dim() == 4 or embeddings.dim() == 4:
-        s = _bind(queries=(queries, "b h n k"), keys=(keys, "b m k u"), embeddings=(embeddings, "n m k u"),
-                  values=(values, "b m v u"))
-        content_lambda = torch.einsum("bmku,bmvu->bkv", keys.softmax(dim=1), values)  # b k v
-        position_lambdas = torch.einsum("nmku,bmvu->bnkv", embeddings, values)  # b n k v
-    else:
-        s = _bind(queries=(queries, "b h n k"), keys=(keys, "b m k"), embeddings=(embeddings, "n m k"),
-                  values=(values, "b m v"))
-        content_lambda = torch.einsum("bmk,bmv->bkv", keys.softmax(dim=1), values)  # b k v
-        position_lambdas = torch.einsum("nmk,bmv->bnkv", embeddings, values)  # b n k v
-    content_output = torch.einsum("bhnk,bkv->bnhv", queries, content_lambda)  # b n h v
-    position_output = torch.einsum("bhnk,bnkv->bnhv", queries, position_lambdas)  # b n h v
-    return (content_output + position_output).reshape(s["b"], s["n"], s["h"] * s["v"])  # b n d
-
-
-def compute_position_lambdas(embeddings: Tensor, values: Tensor, impl: str = "einsum") -> Tensor:
-    """Position lambdas of a 1-d sequence, Fig. 5.
-
-    Args:
-        embeddings: ``impl="einsum"``: ``[n, m, k]`` (or ``[n, m, k, u]``).
-            ``impl="conv"`` / ``"depthwise_conv"``: a relative kernel ``[r, k]`` (or ``[r, k, u]``), ``r`` odd,
-            entry ``r // 2`` being offset 0, i.e. the einsum form with ``E[n, m] = R[m - n + r // 2]``
-            inside the scope and 0 outside.
-        values: ``[b, m, v]`` (or ``[b, m, v, u]``); for the convolutions ``m == n`` (zero padding keeps n).
-        impl: ``"einsum"``, ``"conv"`` (the (n+1)-d convolution) or ``"depthwise_conv"`` (the n-d
-            depthwise convolution with channel multiplier ``k``).
-
-    Returns:
-        ``[b, n, k, v]``.
-    """
-    check_choice(impl, "impl", POSITION_IMPLS)
-    if impl == "einsum":
-        if embeddings.dim() == 4 or values.dim() == 4:
-            _bind(embeddings=(embeddings, "n m k u"), values=(values, "b m v u"))
-            return torch.einsum("nmku,bmvu->bnkv", embeddings, values)  # b n k v
-        _bind(embeddings=(embeddings, "n m k"), values=(values, "b m v"))
-        return torch.einsum("nmk,bmv->bnkv", embeddings, values)  # b n k v
-    if embeddings.dim() == 2:
-        s = _bind(embeddings=(embeddings, "r k"), values=(values, "b n v"))
-        kernel = embeddings.t().reshape(1, s["k"], 1, s["r"])  # g=1 k u=1 r
-        vals = values.transpose(1, 2).reshape(s["b"], 1, s["v"], 1, s["n"])  # b g v u n
-    else:
-        s = _bind(embeddings=(embeddings, "r k u"), values=(values, "b n v u"))
-        kernel = embeddings.permute(1, 2, 0).unsqueeze(0)  # g=1 k u r
-        vals = values.permute(0, 2, 3, 1).unsqueeze(1)  # b g=1 v u n
-    if s["r"] % 2 == 0:
-        raise ValueError(f"embeddings must have an odd scope size r for impl={impl!r}, got r={s['r']}")
-    lam = position_lambdas(vals, kernel, center=(s["r"] // 2,), impl=impl)  # b 1 v k n
-    return lam[:, 0].permute(0, 3, 2, 1)  # b n k v
-
-
-def masked_lambda_layer(
-    queries: Tensor, normalized_keys: Tensor, embeddings: Tensor, values: Tensor, mask: Tensor
-) -> Tensor:
-    """Masked multi-query lambda layer, Fig. 6: query ``n`` only sees the context positions ``m``
-    with ``mask[n, m] == 1``; each query gets its own content lambda.
-
-    Args:
-        queries: ``[b, h, n, k]``.
-        normalized_keys: ``[b, m, k]``, already normalised over each query's context (for a causal
-            mask use :func:`causal_content_lambdas`, which normalises per query with cumulative sums).
-        embeddings: ``[k, n, m]``.
-        values: ``[b, m, v]``.
-        mask: ``[n, m]`` of zeros and ones.
-
-    Returns:
-        ``[b, n, h * v]``.
-    """
-    s = _bind(queries=(queries, "b h n k"), normalized_keys=(normalized_keys, "b m k"),
-              embeddings=(embeddings, "k n m"), values=(values, "b m v"), mask=(mask, "n m"))
-    mask = mask.to(values.dtype)
-    content_mu = torch.einsum("bmk,bmv->bmkv", normalized_keys, values)  # b m k v
-    content_lambdas = torch.einsum("bmkv,nm->bnkv", content_mu, mask)  # b n k v
-    embeddings = torch.einsum("knm,nm->knm", embeddings, mask)  # k n m, masked
-    position_lambdas = torch.einsum("knm,bmv->bnkv", embeddings, values)  # b n k v
-    content_output = torch.einsum("bhnk,bnkv->bnhv", queries, content_lambdas)  # b n h v
-    position_output = torch.einsum("bhnk,bnkv->bnhv", queries, position_lambdas)  # b n h v
-    return (content_output + position_output).reshape(s["b"], s["n"], s["h"] * s["v"])  # b n d
-
-
-def multihead_lambda_layer(queries: Tensor, keys: Tensor, embeddings: Tensor, values: Tensor) -> Tensor:
-    """Multi-head lambda layer, Fig. 7: one lambda per head (``h`` times the cost of Fig. 3).
-
-    Args:
-        queries: ``[b, h, n, k]``.
-        keys: ``[b, h, m, k]`` raw keys (softmax over ``m`` here).
-        embeddings: ``[h, n, m, k]``.
-        values: ``[b, h, m, v]``.
-
-    Returns:
-        ``[b, n, h * v]``.
-    """
-    s = _bind(queries=(queries, "b h n k"), keys=(keys, "b h m k"), embeddings=(embeddings, "h n m k"),
-              values=(values, "b h m v"))
-    content_lambda = torch.einsum("bhmk,bhmv->bhkv", keys.softmax(dim=2), values)  # b h k v
-    position_lambdas = torch.einsum("hnmk,bhmv->bnhkv", embeddings, values)  # b n h k v
-    content_output = torch.einsum("bhnk,bhkv->bnhv", queries, content_lambda)  # b n h v
-    position_output = torch.einsum("bhnk,bnhkv->bnhv", queries, position_lambdas)  # b n h v (Fig. 7 typo fixed)
-    return (content_output + position_output).reshape(s["b"], s["n"], s["h"] * s["v"])  # b n d
 
 
 # --------------------------------------------------------------------------------------------------
