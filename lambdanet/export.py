@@ -258,19 +258,8 @@ def export_model(model: nn.Module, path: str | os.PathLike, format: str, *, inpu
         "external_data" (ONNX's weights file next to ``path`` when they could not be in it, else ``None``),
         "checked", "max_abs_error", "tolerance"}`` (the last two ``None`` without ``check``).
     """
-    check_choice(format, "format", FORMATS)
     dtype = floating_dtype(model)
-    check_dtype(format, dtype, "the model's dtype")  # before the packages: a bfloat16 ONNX export needs none
-    require_format(format, check=check)
-    check_positive_int(input_size, "input_size")
-    check_positive_int(in_chans, "in_chans")
-    check_choice(dynamic_batch, "dynamic_batch", (True, False))
-    if batch_size is None:
-        batch_size = _DYNAMIC_BATCH if dynamic_batch else 1
-    check_positive_int(batch_size, "batch_size")
-    if dynamic_batch and batch_size < 2:
-        raise ValueError(f"batch_size must be at least 2 with dynamic_batch=True (torch.export specialises a "
-                         f"dimension of size 1 to the constant 1), got {batch_size}")
+    batch_size = _check_arguments(format, dtype, check, input_size, in_chans, batch_size, dynamic_batch)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     param = next(model.parameters(), None)
@@ -283,48 +272,86 @@ def export_model(model: nn.Module, path: str | os.PathLike, format: str, *, inpu
     x = draw(batch_size)  # b c s s
     check_batches = [1, batch_size + 1] if dynamic_batch else [batch_size]
     inputs = [draw(b) for b in check_batches] if dynamic_batch else [x]
-    dynamic_shapes = ({0: torch.export.Dim("batch")},) if dynamic_batch else None
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             expected = [_tensors(model(xi)) for xi in inputs] if check else []
-        external_data = None
-        try:
-            if format == "onnx":
-                external_data = _onnx_export(model, x, path, dynamic_shapes)
-            elif format == "torchscript":
-                with torch.no_grad(), _quiet_torchscript():
-                    traced = torch.jit.trace(model, x, check_trace=False)
-                    traced.save(str(path))
-            else:  # "exported-program"
-                torch.export.save(torch.export.export(model, (x,), dynamic_shapes=dynamic_shapes), str(path))
-        except OSError:  # the file could not be written: not the batch's fault
-            raise
-        except Exception as err:
-            if not dynamic_batch:
-                raise
-            first = (str(err).strip().splitlines() or [""])[0]
-            raise ValueError(f"the {format} export with a dynamic batch failed ({type(err).__name__}: {first}); "
-                             f"dynamic_batch=False (lambdanet export --static-batch) exports for batch "
-                             f"{batch_size} only") from err
+        external_data = _write(model, x, path, format, dynamic_batch)
         result = {"path": str(path), "format": format, "dtype": str(dtype).removeprefix("torch."),
                   "input_shape": list(x.shape), "dynamic_batch": dynamic_batch, "check_batches": check_batches,
                   "external_data": external_data, "checked": check, "max_abs_error": None, "tolerance": None}
         if not check:
             return result
-        run = _load(path, format, device)
-        actual = []
-        with torch.no_grad():
-            for b, xi in zip(check_batches, inputs):
-                try:
-                    actual.append(run(xi))
-                except Exception as err:  # e.g. a trace whose reshapes froze the traced batch
-                    first = (str(err).strip().splitlines() or [""])[0]
-                    raise ExportCheckError(f"{path}: the {format} export fails at batch {b} "
-                                           f"({type(err).__name__}: {first})") from err
+        actual = _run_export(path, format, device, check_batches, inputs)
     finally:
         model.train(was_training)
+    error, tolerance = _compare(path, format, check_batches, actual, expected, dtype)
+    return result | {"max_abs_error": error, "tolerance": tolerance}
+
+
+def _check_arguments(format: str, dtype: torch.dtype, check: bool, input_size: int, in_chans: int,
+                     batch_size: int | None, dynamic_batch: bool) -> int:
+    """:func:`export_model`'s arguments checked (one-line ``ValueError``s); returns the batch size to trace at."""
+    check_choice(format, "format", FORMATS)
+    check_dtype(format, dtype, "the model's dtype")  # before the packages: a bfloat16 ONNX export needs none
+    require_format(format, check=check)
+    check_positive_int(input_size, "input_size")
+    check_positive_int(in_chans, "in_chans")
+    check_choice(dynamic_batch, "dynamic_batch", (True, False))
+    if batch_size is None:
+        batch_size = _DYNAMIC_BATCH if dynamic_batch else 1
+    check_positive_int(batch_size, "batch_size")
+    if dynamic_batch and batch_size < 2:
+        raise ValueError(f"batch_size must be at least 2 with dynamic_batch=True (torch.export specialises a "
+                         f"dimension of size 1 to the constant 1), got {batch_size}")
+    return batch_size
+
+
+def _write(model: nn.Module, x: Tensor, path: Path, format: str, dynamic_batch: bool) -> str | None:
+    """Export ``model`` traced on ``x`` to ``path``; returns ONNX's external weights file, if any. A failure
+    of a dynamic-batch export is a one-line ``ValueError`` pointing at the static export."""
+    dynamic_shapes = ({0: torch.export.Dim("batch")},) if dynamic_batch else None
+    try:
+        if format == "onnx":
+            return _onnx_export(model, x, path, dynamic_shapes)
+        if format == "torchscript":
+            with torch.no_grad(), _quiet_torchscript():
+                torch.jit.trace(model, x, check_trace=False).save(str(path))
+        else:  # "exported-program"
+            torch.export.save(torch.export.export(model, (x,), dynamic_shapes=dynamic_shapes), str(path))
+        return None
+    except OSError:  # the file could not be written: not the batch's fault
+        raise
+    except Exception as err:
+        if not dynamic_batch:
+            raise
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise ValueError(f"the {format} export with a dynamic batch failed ({type(err).__name__}: {first}); "
+                         f"dynamic_batch=False (lambdanet export --static-batch) exports for batch "
+                         f"{x.shape[0]} only") from err
+
+
+def _run_export(path: Path, format: str, device: torch.device, check_batches: list[int],
+                inputs: list[Tensor]) -> list[list[Tensor]]:
+    """The exported file loaded back and run on the check inputs."""
+    run = _load(path, format, device)
+    actual = []
+    with torch.no_grad():
+        for b, xi in zip(check_batches, inputs):
+            try:
+                actual.append(run(xi))
+            except Exception as err:  # e.g. a trace whose reshapes froze the traced batch
+                first = (str(err).strip().splitlines() or [""])[0]
+                raise ExportCheckError(f"{path}: the {format} export fails at batch {b} "
+                                       f"({type(err).__name__}: {first})") from err
+    return actual
+
+
+def _compare(path: Path, format: str, check_batches: list[int], actual: list[list[Tensor]],
+             expected: list[list[Tensor]], dtype: torch.dtype) -> tuple[float, float]:
+    """(largest error, its tolerance) of the export's outputs against the eager model's, the worst relative to
+    :func:`check_tolerance`; :class:`ExportCheckError` when a shape differs or an error exceeds its tolerance."""
     worst = (0.0, 0.0, float("inf"), check_batches[0])  # (error / tolerance, error, tolerance, batch), worst
     for b, got, want in zip(check_batches, actual, expected):
         if len(got) != len(want):
@@ -342,4 +369,4 @@ def export_model(model: nn.Module, path: str | os.PathLike, format: str, *, inpu
     if not error <= tolerance:  # also catches NaN
         raise ExportCheckError(f"{path}: the {format} export differs from the eager model by up to {error:.3g} "
                                f"(max abs) at batch {batch}, above the tolerance {tolerance:.3g}")
-    return result | {"max_abs_error": error, "tolerance": tolerance}
+    return error, tolerance
