@@ -15,7 +15,6 @@ backbone's weights carry over (layers sized by the input, like global relative t
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -200,7 +199,7 @@ def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, 
 
     from lambdanet.detection.model import input_normalization
     from lambdanet.models import create_model
-    from lambdanet.train.optim import param_groups
+    from lambdanet.train.optim import build_optimizer, lr_at
 
     name, kwargs = _classifier_name_kwargs(backbone, model_kwargs, cfg.img_size)
     device = torch.device(device)
@@ -217,7 +216,7 @@ def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, 
     layout = torch.channels_last if cfg.channels_last else torch.contiguous_format
     model.to(memory_format=layout)
     mean, std = (torch.tensor(v, device=device).view(1, 3, 1, 1) for v in input_normalization(model))  # 1 3 1 1
-    opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr)
+    opt = build_optimizer(model, name="adamw", lr=cfg.lr, weight_decay=cfg.weight_decay)
     # what must agree for a saved training to continue (workers and progress only change how it runs)
     identity = {"backbone": backbone, "model_kwargs": dict(model_kwargs), "seed": seed, "glyphs": glyphs,
                 "config": {k: v for k, v in asdict(cfg).items() if k != "workers"}}
@@ -248,8 +247,7 @@ def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, 
     loader = DataLoader(mine, batch_size=share, num_workers=cfg.workers, prefetch_factor=4 if cfg.workers else None,
                         generator=torch.Generator().manual_seed(seed))
     for step, (images, labels) in zip(bar, loader):  # b 3 s s in [0, 1], b
-        factor = (step + 1) / cfg.warmup_steps if step < cfg.warmup_steps else \
-            0.5 * (1 + math.cos(math.pi * (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)))
+        factor = lr_at(step, cfg.steps, cfg.warmup_steps)  # warm-up, then cosine to 0
         for group in opt.param_groups:
             group["lr"] = cfg.lr * factor
         images = ((images.to(device) - mean) / std).contiguous(memory_format=layout)  # b 3 s s, as the detector's

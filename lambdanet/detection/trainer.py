@@ -60,7 +60,7 @@ from lambdanet.train.distributed import (
     uses_cuda,
 )
 from lambdanet.train.logger import RunLogger, plot_history, read_history, read_json, truncate_history, write_json
-from lambdanet.train.optim import param_groups
+from lambdanet.train.optim import build_optimizer, lr_at
 from lambdanet.train.preempt import Preempted, StopSignals, resume_point
 from lambdanet.train.rundir import RunDirLock
 from lambdanet.train.trainer import TrainingDivergedError
@@ -297,10 +297,10 @@ def quick_backbone_kwargs(backbone: str) -> dict:
 
 
 def lr_factor(step: int, total: int, warmup: int, steps: list[float]) -> float:
-    """Linear warm-up from 1/1000 to 1 over ``warmup`` steps, then x0.1 after each fraction in ``steps``."""
-    if step < warmup:
-        return 1e-3 + (1 - 1e-3) * step / warmup
-    return 0.1 ** sum(step >= f * total for f in steps)
+    """App. E.3's schedule through :func:`lambdanet.train.optim.lr_at`: linear warm-up from 1/1000 to 1 over
+    ``warmup`` steps (torch's ``LinearLR`` phase), then x0.1 after each fraction in ``steps``."""
+    return lr_at(step, total, warmup, start_factor=1e-3, schedule="multistep", decay_rate=0.1, milestones=steps,
+                 linear_lr=True)
 
 
 # ------------------------------------------------------------------------------------------- building
@@ -332,13 +332,6 @@ def _set_eval_size(model: nn.Module, cfg: DetectConfig) -> None:
     transform = unwrap(model).transform
     transform.min_size = (cfg.img_size,) if not model.training else _train_sizes(cfg)
     transform.max_size = 2 * max(transform.min_size)
-
-
-def _optimizer(model: nn.Module, cfg: DetectConfig) -> torch.optim.Optimizer:
-    groups = param_groups(model, cfg.weight_decay)
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.effective_lr(), momentum=cfg.momentum)
-    return torch.optim.AdamW(groups, lr=cfg.effective_lr())
 
 
 # ------------------------------------------------------------------------------------------- the run
@@ -594,7 +587,7 @@ def _run(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], No
     model = model.to(ctx.device)
     if not cfg.resume and ctx.is_main and (out / "pretrain.json").exists():
         (out / "pretrain.json").unlink()  # left by an earlier attempt that ended before its first checkpoint
-    state = DetectState(model, _optimizer(model, cfg), torch.amp.GradScaler("cuda") if cfg.amp == "fp16" else None)
+    state = DetectState(model, build_optimizer(model, cfg), torch.amp.GradScaler("cuda") if cfg.amp == "fp16" else None)
     trained = cfg.resume and (out / "last.pt").is_file()  # else resumed within the pre-training, or fresh
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)

@@ -20,32 +20,52 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
-    """SGD (momentum), Adam (L2 weight decay, as the reproduction report), AdamW or RMSProp."""
-    lr, groups = cfg.effective_lr(), param_groups(model, cfg.weight_decay)
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
-    if cfg.optimizer == "adam":
-        return torch.optim.Adam(groups, lr=lr, betas=tuple(cfg.betas))
-    if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.betas))
-    return torch.optim.RMSprop(groups, lr=lr, momentum=cfg.momentum, alpha=0.9, eps=1e-3)
+def build_optimizer(model: nn.Module, cfg=None, *, name: str | None = None, lr: float | None = None,
+                    weight_decay: float | None = None, momentum: float = 0.9, nesterov: bool = False,
+                    betas: tuple[float, float] = (0.9, 0.999)) -> torch.optim.Optimizer:
+    """The optimiser of every task, over :func:`param_groups`: SGD (momentum), Adam (L2 weight decay, as the
+    reproduction report), AdamW or RMSProp. Its settings come from a run configuration ``cfg`` (its
+    ``optimizer``, ``effective_lr()``, ``weight_decay`` and, where it has them, ``momentum``, ``nesterov``,
+    ``betas``) or from the keywords, which override it."""
+    if cfg is not None:
+        name = name or cfg.optimizer
+        lr = lr if lr is not None else cfg.effective_lr()
+        weight_decay = weight_decay if weight_decay is not None else cfg.weight_decay
+        momentum, nesterov = getattr(cfg, "momentum", momentum), getattr(cfg, "nesterov", nesterov)
+        betas = tuple(getattr(cfg, "betas", betas))
+    groups = param_groups(model, weight_decay)
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=nesterov)
+    if name == "adam":
+        return torch.optim.Adam(groups, lr=lr, betas=betas)
+    if name == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=betas)
+    if name == "rmsprop":
+        return torch.optim.RMSprop(groups, lr=lr, momentum=momentum, alpha=0.9, eps=1e-3)
+    raise ValueError(f"optimizer must be one of ['sgd', 'adam', 'adamw', 'rmsprop'], got {name!r}")
 
 
 def lr_at(step: int, total_steps: int, warmup_steps: int, *, start_factor: float = 0.0, min_factor: float = 0.0,
-          schedule: str = "cosine", decay_rate: float = 1.0, decay_steps: int = 1) -> float:
-    """Multiplier of the base learning rate at optimiser step ``step`` (0-based).
+          schedule: str = "cosine", decay_rate: float = 1.0, decay_steps: int = 1,
+          milestones: tuple[float, ...] = (), linear_lr: bool = False) -> float:
+    """Multiplier of the base learning rate at optimiser step ``step`` (0-based): the one schedule function of
+    every task.
 
-    Linear warm-up from ``start_factor`` to 1 over ``warmup_steps``, then cosine decay to ``min_factor``
-    over the remaining steps, constant, or ``"step"``: times ``decay_rate`` every ``decay_steps`` steps
-    (MobileNet's "x0.97 every 2.4 epochs" style), never below ``min_factor``.
+    Linear warm-up from ``start_factor`` to 1 over ``warmup_steps`` (reaching 1 at the last warm-up step; with
+    ``linear_lr``, torch's ``LinearLR`` phase: ``start_factor`` at step 0, 1 at step ``warmup_steps``), then
+    ``"cosine"`` decay to ``min_factor`` over the remaining steps, ``"constant"``, ``"step"``: times
+    ``decay_rate`` every ``decay_steps`` steps (MobileNet's "x0.97 every 2.4 epochs" style), never below
+    ``min_factor``, or ``"multistep"``: times ``decay_rate`` at each fraction ``milestones`` of ``total_steps``
+    (Mask R-CNN's x0.1 steps).
     """
     if warmup_steps > 0 and step < warmup_steps:
-        return start_factor + (1.0 - start_factor) * (step + 1) / warmup_steps
+        return start_factor + (1.0 - start_factor) * (step + (0 if linear_lr else 1)) / warmup_steps
     if schedule == "constant":
         return 1.0
     if schedule == "step":
         return max(min_factor, decay_rate ** ((step - warmup_steps) // max(1, decay_steps)))
+    if schedule == "multistep":
+        return decay_rate ** sum(step >= f * total_steps for f in milestones)
     span = max(1, total_steps - warmup_steps)
     progress = min(1.0, (step - warmup_steps) / span)
     return min_factor + (1.0 - min_factor) * 0.5 * (1.0 + math.cos(math.pi * progress))
