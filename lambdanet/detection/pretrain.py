@@ -30,7 +30,7 @@ from lambdanet.detection.glyphs import GlyphPool, GlyphSceneConfig, glyph_catego
     resolve_glyph_sources
 from lambdanet.helpers import check_positive_int
 from lambdanet.train.checkpoint import CheckpointError, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from lambdanet.train.distributed import DistContext, all_reduce_sum
+from lambdanet.train.distributed import DistContext, all_reduce_sum, data_parallel
 from lambdanet.train.preempt import Preempted
 
 __all__ = ["PretrainConfig", "GlyphCrops", "pretrain_backbone", "transfer_mismatch", "load_backbone_weights",
@@ -231,8 +231,7 @@ def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, 
         done, elapsed = saved["step"], saved["time_s"]
         set_rng_state(saved["rng"])
     # in a process group each process trains on its share of every batch (gradients averaged by DDP)
-    run = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None) \
-        if world > 1 else model
+    run = data_parallel(model, DistContext(rank, world, device=device))
     log(f"pre-training {backbone} on {cfg.steps} x {cfg.batch_size} glyph crops ({cfg.img_size} px, "
         f"{len(train.categories)} classes)")
     if done:

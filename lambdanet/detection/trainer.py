@@ -52,6 +52,7 @@ from lambdanet.train.distributed import (
     barrier,
     cleanup,
     convert_sync_batchnorm,
+    data_parallel,
     in_process_group,
     init_distributed,
     launch_local,
@@ -609,10 +610,7 @@ def _run(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], No
         (out / PRETRAIN_CHECKPOINT).unlink(missing_ok=True)
     if trained:
         log(f"resuming {out}: {state.epoch}/{cfg.epochs} epochs done{resume_point(state.epoch, state.epoch_partial)}")
-    run_model = model
-    if ctx.enabled:
-        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        run_model = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    run_model = data_parallel(model, ctx)
     params = sum(p.numel() for p in unwrap(model).parameters())
     backbone_params = sum(p.numel() for p in unwrap(model).backbone.body.parameters())
     log(f"detect: {cfg.backbone} {'Mask' if cfg.masks else 'Faster'} R-CNN, {params / 1e6:.2f}M parameters "

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 __all__ = ["DistContext", "init_distributed", "all_reduce_sum", "all_gather_with_grad", "AllReduceBatchNorm",
            "convert_sync_batchnorm", "barrier", "cleanup", "uses_cuda", "usable_cores", "threads_per_process",
-           "in_process_group", "launch_local", "all_threads_on_main"]
+           "in_process_group", "launch_local", "all_threads_on_main", "data_parallel"]
 
 
 @dataclass
@@ -39,6 +39,15 @@ class DistContext:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+def data_parallel(model: nn.Module, ctx: DistContext) -> nn.Module:
+    """``model`` wrapped in ``DistributedDataParallel`` when ``ctx`` spans processes (each trains on its share of
+    every batch, the gradients averaged over them), else ``model`` itself: the one place every task wraps."""
+    if not ctx.enabled:
+        return model
+    return nn.parallel.DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda"
+                                               else None)
 
 
 def init_distributed(device: str = "auto") -> DistContext:

@@ -47,6 +47,7 @@ from lambdanet.train.distributed import (
     barrier,
     cleanup,
     convert_sync_batchnorm,
+    data_parallel,
     init_distributed,
 )
 from lambdanet.train.engine import NonFiniteLossError, evaluate, train_one_epoch
@@ -249,9 +250,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None], stop:
     model = state.model
     params = sum(p.numel() for p in model.parameters())
     run_model: nn.Module = torch.compile(model) if cfg.compile else model
-    if ctx.enabled:
-        run_model = nn.parallel.DistributedDataParallel(
-            run_model, device_ids=[ctx.local_rank] if device.type == "cuda" else None)
+    run_model = data_parallel(run_model, ctx)
     logger = RunLogger(out, enabled=ctx.is_main, tensorboard=cfg.tensorboard)
     log(f"{cfg.model} ({params / 1e6:.2f}M params, {cfg.model_kwargs}) on {cfg.data} at {cfg.img_size}x{cfg.img_size}: "
         f"{data.train.n} train / {data.test.n} test images, recipe {cfg.recipe}, {cfg.epochs} epochs, "
