@@ -26,7 +26,7 @@ from lambdanet.detection.targets import SPLITS, instance_target
 __all__ = ["GlyphSceneConfig", "GlyphInstances", "GlyphPool", "GlyphStyle", "GlyphSource", "generate_glyph_scenes",
            "glyph_scenes", "glyph_cache_path", "config_record", "render_scene", "place", "resolve_glyph_sources",
            "glyph_categories", "GLYPH_SOURCES", "GLYPH_SETS", "CACHE_DIR", "VERSION", "FASHION_MNIST_CLASSES",
-           "DIGIT_CLASSES", "STROKE", "SILHOUETTE"]
+           "DIGIT_CLASSES", "STROKE", "SILHOUETTE", "DEFAULT_GLYPHS"]
 
 VERSION = "v1"  # bump when the generator changes: it names the cache files
 CACHE_DIR = Path("~/.cache/lambdanet/data")
@@ -72,6 +72,9 @@ GLYPH_SOURCES: dict[str, GlyphSource] = {
     "fashion-mnist": GlyphSource("fashion-mnist", SILHOUETTE, FASHION_MNIST_CLASSES),
 }
 GLYPH_SETS = ("auto", "digits", "digits+mnist5k", "digits+fashion-mnist", "fashion-mnist")
+# the glyphs of the built-in scenes unless asked otherwise: scikit-learn's digits, installed wherever lambdanet
+# is, so that the default scenes (and the quick recipe's results) are the same on every machine
+DEFAULT_GLYPHS = "digits"
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,7 @@ class GlyphSceneConfig:
     image_size: int = 256
     train_images: int = 500
     test_images: int = 200
-    glyphs: str = "auto"
+    glyphs: str = DEFAULT_GLYPHS
     max_objects: int = 6
     large_prob: float = 0.7
     small_prob: float = 0.55

@@ -26,12 +26,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from lambdanet.detection.glyphs import GlyphPool, GlyphSceneConfig, glyph_categories, render_scene, \
-    resolve_glyph_sources
+from lambdanet.detection.glyphs import DEFAULT_GLYPHS, GlyphPool, GlyphSceneConfig, glyph_categories, \
+    render_scene, resolve_glyph_sources
 from lambdanet.helpers import check_positive_int
-from lambdanet.train.checkpoint import CheckpointError, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from lambdanet.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from lambdanet.train.distributed import DistContext, all_reduce_sum, data_parallel
 from lambdanet.train.preempt import Preempted
+from lambdanet.train.state import RunState
 
 __all__ = ["PretrainConfig", "GlyphCrops", "pretrain_backbone", "transfer_mismatch", "load_backbone_weights",
            "batch_share"]
@@ -81,7 +82,7 @@ class PretrainConfig:
                              f"{self.lr}, {self.weight_decay}, {self.warmup_steps}")
 
 
-def crop_scene_config(img_size: int, glyphs: str = "auto") -> GlyphSceneConfig:
+def crop_scene_config(img_size: int, glyphs: str = DEFAULT_GLYPHS) -> GlyphSceneConfig:
     """One object per image, small or medium: mask areas from 1.5% to 45% of the crop."""
     area = img_size * img_size
     return GlyphSceneConfig(image_size=img_size, glyphs=glyphs, max_objects=1, large_prob=0.0, small_prob=0.5,
@@ -93,7 +94,7 @@ class GlyphCrops(Dataset):
     (0-based category, :func:`lambdanet.detection.data.glyph_categories`); image ``i`` is rendered from a
     generator seeded by ``(seed, i)``, so a crop is the same on every call and machine."""
 
-    def __init__(self, split: str, length: int, *, img_size: int = 64, seed: int = 0, glyphs: str = "auto"):
+    def __init__(self, split: str, length: int, *, img_size: int = 64, seed: int = 0, glyphs: str = DEFAULT_GLYPHS):
         sources = resolve_glyph_sources(glyphs)
         self.pool = GlyphPool(sources, split)
         self.categories = glyph_categories(sources)
@@ -180,7 +181,7 @@ def load_backbone_weights(body: nn.Module, weights: dict[str, Tensor]) -> None:
 
 
 def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, seed: int = 0,
-                      glyphs: str = "auto", device: str | torch.device = "cpu", progress: bool = True,
+                      glyphs: str = DEFAULT_GLYPHS, device: str | torch.device = "cpu", progress: bool = True,
                       log: Callable[[str], None] = print, checkpoint: str | Path | None = None,
                       checkpoint_every: int = 100, stop=None, **model_kwargs) -> tuple[dict[str, Tensor], dict]:
     """Train ``create_model(backbone, num_classes=<glyph categories>, **model_kwargs)`` on :class:`GlyphCrops`
@@ -226,10 +227,9 @@ def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, 
         if saved.get("identity") != identity:
             raise CheckpointError(f"{checkpoint} holds another pre-training ({saved.get('identity')}), not "
                                   f"{identity}; delete it to start over")
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["optimizer"])
-        done, elapsed = saved["step"], saved["time_s"]
-        set_rng_state(saved["rng"])
+        state = RunState(model, opt)
+        state.load_state_dict(saved)
+        done, elapsed = state.step, state.train_time_s
     # in a process group each process trains on its share of every batch (gradients averaged by DDP)
     run = data_parallel(model, DistContext(rank, world, device=device))
     log(f"pre-training {backbone} on {cfg.steps} x {cfg.batch_size} glyph crops ({cfg.img_size} px, "
@@ -260,9 +260,8 @@ def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, 
         signalled = stop is not None and stop.requested(DistContext(rank, world, device=device)) is not None
         due = (step + 1) % checkpoint_every == 0 and step + 1 < cfg.steps
         if checkpoint is not None and rank == 0 and (due or signalled):
-            save_checkpoint({"identity": identity, "model": model.state_dict(), "optimizer": opt.state_dict(),
-                             "step": step + 1, "time_s": elapsed + time.perf_counter() - start, "rng": rng_state()},
-                            checkpoint)
+            state = RunState(model, opt, step=step + 1, train_time_s=elapsed + time.perf_counter() - start)
+            save_checkpoint(state.state_dict(identity=identity), checkpoint)
         if signalled:
             bar.close()
             if world > 1:  # the others wait for the main process's save (the first to end stops the rest)

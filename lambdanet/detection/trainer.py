@@ -34,15 +34,13 @@ import torch
 from torch import nn
 
 from lambdanet.data import epoch_seed
-from lambdanet.detection.glyphs import GLYPH_SETS, resolve_glyph_sources
+from lambdanet.detection.glyphs import DEFAULT_GLYPHS, GLYPH_SETS, resolve_glyph_sources
 from lambdanet.detection.pretrain import PretrainConfig
 from lambdanet.runtime import AMP_DTYPES
 from lambdanet.train.checkpoint import (
     export_safetensors,
     load_checkpoint,
-    rng_state,
     save_checkpoint,
-    set_rng_state,
     unwrap,
 )
 from lambdanet.train.config import config_differences, describe_differences, load_yaml, option, save_yaml
@@ -64,6 +62,7 @@ from lambdanet.train.logger import RunLogger, plot_history, read_history, read_j
 from lambdanet.train.optim import build_optimizer, lr_at
 from lambdanet.train.preempt import Preempted, StopSignals, resume_point
 from lambdanet.train.rundir import RunDirLock
+from lambdanet.train.state import RunState
 from lambdanet.train.trainer import TrainingDivergedError
 
 __all__ = ["DetectConfig", "DETECT_RECIPES", "DETECT_CHOICES", "DETECT_RESUME_FREE", "resolve_detect_config",
@@ -88,8 +87,8 @@ class DetectConfig:
     masks: bool = option(True, "Mask R-CNN (instance masks); --no-masks: Faster R-CNN")
     detector: dict = option({}, "DetectorOptions overrides (anchor_sizes, representation_size, ...)")
     data: str = option("glyphs", "glyphs (built-in offline scenes of digit / Fashion-MNIST glyphs) or coco:DIR")
-    glyphs: str = option("auto", "the glyph sets of the glyphs data and its pre-training crops (auto: digits with "
-                                 "Fashion-MNIST where its Debian package is installed, else with mnist5k)",
+    glyphs: str = option(DEFAULT_GLYPHS, "the glyph sets of the glyphs data and its pre-training crops (auto: digits "
+                                         "with Fashion-MNIST where its Debian package is installed, else with mnist5k)",
                          choices=GLYPH_SETS)
     recipe: str = option("quick", "named recipe whose values the other options override")
     img_size: int = option(256, "shorter image side in training and evaluation (the longer capped at 2x)")
@@ -336,34 +335,6 @@ def _set_eval_size(model: nn.Module, cfg: DetectConfig) -> None:
 
 
 # ------------------------------------------------------------------------------------------- the run
-@dataclass
-class DetectState:
-    """What a run carries between epochs; ``state_dict`` is ``last.pt`` and ``load_state_dict`` restores it."""
-
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler | None
-    epoch: int = 0
-    step: int = 0
-    train_time_s: float = 0.0
-    epoch_partial: dict | None = None  # a preempted epoch: its batches done and running loss sums
-
-    def state_dict(self, cfg: DetectConfig) -> dict:
-        return {"model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scaler": self.scaler.state_dict() if self.scaler else None, "epoch": self.epoch, "step": self.step,
-                "train_time_s": self.train_time_s, "rng": rng_state(), "config": dataclasses.asdict(cfg),
-                "epoch_partial": self.epoch_partial}
-
-    def load_state_dict(self, state: dict) -> None:
-        unwrap(self.model).load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.scaler is not None and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-        self.epoch, self.step, self.train_time_s = state["epoch"], state["step"], state["train_time_s"]
-        self.epoch_partial = state.get("epoch_partial")  # absent at epoch ends and in older runs
-        set_rng_state(state["rng"])
-
-
 def _loader(dataset, cfg: DetectConfig, ctx: DistContext, train: bool):
     from torch.utils.data import DataLoader, DistributedSampler
 
@@ -376,7 +347,7 @@ def _loader(dataset, cfg: DetectConfig, ctx: DistContext, train: bool):
                       collate_fn=collate_detection, num_workers=cfg.workers, generator=g, drop_last=train)
 
 
-def _train_epoch(state: DetectState, run_model: nn.Module, loader, cfg: DetectConfig, ctx: DistContext,
+def _train_epoch(state: RunState, run_model: nn.Module, loader, cfg: DetectConfig, ctx: DistContext,
                  total_steps: int, stop: StopSignals | None = None) -> dict | None:
     """One epoch (or the rest of a preempted one, ``state.epoch_partial``); ``None`` when ``stop`` ended it
     early, ``state.epoch_partial`` then saying where."""
@@ -588,7 +559,7 @@ def _run(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], No
     model = model.to(ctx.device)
     if not cfg.resume and ctx.is_main and (out / "pretrain.json").exists():
         (out / "pretrain.json").unlink()  # left by an earlier attempt that ended before its first checkpoint
-    state = DetectState(model, build_optimizer(model, cfg), torch.amp.GradScaler("cuda") if cfg.amp == "fp16" else None)
+    state = RunState(model, build_optimizer(model, cfg), scaler=torch.amp.GradScaler("cuda") if cfg.amp == "fp16" else None)
     trained = cfg.resume and (out / "last.pt").is_file()  # else resumed within the pre-training, or fresh
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -601,7 +572,7 @@ def _run(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], No
             raise Preempted(f"{err}; continue with --resume --out {out}") from None
         if ctx.is_main:  # an epoch-0 checkpoint: a crash in epoch 1 does not cost the pre-training
             write_json(info, out / "pretrain.json")
-            save_checkpoint(state.state_dict(cfg), out / "last.pt")
+            save_checkpoint(state.state_dict(config=dataclasses.asdict(cfg)), out / "last.pt")
     if trained:
         state.load_state_dict(load_checkpoint(out / "last.pt", map_location=ctx.device))
         if ctx.is_main:
@@ -628,7 +599,7 @@ def _run(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], No
             row = _train_epoch(state, run_model, loader, cfg, ctx, total, stop)
             if row is None:  # a signal: save where the epoch stands, then stop
                 if ctx.is_main:
-                    save_checkpoint(state.state_dict(cfg), out / "last.pt")
+                    save_checkpoint(state.state_dict(config=dataclasses.asdict(cfg)), out / "last.pt")
                 barrier(ctx)  # the others wait for the save: a process that ends first gets the rest stopped
                 raise Preempted.at(stop.received, f"in epoch {state.epoch + 1}/{cfg.epochs} after batch "
                                    f"{state.epoch_partial['batches']}/{per_epoch}", out / "last.pt", out)
@@ -640,7 +611,7 @@ def _run(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], No
             row = {"epoch": state.epoch, **row, **(metrics if evaluated else {}), "train_time_s": state.train_time_s}
             logger.log_epoch(row)
             if ctx.is_main:
-                save_checkpoint(state.state_dict(cfg), out / "last.pt")
+                save_checkpoint(state.state_dict(config=dataclasses.asdict(cfg)), out / "last.pt")
             log(f"epoch {state.epoch}/{cfg.epochs}: loss {row['train_loss']:.3f}"
                 + (f", box AP {metrics['bbox_AP']:.3f}" if "bbox_AP" in row else "")
                 + (f", mask AP {metrics['segm_AP']:.3f}" if "segm_AP" in row else "")
@@ -656,7 +627,7 @@ def _run(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], No
 
 
 def _finish(cfg: DetectConfig, ctx: DistContext, out: Path, model: nn.Module, test, metrics: dict,
-            state: DetectState, params: int, backbone_params: int, log: Callable[[str], None]) -> dict:
+            state: RunState, params: int, backbone_params: int, log: Callable[[str], None]) -> dict:
     """The main process's outputs after the last epoch: weights, plots, the picture, ``summary.json``."""
     if not metrics:  # resumed after the last epoch: evaluate what was trained
         metrics = _evaluate(model, test, cfg, ctx)

@@ -1,7 +1,7 @@
 """``train(cfg)``: a full run (data, model, recipe, checkpoints, resume, logs, summary) and
 ``evaluate_checkpoint(path)``. The CLI commands ``lambdanet train`` / ``lambdanet eval`` call these.
 
-A run is a :class:`TrainState` advanced one epoch at a time (:func:`run_epoch`); its ``state_dict`` is the
+A run is a :class:`RunState` advanced one epoch at a time (:func:`run_epoch`); its ``state_dict`` is the
 checkpoint and ``load_state_dict`` is ``--resume``, one symmetric pair. Everything recipe- or model-specific
 was settled by :func:`lambdanet.train.config.resolve_config` before the run starts.
 """
@@ -13,7 +13,7 @@ import platform
 import random
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,9 +26,7 @@ from lambdanet.train.checkpoint import (
     CheckpointError,
     export_safetensors,
     load_checkpoint,
-    rng_state,
     save_checkpoint,
-    set_rng_state,
     unwrap,
 )
 from lambdanet.train.config import (
@@ -56,9 +54,10 @@ from lambdanet.train.load import restore_model
 from lambdanet.train.logger import RunLogger, plot_history, read_history, truncate_history, write_json
 from lambdanet.train.optim import build_ema, build_optimizer, build_scheduler, set_bn_momentum
 from lambdanet.train.preempt import Preempted, StopSignals, resume_point
+from lambdanet.train.state import RunState
 from lambdanet.train.rundir import RunDirBusyError, RunDirLock
 
-__all__ = ["train", "evaluate_checkpoint", "TrainingDivergedError", "TrainState", "build_model_for",
+__all__ = ["train", "evaluate_checkpoint", "TrainingDivergedError", "RunState", "build_model_for",
            "hardware_string", "load_pseudo_labels", "run_epoch"]
 
 
@@ -81,55 +80,6 @@ def build_model_for(cfg: TrainConfig, spec: DatasetSpec, *, initial_weights: boo
     weights = {"pretrained": cfg.pretrained, "checkpoint_path": cfg.checkpoint} if initial_weights else {}
     return create_model(cfg.model, num_classes=spec.num_classes, in_chans=spec.in_chans, **weights,
                         **model_build_kwargs(cfg))
-
-
-@dataclass
-class TrainState:
-    """Everything a run carries from one epoch to the next. ``state_dict()`` is the checkpoint and
-    ``load_state_dict()`` restores it exactly (weights, optimiser, schedule, EMA, loss scaler, counters,
-    best score, random generators)."""
-
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    ema: nn.Module | None = None
-    scaler: torch.amp.GradScaler | None = None
-    epoch: int = 0  # epochs completed
-    train_time_s: float = 0.0
-    samples_seen: int = 0
-    best: dict = field(default_factory=lambda: {"score": -1.0, "test_top1": 0.0, "epoch": 0})
-    bad_epochs: int = 0  # epochs since the best score (early stopping)
-    epoch_partial: dict | None = None  # a preempted epoch's batches done and running sums (train_one_epoch)
-
-    def state_dict(self, cfg: TrainConfig) -> dict:
-        return {"model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "ema": self.ema.state_dict() if self.ema else None,
-                "scaler": self.scaler.state_dict() if self.scaler else None, "epoch": self.epoch,
-                "train_time_s": self.train_time_s, "samples_seen": self.samples_seen, "best": dict(self.best),
-                "bad_epochs": self.bad_epochs, "rng": rng_state(), "config": dataclasses.asdict(cfg),
-                "model_kwargs": model_build_kwargs(cfg), "epoch_partial": self.epoch_partial}
-
-    def load_state_dict(self, state: dict) -> None:
-        unwrap(self.model).load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        if self.ema is not None and state.get("ema") is not None:
-            self.ema.load_state_dict(state["ema"])
-        if self.scaler is not None and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-        self.epoch, self.train_time_s = int(state["epoch"]), float(state["train_time_s"])
-        self.samples_seen, self.best = int(state["samples_seen"]), dict(state["best"])
-        self.bad_epochs = int(state["bad_epochs"])
-        self.epoch_partial = state.get("epoch_partial")  # absent from checkpoints of epoch ends (and older runs)
-        set_rng_state(state["rng"])
-
-    def record(self, row: dict, score: float) -> None:
-        """Count a finished epoch whose selection score is ``score``."""
-        reported = row.get("test_top1_ema", row["test_top1"])
-        if score > self.best["score"]:
-            self.best, self.bad_epochs = {"score": score, "test_top1": reported, "epoch": self.epoch}, 0
-        else:
-            self.bad_epochs += 1
 
 
 def load_pseudo_labels(path: str | Path, cfg: TrainConfig) -> dict:
@@ -265,7 +215,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None], stop:
             raise TrainingDivergedError(f"{err}; training stopped, {where}. Lower --lr or check the data.") from None
         if row is None:  # a signal: save where the epoch stands, then stop
             if ctx.is_main:
-                save_checkpoint(state.state_dict(cfg), ckpt_path)
+                _save(state, cfg, ckpt_path)
             barrier(ctx)  # under torchrun the others wait for the save before they end
             logger.close()
             raise Preempted.at(stop.received, f"in epoch {state.epoch + 1}/{cfg.epochs} after batch "
@@ -275,7 +225,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None], stop:
         log(_epoch_line(last_row, cfg))
         stopped_early = cfg.early_stop_patience is not None and state.bad_epochs >= cfg.early_stop_patience
         if ctx.is_main and (state.epoch % cfg.checkpoint_every == 0 or state.epoch == cfg.epochs or stopped_early):
-            save_checkpoint(state.state_dict(cfg), ckpt_path)
+            _save(state, cfg, ckpt_path)
             last_saved = state.epoch
         if stopped_early:
             log(f"early stopping: no validation improvement for {cfg.early_stop_patience} epochs")
@@ -300,7 +250,12 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None], stop:
     return summary
 
 
-def _initial_state(cfg: TrainConfig, data: RunData, ctx: DistContext, log: Callable[[str], None]) -> TrainState:
+def _save(state: RunState, cfg: TrainConfig, path: Path) -> None:
+    """``last.pt``: the run's state with its configuration and the model's build arguments."""
+    save_checkpoint(state.state_dict(config=dataclasses.asdict(cfg), model_kwargs=model_build_kwargs(cfg)), path)
+
+
+def _initial_state(cfg: TrainConfig, data: RunData, ctx: DistContext, log: Callable[[str], None]) -> RunState:
     """The model (checked on two test images), optimiser, schedule, EMA and loss scaler of a new run."""
     device = ctx.device
     model = build_model_for(cfg, data.spec, initial_weights=not cfg.resume)
@@ -321,7 +276,7 @@ def _initial_state(cfg: TrainConfig, data: RunData, ctx: DistContext, log: Calla
     _dry_run(model, data.test, cfg, device)
     optimizer = build_optimizer(model, cfg)
     steps = _batches_per_epoch(cfg, data)
-    return TrainState(model, optimizer, build_scheduler(optimizer, cfg, steps),
+    return RunState(model, optimizer, build_scheduler(optimizer, cfg, steps),
                       ema=build_ema(model, cfg.ema_decay) if cfg.ema_decay else None,
                       scaler=torch.amp.GradScaler("cuda") if cfg.amp == "fp16" else None)
 
@@ -331,7 +286,7 @@ def _batches_per_epoch(cfg: TrainConfig, data: RunData) -> int:
     return len(data.train) if cfg.max_train_batches is None else min(len(data.train), cfg.max_train_batches)
 
 
-def _restore(state: TrainState, cfg: TrainConfig, saved_epochs: int, ctx: DistContext,
+def _restore(state: RunState, cfg: TrainConfig, saved_epochs: int, ctx: DistContext,
              log: Callable[[str], None]) -> None:
     """``--resume``: load ``last.pt`` into ``state``; more ``epochs`` than the run was planned with extend it."""
     out = Path(cfg.out)
@@ -346,7 +301,7 @@ def _restore(state: TrainState, cfg: TrainConfig, saved_epochs: int, ctx: DistCo
             f"recomputed over {cfg.epochs} epochs and continues from epoch {state.epoch}")
 
 
-def run_epoch(state: TrainState, run_model: nn.Module, data: RunData, cfg: TrainConfig, ctx: DistContext,
+def run_epoch(state: RunState, run_model: nn.Module, data: RunData, cfg: TrainConfig, ctx: DistContext,
               stop: StopSignals | None = None) -> dict | None:
     """Train one epoch (or the rest of a preempted one), evaluate, and advance ``state``; returns the epoch's
     metrics row, or ``None`` when ``stop`` ended the epoch early (``state.epoch_partial`` then says where)."""
@@ -397,7 +352,7 @@ def _epoch_line(row: dict, cfg: TrainConfig) -> str:
             + f", {row['images_per_s']:.0f} img/s")
 
 
-def _summary(state: TrainState, cfg: TrainConfig, ctx: DistContext, data: RunData, params: int, final: dict,
+def _summary(state: RunState, cfg: TrainConfig, ctx: DistContext, data: RunData, params: int, final: dict,
              stopped_early: bool) -> dict:
     """The run's ``summary.json``: what ran, what it reached (``final``: the last epoch's metrics row), how fast."""
     return {

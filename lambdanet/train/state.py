@@ -1,0 +1,73 @@
+"""The state of a run, for every task: :class:`RunState`, whose ``state_dict`` is the checkpoint (``last.pt``)
+and whose ``load_state_dict`` is ``--resume``, one symmetric pair."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from lambdanet.train.checkpoint import rng_state, set_rng_state, unwrap
+
+__all__ = ["RunState"]
+
+
+def _no_best() -> dict:
+    return {"score": -1.0, "test_top1": 0.0, "epoch": 0}
+
+
+@dataclass
+class RunState:
+    """Everything a run carries from one step to the next: the weights, optimiser, schedule, EMA and loss
+    scaler (``None`` where a task has none), the counters, the best score so far and, through ``state_dict``,
+    the random generators. ``load_state_dict`` restores it exactly; counters a checkpoint lacks (written by
+    another task, or by an earlier version) keep their defaults."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    ema: nn.Module | None = None
+    scaler: torch.amp.GradScaler | None = None
+    epoch: int = 0  # epochs completed
+    step: int = 0  # optimiser steps taken (tasks that schedule the rate themselves)
+    train_time_s: float = 0.0
+    samples_seen: int = 0
+    best: dict = field(default_factory=_no_best)
+    bad_epochs: int = 0  # epochs since the best score (early stopping)
+    epoch_partial: dict | None = None  # a preempted epoch: its batches done and running sums
+
+    def state_dict(self, **extra) -> dict:
+        """The checkpoint: every component's state, the counters, the RNG states, and ``extra`` (the run's
+        configuration and whatever else its task keeps there)."""
+        def of(component):
+            return component.state_dict() if component is not None else None
+
+        return {"model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": of(self.scheduler), "ema": of(self.ema), "scaler": of(self.scaler), "epoch": self.epoch,
+                "step": self.step, "train_time_s": self.train_time_s, "samples_seen": self.samples_seen,
+                "best": dict(self.best), "bad_epochs": self.bad_epochs, "epoch_partial": self.epoch_partial,
+                "rng": rng_state(), **extra}
+
+    def load_state_dict(self, state: dict) -> None:
+        unwrap(self.model).load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        for name in ("scheduler", "ema", "scaler"):
+            component = getattr(self, name)
+            if component is not None and state.get(name):
+                component.load_state_dict(state[name])
+        self.epoch, self.step = int(state.get("epoch", 0)), int(state.get("step", 0))
+        # "time_s": the glyph pre-training's checkpoints before the one state (pretrain.pt of lambdanet <= 0.1)
+        self.train_time_s = float(state.get("train_time_s", state.get("time_s", 0.0)))
+        self.samples_seen = int(state.get("samples_seen", 0))
+        self.best, self.bad_epochs = dict(state.get("best") or _no_best()), int(state.get("bad_epochs", 0))
+        self.epoch_partial = state.get("epoch_partial")  # absent from checkpoints of epoch ends (and older runs)
+        set_rng_state(state["rng"])
+
+    def record(self, row: dict, score: float) -> None:
+        """Count a finished epoch whose selection score is ``score`` (``row``: its logged metrics)."""
+        reported = row.get("test_top1_ema", row["test_top1"])
+        if score > self.best["score"]:
+            self.best, self.bad_epochs = {"score": score, "test_top1": reported, "epoch": self.epoch}, 0
+        else:
+            self.bad_epochs += 1
