@@ -269,6 +269,30 @@ def test_the_glyph_note_names_the_sets_and_the_missing_package(monkeypatch, tmp_
     assert note.startswith("glyphs: digits+mnist5k (auto)") and "apt-get install dataset-fashion-mnist" in note
 
 
+def test_the_default_glyphs_do_not_depend_on_what_the_machine_has_installed(monkeypatch, tmp_path):
+    """The default scenes, crops and detect runs draw the same glyphs with and without Fashion-MNIST's
+    Debian package (the cause of a default whose mask AP moved by 0.08 between machines)."""
+    import inspect
+
+    from lambdanet.detection.pretrain import GlyphCrops, crop_scene_config, pretrain_backbone
+    from lambdanet.detection.trainer import resolve_detect_config
+
+    fake = tmp_path / "fashion"
+    fake.mkdir()
+    (fake / "train-images-idx3-ubyte.gz").touch()
+    defaults = [GlyphSceneConfig().glyphs, resolve_detect_config().glyphs, crop_scene_config(64).glyphs,
+                inspect.signature(GlyphCrops).parameters["glyphs"].default,
+                inspect.signature(pretrain_backbone).parameters["glyphs"].default]
+    assert len(set(defaults)) == 1
+    resolved = []
+    for root in (tmp_path / "absent", fake):
+        monkeypatch.setattr(det_glyphs, "FASHION_MNIST_DIR", root)
+        resolved.append(det_glyphs.resolve_glyph_sources(defaults[0]))
+        assert det_glyphs.resolve_glyph_sources("auto") == (("digits", "fashion-mnist") if root == fake
+                                                            else ("digits", "mnist5k"))  # what auto would do
+    assert resolved[0] == resolved[1] == ("digits",)
+
+
 def test_global_context_layers_are_sized_by_the_largest_padded_input():
     model = create_detector("resnet26", 3, min_size=100, max_size=150, options=SMALL, base_width=8,
                             stage_layers="CCCL", spatial_layer="lambda").eval()  # r=None: a global lambda in c5
