@@ -43,7 +43,7 @@ from lambdanet.train.checkpoint import (
     save_checkpoint,
     unwrap,
 )
-from lambdanet.train.config import config_differences, describe_differences, load_yaml, option, save_yaml
+from lambdanet.train.config import RunConfig, config_differences, describe_differences, load_yaml, option, save_yaml
 from lambdanet.train.distributed import (
     DistContext,
     all_threads_on_main,
@@ -75,7 +75,7 @@ DETECTOR_LOSSES = ("loss_classifier", "loss_box_reg", "loss_mask", "loss_objectn
 
 
 @dataclass
-class DetectConfig:
+class DetectConfig(RunConfig):
     """Every option of ``lambdanet detect`` (each is also a ``--flag`` and a YAML key)."""
 
     backbone: str = option("lambda_resnet26", "registered backbone with features_only, or a HaloNet Table 5 preset "
@@ -94,7 +94,7 @@ class DetectConfig:
     img_size: int = option(256, "shorter image side in training and evaluation (the longer capped at 2x)")
     jitter_min: float = option(1.0, "multi-scale jitter: smallest scale of img_size in training")
     jitter_max: float = option(1.0, "multi-scale jitter: largest scale of img_size in training")
-    epochs: int = option(9, "training epochs (with --resume: more epochs extend the run)")
+    epochs: int = option(9, "training epochs (with --resume: more epochs extend the run)", resume_free=True)
     batch_size: int = option(8, "global batch size (split across torchrun processes)")
     eval_batch_size: int = option(8, "images per forward pass in evaluation")
     optimizer: str = option("adamw", "optimizer", choices=("sgd", "adamw"))
@@ -109,23 +109,22 @@ class DetectConfig:
     grad_clip: float | None = option(10.0, "clip the gradient norm (null: no clipping)")
     amp: str = option("none", "autocast precision", choices=tuple(AMP_DTYPES))
     sync_bn: bool = option(False, "synchronised BatchNorm across torchrun processes")
-    eval_every: int = option(0, "also evaluate (COCO AP) every this many epochs (0: after the last only)")
+    eval_every: int = option(0, "also evaluate (COCO AP) every this many epochs (0: after the last only)",
+                             resume_free=True)
     max_train_batches: int | None = option(None, "stop each epoch after this many batches (smoke tests)")
     max_eval_images: int | None = option(None, "evaluate on the first this many test images (smoke tests)")
     seed: int = option(0, "random seed (data generation, initialisation, order)")
-    workers: int = option(0, "data-loading worker processes")
+    workers: int = option(0, "data-loading worker processes", resume_free=True)
     procs: int = option(0, "local training processes when not started by torchrun (data parallel, the cores "
                            "shared out; 0: auto, on a CPU one per 4 images of the batch up to the usable cores, "
-                           "on a GPU 1)")
-    device: str = option("auto", "device", choices=("auto", "cpu", "cuda"))
-    progress: bool = option(True, "progress bars (drawn only on a terminal: logs get one line per epoch)")
-    tensorboard: bool = option(True, "TensorBoard logs under <out>/tb")
-    out: str = option("runs/detect", "run directory")
+                           "on a GPU 1)", resume_free=True)
+    device: str = option("auto", "device", choices=("auto", "cpu", "cuda"), resume_free=True)
+    progress: bool = option(True, "progress bars (drawn only on a terminal: logs get one line per epoch)",
+                            resume_free=True)
+    tensorboard: bool = option(True, "TensorBoard logs under <out>/tb", resume_free=True)
+    out: str = option("runs/detect", "run directory", resume_free=True)
     resume: bool = option(False, "continue the run in --out from its last.pt (or, stopped in the pre-training, "
-                                         "its pretrain.pt)")
-
-    def effective_lr(self) -> float:
-        return self.lr * self.batch_size / self.lr_batch_scale if self.lr_batch_scale else self.lr
+                                         "its pretrain.pt)", resume_free=True)
 
     def evaluates_after(self, epoch: int) -> bool:
         """Whether the run evaluates COCO AP after ``epoch`` (1-based): the last, and every ``eval_every``."""
@@ -194,7 +193,7 @@ DETECT_RECIPES: dict[str, dict] = {
 }
 DETECT_CHOICES = {f.name: f.metadata["choices"] for f in dataclasses.fields(DetectConfig) if f.metadata.get("choices")}
 DETECT_CHOICES["recipe"] = tuple(DETECT_RECIPES)
-DETECT_RESUME_FREE = ("progress", "tensorboard", "workers", "procs", "resume", "out", "device", "epochs", "eval_every")
+DETECT_RESUME_FREE = DetectConfig.resume_free()
 
 # the quick recipe's detector for the 256 px glyph scenes (objects 8-240 px): anchors one octave below
 # torchvision's 800 px defaults; light heads and few proposals (1-6 objects per image need no 1024-wide box
@@ -559,7 +558,8 @@ def _run(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], No
     model = model.to(ctx.device)
     if not cfg.resume and ctx.is_main and (out / "pretrain.json").exists():
         (out / "pretrain.json").unlink()  # left by an earlier attempt that ended before its first checkpoint
-    state = RunState(model, build_optimizer(model, cfg), scaler=torch.amp.GradScaler("cuda") if cfg.amp == "fp16" else None)
+    scaler = torch.amp.GradScaler("cuda") if cfg.amp == "fp16" else None
+    state = RunState(model, build_optimizer(model, cfg), scaler=scaler)
     trained = cfg.resume and (out / "last.pt").is_file()  # else resumed within the pre-training, or fresh
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)

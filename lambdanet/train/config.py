@@ -31,23 +31,38 @@ import yaml
 
 from lambdanet.runtime import AMP_DTYPES
 
-__all__ = ["TrainConfig", "RECIPES", "RECIPE_MODEL_KEYS", "RESUME_FREE", "ConfigSource", "resolve_config",
+__all__ = ["RunConfig", "TrainConfig", "RECIPES", "RECIPE_MODEL_KEYS", "RESUME_FREE", "ConfigSource", "resolve_config",
            "add_config_arguments", "load_yaml", "save_yaml", "config_from_args", "config_source_from_args",
            "config_differences", "describe_differences", "model_build_kwargs", "saved_run_config", "field_choices", "flag",
            "option"]
 
 
-def option(default, help: str, choices: tuple | None = None, **kw):
-    """A configuration dataclass field with its one-line ``--help`` text and, where closed, its choices
-    (:func:`add_config_arguments` makes it a flag)."""
-    meta = {"help": help, "choices": choices}
+def option(default, help: str, choices: tuple | None = None, *, resume_free: bool = False, **kw):
+    """A configuration dataclass field with its one-line ``--help`` text, where closed its choices
+    (:func:`add_config_arguments` makes it a flag), and whether ``--resume`` may change it (``resume_free``:
+    where and how a run is watched, not what it computes; :meth:`RunConfig.resume_free`)."""
+    meta = {"help": help, "choices": choices, "resume_free": resume_free}
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: type(default)(default), metadata=meta, **kw)
     return field(default=default, metadata=meta, **kw)
 
 
+class RunConfig:
+    """What every task's configuration dataclass shares (:class:`TrainConfig`,
+    :class:`lambdanet.detection.trainer.DetectConfig`): the learning-rate scaling rule and the resume rule."""
+
+    def effective_lr(self) -> float:
+        """``lr * batch_size / lr_batch_scale`` (the paper's ``0.1 B / 256``) or ``lr``."""
+        return self.lr * self.batch_size / self.lr_batch_scale if self.lr_batch_scale else self.lr
+
+    @classmethod
+    def resume_free(cls) -> tuple[str, ...]:
+        """The options ``--resume`` may change (declared with ``option(..., resume_free=True)``)."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("resume_free"))
+
+
 @dataclass
-class TrainConfig:
+class TrainConfig(RunConfig):
     """Every option of ``lambdanet train`` (each is also a ``--flag`` and a YAML key; ``null`` = unset)."""
 
     # model and data
@@ -99,18 +114,20 @@ class TrainConfig:
     amp: str = option("none", "autocast precision (fp16 needs CUDA)", choices=tuple(AMP_DTYPES))
     channels_last: bool = option(False, "channels_last memory format for model and inputs")
     compile: bool = option(False, "torch.compile the model")
-    device: str = option("auto", "device (auto: CUDA when available)", choices=("auto", "cpu", "cuda"))
-    workers: int = option(0, "DataLoader worker processes for file datasets")
+    device: str = option("auto", "device (auto: CUDA when available)", choices=("auto", "cpu", "cuda"),
+                         resume_free=True)
+    workers: int = option(0, "DataLoader worker processes for file datasets", resume_free=True)
     seed: int = option(0, "seed of initialisation, data order and augmentation")
     sync_bn: bool = option(False, "synchronised BatchNorm across torchrun processes")
     # run
-    out: str = option("runs/lambdanet", "run directory (config, metrics, checkpoints, weights, plots, summary)")
-    checkpoint_every: int = option(1, "write last.pt every this many epochs (and at the end)")
-    resume: bool = option(False, "continue the run in --out where it stopped")
+    out: str = option("runs/lambdanet", "run directory (config, metrics, checkpoints, weights, plots, summary)",
+                      resume_free=True)
+    checkpoint_every: int = option(1, "write last.pt every this many epochs (and at the end)", resume_free=True)
+    resume: bool = option(False, "continue the run in --out where it stopped", resume_free=True)
     early_stop_patience: int | None = option(None, "stop after this many epochs without validation improvement "
                                                  "(needs --val-split)")
-    tensorboard: bool = option(True, "write TensorBoard event files beside metrics.csv")
-    progress: bool = option(True, "progress bar on stderr")
+    tensorboard: bool = option(True, "write TensorBoard event files beside metrics.csv", resume_free=True)
+    progress: bool = option(True, "progress bar on stderr", resume_free=True)
     labeled_fraction: float = option(1.0, "semi-supervised: the seeded fraction of training labels kept")
     pseudo_labels: str | None = option(None, "semi-supervised: pseudo-label file from lambdanet pseudo-label")
     max_train_batches: int | None = option(None, "stop each epoch after this many batches (smoke tests)")
@@ -179,10 +196,6 @@ class TrainConfig:
                        f"{max(15, int(self.warmup_epochs) * 5)}) or pass --warmup-epochs 0")
         return out
 
-    def effective_lr(self) -> float:
-        """``lr * batch_size / lr_batch_scale`` (the paper's ``0.1 B / 256``) or ``lr``."""
-        return self.lr * self.batch_size / self.lr_batch_scale if self.lr_batch_scale else self.lr
-
 
 # the size-like options that may be null, and what they count (TrainConfig.validate)
 _OPTIONAL_SIZES = {"img_size": "the training resolution in pixels; each model has its own minimum, checked "
@@ -211,7 +224,7 @@ RECIPE_MODEL_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 # what ``--resume`` lets change: how the run is watched and where it runs, never what it computes
-RESUME_FREE = ("progress", "tensorboard", "workers", "resume", "out", "device", "checkpoint_every")
+RESUME_FREE = TrainConfig.resume_free()
 
 
 def field_choices() -> dict[str, tuple]:
