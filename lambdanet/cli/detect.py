@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 __all__ = ["register"]
 
@@ -11,12 +10,10 @@ __all__ = ["register"]
 def _cmd_detect(args: argparse.Namespace) -> int:
     """Train and evaluate a detector (library: ``lambdanet.detection.trainer.train_detector``)."""
     from lambdanet.detection.trainer import DetectConfig, resolve_detect_config, train_detector
-    from lambdanet.train.config import load_yaml
+    from lambdanet.train.config import config_source_from_args
 
-    names = {f.name for f in dataclasses.fields(DetectConfig)}
-    overrides = {k: v for k, v in vars(args).items() if k in names and v is not None}
-    yaml_values = load_yaml(args.config) if args.config else {}
-    train_detector(resolve_detect_config(overrides.get("recipe"), yaml_values, overrides))
+    source = config_source_from_args(args, DetectConfig)
+    train_detector(resolve_detect_config(source.recipe, source.yaml_values, source.overrides))
     return 0
 
 

@@ -510,9 +510,10 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type = Non
                                 metavar="{" + ",".join(choices[f.name]) + "}" if f.name in choices else None)
 
 
-def config_source_from_args(args: argparse.Namespace) -> ConfigSource:
-    """What the flags (and ``--config FILE``) ask for, before resolution."""
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
+def config_source_from_args(args: argparse.Namespace, config_cls: type = None) -> ConfigSource:
+    """What the flags (and ``--config FILE``) ask for, before resolution: the flags of ``config_cls``'s fields
+    (default :class:`TrainConfig`) that were given, the YAML file's values and the recipe asked for."""
+    names = {f.name for f in dataclasses.fields(config_cls or TrainConfig)}
     overrides = {k: v for k, v in vars(args).items() if k in names and v is not None}
     yaml_values = load_yaml(args.config) if getattr(args, "config", None) else {}
     return ConfigSource(overrides.get("recipe"), yaml_values, overrides)
