@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from lambdanet.detection.glyphs import DEFAULT_GLYPHS, GlyphPool, GlyphSceneConfig, glyph_categories, \
     render_scene, resolve_glyph_sources
 from lambdanet.helpers import check_positive_int
+from lambdanet.models.pretrained import load_state
 from lambdanet.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from lambdanet.train.distributed import DistContext, all_reduce_sum, data_parallel
 from lambdanet.train.preempt import Preempted
@@ -177,7 +178,7 @@ def load_backbone_weights(body: nn.Module, weights: dict[str, Tensor]) -> None:
     misfit = _misfit(state, weights)
     if misfit is not None:
         raise ValueError(f"pre-trained weights do not fit the backbone: {misfit} in them")
-    body.load_state_dict({k: weights[k] for k in state})
+    load_state(body, {k: weights[k] for k in state}, source="the glyph pre-training's weights")
 
 
 def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, seed: int = 0,

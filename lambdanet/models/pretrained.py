@@ -34,7 +34,7 @@ from lambdanet.layers import HaloAttention, LambdaLayer, RelativeSelfAttention
 from lambdanet.models.registry import published_models
 
 __all__ = ["PretrainedUnavailableError", "HUB_FILENAME", "cache_dir", "hub_id", "convert_timm_state_dict",
-           "adapt_input_conv", "tie_shared", "load_weights", "load_pretrained", "load_into", "download_weights"]
+           "adapt_input_conv", "tie_shared", "load_weights", "load_state", "load_pretrained", "load_into", "download_weights"]
 
 HUB_FILENAME = "model.safetensors"  # what timm publishes in each hub repository
 
@@ -187,10 +187,19 @@ def _fit(model: nn.Module, own: dict[str, Tensor], sd: dict[str, Tensor]) -> tup
 
 
 def load_weights(model: nn.Module, path: str | os.PathLike, name: str | None = None) -> list[str]:
-    """Load a weights file into ``model``: lambdanet's own keys as they are, timm's converted
-    (:func:`convert_timm_state_dict`); strict apart from a classifier of another width. Returns notes on
-    what was adapted."""
-    sd = tie_shared(model, read_state_dict(path))
+    """Load a weights file into ``model`` (:func:`load_state`). Returns notes on what was adapted."""
+    return load_state(model, read_state_dict(path), source=f"checkpoint_path {str(path)!r}", name=name, path=path)
+
+
+def load_state(model: nn.Module, state_dict: Mapping[str, Tensor], *, source: str = "the weights",
+               name: str | None = None, path: str | os.PathLike | None = None) -> list[str]:
+    """The one way weights enter a model (every loader of the package calls it): lambdanet's own keys as they
+    are, timm's converted (:func:`convert_timm_state_dict`), tensors shared in the model filled in
+    (:func:`tie_shared`), a classifier of another width left out and the input convolution adapted to the
+    model's channels; otherwise strict, a :class:`WeightsMismatchError` naming ``source`` and the model
+    (``name``) on one line. ``path``: the file the weights came from, whose header explains a mismatch.
+    Returns notes on what was adapted."""
+    sd = tie_shared(model, dict(state_dict))
     own = model.state_dict()
     if set(sd) - set(_FC) != set(own) - set(_FC):  # not lambdanet's own keys: timm's
         sd = convert_timm_state_dict(model, sd)
@@ -200,21 +209,21 @@ def load_weights(model: nn.Module, path: str | os.PathLike, name: str | None = N
     if shapes:
         k = shapes[0]
         raise WeightsMismatchError(
-            f"checkpoint_path {str(path)!r} does not fit {label}: {len(shapes)} tensors have other shapes, e.g. "
-            f"{k} {tuple(sd[k].shape)} in the file, {tuple(own[k].shape)} in the model ({_shape_hint(model, path, k)})")
+            f"{source} does not fit {label}: {len(shapes)} tensors have other shapes, e.g. {k} "
+            f"{tuple(sd[k].shape)} in the file, {tuple(own[k].shape)} in the model ({_shape_hint(model, path, k)})")
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [k for k in missing if k not in _FC]
     if missing or unexpected:
         raise WeightsMismatchError(
-            f"checkpoint_path {str(path)!r} does not fit {label}: {len(missing)} missing keys "
-            f"{missing[:3]}, {len(unexpected)} unexpected {unexpected[:3]} (is it a checkpoint of this model?)")
+            f"{source} does not fit {label}: {len(missing)} missing keys {missing[:3]}, {len(unexpected)} "
+            f"unexpected {unexpected[:3]} (is it a checkpoint of this model?)")
     return notes
 
 
 def _shape_hint(model: nn.Module, path, key: str) -> str:
     """Why a tensor of a weights file may not fit the model: the settings the file's header records, else
     global attention sized by another image size, else other architecture options."""
-    meta = run_metadata(path)
+    meta = run_metadata(path) if path is not None else None
     if meta is not None:
         return (f"the file holds {meta['model']} built with {meta['model_kwargs']} for {meta['image_size']} px, "
                 f"{meta['in_chans']}-channel images: build the model with those, as lambdanet.load_model(FILE) and "

@@ -17,13 +17,12 @@ from pathlib import Path
 from torch import nn
 
 from lambdanet.files import (
-    WeightsMismatchError,
     read_state_dict,
     run_file,
     run_metadata,
 )
 from lambdanet.models import create_model
-from lambdanet.models.pretrained import tie_shared
+from lambdanet.models.pretrained import load_state
 from lambdanet.train.checkpoint import CheckpointError, load_checkpoint, trained_weights
 
 __all__ = ["load_model", "restore_model", "checkpoint_settings"]
@@ -36,10 +35,7 @@ def restore_model(state: dict, spec, *, ema: bool = True) -> tuple[nn.Module, st
     kwargs = dict(state.get("model_kwargs") or {})
     model = create_model(saved["model"], num_classes=spec.num_classes, in_chans=spec.in_chans, **kwargs)
     weights, kind = trained_weights(state, ema)
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    if missing or unexpected:
-        raise CheckpointError(f"checkpoint does not fit {saved['model']}{kwargs}: missing {missing[:5]}, "
-                              f"unexpected {unexpected[:5]}")
+    load_state(model, weights, source="the checkpoint's weights", name=f"{saved['model']}{kwargs}")
     return model, kind
 
 
@@ -70,10 +66,8 @@ def load_model(path: str | os.PathLike, *, ema: bool = True) -> nn.Module:
         meta = _read_metadata(path)
         model = create_model(meta["model"], num_classes=meta["num_classes"], in_chans=meta["in_chans"],
                              **meta["model_kwargs"])
-        missing, unexpected = model.load_state_dict(tie_shared(model, read_state_dict(path)), strict=False)
-        if missing or unexpected:
-            raise WeightsMismatchError(f"{path} does not hold the weights its header describes ({meta['model']}"
-                                       f"{meta['model_kwargs']}): missing {missing[:3]}, unexpected {unexpected[:3]}")
+        load_state(model, read_state_dict(path), source=f"{path} (its header: {meta['model']}{meta['model_kwargs']})",
+                   name=meta["model"], path=path)
     else:
         state = load_checkpoint(path)
         cfg = dict(state.get("config") or {})
