@@ -61,7 +61,7 @@ from lambdanet.train.distributed import (
 from lambdanet.train.logger import RunLogger, plot_history, read_history, read_json, truncate_history, write_json
 from lambdanet.train.optim import build_optimizer, lr_at
 from lambdanet.train.preempt import Preempted, StopSignals, resume_point
-from lambdanet.train.rundir import RunDirLock
+from lambdanet.train.rundir import RunDirLock, check_new_run, checkpoints_in
 from lambdanet.train.state import RunState
 from lambdanet.train.trainer import TrainingDivergedError
 
@@ -207,6 +207,7 @@ QUICK_DETECTOR = {"anchor_sizes": [16, 32, 64, 128, 256], "fpn_channels": 64, "r
 QUICK_PRETRAIN_STEPS = PretrainConfig().steps
 # a run's pre-training saves itself here this often (steps), and --resume continues it; gone once last.pt holds it
 PRETRAIN_CHECKPOINT, PRETRAIN_CHECKPOINT_EVERY = "pretrain.pt", 100
+RUN_CHECKPOINTS = ("last.pt", PRETRAIN_CHECKPOINT)  # what a detect run continues from
 
 
 def resolve_detect_config(recipe: str | None = None, yaml_values: dict | None = None,
@@ -220,7 +221,7 @@ def resolve_detect_config(recipe: str | None = None, yaml_values: dict | None = 
         raise ValueError(f"unknown option(s) {unknown}; valid options: {', '.join(sorted(names))}")
     if explicit.get("resume"):
         out = Path(explicit.get("out", DetectConfig.out))
-        if not (out / "config.yaml").is_file() or not _run_files(out):
+        if not (out / "config.yaml").is_file() or not checkpoints_in(out, RUN_CHECKPOINTS):
             raise ValueError(f"nothing to resume in {out}: it needs config.yaml and last.pt (or {PRETRAIN_CHECKPOINT}) "
                              "from an earlier run")
         saved = load_yaml(out / "config.yaml")
@@ -483,7 +484,7 @@ def train_detector(cfg: DetectConfig, log: Callable[[str], None] = print) -> dic
     on :func:`local_processes` processes (the main one's output is printed)."""
     procs = local_processes(cfg)
     if procs > 1:
-        _check_out(cfg)  # a user error is one line here, not one per process
+        check_new_run(cfg.out, cfg.resume, RUN_CHECKPOINTS)  # a user error is one line here, not one per process
         if cfg.batch_size % procs:
             raise ValueError(f"batch_size {cfg.batch_size} must be a multiple of procs {procs} (one share per "
                              f"process); set --procs or --batch-size")
@@ -512,19 +513,6 @@ def _process_main(cfg: DetectConfig) -> None:
         train_detector(cfg)
 
 
-def _run_files(out: Path) -> list[str]:
-    """The checkpoints in ``out`` that a run can continue from."""
-    return [name for name in ("last.pt", PRETRAIN_CHECKPOINT) if (out / name).is_file()]
-
-
-def _check_out(cfg: DetectConfig) -> None:
-    out = Path(cfg.out)
-    found = _run_files(out)
-    if not cfg.resume and found:
-        raise ValueError(f"{out} already holds a run ({found[0]}); pass --resume to continue it or choose another "
-                         "--out")
-
-
 def _pretrain(model: nn.Module, cfg: DetectConfig, ctx: DistContext, log: Callable[[str], None],
               stop: StopSignals | None = None) -> dict:
     """Pre-train the detector's backbone on glyph crops (:mod:`lambdanet.detection.pretrain`) and load it."""
@@ -544,7 +532,7 @@ def _run(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], No
          stop: StopSignals | None = None) -> dict:
     from lambdanet.detection.data import GlyphSceneConfig, build_detection_datasets
 
-    _check_out(cfg)
+    check_new_run(cfg.out, cfg.resume, RUN_CHECKPOINTS)
     if cfg.batch_size % ctx.world:  # under torchrun; local_processes picks a divisor itself
         raise ValueError(f"batch_size {cfg.batch_size} must be a multiple of the {ctx.world} processes (one share "
                          f"per process); set --batch-size or --nproc-per-node")

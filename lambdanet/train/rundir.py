@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["RunDirLock", "RunDirBusyError"]
+__all__ = ["RunDirLock", "RunDirBusyError", "checkpoints_in", "check_new_run"]
 
 try:
     import fcntl
@@ -60,3 +60,17 @@ class RunDirLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def checkpoints_in(out: str | os.PathLike, names: tuple[str, ...] = ("last.pt",)) -> list[str]:
+    """The checkpoints among ``names`` that ``out`` holds, which a run can continue from."""
+    return [name for name in names if (Path(out) / name).is_file()]
+
+
+def check_new_run(out: str | os.PathLike, resume: bool, names: tuple[str, ...] = ("last.pt",)) -> None:
+    """A run that does not ``resume`` must not write over one: a one-line ``ValueError`` when ``out`` holds
+    one of the checkpoints ``names``."""
+    found = checkpoints_in(out, names)
+    if not resume and found:
+        raise ValueError(f"{out} already holds a run ({found[0]}); pass --resume to continue it or choose another "
+                         "--out")

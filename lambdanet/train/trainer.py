@@ -55,7 +55,7 @@ from lambdanet.train.logger import RunLogger, plot_history, read_history, trunca
 from lambdanet.train.optim import build_ema, build_optimizer, build_scheduler, set_bn_momentum
 from lambdanet.train.preempt import Preempted, StopSignals, resume_point
 from lambdanet.train.state import RunState
-from lambdanet.train.rundir import RunDirBusyError, RunDirLock
+from lambdanet.train.rundir import RunDirBusyError, RunDirLock, check_new_run
 
 __all__ = ["train", "evaluate_checkpoint", "TrainingDivergedError", "RunState", "build_model_for",
            "hardware_string", "load_pseudo_labels", "run_epoch"]
@@ -179,8 +179,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None], stop:
     out = Path(cfg.out)
     ckpt_path = out / "last.pt"
     saved_epochs = _check_resume(cfg) if cfg.resume else 0
-    if not cfg.resume and ckpt_path.exists():
-        raise ValueError(f"{out} already holds a run (last.pt); pass --resume to continue it or choose another --out")
+    check_new_run(out, cfg.resume)
     device = ctx.device
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
