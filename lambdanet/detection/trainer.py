@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 
 from lambdanet.data import epoch_seed
 from lambdanet.detection.glyphs import DEFAULT_GLYPHS, GLYPH_SETS, resolve_glyph_sources
@@ -530,17 +531,43 @@ def _pretrain(model: nn.Module, cfg: DetectConfig, ctx: DistContext, log: Callab
 
 def _run(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], None],
          stop: StopSignals | None = None) -> dict:
-    from lambdanet.detection.data import GlyphSceneConfig, build_detection_datasets
-
     check_new_run(cfg.out, cfg.resume, RUN_CHECKPOINTS)
     if cfg.batch_size % ctx.world:  # under torchrun; local_processes picks a divisor itself
         raise ValueError(f"batch_size {cfg.batch_size} must be a multiple of the {ctx.world} processes (one share "
                          f"per process); set --batch-size or --nproc-per-node")
+    state, train, test = _prepare(cfg, ctx, out, log, stop)
+    model = state.model
+    run_model = data_parallel(model, ctx)
+    params = sum(p.numel() for p in unwrap(model).parameters())
+    backbone_params = sum(p.numel() for p in unwrap(model).backbone.body.parameters())
+    log(f"detect: {cfg.backbone} {'Mask' if cfg.masks else 'Faster'} R-CNN, {params / 1e6:.2f}M parameters "
+        f"(backbone {backbone_params / 1e6:.2f}M), {len(train)} train / {len(test)} test images, "
+        f"{train.num_classes} classes, train sizes {list(_train_sizes(cfg))}")
+    if cfg.data == "glyphs":
+        log(glyph_note(cfg.glyphs))
+    logger = RunLogger(out, enabled=ctx.is_main, tensorboard=cfg.tensorboard)
+    try:
+        metrics = _epochs(state, run_model, _loader(train, cfg, ctx, train=True), test, cfg, ctx, out, logger, log,
+                          stop)
+    finally:
+        logger.close()
+    summary = {}
+    if ctx.is_main:
+        with all_threads_on_main(ctx):
+            summary = _finish(cfg, ctx, out, model, test, metrics, state, params, backbone_params, log)
+    return summary
+
+
+def _prepare(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], None],
+             stop: StopSignals | None) -> tuple[RunState, Dataset, Dataset]:
+    """The data, the detector and its state: fresh (pre-trained on glyph crops when the recipe asks), or
+    restored from ``last.pt`` (or from the pre-training's own checkpoint) with ``--resume``."""
+    from lambdanet.detection.data import GlyphSceneConfig, build_detection_datasets
+
     torch.manual_seed(cfg.seed)
     train, test = build_detection_datasets(cfg.data, seed=cfg.seed, config=GlyphSceneConfig(glyphs=cfg.glyphs),
                                            progress=_bars(cfg, ctx))
-    num_classes = train.num_classes
-    model = build_detector(cfg, num_classes)
+    model = build_detector(cfg, train.num_classes)
     if cfg.sync_bn and ctx.enabled:
         model = convert_sync_batchnorm(model, ctx.device)
     model = model.to(ctx.device)
@@ -569,49 +596,39 @@ def _run(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], No
         (out / PRETRAIN_CHECKPOINT).unlink(missing_ok=True)
     if trained:
         log(f"resuming {out}: {state.epoch}/{cfg.epochs} epochs done{resume_point(state.epoch, state.epoch_partial)}")
-    run_model = data_parallel(model, ctx)
-    params = sum(p.numel() for p in unwrap(model).parameters())
-    backbone_params = sum(p.numel() for p in unwrap(model).backbone.body.parameters())
-    log(f"detect: {cfg.backbone} {'Mask' if cfg.masks else 'Faster'} R-CNN, {params / 1e6:.2f}M parameters "
-        f"(backbone {backbone_params / 1e6:.2f}M), {len(train)} train / {len(test)} test images, "
-        f"{num_classes} classes, train sizes {list(_train_sizes(cfg))}")
-    if cfg.data == "glyphs":
-        log(glyph_note(cfg.glyphs))
-    loader = _loader(train, cfg, ctx, train=True)
+    return state, train, test
+
+
+def _epochs(state: RunState, run_model: nn.Module, loader, test: Dataset, cfg: DetectConfig, ctx: DistContext,
+            out: Path, logger: RunLogger, log: Callable[[str], None], stop: StopSignals | None) -> dict:
+    """The epochs left, each logged, checkpointed and (when due) evaluated; a signal saves the step and raises
+    :class:`Preempted`. Returns the last evaluation's metrics (``{}`` when none ran)."""
     per_epoch = len(loader) if cfg.max_train_batches is None else min(len(loader), cfg.max_train_batches)
     total = cfg.epochs * per_epoch
-    logger = RunLogger(out, enabled=ctx.is_main, tensorboard=cfg.tensorboard)
     metrics: dict = {}
-    try:
-        while state.epoch < cfg.epochs:
-            row = _train_epoch(state, run_model, loader, cfg, ctx, total, stop)
-            if row is None:  # a signal: save where the epoch stands, then stop
-                if ctx.is_main:
-                    save_checkpoint(state.state_dict(config=dataclasses.asdict(cfg)), out / "last.pt")
-                barrier(ctx)  # the others wait for the save: a process that ends first gets the rest stopped
-                raise Preempted.at(stop.received, f"in epoch {state.epoch + 1}/{cfg.epochs} after batch "
-                                   f"{state.epoch_partial['batches']}/{per_epoch}", out / "last.pt", out)
-            state.epoch += 1
-            evaluated = cfg.evaluates_after(state.epoch)
-            if evaluated:
-                with all_threads_on_main(ctx):
-                    metrics = _evaluate(model, test, cfg, ctx) if ctx.is_main else {}
-            row = {"epoch": state.epoch, **row, **(metrics if evaluated else {}), "train_time_s": state.train_time_s}
-            logger.log_epoch(row)
+    while state.epoch < cfg.epochs:
+        row = _train_epoch(state, run_model, loader, cfg, ctx, total, stop)
+        if row is None:  # a signal: save where the epoch stands, then stop
             if ctx.is_main:
                 save_checkpoint(state.state_dict(config=dataclasses.asdict(cfg)), out / "last.pt")
-            log(f"epoch {state.epoch}/{cfg.epochs}: loss {row['train_loss']:.3f}"
-                + (f", box AP {metrics['bbox_AP']:.3f}" if "bbox_AP" in row else "")
-                + (f", mask AP {metrics['segm_AP']:.3f}" if "segm_AP" in row else "")
-                + f" ({state.train_time_s:.0f}s)")
-            barrier(ctx)
-    finally:
-        logger.close()
-    summary = {}
-    if ctx.is_main:
-        with all_threads_on_main(ctx):
-            summary = _finish(cfg, ctx, out, model, test, metrics, state, params, backbone_params, log)
-    return summary
+            barrier(ctx)  # the others wait for the save: a process that ends first gets the rest stopped
+            raise Preempted.at(stop.received, f"in epoch {state.epoch + 1}/{cfg.epochs} after batch "
+                               f"{state.epoch_partial['batches']}/{per_epoch}", out / "last.pt", out)
+        state.epoch += 1
+        evaluated = cfg.evaluates_after(state.epoch)
+        if evaluated:
+            with all_threads_on_main(ctx):
+                metrics = _evaluate(state.model, test, cfg, ctx) if ctx.is_main else {}
+        row = {"epoch": state.epoch, **row, **(metrics if evaluated else {}), "train_time_s": state.train_time_s}
+        logger.log_epoch(row)
+        if ctx.is_main:
+            save_checkpoint(state.state_dict(config=dataclasses.asdict(cfg)), out / "last.pt")
+        log(f"epoch {state.epoch}/{cfg.epochs}: loss {row['train_loss']:.3f}"
+            + (f", box AP {metrics['bbox_AP']:.3f}" if "bbox_AP" in row else "")
+            + (f", mask AP {metrics['segm_AP']:.3f}" if "segm_AP" in row else "")
+            + f" ({state.train_time_s:.0f}s)")
+        barrier(ctx)
+    return metrics
 
 
 def _finish(cfg: DetectConfig, ctx: DistContext, out: Path, model: nn.Module, test, metrics: dict,

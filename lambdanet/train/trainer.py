@@ -177,7 +177,6 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
 def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None], stop: StopSignals | None = None) -> dict:
     cfg.validate()
     out = Path(cfg.out)
-    ckpt_path = out / "last.pt"
     saved_epochs = _check_resume(cfg) if cfg.resume else 0
     check_new_run(out, cfg.resume)
     device = ctx.device
@@ -204,6 +203,26 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None], stop:
     log(f"{cfg.model} ({params / 1e6:.2f}M params, {cfg.model_kwargs}) on {cfg.data} at {cfg.img_size}x{cfg.img_size}: "
         f"{data.train.n} train / {data.test.n} test images, recipe {cfg.recipe}, {cfg.epochs} epochs, "
         f"batch {cfg.batch_size} x {ctx.world} process(es), lr {cfg.effective_lr():.2e}, {hardware_string(device)}")
+    last_row, stopped_early = _epochs(state, run_model, data, cfg, ctx, logger, log, stop)
+    history = read_history(out / "metrics.csv") if ctx.is_main else []
+    final = last_row or (history[-1] if history else {})  # a resumed, already finished run trains no epoch
+    summary = _summary(state, cfg, ctx, data, params, final, stopped_early)
+    if ctx.is_main:
+        _write_outputs(state, cfg, data, history, summary)
+        logger.close()
+    log(f"done: final test top-1 {summary['final_acc']:.4f}, best {summary['best_acc']:.4f} (epoch "
+        f"{summary['best_epoch']}), {summary['train_time_s']:.1f}s training, {summary['images_per_s']:.0f} img/s "
+        f"-> {out}")
+    return summary
+
+
+def _epochs(state: RunState, run_model: nn.Module, data: RunData, cfg: TrainConfig, ctx: DistContext,
+            logger: RunLogger, log: Callable[[str], None], stop: StopSignals | None) -> tuple[dict, bool]:
+    """The epochs left, each logged and checkpointed (every ``checkpoint_every``, at the end and on early
+    stopping); a signal saves the step and raises :class:`Preempted`. Returns (the last epoch's row, whether
+    the run stopped early)."""
+    out = Path(cfg.out)
+    ckpt_path = out / "last.pt"
     stopped_early, last_row, last_saved = False, {}, state.epoch
     while state.epoch < cfg.epochs and not stopped_early:
         try:
@@ -228,25 +247,20 @@ def _train(cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None], stop:
             last_saved = state.epoch
         if stopped_early:
             log(f"early stopping: no validation improvement for {cfg.early_stop_patience} epochs")
+    return last_row, stopped_early
 
-    history = read_history(out / "metrics.csv") if ctx.is_main else []
-    final = last_row or (history[-1] if history else {})  # a resumed, already finished run trains no epoch
-    summary = _summary(state, cfg, ctx, data, params, final, stopped_early)
-    if ctx.is_main:
-        spec = data.spec
-        meta = weights_metadata(model=cfg.model, model_kwargs=model_build_kwargs(cfg), num_classes=spec.num_classes,
-                                in_chans=spec.in_chans, classes=spec.classes, data=cfg.data, image_size=cfg.img_size,
-                                mean=spec.mean, std=spec.std)
-        export_safetensors(model, out / "model.safetensors", meta)
-        if state.ema is not None:
-            export_safetensors(state.ema.module, out / "model_ema.safetensors", meta)
-        summary["plots"] = [p.name for p in plot_history(history, out)]
-        write_json(summary, out / "summary.json")
-        logger.close()
-    log(f"done: final test top-1 {summary['final_acc']:.4f}, best {summary['best_acc']:.4f} (epoch "
-        f"{summary['best_epoch']}), {summary['train_time_s']:.1f}s training, {summary['images_per_s']:.0f} img/s "
-        f"-> {out}")
-    return summary
+
+def _write_outputs(state: RunState, cfg: TrainConfig, data: RunData, history: list[dict], summary: dict) -> None:
+    """The run's weights (raw and EMA, with the header that rebuilds the model), plots and ``summary.json``."""
+    out, spec = Path(cfg.out), data.spec
+    meta = weights_metadata(model=cfg.model, model_kwargs=model_build_kwargs(cfg), num_classes=spec.num_classes,
+                            in_chans=spec.in_chans, classes=spec.classes, data=cfg.data, image_size=cfg.img_size,
+                            mean=spec.mean, std=spec.std)
+    export_safetensors(state.model, out / "model.safetensors", meta)
+    if state.ema is not None:
+        export_safetensors(state.ema.module, out / "model_ema.safetensors", meta)
+    summary["plots"] = [p.name for p in plot_history(history, out)]
+    write_json(summary, out / "summary.json")
 
 
 def _save(state: RunState, cfg: TrainConfig, path: Path) -> None:
