@@ -116,3 +116,18 @@ def test_each_shared_piece_is_defined_once(pattern, what):
     names = {re.search(pattern, line).group(0).split()[-1] for path in PACKAGE.rglob("*.py")
              for line in path.read_text().splitlines() if re.search(pattern, line)}
     assert len(found) == len(names) >= 1, f"{what} defined in {found}"
+
+
+def test_no_function_body_is_longer_than_60_lines():
+    """Short hot paths: every function's code (its docstring aside) fits in 60 lines."""
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                body = node.body
+                docstring = isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
+                    and isinstance(body[0].value.value, str)
+                start = body[0].end_lineno + 1 if docstring else body[0].lineno
+                if node.end_lineno - start + 1 > 60:
+                    long.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}")
+    assert not long, long

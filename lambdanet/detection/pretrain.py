@@ -199,8 +199,7 @@ def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, 
     is raised."""
     from tqdm.auto import tqdm
 
-    from lambdanet.detection.model import input_normalization
-    from lambdanet.models import create_model
+    from lambdanet.train.engine import optimizer_step
     from lambdanet.train.optim import build_optimizer, lr_at
 
     name, kwargs = _classifier_name_kwargs(backbone, model_kwargs, cfg.img_size)
@@ -213,24 +212,12 @@ def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, 
     first, share = batch_share(cfg.batch_size, rank, world)
     train = GlyphCrops("train", cfg.steps * cfg.batch_size, img_size=cfg.img_size, seed=seed, glyphs=glyphs)
     test = GlyphCrops("test", cfg.eval_images, img_size=cfg.img_size, seed=seed, glyphs=glyphs)
-    torch.manual_seed(seed)
-    model = create_model(name, num_classes=len(train.categories), **kwargs).to(device)
-    layout = torch.channels_last if cfg.channels_last else torch.contiguous_format
-    model.to(memory_format=layout)
-    mean, std = (torch.tensor(v, device=device).view(1, 3, 1, 1) for v in input_normalization(model))  # 1 3 1 1
+    model, layout, mean, std = _classifier(name, kwargs, len(train.categories), cfg, device, seed)
     opt = build_optimizer(model, name="adamw", lr=cfg.lr, weight_decay=cfg.weight_decay)
     # what must agree for a saved training to continue (workers and progress only change how it runs)
     identity = {"backbone": backbone, "model_kwargs": dict(model_kwargs), "seed": seed, "glyphs": glyphs,
                 "config": {k: v for k, v in asdict(cfg).items() if k != "workers"}}
-    done, elapsed = 0, 0.0
-    if checkpoint is not None and Path(checkpoint).is_file():
-        saved = load_checkpoint(checkpoint, map_location=device)
-        if saved.get("identity") != identity:
-            raise CheckpointError(f"{checkpoint} holds another pre-training ({saved.get('identity')}), not "
-                                  f"{identity}; delete it to start over")
-        state = RunState(model, opt)
-        state.load_state_dict(saved)
-        done, elapsed = state.step, state.train_time_s
+    done, elapsed = _continued(checkpoint, identity, model, opt, device)
     # in a process group each process trains on its share of every batch (gradients averaged by DDP)
     run = data_parallel(model, DistContext(rank, world, device=device))
     log(f"pre-training {backbone} on {cfg.steps} x {cfg.batch_size} glyph crops ({cfg.img_size} px, "
@@ -241,12 +228,7 @@ def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, 
     model.train()
     bar = tqdm(range(done, cfg.steps), desc="pre-training the backbone on glyph crops", leave=False,
                disable=not progress, initial=done, total=cfg.steps)
-    # crops in order (crop i is the same wherever it is rendered), by workers ahead of the training if any
-    mine = Subset(train, [step * cfg.batch_size + first + j for step in range(done, cfg.steps) for j in range(share)])
-    # its own generator: starting the loader leaves the global RNG alone (the same after a continued run)
-    loader = DataLoader(mine, batch_size=share, num_workers=cfg.workers, prefetch_factor=4 if cfg.workers else None,
-                        generator=torch.Generator().manual_seed(seed))
-    for step, (images, labels) in zip(bar, loader):  # b 3 s s in [0, 1], b
+    for step, (images, labels) in zip(bar, _crop_loader(train, cfg, done, first, share, seed)):  # b 3 s s, b
         factor = lr_at(step, cfg.steps, cfg.warmup_steps)  # warm-up, then cosine to 0
         for group in opt.param_groups:
             group["lr"] = cfg.lr * factor
@@ -254,9 +236,7 @@ def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, 
         labels = labels.to(device)  # b
         # DDP averages over processes: weigh each share's mean by its size, for the mean over the batch
         loss = nn.functional.cross_entropy(run(images), labels) * (share * world / cfg.batch_size)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        optimizer_step(loss, opt)
         bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
         signalled = stop is not None and stop.requested(DistContext(rank, world, device=device)) is not None
         due = (step + 1) % checkpoint_every == 0 and step + 1 < cfg.steps
@@ -269,12 +249,56 @@ def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, 
                 dist.barrier()
             raise Preempted.at(stop.received, f"in the pre-training after step {step + 1}/{cfg.steps}", checkpoint)
     bar.close()
-    if world > 1:  # BatchNorm statistics: the main process's everywhere (as DDP hands them out every step)
-        for buffer in model.buffers():
-            dist.broadcast(buffer, 0)
+    _share_buffers(model, world)
     seconds = elapsed + time.perf_counter() - start
     accuracy = _accuracy(model, test, cfg.batch_size, mean, std, rank, world)
     log(f"pre-trained in {seconds:.0f}s: top-1 {accuracy:.1%} on {len(test)} crops of test glyphs")
     head = {k for k in model.state_dict() if k.split(".")[0] in ("fc", "head", "classifier")}
-    state = {k: v.cpu().contiguous() for k, v in model.state_dict().items() if k not in head}
-    return state, {"pretrain_accuracy": accuracy, "pretrain_time_s": seconds}
+    weights = {k: v.cpu().contiguous() for k, v in model.state_dict().items() if k not in head}
+    return weights, {"pretrain_accuracy": accuracy, "pretrain_time_s": seconds}
+
+
+def _classifier(name: str, kwargs: dict, num_classes: int, cfg: PretrainConfig, device: torch.device, seed: int
+                ) -> tuple[nn.Module, torch.memory_format, Tensor, Tensor]:
+    """The classifier to pre-train (initialised from ``seed``) in the detector's memory layout, the layout, and
+    the mean and std ``[1, 3, 1, 1]`` its inputs are normalised with (the detector's)."""
+    from lambdanet.detection.model import input_normalization
+    from lambdanet.models import create_model
+
+    torch.manual_seed(seed)
+    model = create_model(name, num_classes=num_classes, **kwargs).to(device)
+    layout = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    model.to(memory_format=layout)
+    mean, std = (torch.tensor(v, device=device).view(1, 3, 1, 1) for v in input_normalization(model))  # 1 3 1 1
+    return model, layout, mean, std
+
+
+def _share_buffers(model: nn.Module, world: int) -> None:
+    """BatchNorm statistics: the main process's everywhere (as DDP hands them out every step)."""
+    if world > 1:
+        for buffer in model.buffers():
+            dist.broadcast(buffer, 0)
+
+
+def _continued(checkpoint: str | Path | None, identity: dict, model: nn.Module, opt: torch.optim.Optimizer,
+               device: torch.device) -> tuple[int, float]:
+    """(steps done, seconds spent) of the pre-training saved in ``checkpoint``, restored into ``model`` and
+    ``opt`` (with the RNG states); (0, 0.0) without one. Another pre-training's file is a one-line error."""
+    if checkpoint is None or not Path(checkpoint).is_file():
+        return 0, 0.0
+    saved = load_checkpoint(checkpoint, map_location=device)
+    if saved.get("identity") != identity:
+        raise CheckpointError(f"{checkpoint} holds another pre-training ({saved.get('identity')}), not "
+                              f"{identity}; delete it to start over")
+    state = RunState(model, opt)
+    state.load_state_dict(saved)
+    return state.step, state.train_time_s
+
+
+def _crop_loader(train: GlyphCrops, cfg: PretrainConfig, done: int, first: int, share: int, seed: int) -> DataLoader:
+    """This process's share of every batch from step ``done`` on: crops in order (crop i is the same wherever
+    it is rendered), by workers ahead of the training if any, with a generator of its own (starting the
+    loader leaves the global RNG alone: the same after a continued run)."""
+    mine = Subset(train, [step * cfg.batch_size + first + j for step in range(done, cfg.steps) for j in range(share)])
+    return DataLoader(mine, batch_size=share, num_workers=cfg.workers, prefetch_factor=4 if cfg.workers else None,
+                      generator=torch.Generator().manual_seed(seed))

@@ -60,6 +60,7 @@ from lambdanet.train.distributed import (
     uses_cuda,
 )
 from lambdanet.train.logger import RunLogger, plot_history, read_history, read_json, truncate_history, write_json
+from lambdanet.train.engine import optimizer_step
 from lambdanet.train.optim import build_optimizer, lr_at
 from lambdanet.train.preempt import Preempted, StopSignals, resume_point
 from lambdanet.train.rundir import RunDirLock, check_new_run, checkpoints_in
@@ -386,19 +387,7 @@ def _train_epoch(state: RunState, run_model: nn.Module, loader, cfg: DetectConfi
         if not torch.isfinite(loss):
             raise TrainingDivergedError(f"non-finite detection loss {loss.item()} at epoch {state.epoch + 1}, step "
                                         f"{i + 1}: lower --lr or raise --warmup-steps")
-        opt.zero_grad(set_to_none=True)
-        if state.scaler is not None:
-            state.scaler.scale(loss).backward()
-            state.scaler.unscale_(opt)
-        else:
-            loss.backward()
-        if cfg.grad_clip:
-            nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        if state.scaler is not None:
-            state.scaler.step(opt)
-            state.scaler.update()
-        else:
-            opt.step()
+        optimizer_step(loss, opt, scaler=state.scaler, clip=(model, cfg.grad_clip) if cfg.grad_clip else None)
         state.step += 1
         count += 1
         for k, v in losses.items():

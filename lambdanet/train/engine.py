@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from lambdanet.runtime import autocast_context  # re-exported: the loops' autocast, validated in one place
 from lambdanet.train.distributed import DistContext, all_reduce_sum
 
-__all__ = ["NonFiniteLossError", "train_one_epoch", "evaluate", "topk_correct", "autocast_context"]
+__all__ = ["optimizer_step", "NonFiniteLossError", "train_one_epoch", "evaluate", "topk_correct", "autocast_context"]
 
 
 class NonFiniteLossError(RuntimeError):
@@ -32,6 +32,27 @@ def topk_correct(logits: Tensor, target: Tensor, ks=(1, 5)) -> list[int]:
 def _to(x: Tensor, device: torch.device, channels_last: bool) -> Tensor:
     x = x.to(device, non_blocking=True)
     return x.contiguous(memory_format=torch.channels_last) if channels_last and x.dim() == 4 else x
+
+
+def optimizer_step(loss: Tensor, optimizer: torch.optim.Optimizer, *, scaler: torch.amp.GradScaler | None = None,
+                   clip: tuple[nn.Module, float] | None = None) -> None:
+    """One optimiser step on ``loss``, the same for every task: gradients cleared, back-propagated (scaled by
+    ``scaler`` under fp16 autocast), their norm clipped to ``clip = (model, max_norm)`` if given (after
+    unscaling), then the step (skipped by the scaler when the gradients are not finite)."""
+    optimizer.zero_grad(set_to_none=True)
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        if clip is not None:
+            scaler.unscale_(optimizer)
+    else:
+        loss.backward()
+    if clip is not None:
+        nn.utils.clip_grad_norm_(clip[0].parameters(), clip[1])
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
 
 
 def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer, scheduler, loss_fn: nn.Module, *,
@@ -65,14 +86,7 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer, 
             loss = loss_fn(logits.float(), y)
         if not torch.isfinite(loss):
             raise NonFiniteLossError(epoch, step, float(loss.detach()))
-        optimizer.zero_grad(set_to_none=True)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            loss.backward()
-            optimizer.step()
+        optimizer_step(loss, optimizer, scaler=scaler)
         if scheduler is not None:
             scheduler.step()
         if ema is not None:
