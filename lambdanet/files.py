@@ -112,10 +112,9 @@ def run_metadata(path: str | os.PathLike) -> dict | None:
 
 def is_run_weights(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a readable safetensors file whose header is :data:`METADATA_FORMAT`."""
-    path = Path(path)
-    if path.suffix != ".safetensors" or not path.is_file():
+    if not Path(path).is_file():
         return False
     try:
-        return read_safetensors(path, tensors=False)[1].get("format") == METADATA_FORMAT
+        return run_metadata(path) is not None
     except WeightsMismatchError:  # not readable as safetensors: left for the weight loader to report
         return False

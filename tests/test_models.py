@@ -20,7 +20,7 @@ from lambdanet.models import Bottleneck, ResNet, ResNetArgs, create_model, list_
 from lambdanet.models import byoa, halonet, mobilenet, zoo_resnet
 from lambdanet.models.halonet import halonet_config
 from lambdanet.models.paper_tables import PAPER_ROWS
-from lambdanet.models.resnet import build_resnet
+from lambdanet.models.resnet import ResNetConfig, build_resnet
 from lambdanet.models.zoo_resnet import LAMBDA_C4_BLOCKS, RESNET_RS_LAYERS, TABLE20_REGULARIZATION, Table20Row
 from lambdanet.runtime import count_flops
 from lambdanet.train.config import TrainConfig
@@ -324,6 +324,7 @@ def test_every_table_3_and_4_row_is_one_create_model_call():
         (lambda: create_model("mobilenet_v2_lambda", lambda_blocks=(18,)), "lambda_blocks must be 1-indexed"),
         (lambda: create_model("halonet_h0", stem="cifar"), "does not take ['stem']; it accepts: img_size"),
         (lambda: create_model("mobilenet_v2", lambda_blocks=(10,)), "does not take ['lambda_blocks']"),
+        (lambda: build_resnet(ResNetConfig(layers=(1, 1, 1, 1), act=None), ResNetArgs()), "act must be one of"),
     ],
 )
 def test_bad_model_arguments_raise_value_error_listing_choices(call, needle):

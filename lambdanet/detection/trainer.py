@@ -41,7 +41,6 @@ from lambdanet.runtime import AMP_DTYPES
 from lambdanet.train.checkpoint import (
     export_safetensors,
     load_checkpoint,
-    save_checkpoint,
     unwrap,
 )
 from lambdanet.train.config import RunConfig, config_differences, describe_differences, load_yaml, option, save_yaml
@@ -576,7 +575,7 @@ def _prepare(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str]
             raise Preempted(f"{err}; continue with --resume --out {out}") from None
         if ctx.is_main:  # an epoch-0 checkpoint: a crash in epoch 1 does not cost the pre-training
             write_json(info, out / "pretrain.json")
-            save_checkpoint(state.state_dict(config=dataclasses.asdict(cfg)), out / "last.pt")
+            state.save(out / "last.pt", cfg)
     if trained:
         state.load_state_dict(load_checkpoint(out / "last.pt", map_location=ctx.device))
         if ctx.is_main:
@@ -599,7 +598,7 @@ def _epochs(state: RunState, run_model: nn.Module, loader, test: Dataset, cfg: D
         row = _train_epoch(state, run_model, loader, cfg, ctx, total, stop)
         if row is None:  # a signal: save where the epoch stands, then stop
             if ctx.is_main:
-                save_checkpoint(state.state_dict(config=dataclasses.asdict(cfg)), out / "last.pt")
+                state.save(out / "last.pt", cfg)
             barrier(ctx)  # the others wait for the save: a process that ends first gets the rest stopped
             raise Preempted.at(stop.received, f"in epoch {state.epoch + 1}/{cfg.epochs} after batch "
                                f"{state.epoch_partial['batches']}/{per_epoch}", out / "last.pt", out)
@@ -611,7 +610,7 @@ def _epochs(state: RunState, run_model: nn.Module, loader, test: Dataset, cfg: D
         row = {"epoch": state.epoch, **row, **(metrics if evaluated else {}), "train_time_s": state.train_time_s}
         logger.log_epoch(row)
         if ctx.is_main:
-            save_checkpoint(state.state_dict(config=dataclasses.asdict(cfg)), out / "last.pt")
+            state.save(out / "last.pt", cfg)
         log(f"epoch {state.epoch}/{cfg.epochs}: loss {row['train_loss']:.3f}"
             + (f", box AP {metrics['bbox_AP']:.3f}" if "bbox_AP" in row else "")
             + (f", mask AP {metrics['segm_AP']:.3f}" if "segm_AP" in row else "")

@@ -164,13 +164,13 @@ def _check_name(name: str) -> None:
         raise ValueError(f"unknown model {name!r}; registered models: {', '.join(list_models())}")
 
 
-def entry_point(name: str, kwargs: Mapping[str, object] = {}) -> Callable[..., nn.Module]:
+def entry_point(name: str, kwargs: Mapping[str, object] | None = None) -> Callable[..., nn.Module]:
     """The entry point of ``name``, once ``kwargs`` are checked against the architecture arguments it
     declares (a ``ValueError`` listing them for unknown ones; undeclared entry points are not checked)."""
     _check_name(name)
     accepted = _ARGS.get(name)  # None: not declared (``**kwargs`` without ``args``), not validated
     if accepted is not None:
-        unknown = sorted(set(kwargs) - set(accepted))
+        unknown = sorted(set(kwargs or ()) - set(accepted))
         if unknown:
             raise ValueError(f"model {name!r} does not take {unknown}; it accepts: {', '.join(accepted)}")
     return _MODELS[name]

@@ -29,7 +29,7 @@ from lambdanet.layers import (
     create_spatial_layer,
     list_spatial_layers,
 )
-from lambdanet.layers.conv_norm_act import conv_norm_act, get_act
+from lambdanet.layers.conv_norm_act import ACTIVATIONS, conv_norm_act, get_act
 from lambdanet.layers.drop import DropPath
 from lambdanet.models.base import Backbone
 
@@ -299,7 +299,8 @@ def _validate_config(cfg: ResNetConfig) -> None:
             raise ValueError(f"pattern of stage {STAGE_NAMES[i]} must be {n} letters C/L, got {letters!r}")
     if cfg.spatial_layer not in list_spatial_layers():
         raise ValueError(f"spatial_layer must be one of {list_spatial_layers()}, got {cfg.spatial_layer!r}")
-    get_act(cfg.act)  # a known activation name
+    if cfg.act not in ACTIVATIONS:
+        raise ValueError(f"act must be one of {list(ACTIVATIONS)}, got {cfg.act!r}")
     if cfg.shortcut not in ("conv", "avg"):
         raise ValueError(f"shortcut must be one of ['conv', 'avg'], got {cfg.shortcut!r}")
     for stage, blocks in cfg.nonlocal_blocks.items():

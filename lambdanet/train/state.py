@@ -3,12 +3,14 @@ and whose ``load_state_dict`` is ``--resume``, one symmetric pair."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from lambdanet.train.checkpoint import rng_state, set_rng_state, unwrap
+from lambdanet.train.checkpoint import rng_state, save_checkpoint, set_rng_state, unwrap
 
 __all__ = ["RunState"]
 
@@ -48,6 +50,12 @@ class RunState:
                 "step": self.step, "train_time_s": self.train_time_s, "samples_seen": self.samples_seen,
                 "best": dict(self.best), "bad_epochs": self.bad_epochs, "epoch_partial": self.epoch_partial,
                 "rng": rng_state(), **extra}
+
+    def save(self, path: str | os.PathLike, cfg=None, **extra) -> None:
+        """Write :meth:`state_dict` atomically to ``path`` with the run's configuration ``cfg`` (a dataclass,
+        stored as ``config``) and ``extra``."""
+        config = {"config": dataclasses.asdict(cfg)} if cfg is not None else {}
+        save_checkpoint(self.state_dict(**config, **extra), path)
 
     def load_state_dict(self, state: dict) -> None:
         unwrap(self.model).load_state_dict(state["model"])

@@ -21,12 +21,12 @@ import torch
 from torch import nn
 
 from lambdanet.data import DatasetSpec, ImageLoader, Subset, TensorImages, build_datasets, labeled_split, split_indices
+from lambdanet.files import run_file, weights_metadata
 from lambdanet.models import create_model
 from lambdanet.train.checkpoint import (
     CheckpointError,
     export_safetensors,
     load_checkpoint,
-    save_checkpoint,
     unwrap,
 )
 from lambdanet.train.config import (
@@ -49,13 +49,12 @@ from lambdanet.train.distributed import (
     init_distributed,
 )
 from lambdanet.train.engine import NonFiniteLossError, evaluate, train_one_epoch
-from lambdanet.files import run_file, weights_metadata
 from lambdanet.train.load import restore_model
 from lambdanet.train.logger import RunLogger, plot_history, read_history, truncate_history, write_json
 from lambdanet.train.optim import build_ema, build_optimizer, build_scheduler, set_bn_momentum
 from lambdanet.train.preempt import Preempted, StopSignals, resume_point
-from lambdanet.train.state import RunState
 from lambdanet.train.rundir import RunDirBusyError, RunDirLock, check_new_run
+from lambdanet.train.state import RunState
 
 __all__ = ["train", "evaluate_checkpoint", "TrainingDivergedError", "RunState", "build_model_for",
            "hardware_string", "load_pseudo_labels", "run_epoch"]
@@ -265,7 +264,7 @@ def _write_outputs(state: RunState, cfg: TrainConfig, data: RunData, history: li
 
 def _save(state: RunState, cfg: TrainConfig, path: Path) -> None:
     """``last.pt``: the run's state with its configuration and the model's build arguments."""
-    save_checkpoint(state.state_dict(config=dataclasses.asdict(cfg), model_kwargs=model_build_kwargs(cfg)), path)
+    state.save(path, cfg, model_kwargs=model_build_kwargs(cfg))
 
 
 def _initial_state(cfg: TrainConfig, data: RunData, ctx: DistContext, log: Callable[[str], None]) -> RunState:
