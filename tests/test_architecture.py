@@ -16,6 +16,7 @@ LEVELS = [
     ("lambdanet.functional", "lambdanet.kernels"),
     ("lambdanet.layers",),
     ("lambdanet.models",),
+    ("lambdanet.engine",),
     ("lambdanet.data", "lambdanet.train"),
     ("lambdanet.detection", "lambdanet.predict", "lambdanet.export"),  # detection: targets <- coco <- glyphs <- data
     ("lambdanet.bench",),

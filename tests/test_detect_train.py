@@ -114,7 +114,7 @@ def test_torchrun_batch_must_divide_among_the_processes(tmp_path):
     """Under torchrun each process takes batch_size / world images: a batch the processes do not divide is a
     one-line error, not a silently smaller batch."""
     from lambdanet.detection import trainer
-    from lambdanet.train.distributed import DistContext
+    from lambdanet.engine.distributed import DistContext
 
     cfg = resolve_detect_config(overrides={"device": "cpu", "batch_size": 8, "out": str(tmp_path / "run")})
     with pytest.raises(ValueError, match="batch_size 8 must be a multiple of the 3 processes"):
@@ -187,7 +187,7 @@ def test_bad_detect_arguments_fail_on_one_line(tmp_path, capsys, args, needle):
 def test_metrics_csv_takes_rows_with_new_columns(tmp_path):
     """detect evaluates every few epochs: a row with AP columns after rows without them widens the header
     (the file is rewritten), rows without them leave empty cells, and reading skips those cells."""
-    from lambdanet.train.logger import RunLogger, read_history, truncate_history
+    from lambdanet.engine.logger import RunLogger, read_history, truncate_history
 
     logger = RunLogger(tmp_path, tensorboard=False)
     logger.log_epoch({"epoch": 1, "train_loss": 2.5})

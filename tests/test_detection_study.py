@@ -193,7 +193,7 @@ def test_pretrained_backbone_loads_into_the_detector_body():
 
 def test_pretraining_continues_from_its_checkpoint_to_the_same_weights(tmp_path, monkeypatch):
     from lambdanet.detection import pretrain
-    from lambdanet.train.checkpoint import load_checkpoint
+    from lambdanet.engine.checkpoint import load_checkpoint
 
     cfg = PretrainConfig(steps=4, batch_size=4, img_size=32, warmup_steps=1, eval_images=4)
     quiet = {"glyphs": "digits", "progress": False, "log": lambda _: None, "base_width": 8}

@@ -196,7 +196,7 @@ def test_fine_tuning_takes_a_run_s_settings_unless_given(tiny_digits_run, folder
     small-image stem and compact width the resolved config would otherwise add at 32 px)."""
     from lambdanet.data import dataset_spec
     from lambdanet.train import resolve_config
-    from lambdanet.train.checkpoint import export_safetensors
+    from lambdanet.engine.checkpoint import export_safetensors
     from lambdanet.files import weights_metadata
     from lambdanet.train.trainer import build_model_for
 

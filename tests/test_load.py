@@ -133,7 +133,7 @@ def test_create_model_takes_a_run_directory_as_load_model_does(run):
 def test_shared_embeddings_round_trip_through_every_loader(tmp_path):
     """safetensors stores a shared tensor once (share_embeddings: one position embedding for several lambda
     layers); load_model and create_model(checkpoint_path=...) fill the other names in and give the saved model."""
-    from lambdanet.train.checkpoint import export_safetensors
+    from lambdanet.engine.checkpoint import export_safetensors
     from lambdanet.files import weights_metadata
 
     kwargs = {"stem": "cifar", "base_width": 8, "img_size": 16, "share_embeddings": True}

@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from lambdanet.cli import main
-from lambdanet.train.checkpoint import load_checkpoint
-from lambdanet.train.preempt import Preempted, StopSignals, exit_status
+from lambdanet.engine.checkpoint import load_checkpoint
+from lambdanet.engine.preempt import Preempted, StopSignals, exit_status
 
 # 2 epochs of 5 batches: a signal after global step 7 lands in epoch 2, after its batch 2
 TRAIN = ["train", "--model", "resnet26", "--epochs", "2", "--max-train-batches", "5", "--batch-size", "16", "--no-progress",
@@ -180,8 +180,8 @@ def test_processes_agree_on_what_they_knew_when_they_entered_the_reduce(monkeypa
     """A signal that lands while this process waits in the agreement's all-reduce (the others having seen no
     signal: the reduce sums to 0) counts at the next step; answering with it now would stop this process
     alone and leave the others waiting in the next step's collectives."""
-    from lambdanet.train import preempt
-    from lambdanet.train.distributed import DistContext
+    from lambdanet.engine import preempt
+    from lambdanet.engine.distributed import DistContext
 
     ctx = DistContext(rank=1, world=2)
     seen = []
@@ -201,7 +201,7 @@ def test_processes_agree_on_what_they_knew_when_they_entered_the_reduce(monkeypa
 
 
 def test_a_second_ctrl_c_interrupts_at_once(monkeypatch):
-    from lambdanet.train import preempt
+    from lambdanet.engine import preempt
 
     with StopSignals() as stop:
         os.kill(os.getpid(), signal.SIGINT)

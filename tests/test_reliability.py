@@ -14,9 +14,9 @@ import yaml
 from lambdanet import data as D
 from lambdanet.cli import build_parser, main
 from lambdanet.train import resolve_config, train
-from lambdanet.train.checkpoint import CheckpointError, load_checkpoint
+from lambdanet.engine.checkpoint import CheckpointError, load_checkpoint
 from lambdanet.train.config import TrainConfig
-from lambdanet.train.rundir import RunDirBusyError, RunDirLock
+from lambdanet.engine.rundir import RunDirBusyError, RunDirLock
 
 FAST = dict(epochs=2, max_train_batches=2, batch_size=32, progress=False, tensorboard=False)
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
@@ -75,7 +75,7 @@ def test_resume_extends_the_schedule_and_refuses_other_changes(tmp_path, capsys)
     assert yaml.safe_load((out / "config.yaml").read_text())["epochs"] == 4  # the file says what ran
     # the schedule is the 4-epoch one (2 steps per epoch, 2 warm-up steps): after epoch 3 (6 steps) the cosine is at
     # 0.25 of the base rate, where the old 2-epoch schedule had long reached 0
-    from lambdanet.train.optim import lr_at
+    from lambdanet.engine.optim import lr_at
 
     assert lr_at(6, 8, 2) == pytest.approx(0.25) and lr_at(6, 4, 2) == 0.0
     assert float(rows[3].split(",")[1]) == pytest.approx(2e-3 * 0.25)

@@ -20,8 +20,8 @@ from lambdanet.data import ImageLoader, build_datasets, epoch_indices
 from lambdanet.models import create_model
 from lambdanet.models import ModelInfo, register_model, unregister_model
 from lambdanet.train import TrainingDivergedError, evaluate_checkpoint, resolve_config, train
-from lambdanet.train.checkpoint import CheckpointError, load_checkpoint
-from lambdanet.train.optim import lr_at
+from lambdanet.engine.checkpoint import CheckpointError, load_checkpoint
+from lambdanet.engine.optim import lr_at
 from lambdanet.train.trainer import build_model_for
 
 FAST = dict(epochs=2, max_train_batches=3, batch_size=32, progress=False, tensorboard=False)
@@ -43,7 +43,7 @@ def test_step_schedule_and_nesterov():
     assert lr_at(14, 100, 10, schedule="step", decay_rate=0.5, decay_steps=4) == 0.5
     assert lr_at(30, 100, 10, schedule="step", decay_rate=0.5, decay_steps=4) == 0.5 ** 5
     assert lr_at(90, 100, 10, schedule="step", decay_rate=0.5, decay_steps=4, min_factor=0.01) == 0.01
-    from lambdanet.train.optim import build_optimizer
+    from lambdanet.engine.optim import build_optimizer
 
     cfg = resolve_config(overrides={"optimizer": "sgd", "nesterov": True})
     assert build_optimizer(nn.Linear(2, 2), cfg).defaults["nesterov"] is True
@@ -339,7 +339,7 @@ def _diverge(message):
 
 
 def test_launch_local_starts_a_process_group_and_relays_user_errors(tmp_path):
-    from lambdanet.train.distributed import DistContext, all_threads_on_main, launch_local, usable_cores
+    from lambdanet.engine.distributed import DistContext, all_threads_on_main, launch_local, usable_cores
     from lambdanet.train.trainer import TrainingDivergedError
 
     launch_local(_report_group, (str(tmp_path),), 2)
@@ -367,7 +367,7 @@ def test_launch_local_starts_a_process_group_and_relays_user_errors(tmp_path):
 def _sync_bn_worker(rank, world, port, path):
     import torch.distributed as dist
 
-    from lambdanet.train.distributed import DistContext, all_gather_with_grad, cleanup, convert_sync_batchnorm
+    from lambdanet.engine.distributed import DistContext, all_gather_with_grad, cleanup, convert_sync_batchnorm
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

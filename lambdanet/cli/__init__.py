@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    from lambdanet.train.preempt import Preempted, exit_status
+    from lambdanet.engine.preempt import Preempted, exit_status
 
     try:
         return int(args.func(args) or 0)

@@ -30,10 +30,10 @@ from lambdanet.detection.glyphs import DEFAULT_GLYPHS, GlyphPool, GlyphSceneConf
     render_scene, resolve_glyph_sources
 from lambdanet.helpers import check_positive_int
 from lambdanet.models.pretrained import load_state
-from lambdanet.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from lambdanet.train.distributed import DistContext, all_reduce_sum, data_parallel
-from lambdanet.train.preempt import Preempted
-from lambdanet.train.state import RunState
+from lambdanet.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from lambdanet.engine.distributed import DistContext, all_reduce_sum, data_parallel
+from lambdanet.engine.preempt import Preempted
+from lambdanet.engine.state import RunState
 
 __all__ = ["PretrainConfig", "GlyphCrops", "pretrain_backbone", "transfer_mismatch", "load_backbone_weights",
            "batch_share"]
@@ -194,13 +194,13 @@ def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, 
     call that finds it continues from it (to the same weights as a run that never stopped; the file must
     come from the same backbone, options and seed). The caller deletes it once the weights are kept.
 
-    ``stop`` (a :class:`lambdanet.train.preempt.StopSignals`) is asked after every step; once a signal has
-    arrived the training is saved to ``checkpoint`` at that step and :class:`~lambdanet.train.preempt.Preempted`
+    ``stop`` (a :class:`lambdanet.engine.preempt.StopSignals`) is asked after every step; once a signal has
+    arrived the training is saved to ``checkpoint`` at that step and :class:`~lambdanet.engine.preempt.Preempted`
     is raised."""
     from tqdm.auto import tqdm
 
-    from lambdanet.train.engine import optimizer_step
-    from lambdanet.train.optim import build_optimizer, lr_at
+    from lambdanet.engine.loop import optimizer_step
+    from lambdanet.engine.optim import build_optimizer, lr_at
 
     name, kwargs = _classifier_name_kwargs(backbone, model_kwargs, cfg.img_size)
     device = torch.device(device)

@@ -38,13 +38,13 @@ from lambdanet.data import epoch_seed
 from lambdanet.detection.glyphs import DEFAULT_GLYPHS, GLYPH_SETS, resolve_glyph_sources
 from lambdanet.detection.pretrain import PretrainConfig
 from lambdanet.runtime import AMP_DTYPES
-from lambdanet.train.checkpoint import (
+from lambdanet.engine.checkpoint import (
     export_safetensors,
     load_checkpoint,
     unwrap,
 )
 from lambdanet.train.config import RunConfig, config_differences, describe_differences, load_yaml, option, save_yaml
-from lambdanet.train.distributed import (
+from lambdanet.engine.distributed import (
     DistContext,
     all_threads_on_main,
     barrier,
@@ -58,12 +58,12 @@ from lambdanet.train.distributed import (
     usable_cores,
     uses_cuda,
 )
-from lambdanet.train.logger import RunLogger, plot_history, read_history, read_json, truncate_history, write_json
-from lambdanet.train.engine import optimizer_step
-from lambdanet.train.optim import build_optimizer, lr_at
-from lambdanet.train.preempt import Preempted, StopSignals, resume_point
-from lambdanet.train.rundir import RunDirLock, check_new_run, checkpoints_in
-from lambdanet.train.state import RunState
+from lambdanet.engine.logger import RunLogger, plot_history, read_history, read_json, truncate_history, write_json
+from lambdanet.engine.loop import optimizer_step
+from lambdanet.engine.optim import build_optimizer, lr_at
+from lambdanet.engine.preempt import Preempted, StopSignals, resume_point
+from lambdanet.engine.rundir import RunDirLock, check_new_run, checkpoints_in
+from lambdanet.engine.state import RunState
 from lambdanet.train.trainer import TrainingDivergedError
 
 __all__ = ["DetectConfig", "DETECT_RECIPES", "DETECT_CHOICES", "DETECT_RESUME_FREE", "resolve_detect_config",
@@ -298,7 +298,7 @@ def quick_backbone_kwargs(backbone: str) -> dict:
 
 
 def lr_factor(step: int, total: int, warmup: int, steps: list[float]) -> float:
-    """App. E.3's schedule through :func:`lambdanet.train.optim.lr_at`: linear warm-up from 1/1000 to 1 over
+    """App. E.3's schedule through :func:`lambdanet.engine.optim.lr_at`: linear warm-up from 1/1000 to 1 over
     ``warmup`` steps (torch's ``LinearLR`` phase), then x0.1 after each fraction in ``steps``."""
     return lr_at(step, total, warmup, start_factor=1e-3, schedule="multistep", decay_rate=0.1, milestones=steps,
                  linear_lr=True)

@@ -23,7 +23,7 @@ from lambdanet.files import (
 )
 from lambdanet.models import create_model
 from lambdanet.models.pretrained import load_state
-from lambdanet.train.checkpoint import CheckpointError, load_checkpoint, trained_weights
+from lambdanet.engine.checkpoint import CheckpointError, load_checkpoint, trained_weights
 
 __all__ = ["load_model", "restore_model", "checkpoint_settings"]
 

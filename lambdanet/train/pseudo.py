@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from lambdanet.data import ImageLoader, Subset, build_datasets, labeled_split
-from lambdanet.train.checkpoint import load_checkpoint
+from lambdanet.engine.checkpoint import load_checkpoint
 from lambdanet.train.config import TrainConfig
 from lambdanet.train.load import restore_model
 

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from lambdanet.train.config import RESUME_FREE, ConfigSource, config_differences, describe_differences, load_yaml
-from lambdanet.train.logger import write_json
+from lambdanet.engine.logger import write_json
 from lambdanet.train.trainer import train
 
 __all__ = ["lr_sweep", "sweep_markdown", "plot_sweep"]

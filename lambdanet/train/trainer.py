@@ -23,7 +23,7 @@ from torch import nn
 from lambdanet.data import DatasetSpec, ImageLoader, Subset, TensorImages, build_datasets, labeled_split, split_indices
 from lambdanet.files import run_file, weights_metadata
 from lambdanet.models import create_model
-from lambdanet.train.checkpoint import (
+from lambdanet.engine.checkpoint import (
     CheckpointError,
     export_safetensors,
     load_checkpoint,
@@ -39,7 +39,7 @@ from lambdanet.train.config import (
     resolve_config,
     save_yaml,
 )
-from lambdanet.train.distributed import (
+from lambdanet.engine.distributed import (
     DistContext,
     all_reduce_sum,
     barrier,
@@ -48,13 +48,13 @@ from lambdanet.train.distributed import (
     data_parallel,
     init_distributed,
 )
-from lambdanet.train.engine import NonFiniteLossError, evaluate, train_one_epoch
+from lambdanet.engine.loop import NonFiniteLossError, evaluate, train_one_epoch
 from lambdanet.train.load import restore_model
-from lambdanet.train.logger import RunLogger, plot_history, read_history, truncate_history, write_json
-from lambdanet.train.optim import build_ema, build_optimizer, build_scheduler, set_bn_momentum
-from lambdanet.train.preempt import Preempted, StopSignals, resume_point
-from lambdanet.train.rundir import RunDirBusyError, RunDirLock, check_new_run
-from lambdanet.train.state import RunState
+from lambdanet.engine.logger import RunLogger, plot_history, read_history, truncate_history, write_json
+from lambdanet.engine.optim import build_ema, build_optimizer, build_scheduler, set_bn_momentum
+from lambdanet.engine.preempt import Preempted, StopSignals, resume_point
+from lambdanet.engine.rundir import RunDirBusyError, RunDirLock, check_new_run
+from lambdanet.engine.state import RunState
 
 __all__ = ["train", "evaluate_checkpoint", "TrainingDivergedError", "RunState", "build_model_for",
            "hardware_string", "load_pseudo_labels", "run_epoch"]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lambdanet.train.checkpoint import rng_state, save_checkpoint, set_rng_state, unwrap
+from lambdanet.engine.checkpoint import rng_state, save_checkpoint, set_rng_state, unwrap
 
 __all__ = ["RunState"]
 

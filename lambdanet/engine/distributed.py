@@ -135,7 +135,7 @@ def launch_local(fn: Callable[..., object], args: tuple, nprocs: int,
 @contextmanager
 def _forwarded_signals(processes, forwarded: list[int]):
     """While inside, SIGTERM and SIGINT sent to this process are passed on to ``processes`` (which stop on them,
-    see :mod:`lambdanet.train.preempt`) instead of ending this one first, and appended to ``forwarded``. Main
+    see :mod:`lambdanet.engine.preempt`) instead of ending this one first, and appended to ``forwarded``. Main
     thread only."""
     import signal
     import threading

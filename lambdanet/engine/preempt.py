@@ -15,7 +15,7 @@ import signal
 import threading
 import time
 
-from lambdanet.train.distributed import DistContext, all_reduce_sum
+from lambdanet.engine.distributed import DistContext, all_reduce_sum
 
 __all__ = ["Preempted", "StopSignals", "STOP_SIGNALS", "exit_status", "resume_point"]
 

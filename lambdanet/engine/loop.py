@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from lambdanet.runtime import autocast_context  # re-exported: the loops' autocast, validated in one place
-from lambdanet.train.distributed import DistContext, all_reduce_sum
+from lambdanet.engine.distributed import DistContext, all_reduce_sum
 
 __all__ = ["optimizer_step", "NonFiniteLossError", "train_one_epoch", "evaluate", "topk_correct", "autocast_context"]
 
@@ -65,7 +65,7 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer, 
     Raises :class:`NonFiniteLossError` as soon as the loss is NaN or infinite (before the step that
     would spoil the weights). Returns the epoch's mean loss, top-1, samples seen (all ranks) and speed.
 
-    ``stop`` (a :class:`lambdanet.train.preempt.StopSignals`) is asked after every step whether a signal
+    ``stop`` (a :class:`lambdanet.engine.preempt.StopSignals`) is asked after every step whether a signal
     asked the run to stop; if so the pass ends there and the result holds ``"partial"``: the batches done
     and this rank's running sums, which, handed back as ``partial`` with ``loader`` positioned after those
     batches, continue the epoch as if it had never stopped.
