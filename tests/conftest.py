@@ -1,7 +1,9 @@
+import contextlib
 import os
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 # keep the default suite deterministic and quick on 2 cores
 torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -45,3 +47,26 @@ def tiny_digits_run(tmp_path_factory):
     train(resolve_config(overrides={"epochs": 1, "max_train_batches": 2, "batch_size": 32, "progress": False,
                                     "tensorboard": False, "out": str(out)}))
     return out
+
+
+@pytest.fixture
+def power_cut():
+    """``with power_cut(n):`` a process dying without warning: ``RuntimeError("power cut")`` raised right after
+    the n-th optimiser step (of any task) from then on, before the run can save anything after it."""
+
+    @contextlib.contextmanager
+    def cut(after_step: int):
+        count = [0]
+
+        def hook(optimizer, args, kwargs):
+            count[0] += 1
+            if count[0] == after_step:
+                raise RuntimeError("power cut")
+
+        handle = register_optimizer_step_post_hook(hook)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    return cut

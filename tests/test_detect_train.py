@@ -52,50 +52,34 @@ def test_detect_resume_continues_and_refuses_changes(tmp_path, capsys):
     assert "cannot change lr" in capsys.readouterr().err
 
 
-def test_crashes_in_and_after_pretraining_resume_to_the_uninterrupted_weights(tmp_path, monkeypatch, capsys):
+def test_crashes_in_and_after_pretraining_resume_to_the_uninterrupted_weights(tmp_path, monkeypatch, capsys, power_cut):
     """A run saves its pre-training as it goes (pretrain.pt) and ends it with an epoch-0 last.pt: a run that
     dies in the pre-training, then in epoch 1, then in epoch 2, resumes each time without repeating work and
     (the data order a function of seed and epoch, the RNG restored) ends with exactly the weights of a run
     that never stopped."""
     from safetensors.torch import load_file
 
-    from lambdanet.detection import pretrain, trainer
+    from lambdanet.detection import trainer
 
     args = ["detect", "--backbone", "resnet26", *TINY, "--pretrain-steps", "2", "--epochs", "2", "--procs", "1",
-            "--device", "cpu"]
+            "--device", "cpu"]  # 2 pre-training steps, then 1 step per epoch
     assert main([*args, "--out", str(tmp_path / "whole")]) == 0
     whole = load_file(tmp_path / "whole" / "model.safetensors")
     out = tmp_path / "crashed"
 
-    def power_cut(*a, **k):
-        raise RuntimeError("power cut")
-
-    save = pretrain.save_checkpoint
     monkeypatch.setattr(trainer, "PRETRAIN_CHECKPOINT_EVERY", 1)
-    monkeypatch.setattr(pretrain, "save_checkpoint", lambda *a: (save(*a), power_cut()))  # dies once saved
-    with pytest.raises(RuntimeError, match="power cut"):
+    with power_cut(2), pytest.raises(RuntimeError, match="power cut"):  # pre-training step 1 saved, step 2 dies
         main([*args, "--out", str(out)])
     assert (out / "pretrain.pt").is_file() and not (out / "last.pt").exists()
     assert main([*args, "--out", str(out)]) == 2  # not over it: --resume
     assert "already holds a run (pretrain.pt)" in capsys.readouterr().err
 
-    monkeypatch.setattr(pretrain, "save_checkpoint", save)
-    monkeypatch.setattr(trainer, "_train_epoch", power_cut)
-    with pytest.raises(RuntimeError, match="power cut"):
+    with power_cut(2), pytest.raises(RuntimeError, match="power cut"):  # the pre-training's last step, then epoch 1
         main(["detect", "--out", str(out), "--resume"])
     assert f"continuing the pre-training from {out / 'pretrain.pt'}: 1/2 steps done" in capsys.readouterr().out
     assert (out / "last.pt").is_file() and (out / "pretrain.json").is_file() and not (out / "pretrain.pt").exists()
 
-    monkeypatch.undo()
-    real_epoch = trainer._train_epoch
-    calls = []
-
-    def second_epoch_dies(*a, **k):  # epoch 1 trains, epoch 2 dies: the resumed run reshuffles for epoch 2
-        calls.append(1)
-        return real_epoch(*a, **k) if len(calls) == 1 else power_cut()
-
-    monkeypatch.setattr(trainer, "_train_epoch", second_epoch_dies)
-    with pytest.raises(RuntimeError, match="power cut"):
+    with power_cut(2), pytest.raises(RuntimeError, match="power cut"):  # epoch 1 trains, epoch 2 dies
         main(["detect", "--out", str(out), "--resume"])
     assert "0/2 epochs done" in capsys.readouterr().out
     monkeypatch.undo()
@@ -110,15 +94,13 @@ def test_crashes_in_and_after_pretraining_resume_to_the_uninterrupted_weights(tm
     assert summaries[0]["pretrain_accuracy"] == summaries[1]["pretrain_accuracy"]
 
 
-def test_torchrun_batch_must_divide_among_the_processes(tmp_path):
+def test_torchrun_batch_must_divide_among_the_processes(tmp_path, monkeypatch):
     """Under torchrun each process takes batch_size / world images: a batch the processes do not divide is a
     one-line error, not a silently smaller batch."""
-    from lambdanet.detection import trainer
-    from lambdanet.engine.distributed import DistContext
-
-    cfg = resolve_detect_config(overrides={"device": "cpu", "batch_size": 8, "out": str(tmp_path / "run")})
+    monkeypatch.setenv("WORLD_SIZE", "3")  # as torchrun --nproc-per-node 3 sets it
     with pytest.raises(ValueError, match="batch_size 8 must be a multiple of the 3 processes"):
-        trainer._run(cfg, DistContext(rank=0, world=3), tmp_path / "run", print)
+        resolve_detect_config(overrides={"device": "cpu", "batch_size": 8, "out": str(tmp_path / "run")})
+    assert resolve_detect_config(overrides={"batch_size": 9}).batch_size == 9
     assert not (tmp_path / "run").exists()
 
 
@@ -138,7 +120,8 @@ def test_a_diverging_detector_stops_with_a_one_line_error(tmp_path, monkeypatch,
     monkeypatch.setattr(trainer, "build_detector", nan_losses)
     assert main(["detect", "--backbone", "resnet26", *TINY, "--procs", "1", "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
-    assert "non-finite detection loss nan at epoch 1, step 1: lower --lr" in err and len(err.splitlines()) == 1
+    assert "loss became nan at epoch 1, step 1; training stopped" in err and "Lower --lr" in err
+    assert len(err.splitlines()) == 1
 
 
 def test_paper_recipe_is_app_e3():

@@ -191,8 +191,7 @@ def test_pretrained_backbone_loads_into_the_detector_body():
         load_backbone_weights(body, state)
 
 
-def test_pretraining_continues_from_its_checkpoint_to_the_same_weights(tmp_path, monkeypatch):
-    from lambdanet.detection import pretrain
+def test_pretraining_continues_from_its_checkpoint_to_the_same_weights(tmp_path, power_cut):
     from lambdanet.engine.checkpoint import load_checkpoint
 
     cfg = PretrainConfig(steps=4, batch_size=4, img_size=32, warmup_steps=1, eval_images=4)
@@ -200,16 +199,8 @@ def test_pretraining_continues_from_its_checkpoint_to_the_same_weights(tmp_path,
     whole, whole_info = pretrain_backbone("resnet26_se", cfg, **quiet)
     whole_rng = torch.get_rng_state()  # what the detector's training goes on with
     path = tmp_path / "pretrain.pt"
-    save = pretrain.save_checkpoint
-
-    def save_then_die(state, where):
-        save(state, where)
-        raise RuntimeError("power cut")
-
-    monkeypatch.setattr(pretrain, "save_checkpoint", save_then_die)
-    with pytest.raises(RuntimeError, match="power cut"):
+    with power_cut(4), pytest.raises(RuntimeError, match="power cut"):  # step 3 saved, step 4 dies
         pretrain_backbone("resnet26_se", cfg, checkpoint=path, checkpoint_every=3, **quiet)
-    monkeypatch.undo()
     assert load_checkpoint(path)["step"] == 3
     logs = []
     resumed, info = pretrain_backbone("resnet26_se", cfg, checkpoint=path, checkpoint_every=3,

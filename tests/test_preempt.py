@@ -61,7 +61,7 @@ def test_a_signalled_train_run_saves_its_step_and_resumes_to_the_uninterrupted_w
 
     saved = load_checkpoint(out / "last.pt")
     assert saved["epoch"] == 1 and saved["epoch_partial"]["batches"] == 2
-    assert saved["epoch_partial"]["seen"] == 2 * 16
+    assert saved["epoch_partial"]["sums"]["n"] == 2 * 16  # the images of the epoch's first two batches
     assert saved["scheduler"]["last_epoch"] == 7  # the schedule stepped once per optimiser step
     assert len((out / "metrics.csv").read_text().strip().splitlines()) == 2  # header and epoch 1 only
 

@@ -15,7 +15,6 @@ backbone's weights carry over (layers sized by the input, like global relative t
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,8 +29,10 @@ from lambdanet.detection.glyphs import DEFAULT_GLYPHS, GlyphPool, GlyphSceneConf
     render_scene, resolve_glyph_sources
 from lambdanet.helpers import check_positive_int
 from lambdanet.models.pretrained import load_state
-from lambdanet.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from lambdanet.engine.distributed import DistContext, all_reduce_sum, data_parallel
+from lambdanet.engine.checkpoint import CheckpointError, load_checkpoint
+from lambdanet.engine.distributed import DistContext, all_reduce_sum, barrier, data_parallel
+from lambdanet.engine.loop import progress_bar, train_epoch
+from lambdanet.engine.optim import build_optimizer, lr_at
 from lambdanet.engine.preempt import Preempted
 from lambdanet.engine.state import RunState
 
@@ -197,15 +198,11 @@ def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, 
     ``stop`` (a :class:`lambdanet.engine.preempt.StopSignals`) is asked after every step; once a signal has
     arrived the training is saved to ``checkpoint`` at that step and :class:`~lambdanet.engine.preempt.Preempted`
     is raised."""
-    from tqdm.auto import tqdm
-
-    from lambdanet.engine.loop import optimizer_step
-    from lambdanet.engine.optim import build_optimizer, lr_at
-
     name, kwargs = _classifier_name_kwargs(backbone, model_kwargs, cfg.img_size)
     device = torch.device(device)
     grouped = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if grouped else (0, 1)
+    ctx = DistContext(rank, world, device=device)
     if cfg.batch_size < world:
         raise ValueError(f"PretrainConfig.batch_size {cfg.batch_size} must be at least the {world} processes")
     check_positive_int(checkpoint_every, "checkpoint_every")
@@ -213,44 +210,40 @@ def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, 
     train = GlyphCrops("train", cfg.steps * cfg.batch_size, img_size=cfg.img_size, seed=seed, glyphs=glyphs)
     test = GlyphCrops("test", cfg.eval_images, img_size=cfg.img_size, seed=seed, glyphs=glyphs)
     model, layout, mean, std = _classifier(name, kwargs, len(train.categories), cfg, device, seed)
-    opt = build_optimizer(model, name="adamw", lr=cfg.lr, weight_decay=cfg.weight_decay)
+    state = RunState(model, build_optimizer(model, name="adamw", lr=cfg.lr, weight_decay=cfg.weight_decay))
     # what must agree for a saved training to continue (workers and progress only change how it runs)
     identity = {"backbone": backbone, "model_kwargs": dict(model_kwargs), "seed": seed, "glyphs": glyphs,
                 "config": {k: v for k, v in asdict(cfg).items() if k != "workers"}}
-    done, elapsed = _continued(checkpoint, identity, model, opt, device)
-    # in a process group each process trains on its share of every batch (gradients averaged by DDP)
-    run = data_parallel(model, DistContext(rank, world, device=device))
+    done = _continued(checkpoint, identity, state, device)
     log(f"pre-training {backbone} on {cfg.steps} x {cfg.batch_size} glyph crops ({cfg.img_size} px, "
         f"{len(train.categories)} classes)")
     if done:
         log(f"continuing the pre-training from {checkpoint}: {done}/{cfg.steps} steps done")
-    start = time.perf_counter()
-    model.train()
-    bar = tqdm(range(done, cfg.steps), desc="pre-training the backbone on glyph crops", leave=False,
-               disable=not progress, initial=done, total=cfg.steps)
-    for step, (images, labels) in zip(bar, _crop_loader(train, cfg, done, first, share, seed)):  # b 3 s s, b
-        factor = lr_at(step, cfg.steps, cfg.warmup_steps)  # warm-up, then cosine to 0
-        for group in opt.param_groups:
-            group["lr"] = cfg.lr * factor
+
+    def step_loss(run: nn.Module, batch) -> tuple[Tensor, dict]:
+        images, labels = batch  # b 3 s s, b
         images = ((images.to(device) - mean) / std).contiguous(memory_format=layout)  # b 3 s s, as the detector's
-        labels = labels.to(device)  # b
         # DDP averages over processes: weigh each share's mean by its size, for the mean over the batch
-        loss = nn.functional.cross_entropy(run(images), labels) * (share * world / cfg.batch_size)
-        optimizer_step(loss, opt)
-        bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
-        signalled = stop is not None and stop.requested(DistContext(rank, world, device=device)) is not None
-        due = (step + 1) % checkpoint_every == 0 and step + 1 < cfg.steps
-        if checkpoint is not None and rank == 0 and (due or signalled):
-            state = RunState(model, opt, step=step + 1, train_time_s=elapsed + time.perf_counter() - start)
-            save_checkpoint(state.state_dict(identity=identity), checkpoint)
-        if signalled:
-            bar.close()
-            if world > 1:  # the others wait for the main process's save (the first to end stops the rest)
-                dist.barrier()
-            raise Preempted.at(stop.received, f"in the pre-training after step {step + 1}/{cfg.steps}", checkpoint)
-    bar.close()
+        return nn.functional.cross_entropy(run(images), labels.to(device)) * (share * world / cfg.batch_size), {}
+
+    def save(state: RunState) -> None:
+        state.save(checkpoint, identity=identity)
+
+    # in a process group each process trains on its share of every batch (gradients averaged by DDP)
+    bar = progress_bar(progress, cfg.steps, done, "pre-training the backbone on glyph crops")
+    result = train_epoch(state, data_parallel(model, ctx), _crop_loader(train, cfg, done, first, share, seed),
+                         step_loss, ctx=ctx, total=cfg.steps, lr=lambda step: cfg.lr * lr_at(
+                             step, cfg.steps, cfg.warmup_steps), stop=stop, bar=bar,  # warm-up, then cosine to 0
+                         save=save if checkpoint is not None else None, save_every=checkpoint_every)
+    if bar is not None:
+        bar.close()
+    if result is None:
+        if checkpoint is not None and rank == 0:
+            save(state)
+        barrier(ctx)  # the others wait for the main process's save (the first to end stops the rest)
+        raise Preempted.at(stop.received, f"in the pre-training after step {state.step}/{cfg.steps}", checkpoint)
     _share_buffers(model, world)
-    seconds = elapsed + time.perf_counter() - start
+    seconds = result["seconds"]
     accuracy = _accuracy(model, test, cfg.batch_size, mean, std, rank, world)
     log(f"pre-trained in {seconds:.0f}s: top-1 {accuracy:.1%} on {len(test)} crops of test glyphs")
     head = {k for k in model.state_dict() if k.split(".")[0] in ("fc", "head", "classifier")}
@@ -280,19 +273,19 @@ def _share_buffers(model: nn.Module, world: int) -> None:
             dist.broadcast(buffer, 0)
 
 
-def _continued(checkpoint: str | Path | None, identity: dict, model: nn.Module, opt: torch.optim.Optimizer,
-               device: torch.device) -> tuple[int, float]:
-    """(steps done, seconds spent) of the pre-training saved in ``checkpoint``, restored into ``model`` and
-    ``opt`` (with the RNG states); (0, 0.0) without one. Another pre-training's file is a one-line error."""
+def _continued(checkpoint: str | Path | None, identity: dict, state: RunState, device: torch.device) -> int:
+    """The steps done of the pre-training saved in ``checkpoint``, restored into ``state`` (with the RNG states
+    and where the pass stands); 0 without one. Another pre-training's file is a one-line error."""
     if checkpoint is None or not Path(checkpoint).is_file():
-        return 0, 0.0
+        return 0
     saved = load_checkpoint(checkpoint, map_location=device)
     if saved.get("identity") != identity:
         raise CheckpointError(f"{checkpoint} holds another pre-training ({saved.get('identity')}), not "
                               f"{identity}; delete it to start over")
-    state = RunState(model, opt)
     state.load_state_dict(saved)
-    return state.step, state.train_time_s
+    if state.epoch_partial is None:  # lambdanet <= 0.1 kept the steps and the seconds only
+        state.epoch_partial = {"batches": state.step, "seconds": state.train_time_s, "sums": {}}
+    return state.step
 
 
 def _crop_loader(train: GlyphCrops, cfg: PretrainConfig, done: int, first: int, share: int, seed: int) -> DataLoader:

@@ -24,47 +24,31 @@ resizes and crops to 1024 px; the resize is the part torchvision's transform doe
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import os
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
 
 from lambdanet.data import epoch_seed
 from lambdanet.detection.glyphs import DEFAULT_GLYPHS, GLYPH_SETS, resolve_glyph_sources
 from lambdanet.detection.pretrain import PretrainConfig
-from lambdanet.runtime import AMP_DTYPES
-from lambdanet.engine.checkpoint import (
-    export_safetensors,
-    load_checkpoint,
-    unwrap,
-)
-from lambdanet.train.config import RunConfig, config_differences, describe_differences, load_yaml, option, save_yaml
-from lambdanet.engine.distributed import (
-    DistContext,
-    all_threads_on_main,
-    barrier,
-    cleanup,
-    convert_sync_batchnorm,
-    data_parallel,
-    in_process_group,
-    init_distributed,
-    launch_local,
-    threads_per_process,
-    usable_cores,
-    uses_cuda,
-)
-from lambdanet.engine.logger import RunLogger, plot_history, read_history, read_json, truncate_history, write_json
-from lambdanet.engine.loop import optimizer_step
+from lambdanet.engine.checkpoint import export_safetensors, unwrap
+from lambdanet.engine.distributed import (DistContext, all_threads_on_main, convert_sync_batchnorm, in_process_group,
+                                          launch_local, threads_per_process, usable_cores, uses_cuda)
+from lambdanet.engine.logger import plot_history, read_history, read_json, write_json
+from lambdanet.engine.loop import TrainingDivergedError
 from lambdanet.engine.optim import build_optimizer, lr_at
-from lambdanet.engine.preempt import Preempted, StopSignals, resume_point
-from lambdanet.engine.rundir import RunDirLock, check_new_run, checkpoints_in
+from lambdanet.engine.preempt import Preempted, StopSignals
+from lambdanet.engine.rundir import check_new_run, checkpoints_in
 from lambdanet.engine.state import RunState
-from lambdanet.train.trainer import TrainingDivergedError
+from lambdanet.engine.task import Task, run
+from lambdanet.runtime import AMP_DTYPES
+from lambdanet.train.config import RunConfig, config_differences, describe_differences, load_yaml, option
 
 __all__ = ["DetectConfig", "DETECT_RECIPES", "DETECT_CHOICES", "DETECT_RESUME_FREE", "resolve_detect_config",
            "train_detector", "local_processes", "quick_backbone_kwargs", "lr_factor", "plot_detection_history",
@@ -127,6 +111,11 @@ class DetectConfig(RunConfig):
     resume: bool = option(False, "continue the run in --out from its last.pt (or, stopped in the pre-training, "
                                          "its pretrain.pt)", resume_free=True)
 
+    @classmethod
+    def resolve(cls, recipe: str | None = None, yaml_values: dict | None = None, overrides: dict | None = None
+                ) -> DetectConfig:
+        return resolve_detect_config(recipe, yaml_values, overrides)
+
     def evaluates_after(self, epoch: int) -> bool:
         """Whether the run evaluates COCO AP after ``epoch`` (1-based): the last, and every ``eval_every``."""
         return epoch == self.epochs or bool(self.eval_every) and epoch % self.eval_every == 0
@@ -141,6 +130,10 @@ class DetectConfig(RunConfig):
                              f"{self.eval_every!r}")
         if isinstance(self.procs, bool) or not isinstance(self.procs, int) or self.procs < 0:
             raise ValueError(f"procs must be a non-negative int (0: auto), got {self.procs!r}")
+        world = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun (or local_processes' group)
+        if self.batch_size % world:
+            raise ValueError(f"batch_size {self.batch_size} must be a multiple of the {world} processes (one share "
+                             f"per process); set --batch-size or --nproc-per-node")
         for name, valid in DETECT_CHOICES.items():
             if getattr(self, name) not in valid:
                 raise ValueError(f"{name} must be one of {list(valid)}, got {getattr(self, name)!r}")
@@ -348,63 +341,6 @@ def _loader(dataset, cfg: DetectConfig, ctx: DistContext, train: bool):
                       collate_fn=collate_detection, num_workers=cfg.workers, generator=g, drop_last=train)
 
 
-def _train_epoch(state: RunState, run_model: nn.Module, loader, cfg: DetectConfig, ctx: DistContext,
-                 total_steps: int, stop: StopSignals | None = None) -> dict | None:
-    """One epoch (or the rest of a preempted one, ``state.epoch_partial``); ``None`` when ``stop`` ended it
-    early, ``state.epoch_partial`` then saying where."""
-    from tqdm.auto import tqdm
-
-    from lambdanet.runtime import autocast_context
-
-    model, opt = run_model, state.optimizer
-    model.train()
-    _set_eval_size(model, cfg)
-    if hasattr(loader.sampler, "set_epoch"):
-        loader.sampler.set_epoch(state.epoch)
-    else:  # the shuffle (and the workers' seeds) are a function of (seed, epoch): a resumed run draws the same
-        loader.generator.manual_seed(epoch_seed(cfg.seed, state.epoch))
-    partial = state.epoch_partial or {}
-    done = int(partial.get("batches", 0))
-    sums: dict[str, float] = dict(partial.get("sums", {}))
-    count = done
-    batches = len(loader) if cfg.max_train_batches is None else min(len(loader), cfg.max_train_batches)
-    bar = tqdm(total=batches, initial=done, desc=f"epoch {state.epoch + 1}/{cfg.epochs}", leave=False,
-               disable=not _bars(cfg, ctx))
-    start = time.perf_counter()
-    for i, (images, targets) in enumerate(loader):
-        if i < done:  # a preempted epoch: its first batches were trained (drawn in the same order, skipped)
-            continue
-        if i >= batches:
-            break
-        for group in opt.param_groups:
-            group["lr"] = cfg.effective_lr() * lr_factor(state.step, total_steps, cfg.warmup_steps, cfg.lr_steps)
-        images = [img.to(ctx.device) for img in images]
-        targets = [{k: v.to(ctx.device) if torch.is_tensor(v) else v for k, v in t.items()} for t in targets]
-        with autocast_context(ctx.device, cfg.amp):
-            losses = model(images, targets)
-        loss = sum(cfg.loss_weights.get(k, 1.0) * v for k, v in losses.items())
-        if not torch.isfinite(loss):
-            raise TrainingDivergedError(f"non-finite detection loss {loss.item()} at epoch {state.epoch + 1}, step "
-                                        f"{i + 1}: lower --lr or raise --warmup-steps")
-        optimizer_step(loss, opt, scaler=state.scaler, clip=(model, cfg.grad_clip) if cfg.grad_clip else None)
-        state.step += 1
-        count += 1
-        for k, v in losses.items():
-            sums[k] = sums.get(k, 0.0) + float(v.detach())
-        bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
-        bar.update()
-        if stop is not None and stop.requested(ctx):
-            bar.close()
-            state.train_time_s += time.perf_counter() - start
-            state.epoch_partial = {"batches": i + 1, "sums": sums}
-            return None
-    bar.close()
-    state.train_time_s += time.perf_counter() - start
-    state.epoch_partial = None
-    return {f"train_{k}": v / max(count, 1) for k, v in sums.items()} | {
-        "train_loss": sum(sums.values()) / max(count, 1), "lr": opt.param_groups[0]["lr"]}
-
-
 class _Head(torch.utils.data.Dataset):
     """The first ``n`` images of a detection dataset, with its categories (for COCO ground truth)."""
 
@@ -469,29 +405,23 @@ def local_processes(cfg: DetectConfig) -> int:
 
 
 def train_detector(cfg: DetectConfig, log: Callable[[str], None] = print) -> dict:
-    """Train and evaluate; returns the summary written to ``<out>/summary.json``. Without torchrun, it runs
-    on :func:`local_processes` processes (the main one's output is printed)."""
+    """Train and evaluate on the engine (:class:`DetectionTask`); returns the summary written to
+    ``<out>/summary.json``. Without torchrun, it runs on :func:`local_processes` processes (the main one's
+    output is printed)."""
     procs = local_processes(cfg)
-    if procs > 1:
-        check_new_run(cfg.out, cfg.resume, RUN_CHECKPOINTS)  # a user error is one line here, not one per process
-        if cfg.batch_size % procs:
-            raise ValueError(f"batch_size {cfg.batch_size} must be a multiple of procs {procs} (one share per "
-                             f"process); set --procs or --batch-size")
-        if uses_cuda(cfg.device) and procs > torch.cuda.device_count():
-            raise ValueError(f"procs {procs} needs one GPU per process, {torch.cuda.device_count()} visible")
-        log(f"detect: {procs} local processes, {threads_per_process(procs)} threads each")
-        launch_local(_process_main, (cfg,), procs, relay=(TrainingDivergedError, Preempted))
-        return read_json(Path(cfg.out) / "summary.json")
-    ctx = init_distributed(cfg.device)
-    out = Path(cfg.out)
-    lock = RunDirLock(out).acquire() if ctx.is_main else None
-    try:
-        with StopSignals() as stop:  # SIGTERM / SIGINT: a step-level checkpoint, then Preempted
-            return _run(cfg, ctx, out, log if ctx.is_main else (lambda *_: None), stop)
-    finally:
-        if lock is not None:
-            lock.release()
-        cleanup(ctx)
+    if procs == 1:
+        return run(DetectionTask, cfg, log)
+    check_new_run(cfg.out, cfg.resume, RUN_CHECKPOINTS)  # a user error is one line here, not one per process
+    if cfg.resume:
+        cfg.check_resume()
+    if cfg.batch_size % procs:
+        raise ValueError(f"batch_size {cfg.batch_size} must be a multiple of procs {procs} (one share per "
+                         f"process); set --procs or --batch-size")
+    if uses_cuda(cfg.device) and procs > torch.cuda.device_count():
+        raise ValueError(f"procs {procs} needs one GPU per process, {torch.cuda.device_count()} visible")
+    log(f"detect: {procs} local processes, {threads_per_process(procs)} threads each")
+    launch_local(_process_main, (cfg,), procs, relay=(TrainingDivergedError, Preempted))
+    return read_json(Path(cfg.out) / "summary.json")
 
 
 def _process_main(cfg: DetectConfig) -> None:
@@ -517,106 +447,100 @@ def _pretrain(model: nn.Module, cfg: DetectConfig, ctx: DistContext, log: Callab
     return info
 
 
-def _run(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], None],
-         stop: StopSignals | None = None) -> dict:
-    check_new_run(cfg.out, cfg.resume, RUN_CHECKPOINTS)
-    if cfg.batch_size % ctx.world:  # under torchrun; local_processes picks a divisor itself
-        raise ValueError(f"batch_size {cfg.batch_size} must be a multiple of the {ctx.world} processes (one share "
-                         f"per process); set --batch-size or --nproc-per-node")
-    state, train, test = _prepare(cfg, ctx, out, log, stop)
-    model = state.model
-    run_model = data_parallel(model, ctx)
-    params = sum(p.numel() for p in unwrap(model).parameters())
-    backbone_params = sum(p.numel() for p in unwrap(model).backbone.body.parameters())
-    log(f"detect: {cfg.backbone} {'Mask' if cfg.masks else 'Faster'} R-CNN, {params / 1e6:.2f}M parameters "
-        f"(backbone {backbone_params / 1e6:.2f}M), {len(train)} train / {len(test)} test images, "
-        f"{train.num_classes} classes, train sizes {list(_train_sizes(cfg))}")
-    if cfg.data == "glyphs":
-        log(glyph_note(cfg.glyphs))
-    logger = RunLogger(out, enabled=ctx.is_main, tensorboard=cfg.tensorboard)
-    try:
-        metrics = _epochs(state, run_model, _loader(train, cfg, ctx, train=True), test, cfg, ctx, out, logger, log,
-                          stop)
-    finally:
-        logger.close()
-    summary = {}
-    if ctx.is_main:
-        with all_threads_on_main(ctx):
-            summary = _finish(cfg, ctx, out, model, test, metrics, state, params, backbone_params, log)
-    return summary
+class DetectionTask(Task):
+    """Mask R-CNN / Faster R-CNN on a detection dataset (:class:`DetectConfig`): the detector's summed losses
+    (``loss_weights``), App. E.3's warm-up and step schedule, COCO AP when :meth:`DetectConfig.evaluates_after`,
+    a checkpoint every epoch; before the first epoch, the backbone's glyph-crop pre-training."""
 
+    checkpoints = RUN_CHECKPOINTS
+    diverged_hint = "Lower --lr or raise --warmup-steps."
 
-def _prepare(cfg: DetectConfig, ctx: DistContext, out: Path, log: Callable[[str], None],
-             stop: StopSignals | None) -> tuple[RunState, Dataset, Dataset]:
-    """The data, the detector and its state: fresh (pre-trained on glyph crops when the recipe asks), or
-    restored from ``last.pt`` (or from the pre-training's own checkpoint) with ``--resume``."""
-    from lambdanet.detection.data import GlyphSceneConfig, build_detection_datasets
+    def build_state(self) -> RunState:
+        from lambdanet.detection.data import GlyphSceneConfig, build_detection_datasets
 
-    torch.manual_seed(cfg.seed)
-    train, test = build_detection_datasets(cfg.data, seed=cfg.seed, config=GlyphSceneConfig(glyphs=cfg.glyphs),
-                                           progress=_bars(cfg, ctx))
-    model = build_detector(cfg, train.num_classes)
-    if cfg.sync_bn and ctx.enabled:
-        model = convert_sync_batchnorm(model, ctx.device)
-    model = model.to(ctx.device)
-    if not cfg.resume and ctx.is_main and (out / "pretrain.json").exists():
-        (out / "pretrain.json").unlink()  # left by an earlier attempt that ended before its first checkpoint
-    scaler = torch.amp.GradScaler("cuda") if cfg.amp == "fp16" else None
-    state = RunState(model, build_optimizer(model, cfg), scaler=scaler)
-    trained = cfg.resume and (out / "last.pt").is_file()  # else resumed within the pre-training, or fresh
-    if ctx.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        save_yaml(dataclasses.replace(cfg, resume=False), out / "config.yaml")
-    barrier(ctx)
-    if cfg.pretrain_steps and not trained:  # every process, each on its share of the crops
-        try:
-            info = _pretrain(unwrap(model), cfg, ctx, log, stop)
-        except Preempted as err:
-            raise Preempted(f"{err}; continue with --resume --out {out}") from None
-        if ctx.is_main:  # an epoch-0 checkpoint: a crash in epoch 1 does not cost the pre-training
-            write_json(info, out / "pretrain.json")
-            state.save(out / "last.pt", cfg)
-    if trained:
-        state.load_state_dict(load_checkpoint(out / "last.pt", map_location=ctx.device))
-        if ctx.is_main:
-            truncate_history(out / "metrics.csv", state.epoch)
-    if ctx.is_main:  # last.pt holds the pre-training now (also after a crash between the two files)
-        (out / PRETRAIN_CHECKPOINT).unlink(missing_ok=True)
-    if trained:
-        log(f"resuming {out}: {state.epoch}/{cfg.epochs} epochs done{resume_point(state.epoch, state.epoch_partial)}")
-    return state, train, test
+        cfg, ctx, out = self.cfg, self.ctx, self.out
+        self.train_set, self.test = build_detection_datasets(cfg.data, seed=cfg.seed, progress=_bars(cfg, ctx),
+                                                             config=GlyphSceneConfig(glyphs=cfg.glyphs))
+        model = build_detector(cfg, self.train_set.num_classes)
+        if cfg.sync_bn and ctx.enabled:
+            model = convert_sync_batchnorm(model, ctx.device)
+        model = model.to(ctx.device)
+        if not cfg.resume and ctx.is_main and (out / "pretrain.json").exists():
+            (out / "pretrain.json").unlink()  # left by an earlier attempt that ended before its first checkpoint
+        self.loader = _loader(self.train_set, cfg, ctx, train=True)
+        self.steps_per_epoch = per_epoch = (len(self.loader) if cfg.max_train_batches is None
+                                            else min(len(self.loader), cfg.max_train_batches))
+        self.lr = lambda step: cfg.effective_lr() * lr_factor(step, cfg.epochs * per_epoch, cfg.warmup_steps,
+                                                              cfg.lr_steps)
+        self.metrics: dict = {}
+        scaler = torch.amp.GradScaler("cuda") if cfg.amp == "fp16" else None
+        return RunState(model, build_optimizer(model, cfg), scaler=scaler)
 
+    def initialize(self, state: RunState) -> None:
+        """The glyph-crop pre-training (every process, each on its share of the crops), saved as an epoch-0
+        checkpoint: a crash in epoch 1 does not cost it."""
+        cfg, out = self.cfg, self.out
+        if cfg.pretrain_steps:
+            try:
+                info = _pretrain(unwrap(state.model), cfg, self.ctx, self.log, self.stop)
+            except Preempted as err:
+                raise Preempted(f"{err}; continue with --resume --out {out}") from None
+            if self.ctx.is_main:
+                write_json(info, out / "pretrain.json")
+                self.save(state)
 
-def _epochs(state: RunState, run_model: nn.Module, loader, test: Dataset, cfg: DetectConfig, ctx: DistContext,
-            out: Path, logger: RunLogger, log: Callable[[str], None], stop: StopSignals | None) -> dict:
-    """The epochs left, each logged, checkpointed and (when due) evaluated; a signal saves the step and raises
-    :class:`Preempted`. Returns the last evaluation's metrics (``{}`` when none ran)."""
-    per_epoch = len(loader) if cfg.max_train_batches is None else min(len(loader), cfg.max_train_batches)
-    total = cfg.epochs * per_epoch
-    metrics: dict = {}
-    while state.epoch < cfg.epochs:
-        row = _train_epoch(state, run_model, loader, cfg, ctx, total, stop)
-        if row is None:  # a signal: save where the epoch stands, then stop
-            if ctx.is_main:
-                state.save(out / "last.pt", cfg)
-            barrier(ctx)  # the others wait for the save: a process that ends first gets the rest stopped
-            raise Preempted.at(stop.received, f"in epoch {state.epoch + 1}/{cfg.epochs} after batch "
-                               f"{state.epoch_partial['batches']}/{per_epoch}", out / "last.pt", out)
-        state.epoch += 1
-        evaluated = cfg.evaluates_after(state.epoch)
-        if evaluated:
-            with all_threads_on_main(ctx):
-                metrics = _evaluate(state.model, test, cfg, ctx) if ctx.is_main else {}
-        row = {"epoch": state.epoch, **row, **(metrics if evaluated else {}), "train_time_s": state.train_time_s}
-        logger.log_epoch(row)
-        if ctx.is_main:
-            state.save(out / "last.pt", cfg)
-        log(f"epoch {state.epoch}/{cfg.epochs}: loss {row['train_loss']:.3f}"
-            + (f", box AP {metrics['bbox_AP']:.3f}" if "bbox_AP" in row else "")
-            + (f", mask AP {metrics['segm_AP']:.3f}" if "segm_AP" in row else "")
-            + f" ({state.train_time_s:.0f}s)")
-        barrier(ctx)
-    return metrics
+    def batches(self, state: RunState):
+        loader, cfg = self.loader, self.cfg
+        if hasattr(loader.sampler, "set_epoch"):
+            loader.sampler.set_epoch(state.epoch)
+        else:  # the shuffle (and the workers' seeds) are a function of (seed, epoch): a resumed run draws the same
+            loader.generator.manual_seed(epoch_seed(cfg.seed, state.epoch))
+        _set_eval_size(state.model, cfg)  # the model is in training mode by now: the jittered sizes
+        # a preempted epoch: its first batches were trained (drawn in the same order, skipped)
+        yield from itertools.islice(loader, int((state.epoch_partial or {}).get("batches", 0)), None)
+
+    def step_loss(self, model: nn.Module, batch) -> tuple[torch.Tensor, dict]:
+        device = self.ctx.device
+        images = [img.to(device) for img in batch[0]]
+        targets = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in t.items()} for t in batch[1]]
+        losses = model(images, targets)
+        loss = sum(self.cfg.loss_weights.get(k, 1.0) * v for k, v in losses.items())
+        return loss, {**{k: float(v.detach()) for k, v in losses.items()}, "n": 1}
+
+    def epoch_row(self, state: RunState, model: nn.Module, result: dict) -> dict:
+        """The epoch's mean losses (unweighted) and rate, and COCO AP when due (the main process's)."""
+        sums = dict(result["sums"])
+        count = max(sums.pop("n"), 1)
+        row = {f"train_{k}": v / count for k, v in sums.items()} | {
+            "train_loss": sum(sums.values()) / count, "lr": state.optimizer.param_groups[0]["lr"]}
+        if self.cfg.evaluates_after(state.epoch):
+            with all_threads_on_main(self.ctx):
+                self.metrics = _evaluate(state.model, self.test, self.cfg, self.ctx) if self.ctx.is_main else {}
+            row.update(self.metrics)
+        return {**row, "train_time_s": state.train_time_s}
+
+    def epoch_line(self, row: dict) -> str:
+        return (f"epoch {row['epoch']}/{self.cfg.epochs}: loss {row['train_loss']:.3f}"
+                + (f", box AP {row['bbox_AP']:.3f}" if "bbox_AP" in row else "")
+                + (f", mask AP {row['segm_AP']:.3f}" if "segm_AP" in row else "") + f" ({row['train_time_s']:.0f}s)")
+
+    def describe(self, state: RunState) -> str:
+        cfg, model = self.cfg, unwrap(state.model)
+        if self.ctx.is_main:  # last.pt holds the pre-training now (also after a crash between the two files)
+            (self.out / PRETRAIN_CHECKPOINT).unlink(missing_ok=True)
+        self.params = sum(p.numel() for p in model.parameters())
+        self.backbone_params = sum(p.numel() for p in model.backbone.body.parameters())
+        return (f"detect: {cfg.backbone} {'Mask' if cfg.masks else 'Faster'} R-CNN, {self.params / 1e6:.2f}M "
+                f"parameters (backbone {self.backbone_params / 1e6:.2f}M), {len(self.train_set)} train / "
+                f"{len(self.test)} test images, {self.train_set.num_classes} classes, train sizes "
+                f"{list(_train_sizes(cfg))}" + (f"\n{glyph_note(cfg.glyphs)}" if cfg.data == "glyphs" else ""))
+
+    def finish(self, state: RunState, row: dict, stopped: bool) -> dict:
+        if not self.ctx.is_main:
+            return {}
+        with all_threads_on_main(self.ctx):
+            return _finish(self.cfg, self.ctx, self.out, state.model, self.test, self.metrics, state, self.params,
+                           self.backbone_params, self.log)
 
 
 def _finish(cfg: DetectConfig, ctx: DistContext, out: Path, model: nn.Module, test, metrics: dict,

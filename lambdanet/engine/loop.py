@@ -1,16 +1,23 @@
-"""The training and evaluation loops: ``train_one_epoch`` and ``evaluate``."""
+"""The one training loop of every task: :func:`train_epoch` (a pass over batches, resumable at any step) and
+:func:`fit` (the epochs of a run: evaluation, logs, checkpoints, early stopping, preemption), driven by a
+:class:`lambdanet.engine.task.Task`; and the classifier's :func:`evaluate`."""
 
 from __future__ import annotations
 
+import sys
 import time
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor, nn
 
-from lambdanet.runtime import autocast_context  # re-exported: the loops' autocast, validated in one place
-from lambdanet.engine.distributed import DistContext, all_reduce_sum
+from lambdanet.engine.distributed import DistContext, all_reduce_sum, barrier
+from lambdanet.engine.preempt import Preempted
+from lambdanet.engine.state import RunState
+from lambdanet.runtime import autocast_context  # the loops' autocast, validated in one place
 
-__all__ = ["optimizer_step", "NonFiniteLossError", "train_one_epoch", "evaluate", "topk_correct", "autocast_context"]
+__all__ = ["optimizer_step", "NonFiniteLossError", "TrainingDivergedError", "train_epoch", "fit", "evaluate",
+           "topk_correct", "progress_bar", "to_device"]
 
 
 class NonFiniteLossError(RuntimeError):
@@ -21,6 +28,10 @@ class NonFiniteLossError(RuntimeError):
         super().__init__(f"the training loss became {value} at epoch {epoch + 1}, step {step + 1}")
 
 
+class TrainingDivergedError(RuntimeError):
+    """The loss became NaN/inf; the run stopped and kept its last good checkpoint."""
+
+
 def topk_correct(logits: Tensor, target: Tensor, ks=(1, 5)) -> list[int]:
     """Number of samples whose target is among the top-k predictions, for each k (k capped at #classes)."""
     maxk = min(max(ks), logits.shape[1])
@@ -29,9 +40,19 @@ def topk_correct(logits: Tensor, target: Tensor, ks=(1, 5)) -> list[int]:
     return [int(hit[:, : min(k, maxk)].any(dim=1).sum()) for k in ks]
 
 
-def _to(x: Tensor, device: torch.device, channels_last: bool) -> Tensor:
+def to_device(x: Tensor, device: torch.device, channels_last: bool = False) -> Tensor:
     x = x.to(device, non_blocking=True)
     return x.contiguous(memory_format=torch.channels_last) if channels_last and x.dim() == 4 else x
+
+
+def progress_bar(enabled: bool, total: int, initial: int = 0, desc: str = ""):
+    """A tqdm bar on stderr when ``enabled`` and stderr is a terminal (a log gets the per-epoch lines, not
+    carriage-return redraws); ``None`` otherwise."""
+    if not (enabled and sys.stderr.isatty()):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, leave=False, dynamic_ncols=True, file=sys.stderr)
 
 
 def optimizer_step(loss: Tensor, optimizer: torch.optim.Optimizer, *, scaler: torch.amp.GradScaler | None = None,
@@ -55,58 +76,110 @@ def optimizer_step(loss: Tensor, optimizer: torch.optim.Optimizer, *, scaler: to
         optimizer.step()
 
 
-def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer, scheduler, loss_fn: nn.Module, *,
-                    epoch: int, device: torch.device, ctx: DistContext | None = None, amp: str = "none",
-                    scaler: torch.amp.GradScaler | None = None, ema=None, channels_last: bool = False,
-                    progress=None, max_batches: int | None = None, partial: dict | None = None,
-                    stop=None) -> dict:
-    """One pass over ``loader``: forward, loss, backward, step, schedule step, EMA update.
+def _carried(sums: dict[str, float], ctx: DistContext) -> tuple[dict[str, float], dict[str, float]]:
+    """(the sums of every rank, what this rank carries on with): after the reduction the main process holds
+    the totals and the others start again from nothing, so that a later reduction counts each step once."""
+    keys = sorted(sums) if ctx.enabled else list(sums)  # the same order on every rank
+    total = dict(zip(keys, all_reduce_sum([sums[k] for k in keys], ctx)))
+    return total, (dict(total) if ctx.is_main else dict.fromkeys(keys, 0.0))
 
-    Raises :class:`NonFiniteLossError` as soon as the loss is NaN or infinite (before the step that
-    would spoil the weights). Returns the epoch's mean loss, top-1, samples seen (all ranks) and speed.
 
-    ``stop`` (a :class:`lambdanet.engine.preempt.StopSignals`) is asked after every step whether a signal
-    asked the run to stop; if so the pass ends there and the result holds ``"partial"``: the batches done
-    and this rank's running sums, which, handed back as ``partial`` with ``loader`` positioned after those
-    batches, continue the epoch as if it had never stopped.
-    """
-    ctx = ctx or DistContext()
-    model.train()
-    partial = partial or {}
-    done = int(partial.get("batches", 0))  # batches of this epoch trained before (a resumed, preempted epoch)
-    loss_sum, correct, seen = float(partial.get("loss_sum", 0.0)), int(partial.get("correct", 0)), int(
-        partial.get("seen", 0))
+def train_epoch(state: RunState, model: nn.Module, batches: Iterable, step_loss: Callable, *, ctx: DistContext,
+                total: int, amp: str = "none", clip: float | None = None, lr: Callable[[int], float] | None = None,
+                stop=None, bar=None, save: Callable[[RunState], None] | None = None, save_every: int = 0
+                ) -> dict | None:
+    """One epoch of ``total`` optimiser steps, or the rest of one that stopped (``state.epoch_partial``).
+
+    ``batches`` yields the epoch's batches from the first not yet trained (the task positions its loader);
+    ``step_loss(model, batch) -> (loss, {name: amount})`` runs under autocast, and the amounts are summed over
+    the epoch and the ranks. Each step: learning rate ``lr(state.step)`` (else ``state.scheduler`` steps after
+    it), the non-finite guard (:class:`NonFiniteLossError` before the step would spoil the weights), the
+    step (:func:`optimizer_step`, ``clip`` the gradient norm), the EMA update, ``state.step + 1``. Every
+    ``save_every`` steps the main process calls ``save(state)`` with ``state.epoch_partial`` saying where the
+    epoch stands. ``stop`` (:class:`lambdanet.engine.preempt.StopSignals`) is asked after every step: on a
+    signal the pass ends there and returns ``None``, ``state.epoch_partial`` set. Returns ``{"sums",
+    "seconds"}`` of the whole epoch, ``state.epoch_partial`` cleared."""
+    partial = state.epoch_partial or {}
+    done = int(partial.get("batches", 0))
+    sums = dict(partial.get("sums", {})) if ctx.is_main else {}  # the main process carries every rank's sums
+    sums = {k: float(v) for k, v in sums.items()}
     start = time.perf_counter() - float(partial.get("seconds", 0.0))
-    for step, (x, y) in enumerate(loader, start=done):
-        if max_batches is not None and step >= max_batches:
+    model.train()
+    for i, batch in enumerate(batches, start=done):
+        if i >= total:
             break
-        x, y = _to(x, device, channels_last), y.to(device, non_blocking=True)
-        with autocast_context(device, amp):
-            logits = model(x)
-            loss = loss_fn(logits.float(), y)
+        if lr is not None:
+            for group in state.optimizer.param_groups:
+                group["lr"] = lr(state.step)
+        with autocast_context(ctx.device, amp):
+            loss, amounts = step_loss(model, batch)
         if not torch.isfinite(loss):
-            raise NonFiniteLossError(epoch, step, float(loss.detach()))
-        optimizer_step(loss, optimizer, scaler=scaler)
-        if scheduler is not None:
-            scheduler.step()
-        if ema is not None:
-            ema.update_parameters(model)
-        n = y.shape[0]
-        loss_sum += float(loss.detach()) * n
-        correct += int((logits.argmax(dim=1) == y).sum())
-        seen += n
-        if progress is not None:
-            progress.update(n * ctx.world)
-            progress.set_postfix(loss=f"{loss_sum / seen:.3f}", lr=f"{optimizer.param_groups[0]['lr']:.2e}",
-                                 refresh=False)  # drawn at the bar's own interval
-        if stop is not None and stop.requested(ctx):  # the sums of every rank, to be carried by one
-            loss_sum, correct, seen = all_reduce_sum([loss_sum, correct, seen], ctx)
-            return {"partial": {"batches": step + 1, "loss_sum": loss_sum, "correct": int(correct),
-                                "seen": int(seen), "seconds": time.perf_counter() - start}}
-    elapsed = time.perf_counter() - start
-    loss_sum, correct, seen = all_reduce_sum([loss_sum, correct, seen], ctx)
-    return {"loss": loss_sum / max(seen, 1), "top1": correct / max(seen, 1), "samples": int(seen),
-            "seconds": elapsed, "images_per_s": seen / max(elapsed, 1e-9)}
+            raise NonFiniteLossError(state.epoch, i, float(loss.detach()))
+        optimizer_step(loss, state.optimizer, scaler=state.scaler, clip=(model, clip) if clip else None)
+        if state.scheduler is not None:
+            state.scheduler.step()
+        if state.ema is not None:
+            state.ema.update_parameters(model)
+        state.step += 1
+        for k, v in amounts.items():
+            sums[k] = sums.get(k, 0.0) + v
+        if bar is not None:
+            bar.update()
+            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", lr=f"{state.optimizer.param_groups[0]['lr']:.2e}",
+                            refresh=False)
+        signalled = stop is not None and stop.requested(ctx) is not None
+        if signalled or (save is not None and save_every and (i + 1) % save_every == 0 and i + 1 < total):
+            total_sums, sums = _carried(sums, ctx)
+            state.epoch_partial = {"batches": i + 1, "sums": total_sums, "seconds": time.perf_counter() - start}
+            if signalled:
+                return None
+            if ctx.is_main:
+                save(state)
+            state.epoch_partial = None
+    state.epoch_partial = None
+    return {"sums": _carried(sums, ctx)[0], "seconds": time.perf_counter() - start}
+
+
+def fit(task, state: RunState, model: nn.Module, *, ctx: DistContext, logger, log: Callable[[str], None],
+        stop=None) -> tuple[dict, bool]:
+    """The epochs left of ``task``'s run (:class:`lambdanet.engine.task.Task`): each trained
+    (:func:`train_epoch`), turned into a metrics row (``task.epoch_row``: its evaluation included), logged
+    and checkpointed when ``task.save_due`` (and at the end or an early stop). A signal saves the step and
+    raises :class:`Preempted`; a non-finite loss raises :class:`TrainingDivergedError` naming the last good
+    checkpoint. Returns (the last epoch's row, ``{}`` when none was left; whether the run stopped early)."""
+    cfg, path = task.cfg, task.checkpoint_path
+    row, stopped, last_saved = {}, False, state.epoch
+    while state.epoch < cfg.epochs and not stopped:
+        bar = progress_bar(cfg.progress and ctx.is_main, task.steps_per_epoch,
+                           int((state.epoch_partial or {}).get("batches", 0)), f"epoch {state.epoch + 1}/{cfg.epochs}")
+        try:
+            result = train_epoch(state, model, task.batches(state), task.step_loss, ctx=ctx,
+                                 total=task.steps_per_epoch, amp=cfg.amp, clip=getattr(cfg, "grad_clip", None),
+                                 lr=task.lr, stop=stop, bar=bar)
+        except NonFiniteLossError as err:
+            where = (f"the last good checkpoint is {path} (epoch {last_saved})" if path.is_file()
+                     else "no checkpoint had been written yet")
+            raise TrainingDivergedError(f"{err}; training stopped, {where}. {task.diverged_hint}") from None
+        finally:
+            if bar is not None:
+                bar.close()
+        if result is None:  # a signal: save where the epoch stands, then stop
+            if ctx.is_main:
+                task.save(state)
+            barrier(ctx)  # the others wait for the save: a process that ends first gets the rest stopped
+            raise Preempted.at(stop.received, f"in epoch {state.epoch + 1}/{cfg.epochs} after batch "
+                               f"{state.epoch_partial['batches']}/{task.steps_per_epoch}", path, cfg.out)
+        state.epoch += 1
+        state.train_time_s += result["seconds"]
+        row = {"epoch": state.epoch, **task.epoch_row(state, model, result)}
+        stopped = task.stops_early(state)
+        logger.log_epoch(row)
+        log(task.epoch_line(row))
+        if ctx.is_main and (task.save_due(state.epoch) or state.epoch == cfg.epochs or stopped):
+            task.save(state)
+            last_saved = state.epoch
+        barrier(ctx)
+    return row, stopped
 
 
 @torch.no_grad()
@@ -118,7 +191,7 @@ def evaluate(model: nn.Module, loader, *, device: torch.device, ctx: DistContext
     loss_fn = loss_fn or nn.CrossEntropyLoss()
     loss_sum, c1, c5, n = 0.0, 0, 0, 0
     for x, y in loader:
-        x, y = _to(x, device, channels_last), y.to(device, non_blocking=True)
+        x, y = to_device(x, device, channels_last), y.to(device, non_blocking=True)
         with autocast_context(device, amp):
             logits = model(x).float()
         loss_sum += float(loss_fn(logits, y)) * y.shape[0]

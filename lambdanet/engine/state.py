@@ -19,6 +19,16 @@ def _no_best() -> dict:
     return {"score": -1.0, "test_top1": 0.0, "epoch": 0}
 
 
+def _partial(partial: dict | None) -> dict | None:
+    """A preempted epoch's position as the loop keeps it (``batches``, ``sums``, ``seconds``), also from the
+    checkpoints of lambdanet <= 0.1: classification's ``loss_sum`` / ``correct`` / ``seen``, and detection's
+    per-batch loss sums without a count."""
+    if not partial or "loss_sum" in partial and "sums" not in partial:
+        return partial and {"batches": partial["batches"], "seconds": partial.get("seconds", 0.0), "sums": {
+            "loss": partial["loss_sum"], "correct": partial["correct"], "n": partial["seen"]}}
+    return {**partial, "sums": {"n": partial["batches"], **partial.get("sums", {})}}
+
+
 @dataclass
 class RunState:
     """Everything a run carries from one step to the next: the weights, optimiser, schedule, EMA and loss
@@ -69,7 +79,7 @@ class RunState:
         self.train_time_s = float(state.get("train_time_s", state.get("time_s", 0.0)))
         self.samples_seen = int(state.get("samples_seen", 0))
         self.best, self.bad_epochs = dict(state.get("best") or _no_best()), int(state.get("bad_epochs", 0))
-        self.epoch_partial = state.get("epoch_partial")  # absent from checkpoints of epoch ends (and older runs)
+        self.epoch_partial = _partial(state.get("epoch_partial"))  # absent at epoch ends (and from older runs)
         set_rng_state(state["rng"])
 
     def record(self, row: dict, score: float) -> None:

@@ -1,9 +1,9 @@
-"""Training and evaluation: configs and recipes, the loops, checkpoints, distributed runs."""
+"""Image classification, a task of the engine: configs and recipes, ``train``, evaluation, loading runs."""
 
+from lambdanet.engine.loop import NonFiniteLossError, evaluate
 from lambdanet.train.config import RECIPES, TrainConfig, resolve_config
-from lambdanet.engine.loop import NonFiniteLossError, evaluate, train_one_epoch
 from lambdanet.train.load import load_model
 from lambdanet.train.trainer import TrainingDivergedError, evaluate_checkpoint, train
 
-__all__ = ["TrainConfig", "RECIPES", "resolve_config", "train", "evaluate_checkpoint", "train_one_epoch", "evaluate",
+__all__ = ["TrainConfig", "RECIPES", "resolve_config", "train", "evaluate_checkpoint", "evaluate",
            "NonFiniteLossError", "TrainingDivergedError", "load_model"]

@@ -60,6 +60,22 @@ class RunConfig:
         """The options ``--resume`` may change (declared with ``option(..., resume_free=True)``)."""
         return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("resume_free"))
 
+    def save_yaml(self, path: str | Path) -> None:
+        """``config.yaml``: what runs, which ``--resume`` reloads."""
+        save_yaml(dataclasses.replace(self, resume=False), path)
+
+    def check_resume(self) -> int:
+        """``--resume`` continues the run in ``out`` as it was configured: only the :meth:`resume_free` options
+        and ``epochs`` (more extend the run) may differ from its ``config.yaml``. Returns its epochs."""
+        saved = dataclasses.asdict(type(self).resolve(overrides={"out": self.out, "resume": True}))
+        free = self.resume_free()
+        changed = config_differences(saved, self, ignore=free + ("epochs",))
+        if changed:
+            raise ValueError(f"--resume cannot change {', '.join(changed)}: {describe_differences(changed)}; only "
+                             f"--epochs and {', '.join(flag(k) for k in free if k not in ('resume', 'out'))} may "
+                             f"change: drop the others, or start a new run with another --out")
+        return int(saved["epochs"])
+
 
 @dataclass
 class TrainConfig(RunConfig):
@@ -131,6 +147,11 @@ class TrainConfig(RunConfig):
     labeled_fraction: float = option(1.0, "semi-supervised: the seeded fraction of training labels kept")
     pseudo_labels: str | None = option(None, "semi-supervised: pseudo-label file from lambdanet pseudo-label")
     max_train_batches: int | None = option(None, "stop each epoch after this many batches (smoke tests)")
+
+    @classmethod
+    def resolve(cls, recipe: str | None = None, yaml_values: dict | None = None, overrides: dict | None = None
+                ) -> TrainConfig:
+        return resolve_config(recipe, yaml_values, overrides)
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field and the valid values for anything out of range."""
