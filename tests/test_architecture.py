@@ -110,6 +110,11 @@ def test_no_import_cycle():
     (r"^\s*METADATA_FORMAT\s*=", "the run-weights header format"),
     (r"^(\s*)def (run_file|read_state_dict|read_safetensors|_read_safetensors)\b", "reading weight files"),
     (r"^class PretrainedCfg\b", "the preprocessing metadata type"),
+    # the training engine (issue 25): one of each for every task
+    (r"^(\s*)(class|def) (RunState|RunConfig|RunDirLock|check_new_run|build_optimizer|lr_at|data_parallel|"
+     r"optimizer_step|train_epoch|fit|check_resume|add_config_arguments|config_source_from_args)\b",
+     "the run state, configuration, loop, optimizer and schedule, DDP wrap and run-directory rule"),
+    (r"^\s*for .* in enumerate\(.*batches", "the training loop over batches"),
 ])
 def test_each_shared_piece_is_defined_once(pattern, what):
     found = [f"{path.relative_to(PACKAGE.parent)}:{i}" for path in sorted(PACKAGE.rglob("*.py"))

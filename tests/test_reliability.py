@@ -51,7 +51,7 @@ def test_config_yaml_is_the_configuration_that_ran(tmp_path):
 def test_paper350_config_yaml_has_table20_values(tmp_path):
     cfg = resolve_config("paper350", overrides={"model": "lambda_resnet50"})
     path = tmp_path / "config.yaml"
-    from lambdanet.train.config import save_yaml
+    from lambdanet.engine.config import save_yaml
 
     save_yaml(cfg, path)
     saved = yaml.safe_load(path.read_text())

@@ -86,7 +86,7 @@ def test_recipes_follow_the_papers():
 def test_config_precedence_and_yaml(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("recipe: paper90\nepochs: 7\nlr: 0.3\n")
-    from lambdanet.train.config import load_yaml
+    from lambdanet.engine.config import load_yaml
     cfg = resolve_config(None, load_yaml(path), {"lr": 0.5})
     assert (cfg.recipe, cfg.epochs, cfg.lr, cfg.optimizer) == ("paper90", 7, 0.5, "sgd")
     path.write_text("epochz: 3\n")
@@ -447,14 +447,32 @@ def test_allreduce_batchnorm_equals_whole_batch_batchnorm(tmp_path):
         torch.testing.assert_close(got["q"], (w0, w1)[rank])  # exp(0) = 1: the gather left the shared gradient alone
 
 
-@pytest.mark.slow  # 30 s; launch_local's tests (here and test_detect_train.py) cover the same process group
-def test_torchrun_two_processes_match_one_process_with_the_same_global_batch(tmp_path):
+def _torchrun(nodes: int, args: list[str]) -> list[subprocess.Popen]:
+    """``torchrun`` of ``lambdanet ARGS`` on two processes: one node with two, or two simulated nodes of one
+    process each (two launchers meeting at a c10d rendezvous on 127.0.0.1, as on two machines)."""
+    run = [sys.executable, "-m", "torch.distributed.run"]
+    if nodes == 1:
+        launchers = [[*run, "--standalone", "--nproc_per_node", "2"]]
+    else:
+        with socket.socket() as s:  # a free port for the rendezvous
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        launchers = [[*run, "--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                      f"127.0.0.1:{port}", "--rdzv-id", "lambdanet-test"]] * 2
+    return [subprocess.Popen([*launcher, "-m", "lambdanet", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=ENV) for launcher in launchers]
+
+
+@pytest.mark.slow  # 30 s each; launch_local's tests (here and test_detect_train.py) cover the same process group
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_torchrun_two_processes_match_one_process_with_the_same_global_batch(tmp_path, nodes):
+    """The engine's loop runs unchanged from one process to two, on one node or on two (``--nnodes 2``): the
+    same global batch gives the one-process run's losses and weight updates (to float32 noise)."""
     args = ["train", "--epochs", "2", "--max-train-batches", "4", "--batch-size", "32", "--sync-bn", "--optimizer",
             "sgd", "--lr", "0.05", "--no-progress", "--no-tensorboard"]
-    ddp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
-                          "lambdanet", *args, "--out", str(tmp_path / "ddp")], capture_output=True, text=True,
-                         timeout=300, env=ENV)
-    assert ddp.returncode == 0, ddp.stderr[-2000:]
+    for launcher in _torchrun(nodes, [*args, "--out", str(tmp_path / "ddp")]):
+        _, err = launcher.communicate(timeout=300)
+        assert launcher.returncode == 0, err[-2000:]
     single = run_cli(*args, "--out", str(tmp_path / "single"))
     assert single.returncode == 0, single.stderr[-2000:]
     s_ddp = json.loads((tmp_path / "ddp" / "summary.json").read_text())

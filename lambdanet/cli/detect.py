@@ -9,18 +9,18 @@ __all__ = ["register"]
 
 def _cmd_detect(args: argparse.Namespace) -> int:
     """Train and evaluate a detector (library: ``lambdanet.detection.trainer.train_detector``)."""
-    from lambdanet.detection.trainer import DetectConfig, resolve_detect_config, train_detector
-    from lambdanet.train.config import config_source_from_args
+    from lambdanet.detection.trainer import DetectConfig, train_detector
+    from lambdanet.engine.config import config_source_from_args
 
     source = config_source_from_args(args, DetectConfig)
-    train_detector(resolve_detect_config(source.recipe, source.yaml_values, source.overrides))
+    train_detector(source.resolve())
     return 0
 
 
 def _add_detect(sub) -> None:
     """``lambdanet detect``"""
-    from lambdanet.detection.trainer import DETECT_CHOICES, DETECT_RECIPES, DetectConfig, recipe_values
-    from lambdanet.train.config import add_config_arguments
+    from lambdanet.detection.trainer import DETECT_RECIPES, DetectConfig
+    from lambdanet.engine.config import add_config_arguments
 
     detect = sub.add_parser(
         "detect", help="train and evaluate Mask R-CNN / Faster R-CNN on a lambda, halo or convolution backbone",
@@ -31,7 +31,7 @@ def _add_detect(sub) -> None:
                     "key (--config); --resume continues the run in --out; under torchrun it trains with "
                     "DistributedDataParallel.")
     detect.add_argument("--config", help="YAML file of options")
-    add_config_arguments(detect, DetectConfig, DETECT_CHOICES, recipe_values())
+    add_config_arguments(detect, DetectConfig)
     detect.set_defaults(func=_cmd_detect)
 
 

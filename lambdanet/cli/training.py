@@ -20,7 +20,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _add_train(sub) -> None:
     """``lambdanet train``"""
     from lambdanet.data import list_datasets
-    from lambdanet.train.config import RECIPES, add_config_arguments
+    from lambdanet.engine.config import add_config_arguments
+    from lambdanet.train.config import RECIPES, TrainConfig
 
     recipes = ", ".join(RECIPES)
     train = sub.add_parser(
@@ -32,7 +33,7 @@ def _add_train(sub) -> None:
                     "input channels and the classifier to the data. Under torchrun the same command trains "
                     "with DistributedDataParallel.")
     train.add_argument("--config", help="YAML file of options")
-    add_config_arguments(train)
+    add_config_arguments(train, TrainConfig)
     train.set_defaults(func=_cmd_train)
 
 
@@ -72,10 +73,11 @@ def _add_eval(sub) -> None:
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
     """Learning-rate sensitivity study (library: ``lambdanet.train.sweep.lr_sweep``)."""
-    from lambdanet.train.config import config_source_from_args
+    from lambdanet.engine.config import config_source_from_args
+    from lambdanet.train.config import TrainConfig
     from lambdanet.train.sweep import lr_sweep, sweep_markdown
 
-    rows = lr_sweep(config_source_from_args(args), args.lrs, args.models)
+    rows = lr_sweep(config_source_from_args(args, TrainConfig), args.lrs, args.models)
     print(sweep_markdown(rows))
     return 0
 
@@ -91,9 +93,10 @@ def _add_sweep(sub) -> None:
     sw.add_argument("--lrs", type=float, nargs="+", required=True, help="learning rates")
     sw.add_argument("--models", nargs="+", default=None, help="models (default: --model)")
     sw.add_argument("--config", help="YAML file of options")
-    from lambdanet.train.config import add_config_arguments
+    from lambdanet.engine.config import add_config_arguments
+    from lambdanet.train.config import TrainConfig
 
-    add_config_arguments(sw)
+    add_config_arguments(sw, TrainConfig)
     sw.set_defaults(func=_cmd_sweep)
 
 

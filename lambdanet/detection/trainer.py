@@ -44,11 +44,11 @@ from lambdanet.engine.logger import plot_history, read_history, read_json, write
 from lambdanet.engine.loop import TrainingDivergedError
 from lambdanet.engine.optim import build_optimizer, lr_at
 from lambdanet.engine.preempt import Preempted, StopSignals
-from lambdanet.engine.rundir import check_new_run, checkpoints_in
+from lambdanet.engine.rundir import check_new_run
 from lambdanet.engine.state import RunState
 from lambdanet.engine.task import Task, run
 from lambdanet.runtime import AMP_DTYPES
-from lambdanet.train.config import RunConfig, config_differences, describe_differences, load_yaml, option
+from lambdanet.engine.config import RunConfig, option
 
 __all__ = ["DetectConfig", "DETECT_RECIPES", "DETECT_CHOICES", "DETECT_RESUME_FREE", "resolve_detect_config",
            "train_detector", "local_processes", "quick_backbone_kwargs", "lr_factor", "plot_detection_history",
@@ -112,9 +112,26 @@ class DetectConfig(RunConfig):
                                          "its pretrain.pt)", resume_free=True)
 
     @classmethod
-    def resolve(cls, recipe: str | None = None, yaml_values: dict | None = None, overrides: dict | None = None
-                ) -> DetectConfig:
-        return resolve_detect_config(recipe, yaml_values, overrides)
+    def recipe_values(cls, name: str, explicit: dict) -> dict:
+        """The recipe with ``explicit`` over it; the quick recipe's detector options and compact backbone
+        (:func:`quick_backbone_kwargs`) unless given."""
+        values = {**DETECT_RECIPES[name], "recipe": name, **explicit}
+        values["detector"] = {**(QUICK_DETECTOR if name == "quick" else {}), **DETECT_RECIPES[name].get("detector", {}),
+                              **explicit.get("detector", {})}
+        if name == "quick" and "backbone_kwargs" not in explicit:
+            values["backbone_kwargs"] = quick_backbone_kwargs(values.get("backbone", DetectConfig.backbone))
+        return values
+
+    def complete(self, explicit: dict) -> None:
+        """The quick recipe pre-trains the backbone on glyph crops where nothing else initialises it and its
+        weights carry over (validated without: switching it on needs only the rule's own conditions)."""
+        if (self.recipe == "quick" and not self.resume and "pretrain_steps" not in explicit
+                and not self.pretrained_backbone and self.data == "glyphs" and pretrain_mismatch(self) is None):
+            self.pretrain_steps = QUICK_PRETRAIN_STEPS
+
+    @classmethod
+    def recipe_table(cls) -> dict[str, dict]:
+        return recipe_values()
 
     def evaluates_after(self, epoch: int) -> bool:
         """Whether the run evaluates COCO AP after ``epoch`` (1-based): the last, and every ``eval_every``."""
@@ -134,9 +151,7 @@ class DetectConfig(RunConfig):
         if self.batch_size % world:
             raise ValueError(f"batch_size {self.batch_size} must be a multiple of the {world} processes (one share "
                              f"per process); set --batch-size or --nproc-per-node")
-        for name, valid in DETECT_CHOICES.items():
-            if getattr(self, name) not in valid:
-                raise ValueError(f"{name} must be one of {list(valid)}, got {getattr(self, name)!r}")
+        super().validate()
         if not 0 < self.jitter_min <= self.jitter_max:
             raise ValueError(f"jitter_min and jitter_max must satisfy 0 < jitter_min <= jitter_max, got "
                              f"{self.jitter_min} and {self.jitter_max}")
@@ -185,8 +200,8 @@ DETECT_RECIPES: dict[str, dict] = {
               "epochs": 282,  # at least 130k steps of batch 256 on COCO train2017 (118,287 images), from scratch
               "detector": {"anchor_sizes": [32, 64, 128, 256, 512]}},
 }
-DETECT_CHOICES = {f.name: f.metadata["choices"] for f in dataclasses.fields(DetectConfig) if f.metadata.get("choices")}
-DETECT_CHOICES["recipe"] = tuple(DETECT_RECIPES)
+DetectConfig.RECIPES = DETECT_RECIPES
+DETECT_CHOICES = DetectConfig.choices()
 DETECT_RESUME_FREE = DetectConfig.resume_free()
 
 # the quick recipe's detector for the 256 px glyph scenes (objects 8-240 px): anchors one octave below
@@ -201,51 +216,14 @@ QUICK_DETECTOR = {"anchor_sizes": [16, 32, 64, 128, 256], "fpn_channels": 64, "r
 QUICK_PRETRAIN_STEPS = PretrainConfig().steps
 # a run's pre-training saves itself here this often (steps), and --resume continues it; gone once last.pt holds it
 PRETRAIN_CHECKPOINT, PRETRAIN_CHECKPOINT_EVERY = "pretrain.pt", 100
-RUN_CHECKPOINTS = ("last.pt", PRETRAIN_CHECKPOINT)  # what a detect run continues from
+RUN_CHECKPOINTS = DetectConfig.CHECKPOINTS = ("last.pt", PRETRAIN_CHECKPOINT)  # what a detect run continues from
 
 
 def resolve_detect_config(recipe: str | None = None, yaml_values: dict | None = None,
                           overrides: dict | None = None) -> DetectConfig:
-    """defaults < recipe < YAML < overrides; with ``resume``, the run's saved ``config.yaml`` replaces defaults
-    and recipe and only :data:`DETECT_RESUME_FREE` options may differ from it."""
-    names = {f.name for f in dataclasses.fields(DetectConfig)}
-    explicit = {**(yaml_values or {}), **(overrides or {})}
-    unknown = sorted(set(explicit) - names)
-    if unknown:
-        raise ValueError(f"unknown option(s) {unknown}; valid options: {', '.join(sorted(names))}")
-    if explicit.get("resume"):
-        out = Path(explicit.get("out", DetectConfig.out))
-        if not (out / "config.yaml").is_file() or not checkpoints_in(out, RUN_CHECKPOINTS):
-            raise ValueError(f"nothing to resume in {out}: it needs config.yaml and last.pt (or {PRETRAIN_CHECKPOINT}) "
-                             "from an earlier run")
-        saved = load_yaml(out / "config.yaml")
-        for k, v in explicit.items():  # mappings were resolved over the recipe's: compare what they would give
-            if isinstance(v, dict) and isinstance(saved.get(k), dict):
-                explicit[k] = {**saved[k], **v}
-        cfg = DetectConfig(**{**saved, **explicit})
-        changed = config_differences(saved, cfg, DETECT_RESUME_FREE)
-        if changed:
-            raise ValueError(f"--resume cannot change {', '.join(changed)}: {describe_differences(changed)}; only how "
-                             "the run is watched, where it runs and its epochs may change")
-    else:
-        name = explicit.get("recipe") or recipe or "quick"
-        if name not in DETECT_RECIPES:
-            raise ValueError(f"unknown recipe {name!r}; valid recipes: {', '.join(DETECT_RECIPES)}")
-        values = {**DETECT_RECIPES[name], "recipe": name, **explicit}
-        detector = {**(QUICK_DETECTOR if name == "quick" else {}), **DETECT_RECIPES[name].get("detector", {}),
-                    **explicit.get("detector", {})}
-        values["detector"] = detector
-        if name == "quick" and "backbone_kwargs" not in explicit:
-            values["backbone_kwargs"] = quick_backbone_kwargs(values.get("backbone", DetectConfig.backbone))
-        cfg = DetectConfig(**values)
-        cfg.validate()
-        # validated without pre-training: switching it on here needs only the rule's own conditions
-        if (name == "quick" and "pretrain_steps" not in explicit and not cfg.pretrained_backbone
-                and cfg.data == "glyphs" and pretrain_mismatch(cfg) is None):
-            cfg.pretrain_steps = QUICK_PRETRAIN_STEPS
-        return cfg
-    cfg.validate()
-    return cfg
+    """:meth:`DetectConfig.resolve <lambdanet.engine.config.RunConfig.resolve>`: defaults < recipe < YAML <
+    overrides; with ``resume``, the run's saved ``config.yaml`` in place of defaults and recipe."""
+    return DetectConfig.resolve(recipe, yaml_values, overrides)
 
 
 def recipe_values() -> dict[str, dict]:
@@ -452,7 +430,6 @@ class DetectionTask(Task):
     (``loss_weights``), App. E.3's warm-up and step schedule, COCO AP when :meth:`DetectConfig.evaluates_after`,
     a checkpoint every epoch; before the first epoch, the backbone's glyph-crop pre-training."""
 
-    checkpoints = RUN_CHECKPOINTS
     diverged_hint = "Lower --lr or raise --warmup-steps."
 
     def build_state(self) -> RunState:

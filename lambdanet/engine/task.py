@@ -14,7 +14,7 @@ A task implements:
   summary (every rank calls it; outputs are the main process's);
 
 and may override ``initialize(state)`` (work before the first epoch, such as a pre-training),
-``save_due(epoch)``, ``stops_early(state)``, ``wrap(model)``, ``checkpoints`` and ``diverged_hint``.
+``save_due(epoch)``, ``stops_early(state)``, ``wrap(model)`` and ``diverged_hint``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ __all__ = ["Task", "run"]
 class Task:
     """A task of the engine (see the module's docstring for what a subclass implements)."""
 
-    checkpoints: tuple[str, ...] = ("last.pt",)  # what a run of the task continues from
     diverged_hint = "Lower --lr or check the data."
     lr: Callable[[int], float] | None = None  # the rate of each step (None: the state's scheduler)
     steps_per_epoch: int = 0
@@ -101,7 +100,7 @@ def _run(task: Task) -> dict:
     cfg, ctx, out = task.cfg, task.ctx, task.out
     cfg.validate()
     saved_epochs = cfg.check_resume() if cfg.resume else cfg.epochs
-    check_new_run(out, cfg.resume, task.checkpoints)
+    check_new_run(out, cfg.resume, cfg.CHECKPOINTS)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)

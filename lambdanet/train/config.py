@@ -23,58 +23,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
+from lambdanet.engine.config import RunConfig, config_source_from_args, flag, option
 from lambdanet.runtime import AMP_DTYPES
 
-__all__ = ["RunConfig", "TrainConfig", "RECIPES", "RECIPE_MODEL_KEYS", "RESUME_FREE", "ConfigSource", "resolve_config",
-           "add_config_arguments", "load_yaml", "save_yaml", "config_from_args", "config_source_from_args",
-           "config_differences", "describe_differences", "model_build_kwargs", "saved_run_config", "field_choices", "flag",
-           "option"]
-
-
-def option(default, help: str, choices: tuple | None = None, *, resume_free: bool = False, **kw):
-    """A configuration dataclass field with its one-line ``--help`` text, where closed its choices
-    (:func:`add_config_arguments` makes it a flag), and whether ``--resume`` may change it (``resume_free``:
-    where and how a run is watched, not what it computes; :meth:`RunConfig.resume_free`)."""
-    meta = {"help": help, "choices": choices, "resume_free": resume_free}
-    if isinstance(default, (dict, list)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta, **kw)
-    return field(default=default, metadata=meta, **kw)
-
-
-class RunConfig:
-    """What every task's configuration dataclass shares (:class:`TrainConfig`,
-    :class:`lambdanet.detection.trainer.DetectConfig`): the learning-rate scaling rule and the resume rule."""
-
-    def effective_lr(self) -> float:
-        """``lr * batch_size / lr_batch_scale`` (the paper's ``0.1 B / 256``) or ``lr``."""
-        return self.lr * self.batch_size / self.lr_batch_scale if self.lr_batch_scale else self.lr
-
-    @classmethod
-    def resume_free(cls) -> tuple[str, ...]:
-        """The options ``--resume`` may change (declared with ``option(..., resume_free=True)``)."""
-        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("resume_free"))
-
-    def save_yaml(self, path: str | Path) -> None:
-        """``config.yaml``: what runs, which ``--resume`` reloads."""
-        save_yaml(dataclasses.replace(self, resume=False), path)
-
-    def check_resume(self) -> int:
-        """``--resume`` continues the run in ``out`` as it was configured: only the :meth:`resume_free` options
-        and ``epochs`` (more extend the run) may differ from its ``config.yaml``. Returns its epochs."""
-        saved = dataclasses.asdict(type(self).resolve(overrides={"out": self.out, "resume": True}))
-        free = self.resume_free()
-        changed = config_differences(saved, self, ignore=free + ("epochs",))
-        if changed:
-            raise ValueError(f"--resume cannot change {', '.join(changed)}: {describe_differences(changed)}; only "
-                             f"--epochs and {', '.join(flag(k) for k in free if k not in ('resume', 'out'))} may "
-                             f"change: drop the others, or start a new run with another --out")
-        return int(saved["epochs"])
+__all__ = ["TrainConfig", "RECIPES", "RECIPE_MODEL_KEYS", "RESUME_FREE", "resolve_config", "config_from_args",
+           "model_build_kwargs", "recipe_values"]
 
 
 @dataclass
@@ -149,15 +105,27 @@ class TrainConfig(RunConfig):
     max_train_batches: int | None = option(None, "stop each epoch after this many batches (smoke tests)")
 
     @classmethod
-    def resolve(cls, recipe: str | None = None, yaml_values: dict | None = None, overrides: dict | None = None
-                ) -> TrainConfig:
-        return resolve_config(recipe, yaml_values, overrides)
+    def recipe_values(cls, name: str, explicit: dict) -> dict:
+        """The recipe, the model's paper values it takes (:data:`RECIPE_MODEL_KEYS`), ``explicit``; fine-tuning a
+        run of ``lambdanet train`` takes its model, options and image size (:func:`_checkpoint_values`)."""
+        from lambdanet.models import model_info
+
+        explicit = _checkpoint_values(explicit)
+        model = explicit.get("model") or RECIPES[name].get("model") or TrainConfig.model
+        paper = model_info(model).recipe  # "unknown model ...; registered models: ..."
+        from_model = {k: paper[k] for k in RECIPE_MODEL_KEYS.get(name, ()) if k in paper}
+        return {**RECIPES[name], **from_model, **explicit, "recipe": name}
+
+    def complete(self, explicit: dict) -> None:
+        _resolve_model_values(self)
+
+    @classmethod
+    def recipe_table(cls) -> dict[str, dict]:
+        return recipe_values()
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field and the valid values for anything out of range."""
-        for name, valid in field_choices().items():
-            if getattr(self, name) not in valid:
-                raise ValueError(f"{name} must be one of {list(valid)}, got {getattr(self, name)!r}")
+        super().validate()
         positive = ("epochs", "batch_size", "eval_batch_size", "checkpoint_every")
         for name in positive:
             v = getattr(self, name)
@@ -244,76 +212,19 @@ RECIPE_MODEL_KEYS: dict[str, tuple[str, ...]] = {
     "paper350": ("img_size", "randaugment_magnitude", "drop_rate", "drop_path_rate"),
 }
 
+TrainConfig.RECIPES = RECIPES
 # what ``--resume`` lets change: how the run is watched and where it runs, never what it computes
 RESUME_FREE = TrainConfig.resume_free()
 
 
-def field_choices() -> dict[str, tuple]:
-    """The closed options and their valid values (also the ``--flag`` choices)."""
-    out = {f.name: f.metadata["choices"] for f in dataclasses.fields(TrainConfig) if f.metadata.get("choices")}
-    out["recipe"] = tuple(RECIPES)
-    return out
-
-
-def load_yaml(path: str | Path) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"config file {path} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"config file {path} must hold a mapping of option: value")
-    return data
-
-
-def save_yaml(cfg: TrainConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
-
-
-def _check_keys(values: dict, source: str) -> None:
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    unknown = sorted(set(values) - names)
-    if unknown:
-        raise ValueError(f"{source}: unknown option(s) {unknown}; valid options: {', '.join(sorted(names))}")
-
-
 def resolve_config(recipe: str | None = None, yaml_values: dict | None = None, overrides: dict | None = None
                    ) -> TrainConfig:
-    """The configuration that runs, validated: defaults < recipe < the model's paper values the recipe takes
-    (:data:`RECIPE_MODEL_KEYS`) < YAML < overrides; then what the data and model imply (image size, the
-    small-image stem, the compact width, the model's own dropout / stochastic depth) is written in, so that
-    ``config.yaml`` says exactly what runs.
-
-    With ``checkpoint`` set to what ``lambdanet train`` wrote, the model, its architecture options and the image
-    size are the checkpoint's (:func:`_checkpoint_values`; over the recipe and the model's paper values) unless
-    given explicitly.
-
-    With ``resume`` set, the run's saved ``config.yaml`` takes the place of defaults and recipe; the trainer
-    then refuses any change other than :data:`RESUME_FREE` and more ``epochs``.
-    """
-    yaml_values = dict(yaml_values or {})
-    overrides = dict(overrides or {})
-    _check_keys(yaml_values, "config file")
-    _check_keys(overrides, "overrides")
-    explicit = {**yaml_values, **overrides}
-    if explicit.get("resume"):
-        out = explicit.get("out", TrainConfig.out)
-        saved = saved_run_config(out)
-        _check_keys(saved, f"{Path(out) / 'config.yaml'}")
-        cfg = TrainConfig(**{**saved, **explicit})
-    else:
-        explicit = _checkpoint_values(explicit)
-        name = explicit.get("recipe") or recipe or "quick"
-        if name not in RECIPES:
-            raise ValueError(f"unknown recipe {name!r}; valid recipes: {', '.join(RECIPES)}")
-        from lambdanet.models import model_info
-
-        model = explicit.get("model") or RECIPES[name].get("model") or TrainConfig.model
-        paper = model_info(model).recipe  # "unknown model ...; registered models: ..."
-        from_model = {k: paper[k] for k in RECIPE_MODEL_KEYS.get(name, ()) if k in paper}
-        cfg = TrainConfig(**{**RECIPES[name], **from_model, **explicit, "recipe": name})
-    cfg.validate()
-    _resolve_model_values(cfg)  # idempotent: a saved (resolved) configuration stays as it is
-    return cfg
+    """:meth:`TrainConfig.resolve <lambdanet.engine.config.RunConfig.resolve>`: defaults < recipe < the model's
+    paper values the recipe takes (:data:`RECIPE_MODEL_KEYS`) < YAML < overrides; then what the data and model
+    imply (image size, the small-image stem, the compact width, the model's own dropout / stochastic depth)
+    is written in. With ``checkpoint`` set to what ``lambdanet train`` wrote, the model, its architecture
+    options and the image size are the checkpoint's unless given explicitly."""
+    return TrainConfig.resolve(recipe, yaml_values, overrides)
 
 
 def _checkpoint_values(explicit: dict) -> dict:
@@ -404,71 +315,6 @@ def model_build_kwargs(cfg: TrainConfig) -> dict:
     return kwargs
 
 
-def saved_run_config(out: str | Path) -> dict:
-    """The ``config.yaml`` of the run in ``out`` (``ValueError`` if there is no run to resume)."""
-    out = Path(out)
-    if not (out / "config.yaml").exists() or not (out / "last.pt").exists():
-        raise ValueError(f"nothing to resume in {out}: it needs config.yaml and last.pt from an earlier run")
-    return load_yaml(out / "config.yaml")
-
-
-def config_differences(saved: dict, cfg, ignore: tuple[str, ...] = RESUME_FREE) -> dict[str, tuple]:
-    """``{field: (saved value, new value)}`` for every field of ``cfg`` (a :class:`TrainConfig` or another
-    options dataclass) that differs from ``saved`` (a field missing there counts as its default)."""
-    now = dataclasses.asdict(cfg)
-    default = dataclasses.asdict(type(cfg)())
-    return {k: (saved.get(k, default[k]), v) for k, v in now.items()
-            if k not in ignore and saved.get(k, default[k]) != v}
-
-
-def flag(name: str) -> str:
-    """``--flag`` spelling of a :class:`TrainConfig` field."""
-    return "--" + name.replace("_", "-")
-
-
-def describe_differences(changed: dict[str, tuple]) -> str:
-    """``--lr 0.5 (the run has 0.002), ...`` for the output of :func:`config_differences`."""
-    return ", ".join(f"{flag(k)} {new!r} (the run has {old!r})" for k, (old, new) in changed.items())
-
-
-@dataclass(frozen=True)
-class ConfigSource:
-    """What the user asked for (recipe, YAML values, explicit overrides), before resolution: a sweep
-    resolves it once per (model, learning rate)."""
-
-    recipe: str | None = None
-    yaml_values: dict = field(default_factory=dict)
-    overrides: dict = field(default_factory=dict)
-
-    def resolve(self, **changes) -> TrainConfig:
-        return resolve_config(self.recipe, self.yaml_values, {**self.overrides, **changes})
-
-
-# ---------------------------------------------------------------------------------------------------------
-# command-line flags generated from the fields
-
-
-def _parse_mapping(text: str) -> dict:
-    """``'{stage_layers: LLLL, layer_kwargs: {r: 7}}'`` or ``'stage_layers=LLLL,base_width=16'``."""
-    if "=" in text and not text.strip().startswith("{"):
-        out = {}
-        for part in text.split(","):
-            key, _, value = part.partition("=")
-            out[key.strip()] = yaml.safe_load(value)
-        return out
-    value = yaml.safe_load(text)
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a mapping like 'key=value,...' or '{{key: value}}', got {text!r}")
-    return value
-
-
-def _optional(conv):
-    def parse(text: str):
-        return None if text.lower() in ("none", "null") else conv(text)
-    parse.__name__ = getattr(conv, "__name__", "value")
-    return parse
-
-
 def recipe_values() -> dict[str, dict]:
     """Per recipe, the values of :class:`TrainConfig` it runs with before the data and the model are known;
     the options a recipe takes from the model (:data:`RECIPE_MODEL_KEYS`) read ``"the model's"``."""
@@ -480,66 +326,6 @@ def recipe_values() -> dict[str, dict]:
     return out
 
 
-def _shown(value) -> str:
-    return "null" if value is None else str(value)
-
-
-def describe_default(name: str, values: dict[str, dict], default_recipe: str) -> str:
-    """``default: X`` when every recipe runs ``name`` with the same value, else the default recipe's value and
-    each other recipe's (``default: 1200 (quick recipe); paper: 0``), so ``--help`` shows what will run."""
-    first = _shown(values[default_recipe][name])
-    others = [f"{recipe}: {_shown(v[name])}" for recipe, v in values.items()
-              if recipe != default_recipe and _shown(v[name]) != first]
-    if name == "recipe" or not others:
-        return f"default: {first}"
-    return f"default: {first} ({default_recipe} recipe); " + "; ".join(others)
-
-
-def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type = None,
-                         choices: dict[str, tuple] | None = None, recipes: dict[str, dict] | None = None,
-                         default_recipe: str = "quick") -> None:
-    """One ``--flag`` per field of ``config_cls`` (default :class:`TrainConfig`, whose closed options are
-    :func:`field_choices` and recipes :func:`recipe_values`; another dataclass passes its own ``choices`` and
-    ``recipes``, name -> the values it runs with) with its one-line help (:func:`option` metadata), choices and
-    default as the recipes set it (:func:`describe_default`; booleans: ``--flag`` / ``--no-flag``); the parsed
-    default is ``None`` = "not given", so recipe and YAML values survive."""
-    config_cls = TrainConfig if config_cls is None else config_cls
-    hints = typing.get_type_hints(config_cls)
-    choices = field_choices() if config_cls is TrainConfig else dict(choices or {})
-    if recipes is None:
-        recipes = recipe_values() if config_cls is TrainConfig else {
-            default_recipe: dataclasses.asdict(config_cls())}
-    for f in dataclasses.fields(config_cls):
-        hint = hints[f.name]
-        args = typing.get_args(hint)
-        base = next((a for a in args if a is not type(None)), hint) if args else hint
-        optional = type(None) in args
-        help_text = f"{f.metadata['help']} ({describe_default(f.name, recipes, default_recipe)})"
-        if base is bool:
-            parser.add_argument(flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=None,
-                                help=help_text)
-        elif base is dict or hint is dict:
-            parser.add_argument(flag(f.name), dest=f.name, type=_parse_mapping, default=None, metavar="MAPPING",
-                                help=help_text)
-        elif base is list or hint is list:
-            parser.add_argument(flag(f.name), dest=f.name, type=float, nargs="+", default=None, metavar="X",
-                                help=help_text)
-        else:
-            conv = {int: int, float: float, str: str}.get(base, str)
-            parser.add_argument(flag(f.name), dest=f.name, type=_optional(conv) if optional else conv, default=None,
-                                choices=choices.get(f.name), help=help_text,
-                                metavar="{" + ",".join(choices[f.name]) + "}" if f.name in choices else None)
-
-
-def config_source_from_args(args: argparse.Namespace, config_cls: type = None) -> ConfigSource:
-    """What the flags (and ``--config FILE``) ask for, before resolution: the flags of ``config_cls``'s fields
-    (default :class:`TrainConfig`) that were given, the YAML file's values and the recipe asked for."""
-    names = {f.name for f in dataclasses.fields(config_cls or TrainConfig)}
-    overrides = {k: v for k, v in vars(args).items() if k in names and v is not None}
-    yaml_values = load_yaml(args.config) if getattr(args, "config", None) else {}
-    return ConfigSource(overrides.get("recipe"), yaml_values, overrides)
-
-
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """Resolve a :class:`TrainConfig` from parsed flags (with ``--config`` and ``--recipe``)."""
-    return config_source_from_args(args).resolve()
+    return config_source_from_args(args, TrainConfig).resolve()

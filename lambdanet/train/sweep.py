@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from lambdanet.train.config import RESUME_FREE, ConfigSource, config_differences, describe_differences, load_yaml
+from lambdanet.engine.config import ConfigSource, config_differences, describe_differences, load_yaml
 from lambdanet.engine.logger import write_json
+from lambdanet.train.config import RESUME_FREE
 from lambdanet.train.trainer import train
 
 __all__ = ["lr_sweep", "sweep_markdown", "plot_sweep"]

@@ -1,0 +1,250 @@
+"""The run configuration every task shares: a typed dataclass of :func:`option` fields (each a ``--flag``, a
+YAML key and a line of ``--help``), recipes as named overrides, and one :meth:`RunConfig.resolve`.
+
+Precedence (later wins): dataclass defaults < the recipe (and what the task derives from it) < ``--config
+FILE.yaml`` < command-line flags; the task then completes the configuration (what the data and model imply),
+so that ``<out>/config.yaml`` says exactly what runs. With ``--resume`` the run's ``config.yaml`` takes the
+place of defaults and recipe, and only the options declared ``resume_free`` and ``epochs`` may change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+import yaml
+
+from lambdanet.engine.rundir import checkpoints_in
+
+__all__ = ["option", "RunConfig", "ConfigSource", "load_yaml", "save_yaml", "config_differences", "flag",
+           "describe_differences", "add_config_arguments", "config_source_from_args"]
+
+
+def option(default, help: str, choices: tuple | None = None, *, resume_free: bool = False, **kw):
+    """A configuration dataclass field with its one-line ``--help`` text, where closed its choices
+    (:func:`add_config_arguments` makes it a flag), and whether ``--resume`` may change it (``resume_free``:
+    where and how a run is watched, not what it computes; :meth:`RunConfig.resume_free`)."""
+    meta = {"help": help, "choices": choices, "resume_free": resume_free}
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta, **kw)
+    return field(default=default, metadata=meta, **kw)
+
+
+class RunConfig:
+    """The base of every task's configuration dataclass (``TrainConfig``, ``DetectConfig``): recipes, the one
+    resolution, the resume rule, the learning-rate scaling rule. A subclass sets :attr:`RECIPES` and may
+    override :meth:`recipe_values` (what a recipe runs with) and :meth:`complete` (what the data and model
+    imply); it has the fields ``recipe``, ``epochs``, ``out`` and ``resume``."""
+
+    RECIPES: ClassVar[dict[str, dict]] = {"quick": {}}
+    CHECKPOINTS: ClassVar[tuple[str, ...]] = ("last.pt",)  # what a run continues from
+
+    @classmethod
+    def resolve(cls, recipe: str | None = None, yaml_values: dict | None = None, overrides: dict | None = None):
+        """The configuration that runs, validated and completed (see the module's docstring). With ``resume``,
+        a mapping given (``model_kwargs``, ...) updates the saved one."""
+        _check_keys(cls, yaml_values or {}, "config file")
+        _check_keys(cls, overrides or {}, "overrides")
+        explicit = {**(yaml_values or {}), **(overrides or {})}
+        if explicit.get("resume"):
+            out = Path(explicit.get("out", cls.out))
+            if not (out / "config.yaml").is_file() or not checkpoints_in(out, cls.CHECKPOINTS):
+                raise ValueError(f"nothing to resume in {out}: it needs config.yaml and "
+                                 f"{' or '.join(cls.CHECKPOINTS)} from an earlier run")
+            saved = load_yaml(out / "config.yaml")
+            _check_keys(cls, saved, str(out / "config.yaml"))
+            given = {k: {**saved[k], **v} if isinstance(v, dict) and isinstance(saved.get(k), dict) else v
+                     for k, v in explicit.items()}
+            cfg = cls(**{**saved, **given})
+        else:
+            name = explicit.get("recipe") or recipe or "quick"
+            if name not in cls.RECIPES:
+                raise ValueError(f"unknown recipe {name!r}; valid recipes: {', '.join(cls.RECIPES)}")
+            cfg = cls(**cls.recipe_values(name, explicit))
+        cfg.validate()
+        cfg.complete(explicit)
+        return cfg
+
+    @classmethod
+    def recipe_values(cls, name: str, explicit: dict) -> dict:
+        """The field values of recipe ``name`` with the ``explicit`` ones over them."""
+        return {**cls.RECIPES[name], **explicit, "recipe": name}
+
+    def complete(self, explicit: dict) -> None:
+        """Write in what the options imply (in place, idempotent: a saved configuration stays as it is)."""
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the field and the valid values for anything out of range."""
+        for name, valid in self.choices().items():
+            if getattr(self, name) not in valid:
+                raise ValueError(f"{name} must be one of {list(valid)}, got {getattr(self, name)!r}")
+
+    @classmethod
+    def choices(cls) -> dict[str, tuple]:
+        """The closed options and their valid values (also the ``--flag`` choices)."""
+        out = {f.name: f.metadata["choices"] for f in dataclasses.fields(cls) if f.metadata.get("choices")}
+        return out | {"recipe": tuple(cls.RECIPES)}
+
+    @classmethod
+    def recipe_table(cls) -> dict[str, dict]:
+        """Per recipe, the values it runs with on the defaults (what ``--help`` shows)."""
+        return {name: {**dataclasses.asdict(cls()), **cls.recipe_values(name, {})} for name in cls.RECIPES}
+
+    def effective_lr(self) -> float:
+        """``lr * batch_size / lr_batch_scale`` (the paper's ``0.1 B / 256``) or ``lr``."""
+        return self.lr * self.batch_size / self.lr_batch_scale if self.lr_batch_scale else self.lr
+
+    @classmethod
+    def resume_free(cls) -> tuple[str, ...]:
+        """The options ``--resume`` may change (declared with ``option(..., resume_free=True)``)."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("resume_free"))
+
+    def save_yaml(self, path: str | Path) -> None:
+        """``config.yaml``: what runs, which ``--resume`` reloads."""
+        save_yaml(dataclasses.replace(self, resume=False), path)
+
+    def check_resume(self) -> int:
+        """``--resume`` continues the run in ``out`` as it was configured: only the :meth:`resume_free` options
+        and ``epochs`` (more extend the run) may differ from its ``config.yaml``. Returns its epochs."""
+        saved = dataclasses.asdict(type(self).resolve(overrides={"out": self.out, "resume": True}))
+        free = self.resume_free()
+        changed = config_differences(saved, self, ignore=free + ("epochs",))
+        if changed:
+            raise ValueError(f"--resume cannot change {', '.join(changed)}: {describe_differences(changed)}; only "
+                             f"--epochs and {', '.join(flag(k) for k in free if k not in ('resume', 'out'))} may "
+                             f"change: drop the others, or start a new run with another --out")
+        return int(saved["epochs"])
+
+
+def _check_keys(cls: type, values: dict, source: str) -> None:
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ValueError(f"{source}: unknown option(s) {unknown}; valid options: {', '.join(sorted(names))}")
+
+
+def load_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"config file {path} does not exist")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a mapping of option: value")
+    return data
+
+
+def save_yaml(cfg, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+
+
+def config_differences(saved: dict, cfg, ignore: tuple[str, ...] = ()) -> dict[str, tuple]:
+    """``{field: (saved value, new value)}`` for every field of the configuration ``cfg`` that differs from
+    ``saved`` (a field missing there counts as its default), except ``ignore``."""
+    now = dataclasses.asdict(cfg)
+    default = dataclasses.asdict(type(cfg)())
+    return {k: (saved.get(k, default[k]), v) for k, v in now.items()
+            if k not in ignore and saved.get(k, default[k]) != v}
+
+
+def flag(name: str) -> str:
+    """``--flag`` spelling of a configuration field."""
+    return "--" + name.replace("_", "-")
+
+
+def describe_differences(changed: dict[str, tuple]) -> str:
+    """``--lr 0.5 (the run has 0.002), ...`` for the output of :func:`config_differences`."""
+    return ", ".join(f"{flag(k)} {new!r} (the run has {old!r})" for k, (old, new) in changed.items())
+
+
+@dataclass(frozen=True)
+class ConfigSource:
+    """What the user asked for (recipe, YAML values, explicit overrides) of a ``config_cls``, before
+    resolution: a sweep resolves it once per (model, learning rate)."""
+
+    config_cls: type
+    recipe: str | None = None
+    yaml_values: dict = field(default_factory=dict)
+    overrides: dict = field(default_factory=dict)
+
+    def resolve(self, **changes):
+        return self.config_cls.resolve(self.recipe, self.yaml_values, {**self.overrides, **changes})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# command-line flags generated from the fields
+
+
+def _parse_mapping(text: str) -> dict:
+    """``'{stage_layers: LLLL, layer_kwargs: {r: 7}}'`` or ``'stage_layers=LLLL,base_width=16'``."""
+    if "=" in text and not text.strip().startswith("{"):
+        out = {}
+        for part in text.split(","):
+            key, _, value = part.partition("=")
+            out[key.strip()] = yaml.safe_load(value)
+        return out
+    value = yaml.safe_load(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a mapping like 'key=value,...' or '{{key: value}}', got {text!r}")
+    return value
+
+
+def _optional(conv):
+    def parse(text: str):
+        return None if text.lower() in ("none", "null") else conv(text)
+    parse.__name__ = getattr(conv, "__name__", "value")
+    return parse
+
+
+def _shown(value) -> str:
+    return "null" if value is None else str(value)
+
+
+def describe_default(name: str, values: dict[str, dict], default_recipe: str = "quick") -> str:
+    """``default: X`` when every recipe runs ``name`` with the same value, else the default recipe's value and
+    each other recipe's (``default: 1200 (quick recipe); paper: 0``), so ``--help`` shows what will run."""
+    first = _shown(values[default_recipe][name])
+    others = [f"{recipe}: {_shown(v[name])}" for recipe, v in values.items()
+              if recipe != default_recipe and _shown(v[name]) != first]
+    if name == "recipe" or not others:
+        return f"default: {first}"
+    return f"default: {first} ({default_recipe} recipe); " + "; ".join(others)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type) -> None:
+    """One ``--flag`` per field of ``config_cls`` with its one-line help (:func:`option` metadata), choices
+    and default as the recipes set it (:func:`describe_default`; booleans: ``--flag`` / ``--no-flag``); the
+    parsed default is ``None`` = "not given", so recipe and YAML values survive."""
+    hints = typing.get_type_hints(config_cls)
+    choices, recipes = config_cls.choices(), config_cls.recipe_table()
+    for f in dataclasses.fields(config_cls):
+        hint = hints[f.name]
+        args = typing.get_args(hint)
+        base = next((a for a in args if a is not type(None)), hint) if args else hint
+        help_text = f"{f.metadata['help']} ({describe_default(f.name, recipes)})"
+        if base is bool:
+            parser.add_argument(flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                                help=help_text)
+        elif base is dict or hint is dict:
+            parser.add_argument(flag(f.name), dest=f.name, type=_parse_mapping, default=None, metavar="MAPPING",
+                                help=help_text)
+        elif base is list or hint is list:
+            parser.add_argument(flag(f.name), dest=f.name, type=float, nargs="+", default=None, metavar="X",
+                                help=help_text)
+        else:
+            conv = {int: int, float: float, str: str}.get(base, str)
+            parser.add_argument(flag(f.name), dest=f.name, type=_optional(conv) if type(None) in args else conv,
+                                default=None, choices=choices.get(f.name), help=help_text,
+                                metavar="{" + ",".join(choices[f.name]) + "}" if f.name in choices else None)
+
+
+def config_source_from_args(args: argparse.Namespace, config_cls: type) -> ConfigSource:
+    """What the flags (and ``--config FILE``) ask for, before resolution: the flags of ``config_cls``'s fields
+    that were given, the YAML file's values and the recipe asked for."""
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    overrides = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    yaml_values = load_yaml(args.config) if getattr(args, "config", None) else {}
+    return ConfigSource(config_cls, overrides.get("recipe"), yaml_values, overrides)
