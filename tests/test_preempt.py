@@ -84,15 +84,22 @@ def test_a_signalled_train_run_saves_its_step_and_resumes_to_the_uninterrupted_w
     assert summaries[0]["final_acc"] == summaries[1]["final_acc"]
 
 
-def test_a_run_stopped_in_its_first_epoch_resumes(tmp_path, capsys):
-    """No epoch finished yet: the step-level checkpoint is the run's first, and --resume takes it."""
+@pytest.mark.parametrize("step", [1, 5])
+def test_a_run_stopped_in_its_first_epoch_resumes(tmp_path, capsys, step, uninterrupted):
+    """No epoch finished yet: the step-level checkpoint is the run's first, and --resume takes it; stopped
+    after the epoch's last batch, the resumed epoch trains no batch and only finishes (the sums it saved)."""
     out = tmp_path / "early"
-    with signal_after_step(1, signal.SIGTERM):
+    with signal_after_step(step, signal.SIGTERM):
         assert main([*TRAIN, "--out", str(out)]) == 143
-    assert "in epoch 1/2 after batch 1/5" in capsys.readouterr().err
+    assert f"in epoch 1/2 after batch {step}/5" in capsys.readouterr().err
     assert load_checkpoint(out / "last.pt")["epoch"] == 0
     assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 0
     assert json.loads((out / "summary.json").read_text())["epochs"] == 2
+    rows = [(out / "metrics.csv").read_text().splitlines(), (uninterrupted / "metrics.csv").read_text().splitlines()]
+    header = rows[0][0].split(",")
+    for col in ("train_loss", "train_top1", "test_top1"):  # the epoch's sums carried across the stop
+        i = header.index(col)
+        assert [r.split(",")[i] for r in rows[0][1:]] == [r.split(",")[i] for r in rows[1][1:]], col
 
 
 def test_stop_signals_flag_restore_and_exit_status():

@@ -101,8 +101,8 @@ def train_epoch(state: RunState, model: nn.Module, batches: Iterable, step_loss:
     "seconds"}`` of the whole epoch, ``state.epoch_partial`` cleared."""
     partial = state.epoch_partial or {}
     done = int(partial.get("batches", 0))
-    sums = dict(partial.get("sums", {})) if ctx.is_main else {}  # the main process carries every rank's sums
-    sums = {k: float(v) for k, v in sums.items()}
+    saved = {k: float(v) for k, v in partial.get("sums", {}).items()}
+    sums = saved if ctx.is_main else dict.fromkeys(saved, 0.0)  # the main process carries every rank's sums
     start = time.perf_counter() - float(partial.get("seconds", 0.0))
     model.train()
     for i, batch in enumerate(batches, start=done):
