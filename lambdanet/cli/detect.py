@@ -30,7 +30,6 @@ def _add_detect(sub) -> None:
                     "Evaluation: COCO box and mask AP with pycocotools, in summary.json. Every option is also a YAML "
                     "key (--config); --resume continues the run in --out; under torchrun it trains with "
                     "DistributedDataParallel.")
-    detect.add_argument("--config", help="YAML file of options")
     add_config_arguments(detect, DetectConfig)
     detect.set_defaults(func=_cmd_detect)
 

@@ -32,7 +32,6 @@ def _add_train(sub) -> None:
                     "run's model (its architecture and image size unless given) or timm's weights, adapting the "
                     "input channels and the classifier to the data. Under torchrun the same command trains "
                     "with DistributedDataParallel.")
-    train.add_argument("--config", help="YAML file of options")
     add_config_arguments(train, TrainConfig)
     train.set_defaults(func=_cmd_train)
 
@@ -84,6 +83,9 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 def _add_sweep(sub) -> None:
     """``lambdanet sweep``"""
+    from lambdanet.engine.config import add_config_arguments
+    from lambdanet.train.config import TrainConfig
+
     sw = sub.add_parser("sweep", help="learning-rate sensitivity study",
                         description="Train the same recipe at several learning rates (and models) into "
                                     "--out/<model>/lr_<lr>; writes sweep.md, sweep.json and sweep.png (accuracy vs "
@@ -92,10 +94,6 @@ def _add_sweep(sub) -> None:
                                     "configuration is refused. Every train option applies.")
     sw.add_argument("--lrs", type=float, nargs="+", required=True, help="learning rates")
     sw.add_argument("--models", nargs="+", default=None, help="models (default: --model)")
-    sw.add_argument("--config", help="YAML file of options")
-    from lambdanet.engine.config import add_config_arguments
-    from lambdanet.train.config import TrainConfig
-
     add_config_arguments(sw, TrainConfig)
     sw.set_defaults(func=_cmd_sweep)
 

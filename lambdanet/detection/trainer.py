@@ -23,7 +23,6 @@ resizes and crops to 1024 px; the resize is the part torchvision's transform doe
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 import sys
@@ -131,7 +130,12 @@ class DetectConfig(RunConfig):
 
     @classmethod
     def recipe_table(cls) -> dict[str, dict]:
-        return recipe_values()
+        """:meth:`RunConfig.recipe_table` with the quick recipe's pre-training on the default glyphs data,
+        without building a model (:meth:`complete` checks the backbone takes it)."""
+        table = super().recipe_table()
+        if table["quick"]["data"] == "glyphs":
+            table["quick"]["pretrain_steps"] = QUICK_PRETRAIN_STEPS
+        return table
 
     def evaluates_after(self, epoch: int) -> bool:
         """Whether the run evaluates COCO AP after ``epoch`` (1-based): the last, and every ``eval_every``."""
@@ -228,17 +232,8 @@ def resolve_detect_config(recipe: str | None = None, yaml_values: dict | None = 
 
 def recipe_values() -> dict[str, dict]:
     """Per recipe, the values of :class:`DetectConfig` it runs with on the default backbone and data, as
-    :func:`resolve_detect_config` settles them (``--help`` shows these), without building a model."""
-    base = dataclasses.asdict(DetectConfig())
-    out = {}
-    for name, values in DETECT_RECIPES.items():
-        quick = name == "quick"
-        out[name] = {**base, **values, "recipe": name,
-                     "detector": {**(QUICK_DETECTOR if quick else {}), **values.get("detector", {})},
-                     "backbone_kwargs": quick_backbone_kwargs(base["backbone"]) if quick else {}}
-        if quick and base["data"] == "glyphs":
-            out[name]["pretrain_steps"] = QUICK_PRETRAIN_STEPS
-    return out
+    :func:`resolve_detect_config` settles them (``--help`` shows these): :meth:`DetectConfig.recipe_table`."""
+    return DetectConfig.recipe_table()
 
 
 def _known_backbone(backbone: str) -> bool:
@@ -453,11 +448,12 @@ class DetectionTask(Task):
         scaler = torch.amp.GradScaler("cuda") if cfg.amp == "fp16" else None
         return RunState(model, build_optimizer(model, cfg), scaler=scaler)
 
-    def initialize(self, state: RunState) -> None:
+    def initialize(self, state: RunState, resumed: bool) -> None:
         """The glyph-crop pre-training (every process, each on its share of the crops), saved as an epoch-0
-        checkpoint: a crash in epoch 1 does not cost it."""
+        checkpoint: a crash in epoch 1 does not cost it. Its own checkpoint goes once ``last.pt`` holds it
+        (also after a crash between the two files)."""
         cfg, out = self.cfg, self.out
-        if cfg.pretrain_steps:
+        if cfg.pretrain_steps and not resumed:
             try:
                 info = _pretrain(unwrap(state.model), cfg, self.ctx, self.log, self.stop)
             except Preempted as err:
@@ -465,6 +461,8 @@ class DetectionTask(Task):
             if self.ctx.is_main:
                 write_json(info, out / "pretrain.json")
                 self.save(state)
+        if self.ctx.is_main:
+            (out / PRETRAIN_CHECKPOINT).unlink(missing_ok=True)
 
     def batches(self, state: RunState):
         loader, cfg = self.loader, self.cfg
@@ -503,8 +501,6 @@ class DetectionTask(Task):
 
     def describe(self, state: RunState) -> str:
         cfg, model = self.cfg, unwrap(state.model)
-        if self.ctx.is_main:  # last.pt holds the pre-training now (also after a crash between the two files)
-            (self.out / PRETRAIN_CHECKPOINT).unlink(missing_ok=True)
         self.params = sum(p.numel() for p in model.parameters())
         self.backbone_params = sum(p.numel() for p in model.backbone.body.parameters())
         return (f"detect: {cfg.backbone} {'Mask' if cfg.masks else 'Faster'} R-CNN, {self.params / 1e6:.2f}M "

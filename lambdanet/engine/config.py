@@ -215,9 +215,11 @@ def describe_default(name: str, values: dict[str, dict], default_recipe: str = "
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type) -> None:
-    """One ``--flag`` per field of ``config_cls`` with its one-line help (:func:`option` metadata), choices
-    and default as the recipes set it (:func:`describe_default`; booleans: ``--flag`` / ``--no-flag``); the
-    parsed default is ``None`` = "not given", so recipe and YAML values survive."""
+    """``--config FILE`` (YAML) and one ``--flag`` per field of ``config_cls`` with its one-line help
+    (:func:`option` metadata), choices and default as the recipes set it (:func:`describe_default`; booleans:
+    ``--flag`` / ``--no-flag``); the parsed default is ``None`` = "not given", so recipe and YAML values
+    survive (:func:`config_source_from_args` reads them back)."""
+    parser.add_argument("--config", help="YAML file of options")
     hints = typing.get_type_hints(config_cls)
     choices, recipes = config_cls.choices(), config_cls.recipe_table()
     for f in dataclasses.fields(config_cls):

@@ -23,10 +23,12 @@ def _partial(partial: dict | None) -> dict | None:
     """A preempted epoch's position as the loop keeps it (``batches``, ``sums``, ``seconds``), also from the
     checkpoints of lambdanet <= 0.1: classification's ``loss_sum`` / ``correct`` / ``seen``, and detection's
     per-batch loss sums without a count."""
-    if not partial or "loss_sum" in partial and "sums" not in partial:
-        return partial and {"batches": partial["batches"], "seconds": partial.get("seconds", 0.0), "sums": {
-            "loss": partial["loss_sum"], "correct": partial["correct"], "n": partial["seen"]}}
-    return {**partial, "sums": {"n": partial["batches"], **partial.get("sums", {})}}
+    if not partial:
+        return partial
+    if "loss_sum" in partial:  # classification's of lambdanet <= 0.1
+        return {"batches": partial["batches"], "seconds": partial.get("seconds", 0.0),
+                "sums": {"loss": partial["loss_sum"], "correct": partial["correct"], "n": partial["seen"]}}
+    return {**partial, "sums": {"n": partial["batches"], **partial.get("sums", {})}}  # detection's lacked "n"
 
 
 @dataclass

@@ -13,7 +13,7 @@ A task implements:
 * ``describe(state)``: the run's first line, and ``finish(state, row, stopped)``: weights, plots and the
   summary (every rank calls it; outputs are the main process's);
 
-and may override ``initialize(state)`` (work before the first epoch, such as a pre-training),
+and may override ``initialize(state, resumed)`` (work before the epochs, such as a pre-training),
 ``save_due(epoch)``, ``stops_early(state)``, ``wrap(model)`` and ``diverged_hint``.
 """
 
@@ -57,8 +57,9 @@ class Task:
         """``last.pt``: the run's state with its configuration."""
         state.save(self.checkpoint_path, self.cfg)
 
-    def initialize(self, state: RunState) -> None:
-        """Work of a new run before its first epoch (after ``config.yaml`` is written); none by default."""
+    def initialize(self, state: RunState, resumed: bool) -> None:
+        """Work before the epochs, after ``config.yaml`` is written and (``resumed``) ``last.pt`` restored: a
+        new run's preparation such as a pre-training; none by default."""
 
     def save_due(self, epoch: int) -> bool:
         return epoch % getattr(self.cfg, "checkpoint_every", 1) == 0
@@ -109,10 +110,10 @@ def _run(task: Task) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         cfg.save_yaml(out / "config.yaml")
     barrier(ctx)
-    if cfg.resume and task.checkpoint_path.is_file():
+    resumed = cfg.resume and task.checkpoint_path.is_file()
+    if resumed:
         _restore(task, state, saved_epochs)
-    else:
-        task.initialize(state)
+    task.initialize(state, resumed)
     model = data_parallel(task.wrap(state.model), ctx)
     logger = RunLogger(out, enabled=ctx.is_main, tensorboard=cfg.tensorboard)
     try:
