@@ -1,16 +1,9 @@
-"""lambdanet: LambdaNetworks (Bello, ICLR 2021) in PyTorch.
-
-Lambda layers, LambdaResNets and the convolution and attention baselines they are measured against.
-"""
+"""lambdanet: LambdaNetworks (Bello, ICLR 2021) in PyTorch: lambda layers, LambdaResNets and the convolution
+and attention baselines they are measured against."""
 
 from lambdanet import functional
-from lambdanet.layers import (
-    AbsolutePositionEmbedding,
-    LambdaLayer,
-    RelativePositionEmbedding,
-    create_spatial_layer,
-    list_spatial_layers,
-)
+from lambdanet.layers import (AbsolutePositionEmbedding, LambdaLayer, RelativePositionEmbedding,
+                              create_spatial_layer, list_spatial_layers)
 from lambdanet.models import create_model, list_models, model_args, model_info, register_model
 
 __version__ = "0.1.0"
@@ -23,18 +16,6 @@ def load_model(path, *, ema: bool = True):
 
     return _load(path, ema=ema)
 
-__all__ = [
-    "functional",
-    "LambdaLayer",
-    "RelativePositionEmbedding",
-    "AbsolutePositionEmbedding",
-    "create_spatial_layer",
-    "list_spatial_layers",
-    "create_model",
-    "list_models",
-    "model_info",
-    "model_args",
-    "register_model",
-    "load_model",
-    "__version__",
-]
+__all__ = ["functional", "LambdaLayer", "RelativePositionEmbedding", "AbsolutePositionEmbedding",
+           "create_spatial_layer", "list_spatial_layers", "create_model", "list_models", "model_info",
+           "model_args", "register_model", "load_model", "__version__"]

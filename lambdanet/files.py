@@ -1,11 +1,7 @@
 """The files lambdanet reads and writes, in one place: weights files (safetensors or ``torch.save``'d state
 dicts), the header of a run's weights (:data:`METADATA_FORMAT`, which lets a file rebuild its model) and the
 run directory's layout (:data:`RUN_FILES`, :func:`run_file`). The bottom of the stack: models read these
-files, the training engine writes them; this module imports neither.
-
-Every safetensors file is read through :func:`read_safetensors`, which turns a damaged file into a
-one-line :class:`WeightsMismatchError`.
-"""
+files, the training engine writes them; this module imports neither."""
 
 from __future__ import annotations
 
@@ -28,11 +24,10 @@ class WeightsMismatchError(ValueError):
 
 
 def run_file(path: str | os.PathLike, *, ema: bool = True, checkpoint: bool = False) -> Path:
-    """The file a run directory of ``lambdanet train`` stands for; any other path as it is (``~`` expanded).
-
-    The weights (default): ``model_ema.safetensors`` when present and ``ema``, else ``model.safetensors``,
-    else ``last.pt`` (a run stopped before its end). With ``checkpoint``: its ``last.pt``, the training
-    checkpoint (configuration, raw and EMA weights). ``ValueError`` for a directory without such a file."""
+    """The file a run directory of ``lambdanet train`` stands for; any other path as it is (``~`` expanded). The
+    weights (default): ``model_ema.safetensors`` when present and ``ema``, else ``model.safetensors``, else
+    ``last.pt`` (a run stopped before its end). With ``checkpoint``: its ``last.pt``, the training checkpoint
+    (configuration, raw and EMA weights). ``ValueError`` for a directory without such a file."""
     path = Path(path).expanduser()
     if not path.is_dir():
         return path

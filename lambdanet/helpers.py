@@ -11,23 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = [
-    "compute_dtype",
-    "to_ntuple",
-    "check_positive_int",
-    "check_choice",
-    "conv_nd",
-    "avg_pool_nd",
-    "check_input",
-    "check_real",
-]
+__all__ = ["compute_dtype", "to_ntuple", "check_positive_int", "check_choice", "conv_nd", "avg_pool_nd",
+           "check_input", "check_real"]
 
 
 def to_ntuple(value: int | Sequence[int] | None, n: int, name: str) -> tuple[int, ...] | None:
-    """Return ``value`` as an ``n``-tuple of ints (``None`` stays ``None``).
-
-    Raises a ``ValueError`` naming ``name`` when a sequence of the wrong length is given.
-    """
+    """``value`` as an ``n``-tuple of ints (``None`` stays ``None``); a ``ValueError`` naming ``name`` for
+    anything else (a non-int entry, a sequence of the wrong length)."""
     if value is None:
         return None
     if _is_int(value):
@@ -64,10 +54,8 @@ def check_positive_int(value, name: str, *, odd: bool = False, allow_none: bool 
 
 
 def check_choice(value, name: str, choices: Sequence) -> None:
-    """Raise a ``ValueError`` naming ``name`` and listing ``choices`` unless ``value`` is one of them.
-
-    Equality alone is not enough: ``True == 1`` and ``2.0 == 2``, so a bool or a float is no int choice.
-    """
+    """Raise a ``ValueError`` naming ``name`` and listing ``choices`` unless ``value`` is one of them (not
+    equality alone: ``True == 1`` and ``2.0 == 2``, but a bool or a float is no int choice)."""
     if not any(_same_choice(value, c) for c in choices):
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
 
@@ -99,11 +87,9 @@ def avg_pool_nd(spatial_dims: int) -> Callable[..., Tensor]:
 
 def check_input(x: Tensor, dim: int, spatial_dims: int | None, layer: str, *, dim_name: str = "dim") -> None:
     """Validate a ``[B, C, *spatial]`` input with a one-line ``ValueError``: a floating-point tensor with
-    ``spatial_dims`` spatial axes (``None``: any of 1, 2 or 3), ``dim`` channels and no empty spatial axis.
-
-    A rank mismatch names the ``spatial_dims`` the input has (``spatial_dims=3`` for a 5-d input), i.e. the
-    configuration a layer would need to take it. ``dim_name``: the constructor argument that set ``dim``.
-    """
+    ``spatial_dims`` spatial axes (``None``: any of 1, 2 or 3), ``dim`` channels and no empty spatial axis. A
+    rank mismatch names the ``spatial_dims`` the input has (``spatial_dims=3`` for a 5-d input), i.e. what a
+    layer would need to take it. ``dim_name``: the constructor argument that set ``dim``."""
     if not isinstance(x, Tensor):
         raise ValueError(f"{layer} expects a tensor input [B, C, *spatial], got {type(x).__name__}")
     expected = (1, 2, 3) if spatial_dims is None else (spatial_dims,)

@@ -1,22 +1,20 @@
 """Classify image files with a trained or pretrained model: ``predict(model, images)``.
 
 The model says how its inputs must look in ``model.pretrained_cfg`` (what :func:`lambdanet.load_model` and
-``create_model(name, pretrained=True)`` attach): ``image_size``, ``mean``, ``std``, ``in_chans`` (1: grayscale,
-3: RGB), optionally ``crop_pct`` (default 1.0: resize straight to ``image_size``; below 1, timm's evaluation
+``create_model(name, pretrained=True)`` attach): ``image_size``, ``mean``, ``std``, ``in_chans`` (1: grayscale, 3:
+RGB), optionally ``crop_pct`` (default 1.0: resize straight to ``image_size``; below 1, timm's evaluation
 convention: resize the shorter side to ``int(image_size / crop_pct)``, then centre-crop ``image_size``),
-``interpolation`` (``"bilinear"`` default, or ``"bicubic"``) and ``classes`` (the class names, or ``None``).
-
-Labels are the model's ``classes`` when it has them, ImageNet's class names (torchvision's offline copy)
-for other 1000-class models, and the class index otherwise.
+``interpolation`` (``"bilinear"`` default, or ``"bicubic"``) and ``classes`` (the class names, or ``None``). Labels
+are the model's ``classes`` when it has them, ImageNet's class names (torchvision's offline copy) for other
+1000-class models, and the class index otherwise.
 
 Precision: :func:`predict` runs in the dtype of the model's floating-point parameters (:func:`floating_dtype`):
 float32, or half precision after ``model.half()`` / ``model.to(torch.bfloat16)`` (``load_for_inference(...,
 dtype="float16")``, ``lambdanet predict --dtype``; :data:`DTYPES`). The lambda layers compute their lambdas in
 float32 and cast back; on a CPU, float16 convolutions are much slower than float32 ones (bfloat16 ones less so).
 
-:func:`load_for_inference` builds the model that ``lambdanet predict`` and ``lambdanet export`` work on
-from a registered name (optionally with pretrained weights) or from what ``lambdanet train`` wrote.
-"""
+:func:`load_for_inference` builds the model that ``lambdanet predict`` and ``lambdanet export`` work on from a
+registered name (optionally with pretrained weights) or from what ``lambdanet train`` wrote."""
 
 from __future__ import annotations
 
@@ -56,19 +54,14 @@ def resolve_dtype(dtype: str | torch.dtype, name: str = "dtype") -> torch.dtype:
 def floating_dtype(model: nn.Module) -> torch.dtype:
     """The dtype of the model's first floating-point parameter (or buffer): the precision it computes in;
     float32 for a model without any."""
-    for t in (*model.parameters(), *model.buffers()):
-        if t.is_floating_point():
-            return t.dtype
-    return torch.float32
+    return next((t.dtype for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()), torch.float32)
 
 
 # --------------------------------------------------------------------------------------------------- models
 def _is_run_output(path: Path) -> bool:
     """Whether ``path`` is something ``lambdanet train`` wrote (a run directory, a ``.pt`` checkpoint, or
     safetensors weights whose header describes their model), which :func:`lambdanet.load_model` reads."""
-    if path.is_dir() or path.suffix == ".pt":
-        return True
-    return is_run_weights(path)
+    return path.is_dir() or path.suffix == ".pt" or is_run_weights(path)
 
 
 def load_for_inference(checkpoint: str | os.PathLike | None = None, *, model: str | None = None,
@@ -118,12 +111,10 @@ def load_for_inference(checkpoint: str | os.PathLike | None = None, *, model: st
                 raise ValueError(f"num_classes={num_classes} does not match checkpoint {str(path)!r}, trained "
                                  f"with {net.pretrained_cfg['num_classes']} classes")
             return net.to(dtype).eval()
-        net = create_model(model, checkpoint_path=str(path), **kwargs)
+        kwargs["checkpoint_path"] = str(path)
     elif pretrained:
-        net = create_model(model, pretrained=True, **kwargs)
-    else:
-        net = create_model(model, **kwargs)
-    return net.to(dtype).eval()
+        kwargs["pretrained"] = True
+    return create_model(model, **kwargs).to(dtype).eval()
 
 
 # --------------------------------------------------------------------------------------------------- images
@@ -162,10 +153,8 @@ def load_image(path: str | os.PathLike, in_chans: int):
 
 def preprocess_transform(cfg: dict):
     """The evaluation preprocessing ``model.pretrained_cfg`` describes (see the module docstring), from a PIL
-    image to a normalised float32 tensor ``[in_chans, image_size, image_size]``.
-
-    The image is resized as float32 (not rounded back to 8 bits), antialiased.
-    """
+    image to a normalised float32 tensor ``[in_chans, image_size, image_size]``; the image is resized as
+    float32 (not rounded back to 8 bits), antialiased."""
     from torchvision.transforms import v2
 
     missing = [k for k in ("image_size", "mean", "std", "in_chans") if cfg.get(k) is None]
@@ -177,8 +166,7 @@ def preprocess_transform(cfg: dict):
     mean, std = list(cfg["mean"]), list(cfg["std"])
     if len(mean) != in_chans or len(std) != in_chans:
         raise ValueError(f"pretrained_cfg mean and std must have in_chans={in_chans} entries, got {mean}, {std}")
-    crop_pct = cfg.get("crop_pct")
-    crop_pct = 1.0 if crop_pct is None else float(crop_pct)
+    crop_pct = 1.0 if cfg.get("crop_pct") is None else float(cfg["crop_pct"])
     if not 0.0 < crop_pct <= 1.0:
         raise ValueError(f"pretrained_cfg['crop_pct'] must be in (0, 1], got {crop_pct}")
     interpolation = cfg.get("interpolation") or "bilinear"
@@ -204,13 +192,11 @@ def imagenet_classes() -> tuple[str, ...]:
 def class_labels(classes: Sequence | None, num_outputs: int) -> list[str]:
     """The label of each of a model's ``num_outputs`` classes: ``classes`` when given, ImageNet's names for
     1000 outputs, else the index."""
+    if classes and len(classes) != num_outputs:
+        raise ValueError(f"the model has {num_outputs} outputs but pretrained_cfg names {len(classes)} classes")
     if classes:
-        if len(classes) != num_outputs:
-            raise ValueError(f"the model has {num_outputs} outputs but pretrained_cfg names {len(classes)} classes")
         return [str(c) for c in classes]
-    if num_outputs == 1000:
-        return list(imagenet_classes())
-    return [str(i) for i in range(num_outputs)]
+    return list(imagenet_classes()) if num_outputs == 1000 else [str(i) for i in range(num_outputs)]
 
 
 # --------------------------------------------------------------------------------------------------- predict

@@ -7,16 +7,14 @@ Below ``models``, ``train`` and ``bench``, which all use it; it imports only tor
   that turns it into ``torch.autocast``.
 * Time: warm-up calls, then repeated timed calls; median and inter-quartile range. Several callables are
   timed round-robin (one call of each per round, the order rotating) so that a machine whose speed drifts
-  affects them alike; one callable is the case of a single name. On CUDA each call is timed with a pair
-  of CUDA events recorded on the current stream around it, after a synchronisation so that no earlier
-  work is counted; on CPU with ``time.perf_counter``.
+  affects them alike. On CUDA each call is timed with a pair of CUDA events recorded on the current stream
+  around it, after a synchronisation so that no earlier work is counted; on CPU with ``time.perf_counter``.
 * Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` above what was allocated before the call.
   On CPU PyTorch keeps no allocator statistics, so :class:`PeakMemory` tracks every tensor storage the
   call creates (through a dispatch mode) and when it is freed (through a weak reference on the storage,
   which fires exactly when the storage is deallocated): the peak of the live bytes. Tensors that existed
   before the call (parameters, inputs) are not counted; workspace inside a kernel is not visible.
-* FLOPs: ``torch.utils.flop_counter.FlopCounterMode`` (a multiply-add counts as 2 FLOPs).
-"""
+* FLOPs: ``torch.utils.flop_counter.FlopCounterMode`` (a multiply-add counts as 2 FLOPs)."""
 
 from __future__ import annotations
 
@@ -36,7 +34,6 @@ __all__ = ["AMP_DTYPES", "check_amp", "autocast_context", "PeakMemory", "Timing"
            "time_round_robin", "peak_memory", "count_flops"]
 
 # ----------------------------------------------------------------------------------------------- precision
-
 AMP_DTYPES: dict[str, torch.dtype | None] = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -57,15 +54,12 @@ def autocast_context(device: torch.device | str, amp: str) -> AbstractContextMan
 
 
 # -------------------------------------------------------------------------------------------------- memory
-
-
 class PeakMemory(TorchDispatchMode):
     """Peak bytes of tensor storages created while active (CPU or any device without allocator stats)."""
 
     def __init__(self):
         super().__init__()
-        self.live = 0
-        self.peak = 0
+        self.live = self.peak = 0
         self._sizes: dict[int, int] = {}
 
     def _free(self, key: int) -> None:
@@ -103,8 +97,6 @@ def peak_memory(fn: Callable[[], object], device: torch.device | str = "cpu") ->
 
 
 # ---------------------------------------------------------------------------------------------------- time
-
-
 def sync(device: torch.device | str) -> None:
     """Wait for the work queued on ``device`` (a no-op off CUDA)."""
     if torch.device(device).type == "cuda":
@@ -149,12 +141,9 @@ class Timing:
 
 def time_round_robin(fns: Mapping[str, Callable[[], object]], device: torch.device | str = "cpu", *,
                      warmup: int = 2, repeats: int = 7, max_seconds: float | None = None) -> dict[str, Timing]:
-    """:class:`Timing` of each callable over ``repeats`` rounds after ``warmup`` calls of each.
-
-    Each round calls every callable once, starting one further along each round, so that slow drifts of
-    the machine's speed fall on all of them alike. Fewer rounds (at least 3) are run when ``max_seconds``
-    would be exceeded.
-    """
+    """:class:`Timing` of each callable over ``repeats`` rounds after ``warmup`` calls of each. Each round calls
+    every callable once, starting one further along each round, so that slow drifts of the machine's speed fall
+    on all of them alike. Fewer rounds (at least 3) are run when ``max_seconds`` would be exceeded."""
     names = list(fns)
     if not names:
         return {}
@@ -180,8 +169,6 @@ def time_fn(fn: Callable[[], object], device: torch.device | str = "cpu", *, war
 
 
 # --------------------------------------------------------------------------------------------------- FLOPs
-
-
 def count_flops(fn: Callable[[], object]) -> int:
     """FLOPs of ``fn()`` counted by ``torch.utils.flop_counter`` (2 per multiply-add)."""
     with FlopCounterMode(display=False) as counter:

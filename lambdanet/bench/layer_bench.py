@@ -65,16 +65,13 @@ LAYER_SUITE: dict[str, LayerConfig] = {c.name: c for c in [
 def build_layer(config: LayerConfig, dim: int, side: int | tuple[int, int],
                 shared: RelativePositionEmbedding | None = None) -> nn.Module:
     """Instantiate ``config`` for ``dim`` channels on ``side x side`` inputs."""
-    kwargs = dict(config.kwargs)
-    if config.shared_embedding:
-        kwargs["embedding"] = shared
+    kwargs = {**config.kwargs, "embedding": shared} if config.shared_embedding else config.kwargs
     return create_spatial_layer(config.layer, dim, dim, feat_size=side if config.global_context else None, **kwargs)
 
 
 def _shared_embedding(config: LayerConfig, side: int) -> RelativePositionEmbedding | None:
-    if not config.shared_embedding:
-        return None
-    return RelativePositionEmbedding.global_context(config.kwargs.get("dim_k", 16), side)
+    dim_k = config.kwargs.get("dim_k", 16)
+    return RelativePositionEmbedding.global_context(dim_k, side) if config.shared_embedding else None
 
 
 def loglog_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -133,9 +130,7 @@ def interleaved_fwd_bwd(impls: dict[str, nn.Module], x: torch.Tensor, *, repeats
             log(f"  {name}: failed ({str(err)[:80]})")
             continue
         steps[name] = step
-    if not steps:
-        return {}
-    return _measure(impls, steps, x.device, repeats=repeats, warmup=0)
+    return _measure(impls, steps, x.device, repeats=repeats, warmup=0) if steps else {}
 
 
 def geomean(values: Sequence[float]) -> float:
@@ -166,8 +161,7 @@ def lambda_vs_peers(points=TARGET_POINTS, *, device: str = "cpu", repeats: int =
         point = {"batch": b, "channels": c, "side": side, "scope": "global" if r is None else f"{r}x{r}"}
         impls = {name: layer.to(device) for name, layer in impls.items()}
         results = interleaved_fwd_bwd(impls, x, repeats=repeats, log=log)
-        for name, res in results.items():
-            rows.append({**point, "impl": name, **res})
+        rows += [{**point, "impl": name, **res} for name, res in results.items()]
         peers = {k: v for k, v in results.items() if not k.startswith("lambdanet")}
         if peers and "lambdanet" in results:
             fastest = min(peers, key=lambda k: peers[k]["median_ms"])
@@ -203,10 +197,9 @@ def lambda_impls(points=IMPL_POINTS, *, device: str = "cpu", repeats: int = 5, d
     for b, c, side, r in points:
         torch.manual_seed(0)
         x = torch.randn(b, c, side, side, device=device)
-        layers = {impl: LambdaLayer(c, dim_k=dim_k, heads=heads, dim_u=dim_u, r=r, feat_size=side, impl=impl)
-                  for impl in impls}
-        auto = LambdaLayer(c, dim_k=dim_k, heads=heads, dim_u=dim_u, r=r, feat_size=side).to(device)
-        layers = {k: v.to(device) for k, v in layers.items()}
+        kwargs = dict(dim_k=dim_k, heads=heads, dim_u=dim_u, r=r, feat_size=side)
+        layers = {impl: LambdaLayer(c, **kwargs, impl=impl).to(device) for impl in impls}
+        auto = LambdaLayer(c, **kwargs).to(device)
         try:
             results = interleaved_fwd_bwd(layers, x, repeats=repeats, log=log)
         except torch.OutOfMemoryError:

@@ -7,8 +7,7 @@ and timm's lambda_resnet26t / resnet26t when timm is installed) and ``timm26`` (
 halonet26t, timm's architectures on our layers, against timm's own and resnet26t).
 
 Throughput is images per second of a full step (training: forward, backward and an SGD step; inference:
-a ``no_grad`` forward in eval mode). Like App. E.2, a batch that does not fit is halved until it does and
-the throughput is reported per image (equivalently, the latency of a full batch is normalised).
+a ``no_grad`` forward in eval mode). Like App. E.2, a batch that does not fit is halved until it does.
 
 :func:`table4_memory` reproduces LambdaNetworks Table 4's memory column from the complexity formulas
 evaluated on the actual layer shapes of each ResNet-50 variant, and checks the formulas against the peak

@@ -16,8 +16,7 @@ def environment(device: str) -> dict:
     env = {"torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
            "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(), "device": device}
     if device == "cuda" and torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name()
-        env["cuda"] = torch.version.cuda
+        env.update(gpu=torch.cuda.get_device_name(), cuda=torch.version.cuda)
     return env
 
 
@@ -42,8 +41,7 @@ def _fmt(v) -> str:
 
 def markdown(rows: list[dict], columns: list[tuple[str, str]]) -> str:
     lines = ["| " + " | ".join(h for _, h in columns) + " |", "|" + "---|" * len(columns)]
-    for r in rows:
-        lines.append("| " + " | ".join(_fmt(r.get(k)) for k, _ in columns) + " |")
+    lines += ["| " + " | ".join(_fmt(r.get(k)) for k, _ in columns) + " |" for r in rows]
     return "\n".join(lines)
 
 
@@ -69,15 +67,10 @@ def plot_scaling(rows: list[dict], out: Path) -> list[Path]:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="osD^v<>phX*P"[i % 12],
                         linestyle="-" if i < 10 else "-.", label=layer)
         xs = sorted({r["positions"] for r in rows})
-        ys = [r[key] / (2 ** 20 if key == "peak_bytes" else 1) for r in rows]
-        y0 = min(ys)
+        y0 = min(r[key] / (2 ** 20 if key == "peak_bytes" else 1) for r in rows)
         for slope, style in ((1, ":"), (2, "--")):
             ax.plot(xs, [y0 * (x / xs[0]) ** slope for x in xs], "k" + style, alpha=0.5, label=f"slope {slope}")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("positions n = H W")
-        ax.set_ylabel(ylabel)
-        ax.set_title(f"batch {batch}")
+        ax.set(xscale="log", yscale="log", xlabel="positions n = H W", ylabel=ylabel, title=f"batch {batch}")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
         fig.tight_layout()

@@ -3,20 +3,17 @@
 Parts (:data:`PARTS`, each a function of the :class:`BenchSettings` that returns its rows and its section
 of ``bench.md``):
 
-* ``targets``: our ``LambdaLayer`` against timm's and lucidrains' at the five points of
-  ``layer_bench.TARGET_POINTS`` (forward+backward time, peak memory, ratio to the fastest peer,
-  geometric mean).
+* ``targets``: our ``LambdaLayer`` against timm's and lucidrains' at the points of ``layer_bench.TARGET_POINTS``
+  (forward+backward time, peak memory, ratio to the fastest peer, geometric mean).
 * ``attention``: our HaloNet and global relative attention against timm's HaloAttn and BottleneckAttn.
 * ``scaling``: every Table 4 layer (and HaloNet's) across resolutions and batches: forward and
   forward+backward time, peak memory and FLOPs, log-log slopes and plots against the number of positions.
 * ``models``: model suites (Table 13 hybrids, Table 14, HaloNet, MobileNet, the 26-layer hybrid).
-* ``detection``: the detection study's backbones (ResNet-26, +SE, lambda and halo hybrids) alone at
-  512, 768 and 1024 px, batch 1 and 2: forward and training time, peak memory, and the slope of memory
-  against image area.
+* ``detection``: the detection study's backbones (ResNet-26, +SE, lambda and halo hybrids) alone at 512,
+  768 and 1024 px, batch 1 and 2: forward and training time, peak memory, memory's slope against image area.
 * ``table4``: Table 4's memory column from the complexity formulas on each variant's layer shapes.
 
-A peer package that is not installed leaves out its rows; the run says so in one line on stderr and in
-``bench.md``, with the command that installs it.
+A missing peer package leaves out its rows; a line on stderr and in ``bench.md`` says so and how to install it.
 """
 
 from __future__ import annotations
@@ -216,23 +213,19 @@ def run_benchmarks(parts: Sequence[str] = tuple(PARTS), *, device: str = "cpu", 
     goes to ``log``; a missing peer package to ``warn`` (stderr) and ``bench.md``.
     """
     check_amp(amp, device)
-    unknown_layers = sorted(set(layers or ()) - set(layer_bench.LAYER_SUITE))
-    if unknown_layers:
-        raise ValueError(f"unknown bench layer(s) {unknown_layers}; valid: {', '.join(layer_bench.LAYER_SUITE)}")
-    unknown_suites = sorted(set(suites) - set(model_bench.MODEL_SUITES))
-    if unknown_suites:
-        raise ValueError(f"unknown model suite(s) {unknown_suites}; valid: {', '.join(model_bench.MODEL_SUITES)}")
-    unknown = sorted(set(parts) - set(PARTS))
-    if unknown:
-        raise ValueError(f"unknown bench part(s) {unknown}; valid: {', '.join(PARTS)}")
+    for what, asked, valid in (("bench layer(s)", layers or (), layer_bench.LAYER_SUITE),
+                               ("model suite(s)", suites, model_bench.MODEL_SUITES),
+                               ("bench part(s)", parts, PARTS)):
+        unknown = sorted(set(asked) - set(valid))
+        if unknown:
+            raise ValueError(f"unknown {what} {unknown}; valid: {', '.join(valid)}")
     settings = BenchSettings(device=device, quick=quick, suites=tuple(suites), img_size=img_size,
                              batch_size=batch_size, repeats=repeats, amp=amp, channels_last=channels_last,
                              compile=compile, layers=tuple(layers) if layers else None)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    env = environment(device)
     report = [f"# lambdanet bench ({time.strftime('%Y-%m-%d')})", "",
-              "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()), ""]
+              "Environment: " + ", ".join(f"{k} {v}" for k, v in environment(device).items()), ""]
     needed: dict[str, list[str]] = {}
     for part in parts:
         for peer in PARTS[part].peers(settings):
@@ -242,11 +235,10 @@ def run_benchmarks(parts: Sequence[str] = tuple(PARTS), *, device: str = "cpu", 
         warn(f"lambdanet bench: warning: {missing}")
         report += [f"**Warning:** {missing}.", ""]
     results: dict[str, list[dict]] = {}
-    for part in PARTS:  # in the table's order, whatever the order asked
-        if part in parts:
-            rows, lines = PARTS[part].run(settings, out, log)
-            results.update(rows)
-            report += lines
+    for part in [p for p in PARTS if p in parts]:  # in the table's order, whatever the order asked
+        rows, lines = PARTS[part].run(settings, out, log)
+        results.update(rows)
+        report += lines
     for name, rows in results.items():
         write_rows(rows, out, name)
     (out / "bench.md").write_text("\n".join(report) + "\n")

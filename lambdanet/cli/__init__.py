@@ -32,7 +32,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"lambdanet {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="command")
     parser.commands = sub.choices  # name -> subparser, for errors in a command's own usage
-
     for module in (info, training, deploy, detect, bench):  # the order of 'lambdanet --help'
         module.register(sub)
     return parser
@@ -57,4 +56,3 @@ def main(argv: list[str] | None = None) -> int:
     except _user_errors() as err:
         print(f"lambdanet {args.command}: error: {err}", file=sys.stderr)
         return 2
-

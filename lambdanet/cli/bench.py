@@ -23,7 +23,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _add_bench(sub) -> None:
-    """``lambdanet bench``"""
     from lambdanet.bench.layer_bench import LAYER_SUITE, TARGET_POINTS
     from lambdanet.bench.model_bench import MODEL_SUITES
     from lambdanet.bench.peers import INSTALL_HINT

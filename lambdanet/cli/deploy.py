@@ -14,12 +14,7 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     import torch
 
     from lambdanet.helpers import check_positive_int
-    from lambdanet.predict import (
-        find_images,
-        load_for_inference,
-        predict,
-        resolve_dtype,
-    )
+    from lambdanet.predict import find_images, load_for_inference, predict, resolve_dtype
 
     check_positive_int(args.top_k, "--top-k")
     dtype = resolve_dtype(args.dtype, "--dtype")
@@ -48,7 +43,6 @@ def _cmd_predict(args: argparse.Namespace) -> int:
 
 
 def _add_predict(sub) -> None:
-    """``lambdanet predict``"""
     from lambdanet.predict import DTYPES, IMAGE_SUFFIXES
 
     pr = sub.add_parser("predict", help="classify image files",
@@ -75,13 +69,7 @@ def _add_predict(sub) -> None:
 
 def _cmd_export(args: argparse.Namespace) -> int:
     """Export a model to ONNX, TorchScript or an ExportedProgram (library: ``lambdanet.export.export_model``)."""
-    from lambdanet.export import (
-        FORMATS,
-        check_dtype,
-        default_export_path,
-        export_model,
-        require_format,
-    )
+    from lambdanet.export import FORMATS, check_dtype, default_export_path, export_model, require_format
     from lambdanet.helpers import check_choice, check_positive_int
     from lambdanet.models import model_info
     from lambdanet.predict import load_for_inference, resolve_dtype
@@ -123,7 +111,6 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _add_export(sub) -> None:
-    """``lambdanet export``"""
     from lambdanet.export import FORMAT_DTYPES, FORMATS, ONNX_INSTALL, SUFFIXES
 
     ex = sub.add_parser("export", help="export a model to ONNX, TorchScript or a torch.export program",

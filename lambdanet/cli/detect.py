@@ -12,13 +12,11 @@ def _cmd_detect(args: argparse.Namespace) -> int:
     from lambdanet.detection.trainer import DetectConfig, train_detector
     from lambdanet.engine.config import config_source_from_args
 
-    source = config_source_from_args(args, DetectConfig)
-    train_detector(source.resolve())
+    train_detector(config_source_from_args(args, DetectConfig).resolve())
     return 0
 
 
 def _add_detect(sub) -> None:
-    """``lambdanet detect``"""
     from lambdanet.detection.trainer import DETECT_RECIPES, DetectConfig
     from lambdanet.engine.config import add_config_arguments
 

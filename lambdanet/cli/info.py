@@ -30,7 +30,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _add_demo(sub) -> None:
-    """``lambdanet demo``"""
     demo = sub.add_parser("demo", help="run one lambda layer forward and backward on random data",
                           description="Build a LambdaLayer, run it forward and backward on a random [batch, dim, "
                                       "size, size] input, and print the layer, its output shape, parameter count, "
@@ -93,7 +92,6 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _add_models(sub) -> None:
-    """``lambdanet models``"""
     models = sub.add_parser("models", help="list models with params, FLOPs and input size",
                             description="Every registered model with its parameters (1000 classes), FLOPs "
                                         "(torch.utils.flop_counter, one image at the default input size) and input "

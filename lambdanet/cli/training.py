@@ -12,13 +12,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from lambdanet.train.config import config_from_args
     from lambdanet.train.trainer import train
 
-    cfg = config_from_args(args)
-    train(cfg)
+    train(config_from_args(args))
     return 0
 
 
 def _add_train(sub) -> None:
-    """``lambdanet train``"""
     from lambdanet.data import list_datasets
     from lambdanet.engine.config import add_config_arguments
     from lambdanet.train.config import RECIPES, TrainConfig
@@ -53,7 +51,6 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _add_eval(sub) -> None:
-    """``lambdanet eval``"""
     ev = sub.add_parser("eval", help="evaluate a checkpoint",
                         description="Top-1/top-5 accuracy and loss of a training checkpoint (its EMA weights when it "
                                     "has them) on its dataset or another one.")
@@ -76,13 +73,11 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     from lambdanet.train.config import TrainConfig
     from lambdanet.train.sweep import lr_sweep, sweep_markdown
 
-    rows = lr_sweep(config_source_from_args(args, TrainConfig), args.lrs, args.models)
-    print(sweep_markdown(rows))
+    print(sweep_markdown(lr_sweep(config_source_from_args(args, TrainConfig), args.lrs, args.models)))
     return 0
 
 
 def _add_sweep(sub) -> None:
-    """``lambdanet sweep``"""
     from lambdanet.engine.config import add_config_arguments
     from lambdanet.train.config import TrainConfig
 
@@ -109,7 +104,6 @@ def _cmd_pseudo(args: argparse.Namespace) -> int:
 
 
 def _add_pseudo_label(sub) -> None:
-    """``lambdanet pseudo-label``"""
     ps = sub.add_parser("pseudo-label", help="label a teacher's unlabelled images",
                         description="Label the unlabelled part (1 - labeled_fraction) of a teacher run's training "
                                     "set; train a student with --labeled-fraction F --pseudo-labels FILE.")

@@ -3,17 +3,9 @@ Table 5): Mask R-CNN / Faster R-CNN on an FPN over any registered backbone (:mod
 glyph instance-segmentation dataset and COCO folders (:mod:`.data`), COCO evaluation (:mod:`.evaluate`,
 needs pycocotools)."""
 
-from lambdanet.detection.data import (
-    CocoInstances,
-    GlyphInstances,
-    GlyphSceneConfig,
-    build_detection_datasets,
-    coco_ground_truth,
-    collate_detection,
-    dataset_to_coco,
-    list_detection_datasets,
-    size_statistics,
-)
+from lambdanet.detection.data import (CocoInstances, GlyphInstances, GlyphSceneConfig, build_detection_datasets,
+                                      coco_ground_truth, collate_detection, dataset_to_coco,
+                                      list_detection_datasets, size_statistics)
 from lambdanet.detection.evaluate import evaluate_detector, evaluate_predictions
 from lambdanet.detection.model import BACKBONE_PRESETS, DetectorOptions, create_detector
 

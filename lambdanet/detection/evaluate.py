@@ -44,15 +44,14 @@ def predictions_to_coco(predictions: Sequence[dict], iou_type: str) -> list[dict
             for (x0, y0, x1, y1), score, label in zip(pred["boxes"].tolist(), scores, labels):
                 results.append({"image_id": image_id, "category_id": int(label), "bbox": [x0, y0, x1 - x0, y1 - y0],
                                 "score": float(score)})
-        else:
-            if "masks" not in pred:
-                raise ValueError(f"segm evaluation needs masks in every prediction; image {image_id} has none")
-            masks = pred["masks"]
-            masks = masks[:, 0] if masks.dim() == 4 else masks  # n H W
-            binary = masks >= MASK_THRESHOLD if masks.is_floating_point() else masks.bool()  # n H W
-            for rle, score, label in zip(encode_masks(binary), scores, labels):
-                results.append({"image_id": image_id, "category_id": int(label), "segmentation": rle,
-                                "score": float(score)})
+            continue
+        if "masks" not in pred:
+            raise ValueError(f"segm evaluation needs masks in every prediction; image {image_id} has none")
+        masks = pred["masks"][:, 0] if pred["masks"].dim() == 4 else pred["masks"]  # n H W
+        binary = masks >= MASK_THRESHOLD if masks.is_floating_point() else masks.bool()  # n H W
+        for rle, score, label in zip(encode_masks(binary), scores, labels):
+            results.append({"image_id": image_id, "category_id": int(label), "segmentation": rle,
+                            "score": float(score)})
     return results
 
 
@@ -76,8 +75,7 @@ def evaluate_predictions(ground_truth: dict, predictions: Sequence[dict],
 
     gt = coco_api(ground_truth)
     image_ids = sorted({int(p["image_id"]) for p in predictions})
-    unknown = sorted(set(image_ids) - set(gt.getImgIds()))
-    if unknown:
+    if unknown := sorted(set(image_ids) - set(gt.getImgIds())):
         raise ValueError(f"predictions refer to image ids {unknown[:5]} that are not in the ground truth")
     metrics: dict[str, float] = {}
     for iou_type in iou_types:
@@ -117,9 +115,8 @@ def evaluate_detector(model: nn.Module, dataset: Dataset, *, batch_size: int = 2
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     device = torch.device(device) if device is not None else next(model.parameters()).device
-    was_training = model.training
+    was_training, predictions = model.training, []
     model.eval()
-    predictions = []
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=collate_detection)
     try:
         for images, targets in tqdm(loader, desc="evaluate", disable=not progress, leave=False):

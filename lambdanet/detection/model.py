@@ -1,25 +1,23 @@
 """Mask R-CNN and Faster R-CNN (torchvision) on a feature pyramid over any registered lambdanet backbone.
 
-LambdaNetworks Table 6 evaluates LambdaResNet backbones against ResNets on COCO detection and instance
-segmentation with Mask R-CNN; HaloNet Table 5 does the same with ResNet-50/101 + SE whose last stage's 3x3
-convolutions are replaced by halo attention. :func:`create_detector` builds torchvision's detectors on
-:class:`FeaturePyramidBackbone`: the backbone built as ``create_model(name, features_only=True,
-num_classes=0)``, whose ``forward`` returns the c2..c5 maps and whose ``feature_info`` gives their
-channels, under torchvision's ``FeaturePyramidNetwork`` (P2-P5 and a max-pooled P6).
+LambdaNetworks Table 6 compares LambdaResNet and ResNet backbones on COCO detection and instance segmentation
+with Mask R-CNN; HaloNet Table 5 does the same with ResNet-50/101 + SE whose last stage's 3x3 convolutions are
+halo attention. :func:`create_detector` puts torchvision's detectors on :class:`FeaturePyramidBackbone`:
+``create_model(name, features_only=True, num_classes=0)`` (``forward`` returns the c2..c5 maps,
+``feature_info`` their channels) under torchvision's ``FeaturePyramidNetwork`` (P2-P5 and a max-pooled P6).
 
 **Input sizes.** torchvision's ``GeneralizedRCNNTransform`` resizes an image so that its short side is
 ``min_size`` unless its long side would pass ``max_size``, then pads the batch to a multiple of
-``size_divisible`` (32, the backbones' largest stride). The feature maps are then exact multiples of every
-stride, whatever the images' own sizes. Halo attention pads its feature maps to whole blocks itself
-(``HaloAttention`` masks that padding out of the softmax; the timm-convention layers, ``mask_padding=False``,
-let it take part as zeros), so block sizes (8, 10, 12, 14 in the HaloNets; 8 or 32 in
-:data:`BACKBONE_PRESETS`) need no other padding. Local lambda layers (``r`` set) take any size.
-Global-context layers (a lambda layer with ``r=None``, BoTNet's and other relative self-attention, axial
-attention) size their relative tables by ``img_size`` and serve every input up to it: unless ``img_size``
-is given, :func:`create_detector` builds backbones that take it with the largest padded input,
-``ceil(max_size / size_divisible) * size_divisible`` (:func:`detector_input_size`).
-Absolute position embeddings (``position_embedding="absolute"``) need inputs of exactly ``img_size``,
-which detection does not have: use relative embeddings.
+``size_divisible`` (32, the backbones' largest stride): the feature maps are exact multiples of every stride.
+Halo attention pads its maps to whole blocks itself (``HaloAttention`` masks that padding out of the softmax;
+the timm-convention layers, ``mask_padding=False``, let it take part as zeros), so block sizes (8, 10, 12, 14
+in the HaloNets; 8 or 32 in :data:`BACKBONE_PRESETS`) need no other padding. Local lambda layers (``r`` set)
+take any size. Global-context layers (a lambda layer with ``r=None``, BoTNet's and other relative
+self-attention, axial attention) size their relative tables by ``img_size`` and serve every input up to it:
+unless ``img_size`` is given, :func:`create_detector` builds backbones that take it with the largest padded
+input, ``ceil(max_size / size_divisible) * size_divisible`` (:func:`detector_input_size`). Absolute position
+embeddings (``position_embedding="absolute"``) need inputs of exactly ``img_size``, which detection does not
+have: use relative embeddings.
 """
 
 from __future__ import annotations
@@ -130,10 +128,9 @@ def halo_hybrid_kwargs(block_size: int, halo_size: int = 3, heads: int = 8) -> d
             "layer_kwargs": {"block_size": block_size, "halo_size": halo_size, "heads": heads}}
 
 
-# HaloNet Table 5's backbones: ResNet-50/101 + SE, and the hybrids with halo attention (b = 8 or 32, h = 3) in
-# c5; at 26 layers they are the halo side of the side-by-side study (STUDY_BACKBONES). LambdaNetworks Table 6
-# compares registered models directly (resnet101 / lambda_resnet101, resnet152 / lambda_resnet152). The SE
-# ratio is lambdanet's ResNet default (1/16, Hu et al. 2018).
+# HaloNet Table 5's backbones: ResNet-50/101 + SE (ratio 1/16, Hu et al. 2018) and its hybrids with halo attention
+# in c5 (b = 8 or 32, h = 3); at 26 layers, the halo side of the study (STUDY_BACKBONES). LambdaNetworks Table 6
+# compares registered models directly (resnet101 / lambda_resnet101, resnet152 / lambda_resnet152).
 BACKBONE_PRESETS: dict[str, BackbonePreset] = {
     f"resnet{depth}_se{suffix}": BackbonePreset(f"resnet{depth}", kwargs, f"{source}: ResNet-{depth} + SE{note}")
     for depth, source in ((26, "HaloNet Table 5's recipe at 26 layers"), (50, "HaloNet Table 5"),
@@ -148,12 +145,9 @@ BACKBONE_PRESETS: dict[str, BackbonePreset] = {
 # The side-by-side study (docs/detection.md, in Table 6's layout): a ResNet, its +SE twin, its lambda hybrid
 # (lambda layers in c4 and c5, LambdaNetworks Table 13's C-C-L-L) and its halo hybrid (HaloNet Table 5), all
 # with [2, 2, 2, 2] blocks so that a 2-core CPU trains each in minutes.
-STUDY_BACKBONES: dict[str, str] = {
-    "resnet26": "ResNet-26",
-    "resnet26_se": "ResNet-26 + SE",
-    "lambda_resnet26": "LambdaResNet-26 (lambda layers in c4, c5)",
-    "resnet26_se_halo_b8": "ResNet-26 + SE, halo attention in c5 (b=8, h=3)",
-}
+STUDY_BACKBONES: dict[str, str] = {"resnet26": "ResNet-26", "resnet26_se": "ResNet-26 + SE",
+                                   "lambda_resnet26": "LambdaResNet-26 (lambda layers in c4, c5)",
+                                   "resnet26_se_halo_b8": "ResNet-26 + SE, halo attention in c5 (b=8, h=3)"}
 
 
 def input_normalization(model: nn.Module) -> tuple[list[float], list[float]]:
@@ -228,15 +222,12 @@ class FeaturePyramidBackbone(nn.Module):
         self.body = body
         self.fpn = FeaturePyramidNetwork([i["num_chs"] for i in body.feature_info], out_channels,
                                          extra_blocks=LastLevelMaxPool())
-        self.out_channels = out_channels
-        self.frozen_bn = frozen_bn
-        self.channels_last = channels_last
+        self.out_channels, self.frozen_bn, self.channels_last = out_channels, frozen_bn, channels_last
         if channels_last:
             body.to(memory_format=torch.channels_last)
         if frozen_bn:
             for m in self.batch_norms():
-                for p in m.parameters():
-                    p.requires_grad_(False)
+                m.requires_grad_(False)
 
     def batch_norms(self) -> list[nn.Module]:
         return [m for m in self.body.modules() if isinstance(m, (nn.BatchNorm2d, nn.SyncBatchNorm))]
@@ -286,12 +277,10 @@ def create_detector(backbone: str, num_classes: int, *, masks: bool = True, min_
     from torchvision.models.detection.rpn import RPNHead
     from torchvision.ops import MultiScaleRoIAlign
 
-    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes <= 0:
-        raise ValueError(f"num_classes must be a positive int (object categories, background excluded), "
-                         f"got {num_classes!r}")
-    for arg, value in (("min_size", min_size), ("max_size", max_size)):
+    for arg, value, note in (("num_classes", num_classes, " (object categories, background excluded)"),
+                             ("min_size", min_size, ""), ("max_size", max_size, "")):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{arg} must be a positive int, got {value!r}")
+            raise ValueError(f"{arg} must be a positive int{note}, got {value!r}")
     opts = options if options is not None else DetectorOptions()
     body, name, kwargs = create_feature_backbone(backbone, max_size=max_size, size_divisible=opts.size_divisible,
                                                  pretrained=pretrained_backbone, **backbone_kwargs)
@@ -303,9 +292,8 @@ def create_detector(backbone: str, num_classes: int, *, masks: bool = True, min_
     mean, std = input_normalization(body)
     common = {
         "min_size": min_size, "max_size": max_size, "image_mean": mean, "image_std": std,
-        "size_divisible": opts.size_divisible,
+        "size_divisible": opts.size_divisible, "rpn_batch_size_per_image": opts.rpn_batch_size_per_image,
         "rpn_anchor_generator": anchors, "rpn_head": RPNHead(c, anchors.num_anchors_per_location()[0]),
-        "rpn_batch_size_per_image": opts.rpn_batch_size_per_image,
         "rpn_pre_nms_top_n_train": opts.rpn_pre_nms_top_n[0], "rpn_pre_nms_top_n_test": opts.rpn_pre_nms_top_n[1],
         "rpn_post_nms_top_n_train": opts.rpn_post_nms_top_n[0], "rpn_post_nms_top_n_test": opts.rpn_post_nms_top_n[1],
         "box_roi_pool": MultiScaleRoIAlign(list(FEATURE_NAMES), output_size=7, sampling_ratio=2),

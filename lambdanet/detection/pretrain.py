@@ -1,16 +1,15 @@
 """Backbone pre-training on glyph crops: a warm start for detection on a CPU budget.
 
-LambdaNetworks Table 6 trains its detectors from scratch, for 130k steps of batch 256 at 1024 px (App. E.2);
-the quick recipe of ``lambdanet detect`` has minutes of a 2-core CPU, in which a detector whose backbone starts
-from random weights barely begins to tell glyphs apart. So the quick recipe on the built-in glyph scenes first
-trains the backbone as a classifier of single glyphs: :class:`GlyphCrops` renders one glyph of the
-train glyph pool per image (the scene renderer with one object, at small and medium scales, on the same
-textured backgrounds), and :func:`pretrain_backbone` trains ``create_model(backbone, num_classes=...)`` on
-them with AdamW and a cosine schedule, then returns the state dict of its body, which the
-``features_only`` backbone of the detector loads (their parameter names agree; the classifier is left out).
-Accuracy on crops of the test glyphs is logged. :func:`transfer_mismatch` tells beforehand whether a
-backbone's weights carry over (layers sized by the input, like global relative tables, do not), and
-:func:`load_backbone_weights` loads them.
+LambdaNetworks Table 6 trains its detectors from scratch for 130k steps of batch 256 at 1024 px (App. E.2);
+``lambdanet detect``'s quick recipe has minutes of a 2-core CPU, in which a detector whose backbone starts
+from random weights barely begins to tell glyphs apart. So on the glyph scenes it first trains the backbone
+as a classifier of single glyphs: :class:`GlyphCrops` renders one glyph of the train pool per image (the
+scene renderer with one small or medium object on the same textured backgrounds), and
+:func:`pretrain_backbone` trains ``create_model(backbone, num_classes=...)`` on them (AdamW, cosine
+schedule; the accuracy on crops of the test glyphs is logged) and returns its body's state dict, which the
+detector's ``features_only`` backbone loads (the parameter names agree; the classifier is left out).
+:func:`transfer_mismatch` tells beforehand whether a backbone's weights carry over (layers sized by the
+input, like global relative tables, do not); :func:`load_backbone_weights` loads them.
 """
 
 from __future__ import annotations
@@ -69,12 +68,10 @@ class PretrainConfig:
     workers: int = 0
 
     def __post_init__(self):
-        for name in ("steps", "batch_size", "img_size", "eval_images"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"PretrainConfig.{name} must be a positive int, got {value!r}")
-        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 0:
-            raise ValueError(f"PretrainConfig.workers must be a non-negative int, got {self.workers!r}")
+        for name, low in (("steps", 1), ("batch_size", 1), ("img_size", 1), ("eval_images", 1), ("workers", 0)):
+            value, kind = getattr(self, name), "positive" if low else "non-negative"
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"PretrainConfig.{name} must be a {kind} int, got {value!r}")
         if not isinstance(self.channels_last, bool):
             raise ValueError(f"PretrainConfig.channels_last must be true or false, got {self.channels_last!r}")
         if self.img_size < 32:
@@ -127,15 +124,13 @@ def _accuracy(model: nn.Module, data: GlyphCrops, batch_size: int, mean: Tensor,
               rank: int = 0, world: int = 1) -> float:
     """Top-1 on ``data``; in a process group each process classifies every ``world``-th crop."""
     model.eval()
-    correct = 0
-    mine = list(range(rank, len(data), world))
+    correct, mine = 0, list(range(rank, len(data), world))
     with torch.no_grad():
         for start in range(0, len(mine), batch_size):
             images, labels = zip(*(data[i] for i in mine[start:start + batch_size]))
             logits = model((torch.stack(images).to(mean.device) - mean) / std)  # b classes
             correct += int((logits.argmax(1).cpu() == torch.tensor(labels)).sum())
-    total = all_reduce_sum([correct], DistContext(rank, world, device=mean.device))[0]  # a no-op alone
-    return total / len(data)
+    return all_reduce_sum([correct], DistContext(rank, world, device=mean.device))[0] / len(data)  # no-op alone
 
 
 def _classifier_name_kwargs(backbone: str, model_kwargs: dict, img_size: int) -> tuple[str, dict]:
@@ -176,8 +171,7 @@ def load_backbone_weights(body: nn.Module, weights: dict[str, Tensor]) -> None:
     """Load :func:`pretrain_backbone`'s weights into a detector's ``features_only`` backbone (every tensor of
     ``body`` must be among them with its shape)."""
     state = body.state_dict()
-    misfit = _misfit(state, weights)
-    if misfit is not None:
+    if (misfit := _misfit(state, weights)) is not None:
         raise ValueError(f"pre-trained weights do not fit the backbone: {misfit} in them")
     load_state(body, {k: weights[k] for k in state}, source="the glyph pre-training's weights")
 
@@ -193,11 +187,9 @@ def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, 
 
     With ``checkpoint``, the main process saves the training there every ``checkpoint_every`` steps, and a
     call that finds it continues from it (to the same weights as a run that never stopped; the file must
-    come from the same backbone, options and seed). The caller deletes it once the weights are kept.
-
-    ``stop`` (a :class:`lambdanet.engine.preempt.StopSignals`) is asked after every step; once a signal has
-    arrived the training is saved to ``checkpoint`` at that step and :class:`~lambdanet.engine.preempt.Preempted`
-    is raised."""
+    come from the same backbone, options and seed); the caller deletes it once the weights are kept.
+    ``stop`` (a :class:`lambdanet.engine.preempt.StopSignals`) is asked after every step: once a signal has
+    arrived, the training is saved to ``checkpoint`` and :class:`~lambdanet.engine.preempt.Preempted` raised."""
     name, kwargs = _classifier_name_kwargs(backbone, model_kwargs, cfg.img_size)
     device = torch.device(device)
     grouped = dist.is_available() and dist.is_initialized()
@@ -229,7 +221,6 @@ def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, 
     def save(state: RunState) -> None:
         state.save(checkpoint, identity=identity)
 
-    # in a process group each process trains on its share of every batch (gradients averaged by DDP)
     bar = progress_bar(progress, cfg.steps, done, "pre-training the backbone on glyph crops")
     result = train_epoch(state, data_parallel(model, ctx), _crop_loader(train, cfg, done, first, share, seed),
                          step_loss, ctx=ctx, total=cfg.steps, lr=lambda step: cfg.lr * lr_at(

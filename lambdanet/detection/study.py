@@ -1,15 +1,14 @@
 """The side-by-side detection study in LambdaNetworks Table 6's layout.
 
-Table 6 lists, per backbone, box AP on COCO with AP_s/m/l and mask AP with AP_s/m/l; HaloNet Table 5 adds
-the backbone-only time. :func:`study_table` builds that table from the ``summary.json`` of one
-``lambdanet detect`` run per backbone (the same recipe) and, optionally, the rows of
-``lambdanet bench detection`` (backbone-only forward+backward time and peak memory at 1024 x 1024)::
+Per backbone, Table 6 lists box and mask AP on COCO with AP_s/m/l; HaloNet Table 5 adds the backbone-only
+time. :func:`study_table` builds that table from the ``summary.json`` of one ``lambdanet detect`` run per
+backbone (the same recipe) and, optionally, the rows of ``lambdanet bench detection`` (backbone-only
+forward+backward time and peak memory at 1024 x 1024)::
 
     python -m lambdanet.detection.study runs/study [bench_results/detection.json]
 
-reads ``runs/study/<backbone>/summary.json`` for each backbone of
-:data:`lambdanet.detection.model.STUDY_BACKBONES` and prints the table in Markdown (``scripts/detect_study.sh``
-runs the whole study).
+reads ``runs/study/<backbone>/summary.json`` for each of :data:`lambdanet.detection.model.STUDY_BACKBONES`
+and prints the Markdown table (``scripts/detect_study.sh`` runs the whole study).
 """
 
 from __future__ import annotations
@@ -38,9 +37,8 @@ def study_rows(summaries: Mapping[str, dict], bench: Sequence[dict] = ()) -> lis
     for name, summary in summaries.items():
         row = {"backbone": name, "label": STUDY_BACKBONES.get(name, name),
                "backbone_params": summary.get("backbone_params"), "train_time_s": summary.get("train_time_s")}
-        for kind in ("bbox", "segm"):
-            for metric in ("AP", "AP_small", "AP_medium", "AP_large"):
-                row[f"{kind}_{metric}"] = summary.get(f"{kind}_{metric}")
+        row |= {k: summary.get(k) for k in (f"{kind}_{metric}" for kind in ("bbox", "segm")
+                                            for metric in ("AP", "AP_small", "AP_medium", "AP_large"))}
         for r in bench:
             if r["backbone"] == name and r["size"] == SIZE:
                 row[f"train_ms_b{r['batch']}"] = r["train_ms"]
@@ -82,8 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: no benchmark rows at {args[1]} (lambdanet bench detection --out DIR writes DIR/detection.json)",
               file=sys.stderr)
         return 2
-    bench = json.loads(Path(args[1]).read_text()) if len(args) == 2 else []
-    print(study_table(summaries, bench))
+    print(study_table(summaries, json.loads(Path(args[1]).read_text()) if len(args) == 2 else []))
     return 0
 
 

@@ -27,8 +27,7 @@ def mask_boxes(masks: Tensor) -> Tensor:
     """The xyxy boxes ``[N, 4]`` (float32) of binary masks ``[N, H, W]``, on pixel edges: the extent of a
     mask spanning columns ``x0..x1`` is ``x0 .. x1 + 1`` (as pycocotools' ``toBbox``); all zeros for an
     empty mask."""
-    n = masks.shape[0]
-    if n == 0:
+    if masks.shape[0] == 0:
         return torch.zeros(0, 4)
     m = masks.bool()
     rows, cols = m.any(dim=2), m.any(dim=1)  # n h, n w
@@ -68,9 +67,8 @@ def size_statistics(dataset: Dataset) -> dict[str, int]:
     """Objects of ``dataset`` per COCO size class (``{"images", "objects", "small", "medium", "large"}``)."""
     counts = dict.fromkeys(("images", "objects", *SIZE_CLASSES), 0)
     for i in range(len(dataset)):
-        target = dataset[i][1]
         counts["images"] += 1
-        for area in target["area"].tolist():
+        for area in dataset[i][1]["area"].tolist():
             counts["objects"] += 1
             counts[size_class(area)] += 1
     return counts

@@ -1,7 +1,7 @@
-"""``lambdanet detect``: train and evaluate Mask R-CNN / Faster R-CNN over a lambdanet backbone, with the
-machinery of ``lambdanet train``: named recipes, YAML, a flag per option, AMP, atomic checkpoints and
-``--resume``, torchrun with synchronised BatchNorm, progress bars, CSV / TensorBoard metrics, plots, and
-``summary.json`` with COCO box and mask AP (pycocotools) as fractions.
+"""``lambdanet detect``: train and evaluate Mask R-CNN / Faster R-CNN over a lambdanet backbone with
+``lambdanet train``'s machinery (recipes, YAML, a flag per option, AMP, atomic checkpoints, ``--resume``,
+torchrun with synchronised BatchNorm, progress bars, CSV / TensorBoard metrics, plots) and a ``summary.json``
+with COCO box and mask AP (pycocotools) as fractions.
 
 Recipes:
 
@@ -12,13 +12,12 @@ Recipes:
   multi-scale jitter 0.1-2.0, SGD momentum 0.9, linear warm-up over 1000 steps to 0.32 per 256 images, the
   learning rate x0.1 at 90%, 95% and 97.5% of the steps, weight decay 4e-5, synchronised BatchNorm.
 
-Without torchrun, a run on a CPU trains on several local processes of its own (:func:`local_processes`,
-``--procs``): a detector's small operations keep cores busier as data-parallel processes than as one
-process's intra-op threads.
+Without torchrun, a CPU run trains on several local processes (:func:`local_processes`, ``--procs``): a
+detector's small operations keep cores busier as data-parallel processes than as intra-op threads.
 
-Scale jitter is torchvision's: each training image is resized so its shorter side is a size drawn from
-``img_size x [jitter_min, jitter_max]`` (in 16 steps), the longer side capped at ``2 x`` that (the paper
-resizes and crops to 1024 px; the resize is the part torchvision's transform does).
+Scale jitter is torchvision's: each training image's shorter side is resized to a size drawn from
+``img_size x [jitter_min, jitter_max]`` (16 steps), the longer side capped at twice that (the paper resizes
+and crops to 1024 px; torchvision's transform does the resize).
 """
 
 from __future__ import annotations
@@ -142,15 +141,12 @@ class DetectConfig(RunConfig):
         return epoch == self.epochs or bool(self.eval_every) and epoch % self.eval_every == 0
 
     def validate(self) -> None:
-        for name in ("epochs", "batch_size", "eval_batch_size", "img_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) or self.eval_every < 0:
-            raise ValueError(f"eval_every must be a non-negative int (0: after the last epoch only), got "
-                             f"{self.eval_every!r}")
-        if isinstance(self.procs, bool) or not isinstance(self.procs, int) or self.procs < 0:
-            raise ValueError(f"procs must be a non-negative int (0: auto), got {self.procs!r}")
+        for name, low, note in (("epochs", 1, ""), ("batch_size", 1, ""), ("eval_batch_size", 1, ""),
+                                ("img_size", 1, ""), ("eval_every", 0, " (0: after the last epoch only)"),
+                                ("procs", 0, " (0: auto)")):
+            value, kind = getattr(self, name), "positive" if low else "non-negative"
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be a {kind} int{note}, got {value!r}")
         world = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun (or local_processes' group)
         if self.batch_size % world:
             raise ValueError(f"batch_size {self.batch_size} must be a multiple of the {world} processes (one share "
@@ -171,11 +167,9 @@ class DetectConfig(RunConfig):
         if self.pretrain_steps and self.data != "glyphs":
             raise ValueError(f"pretrain_steps pre-trains on glyph crops, which only the glyphs data has; with "
                              f"data {self.data!r} use --pretrain-steps 0 (or --pretrained-backbone)")
-        if self.pretrain_steps and _known_backbone(self.backbone):
-            mismatch = pretrain_mismatch(self)
-            if mismatch is not None:
-                raise ValueError(f"glyph-crop pre-training cannot initialise backbone {self.backbone!r}: {mismatch} "
-                                 "(layers sized by the input do not carry over); use --pretrain-steps 0")
+        if self.pretrain_steps and _known_backbone(self.backbone) and (mismatch := pretrain_mismatch(self)):
+            raise ValueError(f"glyph-crop pre-training cannot initialise backbone {self.backbone!r}: {mismatch} "
+                             "(layers sized by the input do not carry over); use --pretrain-steps 0")
         if not isinstance(self.backbone_kwargs, dict) or not isinstance(self.detector, dict):
             raise ValueError("backbone_kwargs and detector must be mappings")
         if not isinstance(self.loss_weights, dict) or any(
@@ -185,12 +179,10 @@ class DetectConfig(RunConfig):
                              f"numbers, got {self.loss_weights!r}")
         from lambdanet.detection.data import list_detection_datasets
         from lambdanet.detection.model import BACKBONE_PRESETS
-        from lambdanet.models import list_models
 
-        if self.backbone not in BACKBONE_PRESETS and self.backbone not in list_models():
+        if not _known_backbone(self.backbone):
             raise ValueError(f"unknown backbone {self.backbone!r}: a registered model (lambdanet models) or one of "
                              f"the presets {', '.join(BACKBONE_PRESETS)}")
-
         if not (self.data.startswith("coco:") or self.data in list_detection_datasets()):
             raise ValueError(f"unknown detection dataset {self.data!r}; valid: {', '.join(list_detection_datasets())}")
 
@@ -202,8 +194,7 @@ DETECT_RECIPES: dict[str, dict] = {
               "lr": 0.32, "lr_batch_scale": 256, "warmup_steps": 1000, "lr_steps": [0.9, 0.95, 0.975],
               "weight_decay": 4e-5, "sync_bn": True, "batch_size": 64, "grad_clip": None,
               "epochs": 282,  # at least 130k steps of batch 256 on COCO train2017 (118,287 images), from scratch
-              "detector": {"anchor_sizes": [32, 64, 128, 256, 512]}},
-}
+              "detector": {"anchor_sizes": [32, 64, 128, 256, 512]}}}
 DetectConfig.RECIPES = DETECT_RECIPES
 DETECT_CHOICES = DetectConfig.choices()
 DETECT_RESUME_FREE = DetectConfig.resume_free()
@@ -214,9 +205,8 @@ DETECT_RESUME_FREE = DetectConfig.resume_free()
 QUICK_DETECTOR = {"anchor_sizes": [16, 32, 64, 128, 256], "fpn_channels": 64, "representation_size": 256,
                   "mask_head_channels": 64, "rpn_batch_size_per_image": 128, "box_batch_size_per_image": 64,
                   "rpn_pre_nms_top_n": [600, 300], "rpn_post_nms_top_n": [300, 150], "channels_last": True}
-# the quick recipe on the glyph scenes pre-trains the backbone on glyph crops for PretrainConfig.steps steps
-# (another dataset, ImageNet weights asked for with --pretrained-backbone, or a backbone whose weights do not
-# carry over from crops to scenes gets none)
+# the quick recipe's glyph-crop pre-training steps on the glyph scenes (none on other data, with
+# --pretrained-backbone, or for a backbone whose weights do not carry over from crops to scenes)
 QUICK_PRETRAIN_STEPS = PretrainConfig().steps
 # a run's pre-training saves itself here this often (steps), and --resume continues it; gone once last.pt holds it
 PRETRAIN_CHECKPOINT, PRETRAIN_CHECKPOINT_EVERY = "pretrain.pt", 100
@@ -231,8 +221,8 @@ def resolve_detect_config(recipe: str | None = None, yaml_values: dict | None = 
 
 
 def recipe_values() -> dict[str, dict]:
-    """Per recipe, the values of :class:`DetectConfig` it runs with on the default backbone and data, as
-    :func:`resolve_detect_config` settles them (``--help`` shows these): :meth:`DetectConfig.recipe_table`."""
+    """Per recipe, the :class:`DetectConfig` values it runs with on the default backbone and data, as
+    :func:`resolve_detect_config` settles them (what ``--help`` shows)."""
     return DetectConfig.recipe_table()
 
 
@@ -259,8 +249,7 @@ def quick_backbone_kwargs(backbone: str) -> dict:
 
     if not _known_backbone(backbone):
         return {}  # validate() names the valid backbones
-    name, _ = resolve_backbone(backbone, {})
-    return {"base_width": 16} if "base_width" in model_args(name) else {}
+    return {"base_width": 16} if "base_width" in model_args(resolve_backbone(backbone, {})[0]) else {}
 
 
 def lr_factor(step: int, total: int, warmup: int, steps: list[float]) -> float:
@@ -270,7 +259,6 @@ def lr_factor(step: int, total: int, warmup: int, steps: list[float]) -> float:
                  linear_lr=True)
 
 
-# ------------------------------------------------------------------------------------------- building
 def build_detector(cfg: DetectConfig, num_classes: int) -> nn.Module:
     from lambdanet.detection.model import DetectorOptions, create_detector
 
@@ -301,7 +289,6 @@ def _set_eval_size(model: nn.Module, cfg: DetectConfig) -> None:
     transform.max_size = 2 * max(transform.min_size)
 
 
-# ------------------------------------------------------------------------------------------- the run
 def _loader(dataset, cfg: DetectConfig, ctx: DistContext, train: bool):
     from torch.utils.data import DataLoader, DistributedSampler
 
@@ -314,29 +301,16 @@ def _loader(dataset, cfg: DetectConfig, ctx: DistContext, train: bool):
                       collate_fn=collate_detection, num_workers=cfg.workers, generator=g, drop_last=train)
 
 
-class _Head(torch.utils.data.Dataset):
-    """The first ``n`` images of a detection dataset, with its categories (for COCO ground truth)."""
-
-    def __init__(self, dataset, n: int):
-        self.dataset, self.n = dataset, min(n, len(dataset))
-        self.categories = dataset.categories
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int):
-        if not 0 <= i < self.n:
-            raise IndexError(i)
-        return self.dataset[i]
-
-
 def _evaluate(model: nn.Module, test, cfg: DetectConfig, ctx: DistContext) -> dict:
     from lambdanet.detection.evaluate import evaluate_detector
 
     plain = unwrap(model)
     plain.eval()
     _set_eval_size(plain, cfg)
-    data = test if cfg.max_eval_images is None else _Head(test, cfg.max_eval_images)
+    data = test
+    if cfg.max_eval_images is not None:  # the first images, with the categories (for the COCO ground truth)
+        data = torch.utils.data.Subset(test, range(min(cfg.max_eval_images, len(test))))
+        data.categories = test.categories
     with torch.no_grad():
         return evaluate_detector(plain, data, batch_size=cfg.eval_batch_size, device=ctx.device,
                                  progress=_bars(cfg, ctx))
@@ -378,9 +352,8 @@ def local_processes(cfg: DetectConfig) -> int:
 
 
 def train_detector(cfg: DetectConfig, log: Callable[[str], None] = print) -> dict:
-    """Train and evaluate on the engine (:class:`DetectionTask`); returns the summary written to
-    ``<out>/summary.json``. Without torchrun, it runs on :func:`local_processes` processes (the main one's
-    output is printed)."""
+    """Train and evaluate on the engine (:class:`DetectionTask`), without torchrun on :func:`local_processes`
+    processes (the main one's output printed); returns the summary written to ``<out>/summary.json``."""
     procs = local_processes(cfg)
     if procs == 1:
         return run(DetectionTask, cfg, log)
@@ -512,32 +485,28 @@ class DetectionTask(Task):
         if not self.ctx.is_main:
             return {}
         with all_threads_on_main(self.ctx):
-            return _finish(self.cfg, self.ctx, self.out, state.model, self.test, self.metrics, state, self.params,
-                           self.backbone_params, self.log)
+            return self._outputs(state)
 
-
-def _finish(cfg: DetectConfig, ctx: DistContext, out: Path, model: nn.Module, test, metrics: dict,
-            state: RunState, params: int, backbone_params: int, log: Callable[[str], None]) -> dict:
-    """The main process's outputs after the last epoch: weights, plots, the picture, ``summary.json``."""
-    if not metrics:  # resumed after the last epoch: evaluate what was trained
-        metrics = _evaluate(model, test, cfg, ctx)
-    export_safetensors(unwrap(model), out / "model.safetensors", {"backbone": cfg.backbone})
-    history = read_history(out / "metrics.csv")
-    plots = plot_detection_history(history, out)
-    picture = draw_predictions(unwrap(model), test, out / "predictions.png", cfg, ctx.device,
-                               count=min(4, cfg.max_eval_images or 4))
-    pretrained = read_json(out / "pretrain.json") if (out / "pretrain.json").is_file() else {}
-    summary = {"backbone": cfg.backbone, "backbone_kwargs": cfg.backbone_kwargs, "masks": cfg.masks,
-               "data": cfg.data, "recipe": cfg.recipe, "epochs": state.epoch, "params": params,
-               **({"glyphs": "+".join(resolve_glyph_sources(cfg.glyphs))} if cfg.data == "glyphs" else {}),
-               "backbone_params": backbone_params, **pretrained, "train_time_s": state.train_time_s, **metrics,
-               "plots": [p.name for p in plots] + [picture.name]}
-    write_json(summary, out / "summary.json")
-    sizes = "/".join(f"{metrics.get(f'bbox_AP_{s}', float('nan')):.3f}" for s in ("small", "medium", "large"))
-    log(f"done: box AP {metrics.get('bbox_AP', float('nan')):.3f}"
-        + (f", mask AP {metrics['segm_AP']:.3f}" if "segm_AP" in metrics else "")
-        + f" (AP_s/m/l {sizes}), {state.train_time_s:.0f}s training -> {out}")
-    return summary
+    def _outputs(self, state: RunState) -> dict:
+        """The main process's outputs after the last epoch: weights, plots, the picture, ``summary.json``."""
+        cfg, out, model, test = self.cfg, self.out, state.model, self.test
+        metrics = self.metrics or _evaluate(model, test, cfg, self.ctx)  # resumed after the last epoch: evaluate
+        export_safetensors(unwrap(model), out / "model.safetensors", {"backbone": cfg.backbone})
+        plots = plot_detection_history(read_history(out / "metrics.csv"), out)
+        picture = draw_predictions(unwrap(model), test, out / "predictions.png", cfg, self.ctx.device,
+                                   count=min(4, cfg.max_eval_images or 4))
+        pretrained = read_json(out / "pretrain.json") if (out / "pretrain.json").is_file() else {}
+        summary = {"backbone": cfg.backbone, "backbone_kwargs": cfg.backbone_kwargs, "masks": cfg.masks,
+                   "data": cfg.data, "recipe": cfg.recipe, "epochs": state.epoch, "params": self.params,
+                   **({"glyphs": "+".join(resolve_glyph_sources(cfg.glyphs))} if cfg.data == "glyphs" else {}),
+                   "backbone_params": self.backbone_params, **pretrained, "train_time_s": state.train_time_s,
+                   **metrics, "plots": [p.name for p in plots] + [picture.name]}
+        write_json(summary, out / "summary.json")
+        sizes = "/".join(f"{metrics.get(f'bbox_AP_{s}', float('nan')):.3f}" for s in ("small", "medium", "large"))
+        self.log(f"done: box AP {metrics.get('bbox_AP', float('nan')):.3f}"
+                 + (f", mask AP {metrics['segm_AP']:.3f}" if "segm_AP" in metrics else "")
+                 + f" (AP_s/m/l {sizes}), {state.train_time_s:.0f}s training -> {out}")
+        return summary
 
 
 def plot_detection_history(history: list[dict], out: Path) -> list[Path]:

@@ -1,8 +1,6 @@
-"""Atomic checkpoints, their validation on load, RNG state and safetensors export.
-
-A checkpoint is written to ``<name>.tmp``, flushed and fsynced, then renamed over ``<name>``: a crash
-(even SIGKILL) leaves either the previous complete file or the new complete file, never a truncated one.
-"""
+"""Atomic checkpoints, their validation on load, RNG state and safetensors export. A checkpoint is written to
+``<name>.tmp``, flushed and fsynced, then renamed over ``<name>``: a crash (even SIGKILL) leaves either the
+previous complete file or the new complete file, never a truncated one."""
 
 from __future__ import annotations
 
@@ -53,8 +51,7 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
-    kind = _file_kind(path)
-    if kind is not None:
+    if (kind := _file_kind(path)) is not None:
         raise CheckpointError(f"{path} is {kind}, not a training checkpoint; pass the last.pt that lambdanet train "
                               "writes into its run directory")
     try:
@@ -90,11 +87,9 @@ def _file_kind(path: Path) -> str | None:
 
 
 def trained_weights(state: dict, ema: bool = True) -> tuple[dict, str]:
-    """``(state dict, "ema" | "raw")``: a checkpoint's EMA weights when it has them and ``ema``, else its
-    raw weights."""
+    """``(state dict, "ema" | "raw")``: the EMA weights if the checkpoint has them and ``ema``, else the raw."""
     if ema and state.get("ema"):
-        prefix = "module."
-        return {k[len(prefix):]: v for k, v in state["ema"].items() if k.startswith(prefix)}, "ema"
+        return {k.removeprefix("module."): v for k, v in state["ema"].items() if k.startswith("module.")}, "ema"
     return state["model"], "raw"
 
 

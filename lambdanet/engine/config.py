@@ -1,11 +1,10 @@
-"""The run configuration every task shares: a typed dataclass of :func:`option` fields (each a ``--flag``, a
-YAML key and a line of ``--help``), recipes as named overrides, and one :meth:`RunConfig.resolve`.
+"""The run configuration every task shares: a typed dataclass of :func:`option` fields (each a ``--flag``, a YAML
+key and a line of ``--help``), recipes as named overrides, and one :meth:`RunConfig.resolve`.
 
 Precedence (later wins): dataclass defaults < the recipe (and what the task derives from it) < ``--config
-FILE.yaml`` < command-line flags; the task then completes the configuration (what the data and model imply),
-so that ``<out>/config.yaml`` says exactly what runs. With ``--resume`` the run's ``config.yaml`` takes the
-place of defaults and recipe, and only the options declared ``resume_free`` and ``epochs`` may change.
-"""
+FILE.yaml`` < command-line flags; the task then completes the configuration (what the data and model imply), so
+that ``<out>/config.yaml`` says exactly what runs. With ``--resume`` the run's ``config.yaml`` takes the place of
+defaults and recipe, and only the options declared ``resume_free`` and ``epochs`` may change."""
 
 from __future__ import annotations
 
@@ -112,8 +111,7 @@ class RunConfig:
         and ``epochs`` (more extend the run) may differ from its ``config.yaml``. Returns its epochs."""
         saved = dataclasses.asdict(type(self).resolve(overrides={"out": self.out, "resume": True}))
         free = self.resume_free()
-        changed = config_differences(saved, self, ignore=free + ("epochs",))
-        if changed:
+        if changed := config_differences(saved, self, ignore=free + ("epochs",)):
             raise ValueError(f"--resume cannot change {', '.join(changed)}: {describe_differences(changed)}; only "
                              f"--epochs and {', '.join(flag(k) for k in free if k not in ('resume', 'out'))} may "
                              f"change: drop the others, or start a new run with another --out")
@@ -122,8 +120,7 @@ class RunConfig:
 
 def _check_keys(cls: type, values: dict, source: str) -> None:
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - names)
-    if unknown:
+    if unknown := sorted(set(values) - names):
         raise ValueError(f"{source}: unknown option(s) {unknown}; valid options: {', '.join(sorted(names))}")
 
 
@@ -144,9 +141,8 @@ def save_yaml(cfg, path: str | Path) -> None:
 def config_differences(saved: dict, cfg, ignore: tuple[str, ...] = ()) -> dict[str, tuple]:
     """``{field: (saved value, new value)}`` for every field of the configuration ``cfg`` that differs from
     ``saved`` (a field missing there counts as its default), except ``ignore``."""
-    now = dataclasses.asdict(cfg)
     default = dataclasses.asdict(type(cfg)())
-    return {k: (saved.get(k, default[k]), v) for k, v in now.items()
+    return {k: (saved.get(k, default[k]), v) for k, v in dataclasses.asdict(cfg).items()
             if k not in ignore and saved.get(k, default[k]) != v}
 
 
@@ -174,18 +170,12 @@ class ConfigSource:
         return self.config_cls.resolve(self.recipe, self.yaml_values, {**self.overrides, **changes})
 
 
-# ---------------------------------------------------------------------------------------------------------
-# command-line flags generated from the fields
-
-
+# ---------------------------------------------------------------- command-line flags generated from the fields
 def _parse_mapping(text: str) -> dict:
     """``'{stage_layers: LLLL, layer_kwargs: {r: 7}}'`` or ``'stage_layers=LLLL,base_width=16'``."""
     if "=" in text and not text.strip().startswith("{"):
-        out = {}
-        for part in text.split(","):
-            key, _, value = part.partition("=")
-            out[key.strip()] = yaml.safe_load(value)
-        return out
+        parts = (part.partition("=") for part in text.split(","))
+        return {key.strip(): yaml.safe_load(value) for key, _, value in parts}
     value = yaml.safe_load(text)
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a mapping like 'key=value,...' or '{{key: value}}', got {text!r}")
@@ -228,19 +218,16 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type) -> N
         base = next((a for a in args if a is not type(None)), hint) if args else hint
         help_text = f"{f.metadata['help']} ({describe_default(f.name, recipes)})"
         if base is bool:
-            parser.add_argument(flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=None,
-                                help=help_text)
+            kind = {"action": argparse.BooleanOptionalAction}
         elif base is dict or hint is dict:
-            parser.add_argument(flag(f.name), dest=f.name, type=_parse_mapping, default=None, metavar="MAPPING",
-                                help=help_text)
+            kind = {"type": _parse_mapping, "metavar": "MAPPING"}
         elif base is list or hint is list:
-            parser.add_argument(flag(f.name), dest=f.name, type=float, nargs="+", default=None, metavar="X",
-                                help=help_text)
+            kind = {"type": float, "nargs": "+", "metavar": "X"}
         else:
             conv = {int: int, float: float, str: str}.get(base, str)
-            parser.add_argument(flag(f.name), dest=f.name, type=_optional(conv) if type(None) in args else conv,
-                                default=None, choices=choices.get(f.name), help=help_text,
-                                metavar="{" + ",".join(choices[f.name]) + "}" if f.name in choices else None)
+            kind = {"type": _optional(conv) if type(None) in args else conv, "choices": choices.get(f.name),
+                    "metavar": "{" + ",".join(choices[f.name]) + "}" if f.name in choices else None}
+        parser.add_argument(flag(f.name), dest=f.name, default=None, help=help_text, **kind)
 
 
 def config_source_from_args(args: argparse.Namespace, config_cls: type) -> ConfigSource:

@@ -1,17 +1,18 @@
 """One device to many: process-group setup from ``torchrun``'s environment, reductions, SyncBatchNorm.
 
-``lambdanet train`` run under ``torchrun --nproc_per_node N`` (or a multi-node ``torchrun``) picks up
-``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``, joins a process group (NCCL on GPUs, gloo on CPUs), shards
-the data and wraps the model in ``DistributedDataParallel``; only rank 0 writes files.
-
-PyTorch's ``nn.SyncBatchNorm`` runs on GPUs only; :class:`AllReduceBatchNorm` does the same on any
-device with a differentiable all-gather of the per-channel statistics, so ``--sync-bn`` also works on CPU
-clusters (and makes a multi-process run compute what one process computes on the whole batch).
-"""
+``lambdanet train`` run under ``torchrun --nproc_per_node N`` (or a multi-node ``torchrun``) picks up ``RANK``,
+``WORLD_SIZE`` and ``LOCAL_RANK``, joins a process group (NCCL on GPUs, gloo on CPUs), shards the data and wraps
+the model in ``DistributedDataParallel``; only rank 0 writes files. PyTorch's ``nn.SyncBatchNorm`` runs on GPUs
+only; :class:`AllReduceBatchNorm` does the same on any device with a differentiable all-gather of the per-channel
+statistics, so ``--sync-bn`` also works on CPU clusters (and makes a multi-process run compute what one process
+computes on the whole batch)."""
 
 from __future__ import annotations
 
 import os
+import signal
+import socket
+import threading
 from collections.abc import Callable
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -44,10 +45,8 @@ class DistContext:
 def data_parallel(model: nn.Module, ctx: DistContext) -> nn.Module:
     """``model`` wrapped in ``DistributedDataParallel`` when ``ctx`` spans processes (each trains on its share of
     every batch, the gradients averaged over them), else ``model`` itself: the one place every task wraps."""
-    if not ctx.enabled:
-        return model
-    return nn.parallel.DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda"
-                                               else None)
+    ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(model, device_ids=ids) if ctx.enabled else model
 
 
 def init_distributed(device: str = "auto") -> DistContext:
@@ -60,9 +59,7 @@ def init_distributed(device: str = "auto") -> DistContext:
         raise ValueError("device='cuda' but no CUDA device is available; use --device cpu")
     if use_cuda:
         torch.cuda.set_device(local_rank)
-        dev = torch.device("cuda", local_rank)
-    else:
-        dev = torch.device("cpu")
+    dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
     return DistContext(rank, world, local_rank, dev)
@@ -91,14 +88,11 @@ def in_process_group() -> bool:
 def launch_local(fn: Callable[..., object], args: tuple, nprocs: int,
                  relay: tuple[type[Exception], ...] = ()) -> None:
     """Run ``fn(*args)`` in ``nprocs`` new processes on this machine, joined as one process group: each gets
-    torchrun's environment variables (so :func:`init_distributed` picks them up) and ``usable_cores() //
-    nprocs`` threads. A ``ValueError`` (a user error) in a worker is raised here as the same one-line error,
-    and so is an exception of a ``relay`` type (constructed from its message), with its own type.
-
-    On a CPU, data parallelism over processes uses the cores better than one process's intra-op threads
-    when the operations are small (detection heads, RoI ops, lambda layers on small maps)."""
-    import socket
-
+    torchrun's environment variables (so :func:`init_distributed` picks them up) and ``usable_cores() // nprocs``
+    threads. A ``ValueError`` (a user error) in a worker is raised here as the same one-line error, and so is an
+    exception of a ``relay`` type (constructed from its message), with its own type. On a CPU, data parallelism
+    over processes uses the cores better than one process's intra-op threads when the operations are small
+    (detection heads, RoI ops, lambda layers on small maps)."""
     import torch.multiprocessing as mp
 
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
@@ -117,8 +111,6 @@ def launch_local(fn: Callable[..., object], args: tuple, nprocs: int,
                 pass
     except mp.ProcessExitedException as err:
         if forwarded:  # a worker ended by the signal before it could catch it (starting up, say): one line
-            import signal
-
             raise ValueError(f"stopped by {signal.Signals(forwarded[0]).name} before the worker processes could "
                              f"save anything ({err}); run the command again (with --resume if a run was saved)"
                              ) from None
@@ -134,12 +126,8 @@ def launch_local(fn: Callable[..., object], args: tuple, nprocs: int,
 
 @contextmanager
 def _forwarded_signals(processes, forwarded: list[int]):
-    """While inside, SIGTERM and SIGINT sent to this process are passed on to ``processes`` (which stop on them,
-    see :mod:`lambdanet.engine.preempt`) instead of ending this one first, and appended to ``forwarded``. Main
-    thread only."""
-    import signal
-    import threading
-
+    """While inside (main thread only), SIGTERM and SIGINT sent to this process are appended to ``forwarded``
+    and passed on to ``processes`` (which stop on them: :mod:`lambdanet.engine.preempt`) instead of ending it."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -206,11 +194,9 @@ def cleanup(ctx: DistContext, synchronize: bool = False) -> None:
 
 
 class _AllGather(torch.autograd.Function):
-    """Differentiable all-gather of a 1-d tensor: ``[d] -> [world, d]``.
-
-    Backward: this rank's slice of the gradient summed over all ranks (every rank holds the gathered tensor,
-    so every rank's loss depends on every slice), done as one all-reduce, which every backend supports.
-    """
+    """Differentiable all-gather of a 1-d tensor: ``[d] -> [world, d]``. Backward: this rank's slice of the
+    gradient summed over all ranks (every rank holds the gathered tensor, so every rank's loss depends on every
+    slice), done as one all-reduce, which every backend supports."""
 
     @staticmethod
     def forward(ctx, x: Tensor) -> Tensor:
@@ -232,13 +218,11 @@ def all_gather_with_grad(x: Tensor) -> Tensor:
 
 
 class AllReduceBatchNorm(nn.modules.batchnorm._BatchNorm):
-    """Batch normalisation with statistics over the whole distributed batch, on any device.
-
-    Training: each process's per-channel count, mean and sum of squared deviations are gathered
-    (differentiably) and combined with Chan et al.'s parallel formulas (stable, unlike ``E[x^2] - E[x]^2``),
-    so the normalisation and its gradient equal those of one process holding the whole batch. Evaluation uses
-    the running statistics like ``nn.BatchNorm``. Accepts ``[N, C, *]`` inputs of any rank.
-    """
+    """Batch normalisation with statistics over the whole distributed batch, on any device. Training: each
+    process's per-channel count, mean and sum of squared deviations are gathered (differentiably) and combined with
+    Chan et al.'s parallel formulas (stable, unlike ``E[x^2] - E[x]^2``), so the normalisation and its gradient
+    equal those of one process holding the whole batch. Evaluation uses the running statistics like
+    ``nn.BatchNorm``. Accepts ``[N, C, *]`` inputs of any rank."""
 
     def _check_input_dim(self, x: Tensor) -> None:
         if x.dim() < 2:

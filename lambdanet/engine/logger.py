@@ -21,11 +21,10 @@ def read_json(path: str | Path) -> dict:
 
 
 class RunLogger:
-    """Appends epoch rows to ``metrics.csv`` and scalars to TensorBoard (``tb/``).
-
-    Rows may differ in their keys (``lambdanet detect`` evaluates every few epochs): a row with a key the
-    file's header lacks rewrites the file (atomically) under the union of the keys; a missing key is an
-    empty cell, which :func:`read_history` leaves out of its row."""
+    """Appends epoch rows to ``metrics.csv`` and scalars to TensorBoard (``tb/``). Rows may differ in their keys
+    (``lambdanet detect`` evaluates every few epochs): a row with a key the file's header lacks rewrites the file
+    (atomically) under the union of the keys; a missing key is an empty cell, which :func:`read_history` leaves out
+    of its row."""
 
     def __init__(self, out: Path, enabled: bool = True, tensorboard: bool = True):
         self.out, self.enabled = out, enabled
@@ -130,8 +129,7 @@ def plot_history(history: list[dict], out: Path, panels=TRAIN_PANELS) -> list[Pa
                    if isinstance(r.get(key), int | float) and not isinstance(r[key], bool) and r[key] == r[key]]
             if pts:
                 ax.plot(*zip(*pts), marker="o", markersize=3, label=key)
-        ax.set_xlabel("epoch")
-        ax.set_ylabel(ylabel)
+        ax.set(xlabel="epoch", ylabel=ylabel)
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()

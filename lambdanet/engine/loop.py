@@ -61,13 +61,10 @@ def optimizer_step(loss: Tensor, optimizer: torch.optim.Optimizer, *, scaler: to
     ``scaler`` under fp16 autocast), their norm clipped to ``clip = (model, max_norm)`` if given (after
     unscaling), then the step (skipped by the scaler when the gradients are not finite)."""
     optimizer.zero_grad(set_to_none=True)
-    if scaler is not None:
-        scaler.scale(loss).backward()
-        if clip is not None:
-            scaler.unscale_(optimizer)
-    else:
-        loss.backward()
+    (loss if scaler is None else scaler.scale(loss)).backward()
     if clip is not None:
+        if scaler is not None:
+            scaler.unscale_(optimizer)
         nn.utils.clip_grad_norm_(clip[0].parameters(), clip[1])
     if scaler is not None:
         scaler.step(optimizer)
@@ -89,16 +86,15 @@ def train_epoch(state: RunState, model: nn.Module, batches: Iterable, step_loss:
                 stop=None, bar=None, save: Callable[[RunState], None] | None = None, save_every: int = 0
                 ) -> dict | None:
     """One epoch of ``total`` optimiser steps, or the rest of one that stopped (``state.epoch_partial``).
-
     ``batches`` yields the epoch's batches from the first not yet trained (the task positions its loader);
-    ``step_loss(model, batch) -> (loss, {name: amount})`` runs under autocast, and the amounts are summed over
-    the epoch and the ranks. Each step: learning rate ``lr(state.step)`` (else ``state.scheduler`` steps after
-    it), the non-finite guard (:class:`NonFiniteLossError` before the step would spoil the weights), the
-    step (:func:`optimizer_step`, ``clip`` the gradient norm), the EMA update, ``state.step + 1``. Every
-    ``save_every`` steps the main process calls ``save(state)`` with ``state.epoch_partial`` saying where the
-    epoch stands. ``stop`` (:class:`lambdanet.engine.preempt.StopSignals`) is asked after every step: on a
-    signal the pass ends there and returns ``None``, ``state.epoch_partial`` set. Returns ``{"sums",
-    "seconds"}`` of the whole epoch, ``state.epoch_partial`` cleared."""
+    ``step_loss(model, batch) -> (loss, {name: amount})`` runs under autocast, and the amounts are summed over the
+    epoch and the ranks. Each step: learning rate ``lr(state.step)`` (else ``state.scheduler`` steps after it), the
+    non-finite guard (:class:`NonFiniteLossError` before the step would spoil the weights), the step
+    (:func:`optimizer_step`, ``clip`` the gradient norm), the EMA update, ``state.step + 1``. Every ``save_every``
+    steps the main process calls ``save(state)`` with ``state.epoch_partial`` saying where the epoch stands.
+    ``stop`` (:class:`lambdanet.engine.preempt.StopSignals`) is asked after every step: on a signal the pass ends
+    there and returns ``None``, ``state.epoch_partial`` set. Returns ``{"sums", "seconds"}`` of the whole epoch,
+    ``state.epoch_partial`` cleared."""
     partial = state.epoch_partial or {}
     done = int(partial.get("batches", 0))
     saved = {k: float(v) for k, v in partial.get("sums", {}).items()}

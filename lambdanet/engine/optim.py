@@ -36,10 +36,8 @@ def build_optimizer(model: nn.Module, cfg=None, *, name: str | None = None, lr: 
     groups = param_groups(model, weight_decay)
     if name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=nesterov)
-    if name == "adam":
-        return torch.optim.Adam(groups, lr=lr, betas=betas)
-    if name == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, betas=betas)
+    if name in ("adam", "adamw"):
+        return (torch.optim.Adam if name == "adam" else torch.optim.AdamW)(groups, lr=lr, betas=betas)
     if name == "rmsprop":
         return torch.optim.RMSprop(groups, lr=lr, momentum=momentum, alpha=0.9, eps=1e-3)
     raise ValueError(f"optimizer must be one of ['sgd', 'adam', 'adamw', 'rmsprop'], got {name!r}")
@@ -49,15 +47,12 @@ def lr_at(step: int, total_steps: int, warmup_steps: int, *, start_factor: float
           schedule: str = "cosine", decay_rate: float = 1.0, decay_steps: int = 1,
           milestones: tuple[float, ...] = (), linear_lr: bool = False) -> float:
     """Multiplier of the base learning rate at optimiser step ``step`` (0-based): the one schedule function of
-    every task.
-
-    Linear warm-up from ``start_factor`` to 1 over ``warmup_steps`` (reaching 1 at the last warm-up step; with
-    ``linear_lr``, torch's ``LinearLR`` phase: ``start_factor`` at step 0, 1 at step ``warmup_steps``), then
-    ``"cosine"`` decay to ``min_factor`` over the remaining steps, ``"constant"``, ``"step"``: times
+    every task. Linear warm-up from ``start_factor`` to 1 over ``warmup_steps`` (reaching 1 at the last warm-up
+    step; with ``linear_lr``, torch's ``LinearLR`` phase: ``start_factor`` at step 0, 1 at step ``warmup_steps``),
+    then ``"cosine"`` decay to ``min_factor`` over the remaining steps, ``"constant"``, ``"step"``: times
     ``decay_rate`` every ``decay_steps`` steps (MobileNet's "x0.97 every 2.4 epochs" style), never below
     ``min_factor``, or ``"multistep"``: times ``decay_rate`` at each fraction ``milestones`` of ``total_steps``
-    (Mask R-CNN's x0.1 steps).
-    """
+    (Mask R-CNN's x0.1 steps)."""
     if warmup_steps > 0 and step < warmup_steps:
         return start_factor + (1.0 - start_factor) * (step + (0 if linear_lr else 1)) / warmup_steps
     if schedule == "constant":

@@ -1,13 +1,11 @@
 """Preemption: a run stopped by SIGTERM or SIGINT saves a step-level checkpoint and exits non-zero.
 
-Cluster schedulers stop a job with SIGTERM and kill it with SIGKILL after a grace period; a terminal sends
-SIGINT on Ctrl-C. Inside :class:`StopSignals` such a signal only sets a flag; the training loops look at it
-after every optimiser step (:meth:`StopSignals.requested`, agreed between the processes of a process group so
-that all of them stop after the same step), save the run where it stands, and raise :class:`Preempted`,
-which the command line prints as one line and turns into the exit status ``128 + signal number`` (143 for
-SIGTERM, 130 for SIGINT), as a shell reports a process killed by that signal. ``--resume`` continues from
-that step.
-"""
+Cluster schedulers stop a job with SIGTERM and kill it with SIGKILL after a grace period; a terminal sends SIGINT
+on Ctrl-C. Inside :class:`StopSignals` such a signal only sets a flag; the training loops look at it after every
+optimiser step (:meth:`StopSignals.requested`, agreed between the processes of a process group so that all of them
+stop after the same step), save the run where it stands, and raise :class:`Preempted`, which the command line
+prints as one line and turns into the exit status ``128 + signal number`` (143 for SIGTERM, 130 for SIGINT), as a
+shell reports a process killed by that signal. ``--resume`` continues from that step."""
 
 from __future__ import annotations
 
@@ -46,20 +44,15 @@ def resume_point(epochs_done: int, partial: dict | None) -> str:
 
 def exit_status(err: Preempted) -> int:
     """``128 + signal number`` of the signal ``err`` names (143 for SIGTERM, 130 for SIGINT)."""
-    for sig in STOP_SIGNALS:
-        if sig.name in str(err):
-            return 128 + int(sig)
-    return 128 + int(signal.SIGTERM)
+    return 128 + int(next((sig for sig in STOP_SIGNALS if sig.name in str(err)), signal.SIGTERM))
 
 
 class StopSignals:
-    """While entered, SIGTERM and SIGINT set :attr:`received` instead of ending the process; the same or the
-    other signal again, more than :data:`REPEAT_WINDOW_S` later, does what it would have done without this
-    guard (Ctrl-C twice interrupts a long evaluation or a hung process group).
-
-    Handlers can only be installed from the main thread: elsewhere (a run started from a worker thread) the
-    process keeps its handlers and :meth:`requested` reports only what :meth:`request` was told.
-    """
+    """While entered, SIGTERM and SIGINT set :attr:`received` instead of ending the process; the same or the other
+    signal again, more than :data:`REPEAT_WINDOW_S` later, does what it would have done without this guard (Ctrl-C
+    twice interrupts a long evaluation or a hung process group). Handlers can only be installed from the main
+    thread: elsewhere (a run started from a worker thread) the process keeps its handlers and :meth:`requested`
+    reports only what :meth:`request` was told."""
 
     def __init__(self):
         self.received: signal.Signals | None = None
@@ -107,9 +100,7 @@ class StopSignals:
             return self.received
         # what this process knew when it entered the reduce: a signal landing while it waits there counts at
         # the next step, as it does for the others (answering with it now would stop this process alone)
-        anyone = all_reduce_sum([float(self.received is not None)], ctx)[0]
-        if not anyone:
+        if not all_reduce_sum([float(self.received is not None)], ctx)[0]:
             return None
-        if self.received is None:
-            self.received = signal.SIGTERM
+        self.request(signal.SIGTERM)  # a no-op when this process received a signal itself
         return self.received

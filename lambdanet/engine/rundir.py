@@ -1,10 +1,7 @@
-"""The run directory: one process at a time.
-
-``lambdanet train --out DIR`` holds an exclusive lock on ``DIR/.lock`` for the whole run (rank 0 under
-torchrun). The lock is an advisory ``flock`` that the operating system drops when the process ends, even by
-SIGKILL, so a crashed run can be resumed at once while a live one can never be written by a second
-process (duplicate rows in ``metrics.csv``, two trainers on one ``last.pt``).
-"""
+"""The run directory: one process at a time. ``lambdanet train --out DIR`` holds an exclusive lock on ``DIR/.lock``
+for the whole run (rank 0 under torchrun). The lock is an advisory ``flock`` that the operating system drops when
+the process ends, even by SIGKILL, so a crashed run can be resumed at once while a live one can never be written by
+a second process (duplicate rows in ``metrics.csv``, two trainers on one ``last.pt``)."""
 
 from __future__ import annotations
 

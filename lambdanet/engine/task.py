@@ -1,21 +1,19 @@
 """How a task plugs into the engine: a :class:`Task` subclass (one module: classification in
-``lambdanet/train/trainer.py``, detection in ``lambdanet/detection/trainer.py``) and :func:`run`, which does
-the rest the same for every task: the process group, the run-directory lock, signals, the resume and
-new-run rules, seeding, ``config.yaml``, restoring ``last.pt``, DDP, the loop (:func:`lambdanet.engine.loop.fit`)
-and the logs.
+``lambdanet/train/trainer.py``, detection in ``lambdanet/detection/trainer.py``) and :func:`run`, which does the
+rest the same for every task: the process group, the run-directory lock, signals, the resume and new-run rules,
+seeding, ``config.yaml``, restoring ``last.pt``, DDP, the loop (:func:`lambdanet.engine.loop.fit`) and the logs.
 
 A task implements:
 
 * ``build_state()``: its data and model, and the :class:`RunState` of a new run (``steps_per_epoch`` set);
-* ``batches(state)``: an epoch's batches from the first not yet trained, and ``step_loss(model, batch) ->
-  (loss, {name: amount summed over the epoch})``; ``lr`` (step -> rate) or a scheduler in the state;
+* ``batches(state)``: an epoch's batches from the first not yet trained, and ``step_loss(model, batch) -> (loss,
+  {name: amount summed over the epoch})``; ``lr`` (step -> rate) or a scheduler in the state;
 * ``epoch_row(state, model, result)``: the epoch's metrics (training sums, evaluation), ``epoch_line(row)``;
-* ``describe(state)``: the run's first line, and ``finish(state, row, stopped)``: weights, plots and the
-  summary (every rank calls it; outputs are the main process's);
+* ``describe(state)``: the run's first line, and ``finish(state, row, stopped)``: weights, plots and the summary
+  (every rank calls it; outputs are the main process's);
 
 and may override ``initialize(state, resumed)`` (work before the epochs, such as a pre-training),
-``save_due(epoch)``, ``stops_early(state)``, ``wrap(model)`` and ``diverged_hint``.
-"""
+``save_due(epoch)``, ``stops_early(state)``, ``wrap(model)`` and ``diverged_hint``."""
 
 from __future__ import annotations
 
@@ -77,8 +75,7 @@ def run(task_cls: type[Task], cfg, log: Callable[[str], None] = print) -> dict:
     the run directory locked by the main process (every rank stops when it is busy), SIGTERM / SIGINT turned
     into a step-level checkpoint and :class:`lambdanet.engine.preempt.Preempted`. Returns the summary."""
     ctx = init_distributed(cfg.device)
-    finished = False
-    lock = RunDirLock(cfg.out)
+    finished, lock = False, RunDirLock(cfg.out)
     try:
         busy = None
         if ctx.is_main:

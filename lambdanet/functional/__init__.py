@@ -7,14 +7,14 @@ layer, ``h`` for the multi-head layer of Fig. 7).
 
 Two families live here, one module each (both importable from ``lambdanet.functional``):
 
-* :mod:`~lambdanet.functional.reference`: paper-shaped functions with the figures' argument order and shapes: :func:`lambda_layer` (Fig. 3,
-  with the optional intra-depth of Fig. 8), :func:`compute_position_lambdas` (Fig. 5),
-  :func:`masked_lambda_layer` (Fig. 6) and :func:`multihead_lambda_layer` (Fig. 7).  They are the
-  readable reference path: plain einsums, exactly as printed.
-* :mod:`~lambdanet.functional.fast`: N-d building blocks used by :class:`lambdanet.layers.LambdaLayer` (the fast path): relative
-  embeddings as a kernel ``R[g, k, u, *K]`` re-indexed into ``E[g, k, u, n, m]`` (paper Sec. 3.3),
-  position lambdas through the lambda convolution (three interchangeable implementations, App. B.1),
-  content lambdas (global or causal through cumulative sums, App. B.2) and the application of
+* :mod:`~lambdanet.functional.reference`: the readable reference path, paper-shaped functions with the
+  figures' argument order and shapes, plain einsums exactly as printed: :func:`lambda_layer` (Fig. 3, with
+  the optional intra-depth of Fig. 8), :func:`compute_position_lambdas` (Fig. 5), :func:`masked_lambda_layer`
+  (Fig. 6) and :func:`multihead_lambda_layer` (Fig. 7).
+* :mod:`~lambdanet.functional.fast`: the N-d building blocks of :class:`lambdanet.layers.LambdaLayer` (the
+  fast path): relative embeddings as a kernel ``R[g, k, u, *K]`` re-indexed into ``E[g, k, u, n, m]``
+  (paper Sec. 3.3), position lambdas through the lambda convolution (three interchangeable implementations,
+  App. B.1), content lambdas (global or causal through cumulative sums, App. B.2) and the application of
   lambdas to queries as GEMMs.
 
 Layouts of the intra-depth axis ``u`` (Fig. 8 orders it ``[k, n, m, u]`` / ``[r, 1, u, k]``):

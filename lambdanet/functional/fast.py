@@ -1,10 +1,6 @@
-"""The fast path of the lambda layer (:class:`lambdanet.layers.LambdaLayer`), N-d: relative embeddings as a
-kernel re-indexed into per-position embeddings (paper Sec. 3.3), position lambdas through the lambda
-convolution (three interchangeable implementations, App. B.1) or fused with the queries, content lambdas
-(global, or causal through cumulative sums, App. B.2), and the application of lambdas to queries as GEMMs.
-Symbols and layouts: :mod:`lambdanet.functional`; the readable reference path beside it:
-:mod:`lambdanet.functional.reference`."""
-
+"""The N-d fast path of :class:`lambdanet.layers.LambdaLayer`, described with its symbols and layouts in
+:mod:`lambdanet.functional`; position lambdas may also be fused with the queries (``*_qe``). The readable
+reference path beside it: :mod:`lambdanet.functional.reference`."""
 
 from __future__ import annotations
 
@@ -25,14 +21,8 @@ POSITION_OUTPUT_IMPLS = POSITION_IMPLS + ("einsum_qe",)
 KEY_NORMS = ("softmax", "l2", "none")
 
 
-# --------------------------------------------------------------------------------------------------
-# n-d building blocks (used by LambdaLayer)
-# --------------------------------------------------------------------------------------------------
-
-
-def crop_relative_kernel(
-    kernel: Tensor, center: Sequence[int], spatial: Sequence[int]
-) -> tuple[Tensor, tuple[int, ...]]:
+def crop_relative_kernel(kernel: Tensor, center: Sequence[int],
+                         spatial: Sequence[int]) -> tuple[Tensor, tuple[int, ...]]:
     """Drop the kernel taps that can never reach a position of an input of size ``spatial``.
 
     ``kernel`` is ``[g, k, u, *K]`` with entry ``center[a]`` of axis ``a`` being relative offset 0. On an
@@ -51,8 +41,7 @@ def crop_relative_kernel(
 
 
 def _reachable_taps(center: int, size: int, s: int) -> tuple[int, int]:
-    """First and last tap of a kernel axis of ``size`` taps (offset 0 at ``center``) that reach a position of
-    an axis of ``s`` positions: offsets lie in ``[-(s - 1), s - 1]``."""
+    """First and last tap of a ``size``-tap kernel axis (offset 0 at ``center``) that reach an ``s``-long axis."""
     return max(0, center - (s - 1)), min(size - 1, center + (s - 1))
 
 
@@ -70,10 +59,9 @@ def gather_relative_embeddings(kernel: Tensor, center: Sequence[int], spatial: S
     the einsum form of the position lambdas equals the lambda convolution with the same kernel
     (App. E.1: "masking the position embeddings outside of the local contexts"). Memory: ``g k u n m``.
 
-    ``E`` is Toeplitz in every axis: after zero-padding ``R`` to cover every offset, the row of query ``i``
-    is the window of ``R`` starting at ``center - i``. So ``E`` is built from ``unfold`` windows and one
-    flip (a single strided copy), and its backward is ``unfold``'s native accumulation rather than an
-    indexed scatter-add.
+    ``E`` is Toeplitz in every axis: after zero-padding ``R`` to cover every offset, the row of query ``i`` is the
+    window of ``R`` starting at ``center - i``. So ``E`` is built from ``unfold`` windows and one flip (a single
+    strided copy), and its backward is ``unfold``'s native accumulation rather than an indexed scatter-add.
 
     ``rows=(start, stop)`` builds only the queries whose first spatial coordinate lies in
     ``[start, stop)``: ``E[g, k, u, (stop - start) * prod(spatial[1:]), m]``, the rows of a query chunk.
@@ -101,14 +89,17 @@ def gather_relative_embeddings(kernel: Tensor, center: Sequence[int], spatial: S
     return emb.reshape(*kernel.shape[:3], n, m)  # g k u n m
 
 
-def _pad_for(center: Sequence[int], kernel_size: Sequence[int]) -> tuple[bool, list[int]]:
-    """Symmetric conv padding if every kernel is centred, else an explicit (F.pad) padding list."""
-    if all(c == ks // 2 and ks % 2 == 1 for c, ks in zip(center, kernel_size)):
-        return True, list(center)
+def _lambda_conv(x: Tensor, weight: Tensor, center: Sequence[int], groups: int) -> Tensor:
+    """The n-d convolution, zero-padded to keep the size: the conv's own padding if every kernel is centred,
+    else an explicit ``F.pad``."""
+    ksize = weight.shape[2:]
+    conv = conv_nd(len(ksize))
+    if all(c == ks // 2 and ks % 2 == 1 for c, ks in zip(center, ksize)):
+        return conv(x, weight, padding=list(center), groups=groups)
     pad: list[int] = []
-    for c, ks in zip(reversed(center), reversed(kernel_size)):  # F.pad lists the last axis first
+    for c, ks in zip(reversed(center), reversed(ksize)):  # F.pad lists the last axis first
         pad += [c, ks - 1 - c]
-    return False, pad
+    return conv(F.pad(x, pad), weight, groups=groups)
 
 
 def einsum_position_lambdas(values: Tensor, embeddings: Tensor) -> Tensor:
@@ -153,7 +144,6 @@ def position_lambdas(values: Tensor, kernel: Tensor, center: Sequence[int], impl
     check_choice(impl, "impl", POSITION_IMPLS)
     b, g, v, u = values.shape[:4]
     spatial = tuple(values.shape[4:])
-    dims = len(spatial)
     kernel, center = crop_relative_kernel(kernel, center, spatial)
     k = kernel.shape[1]
     ksize = tuple(kernel.shape[3:])
@@ -161,22 +151,12 @@ def position_lambdas(values: Tensor, kernel: Tensor, center: Sequence[int], impl
         emb = gather_relative_embeddings(kernel, center, spatial)  # g k u n m
         lam = einsum_position_lambdas(values.reshape(b, g, v, u, -1), emb)  # b g v k n
         return lam.view(b, g, v, k, *spatial)
-    conv = conv_nd(dims)
-    symmetric, pad = _pad_for(center, ksize)
     if impl == "depthwise_conv":
         x = values.reshape(b, g * v * u, *spatial)  # b (g v u) *S
         weight = kernel.unsqueeze(1).expand(g, v, k, u, *ksize).reshape(g * v * k, u, *ksize)  # (g v k) u *K
-        groups = g * v
-    else:  # "conv": fold v into the batch
-        x = values.transpose(1, 2).reshape(b * v, g * u, *spatial)  # (b v) (g u) *S
-        weight = kernel.reshape(g * k, u, *ksize)  # (g k) u *K
-        groups = g
-    if symmetric:
-        out = conv(x, weight, padding=pad, groups=groups)
-    else:
-        out = conv(F.pad(x, pad), weight, groups=groups)
-    if impl == "depthwise_conv":
-        return out.view(b, g, v, k, *spatial)  # b g v k *S
+        return _lambda_conv(x, weight, center, g * v).view(b, g, v, k, *spatial)  # b g v k *S
+    x = values.transpose(1, 2).reshape(b * v, g * u, *spatial)  # "conv", v folded into the batch: (b v) (g u) *S
+    out = _lambda_conv(x, kernel.reshape(g * k, u, *ksize), center, g)  # (b v) (g k) *S
     return out.view(b, v, g, k, *spatial).transpose(1, 2)  # b g v k *S
 
 
@@ -189,18 +169,11 @@ def token_position_lambdas(values: Tensor, kernel: Tensor, center: Sequence[int]
     b, n, c = values.shape
     g, k, u = kernel.shape[:3]
     v = c // (g * u)
-    dims = len(spatial)
     kernel, center = crop_relative_kernel(kernel, center, spatial)
     ksize = tuple(kernel.shape[3:])
     x = values.view(b, *spatial, c).movedim(-1, 1)  # b (g v u) *S with channels-last strides
     weight = kernel.unsqueeze(1).expand(g, v, k, u, *ksize).reshape(g * v * k, u, *ksize)  # (g v k) u *K
-    symmetric, pad = _pad_for(center, ksize)
-    conv = conv_nd(dims)
-    if symmetric:
-        out = conv(x, weight, padding=pad, groups=g * v)
-    else:
-        out = conv(F.pad(x, pad), weight, groups=g * v)
-    return out.movedim(1, -1).reshape(b, n, g, v, k)  # b n g v k
+    return _lambda_conv(x, weight, center, g * v).movedim(1, -1).reshape(b, n, g, v, k)  # b n g v k
 
 
 def normalize_keys(keys: Tensor, method: str, dim: int = 1) -> Tensor:
@@ -257,8 +230,7 @@ def causal_content_lambdas(keys: Tensor, values: Tensor, method: str = "softmax"
         w = torch.exp(keys - keys.amax(dim=1, keepdim=True).detach())  # b n g k u
         z = w.cumsum(dim=1).clamp_min(tiny)  # b n g k u
     elif method == "l2":
-        w = keys
-        z = keys.square().cumsum(dim=1).sqrt().clamp_min(1e-12)  # b n g k u
+        w, z = keys, keys.square().cumsum(dim=1).sqrt().clamp_min(1e-12)  # b n g k u
     else:
         w, z = keys, None
     num = torch.einsum("bngku,bngvu->bngkuv", w, values).cumsum(dim=1)  # b n g k u v
@@ -311,9 +283,8 @@ class _QEPositionOutput(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         q_n, e_n, values = ctx.saved_tensors
-        b, h = ctx.b, ctx.h
+        b, h, chunk = ctx.b, ctx.h, ctx.chunk
         n, k, m = e_n.shape
-        chunk = ctx.chunk
         grad_q = torch.empty_like(q_n)
         grad_e = torch.empty(n, k, m, dtype=e_n.dtype, device=e_n.device)
         grad_v = torch.zeros_like(values)
@@ -379,11 +350,9 @@ def position_output_qe(queries: Tensor, embeddings: Tensor, values: Tensor, *,
     e_n = embeddings.transpose(0, 1)  # n k m (a strided view)
     values = values.contiguous()
     if torch.jit.is_tracing():
-        # torch.jit.trace reads shapes as traced 0-dim tensors: handed to the autograd.Function as its b and h
-        # they belong to the outer graph, not the Function's subgraph (the tracer fails with
-        # "unordered_map::at"), and a traced Python Function could not be saved anyway. The same chunked
-        # GEMMs as plain ops instead (autograd's backward keeps the q . E chunks, which tracing for export
-        # does not mind).
+        # torch.jit.trace reads shapes as traced 0-dim tensors, which as the Function's b and h belong to the
+        # outer graph (the tracer fails with "unordered_map::at"), and a traced Python Function could not be
+        # saved anyway: plain chunked GEMMs instead (whose backward keeps the q . E chunks; export does not mind)
         chunks = [_qe_chunk_output(q_n[i:i + chunk], e_n[i:i + chunk], values, b, h)  # b h nc v
                   for i in range(0, n, chunk)]
         return torch.cat(chunks, dim=2)  # b h n v

@@ -1,30 +1,22 @@
 """The paper-shaped reference functions, with the figures' argument order and shapes: plain einsums, exactly
 as printed (LambdaNetworks Figs. 3, 5, 6, 7, 8). Symbols and layouts: :mod:`lambdanet.functional`."""
 
-
 from __future__ import annotations
-
 
 import torch
 from torch import Tensor
 
+from lambdanet.functional.fast import POSITION_IMPLS, position_lambdas
 from lambdanet.helpers import check_choice
 
-from lambdanet.functional.fast import POSITION_IMPLS, position_lambdas
-
 __all__ = ["lambda_layer", "compute_position_lambdas", "masked_lambda_layer", "multihead_lambda_layer"]
-
-
-# --------------------------------------------------------------------------------------------------
-# argument checking: every paper-shaped function names the offending argument
-# --------------------------------------------------------------------------------------------------
 
 
 def _bind(**named: tuple[Tensor, str]) -> dict[str, int]:
     """Check each tensor against a space-separated axis spec and that shared axes agree.
 
     ``_bind(queries=(q, "b h n k"), keys=(k, "b m k"))`` returns ``{"b": .., "h": .., ...}`` or raises a
-    ``ValueError`` that names the argument and the expected shape.
+    ``ValueError`` that names the offending argument and the expected shape.
     """
     sizes: dict[str, tuple[int, str]] = {}
     for arg, (t, spec) in named.items():
@@ -36,17 +28,10 @@ def _bind(**named: tuple[Tensor, str]) -> dict[str, int]:
         for ax, s in zip(axes, t.shape):
             if ax in sizes and sizes[ax][0] != s:
                 other_size, other_arg = sizes[ax]
-                raise ValueError(
-                    f"{arg} has {ax}={s} but {other_arg} has {ax}={other_size}; "
-                    f"expected {arg} of shape [{', '.join(axes)}]"
-                )
+                raise ValueError(f"{arg} has {ax}={s} but {other_arg} has {ax}={other_size}; "
+                                 f"expected {arg} of shape [{', '.join(axes)}]")
             sizes.setdefault(ax, (int(s), arg))
     return {ax: s for ax, (s, _) in sizes.items()}
-
-
-# --------------------------------------------------------------------------------------------------
-# paper-shaped reference functions (Figures 3, 5, 6, 7, 8)
-# --------------------------------------------------------------------------------------------------
 
 
 def lambda_layer(queries: Tensor, keys: Tensor, embeddings: Tensor, values: Tensor) -> Tensor:
@@ -113,9 +98,8 @@ def compute_position_lambdas(embeddings: Tensor, values: Tensor, impl: str = "ei
     return lam[:, 0].permute(0, 3, 2, 1)  # b n k v
 
 
-def masked_lambda_layer(
-    queries: Tensor, normalized_keys: Tensor, embeddings: Tensor, values: Tensor, mask: Tensor
-) -> Tensor:
+def masked_lambda_layer(queries: Tensor, normalized_keys: Tensor, embeddings: Tensor, values: Tensor,
+                        mask: Tensor) -> Tensor:
     """Masked multi-query lambda layer, Fig. 6: query ``n`` only sees the context positions ``m``
     with ``mask[n, m] == 1``; each query gets its own content lambda.
 

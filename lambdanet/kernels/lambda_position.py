@@ -24,8 +24,7 @@ Kernels (grid: query tiles x batch, or context tiles x batch):
 Multiply-adds per (query, context) pair in the band: ``h k u`` for ``S`` and ``h v u`` for ``S V`` (the
 ``einsum_qe`` count); bytes: ``q``, ``V`` and ``y`` once per tile pair from cache, ``R`` gathered from L1/L2.
 
-Under ``TRITON_INTERPRET=1`` (set before this module is imported) the same kernels run on CPU tensors,
-which is how the test suite checks them without a GPU.
+Under ``TRITON_INTERPRET=1`` (set before this module is imported) they run on CPU tensors: the tests' path.
 """
 
 from __future__ import annotations
@@ -81,11 +80,9 @@ def _forward(q_ptr, v_ptr, r_ptr, y_ptr, N, H, K, V, U, S0, W, T0, T1, c0, c1,
              HALF_DOT: tl.constexpr, F32_DOT: tl.constexpr):
     pid_n, b = tl.program_id(0), tl.program_id(1)
     T = T0 * T1
-    q_ptr += b * s_qb
-    v_ptr += b * s_vb
+    q_ptr, v_ptr = q_ptr + b * s_qb, v_ptr + b * s_vb
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_v = tl.arange(0, BLOCK_V)
+    offs_h, offs_v = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_V)
     n_ok, h_ok, v_ok = offs_n < N, offs_h < H, offs_v < V
     lo, hi = _band(pid_n * BLOCK_N // W, (tl.minimum(pid_n * BLOCK_N + BLOCK_N, N) - 1) // W, c0, T0, S0, W)
     acc = tl.zeros((BLOCK_N * BLOCK_H, BLOCK_V), dtype=tl.float32)
@@ -116,11 +113,9 @@ def _backward_q(q_ptr, v_ptr, r_ptr, dy_ptr, dq_ptr, N, H, K, V, U, S0, W, T0, T
     is owned by this program's rows: read-modify-write without atomics."""
     pid_n, b = tl.program_id(0), tl.program_id(1)
     T = T0 * T1
-    v_ptr += b * s_vb
-    dq_ptr += b * s_qb
+    v_ptr, dq_ptr = v_ptr + b * s_vb, dq_ptr + b * s_qb
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_v = tl.arange(0, BLOCK_V)
+    offs_h, offs_v = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_V)
     n_ok, h_ok, v_ok = offs_n < N, offs_h < H, offs_v < V
     row_ok = n_ok[:, None] & h_ok[None, :]
     dy = tl.load(dy_ptr + b * s_yb + offs_n[:, None, None] * s_yn + offs_h[None, :, None] * s_yh + offs_v[None, None, :],
@@ -155,13 +150,10 @@ def _backward_kv(q_ptr, v_ptr, r_ptr, dy_ptr, dv_ptr, dr_ptr, N, H, K, V, U, S0,
     and dR[k, u, off(n, m)] += sum_h q[n, h, k] (dy[n, h] . V[m, :, u]) (atomic, fp32)."""
     pid_m, b = tl.program_id(0), tl.program_id(1)
     T = T0 * T1
-    q_ptr += b * s_qb
-    v_ptr += b * s_vb
-    dv_ptr += b * s_vb
-    dy_ptr += b * s_yb
+    q_ptr, v_ptr = q_ptr + b * s_qb, v_ptr + b * s_vb
+    dv_ptr, dy_ptr = dv_ptr + b * s_vb, dy_ptr + b * s_yb
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_v = tl.arange(0, BLOCK_V)
+    offs_h, offs_v = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_V)
     m_ok, h_ok, v_ok = offs_m < N, offs_h < H, offs_v < V
     # the queries that reach this tile: the band of the mirrored table (offsets seen from the context side)
     lo, hi = _band(pid_m * BLOCK_M // W, (tl.minimum(pid_m * BLOCK_M + BLOCK_M, N) - 1) // W, T0 - 1 - c0, T0, S0, W)
@@ -193,53 +185,44 @@ def _backward_kv(q_ptr, v_ptr, r_ptr, dy_ptr, dv_ptr, dr_ptr, N, H, K, V, U, S0,
         tl.store(dv_ptr + offs_m[:, None] * s_vm + offs_v[None, :] * s_vv + u, dv, mask=m_ok[:, None] & v_ok[None, :])
 
 
-def _geometry(q, values, table, center, spatial):
-    """Shapes and the block sizes of a launch (``spatial`` of 1 or 2 dims; 1-d is a map of height 1)."""
+def _launch_args(q, values, table, center, spatial, y):
+    """The batch and the kernel arguments but pointers of a launch: shapes, strides (``y``: the output or its
+    gradient) and block sizes (``spatial`` of 1 or 2 dims; 1-d is a map of height 1)."""
     b, n, h, k = q.shape
     v, u = values.shape[2], values.shape[3]
     s0, w = (1, spatial[0]) if len(spatial) == 1 else spatial
     t0, t1 = (1, table.shape[-1]) if len(spatial) == 1 else table.shape[-2:]
     c0, c1 = (0, center[0]) if len(spatial) == 1 else center
-    block_h = max(triton.next_power_of_2(h), 1)
-    block_v = max(triton.next_power_of_2(v), 16)
-    geo = dict(N=n, H=h, K=k, V=v, U=u, S0=s0, W=w, T0=t0, T1=t1, c0=c0, c1=c1, HALF_DOT=_half_dot(values.dtype),
-               F32_DOT="tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee")
-    return geo, b, block_h, block_v
+    return b, dict(N=n, H=h, K=k, V=v, U=u, S0=s0, W=w, T0=t0, T1=t1, c0=c0, c1=c1,
+                   s_qb=q.stride(0), s_qn=q.stride(1), s_qh=q.stride(2), s_vb=values.stride(0),
+                   s_vm=values.stride(1), s_vv=values.stride(2), s_yb=y.stride(0), s_yn=y.stride(1),
+                   s_yh=y.stride(2), BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, BLOCK_H=max(triton.next_power_of_2(h), 1),
+                   BLOCK_V=max(triton.next_power_of_2(v), 16), HALF_DOT=_half_dot(values.dtype),
+                   F32_DOT="tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee")
 
 
 def _half_dot(dtype: torch.dtype) -> bool:
     """Dot products on half-precision operands (fp32 accumulation) for fp16/bf16 values; fp32 otherwise.
     Triton's interpreter computes bf16 dots wrongly (it has no bf16 arithmetic), so there bf16 operands are
     widened to fp32: the interpreter checks the bf16 loads and stores, the GPU the bf16 dot itself."""
-    if dtype == torch.float16:
-        return True
-    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1"
+    return dtype == torch.float16 or (dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1")
 
 
 def launch_forward(q, values, table, center, spatial, out):
     """``out[b, n, h, v]`` = the position output of ``q [b, n, h, k]``, ``values [b, n, v, u]`` (last dim
     contiguous strides as given) and ``table [k, u, *T]`` (contiguous); ``out`` contiguous."""
-    geo, b, block_h, block_v = _geometry(q, values, table, center, spatial)
-    grid = (triton.cdiv(geo["N"], BLOCK_N), b)
-    _forward[grid](q, values, table, out, **geo, s_qb=q.stride(0), s_qn=q.stride(1), s_qh=q.stride(2),
-                   s_vb=values.stride(0), s_vm=values.stride(1), s_vv=values.stride(2),
-                   s_yb=out.stride(0), s_yn=out.stride(1), s_yh=out.stride(2),
-                   BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, BLOCK_H=block_h, BLOCK_V=block_v)
+    b, args = _launch_args(q, values, table, center, spatial, out)
+    _forward[(triton.cdiv(args["N"], BLOCK_N), b)](q, values, table, out, **args)
     return out
 
 
 def launch_backward(grad, q, values, table, center, spatial, dq, dvalues, dtable):
     """Gradients into zeroed fp32 buffers ``dq`` (q's shape, contiguous), ``dvalues`` (values' shape,
     contiguous) and ``dtable`` (table's shape, contiguous)."""
-    geo, b, block_h, block_v = _geometry(q, values, table, center, spatial)
-    strides = dict(s_qb=q.stride(0), s_qn=q.stride(1), s_qh=q.stride(2), s_vb=values.stride(0),
-                   s_vm=values.stride(1), s_vv=values.stride(2), s_yb=grad.stride(0), s_yn=grad.stride(1),
-                   s_yh=grad.stride(2))
-    blocks = dict(BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, BLOCK_H=block_h, BLOCK_V=block_v)
+    b, args = _launch_args(q, values, table, center, spatial, grad)
     assert dq.stride() == q.stride() and dvalues.stride() == values.stride()
-    _backward_q[(triton.cdiv(geo["N"], BLOCK_N), b)](q, values, table, grad, dq, **geo, **strides, **blocks)
-    _backward_kv[(triton.cdiv(geo["N"], BLOCK_M), b)](q, values, table, grad, dvalues, dtable, **geo, **strides,
-                                                       **blocks)
+    _backward_q[(triton.cdiv(args["N"], BLOCK_N), b)](q, values, table, grad, dq, **args)
+    _backward_kv[(triton.cdiv(args["N"], BLOCK_M), b)](q, values, table, grad, dvalues, dtable, **args)
 
 
 _INT_ARGS = ("N", "H", "K", "V", "U", "S0", "W", "T0", "T1", "c0", "c1", "s_qb", "s_qn", "s_qh", "s_vb", "s_vm",

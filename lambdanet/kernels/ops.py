@@ -25,9 +25,7 @@ def kernels_available(device: torch.device | str) -> tuple[bool, str]:
         import triton  # noqa: F401
     except ImportError:
         return False, "Triton is not installed (pip install triton)"
-    if device.type == "cuda":
-        return True, ""
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+    if device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
         return True, ""
     return False, (f"the Triton kernels run on CUDA devices (or on CPU tensors under TRITON_INTERPRET=1), "
                    f"got {device.type}")
@@ -46,15 +44,13 @@ def _position_output(q: Tensor, values: Tensor, table: Tensor, center0: int, cen
 
     _check(q.device)
     q, values, table = q.contiguous(), values.contiguous(), table.contiguous()
-    b, n, h, _ = q.shape
-    out = torch.empty(b, n, h, values.shape[2], device=q.device, dtype=q.dtype)
+    out = q.new_empty(*q.shape[:3], values.shape[2])  # b n h v
     return launch_forward(q, values, table, (center0, center1), (height, width), out)
 
 
 @_position_output.register_fake
 def _(q, values, table, center0, center1, height, width):
-    b, n, h, _ = q.shape
-    return q.new_empty(b, n, h, values.shape[2])
+    return q.new_empty(*q.shape[:3], values.shape[2])  # b n h v
 
 
 @torch.library.custom_op("lambdanet::lambda_position_output_backward", mutates_args=())
@@ -76,9 +72,8 @@ def _(grad, q, values, table, center0, center1, height, width):
 
 
 def _setup_context(ctx, inputs, output):
-    q, values, table, *geometry = inputs
-    ctx.save_for_backward(q, values, table)
-    ctx.geometry = geometry
+    ctx.save_for_backward(*inputs[:3])  # q, values, table
+    ctx.geometry = inputs[3:]
 
 
 def _backward(ctx, grad):
@@ -111,8 +106,7 @@ def lambda_position_output(q: Tensor, values: Tensor, table: Tensor, center: Seq
         spatial: the input's spatial size (1 or 2 dims).
     """
     c0, c1, height, width = _geometry(center, spatial)
-    if len(spatial) == 1:
-        table = table.unsqueeze(2)  # k u 1 T
+    table = table.unsqueeze(2) if len(spatial) == 1 else table  # k u T0 T1 (1-d: k u 1 T)
     return _position_output(q, values, table, c0, c1, height, width)
 
 

@@ -17,10 +17,9 @@ from lambdanet.layers.relative_position import attend, auto_attention_impl, use_
 from lambdanet.layers.squeeze_excite import SqueezeExcite
 
 __all__ = [
-    "LambdaLayer", "LambdaPlan", "ImplPolicy", "impl_policy", "set_impl_policy", "RelativePositionEmbedding", "AbsolutePositionEmbedding",
-    "ConvLayer", "ConvSE", "SqueezeExcite", "EfficientChannelAttention", "EfficientAttention", "DoubleAttention",
-    "RelativeSelfAttention", "AttentionAugmentedConv", "AxialAttention",
-    "BlockedLocalAttention", "HaloAttention", "LocalSelfAttention",
-    "create_spatial_layer", "list_spatial_layers", "spatial_layer_info",
-    "attend", "auto_attention_impl", "use_attention_impl",
+    "LambdaLayer", "LambdaPlan", "ImplPolicy", "impl_policy", "set_impl_policy", "RelativePositionEmbedding",
+    "AbsolutePositionEmbedding", "ConvLayer", "ConvSE", "SqueezeExcite", "EfficientChannelAttention",
+    "EfficientAttention", "DoubleAttention", "RelativeSelfAttention", "AttentionAugmentedConv", "AxialAttention",
+    "BlockedLocalAttention", "HaloAttention", "LocalSelfAttention", "create_spatial_layer", "list_spatial_layers",
+    "spatial_layer_info", "attend", "auto_attention_impl", "use_attention_impl",
 ]

@@ -2,9 +2,8 @@
 the width axis, each with 1-d relative position logits. LambdaNetworks Table 4 "axial self-attention".
 
 Complexity (``n = H W``): time ``Theta(b n (H + W) d)``, space ``Theta(b h n (H + W))``, i.e.
-``Theta(b h n sqrt(n))`` for square maps. Stride 2: a 2x2 average pool (ceil mode) after. Each row (column)
-is one batch entry of :func:`~lambdanet.layers.relative_position.attend` (fused SDPA on CUDA, the math
-reference on CPU).
+``Theta(b h n sqrt(n))`` for square maps. Stride 2: a 2x2 average pool (ceil mode) after. Each row (column) is one
+batch entry of :func:`~lambdanet.layers.relative_position.attend` (fused SDPA on CUDA, the math reference on CPU).
 """
 
 from __future__ import annotations
@@ -39,16 +38,10 @@ class AxialAttention1d(nn.Module):
         b, _, hh, ww = x.shape
         h, d = self.heads, self.dim_out // self.heads
         qkv = self.qkv(x).reshape(b, 3, h, d, hh, ww)
-        if self.axis == 2:  # sequences run down the columns
-            qkv = qkv.permute(1, 0, 2, 5, 4, 3)  # 3 b h W H d
-        else:
-            qkv = qkv.permute(1, 0, 2, 4, 5, 3)  # 3 b h H W d
-        q, k, v = qkv[0], qkv[1], qkv[2]
+        # axis 2: sequences run down the columns (3 b h W H d), axis 3: along the rows (3 b h H W d)
+        q, k, v = (qkv.permute(1, 0, 2, 5, 4, 3) if self.axis == 2 else qkv.permute(1, 0, 2, 4, 5, 3)).unbind(0)
         out = attend(q, k, v, self.rel(q), scale=d ** -0.5)  # b h other L d
-        if self.axis == 2:
-            out = out.permute(0, 1, 4, 3, 2)  # b h d H W
-        else:
-            out = out.permute(0, 1, 4, 2, 3)  # b h d H W
+        out = out.permute(0, 1, 4, 3, 2) if self.axis == 2 else out.permute(0, 1, 4, 2, 3)  # b h d H W
         return out.reshape(b, self.dim_out, hh, ww)
 
 

@@ -12,10 +12,8 @@ __all__ = ["ConvLayer", "ConvSE"]
 
 
 class ConvLayer(nn.Module):
-    """``kernel_size x kernel_size`` convolution, no bias (a BatchNorm follows in the block).
-
-    Time ``Theta(b n r d_in d_out)``, space ``Theta(b n d)``; stride is the convolution's.
-    """
+    """``kernel_size x kernel_size`` convolution, no bias (a BatchNorm follows in the block). Time
+    ``Theta(b n r d_in d_out)``, space ``Theta(b n d)``; stride is the convolution's."""
 
     def __init__(self, dim: int, dim_out: int | None = None, *, stride: int = 1, kernel_size: int = 3,
                  groups: int = 1):

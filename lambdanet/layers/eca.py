@@ -40,5 +40,4 @@ class EfficientChannelAttention(nn.Module):
         check_input(x, self.channels, None, type(self).__name__, dim_name="channels")
         b, c = x.shape[:2]
         s = x.mean(dim=tuple(range(2, x.dim()))).view(b, 1, c)  # b 1 c
-        gate = self.conv(s).sigmoid().view(b, c, *([1] * (x.dim() - 2)))  # b c 1 1
-        return x * gate
+        return x * self.conv(s).sigmoid().view(b, c, *([1] * (x.dim() - 2)))  # gate: b c 1 1

@@ -47,17 +47,17 @@ class ImplPolicy:
         einsum_positions_per_tap: the lambdas-first ``einsum`` serves maps of at most this many positions per
             kernel tap (small maps that their scope covers), when ``E`` may be materialised.
         dense_conv_taps: the scopes (``(fewest, most)`` kernel taps after cropping to the map) whose lambda
-            convolution runs as the batch-folded dense convolution (``"conv"``: ``v`` folded into the batch, one
-            input channel, ``k`` output channels) rather than the depthwise one; both do ``taps k v``
-            multiply-adds per position. On the CPU of BENCHMARKS.md (section 1) the dense form trained
-            1.2-1.9x faster from 15x15 to 31x31 scopes and 1.1x at 47x47, the depthwise one was as fast at
-            13x13 and faster below, and the dense backward collapsed at 111x111 (12x slower).
-        dense_conv_speedup: how much faster per multiply-add the dense convolution runs than the depthwise one
-            (and the row-chunked ``einsum_qe``) inside ``dense_conv_taps``: the cost model divides its
-            multiply-adds by this (1.5 on that CPU, training).
+            convolution runs as the batch-folded dense ``"conv"`` (``v`` in the batch, one input channel, ``k``
+            output channels) rather than the depthwise one; both do ``taps k v`` multiply-adds per position.
+            On the CPU of BENCHMARKS.md (section 1) the dense form trained 1.2-1.9x faster from 15x15 to 31x31
+            scopes and 1.1x at 47x47, the depthwise one was as fast at 13x13 and faster below, and the dense
+            backward collapsed at 111x111 (12x slower).
+        dense_conv_speedup: the cost model divides the dense convolution's multiply-adds by this inside
+            ``dense_conv_taps`` (its speed-up over the depthwise one and the row-chunked ``einsum_qe``: 1.5 on
+            that CPU, training).
 
-    Every device type uses these CPU values until a policy is registered for it with
-    :func:`set_impl_policy`; CUDA in particular has not been measured yet and runs on the CPU values.
+    Every device type (CUDA too: not measured yet) uses these CPU values until :func:`set_impl_policy` registers a
+    policy for it.
     """
 
     max_whole_positions: int = 852
@@ -122,13 +122,14 @@ class LambdaPlan:
         position: the step that runs it, or ``None`` (``position=False``). Queries-first steps
             (:data:`QUERIES_FIRST_STEPS`) return the position output ``y^p``: ``"einsum_qe_absolute"``,
             ``"einsum_qe_whole"`` (the whole ``E``, cached in eval), ``"einsum_qe_chunked"`` (rows of ``E``
-            rebuilt per query chunk), ``"triton"`` (the fused kernels of :mod:`lambdanet.kernels`). Lambdas-first steps (:data:`LAMBDAS_FIRST_STEPS`) return the position
-            lambdas ``lambda^p``: ``"depthwise_conv_tokens"`` (the depthwise lambda convolution on the value
-            tokens), ``"conv"``, ``"einsum"``, ``"einsum_absolute"``.
+            rebuilt per query chunk), ``"triton"`` (the fused kernels of :mod:`lambdanet.kernels`).
+            Lambdas-first steps (:data:`LAMBDAS_FIRST_STEPS`) return the position lambdas ``lambda^p``:
+            ``"depthwise_conv_tokens"`` (depthwise lambda convolution on the value tokens), ``"conv"``,
+            ``"einsum"``, ``"einsum_absolute"``.
 
-    A new implementation is one more step: its name here, the condition that picks it in
-    :meth:`LambdaLayer.plan`, and a branch of ``LambdaLayer._position_output`` (a kernel that returns ``y^p``,
-    as ``"triton"`` does) or ``LambdaLayer._position_lambdas`` (one that returns ``lambda^p``).
+    A new implementation is one more step: its name here, the condition that picks it in :meth:`LambdaLayer.plan`
+    and a branch of ``LambdaLayer._position_output`` (returning ``y^p``, as ``"triton"``) or ``_position_lambdas``
+    (returning ``lambda^p``).
     """
 
     impl: str
@@ -196,38 +197,18 @@ class LambdaLayer(nn.Module):
     (float64 for float64 inputs), also under ``torch.autocast``; the projections follow autocast.
     """
 
-    def __init__(
-        self,
-        dim: int,
-        dim_out: int | None = None,
-        *,
-        dim_k: int = 16,
-        heads: int = 4,
-        dim_u: int = 1,
-        r: int | None = 23,
-        feat_size: int | Sequence[int] | None = None,
-        stride: int = 1,
-        spatial_dims: int | None = None,
-        causal: bool = False,
-        content: bool = True,
-        position: bool = True,
-        position_embedding: str = "relative",
-        embedding: RelativePositionEmbedding | AbsolutePositionEmbedding | None = None,
-        multihead: bool = False,
-        key_norm: str = "softmax",
-        query_softmax: bool = False,
-        qv_norm: str | None = "auto",
-        impl: str = "auto",
-        stride_pool: int = 3,
-        position_bias: bool = False,
-    ):
+    def __init__(self, dim: int, dim_out: int | None = None, *, dim_k: int = 16, heads: int = 4, dim_u: int = 1,
+                 r: int | None = 23, feat_size: int | Sequence[int] | None = None, stride: int = 1,
+                 spatial_dims: int | None = None, causal: bool = False, content: bool = True,
+                 position: bool = True, position_embedding: str = "relative",
+                 embedding: RelativePositionEmbedding | AbsolutePositionEmbedding | None = None,
+                 multihead: bool = False, key_norm: str = "softmax", query_softmax: bool = False,
+                 qv_norm: str | None = "auto", impl: str = "auto", stride_pool: int = 3,
+                 position_bias: bool = False):
         super().__init__()
         dim_out = dim if dim_out is None else dim_out
-        check_positive_int(dim, "dim")
-        check_positive_int(dim_out, "dim_out")
-        check_positive_int(dim_k, "dim_k")
-        check_positive_int(heads, "heads")
-        check_positive_int(dim_u, "dim_u")
+        for name, value in dict(dim=dim, dim_out=dim_out, dim_k=dim_k, heads=heads, dim_u=dim_u).items():
+            check_positive_int(value, name)
         if dim_out % heads:
             raise ValueError(f"heads={heads} must divide dim_out={dim_out} (value depth |v| = dim_out / heads)")
         check_choice(stride, "stride", (1, 2))
@@ -250,15 +231,13 @@ class LambdaLayer(nn.Module):
         if causal and stride != 1:
             raise ValueError("causal=True needs stride=1 (the average pool would mix future positions)")
         feat = to_ntuple(feat_size, spatial_dims, "feat_size")
-        if feat is not None:
-            for s in feat:
-                check_positive_int(s, "feat_size")
+        for s in feat or ():
+            check_positive_int(s, "feat_size")
 
         self.dim, self.dim_out, self.dim_k, self.heads, self.dim_u = dim, dim_out, dim_k, heads, dim_u
         self.dim_v = dim_out // heads
         self.groups, self.multihead = (heads if multihead else 1), multihead
-        self.spatial_dims, self.stride, self.causal = spatial_dims, stride, causal
-        self.stride_pool = stride_pool
+        self.spatial_dims, self.stride, self.causal, self.stride_pool = spatial_dims, stride, causal, stride_pool
         self.content, self.position = content, position
         self.key_norm, self.query_softmax, self.impl = key_norm, query_softmax, impl
         self.qv_norm = ("layer" if causal else "batch") if qv_norm == "auto" else qv_norm
@@ -274,8 +253,7 @@ class LambdaLayer(nn.Module):
         self.dim_keys_total = dim_k * dim_u * self.groups if content else 0
         self.dim_values_total = self.dim_v * dim_u * self.groups
         self.qkv = nn.Linear(dim, self.dim_qk_total + self.dim_keys_total + self.dim_values_total, bias=False)
-        self.norm_q = self._make_norm(self.dim_qk_total)
-        self.norm_v = self._make_norm(self.dim_values_total)
+        self.norm_q, self.norm_v = self._make_norm(self.dim_qk_total), self._make_norm(self.dim_values_total)
         if position_bias and (not position or self.groups != 1 or dim_u != 1):
             raise ValueError("position_bias=True needs position lambdas of a multi-query layer with dim_u=1")
         # b[k]: one offset per key depth, shared by every position and value channel (zero: no effect)
@@ -304,9 +282,8 @@ class LambdaLayer(nn.Module):
             raise ValueError(f"causal=True needs 1-d inputs (spatial_dims=1), got spatial_dims={spatial_dims}")
         return spatial_dims
 
-    def _build_embedding(
-        self, position_embedding: str, embedding, r: int | None, feat: tuple[int, ...] | None
-    ) -> RelativePositionEmbedding | AbsolutePositionEmbedding:
+    def _build_embedding(self, position_embedding: str, embedding, r: int | None,
+                         feat: tuple[int, ...] | None) -> RelativePositionEmbedding | AbsolutePositionEmbedding:
         """The position embeddings: the shared ``embedding`` (checked against this layer), absolute ones over
         ``feat``, a local relative table of scope ``r``, or a global relative table over ``feat``."""
         k, u, g, dims, causal = self.dim_k, self.dim_u, self.groups, self.spatial_dims, self.causal
@@ -329,22 +306,16 @@ class LambdaLayer(nn.Module):
         emb = self.embedding
         if emb is None:
             return r, feat
-        if isinstance(emb, RelativePositionEmbedding) and emb.feat_size is None:  # local scope
-            return emb.kernel_size[0], None
-        return None, emb.feat_size
+        local = isinstance(emb, RelativePositionEmbedding) and emb.feat_size is None
+        return (emb.kernel_size[0], None) if local else (None, emb.feat_size)
 
     def _make_norm(self, channels: int) -> nn.Module:
-        if self.qv_norm == "batch":
-            return nn.BatchNorm1d(channels)
-        if self.qv_norm == "layer":
-            return nn.LayerNorm(channels)
-        return nn.Identity()
+        norms = {"batch": nn.BatchNorm1d, "layer": nn.LayerNorm}
+        return norms[self.qv_norm](channels) if self.qv_norm in norms else nn.Identity()
 
     def _check_shared_embedding(self, emb, r, feat) -> None:
-        expect = {"dim_k": self.dim_k, "dim_u": self.dim_u, "groups": self.groups,
-                  "spatial_dims": self.spatial_dims}
-        for name, want in expect.items():
-            got = getattr(emb, name)
+        for name in ("dim_k", "dim_u", "groups", "spatial_dims"):
+            got, want = getattr(emb, name), getattr(self, name)
             if got != want:
                 raise ValueError(f"shared embedding has {name}={got}, this layer needs {name}={want}")
         if isinstance(emb, RelativePositionEmbedding) and emb.causal != self.causal:
@@ -362,8 +333,7 @@ class LambdaLayer(nn.Module):
     def reset_parameters(self) -> None:
         """Paper initialisation (App. E.1): ``Wq ~ N(0, (d k)^-1/2)``, ``Wk, Wv ~ N(0, d^-1/2)`` (std)."""
         with torch.no_grad():
-            w = self.qkv.weight
-            nq = self.dim_qk_total
+            w, nq = self.qkv.weight, self.dim_qk_total
             w[:nq].normal_(0.0, (self.dim * self.dim_k) ** -0.5)
             w[nq:].normal_(0.0, self.dim ** -0.5)
 
@@ -373,17 +343,11 @@ class LambdaLayer(nn.Module):
                  f"dim_u={self.dim_u}", scope, f"stride={self.stride}"]
         if self.spatial_dims != 2:
             parts.append(f"spatial_dims={self.spatial_dims}")
-        for flag in ("causal", "multihead", "query_softmax"):
-            if getattr(self, flag):
-                parts.append(f"{flag}=True")
+        parts += [f"{flag}=True" for flag in ("causal", "multihead", "query_softmax") if getattr(self, flag)]
         if not self.content or not self.position:
             parts.append(f"content={self.content}, position={self.position}")
-        if self.key_norm != "softmax":
-            parts.append(f"key_norm={self.key_norm!r}")
-        if self.qv_norm != "batch":
-            parts.append(f"qv_norm={self.qv_norm!r}")
-        if self.impl != "auto":
-            parts.append(f"impl={self.impl!r}")
+        defaults = {"key_norm": "softmax", "qv_norm": "batch", "impl": "auto"}
+        parts += [f"{name}={getattr(self, name)!r}" for name, d in defaults.items() if getattr(self, name) != d]
         if self.stride > 1 and self.stride_pool != 3:
             parts.append(f"stride_pool={self.stride_pool}")
         if self.position_bias is not None:
@@ -398,9 +362,8 @@ class LambdaLayer(nn.Module):
         emb = self.embedding
         if isinstance(emb, AbsolutePositionEmbedding):
             if spatial != emb.feat_size:
-                raise ValueError(
-                    f"absolute position embeddings were built for feat_size={emb.feat_size}, "
-                    f"got an input of spatial size {spatial}")
+                raise ValueError(f"absolute position embeddings were built for feat_size={emb.feat_size}, "
+                                 f"got an input of spatial size {spatial}")
         elif isinstance(emb, RelativePositionEmbedding) and emb.feat_size is not None:
             if any(s > f for s, f in zip(spatial, emb.feat_size)):
                 raise ValueError(
@@ -422,8 +385,7 @@ class LambdaLayer(nn.Module):
         impl = self.impl if self.impl != "auto" else self._auto_impl(spatial, n, whole, qe_ok, policy)
         if impl == "einsum_qe" and not qe_ok:
             impl = "einsum"
-        absolute = isinstance(self.embedding, AbsolutePositionEmbedding)
-        if absolute:  # explicit embeddings: every lambdas-first impl is the einsum
+        if isinstance(self.embedding, AbsolutePositionEmbedding):  # absolute: lambdas-first impls are the einsum
             impl = impl if impl == "einsum_qe" else "einsum"
             return LambdaPlan(impl, "einsum_qe_absolute" if impl == "einsum_qe" else "einsum_absolute")
         if impl == "einsum_qe":
@@ -456,20 +418,17 @@ class LambdaLayer(nn.Module):
     def choose_impl(self, spatial: Sequence[int], device_type: str | None = None) -> str:
         """The position implementation used for an input of this spatial size (``plan(spatial).impl``).
 
-        ``"auto"`` follows the device's :class:`ImplPolicy`. While the whole ``E[n, m]`` may be materialised
-        (at most ``max_whole_positions`` positions, App. E.1's 852, and ``max_whole_elements`` elements),
-        the queries-first einsum (``einsum_qe``) is taken when its ``n h (k + v)`` multiply-adds per context
-        position stay below ``gemm_speedup`` times the lambda convolution's ``taps k v``; beyond, the rows of
-        ``E`` are rebuilt chunk by chunk from the relative table in every pass
-        (:func:`~lambdanet.functional.relative_position_output_qe`) and the einsum must undercut the
-        convolution's multiply-adds outright: global scopes keep it, local scopes on large maps take the
-        convolution. Otherwise the lambdas-first ``einsum`` for small maps (at most
-        ``einsum_positions_per_tap`` positions per kernel tap, ``E`` materialisable), else the lambda
-        convolution: the dense form (``"conv"``) for scopes of ``dense_conv_taps`` taps, its multiply-adds
-        counted ``dense_conv_speedup`` times cheaper in the comparisons above, the depthwise one
-        (``"depthwise_conv"``) otherwise. Intra-depth, multi-head and causal layers use the lambdas-first forms (an
-        explicit ``impl="einsum_qe"`` runs as ``"einsum"`` there), absolute embeddings the einsums.
-        ``"none"`` when the layer has no position lambdas.
+        ``"auto"`` follows the device's :class:`ImplPolicy`: the queries-first ``einsum_qe`` when its
+        ``n h (k + v)`` multiply-adds per context position stay below ``gemm_speedup`` times the lambda
+        convolution's ``taps k v`` while the whole ``E[n, m]`` may be materialised (``max_whole_positions``,
+        App. E.1's 852, and ``max_whole_elements``), and below the convolution's outright beyond, where ``E``
+        rows are rebuilt per chunk in every pass (:func:`~lambdanet.functional.relative_position_output_qe`):
+        global scopes keep it, local scopes on large maps take the convolution. Else the lambdas-first
+        ``einsum`` for small maps (at most ``einsum_positions_per_tap`` positions per tap, ``E``
+        materialisable), else the dense ``"conv"`` for scopes of ``dense_conv_taps`` taps (multiply-adds
+        counted ``dense_conv_speedup`` times cheaper above) or the ``"depthwise_conv"``. Intra-depth,
+        multi-head and causal layers use the lambdas-first forms (an explicit ``impl="einsum_qe"`` runs as
+        ``"einsum"``), absolute embeddings the einsums; ``"none"`` without position lambdas.
         """
         return self.plan(spatial, device_type).impl
 
@@ -482,7 +441,6 @@ class LambdaLayer(nn.Module):
         channels_first = x.is_contiguous()
         q, keys, vals = self._project(x, channels_first)  # b n (h k), b n (g k u), b n (g v u)
         out_dtype = q.dtype
-
         autocast_on = torch.is_autocast_enabled(x.device.type) if x.device.type in ("cuda", "cpu") else False
         ctx = torch.autocast(device_type=x.device.type, enabled=False) if autocast_on else nullcontext()
         cdtype = compute_dtype(out_dtype)
@@ -507,10 +465,8 @@ class LambdaLayer(nn.Module):
         else:  # channels_last input: the token view is free
             tokens = x.movedim(1, -1).reshape(b, n, self.dim)  # b n d
         # three GEMMs on row blocks of the fused weight: contiguous outputs keep BatchNorm on its fast path
-        w_q, w_k, w_v = self.qkv.weight.split([self.dim_qk_total, self.dim_keys_total, self.dim_values_total])
-        q = F.linear(tokens, w_q)  # b n (h k)
-        keys = F.linear(tokens, w_k)  # b n (g k u)
-        vals = F.linear(tokens, w_v)  # b n (g v u)
+        weights = self.qkv.weight.split([self.dim_qk_total, self.dim_keys_total, self.dim_values_total])
+        q, keys, vals = (F.linear(tokens, w) for w in weights)  # b n (h k), b n (g k u), b n (g v u)
         return self._norm(self.norm_q, q), keys, self._norm(self.norm_v, vals)
 
     def _norm(self, norm: nn.Module, t: Tensor) -> Tensor:

@@ -5,22 +5,19 @@
   context ``softmax(K)^T V`` is a ``k x v`` lambda shared by every query.
 * :class:`DoubleAttention` (A^2-Nets, Chen et al. 2018): gather ``G = A softmax_n(B)^T`` (``c_m x c_n``
   global descriptors), distribute ``Z = G softmax_{c_n}(V)``, re-project, residual.
-* :class:`ConvPlusAttention`: the drop-in spatial layer, a 3x3 convolution (which carries the stride)
-  followed by one of the above on its output.
+* :class:`ConvPlusAttention`: the drop-in spatial layer, a 3x3 convolution (with the stride) then one of these.
 
 Complexities (``n`` positions, ``d`` channels): efficient attention time ``Theta(b n k v / h)``, space
 ``Theta(b k v / h + b n d)``; double attention time ``Theta(b n c_m c_n)``, space ``Theta(b c_m c_n + b n d)``.
-Neither forms an ``n x n`` map. Softmaxes and context products run in :func:`compute_dtype` (float32 for
-half-precision inputs, float64 for float64).
+Neither forms an ``n x n`` map. Softmaxes and context products run in :func:`compute_dtype`.
 """
 
 from __future__ import annotations
 
 from torch import Tensor, nn
 
-from lambdanet.helpers import check_choice, check_input, check_positive_int
+from lambdanet.helpers import check_choice, check_input, check_positive_int, compute_dtype
 from lambdanet.layers.conv import ConvLayer
-from lambdanet.helpers import compute_dtype
 
 __all__ = ["EfficientAttention", "DoubleAttention", "ConvPlusAttention"]
 
@@ -51,8 +48,7 @@ class EfficientAttention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         check_input(x, self.dim, 2, type(self).__name__)
-        b, _, hh, ww = x.shape
-        h = self.heads
+        (b, _, hh, ww), h = x.shape, self.heads
         qkv = self.qkv(x).flatten(2)  # b c n
         q, k, v = qkv.to(compute_dtype(qkv.dtype)).split([self.dim_k, self.dim_k, self.dim_v], dim=1)  # b c n
         n = hh * ww  # explicit (not -1): an empty batch reshapes too
@@ -104,10 +100,7 @@ class ConvPlusAttention(nn.Module):
         check_positive_int(stride, "stride")
         check_choice(attention, "attention", ("efficient", "double"))
         self.conv = ConvLayer(dim, dim_out, stride=stride)
-        if attention == "efficient":
-            self.attn = EfficientAttention(dim_out, **kwargs)
-        else:
-            self.attn = DoubleAttention(dim_out, **kwargs)
+        self.attn = (EfficientAttention if attention == "efficient" else DoubleAttention)(dim_out, **kwargs)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.attn(self.conv(x))

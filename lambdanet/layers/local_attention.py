@@ -1,29 +1,27 @@
 """Local self-attention: HaloNet's blocked local attention and SASA's pixel-centred windows.
 
-Both share one core, :class:`BlockedLocalAttention` (HaloNet Sec. 2.2, Fig. 1-2): the image is cut
-into non-overlapping ``b x b`` query blocks; each block attends to its ``(b + 2h) x (b + 2h)`` neighbourhood
-(the block plus a halo of ``h`` pixels). Keys and values are projected once over the whole image and
-only then gathered into the haloed windows (projecting after an unfold would cost ``((b + 2h)/b)^2``
-times the key/value FLOPs). Pixels outside the image, from the halo padding or from padding the image
-up to a multiple of ``b``, are masked out of the softmax (the inverted-mask bug of halonet-pytorch #4
-cannot happen: the test suite compares border pixels with a naive per-pixel reference).
+Both share one core, :class:`BlockedLocalAttention` (HaloNet Sec. 2.2, Fig. 1-2): the image is cut into
+non-overlapping ``b x b`` query blocks, each attending to its ``(b + 2h) x (b + 2h)`` neighbourhood (the block
+plus a halo of ``h`` pixels). Keys and values are projected once over the whole image, then gathered into the
+haloed windows (projecting after an unfold would cost ``((b + 2h)/b)^2`` times the key/value FLOPs). Pixels
+outside the image (halo padding, or padding up to a multiple of ``b``) are masked out of the softmax (the
+inverted-mask bug of halonet-pytorch #4 cannot happen: the tests compare border pixels with a naive reference).
 
-* :class:`HaloAttention` (HaloNet): unmasked block + halo neighbourhood; translation equivariant only
-  for shifts by multiples of ``b`` unless ``pixel_centered=True``, which masks every query to its own
-  ``(2h + 1)^2`` window. Downsampling subsamples the queries (HaloNet Fig. 2): same neighbourhood, 4x fewer
-  queries. Relative embeddings factorised over height and width, half the channels of a head each,
-  shared by the heads (HaloNet App. A).
-* :class:`LocalSelfAttention` (SASA, Ramachandran et al. 2019): every pixel attends to the ``k x k``
-  window centred on it (7x7 default), computed blockwise with a mask; stride 2 = 2x2 average pool after.
+* :class:`HaloAttention` (HaloNet): unmasked block + halo neighbourhood; translation equivariant only for shifts
+  by multiples of ``b`` unless ``pixel_centered=True``, which masks every query to its own ``(2h + 1)^2``
+  window. Downsampling subsamples the queries (HaloNet Fig. 2): same neighbourhood, 4x fewer queries. Relative
+  embeddings factorised over height and width, half a head's channels each, shared by the heads (App. A).
+* :class:`LocalSelfAttention` (SASA, Ramachandran et al. 2019): every pixel attends to the ``k x k`` window
+  centred on it (7x7 default), computed blockwise with a mask; stride 2 = 2x2 average pool after.
 
-Complexity (HaloNet Table 1, ``c`` channels, ``n = H W``): memory ``Theta(n/b^2 (b + 2h)^2 c)`` for the
-gathered neighbourhoods and ``Theta(b_ h n (b + 2h)^2)`` for the relative logits and, on the math path, the
-attention weights (batch ``b_``, heads ``h``); FLOPs per pixel ``Theta((b + 2h)^2 c)``. Both are linear in ``n``.
+Complexity (HaloNet Table 1, ``c`` channels, ``n = H W``): memory ``Theta(n/b^2 (b + 2h)^2 c)`` for the gathered
+neighbourhoods and ``Theta(b_ h n (b + 2h)^2)`` for the relative logits and, on the math path, the attention
+weights (batch ``b_``, heads ``h``); FLOPs per pixel ``Theta((b + 2h)^2 c)``. Both are linear in ``n``.
 
-The softmax runs in :func:`~lambdanet.layers.relative_position.attend`: each block's ``(b/s)^2`` queries
-against its ``(b + 2h)^2`` keys are one batch entry of ``F.scaled_dot_product_attention`` on CUDA (the
-relative logits and the padding / window mask in one additive ``attn_mask``), the math reference on CPU;
-:func:`~lambdanet.layers.relative_position.auto_attention_impl` is the rule.
+The softmax runs in :func:`~lambdanet.layers.relative_position.attend`: each block's ``(b/s)^2`` queries against
+its ``(b + 2h)^2`` keys are one batch entry of ``F.scaled_dot_product_attention`` on CUDA (relative logits and
+padding / window mask in one additive ``attn_mask``), the math reference on CPU
+(:func:`~lambdanet.layers.relative_position.auto_attention_impl` is the rule).
 """
 
 from __future__ import annotations
@@ -54,13 +52,12 @@ class BlockedLocalAttention(nn.Module):
         stride: query subsampling factor (must divide ``block_size``).
         window: if set (odd, ``<= 2 h + 1``), every query only sees the ``window x window`` pixels centred on it.
         rel_max_offset: relative table size (default: every offset the geometry can produce).
-        rel_split: ``"half"`` (HaloNet App. A: half of a head's channels per axis) or ``"full"`` (full-depth
-            height and width tables, as in timm's HaloNet checkpoints).
-        rel_geometry: ``"pixel"``: relative offsets are true pixel offsets between a query and a key.
-            ``"window"`` (timm's checkpoints): a query's offset is measured from its index inside its
-            (subsampled) block to the key's index inside the haloed window, with a ``2 (b + 2h) - 1``-entry
-            table; this is not translation geometry (queries sit ``h`` pixels to the right of where it places
-            them, and subsampled queries are not scaled by the stride), but it is what those weights learnt.
+        rel_split: ``"half"`` (HaloNet App. A: half a head's channels per axis) or ``"full"`` (full-depth tables,
+            as in timm's checkpoints).
+        rel_geometry: ``"pixel"``: true pixel offsets between query and key. ``"window"`` (timm's checkpoints):
+            from a query's index inside its (subsampled) block to the key's index inside the haloed window, with a
+            ``2 (b + 2h) - 1``-entry table; not translation geometry (queries sit ``h`` pixels right of where it
+            places them, subsampled queries are not scaled by the stride), but what those weights learnt.
         mask_padding: mask the halo padding and the image padding out of the softmax (default). ``False``
             (timm's checkpoints): padded pixels take part as keys of zero content and zero value.
     """
@@ -98,10 +95,8 @@ class BlockedLocalAttention(nn.Module):
         self.q = nn.Conv2d(dim, dim_qk, 1, bias=False)
         self.kv = nn.Conv2d(dim, dim_qk + dim_out, 1, bias=False)
         if rel_max_offset is None:
-            if rel_geometry == "window":
-                rel_max_offset = block_size + 2 * halo_size - 1
-            else:
-                rel_max_offset = window // 2 if window is not None else block_size + halo_size - 1
+            rel_max_offset = (block_size + 2 * halo_size - 1 if rel_geometry == "window" else
+                              window // 2 if window is not None else block_size + halo_size - 1)
         self.rel = RelativePosition2d((rel_max_offset, rel_max_offset), dim_qk // heads, split=rel_split)
 
     def extra_repr(self) -> str:
@@ -118,23 +113,19 @@ class BlockedLocalAttention(nn.Module):
         nbh, nbw = math.ceil(hh / bs), math.ceil(ww / bs)
         nb, bq, win = nbh * nbw, bs // s, bs + 2 * hs
         hq, wq = math.ceil(hh / s), math.ceil(ww / s)
-
         q = self.q(x[..., ::s, ::s] if s > 1 else x)  # b (h dk) hq wq
         q = F.pad(q, (0, nbw * bq - wq, 0, nbh * bq - hq))
         q = q.reshape(b, h, dk, nbh, bq, nbw, bq).permute(0, 1, 3, 5, 4, 6, 2)  # b h nbh nbw bq bq dk
-
         kv = self.kv(x)  # project once: b (h dk + h dv) H W
         kv = F.pad(kv, (hs, nbw * bs - ww + hs, hs, nbh * bs - hh + hs))
         kv = kv.unfold(2, win, bs).unfold(3, win, bs)  # b c nbh nbw win win (a view)
         kv = kv.reshape(b, self.dim_qk + self.dim_out, nb, win * win)  # gather the haloed windows
         k = kv[:, : self.dim_qk].reshape(b, h, dk, nb, win * win).permute(0, 1, 3, 4, 2)  # b h nb (win win) dk
         v = kv[:, self.dim_qk:].reshape(b, h, dv, nb, win * win).permute(0, 1, 3, 4, 2)  # b h nb (win win) dv
-
         mask = self._mask(hh, ww, x.device)  # nb (bq bq) (win win), True = a real pixel in reach
-        if self.rel_geometry == "pixel":  # query i of a block sits at window pixel i s + h
-            coords_q = torch.arange(bq, device=x.device) * s + hs
-        else:  # "window": at window index i
-            coords_q = torch.arange(bq, device=x.device)
+        coords_q = torch.arange(bq, device=x.device)  # "window": query i of a block sits at window index i
+        if self.rel_geometry == "pixel":  # at window pixel i s + h
+            coords_q = coords_q * s + hs
         coords_k = torch.arange(win, device=x.device)
         bias = self.rel(q, (coords_q, coords_q), (coords_k, coords_k))  # b h nbh nbw bq bq win win
         bias = bias.reshape(b, h, nb, bq * bq, win * win)
@@ -151,9 +142,8 @@ class BlockedLocalAttention(nn.Module):
         nbh, nbw = math.ceil(hh / bs), math.ceil(ww / bs)
         bq, win = bs // s, bs + 2 * hs
         valid = torch.zeros(nbh * bs + 2 * hs, nbw * bs + 2 * hs, dtype=torch.bool, device=device)
-        if self.mask_padding:
-            valid[hs:hs + hh, hs:hs + ww] = True
-        else:
+        valid[hs:hs + hh, hs:hs + ww] = True
+        if not self.mask_padding:
             valid[:] = True
         valid = valid.unfold(0, win, bs).unfold(1, win, bs).reshape(nbh * nbw, 1, win * win)
         if self.window is None:

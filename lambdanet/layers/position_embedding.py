@@ -1,19 +1,17 @@
 """Position embeddings of the lambda layer (paper Sec. 3.3, App. E.1).
 
-* :class:`RelativePositionEmbedding`: a table ``R[g, k, u, *K]`` over relative offsets. Re-indexed into
-  ``E[n, m] = R[offset(m - n)]`` it makes position interactions translation equivariant. A local scope
-  ``r`` gives ``K = r`` per axis (the lambda convolution); a global context over ``feat_size`` gives
-  ``K = 2 s - 1`` (every offset). Causal tables only hold offsets ``<= 0``.
-* :class:`AbsolutePositionEmbedding`: one embedding per (query, context) pair, ``E[g, k, u, n, m]``, as in
-  Fig. 3 taken literally; it needs a fixed ``feat_size`` and is not translation equivariant.
+* :class:`RelativePositionEmbedding`: a table ``R[g, k, u, *K]`` over relative offsets; re-indexed into
+  ``E[n, m] = R[offset(m - n)]`` it makes position interactions translation equivariant. ``K`` per axis: ``r``
+  for a local scope (lambda convolution), ``2 s - 1`` for a global context of size ``s``; causal: offsets ``<= 0``.
+* :class:`AbsolutePositionEmbedding`: one embedding per (query, context) pair, ``E[g, k, u, n, m]``, as in Fig. 3
+  taken literally; it needs a fixed ``feat_size`` and is not translation equivariant.
 
-One instance may be handed to several :class:`~lambdanet.layers.LambdaLayer` s to share the
-embeddings (Table 4 "shared embeddings", App. A): they are then a single parameter.
-Initialisation: ``E ~ N(0, 1)`` (App. E.1).
+One instance may be handed to several :class:`~lambdanet.layers.LambdaLayer` s to share the embeddings (Table 4
+"shared embeddings", App. A): they are then a single parameter. Initialisation: ``E ~ N(0, 1)`` (App. E.1).
 
 Both store their table flat (``weight``: ``[g k u, positions]``) and expose the shaped view as ``table``:
-``Module.to(memory_format=torch.channels_last)`` restrides every 4-d parameter and rejects every 5-d one
-(a 2-d table ``[g, k, u, r, r]`` is 5-d), so a model holding lambda layers could not be made channels_last.
+``Module.to(memory_format=torch.channels_last)`` restrides every 4-d parameter and rejects every 5-d one (a 2-d
+table ``[g, k, u, r, r]`` is 5-d), so a model holding lambda layers could not be made channels_last.
 """
 
 from __future__ import annotations
@@ -30,9 +28,8 @@ __all__ = ["RelativePositionEmbedding", "AbsolutePositionEmbedding"]
 
 
 class _FlatTable(nn.Module):
-    """A position table stored flat in ``weight`` and seen through a shaped view ``table`` (see the module
-    docstring). Weights saved before the tables were stored flat (lambdanet 0.1 pre-releases) hold ``weight``
-    in the shaped form: they are reshaped on load; other shapes are left for ``load_state_dict`` to report."""
+    """A position table stored flat in ``weight``, seen through the shaped view ``table`` (module docstring). A
+    ``weight`` saved shaped (lambdanet 0.1 pre-releases) is reshaped on load; other shapes fail in loading."""
 
     weight: nn.Parameter
 
@@ -60,36 +57,24 @@ class RelativePositionEmbedding(_FlatTable):
         dim_u: intra-depth ``|u|`` (App. B.4).
         groups: 1 for the multi-query layer, ``heads`` for the multi-head layer (Fig. 7).
         causal: the table holds offsets ``-(K - 1) .. 0`` only (its last entry is offset 0).
-        feat_size: the global context this table was sized for (``None`` for a local scope): inputs
-            larger than it cannot be served.
+        feat_size: the global context the table was sized for (``None``: a local scope); larger inputs fail.
 
     Shape:
-        ``table``: ``[groups, dim_k, dim_u, *kernel_size]``, a view of the parameter ``weight``
-        ``[groups * dim_k * dim_u, prod(kernel_size)]``.
+        ``table``: ``[groups, dim_k, dim_u, *kernel_size]``, a view of ``weight`` ``[g k u, prod(kernel_size)]``.
     """
 
-    def __init__(
-        self,
-        dim_k: int,
-        kernel_size: Sequence[int],
-        *,
-        dim_u: int = 1,
-        groups: int = 1,
-        causal: bool = False,
-        feat_size: Sequence[int] | None = None,
-    ):
+    def __init__(self, dim_k: int, kernel_size: Sequence[int], *, dim_u: int = 1, groups: int = 1,
+                 causal: bool = False, feat_size: Sequence[int] | None = None):
         super().__init__()
-        check_positive_int(dim_k, "dim_k")
-        check_positive_int(dim_u, "dim_u")
-        check_positive_int(groups, "groups")
+        for name, val in (("dim_k", dim_k), ("dim_u", dim_u), ("groups", groups)):
+            check_positive_int(val, name)
         kernel_size = tuple(int(s) for s in kernel_size)
         if not 1 <= len(kernel_size) <= 3:
             raise ValueError(f"kernel_size must have 1, 2 or 3 entries, got {kernel_size}")
         for s in kernel_size:
             check_positive_int(s, "kernel_size", odd=not causal)
         self.dim_k, self.dim_u, self.groups, self.causal = dim_k, dim_u, groups, causal
-        self.kernel_size = kernel_size
-        self.spatial_dims = len(kernel_size)
+        self.kernel_size, self.spatial_dims = kernel_size, len(kernel_size)
         self.center = tuple(s - 1 if causal else s // 2 for s in kernel_size)
         self.feat_size = None if feat_size is None else tuple(int(s) for s in feat_size)
         self.weight = nn.Parameter(torch.empty(groups * dim_k * dim_u, math.prod(kernel_size)))  # (g k u) K
@@ -101,19 +86,15 @@ class RelativePositionEmbedding(_FlatTable):
         return self.weight.view(self.groups, self.dim_k, self.dim_u, *self.kernel_size)  # g k u *K
 
     @classmethod
-    def local(
-        cls, dim_k: int, r: int, *, spatial_dims: int = 2, dim_u: int = 1, groups: int = 1, causal: bool = False
-    ) -> RelativePositionEmbedding:
-        """A local scope of ``r`` positions per axis (``r`` odd; for causal tables, the ``r`` positions
-        ending at the query)."""
+    def local(cls, dim_k: int, r: int, *, spatial_dims: int = 2, dim_u: int = 1, groups: int = 1,
+              causal: bool = False) -> RelativePositionEmbedding:
+        """A local scope of ``r`` positions per axis (``r`` odd; causal: the ``r`` ending at the query)."""
         check_positive_int(r, "r", odd=not causal)
         return cls(dim_k, (r,) * spatial_dims, dim_u=dim_u, groups=groups, causal=causal)
 
     @classmethod
-    def global_context(
-        cls, dim_k: int, feat_size: int | Sequence[int], *, spatial_dims: int | None = None, dim_u: int = 1,
-        groups: int = 1, causal: bool = False,
-    ) -> RelativePositionEmbedding:
+    def global_context(cls, dim_k: int, feat_size: int | Sequence[int], *, spatial_dims: int | None = None,
+                       dim_u: int = 1, groups: int = 1, causal: bool = False) -> RelativePositionEmbedding:
         """Every relative offset of a ``feat_size`` input: ``2 s - 1`` entries per axis (``s`` if causal)."""
         if spatial_dims is None:
             spatial_dims = 1 if isinstance(feat_size, int) and causal else (
@@ -128,13 +109,11 @@ class RelativePositionEmbedding(_FlatTable):
         """``E[g, k, u, n, m]`` for an input of size ``spatial`` (see ``functional.gather_relative_embeddings``),
         in ``dtype`` (default: the table's; a half-precision table is read in its layer's float32).
 
-        Without autograd (inference) the result is cached until the table changes (its version counter
-        moves with every optimiser step or ``load_state_dict``); layers sharing this module share it too.
-        """
+        Without autograd (inference) the result is cached until the table changes (its version counter moves
+        with every optimiser step or ``load_state_dict``); layers sharing this module share it too."""
         from lambdanet.functional import gather_relative_embeddings
 
-        spatial = tuple(spatial)
-        w = self.weight
+        spatial, w = tuple(spatial), self.weight
         dtype = w.dtype if dtype is None else dtype
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
             return gather_relative_embeddings(self.table.to(dtype), self.center, spatial)
@@ -147,8 +126,7 @@ class RelativePositionEmbedding(_FlatTable):
 
     def extra_repr(self) -> str:
         scope = f"feat_size={self.feat_size}" if self.feat_size else f"scope={self.kernel_size}"
-        return (f"dim_k={self.dim_k}, dim_u={self.dim_u}, groups={self.groups}, {scope}, "
-                f"causal={self.causal}")
+        return f"dim_k={self.dim_k}, dim_u={self.dim_u}, groups={self.groups}, {scope}, causal={self.causal}"
 
 
 class AbsolutePositionEmbedding(_FlatTable):
@@ -160,16 +138,13 @@ class AbsolutePositionEmbedding(_FlatTable):
 
     def __init__(self, dim_k: int, feat_size: Sequence[int], *, dim_u: int = 1, groups: int = 1):
         super().__init__()
-        check_positive_int(dim_k, "dim_k")
-        check_positive_int(dim_u, "dim_u")
-        check_positive_int(groups, "groups")
+        for name, val in (("dim_k", dim_k), ("dim_u", dim_u), ("groups", groups)):
+            check_positive_int(val, name)
         self.feat_size = tuple(int(s) for s in feat_size)
         for s in self.feat_size:
             check_positive_int(s, "feat_size")
-        self.spatial_dims = len(self.feat_size)
-        self.dim_k, self.dim_u, self.groups = dim_k, dim_u, groups
-        n = math.prod(self.feat_size)
-        self.n = n
+        self.spatial_dims, self.dim_k, self.dim_u, self.groups = len(self.feat_size), dim_k, dim_u, groups
+        self.n = n = math.prod(self.feat_size)
         self.weight = nn.Parameter(torch.empty(groups * dim_k * dim_u, n * n))  # (g k u) (n m)
         self.reset_parameters()
 

@@ -56,8 +56,7 @@ class SpatialLayerSpec:
         return self.feat_size_use != "unused"
 
     def accepted_kwargs(self) -> list[str]:
-        target = self.kwargs_from or self.cls
-        params = inspect.signature(target.__init__).parameters
+        params = inspect.signature((self.kwargs_from or self.cls).__init__).parameters
         skip = set(_FRAME) | set(self.fixed) | ({"dim"} if self.kwargs_from else set())
         return [p for p in params if p not in skip and params[p].kind is not inspect.Parameter.VAR_KEYWORD]
 
@@ -72,14 +71,13 @@ def register_spatial_layer(name: str, spec: SpatialLayerSpec) -> None:
     _REGISTRY[name] = spec
 
 
-register_spatial_layer("conv", SpatialLayerSpec(ConvLayer, paper="ResNet 3x3 convolution (LambdaNetworks Table 3)"))
+register_spatial_layer("conv", SpatialLayerSpec(
+    ConvLayer, paper="ResNet 3x3 convolution (LambdaNetworks Table 3)"))
 register_spatial_layer("conv_se", SpatialLayerSpec(ConvSE, paper="conv + squeeze-and-excitation (Hu et al. 2018)"))
-register_spatial_layer("linear_attention", SpatialLayerSpec(
-    ConvPlusAttention, {"attention": "efficient"}, EfficientAttention,
-    paper="conv + efficient attention (Shen et al. 2018), Table 3"))
-register_spatial_layer("double_attention", SpatialLayerSpec(
-    ConvPlusAttention, {"attention": "double"}, DoubleAttention,
-    paper="conv + double attention (A^2-Nets, Chen et al. 2018), Table 3"))
+register_spatial_layer("linear_attention", SpatialLayerSpec(ConvPlusAttention, {"attention": "efficient"},
+                       EfficientAttention, paper="conv + efficient attention (Shen et al. 2018), Table 3"))
+register_spatial_layer("double_attention", SpatialLayerSpec(ConvPlusAttention, {"attention": "double"},
+                       DoubleAttention, paper="conv + double attention (A^2-Nets, Chen et al. 2018), Table 3"))
 register_spatial_layer("relative_self_attention", SpatialLayerSpec(
     RelativeSelfAttention, feat_size_use="required",
     paper="global relative self-attention (Bello et al. 2019 / BoTNet), Table 4"))
@@ -88,18 +86,14 @@ register_spatial_layer("attention_augmented_conv", SpatialLayerSpec(
     paper="conv + relative self-attention, attention augmentation (Bello et al. 2019), Table 3"))
 register_spatial_layer("local_self_attention", SpatialLayerSpec(
     LocalSelfAttention, paper="SASA local relative self-attention (Ramachandran et al. 2019), Tables 3-4"))
-register_spatial_layer("axial_self_attention", SpatialLayerSpec(
-    AxialAttention, feat_size_use="required",
-    paper="axial self-attention (Ho et al. 2019; Wang et al. 2020), Table 4"))
+register_spatial_layer("axial_self_attention", SpatialLayerSpec(AxialAttention, feat_size_use="required",
+                       paper="axial self-attention (Ho et al. 2019; Wang et al. 2020), Table 4"))
 register_spatial_layer("halo_attention", SpatialLayerSpec(
     HaloAttention, paper="HaloNet blocked local self-attention (Vaswani et al. 2021)"))
-register_spatial_layer("lambda", SpatialLayerSpec(
-    LambdaLayer, {"r": None}, feat_size_use="required",
-    paper="lambda layer, global context with relative embeddings (LambdaNetworks Sec. 3.3)"))
-register_spatial_layer("lambda_conv", SpatialLayerSpec(
-    LambdaLayer, feat_size_use="optional",
-    paper="lambda convolution, local scope r (LambdaNetworks Sec. 3.4; r=23 default)"))
-
+register_spatial_layer("lambda", SpatialLayerSpec(LambdaLayer, {"r": None}, feat_size_use="required",
+                       paper="lambda layer, global context with relative embeddings (LambdaNetworks Sec. 3.3)"))
+register_spatial_layer("lambda_conv", SpatialLayerSpec(LambdaLayer, feat_size_use="optional",
+                       paper="lambda convolution, local scope r (LambdaNetworks Sec. 3.4; r=23 default)"))
 
 def list_spatial_layers() -> list[str]:
     """Names accepted by :func:`create_spatial_layer`."""
@@ -116,11 +110,8 @@ def spatial_layer_info(name: str) -> SpatialLayerSpec:
 def create_spatial_layer(name: str, dim: int, dim_out: int | None = None, *, stride: int = 1,
                          feat_size: int | tuple[int, int] | None = None, **kwargs) -> nn.Module:
     """Build the spatial layer ``name`` mapping ``[B, dim, H, W]`` to ``[B, dim_out, H / stride, W / stride]``.
-
-    ``feat_size`` is the input's spatial size; global layers need it, local ones are built without it (see
-    :attr:`SpatialLayerSpec.feat_size_use`). Unknown names and keyword arguments raise a ``ValueError`` that
-    lists the valid choices.
-    """
+    ``feat_size``: the input's spatial size, needed by global layers, not passed to local ones
+    (:attr:`SpatialLayerSpec.feat_size_use`). Unknown names or keywords raise a ``ValueError`` with the choices."""
     spec = spatial_layer_info(name)
     accepted = spec.accepted_kwargs()
     unknown = sorted(set(kwargs) - set(accepted))

@@ -1,17 +1,15 @@
 """Global self-attention baselines with 2-d relative position logits.
 
-* :class:`RelativeSelfAttention`: multi-head self-attention over all positions of a fixed-size feature
-  map with relative logits factorised over height and width (Bello et al. 2019; the MHSA of BoTNet).
-  LambdaNetworks Table 4 "global self-attention".
-* :class:`AttentionAugmentedConv`: attention augmentation (Bello et al. 2019): a 3x3 convolution with
-  ``dim_out - dv`` channels concatenated with ``dv`` channels of relative self-attention (LambdaNetworks
-  Table 3 "conv + relative self-attention").
+* :class:`RelativeSelfAttention`: multi-head self-attention over a fixed-size feature map with relative logits
+  factorised over height and width (Bello et al. 2019; BoTNet's MHSA): Table 4 "global self-attention".
+* :class:`AttentionAugmentedConv`: attention augmentation (Bello et al. 2019): ``dim_out - dv`` channels of 3x3
+  convolution concatenated with ``dv`` of relative self-attention (Table 3 "conv + relative self-attention").
 
 Complexity (``n = m = H W``): time ``Theta(b n m (h k + d))``, space ``Theta(b h n m)`` (the relative logits
 and, on the math path, the attention maps). Stride 2: a 2x2 average pool (ceil mode) after the attention, as
-in BoTNet. The softmax runs in :func:`~lambdanet.layers.relative_position.attend` (fused
-``F.scaled_dot_product_attention`` with the relative logits as ``attn_mask`` on CUDA, the math reference on
-CPU; :func:`~lambdanet.layers.relative_position.auto_attention_impl` is the rule).
+in BoTNet. The softmax runs in :func:`~lambdanet.layers.relative_position.attend` (fused SDPA with the
+relative logits as ``attn_mask`` on CUDA, the math reference on CPU;
+:func:`~lambdanet.layers.relative_position.auto_attention_impl` is the rule).
 """
 
 from __future__ import annotations
@@ -105,9 +103,8 @@ class AttentionAugmentedConv(nn.Module):
                  rel_split: str = "full"):
         super().__init__()
         dim_out = dim if dim_out is None else dim_out
-        check_positive_int(dim, "dim")
-        check_positive_int(dim_out, "dim_out")
-        check_positive_int(heads, "heads")
+        for name, val in (("dim", dim), ("dim_out", dim_out), ("heads", heads)):
+            check_positive_int(val, name)
         check_choice(stride, "stride", (1, 2))
         check_real(k_ratio, "k_ratio")
         check_real(v_ratio, "v_ratio", high=1, high_open=True)

@@ -58,6 +58,4 @@ class Backbone(nn.Module):
         return x if pre_logits else self.fc(x)
 
     def forward(self, x: Tensor) -> Tensor | list[Tensor]:
-        if self.features_only:
-            return self.forward_stages(x)
-        return self.forward_head(self.forward_features(x))
+        return self.forward_stages(x) if self.features_only else self.forward_head(self.forward_features(x))

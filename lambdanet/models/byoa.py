@@ -1,32 +1,31 @@
 """The twelve attention networks with public ImageNet weights (timm's "bring your own attention" family),
 declared as data and built from lambdanet's layers, under timm's names and with exactly timm's parameters.
 
-LambdaResNets (``lambda_resnet26t``, ``lambda_resnet50ts``, ``lambda_resnet26rpt_256``), HaloNets
-(``halonet26t``, ``halonet50ts``, ``sehalonet33ts``, ``eca_halonext26ts``, ``haloregnetz_b``), BoTNets
-(``botnet26t_256``, ``sebotnet33ts_256``) and hybrids (``lamhalobotnet50ts_256``, ``halo2botnet50ts_256``).
-Their trunk is a ResNet of bottleneck blocks (1x1, 3x3, 1x1) in which some blocks replace the 3x3 by a
-self-attention layer followed by BatchNorm and the activation. The suffixes follow timm: ``t`` a tiered
-3-conv stem (24, 32, 64 channels), ``s`` SiLU, ``rpt`` relative positions (a global lambda layer).
+LambdaResNets (``lambda_resnet26t``, ``lambda_resnet50ts``, ``lambda_resnet26rpt_256``), HaloNets (``halonet26t``,
+``halonet50ts``, ``sehalonet33ts``, ``eca_halonext26ts``, ``haloregnetz_b``), BoTNets (``botnet26t_256``,
+``sebotnet33ts_256``) and hybrids (``lamhalobotnet50ts_256``, ``halo2botnet50ts_256``). Their trunk: ResNet
+bottleneck blocks (1x1, 3x3, 1x1), some with the 3x3 replaced by self-attention, BatchNorm and the activation.
+Suffixes (timm's): ``t`` a tiered 3-conv stem (24, 32, 64 channels), ``s`` SiLU, ``rpt`` global relative positions.
 
-Where those checkpoints differ from the papers, the layers take the checkpoints' convention as an option;
-the papers' defaults stay the layers' defaults:
+Where those checkpoints differ from the papers, the layers take the checkpoints' convention as an option (the
+papers' stay the layers' defaults):
 
-* lambda layers (``LambdaLayer``): a bias on the lambda convolution (``position_bias=True``), and a 2x2
-  average pool after a strided layer (``stride_pool=2``) instead of App. E.1's 3x3 one;
-* halo attention (``HaloAttention``): no padding mask (``mask_padding=False``), full-depth height/width
-  relative tables (``rel_split="full"``), offsets measured from a query's index in its (subsampled) block
-  (``rel_geometry="window"``), and a 2x2 average pool after the layer where the stride does not divide
-  the block (``downsample="pool"``, ``haloregnetz_b``);
-* BoTNet's attention is :class:`~lambdanet.layers.RelativeSelfAttention` with full-depth tables (Bello et
-  al. 2019), a 2x2 average pool after it when strided;
-* squeeze-and-excitation (``se``) and efficient channel attention (``eca``) gates after the 3x3 of the
-  convolution blocks, grouped 3x3 convolutions (``group_size``), and RegNetZ blocks (``haloregnetz_b``: the
-  bottleneck widens its *input* by ``bottle_ratio``, no activation after the sum, no projection shortcut:
-  a block that changes the shape has no residual).
+* lambda layers (``LambdaLayer``): a bias on the lambda convolution (``position_bias=True``), and a 2x2 average
+  pool after a strided layer (``stride_pool=2``) instead of App. E.1's 3x3 one;
+* halo attention (``HaloAttention``): no padding mask (``mask_padding=False``), full-depth height/width relative
+  tables (``rel_split="full"``), offsets measured from a query's index in its (subsampled) block
+  (``rel_geometry="window"``), and a 2x2 average pool after the layer where the stride does not divide the
+  block (``downsample="pool"``, ``haloregnetz_b``);
+* BoTNet's attention is :class:`~lambdanet.layers.RelativeSelfAttention` with full-depth tables (Bello et al.
+  2019), a 2x2 average pool after it when strided;
+* squeeze-and-excitation (``se``) and efficient channel attention (``eca``) gates after the 3x3 of convolution
+  blocks, grouped 3x3 convolutions (``group_size``), and RegNetZ blocks (``haloregnetz_b``: the bottleneck
+  widens its *input* by ``bottle_ratio``, no activation after the sum, no projection shortcut: a block that
+  changes the shape has no residual).
 
-Every entry of :data:`model_cfgs` names its stages as strings of blocks, ``"b"`` a convolution block and
-``"a"`` a self-attention block, as timm's ``interleave_blocks`` places them. :mod:`lambdanet.models.pretrained`
-loads the checkpoints (``create_model(name, pretrained=True)``).
+:data:`model_cfgs` names each stage's blocks as a string, ``"b"`` a convolution block and ``"a"`` a
+self-attention block, as timm's ``interleave_blocks`` places them. :mod:`lambdanet.models.pretrained` loads the
+checkpoints (``create_model(name, pretrained=True)``).
 """
 
 from __future__ import annotations
@@ -36,13 +35,8 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from lambdanet.layers import (
-    EfficientChannelAttention,
-    HaloAttention,
-    LambdaLayer,
-    RelativeSelfAttention,
-    SqueezeExcite,
-)
+from lambdanet.layers import (EfficientChannelAttention, HaloAttention, LambdaLayer, RelativeSelfAttention,
+                              SqueezeExcite)
 from lambdanet.layers.conv_norm_act import BatchNormAct, ConvNormAct, get_act, make_divisible
 from lambdanet.layers.drop import DropPath
 from lambdanet.models.base import Backbone
@@ -60,9 +54,8 @@ def timm_weights(hub_id: str, top1: float | None, *, input_size: int = 256, crop
 
 @dataclass(frozen=True)
 class ByoaStage:
-    """One stage: its blocks (``"b"`` convolution, ``"a"`` self-attention), output channels, stride of its
-    first block, group size of the 3x3 convolutions (0: dense), bottleneck ratio, and a self-attention
-    layer that overrides the model's (``(kind, kwargs)``)."""
+    """One stage: its blocks (``"b"`` convolution, ``"a"`` self-attention), output channels, first-block stride,
+    3x3 group size (0: dense), bottleneck ratio, and a ``(kind, kwargs)`` self-attention overriding the model's."""
 
     blocks: str
     channels: int
@@ -93,7 +86,6 @@ class ByoaSpec:
     fixed_input_size: bool = False  # global attention sized for one input size
 
 
-# ------------------------------------------------------------------------------------------- the twelve
 model_cfgs: dict[str, ByoaSpec] = {
     "lambda_resnet26t": ByoaSpec(
         stages=(ByoaStage("bb", 256, 1), ByoaStage("bb", 512), ByoaStage("ba", 1024), ByoaStage("aa", 2048)),
@@ -161,21 +153,16 @@ model_cfgs: dict[str, ByoaSpec] = {
 }
 
 
-# ------------------------------------------------------------------------------------------- modules
 class ByoaBlock(nn.Module):
     """A bottleneck block: ``1x1 -> (3x3 [-> channel gate] | self-attention -> BN -> act) -> 1x1 (+ shortcut)``.
-
-    ``spatial`` is the 3x3 convolution (a :class:`ConvNormAct`) or the self-attention layer; attention
-    blocks get ``post_attn`` (BN and activation), convolution blocks the optional channel gate ``attn``.
-    """
+    ``spatial`` is the 3x3 :class:`ConvNormAct` (then ``attn`` is the optional channel gate) or the
+    self-attention layer (then ``post_attn`` is the BN and activation)."""
 
     def __init__(self, dim: int, dim_out: int, mid: int, spatial: nn.Module, *, attention: bool, stride: int,
                  act: type[nn.Module], gate: nn.Module | None, shortcut: str, linear_out: bool, drop_path: float):
         super().__init__()
-        if dim != dim_out or stride != 1:
-            self.shortcut = ConvNormAct(dim, dim_out, 1, stride=stride, act=None) if shortcut else None
-        else:
-            self.shortcut = nn.Identity()
+        self.shortcut = (nn.Identity() if dim == dim_out and stride == 1 else
+                         ConvNormAct(dim, dim_out, 1, stride=stride, act=None) if shortcut else None)
         self.conv1_1x1 = ConvNormAct(dim, mid, 1, act=act)
         if attention:
             self.self_attn = spatial  # mid -> mid, its own stride
@@ -238,8 +225,7 @@ def _stem(spec: ByoaSpec, in_chans: int, act: type[nn.Module]) -> tuple[nn.Modul
     if spec.stem == "3x3":
         return ConvNormAct(in_chans, c, 3, stride=2, act=act), c, 2
     chs, strides = (3 * c // 8, c // 2, c), (2, 1, 1 if spec.stem_pool else 2)
-    stem = nn.Sequential()
-    prev = in_chans
+    stem, prev = nn.Sequential(), in_chans
     for i, (ch, s) in enumerate(zip(chs, strides)):
         stem.add_module(f"conv{i + 1}", ConvNormAct(prev, ch, 3, stride=s, act=act))
         prev = ch
@@ -274,8 +260,7 @@ class ByoaNet(Backbone):
         self.spec, self.img_size = spec, (img, img)
         act = get_act(spec.act, "act")
         self.stem, ch, reduction = _stem(spec, in_chans, act)
-        feat = (img // reduction, img // reduction)
-        total = sum(len(s.blocks) for s in spec.stages)
+        feat, total = (img // reduction, img // reduction), sum(len(s.blocks) for s in spec.stages)
         k, stages, self.feature_info = 0, [], []
         for i, stage in enumerate(spec.stages):
             blocks = []
@@ -283,8 +268,7 @@ class ByoaNet(Backbone):
                 stride = stage.stride if j == 0 else 1
                 mid = make_divisible((ch if spec.bottle_in else stage.channels) * stage.bottle_ratio)
                 if letter == "a":
-                    kind, kwargs = stage.self_attn or spec.self_attn
-                    spatial = self_attention_layer(kind, kwargs, mid, stride, feat)
+                    spatial = self_attention_layer(*(stage.self_attn or spec.self_attn), mid, stride, feat)
                     gate = None
                 else:
                     groups = mid // stage.group_size if stage.group_size else 1
@@ -300,10 +284,8 @@ class ByoaNet(Backbone):
             self.feature_info.append({"module": f"stages.{i}", "stage": f"c{i + 2}", "num_chs": ch,
                                       "reduction": reduction})
         self.stages = nn.Sequential(*stages)
-        self.final_conv: nn.Module = nn.Identity()
-        if spec.num_features:
-            self.final_conv = ConvNormAct(ch, spec.num_features, 1, act=act)
-            ch = spec.num_features
+        self.final_conv = ConvNormAct(ch, spec.num_features, 1, act=act) if spec.num_features else nn.Identity()
+        ch = spec.num_features or ch
         self._init_head(ch, num_classes, drop_rate, features_only)
         self._init_weights(zero_init_last)
 
@@ -323,7 +305,6 @@ class ByoaNet(Backbone):
         self._init_norms(ByoaBlock, zero_init_last)
 
 
-# ------------------------------------------------------------------------------------------- registry
 BYOA_ARGS: dict[str, object] = {"img_size": None, "drop_rate": 0.0, "drop_path_rate": 0.0, "features_only": False,
                                 "zero_init_last": True}
 
@@ -336,8 +317,7 @@ def _register(fn: Callable[..., ByoaNet]) -> Callable[..., ByoaNet]:
     name = fn.__name__
     p = model_cfgs[name].pretrained
     top1 = f"{p.top1}% top-1, " if p.top1 is not None else ""
-    paper = f"timm ImageNet checkpoint {p.hub_id} ({top1}{p.input_size}px)"
-    fn.__doc__ = paper
+    fn.__doc__ = paper = f"timm ImageNet checkpoint {p.hub_id} ({top1}{p.input_size}px)"
     return register_model(fn, info=ModelInfo(name, p.input_size, paper, pretrained=p), args=BYOA_ARGS)
 
 

@@ -31,8 +31,7 @@ def create_model(name: str, *, num_classes: int = 1000, in_chans: int = 3, pretr
             ``.bin``, ``.safetensors``) or lambdanet's own weights (a run's ``model.safetensors``, or the run
             directory: :func:`lambdanet.files.run_file`), detected from its keys. A checkpoint with
             another number of input channels has its input convolution adapted to ``in_chans``.
-        **kwargs: architecture options of that model (:func:`lambdanet.models.model_args`); unknown ones raise a
-            ``ValueError`` listing the accepted ones.
+        **kwargs: architecture options (:func:`lambdanet.models.model_args`); unknown ones raise a ``ValueError``.
 
     The model carries ``pretrained_cfg``: what its inputs should look like (``image_size``, ``mean``, ``std``,
     ``crop_pct``, ``interpolation``) and its ``classes`` (``None``: ImageNet's for 1000 classes).

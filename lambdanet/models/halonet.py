@@ -14,8 +14,7 @@ the row's values. One entry changed at a time, ``df = 1280`` (H4's value) gives 
 (12.87M), ``rv = 1.25`` (12.84M) and ``df = 1536`` (12.72M) overshoot. ``df = 1280`` may be what the authors
 trained, but the table says 1024, and we keep the table's values.
 
-Each model is one entry of :data:`model_cfgs` (a Table A2 row, :class:`HaloNetSpec`) and an entry point of
-the same name; :data:`HALONET_ARGS` are the keyword arguments every HaloNet takes.
+Each :data:`model_cfgs` row (:class:`HaloNetSpec`) has an entry point of its name taking :data:`HALONET_ARGS`.
 """
 
 from __future__ import annotations
@@ -43,22 +42,16 @@ class HaloNetSpec(NamedTuple):
     randaugment_magnitude: int
 
 
-# HaloNet Table A2 (and App. C.3 RandAugment magnitudes), by registered name
+# by registered name: HaloNet Table A2 (b, h, rv, rb, l3, s, df, params_m), App. C.3 RandAugment magnitude
 model_cfgs: dict[str, HaloNetSpec] = {
-    "halonet_h0": HaloNetSpec(b=8, h=3, rv=1.0, rb=0.5, l3=7, s=256, df=None, params_m=5.5, randaugment_magnitude=6),
-    "halonet_h1": HaloNetSpec(b=8, h=3, rv=1.0, rb=1.0, l3=10, s=256, df=None, params_m=8.1, randaugment_magnitude=8),
-    "halonet_h2": HaloNetSpec(b=8, h=3, rv=1.0, rb=1.25, l3=11, s=256, df=None, params_m=9.4,
-                              randaugment_magnitude=10),
-    "halonet_h3": HaloNetSpec(b=10, h=3, rv=1.0, rb=1.5, l3=12, s=320, df=1024, params_m=12.3,
-                              randaugment_magnitude=14),
-    "halonet_h4": HaloNetSpec(b=12, h=2, rv=1.0, rb=3.0, l3=12, s=384, df=1280, params_m=19.1,
-                              randaugment_magnitude=17),
-    "halonet_h5": HaloNetSpec(b=14, h=2, rv=2.5, rb=2.0, l3=23, s=448, df=1536, params_m=30.7,
-                              randaugment_magnitude=19),
-    "halonet_h6": HaloNetSpec(b=8, h=4, rv=3.0, rb=2.75, l3=24, s=512, df=1536, params_m=43.4,
-                              randaugment_magnitude=24),
-    "halonet_h7": HaloNetSpec(b=10, h=3, rv=4.0, rb=3.5, l3=26, s=600, df=2048, params_m=67.0,
-                              randaugment_magnitude=31),
+    "halonet_h0": HaloNetSpec(8, 3, 1.0, 0.5, 7, 256, None, 5.5, 6),
+    "halonet_h1": HaloNetSpec(8, 3, 1.0, 1.0, 10, 256, None, 8.1, 8),
+    "halonet_h2": HaloNetSpec(8, 3, 1.0, 1.25, 11, 256, None, 9.4, 10),
+    "halonet_h3": HaloNetSpec(10, 3, 1.0, 1.5, 12, 320, 1024, 12.3, 14),
+    "halonet_h4": HaloNetSpec(12, 2, 1.0, 3.0, 12, 384, 1280, 19.1, 17),
+    "halonet_h5": HaloNetSpec(14, 2, 2.5, 2.0, 23, 448, 1536, 30.7, 19),
+    "halonet_h6": HaloNetSpec(8, 4, 3.0, 2.75, 24, 512, 1536, 43.4, 24),
+    "halonet_h7": HaloNetSpec(10, 3, 4.0, 3.5, 26, 600, 2048, 67.0, 31),
 }
 HEADS = (4, 8, 8, 8)  # per stage c2..c5 (Table A2 caption)
 
@@ -75,8 +68,7 @@ def halonet_config(name: str, *, base_width: int = 64, **changes) -> ResNetConfi
 
     Args:
         name: a key of :data:`model_cfgs`.
-        base_width: ``w`` of c2 (c3..c5 double it); the paper's models use 64, smaller ones build the same
-            blocks narrower (fast tests).
+        base_width: ``w`` of c2 (c3..c5 double it); the paper's models use 64, smaller ones are for fast tests.
         **changes: Table A2 entries to replace (``df=1280``), for ablations of the table.
     """
     b, h, rv, rb, l3, s, df, params_m, _ = model_cfgs[name]._replace(**changes)

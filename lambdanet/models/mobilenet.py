@@ -1,10 +1,9 @@
 """MobileNet-v2 (Sandler et al. 2018) and its lambda variant (LambdaNetworks App. D.3.2, Table 17).
 
-The lightweight lambda block replaces an inverted bottleneck: its first pointwise convolution keeps the
-channel count (no expansion), and the depthwise convolution becomes a lambda convolution with a 5x5
-scope, ``|k| = 32`` and ``|h| = 4``; the projection and the residual connection stay. ``mobilenet_v2_lambda``
-replaces the 10th and 16th inverted bottlenecks (1-indexed over the 17). Table 17: 3.50M / 603 MFLOPs
-for MobileNet-v2 and 3.21M / 563 MFLOPs with two lambda blocks.
+The lightweight lambda block replaces an inverted bottleneck: its first pointwise convolution keeps the channel
+count (no expansion), and the depthwise convolution becomes a lambda convolution with a 5x5 scope, ``|k| = 32``
+and ``|h| = 4``; the projection and the residual connection stay. ``mobilenet_v2_lambda`` replaces the 10th and
+16th of the 17 inverted bottlenecks. Table 17: 3.50M / 603 MFLOPs, and 3.21M / 563 MFLOPs with two lambda blocks.
 """
 
 from __future__ import annotations
@@ -69,15 +68,13 @@ class MobileNetV2(Backbone):
         if any(not 1 <= i <= total for i in lambda_blocks):
             raise ValueError(f"lambda_blocks must be 1-indexed inverted bottlenecks in 1..{total}, got {lambda_blocks}")
         self.img_size = (img_size, img_size)
-        stem = nn.Sequential(*conv_norm_act(in_chans, 32, 3, stride=2, act="relu6"))
-        blocks: list[nn.Module] = [stem]
+        blocks: list[nn.Module] = [nn.Sequential(*conv_norm_act(in_chans, 32, 3, stride=2, act="relu6"))]  # stem
         self.feature_info, self._taps = [], []
         stage_of_row = {row: stage for stage, row in FEATURE_ROWS.items()}
         cin, idx, reduction = 32, 0, 2
         for row, (t, c, n, s) in enumerate(INVERTED_RESIDUAL_SETTING):
             for j in range(n):
-                stride = s if j == 0 else 1
-                idx += 1
+                stride, idx = (s if j == 0 else 1), idx + 1
                 block = LambdaBlock(cin, c, stride) if idx in lambda_blocks else InvertedResidual(cin, c, stride, t)
                 blocks.append(block)
                 cin, reduction = c, reduction * stride

@@ -1,18 +1,17 @@
 """Pretrained weights: timm's ImageNet checkpoints on lambdanet's layers, and local weight files.
 
 ``create_model(name, pretrained=True)`` downloads the checkpoint of ``name`` from the Hugging Face hub
-(``huggingface_hub``; the repository ids are the registry's :func:`lambdanet.models.registry.published_models`), converts its keys
-to lambdanet's modules (:func:`convert_timm_state_dict`) and caches the converted weights as safetensors
+(``huggingface_hub``; repository ids from :func:`lambdanet.models.registry.published_models`), converts its
+keys to lambdanet's modules (:func:`convert_timm_state_dict`) and caches the converted weights as safetensors
 under :func:`cache_dir`; the next call reads the cache without touching the network.
 ``create_model(name, checkpoint_path=FILE)`` loads a local file instead: a timm state dict of that model
 (``.pth``, ``.bin``, ``.safetensors``, also wrapped under ``"state_dict"`` / ``"model"``) or lambdanet's own
 weights (``model.safetensors`` of a run, :func:`save_weights`), told apart by their keys.
 
-A model built with another ``num_classes`` than the checkpoint's keeps a fresh classifier (fine-tuning);
-one built with another ``in_chans`` gets the checkpoint's input convolution adapted (:func:`adapt_input_conv`,
-timm's rule): summed over its channels for one channel, repeated over the channels and rescaled otherwise.
-A run directory of ``lambdanet train`` stands for its weights file (:func:`lambdanet.files.run_file`, the one
-rule every entry point uses); the files themselves are read by :mod:`lambdanet.files`.
+A model built with another ``num_classes`` than the checkpoint's keeps a fresh classifier (fine-tuning); one
+built with another ``in_chans`` gets the checkpoint's input convolution adapted (:func:`adapt_input_conv`,
+timm's rule). A run directory of ``lambdanet train`` stands for its weights file
+(:func:`lambdanet.files.run_file`); the files themselves are read by :mod:`lambdanet.files`.
 """
 
 from __future__ import annotations
@@ -24,17 +23,13 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from lambdanet.files import (
-    WeightsMismatchError,
-    read_state_dict,
-    run_file,
-    run_metadata,
-)
+from lambdanet.files import WeightsMismatchError, read_state_dict, run_file, run_metadata
 from lambdanet.layers import HaloAttention, LambdaLayer, RelativeSelfAttention
 from lambdanet.models.registry import published_models
 
 __all__ = ["PretrainedUnavailableError", "HUB_FILENAME", "cache_dir", "hub_id", "convert_timm_state_dict",
-           "adapt_input_conv", "tie_shared", "load_weights", "load_state", "load_pretrained", "load_into", "download_weights"]
+           "adapt_input_conv", "tie_shared", "load_weights", "load_state", "load_pretrained", "load_into",
+           "download_weights"]
 
 HUB_FILENAME = "model.safetensors"  # what timm publishes in each hub repository
 
@@ -59,13 +54,12 @@ def hub_id(name: str) -> str:
     return published[name].hub_id
 
 
-# ------------------------------------------------------------------------------------------- conversion
 def _lambda_keys(layer: LambdaLayer, sd: dict[str, Tensor], p: str) -> None:
     """timm ``LambdaLayer``: 1x1-conv ``qkv``, Conv3d ``conv_lambda`` (``[k, 1, r, r, 1]`` + bias) or a global
     ``pos_emb`` ``[2H-1, 2W-1, k]`` -> our ``qkv`` (linear), ``embedding.weight`` ``[k, taps]``, ``position_bias``."""
     sd[p + "qkv.weight"] = sd[p + "qkv.weight"].flatten(1)  # (q k v) d
-    if p + "conv_lambda.weight" in sd:
-        w = sd.pop(p + "conv_lambda.weight")  # k 1 r r 1: cross-correlation, tap (i, j) = offset (i - r//2, j - r//2)
+    if p + "conv_lambda.weight" in sd:  # k 1 r r 1: cross-correlation, tap (i, j) = offset (i - r//2, j - r//2)
+        w = sd.pop(p + "conv_lambda.weight")
         sd[p + "embedding.weight"] = w.reshape(w.shape[0], -1)  # k (r r)
         sd[p + "position_bias"] = sd.pop(p + "conv_lambda.bias")
     if p + "pos_emb" in sd:
@@ -78,21 +72,15 @@ def _halo_keys(layer: HaloAttention, sd: dict[str, Tensor], p: str) -> None:
     """timm ``HaloAttn``: ``kv`` rows interleaved per head (``[k_h, v_h]`` for each head h) -> ours
     ``[k (all heads), v (all heads)]``; ``pos_embed.{height,width}_rel`` -> ``rel.rel_{h,w}``."""
     h, dk, dv = layer.heads, layer.dim_qk // layer.heads, layer.dim_out // layer.heads
-    kv = sd[p + "kv.weight"]  # (h (dk + dv)) d 1 1
-    kv = kv.view(h, dk + dv, *kv.shape[1:])
-    sd[p + "kv.weight"] = torch.cat([kv[:, :dk].reshape(h * dk, *kv.shape[2:]),
-                                     kv[:, dk:].reshape(h * dv, *kv.shape[2:])])  # (h dk + h dv) d 1 1
-    _rel_keys(sd, p)
+    kv = sd[p + "kv.weight"].unflatten(0, (h, dk + dv))  # (h (dk + dv)) d 1 1 -> h (dk + dv) d 1 1
+    sd[p + "kv.weight"] = torch.cat([kv[:, :dk].flatten(0, 1), kv[:, dk:].flatten(0, 1)])  # (h dk + h dv) d 1 1
+    _bottleneck_keys(layer, sd, p)
 
 
-def _rel_keys(sd: dict[str, Tensor], p: str) -> None:
+def _bottleneck_keys(layer: RelativeSelfAttention | HaloAttention, sd: dict[str, Tensor], p: str) -> None:
+    """timm ``BottleneckAttn``: the same ``qkv`` layout as ours; relative tables renamed (also ``HaloAttn``'s)."""
     sd[p + "rel.rel_h"] = sd.pop(p + "pos_embed.height_rel")
     sd[p + "rel.rel_w"] = sd.pop(p + "pos_embed.width_rel")
-
-
-def _bottleneck_keys(layer: RelativeSelfAttention, sd: dict[str, Tensor], p: str) -> None:
-    """timm ``BottleneckAttn``: the same ``qkv`` layout as ours; relative tables renamed."""
-    _rel_keys(sd, p)
 
 
 _CONVERTERS: dict[type, Callable[[nn.Module, dict, str], None]] = {
@@ -100,9 +88,8 @@ _CONVERTERS: dict[type, Callable[[nn.Module, dict, str], None]] = {
 
 
 def convert_timm_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """timm's state dict of the architecture of ``model`` (one of :data:`lambdanet.models.byoa.model_cfgs`)
-    with lambdanet's keys and layouts: the trunk keeps timm's names, the classifier ``head.fc`` becomes ``fc``,
-    and every attention layer is converted by its type."""
+    """timm's state dict of ``model``'s architecture (:data:`lambdanet.models.byoa.model_cfgs`) with lambdanet's
+    keys and layouts: trunk names kept, classifier ``head.fc`` -> ``fc``, attention layers converted by type."""
     sd = {k.removeprefix("module."): v for k, v in state_dict.items()}
     for key in ("weight", "bias"):
         if f"head.fc.{key}" in sd:
@@ -117,31 +104,26 @@ def convert_timm_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor]) 
     return sd
 
 
-# ------------------------------------------------------------------------------------------- reading files
 _FC = ("fc.weight", "fc.bias")
 
 
 def adapt_input_conv(weight: Tensor, in_chans: int, dtype: torch.dtype | None = None) -> Tensor:
     """The weight ``[out, N, kh, kw]`` of a convolution reading N-channel images, for ``in_chans`` = M channels
-    (timm's rule, ``timm.models.adapt_input_conv``, generalised from N = 3): summed over the N channels for
-    M = 1 (a grey image is R = G = B); otherwise the N channels repeated cyclically up to M and scaled by N / M,
-    so that an image whose channels are equal gives the same output (exactly when M is a multiple of N, e.g.
-    1 -> 3: the weight repeated, divided by 3). Computed in float64, rounded once to ``dtype`` (default:
-    ``weight``'s; the model's parameter dtype when loading)."""
+    (timm's rule, ``timm.models.adapt_input_conv``, generalised from N = 3): summed over the N channels for M = 1
+    (a grey image is R = G = B); otherwise the N channels repeated cyclically up to M and scaled by N / M, so that
+    an image whose channels are equal gives the same output (exactly when M is a multiple of N, e.g. 1 -> 3: the
+    weight repeated, divided by 3). Computed in float64, rounded once to ``dtype`` (default: ``weight``'s)."""
     n = weight.shape[1]
     if n == in_chans:
         return weight
     w = weight.double()
-    if in_chans == 1:
-        w = w.sum(dim=1, keepdim=True)
-    else:
-        w = w.repeat(1, -(-in_chans // n), 1, 1)[:, :in_chans] * (n / in_chans)
+    w = (w.sum(dim=1, keepdim=True) if in_chans == 1
+         else w.repeat(1, -(-in_chans // n), 1, 1)[:, :in_chans] * (n / in_chans))
     return w.to(dtype or weight.dtype)
 
 
 def _input_conv_key(model: nn.Module) -> str | None:
-    """The state-dict key of the convolution that reads the image: the model's first ``Conv2d`` (the stem's
-    first convolution in every registered model)."""
+    """The state-dict key of the convolution that reads the image: the model's first ``Conv2d`` (the stem's)."""
     for name, m in model.named_modules():
         if isinstance(m, nn.Conv2d):
             return f"{name}.weight" if m.groups == 1 else None
@@ -164,9 +146,8 @@ def tie_shared(model: nn.Module, sd: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 def _fit(model: nn.Module, own: dict[str, Tensor], sd: dict[str, Tensor]) -> tuple[dict[str, Tensor], list[str]]:
-    """Adapt a converted state dict to ``model`` (whose state dict is ``own``): drop a classifier of another
-    width (a new head for fine-tuning), adapt the input convolution to the model's input channels
-    (:func:`adapt_input_conv`). Returns (state dict, notes)."""
+    """Drop a classifier of another width than ``model``'s (state dict ``own``) from ``sd`` and adapt its input
+    convolution to the model's channels (:func:`adapt_input_conv`). Returns (state dict, notes)."""
     notes = []
     if "fc.weight" in sd and ("fc.weight" not in own or own["fc.weight"].shape != sd["fc.weight"].shape):
         classes = sd["fc.weight"].shape[0]
@@ -193,12 +174,11 @@ def load_weights(model: nn.Module, path: str | os.PathLike, name: str | None = N
 
 def load_state(model: nn.Module, state_dict: Mapping[str, Tensor], *, source: str = "the weights",
                name: str | None = None, path: str | os.PathLike | None = None) -> list[str]:
-    """The one way weights enter a model (every loader of the package calls it): lambdanet's own keys as they
-    are, timm's converted (:func:`convert_timm_state_dict`), tensors shared in the model filled in
-    (:func:`tie_shared`), a classifier of another width left out and the input convolution adapted to the
-    model's channels; otherwise strict, a :class:`WeightsMismatchError` naming ``source`` and the model
-    (``name``) on one line. ``path``: the file the weights came from, whose header explains a mismatch.
-    Returns notes on what was adapted."""
+    """The one way weights enter a model (every loader of the package calls it): lambdanet's own keys as they are,
+    timm's converted (:func:`convert_timm_state_dict`), tensors shared in the model filled in (:func:`tie_shared`),
+    a classifier of another width left out and the input convolution adapted to the model's channels; otherwise
+    strict, a :class:`WeightsMismatchError` naming ``source`` and the model (``name``) on one line. ``path``: the
+    file the weights came from, whose header explains a mismatch. Returns notes on what was adapted."""
     sd = tie_shared(model, dict(state_dict))
     own = model.state_dict()
     if set(sd) - set(_FC) != set(own) - set(_FC):  # not lambdanet's own keys: timm's
@@ -221,8 +201,8 @@ def load_state(model: nn.Module, state_dict: Mapping[str, Tensor], *, source: st
 
 
 def _shape_hint(model: nn.Module, path, key: str) -> str:
-    """Why a tensor of a weights file may not fit the model: the settings the file's header records, else
-    global attention sized by another image size, else other architecture options."""
+    """Why a tensor of a weights file may not fit: the file header's settings, else global attention sized by
+    another image size, else other architecture options."""
     meta = run_metadata(path) if path is not None else None
     if meta is not None:
         return (f"the file holds {meta['model']} built with {meta['model_kwargs']} for {meta['image_size']} px, "
@@ -268,9 +248,9 @@ def load_pretrained(model: nn.Module, name: str) -> list[str]:
 
 def load_into(model: nn.Module, name: str, *, pretrained: bool = False,
               checkpoint_path: str | os.PathLike | None = None) -> None:
-    """Load ``name``'s published weights (``pretrained``) or a weights file / run directory into ``model``
-    and record in its ``pretrained_cfg`` where they came from (``weights``), what was adapted
-    (``load_notes``) and, for lambdanet's own run weights, their classes and preprocessing."""
+    """Load ``name``'s published weights (``pretrained``) or a weights file / run directory into ``model`` and
+    record in its ``pretrained_cfg`` where they came from (``weights``), what was adapted (``load_notes``) and,
+    for lambdanet's own run weights, their classes and preprocessing."""
     if checkpoint_path is not None:
         checkpoint_path = run_file(checkpoint_path)  # a run directory: its weights file
     notes = load_pretrained(model, name) if pretrained else load_weights(model, checkpoint_path, name)

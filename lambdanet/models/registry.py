@@ -1,10 +1,9 @@
 """Model registry in the style of timm: ``@register_model``, ``create_model``, ``list_models``, ``model_args``.
 
-Every registered entry point takes ``num_classes``, ``in_chans`` and architecture keyword arguments and
-returns an ``nn.Module``. Each entry carries :class:`ModelInfo` metadata (the default input size, the paper
-table it comes from and the paper's training recipe for it) and the architecture keyword arguments it
-accepts, declared once per model family (``register_model(args=...)``): :func:`create_model` validates
-against that declaration and :func:`model_args` lists it.
+Every registered entry point takes ``num_classes``, ``in_chans`` and architecture keyword arguments and returns
+an ``nn.Module``. Each entry carries :class:`ModelInfo` metadata (default input size, source paper table, the
+paper's training recipe) and the architecture keyword arguments it accepts, declared once per model family
+(``register_model(args=...)``): :func:`create_model` validates against them and :func:`model_args` lists them.
 """
 
 from __future__ import annotations
@@ -18,14 +17,13 @@ from torch import nn
 
 from lambdanet.constants import DEFAULT_CROP_PCT, DEFAULT_INTERPOLATION, IMAGENET_MEAN, IMAGENET_STD
 
-__all__ = ["unregister_model", "register_model", "entry_point", "pretrained_cfg", "published_models", "list_models", "model_info",
-           "model_args", "ModelInfo", "PretrainedCfg"]
+__all__ = ["unregister_model", "register_model", "entry_point", "pretrained_cfg", "published_models",
+           "list_models", "model_info", "model_args", "ModelInfo", "PretrainedCfg"]
 
 
 @dataclass(frozen=True)
 class PretrainedCfg:
-    """How a model's inputs must look (timm's ``pretrained_cfg``, typed) and, for a model with published
-    weights, where they are: declared beside each family's entry points, collected here.
+    """How a model's inputs must look (timm's ``pretrained_cfg``, typed) and where its published weights are.
 
     Attributes:
         input_size: side of the square input.
@@ -57,8 +55,7 @@ class ModelInfo:
             (``{"img_size": 160, "randaugment_magnitude": 10, "drop_rate": 0.2, ...}``).
         small: fast enough to build and train at its full width in CPU tests.
         recipe_source: where in the papers ``recipe`` comes from.
-        pretrained: the published weights and their preprocessing (``None``: none; the preprocessing is
-            then :attr:`preprocessing`'s default at ``input_size``).
+        pretrained: the published weights and their preprocessing (``None``: none; see :attr:`preprocessing`).
     """
 
     name: str
@@ -100,18 +97,15 @@ def register_model(fn: Callable[..., nn.Module] | None = None, *, info: ModelInf
         name = f.__name__
         if name in _MODELS:
             raise ValueError(f"model {name!r} is already registered")
-        if args is None:
-            declared = _keyword_parameters(f)
-        else:
+        declared = _keyword_parameters(f) if args is None else dict(args)
+        if args is not None:
             bad = sorted(set(args) & set(_BUILD_ARGS))
             if bad:
                 raise ValueError(f"args of model {name!r} must not contain {bad}: every model takes them")
-            declared = dict(args)
             f.__signature__ = _signature(declared)
         if declared is not None:
             _ARGS[name] = declared
-        _MODELS[name] = f
-        _INFO[name] = info if info is not None else ModelInfo(name)
+        _MODELS[name], _INFO[name] = f, info if info is not None else ModelInfo(name)
         return f
 
     return deco(fn) if fn is not None else deco
@@ -141,8 +135,7 @@ def unregister_model(name: str) -> None:
 
 def list_models(pattern: str | None = None) -> list[str]:
     """Registered model names, sorted; ``pattern`` is a shell-style wildcard (``"lambda_resnet*"``)."""
-    names = sorted(_MODELS)
-    return [n for n in names if fnmatch.fnmatch(n, pattern)] if pattern else names
+    return [n for n in sorted(_MODELS) if fnmatch.fnmatch(n, pattern)] if pattern else sorted(_MODELS)
 
 
 def model_info(name: str) -> ModelInfo:

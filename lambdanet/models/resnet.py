@@ -7,10 +7,9 @@ layer each block uses; the keyword arguments of the registered models (:class:`R
     x -> conv1x1 (w) -> BN -> act -> spatial layer (w -> w rv, stride) -> BN -> act
       -> conv1x1 (w rb) -> BN (gamma = 0) [-> SE] -> drop path -> + shortcut -> act
 
-with ``rb = 4`` (expansion) and ``rv = 1`` except in HaloNets. The spatial layer is a 3x3 convolution
-(``C``) or any layer of :func:`lambdanet.layers.create_spatial_layer` (``L``), which also carries the
-stride as its paper prescribes (strided conv, 3x3 average pool after a lambda layer, query subsampling
-in HaloNet attention, ...).
+with ``rb = 4`` (expansion) and ``rv = 1`` except in HaloNets. The spatial layer is a 3x3 convolution (``C``) or
+any layer of :func:`lambdanet.layers.create_spatial_layer` (``L``), which also carries the stride as its paper
+prescribes (strided conv, 3x3 average pool after a lambda layer, query subsampling in HaloNet attention, ...).
 """
 
 from __future__ import annotations
@@ -21,14 +20,8 @@ from dataclasses import dataclass, field, fields, replace
 
 from torch import Tensor, nn
 
-from lambdanet.layers import (
-    ConvLayer,
-    DoubleAttention,
-    RelativePositionEmbedding,
-    SqueezeExcite,
-    create_spatial_layer,
-    list_spatial_layers,
-)
+from lambdanet.layers import (ConvLayer, DoubleAttention, RelativePositionEmbedding, SqueezeExcite,
+                              create_spatial_layer, list_spatial_layers)
 from lambdanet.layers.conv_norm_act import ACTIVATIONS, conv_norm_act, get_act
 from lambdanet.layers.drop import DropPath
 from lambdanet.models.base import Backbone
@@ -192,9 +185,8 @@ class ResNet(Backbone):
         layer_kwargs: keyword arguments for every ``L`` spatial layer (override ``cfg.stage_kwargs``).
         features_only: build no head; ``forward`` returns the c2..c5 feature maps.
         zero_init_last: zero the last BN gamma of every block (App. A).
-        share_embeddings: lambda layers with the same scope share one position embedding (Table 4
-            "shared embeddings", App. A): one per (scope, depth) for local scopes, one per input size for
-            global contexts.
+        share_embeddings: lambda layers with the same scope share one position embedding (Table 4 "shared
+            embeddings", App. A): one per (scope, depth) for local scopes, one per input size for global contexts.
     """
 
     def __init__(self, cfg: ResNetConfig, *, num_classes: int = 1000, in_chans: int = 3,
@@ -205,27 +197,22 @@ class ResNet(Backbone):
         _validate_config(cfg)
         if not 0.0 <= drop_path_rate < 1.0:
             raise ValueError(f"drop_path_rate must be in [0, 1), got {drop_path_rate}")
-        self.cfg = cfg
         img = img_size if img_size is not None else cfg.input_size
         img = (img, img) if isinstance(img, int) else tuple(img)
         if len(img) != 2 or min(img) <= 0:
             raise ValueError(f"img_size must be a positive int or (H, W), got {img_size!r}")
-        self.img_size = img
+        self.cfg, self.img_size = cfg, img
         act = get_act(cfg.act)
         self.stem, ch, reduction = _stem(cfg.stem, in_chans, act)
-        size = tuple(math.ceil(s / reduction) for s in img)
-        pattern = cfg.block_pattern()
-        total = sum(cfg.layers)
+        size, total = tuple(math.ceil(s / reduction) for s in img), sum(cfg.layers)
         dpr = [drop_path_rate * i / max(1, total - 1) for i in range(total)]
         if share_embeddings and cfg.spatial_layer not in ("lambda", "lambda_conv"):
             raise ValueError(f"share_embeddings needs lambda layers (spatial_layer 'lambda' or 'lambda_conv'), "
                              f"got spatial_layer={cfg.spatial_layer!r}")
         shared: dict[tuple, RelativePositionEmbedding] = {}
-        stages, self.feature_info = [], []
-        k = 0
-        for i, (n, w, letters) in enumerate(zip(cfg.layers, cfg.widths, pattern)):
-            out_ch = int(w * cfg.expansion)
-            spatial_ch = int(w * cfg.spatial_mult)
+        stages, self.feature_info, k = [], [], 0
+        for i, (n, w, letters) in enumerate(zip(cfg.layers, cfg.widths, cfg.block_pattern())):
+            out_ch, spatial_ch = int(w * cfg.expansion), int(w * cfg.spatial_mult)
             blocks: list[nn.Module] = []
             extra = set(cfg.nonlocal_blocks.get(STAGE_NAMES[i], ()))
             for j in range(n):
@@ -233,8 +220,7 @@ class ResNet(Backbone):
                 if letters[j] == "C":
                     spatial = create_spatial_layer("conv", w, spatial_ch, stride=stride)
                 else:
-                    kwargs = dict(cfg.stage_kwargs[i])
-                    kwargs.update(layer_kwargs or {})
+                    kwargs = {**cfg.stage_kwargs[i], **(layer_kwargs or {})}
                     if share_embeddings:
                         kwargs["embedding"] = _shared_embedding(shared, cfg.spatial_layer, kwargs, size)
                     spatial = create_spatial_layer(cfg.spatial_layer, w, spatial_ch, stride=stride, feat_size=size,
@@ -246,8 +232,7 @@ class ResNet(Backbone):
                     blocks.append(DoubleAttention(out_ch))
                 ch, k = out_ch, k + 1
                 if stride == 2:
-                    size = tuple(math.ceil(s / 2) for s in size)
-                    reduction *= 2
+                    size, reduction = tuple(math.ceil(s / 2) for s in size), reduction * 2
             stages.append(nn.Sequential(*blocks))
             self.feature_info.append({"module": f"stages.{i}", "stage": STAGE_NAMES[i], "num_chs": ch,
                                       "reduction": reduction})
@@ -263,8 +248,7 @@ class ResNet(Backbone):
     def _init_weights(self, zero_init_last: bool) -> None:
         """He init for the ResNet's own convolutions (stem, 1x1s, shortcuts, 3x3 ``C`` layers); attention and
         lambda layers keep the initialisation of their papers."""
-        convs = [m for m in self.stem.modules() if isinstance(m, nn.Conv2d)]
-        convs += [m for m in self.final_conv.modules() if isinstance(m, nn.Conv2d)]
+        convs = [m for part in (self.stem, self.final_conv) for m in part.modules() if isinstance(m, nn.Conv2d)]
         for block in self.modules():
             if isinstance(block, Bottleneck):
                 convs += [block.conv1, block.conv3]
@@ -276,25 +260,20 @@ class ResNet(Backbone):
         self._init_norms(Bottleneck, zero_init_last)
 
 
-def _shared_embedding(shared: dict, layer: str, kwargs: Mapping, size: tuple[int, int]) -> RelativePositionEmbedding:
+def _shared_embedding(shared: dict, layer: str, kwargs: Mapping,
+                      size: tuple[int, int]) -> RelativePositionEmbedding:
     dim_k, dim_u = kwargs.get("dim_k", 16), kwargs.get("dim_u", 1)
-    if layer == "lambda":
-        key = ("global", dim_k, dim_u, size)
-        if key not in shared:
-            shared[key] = RelativePositionEmbedding.global_context(dim_k, size, dim_u=dim_u)
-    else:
-        r = kwargs.get("r", 23)
-        key = ("local", dim_k, dim_u, r)
-        if key not in shared:
-            shared[key] = RelativePositionEmbedding.local(dim_k, r, dim_u=dim_u)
+    key = ("global", dim_k, dim_u, size) if layer == "lambda" else ("local", dim_k, dim_u, kwargs.get("r", 23))
+    if key not in shared:
+        shared[key] = (RelativePositionEmbedding.global_context(dim_k, size, dim_u=dim_u) if layer == "lambda"
+                       else RelativePositionEmbedding.local(dim_k, key[3], dim_u=dim_u))
     return shared[key]
 
 
 def _validate_config(cfg: ResNetConfig) -> None:
     if len(cfg.layers) != 4 or any(not isinstance(n, int) or n < 1 for n in cfg.layers):
         raise ValueError(f"layers must be 4 positive block counts (c2..c5), got {cfg.layers!r}")
-    pattern = cfg.block_pattern()
-    for i, (letters, n) in enumerate(zip(pattern, cfg.layers)):
+    for i, (letters, n) in enumerate(zip(cfg.block_pattern(), cfg.layers)):
         if len(letters) != n or set(letters) - {"C", "L"}:
             raise ValueError(f"pattern of stage {STAGE_NAMES[i]} must be {n} letters C/L, got {letters!r}")
     if cfg.spatial_layer not in list_spatial_layers():

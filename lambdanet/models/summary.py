@@ -1,8 +1,7 @@
 """Parameter and FLOP summaries of registered models, and the comparison with the papers' tables.
 
-Models are built on the meta device, so even LambdaResNet-420 is summarised in about a second without
-allocating its weights. FLOPs come from ``torch.utils.flop_counter`` (2 FLOPs per multiply-add) for one
-image at the model's default input size.
+Models are built on the meta device, so even LambdaResNet-420 is summarised in about a second without allocating
+its weights. FLOPs: ``torch.utils.flop_counter`` (2 per multiply-add), one image at the default input size.
 """
 
 from __future__ import annotations
@@ -22,11 +21,8 @@ def model_summary(name: str, img_size: int | None = None, *, flops: bool = True,
     size = img_size or model_info(name).input_size
     with torch.device("meta"):
         model = create_model(name, **kwargs).eval()
-        params = sum(p.numel() for p in model.parameters())
-        total = None
-        if flops:
-            x = torch.empty(1, 3, size, size)
-            total = count_flops(lambda: model(x))
+        params, x = sum(p.numel() for p in model.parameters()), torch.empty(1, 3, size, size)
+        total = count_flops(lambda: model(x)) if flops else None
     return {"model": name, "params": params, "flops": total, "input_size": size}
 
 
@@ -55,11 +51,8 @@ def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
     """Render ``rows`` as a Markdown table with ``(key, header)`` columns (floats with 2 decimals)."""
 
     def fmt(v):
-        if v is None:
-            return "-"
-        return f"{v:.2f}" if isinstance(v, float) else str(v).replace("|", "\\|")
+        return "-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v).replace("|", "\\|")
 
     lines = ["| " + " | ".join(h for _, h in columns) + " |", "|" + "---|" * len(columns)]
-    for r in rows:
-        lines.append("| " + " | ".join(fmt(r.get(k)) for k, _ in columns) + " |")
+    lines += ["| " + " | ".join(fmt(r.get(k)) for k, _ in columns) + " |" for r in rows]
     return "\n".join(lines)

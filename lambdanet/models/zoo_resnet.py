@@ -42,8 +42,7 @@ LAMBDA_C4_BLOCKS = {50: (3,), 101: (6, 12, 18), 152: (5, 10, 15, 20, 25, 30), 20
 
 
 class Table20Row(NamedTuple):
-    """One row of LambdaNetworks Table 20 (350 epochs with RandAugment, 2 layers); Table 19 reports the
-    accuracy of the same (depth, image size) pairs."""
+    """One row of LambdaNetworks Table 20 (350 epochs, RandAugment with 2 layers); Table 19 has its accuracy."""
 
     img_size: int
     randaugment_magnitude: int
@@ -76,11 +75,8 @@ def lambda_resnet_pattern(layers: Sequence[int], c4_blocks: Sequence[int] | str)
 
 
 def table20_recipe(depth: int, img_size: int) -> tuple[dict, str]:
-    """The 350-epoch recipe of a ResNet-RS / LambdaResNet as ``TrainConfig`` fields, and its source.
-
-    Uses the Table 20 row of ``depth`` with the largest image size up to ``img_size`` (a depth Table 20
-    does not list takes the nearest listed depth); ``img_size`` of the recipe is that row's size.
-    """
+    """The 350-epoch recipe of a ResNet-RS / LambdaResNet as ``TrainConfig`` fields, and its source: the Table 20
+    row of ``depth`` (else the nearest listed depth) with the largest image size up to ``img_size`` (its size)."""
     listed = depth in TABLE20_REGULARIZATION
     rows = TABLE20_REGULARIZATION[depth if listed else min(TABLE20_REGULARIZATION, key=lambda d: abs(d - depth))]
     row = max(rows, key=lambda r: r.img_size if r.img_size <= img_size else -1)
@@ -116,8 +112,8 @@ def _resnet_rs(depth: int, *, se: bool = False) -> ZooModel:
                        paper=f"ResNet-RS-{depth} {'w/' if se else 'wo/'} SE (Bello et al. 2021): ResNet-D stem and "
                              "shortcut, max pool replaced by a strided 3x3 conv, SE ratio 0.25; LambdaNetworks "
                              + ("Table 14" if listed else "Table 18 blocks"))
-    tables = "LambdaNetworks " + ("Table 14, Table 18 blocks" if listed else "Table 18 blocks")
-    return ZooModel(cfg, tables, *table20_recipe(depth, DEFAULT_SIZE[depth]))
+    return ZooModel(cfg, "LambdaNetworks " + ("Table 14, Table 18 blocks" if listed else "Table 18 blocks"),
+                    *table20_recipe(depth, DEFAULT_SIZE[depth]))
 
 
 def _lambda_resnet(depth: int) -> ZooModel:
@@ -155,20 +151,13 @@ model_cfgs: dict[str, ZooModel] = {
     "resnet101": _resnet_v1(101),
     "resnet152": _resnet_v1(152),
     # ResNet-RS (Bello et al. 2021) without and with squeeze-and-excitation: Table 14, Table 18 blocks
-    "resnet_rs50": _resnet_rs(50),
-    "resnet_rs50_se": _resnet_rs(50, se=True),
-    "resnet_rs101": _resnet_rs(101),
-    "resnet_rs101_se": _resnet_rs(101, se=True),
-    "resnet_rs152": _resnet_rs(152),
-    "resnet_rs152_se": _resnet_rs(152, se=True),
-    "resnet_rs200": _resnet_rs(200),
-    "resnet_rs200_se": _resnet_rs(200, se=True),
-    "resnet_rs270": _resnet_rs(270),
-    "resnet_rs270_se": _resnet_rs(270, se=True),
-    "resnet_rs350": _resnet_rs(350),
-    "resnet_rs350_se": _resnet_rs(350, se=True),
-    "resnet_rs420": _resnet_rs(420),
-    "resnet_rs420_se": _resnet_rs(420, se=True),
+    "resnet_rs50": _resnet_rs(50), "resnet_rs50_se": _resnet_rs(50, se=True),
+    "resnet_rs101": _resnet_rs(101), "resnet_rs101_se": _resnet_rs(101, se=True),
+    "resnet_rs152": _resnet_rs(152), "resnet_rs152_se": _resnet_rs(152, se=True),
+    "resnet_rs200": _resnet_rs(200), "resnet_rs200_se": _resnet_rs(200, se=True),
+    "resnet_rs270": _resnet_rs(270), "resnet_rs270_se": _resnet_rs(270, se=True),
+    "resnet_rs350": _resnet_rs(350), "resnet_rs350_se": _resnet_rs(350, se=True),
+    "resnet_rs420": _resnet_rs(420), "resnet_rs420_se": _resnet_rs(420, se=True),
     # LambdaResNets: Table 18 blocks and lambda placement, Table 14 parameter counts, Tables 19-20 recipes
     "lambda_resnet50": _lambda_resnet(50),
     "lambda_resnet101": _lambda_resnet(101),
@@ -177,8 +166,7 @@ model_cfgs: dict[str, ZooModel] = {
     "lambda_resnet270": _lambda_resnet(270),
     "lambda_resnet350": _lambda_resnet(350),
     "lambda_resnet420": _lambda_resnet(420),
-    # LambdaResNet-C4: Tables 14-15 (-101-C4, -152-C4: u=1, 23x23 in c4); Table 15's 42M for -200-C4 needs
-    # u=4, 7x7 in c4 too; Table 16: -270-C4 uses a 7x7 scope in c4
+    # LambdaResNet-C4: Tables 14-16, c4 lambdas as argued in the module docstring
     "lambda_resnet101_c4": _lambda_resnet_c4(101, C4_LAMBDA),
     "lambda_resnet152_c4": _lambda_resnet_c4(152, C4_LAMBDA),
     "lambda_resnet200_c4": _lambda_resnet_c4(200, C5_LAMBDA),
@@ -199,8 +187,7 @@ def _create(variant: str, *, num_classes: int = 1000, in_chans: int = 3, **kwarg
 
 
 def _register(fn: Callable[..., ResNet]) -> Callable[..., ResNet]:
-    """``register_model`` with the metadata of the ``model_cfgs`` entry named like ``fn`` and the family's
-    keyword arguments (:class:`ResNetArgs`)."""
+    """``register_model`` with the metadata of the ``model_cfgs`` entry named like ``fn`` (:class:`ResNetArgs`)."""
     name = fn.__name__
     entry = model_cfgs[name]
     fn.__doc__ = f"{name}: {entry.cfg.paper}\n\nKeyword arguments: see lambdanet.models.ResNetArgs."

@@ -1,23 +1,21 @@
 """Training configuration: one dataclass, recipes as overrides, YAML files, and a flag per field.
 
 Precedence (later wins): dataclass defaults < ``--recipe`` < the model's paper values that recipe takes <
-``--config FILE.yaml`` < command-line flags. :func:`resolve_config` then writes in what the data and the
-model imply, so the configuration written to ``<out>/config.yaml`` is exactly what runs; ``--resume``
-reloads it.
+``--config FILE.yaml`` < command-line flags. :func:`resolve_config` then writes in what the data and the model
+imply, so the configuration written to ``<out>/config.yaml`` is exactly what runs; ``--resume`` reloads it.
 
 Recipes:
 
-* ``quick``: small data on a CPU in minutes (AdamW 2e-3, 1 warm-up epoch, cosine, label smoothing 0.1,
-  crops with padding, compact model width): the README's main job.
-* ``paper90``: App. E.2's 90-epoch ImageNet setup: SGD momentum 0.9, linear warm-up over 5 epochs to
-  ``0.1 B / 256``, cosine decay, weight decay 1e-4, label smoothing 0.1, EMA of weights 0.9999, BatchNorm
-  decay 0.9999 (PyTorch momentum 1e-4), random crops and flips.
-* ``paper350``: ``paper90`` with weight decay 4e-5, 350 epochs, RandAugment with 2 layers, and the
-  image size, RandAugment magnitude, dropout and stochastic depth of Tables 19-20 for the model (read from
-  its metadata, :data:`RECIPE_MODEL_KEYS`), bf16 autocast (the paper trains with bfloat16 activations).
-* ``cifar_repro``: the CIFAR-10 reproduction report: Adam (betas 0.9, 0.9999, L2 1e-4), learning rate
-  ramped linearly from 5e-4 to 2.5e-3 over 5 epochs then cosine, batch 128, 90 epochs, label smoothing 0.1.
-"""
+* ``quick``: small data on a CPU in minutes (AdamW 2e-3, 1 warm-up epoch, cosine, label smoothing 0.1, crops with
+  padding, compact model width): the README's main job.
+* ``paper90``: App. E.2's 90-epoch ImageNet setup: SGD momentum 0.9, linear warm-up over 5 epochs to ``0.1 B /
+  256``, cosine decay, weight decay 1e-4, label smoothing 0.1, EMA of weights 0.9999, BatchNorm decay 0.9999
+  (PyTorch momentum 1e-4), random crops and flips.
+* ``paper350``: ``paper90`` with weight decay 4e-5, 350 epochs, RandAugment with 2 layers, and the image size,
+  RandAugment magnitude, dropout and stochastic depth of Tables 19-20 for the model (read from its metadata,
+  :data:`RECIPE_MODEL_KEYS`), bf16 autocast (the paper trains with bfloat16 activations).
+* ``cifar_repro``: the CIFAR-10 reproduction report: Adam (betas 0.9, 0.9999, L2 1e-4), learning rate ramped
+  linearly from 5e-4 to 2.5e-3 over 5 epochs then cosine, batch 128, 90 epochs, label smoothing 0.1."""
 
 from __future__ import annotations
 
@@ -26,8 +24,12 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from lambdanet.data import dataset_spec, list_datasets
 from lambdanet.engine.config import RunConfig, config_source_from_args, flag, option
+from lambdanet.files import run_file
+from lambdanet.models import model_args, model_info
 from lambdanet.runtime import AMP_DTYPES
+from lambdanet.train.load import checkpoint_settings
 
 __all__ = ["TrainConfig", "RECIPES", "RECIPE_MODEL_KEYS", "RESUME_FREE", "resolve_config", "config_from_args",
            "model_build_kwargs", "recipe_values"]
@@ -108,8 +110,6 @@ class TrainConfig(RunConfig):
     def recipe_values(cls, name: str, explicit: dict) -> dict:
         """The recipe, the model's paper values it takes (:data:`RECIPE_MODEL_KEYS`), ``explicit``; fine-tuning a
         run of ``lambdanet train`` takes its model, options and image size (:func:`_checkpoint_values`)."""
-        from lambdanet.models import model_info
-
         explicit = _checkpoint_values(explicit)
         model = explicit.get("model") or RECIPES[name].get("model") or TrainConfig.model
         paper = model_info(model).recipe  # "unknown model ...; registered models: ..."
@@ -126,8 +126,7 @@ class TrainConfig(RunConfig):
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field and the valid values for anything out of range."""
         super().validate()
-        positive = ("epochs", "batch_size", "eval_batch_size", "checkpoint_every")
-        for name in positive:
+        for name in ("epochs", "batch_size", "eval_batch_size", "checkpoint_every"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -135,13 +134,10 @@ class TrainConfig(RunConfig):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
                 raise ValueError(f"{name} must be a positive int ({what}) or null, got {v!r}")
-        for name in ("workers", "randaugment_layers"):
+        for name in ("workers", "randaugment_layers", "randaugment_magnitude"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {v!r}")
-        m = self.randaugment_magnitude
-        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
-            raise ValueError(f"randaugment_magnitude must be a non-negative int, got {m!r}")
         if not self.warmup_epochs >= 0:
             raise ValueError(f"warmup_epochs must be >= 0, got {self.warmup_epochs}")
         if not self.lr_decay_epochs > 0:
@@ -156,9 +152,6 @@ class TrainConfig(RunConfig):
             raise ValueError(f"ema_decay must be in (0, 1) or null, got {self.ema_decay}")
         if self.early_stop_patience is not None and self.val_split == 0.0:
             raise ValueError("early_stop_patience needs a held-out validation set: pass --val-split (e.g. 0.02)")
-        from lambdanet.data import list_datasets
-        from lambdanet.models import model_info
-
         model_info(self.model)  # "unknown model ...; registered models: ..."
         if not (self.data.startswith("imagefolder:") or self.data in list_datasets()):
             raise ValueError(f"unknown dataset {self.data!r}; valid: {', '.join(list_datasets())}")
@@ -167,8 +160,6 @@ class TrainConfig(RunConfig):
         if self.pretrained and self.checkpoint:
             raise ValueError("pass --pretrained (the published weights) or --checkpoint FILE, not both")
         if self.checkpoint is not None:
-            from lambdanet.files import run_file
-
             if not Path(self.checkpoint).expanduser().exists():
                 raise ValueError(f"checkpoint {self.checkpoint!r} does not exist (expected a run directory of lambdanet "
                                  "train or a weights file: .safetensors, .pth, .bin, a run's last.pt)")
@@ -192,15 +183,13 @@ _OPTIONAL_SIZES = {"img_size": "the training resolution in pixels; each model ha
                    "early_stop_patience": "epochs", "compact_width": "channels", "lr_batch_scale": "a batch size"}
 
 
+_PAPER90 = {"optimizer": "sgd", "lr": 0.1, "lr_batch_scale": 256, "momentum": 0.9, "weight_decay": 1e-4,
+            "warmup_epochs": 5.0, "schedule": "cosine", "label_smoothing": 0.1, "ema_decay": 0.9999,
+            "bn_momentum": 1e-4, "epochs": 90, "batch_size": 256, "compact_width": None}
 RECIPES: dict[str, dict] = {
     "quick": {},
-    "paper90": {"optimizer": "sgd", "lr": 0.1, "lr_batch_scale": 256, "momentum": 0.9, "weight_decay": 1e-4,
-                "warmup_epochs": 5.0, "schedule": "cosine", "label_smoothing": 0.1, "ema_decay": 0.9999,
-                "bn_momentum": 1e-4, "epochs": 90, "batch_size": 256, "compact_width": None},
-    "paper350": {"optimizer": "sgd", "lr": 0.1, "lr_batch_scale": 256, "momentum": 0.9, "weight_decay": 4e-5,
-                 "warmup_epochs": 5.0, "schedule": "cosine", "label_smoothing": 0.1, "ema_decay": 0.9999,
-                 "bn_momentum": 1e-4, "epochs": 350, "batch_size": 256, "randaugment_layers": 2,
-                 "amp": "bf16", "compact_width": None},
+    "paper90": _PAPER90,
+    "paper350": {**_PAPER90, "weight_decay": 4e-5, "epochs": 350, "randaugment_layers": 2, "amp": "bf16"},
     "cifar_repro": {"optimizer": "adam", "lr": 2.5e-3, "warmup_epochs": 5.0, "warmup_start_factor": 0.2,
                     "betas": [0.9, 0.9999], "weight_decay": 1e-4, "schedule": "cosine", "label_smoothing": 0.1,
                     "epochs": 90, "batch_size": 128, "data": "cifar10", "compact_width": None},
@@ -208,9 +197,8 @@ RECIPES: dict[str, dict] = {
 
 # the values a recipe takes from the model's paper metadata (``ModelInfo.recipe``, Tables 19-20 for
 # LambdaResNets): image size, RandAugment magnitude, dropout and stochastic depth depend on the model
-RECIPE_MODEL_KEYS: dict[str, tuple[str, ...]] = {
-    "paper350": ("img_size", "randaugment_magnitude", "drop_rate", "drop_path_rate"),
-}
+RECIPE_MODEL_KEYS: dict[str, tuple[str, ...]] = {"paper350": ("img_size", "randaugment_magnitude", "drop_rate",
+                                                              "drop_path_rate")}
 
 TrainConfig.RECIPES = RECIPES
 # what ``--resume`` lets change: how the run is watched and where it runs, never what it computes
@@ -237,9 +225,6 @@ def _checkpoint_values(explicit: dict) -> dict:
     given = explicit.get("model_kwargs") or {}
     if not ckpt or explicit.get("pretrained") or not isinstance(given, dict):
         return explicit  # nothing to take, or an error validate() reports
-    from lambdanet.models import model_args
-    from lambdanet.train.load import checkpoint_settings
-
     settings = checkpoint_settings(ckpt)
     if settings is None:  # timm's weights, or a file the weight loader will report on
         return explicit
@@ -266,9 +251,6 @@ def _resolve_model_values(cfg: TrainConfig) -> None:
     """Write in what the data and the model imply (in place): ``img_size`` from the dataset, and in
     ``model_kwargs`` (unless given) the small-image stem for images up to 64 px, the compact width and the
     image size where the model takes them; ``drop_rate`` / ``drop_path_rate`` from the model's defaults."""
-    from lambdanet.data import dataset_spec
-    from lambdanet.models import model_args, model_info
-
     accepted = model_args(cfg.model)
     if cfg.img_size is None:  # published weights: the size they were trained at (global attention is sized by it)
         cfg.img_size = model_info(cfg.model).input_size if cfg.pretrained else dataset_spec(cfg.data).image_size
@@ -305,8 +287,6 @@ def _resolve_model_values(cfg: TrainConfig) -> None:
 def model_build_kwargs(cfg: TrainConfig) -> dict:
     """The keyword arguments of ``create_model(cfg.model, ...)`` for a resolved ``cfg`` (beyond classes and
     channels): ``model_kwargs`` plus the dropout / stochastic depth the model takes."""
-    from lambdanet.models import model_args
-
     accepted = model_args(cfg.model)
     kwargs = dict(cfg.model_kwargs)
     for key in ("drop_rate", "drop_path_rate"):
@@ -319,11 +299,9 @@ def recipe_values() -> dict[str, dict]:
     """Per recipe, the values of :class:`TrainConfig` it runs with before the data and the model are known;
     the options a recipe takes from the model (:data:`RECIPE_MODEL_KEYS`) read ``"the model's"``."""
     base = dataclasses.asdict(TrainConfig())
-    out = {}
-    for name, values in RECIPES.items():
-        out[name] = {**base, **values, "recipe": name}
-        out[name].update({k: "the model's" for k in RECIPE_MODEL_KEYS.get(name, ())})
-    return out
+    return {name: {**base, **values, "recipe": name,
+                   **dict.fromkeys(RECIPE_MODEL_KEYS.get(name, ()), "the model's")}
+            for name, values in RECIPES.items()}
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

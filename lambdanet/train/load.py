@@ -1,13 +1,12 @@
 """Use a trained model: ``load_model(RUN_DIR | FILE)`` rebuilds what ``lambdanet train`` trained.
 
-The safetensors weights a run writes (``model.safetensors``, ``model_ema.safetensors``) carry their
-model in the file's header (:func:`lambdanet.files.weights_metadata`): the registered name and keyword arguments, the
+The safetensors weights a run writes (``model.safetensors``, ``model_ema.safetensors``) carry their model in
+the file's header (:func:`lambdanet.files.weights_metadata`): the registered name and keyword arguments, the
 number of classes and input channels, the class names and the preprocessing (image size, mean, std).
-``load_model`` reads that header, builds the model with ``create_model`` and loads the weights strictly;
-it also takes a run directory (the EMA weights when the run kept them; :func:`lambdanet.files.run_file`, the rule every
-command uses for a run directory) or a ``last.pt`` checkpoint. :func:`checkpoint_settings` is what
-fine-tuning (``lambdanet train --checkpoint RUN_OR_FILE``) takes from the same header.
-"""
+``load_model`` reads that header, builds the model with ``create_model`` and loads the weights strictly; it
+also takes a run directory (the EMA weights when the run kept them; :func:`lambdanet.files.run_file`, the rule
+every command uses for a run directory) or a ``last.pt`` checkpoint. :func:`checkpoint_settings` is what
+fine-tuning (``lambdanet train --checkpoint RUN_OR_FILE``) takes from the same header."""
 
 from __future__ import annotations
 
@@ -16,11 +15,8 @@ from pathlib import Path
 
 from torch import nn
 
-from lambdanet.files import (
-    read_state_dict,
-    run_file,
-    run_metadata,
-)
+from lambdanet.data import dataset_spec
+from lambdanet.files import read_state_dict, run_file, run_metadata
 from lambdanet.models import create_model
 from lambdanet.models.pretrained import load_state
 from lambdanet.engine.checkpoint import CheckpointError, load_checkpoint, trained_weights
@@ -73,8 +69,6 @@ def load_model(path: str | os.PathLike, *, ema: bool = True) -> nn.Module:
         cfg = dict(state.get("config") or {})
         if not cfg:
             raise ValueError(f"checkpoint {path} has no training configuration")
-        from lambdanet.data import dataset_spec
-
         spec = dataset_spec(cfg["data"])
         model, _ = restore_model(state, spec, ema=ema)
         meta = {"model": cfg["model"], "num_classes": spec.num_classes, "in_chans": spec.in_chans,
@@ -87,8 +81,9 @@ def load_model(path: str | os.PathLike, *, ema: bool = True) -> nn.Module:
 
 def checkpoint_settings(path: str | os.PathLike) -> dict | None:
     """The model settings of what ``lambdanet train`` wrote (a run directory, its safetensors weights or a
-    ``last.pt``): ``{"model", "model_kwargs", "image_size", "file"}`` (``file``: what :func:`lambdanet.files.run_file` picked),
-    ``None`` for weights of another origin (timm's) or a file that cannot be read (its loader reports why)."""
+    ``last.pt``): ``{"model", "model_kwargs", "image_size", "file"}`` (``file``: what
+    :func:`lambdanet.files.run_file` picked), ``None`` for weights of another origin (timm's) or a file that
+    cannot be read (its loader reports why)."""
     file = run_file(path)
     if file.suffix == ".safetensors" and file.is_file():
         meta = run_metadata(file)
@@ -105,7 +100,6 @@ def checkpoint_settings(path: str | os.PathLike) -> dict | None:
         if "model" not in cfg:
             return None
         kwargs = state.get("model_kwargs")  # create_model's keywords (the configuration's model_kwargs and more)
-        if kwargs is None:
-            kwargs = cfg.get("model_kwargs") or {}
+        kwargs = (cfg.get("model_kwargs") or {}) if kwargs is None else kwargs
         return {"model": cfg["model"], "model_kwargs": dict(kwargs), "image_size": cfg.get("img_size"), "file": file}
     return None

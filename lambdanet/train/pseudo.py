@@ -1,9 +1,7 @@
-"""Semi-supervised pseudo-labels (App. E.2): a teacher checkpoint labels the unlabelled part of the training
-set; a student then trains on the labelled part plus the pseudo-labelled images (``--pseudo-labels``).
-
-The labelled part is a seeded ``labeled_fraction`` of the training split (``--labeled-fraction``); the rest
-is treated as unlabelled. The pseudo-label file records the dataset, fraction and seed it belongs to.
-"""
+"""Semi-supervised pseudo-labels (App. E.2): a teacher checkpoint labels the unlabelled part of the training set; a
+student then trains on the labelled part plus the pseudo-labelled images (``--pseudo-labels``). The labelled part
+is a seeded ``labeled_fraction`` of the training split (``--labeled-fraction``); the rest is treated as unlabelled.
+The pseudo-label file records the dataset, fraction and seed it belongs to."""
 
 from __future__ import annotations
 

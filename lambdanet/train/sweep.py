@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from lambdanet.engine.config import ConfigSource, config_differences, describe_differences, load_yaml
-from lambdanet.engine.logger import write_json
+from lambdanet.engine.logger import read_json, write_json
 from lambdanet.train.config import RESUME_FREE
 from lambdanet.train.trainer import train
 
@@ -20,8 +20,6 @@ def lr_sweep(source: ConfigSource, lrs: Sequence[float], models: Sequence[str] |
     resolved for its model. Resumable: a finished run (``summary.json``) whose resolved configuration equals
     the one asked for is read back instead of retrained, an unfinished one is resumed; a run directory
     holding a different configuration is refused."""
-    import json
-
     if not lrs:
         raise ValueError("lrs must list at least one learning rate")
     if any(lr <= 0 for lr in lrs):
@@ -37,10 +35,9 @@ def lr_sweep(source: ConfigSource, lrs: Sequence[float], models: Sequence[str] |
                 changed = config_differences(load_yaml(run_dir / "config.yaml"), cfg, ignore=RESUME_FREE)
                 if changed:
                     raise ValueError(f"{run_dir} holds a run with another configuration: "
-                                     f"{describe_differences(changed)}; choose another "
-                                     "--out for this sweep")
+                                     f"{describe_differences(changed)}; choose another --out for this sweep")
             if (run_dir / "summary.json").exists():
-                summary = json.loads((run_dir / "summary.json").read_text())
+                summary = read_json(run_dir / "summary.json")
                 log(f"{model} lr={lr:g}: already done with this configuration ({summary['final_acc']:.4f})")
             else:
                 cfg.resume = (run_dir / "last.pt").exists()
@@ -76,9 +73,7 @@ def plot_sweep(rows: list[dict], path: Path) -> None:
     for model in dict.fromkeys(r["model"] for r in rows):
         pts = sorted((r["lr"], r["final_acc"]) for r in rows if r["model"] == model)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=model)
-    ax.set_xscale("log")
-    ax.set_xlabel("learning rate")
-    ax.set_ylabel("final test top-1")
+    ax.set(xscale="log", xlabel="learning rate", ylabel="final test top-1")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

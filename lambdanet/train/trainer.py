@@ -1,10 +1,7 @@
-"""``train(cfg)``: a full run (data, model, recipe, checkpoints, resume, logs, summary) and
-``evaluate_checkpoint(path)``. The CLI commands ``lambdanet train`` / ``lambdanet eval`` call these.
-
-Classification is a task of the engine (:class:`ClassificationTask`, :mod:`lambdanet.engine.task`), which
-runs it as every other task. Everything recipe- or model-specific was settled by
-:func:`lambdanet.train.config.resolve_config` before the run starts.
-"""
+"""``train(cfg)``: a full run (data, model, recipe, checkpoints, resume, logs, summary), and
+``evaluate_checkpoint(path)``; the CLI commands ``lambdanet train`` / ``lambdanet eval`` call these.
+Classification is a task of the engine (:class:`ClassificationTask`, :mod:`lambdanet.engine.task`); everything
+recipe- or model-specific was settled by :func:`lambdanet.train.config.resolve_config` before the run starts."""
 
 from __future__ import annotations
 
@@ -18,7 +15,7 @@ from torch import nn
 
 from lambdanet.data import DatasetSpec, ImageLoader, Subset, TensorImages, build_datasets, labeled_split, split_indices
 from lambdanet.engine.checkpoint import CheckpointError, export_safetensors, load_checkpoint, unwrap
-from lambdanet.engine.distributed import DistContext, convert_sync_batchnorm
+from lambdanet.engine.distributed import DistContext, convert_sync_batchnorm, uses_cuda
 from lambdanet.engine.logger import plot_history, read_history, write_json
 from lambdanet.engine.loop import TrainingDivergedError, evaluate, to_device
 from lambdanet.engine.optim import build_ema, build_optimizer, build_scheduler, set_bn_momentum
@@ -34,12 +31,9 @@ __all__ = ["train", "evaluate_checkpoint", "TrainingDivergedError", "Classificat
 
 
 def hardware_string(device: torch.device) -> str:
-    cpu = platform.processor() or platform.machine()
-    threads = torch.get_num_threads()
-    base = f"{platform.system()} {cpu}, {threads} CPU threads, torch {torch.__version__}"
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)}; {base}"
-    return base
+    base = (f"{platform.system()} {platform.processor() or platform.machine()}, {torch.get_num_threads()} CPU "
+            f"threads, torch {torch.__version__}")
+    return f"{torch.cuda.get_device_name(device)}; {base}" if device.type == "cuda" else base
 
 
 def build_model_for(cfg: TrainConfig, spec: DatasetSpec, *, initial_weights: bool = True) -> nn.Module:
@@ -281,19 +275,13 @@ def evaluate_checkpoint(path: str | Path, *, data: str | None = None, split: str
     saved = dict(state.get("config") or {})
     if not saved:
         raise CheckpointError(f"checkpoint {path} has no training configuration")
-    if data is not None:
-        saved["data"] = data
-    if data_dir is not None:
-        saved["data_dir"] = data_dir
+    saved.update({k: v for k, v in (("data", data), ("data_dir", data_dir)) if v is not None})
     cfg = TrainConfig(**saved)
-    ctx = DistContext(device=torch.device("cuda" if (device == "cuda" or (device == "auto" and
-                                                                         torch.cuda.is_available())) else "cpu"))
+    ctx = DistContext(device=torch.device("cuda" if uses_cuda(device) else "cpu"))
     spec, train_ds, test_ds = build_datasets(cfg.data, data_dir=cfg.data_dir, download=cfg.download)
     model, kind = restore_model(state, spec, ema=ema)
     loader = ImageLoader(test_ds if split == "test" else train_ds, spec, cfg.img_size or spec.image_size, train=False,
                          batch_size=batch_size)
-    model.to(ctx.device)
-    res = evaluate(model, loader, device=ctx.device, ctx=ctx)
-    res.update({"model": cfg.model, "data": cfg.data, "split": split, "checkpoint": str(path), "weights": kind,
-                "epoch": int(state["epoch"])})
-    return res
+    res = evaluate(model.to(ctx.device), loader, device=ctx.device, ctx=ctx)
+    return res | {"model": cfg.model, "data": cfg.data, "split": split, "checkpoint": str(path), "weights": kind,
+                  "epoch": int(state["epoch"])}
