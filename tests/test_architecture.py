@@ -17,7 +17,7 @@ LEVELS = [
     ("lambdanet.layers",),
     ("lambdanet.models",),
     ("lambdanet.engine",),
-    ("lambdanet.data", "lambdanet.train"),
+    ("lambdanet.data", "lambdanet.train", "lambdanet.lm"),
     ("lambdanet.detection", "lambdanet.predict", "lambdanet.export"),  # detection: targets <- coco <- glyphs <- data
     ("lambdanet.bench",),
     ("lambdanet.cli", "lambdanet.__main__"),

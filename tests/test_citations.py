@@ -184,7 +184,7 @@ def test_model_zoo_citations_agree_with_paper_rows(path):
     assert checked >= 2, f"{path.name}: expected the model-zoo lines that cite Tables 13, 14 and 18"
 
 
-@pytest.mark.parametrize("name", [n for n in lambdanet.list_models() if not lambdanet.model_info(n).small])
+@pytest.mark.parametrize("name", [n for n in lambdanet.list_models(task="image") if not lambdanet.model_info(n).small])
 def test_model_info_cites_tables_that_list_the_model(name):
     """``model_info(name).paper`` cites only tables that list the model (compact CPU variants, ``small``, are
     not in the papers and are left out)."""

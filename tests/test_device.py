@@ -114,7 +114,7 @@ def test_lambda_layer_under_autocast_is_finite_and_close_to_fp32(amp, r):
     assert rel < 0.05, rel
 
 
-@pytest.mark.parametrize("name", list_models())
+@pytest.mark.parametrize("name", list_models(task="image"))
 def test_every_model_trains_a_step_on_device_channels_last_bf16(name):
     model = create_model(name, num_classes=10).to(DEVICE).to(memory_format=torch.channels_last)
     x = torch.randn(4, 3, 96, 96, device=DEVICE).contiguous(memory_format=torch.channels_last)

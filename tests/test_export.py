@@ -137,7 +137,7 @@ def assert_trace_matches_eager(module: torch.nn.Module, x: torch.Tensor) -> None
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_TRACE else n
-                                  for n in list_models()])
+                                  for n in list_models(task="image")])
 def test_every_registered_model_traces_and_equals_eager(name):
     model, size = small_model(name)
     x = torch.randn(1, 3, size, size)

@@ -60,7 +60,7 @@ def test_lambda_layer_grads_have_parameter_strides(impl, kwargs, shape, step, me
     assert mismatched_grads(layer, x) == []
 
 
-SMALL_MODELS = [name for name in list_models() if model_info(name).small]
+SMALL_MODELS = [name for name in list_models(task="image") if model_info(name).small]
 
 
 def small_model(name, in_chans):

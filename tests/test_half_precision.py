@@ -108,7 +108,7 @@ def out_of_range(model: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> str |
     return None
 
 
-@pytest.mark.parametrize("name", slow_repeats(list_models()))
+@pytest.mark.parametrize("name", slow_repeats(list_models(task="image")))
 def test_half_precision_model_is_within_its_formats_rounding_error_of_float64(name):
     model = calibrated(name)
     x = torch.randn(BATCH, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
@@ -135,7 +135,7 @@ def test_half_precision_model_is_within_its_formats_rounding_error_of_float64(na
     assert checked, f"{name}: no mode whose values fit float16 or bfloat16"
 
 
-@pytest.mark.parametrize("name", slow_repeats(list_models()))
+@pytest.mark.parametrize("name", slow_repeats(list_models(task="image")))
 def test_every_model_runs_in_half_precision_as_initialised(name):
     """``create_model(...).half()`` / ``.to(torch.bfloat16)`` as a user calls it: forward in eval and train
     mode, output in that dtype and finite (the issue's failure was a dtype error in the lambda layers)."""

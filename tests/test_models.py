@@ -170,7 +170,7 @@ def test_resnet_rs_stem_and_shortcut_are_resnet_d():
     assert isinstance(short[0], torch.nn.AvgPool2d) and short[1].stride == (1, 1)
 
 
-@pytest.mark.parametrize("name", list_models())
+@pytest.mark.parametrize("name", list_models(task="image"))
 def test_small_variants_keep_the_architecture_but_not_the_width(name):
     """The fast variant of the behaviour tests keeps every block, layer type and placement of the registered
     model and divides its stage widths by :func:`narrowing`. (Only a shortcut may differ: the stem keeps its
@@ -182,7 +182,7 @@ def test_small_variants_keep_the_architecture_but_not_the_width(name):
     assert [f["num_chs"] // narrowing(name) for f in full.feature_info] == [f["num_chs"] for f in small.feature_info]
 
 
-@pytest.mark.parametrize("name", slow_repeats(list_models()))
+@pytest.mark.parametrize("name", slow_repeats(list_models(task="image")))
 def test_every_model_trains_a_step(name):
     """Forward and backward at a small size, no NaN, every parameter gets a (non-zero) gradient."""
     torch.manual_seed(0)
@@ -196,7 +196,7 @@ def test_every_model_trains_a_step(name):
     assert not missing, missing
 
 
-@pytest.mark.parametrize("name", slow_repeats(list_models()))
+@pytest.mark.parametrize("name", slow_repeats(list_models(task="image")))
 def test_every_model_converts_to_channels_last(name):
     """``model.to(memory_format=torch.channels_last)`` (the timm / torchvision idiom) works and changes
     nothing but the layout. Checked module by module: each layer of the converted model, given the
@@ -246,11 +246,11 @@ def test_every_model_converts_to_channels_last(name):
 
 # the 270- to 420-layer variants repeat the blocks of the shallower ones and take 5-9 s each to build even on the
 # meta device: they run with -m slow
-DEEP_MODELS = {n for n in list_models() if re.search(r"(270|350|420)", n)}
+DEEP_MODELS = {n for n in list_models(task="image") if re.search(r"(270|350|420)", n)}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in DEEP_MODELS else n
-                                  for n in list_models()])
+                                  for n in list_models(task="image")])
 def test_every_model_features_and_classifier(name):
     info = model_info(name)
     assert info.input_size > 0 and info.paper
@@ -337,7 +337,7 @@ def test_list_models_pattern():
     assert list_models("lambda_resnet*_c4") == ["lambda_resnet101_c4", "lambda_resnet152_c4", "lambda_resnet200_c4",
                                                 "lambda_resnet270_c4"]
     assert {"resnet50", "resnet_rs420_se", "halonet_h7", "mobilenet_v2_lambda", "lambda_resnet26"} <= set(
-        list_models())
+        list_models(task="image"))
 
 
 def test_model_args_of_lambda_resnet26():
@@ -356,7 +356,7 @@ ARGS_EXAMPLES = ["lambda_resnet26", "halonet_h0", "mobilenet_v2", "mobilenet_v2_
 
 
 def test_args_examples_cover_every_declaration():
-    assert {repr(model_args(n)) for n in list_models()} == {repr(model_args(n)) for n in ARGS_EXAMPLES}
+    assert {repr(model_args(n)) for n in list_models(task="image")} == {repr(model_args(n)) for n in ARGS_EXAMPLES}
 
 
 @pytest.mark.parametrize("name", ARGS_EXAMPLES)
@@ -369,19 +369,19 @@ def test_model_args_are_the_defaults_create_model_uses(name):
 def test_every_registered_name_is_a_literal_entry_point_and_table_entry():
     """A search for a model's name lands on its definition: one ``model_cfgs`` entry in exactly one family
     and a module-level entry point ``def <name>(`` that builds that entry."""
-    for name in list_models():
+    for name in list_models(task="image"):
         owners = [f for f in FAMILIES if name in f.model_cfgs]
         assert len(owners) == 1, (name, owners)
         fn = getattr(owners[0], name)
         source = inspect.getsource(fn)
         assert f"def {name}(" in source and f'"{name}"' in source, source
-    assert sorted(n for f in FAMILIES for n in f.model_cfgs) == list_models()
+    assert sorted(n for f in FAMILIES for n in f.model_cfgs) == list_models(task="image")
 
 
 def test_recipe_keys_are_train_config_fields_with_valid_values():
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     pending = {"nesterov", "lr_decay_rate", "lr_decay_epochs"} - fields  # TrainConfig fields being added
-    for name in list_models():
+    for name in list_models(task="image"):
         recipe = {k: v for k, v in model_info(name).recipe.items() if k not in pending}
         if pending and recipe.get("schedule") == "step":
             recipe.pop("schedule")
@@ -407,7 +407,7 @@ def test_paper_recipes():
 
 
 # ResNet-RS and LambdaResNets: the 350-epoch recipes of Tables 19-20 (lambda_resnet26 is not in the paper)
-TABLE20_MODELS = [n for n in list_models() if n.startswith(("resnet_rs", "lambda_resnet")) and n != "lambda_resnet26"
+TABLE20_MODELS = [n for n in list_models(task="image") if n.startswith(("resnet_rs", "lambda_resnet")) and n != "lambda_resnet26"
                   and n not in byoa.model_cfgs]
 
 

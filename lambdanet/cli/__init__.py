@@ -1,5 +1,5 @@
 """Command-line interface: a thin layer over library functions, one module per group of commands
-(``info``, ``training``, ``deploy``, ``detect``, ``bench``), each adding its commands with ``register``.
+(``info``, ``training``, ``lm``, ``deploy``, ``detect``, ``bench``), each adding its commands with ``register``.
 
 ``lambdanet <command> --help`` documents each command.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lambdanet.cli import bench, deploy, detect, info, training
+from lambdanet.cli import bench, deploy, detect, info, lm, training
 
 __all__ = ["main", "build_parser"]
 
@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"lambdanet {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="command")
     parser.commands = sub.choices  # name -> subparser, for errors in a command's own usage
-    for module in (info, training, deploy, detect, bench):  # the order of 'lambdanet --help'
+    for module in (info, training, lm, deploy, detect, bench):  # the order of 'lambdanet --help'
         module.register(sub)
     return parser
 

@@ -169,7 +169,7 @@ def resolve_backbone(backbone: str, backbone_kwargs: Mapping) -> tuple[str, dict
     if backbone in BACKBONE_PRESETS:
         preset = BACKBONE_PRESETS[backbone]
         return preset.model, {**preset.kwargs, **backbone_kwargs}
-    if backbone not in list_models():
+    if backbone not in list_models(task="image"):
         raise ValueError(f"backbone must be a registered model or one of BACKBONE_PRESETS "
                          f"{sorted(BACKBONE_PRESETS)}, got {backbone!r}")
     return backbone, dict(backbone_kwargs)

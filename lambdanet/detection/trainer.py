@@ -230,7 +230,7 @@ def _known_backbone(backbone: str) -> bool:
     from lambdanet.detection.model import BACKBONE_PRESETS
     from lambdanet.models import list_models
 
-    return backbone in BACKBONE_PRESETS or backbone in list_models()
+    return backbone in BACKBONE_PRESETS or backbone in list_models(task="image")
 
 
 def pretrain_mismatch(cfg: DetectConfig) -> str | None:

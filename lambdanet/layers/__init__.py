@@ -5,6 +5,8 @@
 """
 
 from lambdanet.layers.axial_attention import AxialAttention
+from lambdanet.layers.causal_attention import CausalSelfAttention
+from lambdanet.layers.causal_lambda import CausalLambdaLayer
 from lambdanet.layers.conv import ConvLayer, ConvSE
 from lambdanet.layers.eca import EfficientChannelAttention
 from lambdanet.layers.lambda_layer import ImplPolicy, LambdaLayer, LambdaPlan, impl_policy, set_impl_policy
@@ -21,5 +23,6 @@ __all__ = [
     "AbsolutePositionEmbedding", "ConvLayer", "ConvSE", "SqueezeExcite", "EfficientChannelAttention",
     "EfficientAttention", "DoubleAttention", "RelativeSelfAttention", "AttentionAugmentedConv", "AxialAttention",
     "BlockedLocalAttention", "HaloAttention", "LocalSelfAttention", "create_spatial_layer", "list_spatial_layers",
-    "spatial_layer_info", "attend", "auto_attention_impl", "use_attention_impl",
+    "spatial_layer_info", "attend", "auto_attention_impl", "use_attention_impl", "CausalLambdaLayer",
+    "CausalSelfAttention",
 ]

@@ -56,6 +56,8 @@ class ModelInfo:
         small: fast enough to build and train at its full width in CPU tests.
         recipe_source: where in the papers ``recipe`` comes from.
         pretrained: the published weights and their preprocessing (``None``: none; see :attr:`preprocessing`).
+        task: ``"image"`` (classifiers and backbones: ``num_classes``, ``in_chans``, images in) or ``"lm"``
+            (language models: ``vocab_size``, tokens in; :mod:`lambdanet.models.lm`).
     """
 
     name: str
@@ -65,6 +67,7 @@ class ModelInfo:
     small: bool = False
     recipe_source: str = ""
     pretrained: PretrainedCfg | None = None
+    task: str = "image"
 
     @property
     def preprocessing(self) -> PretrainedCfg:
@@ -102,7 +105,7 @@ def register_model(fn: Callable[..., nn.Module] | None = None, *, info: ModelInf
             bad = sorted(set(args) & set(_BUILD_ARGS))
             if bad:
                 raise ValueError(f"args of model {name!r} must not contain {bad}: every model takes them")
-            f.__signature__ = _signature(declared)
+            f.__signature__ = _signature(declared, image=info is None or info.task == "image")
         if declared is not None:
             _ARGS[name] = declared
         _MODELS[name], _INFO[name] = f, info if info is not None else ModelInfo(name)
@@ -111,9 +114,10 @@ def register_model(fn: Callable[..., nn.Module] | None = None, *, info: ModelInf
     return deco(fn) if fn is not None else deco
 
 
-def _signature(args: Mapping[str, object]) -> inspect.Signature:
+def _signature(args: Mapping[str, object], image: bool = True) -> inspect.Signature:
     kw = inspect.Parameter.KEYWORD_ONLY
     params = [inspect.Parameter("num_classes", kw, default=1000), inspect.Parameter("in_chans", kw, default=3)]
+    params = params if image else []
     return inspect.Signature(params + [inspect.Parameter(k, kw, default=v) for k, v in args.items()])
 
 
@@ -133,9 +137,11 @@ def unregister_model(name: str) -> None:
     _ARGS.pop(name, None)
 
 
-def list_models(pattern: str | None = None) -> list[str]:
-    """Registered model names, sorted; ``pattern`` is a shell-style wildcard (``"lambda_resnet*"``)."""
-    return [n for n in sorted(_MODELS) if fnmatch.fnmatch(n, pattern)] if pattern else sorted(_MODELS)
+def list_models(pattern: str | None = None, *, task: str | None = None) -> list[str]:
+    """Registered model names, sorted; ``pattern`` is a shell-style wildcard (``"lambda_resnet*"``), ``task``
+    keeps one kind (``"image"`` or ``"lm"``, :attr:`ModelInfo.task`)."""
+    return [n for n in sorted(_MODELS) if (not pattern or fnmatch.fnmatch(n, pattern))
+            and (task is None or _INFO[n].task == task)]
 
 
 def model_info(name: str) -> ModelInfo:

@@ -17,12 +17,14 @@ __all__ = ["model_summary", "summarize_models", "paper_comparison", "markdown_ta
 
 
 def model_summary(name: str, img_size: int | None = None, *, flops: bool = True, **kwargs) -> dict:
-    """``{"model", "params", "flops", "input_size"}`` of ``create_model(name, **kwargs)``."""
-    size = img_size or model_info(name).input_size
+    """``{"model", "params", "flops", "input_size"}`` of ``create_model(name, **kwargs)`` (a language model:
+    parameters only, ``flops`` and ``input_size`` ``None``)."""
+    lm = model_info(name).task == "lm"
+    size = None if lm else img_size or model_info(name).input_size
     with torch.device("meta"):
         model = create_model(name, **kwargs).eval()
-        params, x = sum(p.numel() for p in model.parameters()), torch.empty(1, 3, size, size)
-        total = count_flops(lambda: model(x)) if flops else None
+        params = sum(p.numel() for p in model.parameters())
+        total = count_flops(lambda: model(torch.empty(1, 3, size, size))) if flops and not lm else None
     return {"model": name, "params": params, "flops": total, "input_size": size}
 
 

@@ -1,0 +1,89 @@
+"""Causal multi-head self-attention for sequences, the transformer baseline of the lambda language models.
+
+On ``x [b, n, d]``: ``q, k, v = x Wqkv`` (``heads`` heads of depth ``d / heads``), rotary position embeddings
+(RoFormer, Su et al. 2021) on ``q`` and ``k`` unless the model adds learnt positions, causal
+``scaled_dot_product_attention``, ``Wo``. Generation keeps the keys and values of every earlier position
+(the KV cache): its state, and each step's cost, grow linearly with the context.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lambdanet.helpers import check_positive_int
+
+__all__ = ["CausalSelfAttention", "rotary"]
+
+
+def rotary(x: Tensor, start: int | Tensor = 0, base: float = 10000.0) -> Tensor:
+    """Rotary position embedding of ``x [b, h, n, dh]`` (``dh`` even) for positions ``start .. start + n - 1``:
+    channel pairs ``(i, i + dh/2)`` rotated by ``pos * base^(-2i/dh)``, computed in float32 or wider."""
+    n, dh = x.shape[2], x.shape[3]
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    freq = base ** (-torch.arange(0, dh // 2, dtype=dtype, device=x.device) * 2 / dh)  # dh/2
+    pos = torch.arange(n, dtype=dtype, device=x.device) + start  # n
+    angle = pos[:, None] * freq  # n dh/2
+    cos, sin = angle.cos(), angle.sin()  # n dh/2
+    x1, x2 = x.to(dtype).chunk(2, dim=-1)  # b h n dh/2
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)  # b h n dh
+
+
+class CausalSelfAttention(nn.Module):
+    """Causal multi-head self-attention on ``[b, n, dim]`` with a KV cache for generation.
+
+    Args:
+        dim: model width (input and output).
+        heads: attention heads; must divide ``dim`` (head depth ``dim / heads``, even with ``rotary``).
+        rotary: rotate queries and keys by their positions (no learnt positions needed).
+    """
+
+    def __init__(self, dim: int, heads: int = 4, rotary: bool = True):
+        super().__init__()
+        check_positive_int(dim, "dim")
+        check_positive_int(heads, "heads")
+        if dim % heads or (rotary and (dim // heads) % 2):
+            raise ValueError(f"heads={heads} must divide dim={dim} into an even head depth (rotary needs pairs)")
+        self.dim, self.heads, self.rotary = dim, heads, rotary
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+
+    def init_state(self, batch_size: int, dtype: torch.dtype | None = None, device=None) -> dict[str, Tensor]:
+        """The empty KV cache: ``k`` and ``v`` of shape ``[b, heads, 0, dim / heads]``."""
+        p = self.qkv.weight
+        empty = torch.zeros(batch_size, self.heads, 0, self.dim // self.heads, dtype=dtype or p.dtype,
+                            device=device or p.device)
+        return {"k": empty, "v": empty.clone()}
+
+    def _heads(self, x: Tensor, start: int) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)  # 3 b h n dh
+        if self.rotary:
+            q, k = rotary(q, start), rotary(k, start)
+        return q, k, v
+
+    def forward(self, x: Tensor, state: dict[str, Tensor] | None = None, return_state: bool = False):
+        """``x [b, n, dim]`` -> ``[b, n, dim]``; with ``state`` (a KV cache) ``x`` continues its context,
+        and ``return_state`` also returns the cache extended by ``x``'s keys and values."""
+        if x.dim() != 3 or x.shape[-1] != self.dim:
+            raise ValueError(f"x must be [batch, length, dim={self.dim}], got shape {tuple(x.shape)}")
+        start = 0 if state is None else state["k"].shape[2]
+        q, k, v = self._heads(x, start)  # b h n dh
+        if state is not None:
+            k, v = torch.cat([state["k"], k], dim=2), torch.cat([state["v"], v], dim=2)  # b h (t + n) dh
+        if start == 0:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # b h n dh
+        else:  # query i sees the cache and the new positions up to its own
+            n, t = q.shape[2], k.shape[2]
+            mask = torch.ones(n, t, dtype=torch.bool, device=x.device).tril(t - n)  # n t
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # b h n dh
+        out = self.proj(y.transpose(1, 2).flatten(2))  # b n d
+        return (out, {"k": k, "v": v}) if return_state else out
+
+    def step(self, x: Tensor, state: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        """One position: ``x [b, dim]`` -> ``([b, dim], the cache one position longer)``."""
+        out, state = self.forward(x.unsqueeze(1), state, return_state=True)
+        return out[:, 0], state
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, heads={self.heads}, rotary={self.rotary}"

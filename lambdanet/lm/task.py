@@ -1,0 +1,286 @@
+"""Language modelling as a task of the engine: ``train_lm(cfg)`` (``lambdanet lm train``) and ``sample``
+(``lambdanet lm sample``).
+
+Training draws ``batch_size`` random windows of ``context + 1`` bytes from the training split each step (the
+windows of an epoch follow from the seed and the epoch, so a resumed run draws the same ones), minimises the
+next-byte cross-entropy, and after every epoch evaluates bits per byte on the first ``eval_bytes`` of the
+validation split (consecutive windows of ``context`` bytes); the end of the run evaluates the whole split,
+which ``summary.json`` reports as ``val_bits_per_byte``. Everything else (recipes, YAML, AMP, checkpoints and
+``--resume``, torchrun, progress, CSV / TensorBoard, plots) is the engine's."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lambdanet.engine.checkpoint import CheckpointError, export_safetensors, load_checkpoint, unwrap
+from lambdanet.engine.config import RunConfig, option
+from lambdanet.engine.distributed import all_reduce_sum
+from lambdanet.engine.logger import plot_history, read_history, write_json
+from lambdanet.engine.optim import build_optimizer, lr_at
+from lambdanet.engine.state import RunState
+from lambdanet.engine.task import Task, run
+from lambdanet.files import METADATA_FORMAT, read_safetensors, run_metadata
+from lambdanet.lm.corpus import DATA_HELP, load_corpus
+from lambdanet.models import create_model, list_models
+from lambdanet.runtime import AMP_DTYPES, autocast_context
+
+__all__ = ["LMConfig", "LanguageModelTask", "train_lm", "evaluate_bits_per_byte", "load_lm", "sample",
+           "LM_PANELS"]
+
+LM_PANELS = (("loss.png", ("train_bits_per_byte", "val_bits_per_byte"), "bits per byte"),
+             ("lr.png", ("lr",), "learning rate"))
+
+
+@dataclass
+class LMConfig(RunConfig):
+    """Every option of ``lambdanet lm train`` (each is also a ``--flag`` and a YAML key; ``null`` = unset).
+
+    Recipes: ``quick`` (the default: ``lambda_lm_tiny`` at context 256, about 10 minutes on 2 CPU cores) and
+    ``long`` (``lambda_lm_small``, context 512, 10x the steps: aims below gzip -9 on the standard library)."""
+
+    RECIPES = {
+        "quick": {},
+        "long": {"model": "lambda_lm_small", "context": 512, "epochs": 30, "steps_per_epoch": 500, "batch_size": 32,
+                 "lr": 1e-3, "warmup_steps": 500},
+    }
+
+    model: str = option("lambda_lm_tiny", "registered language model (lambdanet models '*_lm_*' lists them)")
+    model_kwargs: dict = option({}, "architecture options of the model, 'key=value,...' or a YAML mapping")
+    data: str = option("stdlib", DATA_HELP)
+    vocab_size: int = option(256, "vocabulary of the model (256: bytes); the corpus's bytes must be below it")
+    context: int = option(256, "training sequence length in bytes")
+    recipe: str = option("quick", "named recipe whose values the other options override")
+    epochs: int = option(8, "training epochs (with --resume: more epochs extend the finished schedule)")
+    steps_per_epoch: int = option(150, "optimiser steps per epoch")
+    batch_size: int = option(16, "global batch of sequences per step (split across torchrun processes)")
+    optimizer: str = option("adamw", "optimizer", choices=("sgd", "adam", "adamw", "rmsprop"))
+    lr: float = option(3e-3, "peak learning rate (scaled by batch_size / lr_batch_scale when that is set)")
+    lr_batch_scale: int | None = option(None, "linear scaling rule: lr * batch_size / this")
+    betas: list = option([0.9, 0.95], "Adam/AdamW betas")
+    weight_decay: float = option(0.1, "weight decay (not on norms, biases and other 1-d parameters)")
+    warmup_steps: int = option(100, "linear learning-rate warm-up, in steps")
+    min_lr: float = option(3e-4, "final learning rate of the cosine schedule")
+    grad_clip: float | None = option(1.0, "clip the gradient norm to this (null: no clipping)")
+    amp: str = option("none", "autocast precision (fp16 needs CUDA)", choices=tuple(AMP_DTYPES))
+    compile: bool = option(False, "torch.compile the model")
+    device: str = option("auto", "device (auto: CUDA when available)", choices=("auto", "cpu", "cuda"),
+                         resume_free=True)
+    seed: int = option(0, "seed of initialisation and of the training windows")
+    eval_bytes: int | None = option(131072, "bytes of the validation split evaluated after each epoch (null: all; "
+                                            "the end of the run evaluates all)")
+    eval_batch_size: int = option(16, "sequences per evaluation batch")
+    out: str = option("runs/lm", "run directory (config, metrics, checkpoints, weights, plots, summary)",
+                      resume_free=True)
+    checkpoint_every: int = option(1, "write last.pt every this many epochs (and at the end)", resume_free=True)
+    resume: bool = option(False, "continue the run in --out where it stopped", resume_free=True)
+    tensorboard: bool = option(True, "write TensorBoard event files beside metrics.csv", resume_free=True)
+    progress: bool = option(True, "progress bar on stderr", resume_free=True)
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("vocab_size", "context", "epochs", "steps_per_epoch", "batch_size", "eval_batch_size",
+                     "checkpoint_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.model not in list_models("*_lm_*"):
+            raise ValueError(f"model must be a language model, one of {list_models('*_lm_*')}, got {self.model!r}")
+        if not self.lr > 0 or not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"lr must be > 0 and min_lr in [0, lr], got lr={self.lr}, min_lr={self.min_lr}")
+        if self.eval_bytes is not None and self.eval_bytes < 2:
+            raise ValueError(f"eval_bytes must be >= 2 or null (all), got {self.eval_bytes!r}")
+
+
+def _windows(data: Tensor, starts: Tensor, length: int) -> Tensor:
+    return data[starts[:, None] + torch.arange(length)].long()  # b length
+
+
+@torch.no_grad()
+def evaluate_bits_per_byte(model: nn.Module, data: Tensor, context: int, *, batch_size: int = 16,
+                           device: torch.device | str = "cpu", amp: str = "none", ctx=None) -> dict:
+    """Bits per byte of ``model`` on ``data`` (1-d bytes) cut into consecutive windows of ``context`` predicted
+    bytes (each window also reads the byte before it); with ``ctx`` the windows are shared among the ranks
+    and the sums reduced. Returns ``{"bits_per_byte", "loss" (nats per byte), "bytes"}``."""
+    device = torch.device(device)
+    model.eval()
+    n = data.numel() - 1  # predicted bytes
+    starts = torch.arange(0, max(n, 0), context)
+    if ctx is not None and ctx.enabled:
+        starts = starts[ctx.rank::ctx.world]
+    total, count = 0.0, 0
+    for i in range(0, starts.numel(), batch_size):
+        s = starts[i:i + batch_size]
+        full = s[s + context <= n]  # whole windows in one batch, a short last window alone
+        for group in (full, s[s + context > n]):
+            if group.numel():
+                length = min(context, n - int(group[0]))
+                seq = _windows(data, group, length + 1).to(device)  # b (length + 1)
+                with autocast_context(device, amp):
+                    logits = model(seq[:, :-1])  # b length vocab
+                total += float(F.cross_entropy(logits.float().flatten(0, 1), seq[:, 1:].flatten(), reduction="sum"))
+                count += seq[:, 1:].numel()
+    if ctx is not None:
+        total, count = all_reduce_sum([total, count], ctx)
+    loss = total / max(count, 1)
+    return {"bits_per_byte": loss / math.log(2), "loss": loss, "bytes": int(count)}
+
+
+class LanguageModelTask(Task):
+    """Next-byte prediction (:class:`LMConfig`; see the module docstring)."""
+
+    diverged_hint = "Lower --lr, raise --warmup-steps or keep --grad-clip."
+
+    def build_state(self) -> RunState:
+        cfg, ctx = self.cfg, self.ctx
+        if cfg.batch_size % ctx.world:
+            raise ValueError(f"batch_size={cfg.batch_size} must be a multiple of the {ctx.world} processes")
+        self.corpus = corpus = load_corpus(cfg.data)
+        if corpus.max_byte >= cfg.vocab_size:
+            raise ValueError(f"data {cfg.data} has byte values up to {corpus.max_byte} but vocab_size is "
+                             f"{cfg.vocab_size}; use --vocab-size 256")
+        if corpus.train.numel() <= cfg.context + 1:
+            raise ValueError(f"data {cfg.data} has {corpus.train.numel()} training bytes, fewer than context + 2 = "
+                             f"{cfg.context + 2}; lower --context")
+        model = create_model(cfg.model, vocab_size=cfg.vocab_size, **cfg.model_kwargs).to(ctx.device)
+        if model.max_len is not None and cfg.context > model.max_len:
+            raise ValueError(f"context={cfg.context} is longer than the model's max_len={model.max_len}")
+        self.steps_per_epoch = cfg.steps_per_epoch
+        total = cfg.epochs * cfg.steps_per_epoch
+        peak, floor = cfg.effective_lr(), cfg.min_lr / cfg.lr
+        self.lr = lambda step: peak * lr_at(step, total, cfg.warmup_steps, min_factor=floor)
+        return RunState(model, build_optimizer(model, cfg),
+                        scaler=torch.amp.GradScaler("cuda") if cfg.amp == "fp16" else None)
+
+    def save(self, state: RunState) -> None:
+        state.save(self.checkpoint_path, self.cfg)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return torch.compile(model) if self.cfg.compile else model
+
+    def batches(self, state: RunState):
+        """The epoch's windows from the first step not yet trained; this rank's share of each global batch."""
+        cfg, ctx = self.cfg, self.ctx
+        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + state.epoch)
+        high = self.corpus.train.numel() - cfg.context - 1
+        starts = torch.randint(0, high + 1, (cfg.steps_per_epoch, cfg.batch_size), generator=g)
+        done = int((state.epoch_partial or {}).get("batches", 0))
+        for row in starts[done:]:
+            yield _windows(self.corpus.train, row[ctx.rank::ctx.world], cfg.context + 1)
+
+    def step_loss(self, model: nn.Module, batch: Tensor) -> tuple[Tensor, dict]:
+        batch = batch.to(self.ctx.device, non_blocking=True)
+        logits = model(batch[:, :-1])  # b n vocab
+        loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+        n = batch[:, 1:].numel()
+        return loss, {"loss": float(loss.detach()) * n, "bytes": n}
+
+    def _evaluate(self, model: nn.Module, limit: int | None) -> dict:
+        val = self.corpus.val if limit is None else self.corpus.val[:limit]
+        return evaluate_bits_per_byte(unwrap(model), val, self.cfg.context, batch_size=self.cfg.eval_batch_size,
+                                      device=self.ctx.device, amp=self.cfg.amp, ctx=self.ctx)
+
+    def epoch_row(self, state: RunState, model: nn.Module, result: dict) -> dict:
+        sums = result["sums"]
+        seen = max(sums.get("bytes", 0), 1)
+        state.samples_seen += int(sums.get("bytes", 0))
+        res = self._evaluate(model, self.cfg.eval_bytes)
+        row = {"lr": state.optimizer.param_groups[0]["lr"], "train_loss": sums.get("loss", 0.0) / seen,
+               "train_bits_per_byte": sums.get("loss", 0.0) / seen / math.log(2),
+               "val_bits_per_byte": res["bits_per_byte"], "bytes_per_s": seen / max(result["seconds"], 1e-9)}
+        if row["val_bits_per_byte"] < state.best.get("val_bits_per_byte", math.inf):
+            state.best = {"score": -row["val_bits_per_byte"], "val_bits_per_byte": row["val_bits_per_byte"],
+                          "epoch": state.epoch}
+        return row
+
+    def epoch_line(self, row: dict) -> str:
+        return (f"epoch {row['epoch']}/{self.cfg.epochs}: train {row['train_bits_per_byte']:.3f} bits/byte, val "
+                f"{row['val_bits_per_byte']:.3f} bits/byte, {row['bytes_per_s']:.0f} bytes/s")
+
+    def describe(self, state: RunState) -> str:
+        cfg, c = self.cfg, self.corpus
+        self.params = sum(p.numel() for p in state.model.parameters())
+        return (f"{cfg.model} ({self.params / 1e6:.2f}M params, {cfg.model_kwargs}) on {cfg.data}: "
+                f"{c.train.numel() / 1e6:.2f} MB train / {c.val.numel() / 1e6:.2f} MB validation ({c.files[0]} / "
+                f"{c.files[1]} files), context {cfg.context}, recipe {cfg.recipe}, {cfg.epochs} x "
+                f"{cfg.steps_per_epoch} steps of {cfg.batch_size} sequences x {self.ctx.world} process(es)")
+
+    def finish(self, state: RunState, row: dict, stopped: bool) -> dict:
+        """The whole validation split evaluated; on the main process the weights, plots and ``summary.json``."""
+        cfg = self.cfg
+        res = self._evaluate(state.model, None)
+        history = read_history(self.out / "metrics.csv") if self.ctx.is_main else []
+        summary = {"model": cfg.model, "model_kwargs": dict(cfg.model_kwargs), "vocab_size": cfg.vocab_size,
+                   "data": cfg.data, "context": cfg.context, "recipe": cfg.recipe, "params": self.params,
+                   "epochs": state.epoch, "steps": state.step, "val_bits_per_byte": res["bits_per_byte"],
+                   "val_loss": res["loss"], "val_bytes": res["bytes"], "best_epoch_val_bits_per_byte":
+                   state.best.get("val_bits_per_byte"), "train_bytes_seen": state.samples_seen,
+                   "train_time_s": state.train_time_s,
+                   "bytes_per_s": state.samples_seen / max(state.train_time_s, 1e-9), "processes": self.ctx.world}
+        if self.ctx.is_main:
+            meta = {"model": cfg.model, "model_kwargs": dict(cfg.model_kwargs), "vocab_size": cfg.vocab_size,
+                    "data": cfg.data, "context": cfg.context}
+            export_safetensors(state.model, self.out / "model.safetensors",
+                               {"format": METADATA_FORMAT, **{k: json.dumps(v) for k, v in meta.items()}})
+            summary["plots"] = [p.name for p in plot_history(history, self.out, LM_PANELS)]
+            write_json(summary, self.out / "summary.json")
+        self.log(f"done: validation {res['bits_per_byte']:.3f} bits per byte on {res['bytes']} bytes, "
+                 f"{state.train_time_s:.1f}s training, {summary['bytes_per_s']:.0f} bytes/s -> {self.out}")
+        return summary
+
+
+def train_lm(cfg: LMConfig, log: Callable[[str], None] = print) -> dict:
+    """Train a language model on the resolved configuration ``cfg`` (:meth:`LMConfig.resolve`) with the engine;
+    returns the summary (also ``<out>/summary.json``)."""
+    return run(LanguageModelTask, cfg, log)
+
+
+def load_lm(path: str | Path, device: torch.device | str = "cpu") -> nn.Module:
+    """A trained language model from a run directory (its ``model.safetensors``, else ``last.pt``) or either file,
+    in eval mode, with ``lm_cfg`` (model, model_kwargs, vocab_size, data, context)."""
+    path = Path(path)
+    weights = path / "model.safetensors" if path.is_dir() else path
+    if path.is_dir() and not weights.is_file():
+        weights = path / "last.pt"
+    if not weights.is_file():
+        raise ValueError(f"checkpoint {path}: no model.safetensors or last.pt there")
+    if weights.suffix == ".safetensors":
+        meta = run_metadata(weights)
+        if not meta or "vocab_size" not in meta:
+            raise CheckpointError(f"{weights} is not a language model written by lambdanet lm train")
+        state = read_safetensors(weights)[0]
+    else:
+        ckpt = load_checkpoint(weights)
+        saved = ckpt.get("config") or {}
+        if "vocab_size" not in saved:
+            raise CheckpointError(f"{weights} is not a checkpoint of lambdanet lm train")
+        meta = {k: saved[k] for k in ("model", "model_kwargs", "vocab_size", "data", "context")}
+        state = ckpt["model"]
+    model = create_model(meta["model"], vocab_size=meta["vocab_size"], **meta["model_kwargs"])
+    model.load_state_dict(state)
+    model.lm_cfg = meta
+    return model.to(device).eval()
+
+
+def sample(path: str | Path, prompt: str | bytes, *, max_new_tokens: int = 256, temperature: float = 0.8,
+           top_k: int | None = None, seed: int = 0, device: torch.device | str = "cpu") -> bytes:
+    """Continue ``prompt`` (text is UTF-8 encoded) with the language model of a run: the prompt's bytes and the
+    ``max_new_tokens`` sampled after them."""
+    model = load_lm(path, device)
+    data = prompt.encode() if isinstance(prompt, str) else bytes(prompt)
+    if not data:
+        raise ValueError("prompt must hold at least one byte")
+    if max(data) >= model.vocab_size:
+        raise ValueError(f"the prompt has byte values up to {max(data)} but the model's vocab_size is "
+                         f"{model.vocab_size}")
+    tokens = torch.tensor([list(data)], dtype=torch.long, device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = model.generate(tokens, max_new_tokens, temperature=temperature, top_k=top_k, generator=g)
+    return bytes(out[0].tolist())

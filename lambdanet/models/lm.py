@@ -1,0 +1,323 @@
+"""Decoder-only language models: the causal lambda LM and its two same-size baselines.
+
+Every model is ``embedding -> depth x [norm -> mixer -> residual, norm -> MLP -> residual] -> norm -> logits``
+with the output layer tied to the embedding, a byte vocabulary (256) by default, and differs only in its
+token mixer:
+
+* ``lambda_lm_<size>``: :class:`~lambdanet.layers.CausalLambdaLayer` (content lambda over the whole prefix,
+  position lambdas over the last ``r`` tokens; no other position signal);
+* ``transformer_lm_<size>``: :class:`~lambdanet.layers.CausalSelfAttention` (rotary positions, or learnt ones
+  with ``positions="learned"`` and a ``max_len``);
+* ``linear_lm_<size>``: the lambda layer without position lambdas (``r = 0``): causal linear attention with
+  softmax-normalised keys, which shows what the position lambdas add.
+
+The lambda layer's value depth is chosen so that its parameters match multi-head attention's ``4 d^2``
+(:func:`matched_dim_v`): the three families of one size have the same width, depth and MLP, and parameter
+counts within 2%.
+
+Interface: ``model(tokens [b, n])`` -> logits ``[b, n, vocab]``; ``state = model.init_state(b)``,
+``logits, state = model.step(state, tokens [b])``; ``model.generate(tokens, max_new_tokens, temperature,
+top_k, generator)``. States are plain dicts of tensors: the lambda models' size is fixed, the transformer's
+KV cache grows with the context.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lambdanet.helpers import check_choice, check_positive_int
+from lambdanet.layers.causal_attention import CausalSelfAttention
+from lambdanet.layers.causal_lambda import CausalLambdaLayer
+from lambdanet.models.registry import ModelInfo, register_model
+
+__all__ = ["LanguageModel", "LMSize", "LM_SIZES", "MIXERS", "matched_dim_v", "sample_next"]
+
+MIXERS = ("lambda", "transformer", "linear")
+POSITIONS = ("rotary", "learned")
+
+
+@dataclass(frozen=True)
+class LMSize:
+    """One size of the language-model families (shared by the three mixers).
+
+    Attributes:
+        dim: model width ``d``.
+        depth: blocks.
+        heads: query heads (the transformer's attention heads, the lambda layer's ``|h|``).
+        dim_k: the lambda layer's query/key depth ``|k|``.
+        r: the lambda layer's causal local scope.
+        mlp_ratio: MLP hidden width / ``d``.
+    """
+
+    dim: int
+    depth: int
+    heads: int
+    dim_k: int = 16
+    r: int = 64
+    mlp_ratio: float = 4.0
+
+
+LM_SIZES = {
+    "nano": LMSize(dim=64, depth=2, heads=2, r=16),  # for tests
+    "tiny": LMSize(dim=128, depth=4, heads=4),
+    "small": LMSize(dim=256, depth=6, heads=4),
+    "base": LMSize(dim=512, depth=8, heads=8),
+}
+
+
+def matched_dim_v(dim: int, heads: int, dim_k: int) -> int:
+    """The lambda layer's value depth ``|v|`` (a multiple of 8) whose parameters ``d (h k + k + v + h v)``
+    come closest to multi-head attention's ``4 d^2``."""
+    return max(8, round((4 * dim - (heads + 1) * dim_k) / (heads + 1) / 8) * 8)
+
+
+class _Block(nn.Module):
+    def __init__(self, mixer: nn.Module, dim: int, mlp_ratio: float, dropout: float):
+        super().__init__()
+        hidden = int(dim * mlp_ratio)
+        self.norm1, self.mixer, self.norm2 = nn.LayerNorm(dim), mixer, nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, state: dict | None) -> tuple[Tensor, dict]:
+        y, state = self.mixer(self.norm1(x), state, return_state=True)  # b n d
+        x = x + self.drop(y)
+        return x + self.drop(self.mlp(self.norm2(x))), state  # b n d
+
+
+class LanguageModel(nn.Module):
+    """A decoder-only language model (see the module docstring).
+
+    Args:
+        mixer: ``"lambda"``, ``"transformer"`` or ``"linear"``.
+        dim, depth, heads, dim_k, r, mlp_ratio: as :class:`LMSize`.
+        vocab_size: tokens (256: bytes).
+        dim_v: the lambda layer's value depth (default :func:`matched_dim_v`); ignored by the transformer.
+        dim_u: the lambda layer's intra-depth ``|u|``.
+        chunk: the lambda layer's chunk length in training.
+        positions: the transformer's position signal, ``"rotary"`` or ``"learned"`` (needs ``max_len``).
+        max_len: the longest sequence a model with learnt positions takes (``None``: unlimited otherwise).
+        dropout: dropout on the residual branches.
+    """
+
+    def __init__(self, mixer: str, dim: int, depth: int, heads: int, *, vocab_size: int = 256, dim_k: int = 16,
+                 r: int = 64, mlp_ratio: float = 4.0, dim_v: int | None = None, dim_u: int = 1,
+                 chunk: int = 64, positions: str = "rotary", max_len: int | None = None, dropout: float = 0.0):
+        super().__init__()
+        check_choice(mixer, "mixer", MIXERS)
+        check_choice(positions, "positions", POSITIONS)
+        for value, name in ((vocab_size, "vocab_size"), (dim, "dim"), (depth, "depth"), (heads, "heads")):
+            check_positive_int(value, name)
+        learned = mixer == "transformer" and positions == "learned"
+        if learned and max_len is None:
+            raise ValueError("positions='learned' needs max_len (the longest sequence the model takes)")
+        if max_len is not None:
+            check_positive_int(max_len, "max_len")
+        self.mixer, self.vocab_size, self.dim = mixer, vocab_size, dim
+        self.max_len = max_len if learned else None
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.pos_embed = nn.Parameter(torch.zeros(max_len, dim)) if learned else None
+        if mixer != "transformer":
+            dim_v = matched_dim_v(dim, heads, dim_k) if dim_v is None else dim_v
+        mixers = [CausalSelfAttention(dim, heads, rotary=not learned) if mixer == "transformer" else
+                  CausalLambdaLayer(dim, heads, dim_k, dim_v, dim_u, r if mixer == "lambda" else 0, chunk)
+                  for _ in range(depth)]
+        self.blocks = nn.ModuleList(_Block(m, dim, mlp_ratio, dropout) for m in mixers)
+        self.norm = nn.LayerNorm(dim)
+        self._init_weights(depth)
+
+    def _init_weights(self, depth: int) -> None:
+        """GPT-2's: linear and embedding weights ``N(0, 0.02)``, biases 0, the residual branches' last layers
+        ``N(0, 0.02 / sqrt(2 depth))``; the lambda layers' position embeddings keep their own."""
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+        for block in self.blocks:
+            for last in (block.mixer.proj, block.mlp[2]):
+                nn.init.normal_(last.weight, std=0.02 / math.sqrt(2 * depth))
+        if self.pos_embed is not None:
+            nn.init.normal_(self.pos_embed, std=0.02)
+
+    def _check_tokens(self, tokens: Tensor, start: int = 0) -> None:
+        if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.dtype not in (torch.long, torch.int):
+            got = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
+            raise ValueError(f"tokens must be an integer tensor [batch, length], got {got}")
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size):
+            raise ValueError(f"tokens must lie in [0, vocab_size={self.vocab_size}), got values from "
+                             f"{int(tokens.min())} to {int(tokens.max())}")
+        if self.max_len is not None and start + tokens.shape[1] > self.max_len:
+            raise ValueError(f"the sequence is {start + tokens.shape[1]} tokens long but the model takes at most "
+                             f"max_len={self.max_len} (learnt positions)")
+
+    def init_state(self, batch_size: int) -> dict:
+        """The empty context: ``{"position": 0-d long tensor, "layers": [one state per block]}``."""
+        check_positive_int(batch_size, "batch_size")
+        device = self.embed.weight.device
+        return {"position": torch.zeros((), dtype=torch.long, device=device),
+                "layers": [b.mixer.init_state(batch_size) for b in self.blocks]}
+
+    def forward(self, tokens: Tensor, state: dict | None = None, return_state: bool = False):
+        """``tokens [b, n]`` -> logits ``[b, n, vocab_size]``; with ``state`` the tokens continue that context,
+        and ``return_state`` also returns the state after them."""
+        start = 0 if state is None else int(state["position"])
+        self._check_tokens(tokens, start)
+        x = self.embed(tokens)  # b n d
+        if self.pos_embed is not None:
+            x = x + self.pos_embed[start:start + tokens.shape[1]]  # b n d
+        layers = [None] * len(self.blocks) if state is None else state["layers"]
+        new = []
+        for block, s in zip(self.blocks, layers):
+            x, s = block(x, s)  # b n d
+            new.append(s)
+        logits = self.norm(x) @ self.embed.weight.t()  # b n vocab
+        if not return_state:
+            return logits
+        position = torch.tensor(start + tokens.shape[1], dtype=torch.long, device=tokens.device)
+        return logits, {"position": position, "layers": new}
+
+    def step(self, state: dict, tokens: Tensor) -> tuple[Tensor, dict]:
+        """One position: ``tokens [b]`` (or ``[b, 1]``) after the context ``state`` -> (logits ``[b, vocab]``,
+        the state one position further)."""
+        tokens = tokens.reshape(-1, 1) if tokens.dim() == 1 else tokens
+        if tokens.dim() != 2 or tokens.shape[1] != 1:
+            raise ValueError(f"step takes one token per sequence, [batch] or [batch, 1], got {tuple(tokens.shape)}")
+        position = int(state["position"])
+        self._check_tokens(tokens, position)
+        x = self.embed(tokens[:, 0])  # b d
+        if self.pos_embed is not None:
+            x = x + self.pos_embed[position]  # b d
+        new = []
+        for block, s in zip(self.blocks, state["layers"]):
+            y, s = block.mixer.step(block.norm1(x), s)  # b d
+            x = x + y
+            x = x + block.mlp(block.norm2(x))  # b d
+            new.append(s)
+        logits = self.norm(x) @ self.embed.weight.t()  # b vocab
+        return logits, {"position": state["position"] + 1, "layers": new}
+
+    @torch.no_grad()
+    def generate(self, tokens: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 generator: torch.Generator | None = None) -> Tensor:
+        """Continue ``tokens [b, n]`` (``n >= 1``) by ``max_new_tokens`` sampled tokens: the prompt in one parallel
+        pass, then :meth:`step` per token. ``top_k=1`` is greedy; ``temperature`` divides the logits.
+
+        Returns:
+            ``[b, n + max_new_tokens]``, the prompt first.
+        """
+        self._check_tokens(tokens)
+        if tokens.shape[1] < 1:
+            raise ValueError("generate needs a prompt of at least one token per sequence")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+        self._check_tokens(tokens[:, :1], tokens.shape[1] + max_new_tokens - 1)
+        was_training = self.training
+        self.eval()
+        try:
+            logits, state = self(tokens, return_state=True)
+            logits, out = logits[:, -1], [tokens]
+            for i in range(max_new_tokens):
+                nxt = sample_next(logits, temperature, top_k, generator)  # b
+                out.append(nxt[:, None])
+                if i + 1 < max_new_tokens:
+                    logits, state = self.step(state, nxt)
+        finally:
+            self.train(was_training)
+        return torch.cat(out, dim=1)
+
+
+def sample_next(logits: Tensor, temperature: float = 1.0, top_k: int | None = None,
+                generator: torch.Generator | None = None) -> Tensor:
+    """Sample one token per row of ``logits [b, vocab]`` from ``softmax(logits / temperature)`` restricted to
+    the ``top_k`` most likely (``top_k=1``: the arg-max, deterministic)."""
+    if not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    if top_k is not None:
+        check_positive_int(top_k, "top_k")
+        if top_k == 1:
+            return logits.argmax(dim=-1)
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # b 1
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = F.softmax(logits.float() / temperature, dim=-1)  # b vocab
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def _lm(mixer: str, size: str, **kwargs) -> LanguageModel:
+    s = LM_SIZES[size]
+    return LanguageModel(mixer, s.dim, s.depth, s.heads, dim_k=s.dim_k, r=s.r, mlp_ratio=s.mlp_ratio, **kwargs)
+
+
+_PAPER = "LambdaNetworks App. B.2 (masked lambdas) on sequences; baselines of the same size"
+LAMBDA_ARGS = {"vocab_size": 256, "dim_v": None, "dim_u": 1, "chunk": 64, "dropout": 0.0}
+TRANSFORMER_ARGS = {"vocab_size": 256, "positions": "rotary", "max_len": None, "dropout": 0.0}
+
+
+def _info(name: str) -> ModelInfo:
+    return ModelInfo(name, input_size=0, paper=_PAPER, small=name.endswith("_nano"), task="lm")
+
+
+# one entry per name: <mixer>_lm_<size>, the size from LM_SIZES
+@register_model(info=_info("lambda_lm_nano"), args=LAMBDA_ARGS)
+def lambda_lm_nano(**kwargs) -> LanguageModel:
+    return _lm("lambda", "nano", **kwargs)
+
+
+@register_model(info=_info("lambda_lm_tiny"), args=LAMBDA_ARGS)
+def lambda_lm_tiny(**kwargs) -> LanguageModel:
+    return _lm("lambda", "tiny", **kwargs)
+
+
+@register_model(info=_info("lambda_lm_small"), args=LAMBDA_ARGS)
+def lambda_lm_small(**kwargs) -> LanguageModel:
+    return _lm("lambda", "small", **kwargs)
+
+
+@register_model(info=_info("lambda_lm_base"), args=LAMBDA_ARGS)
+def lambda_lm_base(**kwargs) -> LanguageModel:
+    return _lm("lambda", "base", **kwargs)
+
+
+@register_model(info=_info("linear_lm_nano"), args=LAMBDA_ARGS)
+def linear_lm_nano(**kwargs) -> LanguageModel:
+    return _lm("linear", "nano", **kwargs)
+
+
+@register_model(info=_info("linear_lm_tiny"), args=LAMBDA_ARGS)
+def linear_lm_tiny(**kwargs) -> LanguageModel:
+    return _lm("linear", "tiny", **kwargs)
+
+
+@register_model(info=_info("linear_lm_small"), args=LAMBDA_ARGS)
+def linear_lm_small(**kwargs) -> LanguageModel:
+    return _lm("linear", "small", **kwargs)
+
+
+@register_model(info=_info("linear_lm_base"), args=LAMBDA_ARGS)
+def linear_lm_base(**kwargs) -> LanguageModel:
+    return _lm("linear", "base", **kwargs)
+
+
+@register_model(info=_info("transformer_lm_nano"), args=TRANSFORMER_ARGS)
+def transformer_lm_nano(**kwargs) -> LanguageModel:
+    return _lm("transformer", "nano", **kwargs)
+
+
+@register_model(info=_info("transformer_lm_tiny"), args=TRANSFORMER_ARGS)
+def transformer_lm_tiny(**kwargs) -> LanguageModel:
+    return _lm("transformer", "tiny", **kwargs)
+
+
+@register_model(info=_info("transformer_lm_small"), args=TRANSFORMER_ARGS)
+def transformer_lm_small(**kwargs) -> LanguageModel:
+    return _lm("transformer", "small", **kwargs)
+
+
+@register_model(info=_info("transformer_lm_base"), args=TRANSFORMER_ARGS)
+def transformer_lm_base(**kwargs) -> LanguageModel:
+    return _lm("transformer", "base", **kwargs)
