@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["WeightsMismatchError", "METADATA_FORMAT", "RUN_FILES", "run_file", "read_safetensors", "read_state_dict",
-           "weights_metadata", "run_metadata", "is_run_weights"]
+           "weights_metadata", "encode_metadata", "run_metadata", "is_run_weights"]
 
 METADATA_FORMAT = "lambdanet.weights.v1"  # the header of the weights lambdanet train writes
 RUN_FILES = ("model_ema.safetensors", "model.safetensors", "last.pt")  # what a run directory holds, preferred first
@@ -82,8 +82,13 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
 def weights_metadata(*, model: str, model_kwargs: dict, num_classes: int, in_chans: int, classes: list | None,
                      data: str, image_size: int, mean, std) -> dict[str, str]:
     """The header of a run's safetensors weights (safetensors metadata holds strings: JSON values)."""
-    values = {"model": model, "model_kwargs": model_kwargs, "num_classes": num_classes, "in_chans": in_chans,
-              "classes": classes, "data": data, "image_size": image_size, "mean": list(mean), "std": list(std)}
+    return encode_metadata(model=model, model_kwargs=model_kwargs, num_classes=num_classes, in_chans=in_chans,
+                           classes=classes, data=data, image_size=image_size, mean=list(mean), std=list(std))
+
+
+def encode_metadata(**values) -> dict[str, str]:
+    """A run-weights header of any task: :data:`METADATA_FORMAT` and the ``values`` as JSON strings (safetensors
+    metadata holds strings); :func:`run_metadata` decodes it."""
     return {"format": METADATA_FORMAT, **{k: json.dumps(v) for k, v in values.items()}}
 
 

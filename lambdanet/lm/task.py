@@ -10,7 +10,6 @@ which ``summary.json`` reports as ``val_bits_per_byte``. Everything else (recipe
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from lambdanet.engine.logger import plot_history, read_history, write_json
 from lambdanet.engine.optim import build_optimizer, lr_at
 from lambdanet.engine.state import RunState
 from lambdanet.engine.task import Task, run
-from lambdanet.files import METADATA_FORMAT, read_safetensors, run_metadata
+from lambdanet.files import encode_metadata, read_safetensors, run_metadata
 from lambdanet.lm.corpus import DATA_HELP, load_corpus
 from lambdanet.models import create_model, list_models
 from lambdanet.runtime import AMP_DTYPES, autocast_context
@@ -159,12 +158,6 @@ class LanguageModelTask(Task):
         return RunState(model, build_optimizer(model, cfg),
                         scaler=torch.amp.GradScaler("cuda") if cfg.amp == "fp16" else None)
 
-    def save(self, state: RunState) -> None:
-        state.save(self.checkpoint_path, self.cfg)
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        return torch.compile(model) if self.cfg.compile else model
-
     def batches(self, state: RunState):
         """The epoch's windows from the first step not yet trained; this rank's share of each global batch."""
         cfg, ctx = self.cfg, self.ctx
@@ -225,10 +218,9 @@ class LanguageModelTask(Task):
                    "train_time_s": state.train_time_s,
                    "bytes_per_s": state.samples_seen / max(state.train_time_s, 1e-9), "processes": self.ctx.world}
         if self.ctx.is_main:
-            meta = {"model": cfg.model, "model_kwargs": dict(cfg.model_kwargs), "vocab_size": cfg.vocab_size,
-                    "data": cfg.data, "context": cfg.context}
-            export_safetensors(state.model, self.out / "model.safetensors",
-                               {"format": METADATA_FORMAT, **{k: json.dumps(v) for k, v in meta.items()}})
+            meta = encode_metadata(model=cfg.model, model_kwargs=dict(cfg.model_kwargs), vocab_size=cfg.vocab_size,
+                                   data=cfg.data, context=cfg.context)
+            export_safetensors(state.model, self.out / "model.safetensors", meta)
             summary["plots"] = [p.name for p in plot_history(history, self.out, LM_PANELS)]
             write_json(summary, self.out / "summary.json")
         self.log(f"done: validation {res['bits_per_byte']:.3f} bits per byte on {res['bytes']} bytes, "

@@ -89,6 +89,12 @@ class _Block(nn.Module):
         x = x + self.drop(y)
         return x + self.drop(self.mlp(self.norm2(x))), state  # b n d
 
+    def step(self, x: Tensor, state: dict) -> tuple[Tensor, dict]:
+        """One position, ``x [b, d]``, with the mixer's streaming step."""
+        y, state = self.mixer.step(self.norm1(x), state)  # b d
+        x = x + self.drop(y)
+        return x + self.drop(self.mlp(self.norm2(x))), state  # b d
+
 
 class LanguageModel(nn.Module):
     """A decoder-only language model (see the module docstring).
@@ -195,9 +201,7 @@ class LanguageModel(nn.Module):
             x = x + self.pos_embed[position]  # b d
         new = []
         for block, s in zip(self.blocks, state["layers"]):
-            y, s = block.mixer.step(block.norm1(x), s)  # b d
-            x = x + y
-            x = x + block.mlp(block.norm2(x))  # b d
+            x, s = block.step(x, s)  # b d
             new.append(s)
         logits = self.norm(x) @ self.embed.weight.t()  # b vocab
         return logits, {"position": state["position"] + 1, "layers": new}

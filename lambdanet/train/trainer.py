@@ -130,9 +130,6 @@ class ClassificationTask(Task):
         """``last.pt`` with the model's build arguments."""
         state.save(self.checkpoint_path, self.cfg, model_kwargs=model_build_kwargs(self.cfg))
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        return torch.compile(model) if self.cfg.compile else model
-
     def batches(self, state: RunState):
         partial = state.epoch_partial or {}
         self.data.train.set_epoch(state.epoch, start_batch=int(partial.get("batches", 0)))
