@@ -80,6 +80,14 @@ def test_a_returned_state_continues_the_sequence():
     assert rel(torch.cat([first, rest], dim=1), whole) < 1e-10
 
 
+def test_an_empty_sequence_gives_an_empty_output_and_keeps_the_state():
+    q, keys, values, emb = inputs(30)
+    first, state = causal_lambda(q, keys, values, emb, chunk=8, return_state=True)
+    y, same = causal_lambda(q[:, :0], keys[:, :0], values[:, :0], emb, state=state, return_state=True)
+    assert y.shape == (2, 0, 3, 5)
+    assert all(torch.equal(same[key], state[key]) for key in state)
+
+
 @pytest.mark.parametrize("scale", [200.0, 2.0 * MAX_SPREAD])
 def test_keys_of_any_range_stay_finite_and_exact_in_float32(scale):
     """Keys spread far beyond float32's exp range (e^200) use the exact chunk form; the result is the float64

@@ -15,10 +15,11 @@ Three forms, equal up to rounding:
 
 * :func:`causal_lambda_reference`: the definition, position by position (tests, float64).
 * :func:`causal_lambda`: the chunked form training uses. Inside a chunk of ``C`` positions the content and
-  position terms are exact masked ``C x C`` / ``C x (C + r - 1)`` products; across chunks the content summary
-  is carried as the state ``(S [b, u, k, v], z [b, u, k], c [b, u, k])``. Time and memory grow linearly
-  with ``n`` (no ``n x n`` and no ``b x n x k x v`` tensor); backward recomputes the states chunk by chunk
-  instead of storing them.
+  position terms are one exact masked ``C x (r - 1 + C)`` product over the chunk and the ``r - 1`` values
+  before it; across chunks the content summary is carried as the state ``(S [b, u, k, v], z [b, u, k],
+  c [b, u, k])``. Every chunk is computed at once except that state, a scan over the ``n / C`` chunks. Time and
+  memory grow linearly with ``n`` (no ``n x n`` and no ``b x n x k x v`` tensor); backward recomputes the
+  states and products instead of storing them.
 * :func:`causal_lambda_step`: one position at a time with the same state plus the last ``r - 1`` values,
   whose size does not depend on how long the context is (streaming generation).
 
@@ -79,53 +80,109 @@ def init_causal_lambda_state(batch_size: int, dim_k: int, dim_v: int, dim_u: int
             "c": torch.full((b, u, k), float("-inf"), **kw), "window": torch.zeros(b, u, max(r - 1, 0), v, **kw)}
 
 
-def _band(qe: Tensor) -> Tensor:
-    """``[..., C, r]`` offset scores (``qe[n, j]`` for context ``n - j``) -> ``[..., C, C + r - 1]`` band matrix
-    over the window ``[r - 1 earlier values, C chunk values]``: row ``n`` holds ``qe[n, r-1..0]`` at columns
-    ``n..n + r - 1`` (the skew trick: pad each row to ``C + r``, flatten, drop ``C``, re-read as ``C + r - 1``)."""
+def _band(scores: Tensor, qe: Tensor) -> Tensor:
+    """Content scores ``[..., C, C]`` and offset scores ``qe [..., C, r]`` (``qe[n, j]`` for context ``n - j``) ->
+    one ``[..., C, r - 1 + C]`` matrix over the window ``[r - 1 earlier values, C chunk values]``: the content
+    scores fill the last ``C`` columns, ``qe[n, j]`` is added at column ``n + r - 1 - j``."""
     *lead, c, r = qe.shape
-    padded = torch.nn.functional.pad(qe.flip(-1), (0, c))  # ... C (C + r)
-    return padded.flatten(-2)[..., : c * (c + r - 1)].unflatten(-1, (c, c + r - 1))  # ... C (C + r - 1)
+    padded = torch.nn.functional.pad(qe.flip(-1), (0, c))  # ... C (C + r): the skew trick, row n shifted by n
+    band = padded.flatten(-2)[..., : c * (c + r - 1)].unflatten(-1, (c, c + r - 1))  # ... C (r - 1 + C)
+    return torch.cat([band[..., : r - 1], band[..., r - 1:] + scores], dim=-1)  # ... C (r - 1 + C)
 
 
-def _chunk(q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None, state: dict[str, Tensor],
-           exact: bool = False):
-    """One chunk of ``C`` positions after the context summarised by ``state``: ``(y [b, C, h, v], state)``.
+class _Scan(torch.autograd.Function):
+    """``T_{i+1} = d_i T_i + B_i`` over the chunk axis ``i`` (``d`` a constant): ``(d [..., N, k, 1],
+    B [..., N, k, w], T_0 [..., k, w])`` -> ``(T_0..T_{N-1} [..., N, k, w], T_N)``; one fused op per chunk forward
+    and backward, and the reverse scan ``g_i = dT_i + d_i g_{i+1}`` for the gradient."""
 
-    Internal layout: ``q [b, h, C, k]``, ``keys [b, u, C, k]``, ``values [b, u, C, v]``, ``emb [u, r, k]``.
-    The weight of context ``m`` for query ``n`` is ``exp(K[m] - cm[n])`` (``cm[n]`` the running maximum);
-    the fast form factors it as ``exp(K[m] - a) * exp(a - cm[n])`` with ``a`` the chunk's maximum, a GEMM,
-    valid while ``a - cm[n] <= MAX_SPREAD`` (:func:`_spread`); ``exact`` forms the ``C x C x k`` weights."""
+    @staticmethod
+    def forward(ctx, d, B, T):
+        out = torch.empty_like(B)  # ... N k w
+        for i in range(B.shape[-3]):
+            out[..., i, :, :] = T
+            T = torch.addcmul(B[..., i, :, :], d[..., i, :, :], T)  # ... k w
+        ctx.save_for_backward(d)
+        return out, T
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, g):
+        (d,) = ctx.saved_tensors
+        dB = torch.empty_like(dout)  # ... N k w
+        for i in reversed(range(dout.shape[-3])):
+            dB[..., i, :, :] = g
+            g = torch.addcmul(dout[..., i, :, :], d[..., i, :, :], g)  # ... k w
+        return None, dB, g
+
+
+def _chunks(q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None, state: dict[str, Tensor], chunk: int,
+            exact: bool = False):
+    """``N = n / C`` chunks of ``C`` positions at once after the context ``state`` summarises: ``(y [b, n, h, v],
+    state)``; ``n`` a multiple of ``C``.
+
+    Internal layout: ``q [b, h, n, k]``, ``keys [b, u, n, k]``, ``values [b, u, n, v]``, ``emb [u, r, k]``; per
+    chunk ``i``: ``c_i`` the running key maximum before it, ``a_i`` its own maximum. The weight of context ``m``
+    for query ``n`` is ``exp(K[m] - cm[n])`` (``cm[n]`` the running maximum). Only the states before each chunk
+    (``S_i, z_i`` relative to ``c_i``) are a scan over chunks; everything else is batched over them. Inside a chunk
+    the fast form factors the weight as ``exp(K[m] - a_i) * exp(a_i - cm[n])``, a GEMM, valid while
+    ``a_i - cm[n] <= MAX_SPREAD``; ``exact`` forms the ``C x C x k`` weights instead."""
     S, z, c, window = state["S"], state["z"], state["c"], state["window"]
-    cm = torch.maximum(keys.detach().cummax(dim=2).values, c.unsqueeze(2))  # b u C k: max over m <= n
-    causal = torch.ones(keys.shape[2], keys.shape[2], dtype=torch.bool, device=keys.device).tril()  # C C
-    decay = torch.exp(c.unsqueeze(2) - cm)  # b u C k: the carried sums' rescaling, <= 1
+    (b, h, n, k), u, v, C = q.shape, keys.shape[1], values.shape[3], chunk
+    N = n // C
+    cm = torch.maximum(keys.detach().cummax(dim=2).values, c.unsqueeze(2)).unflatten(2, (N, C))  # b u N C k
+    keys, vals = keys.unflatten(2, (N, C)), values.unflatten(2, (N, C))  # b u N C k, b u N C v
+    qc = q.unflatten(2, (N, C)).transpose(1, 2).unsqueeze(1)  # b 1 N h C k
+    before = torch.cat([c.unsqueeze(2), cm[:, :, :-1, -1]], dim=2)  # b u N k: c_i
+    after = cm[:, :, :, -1]  # b u N k: c_{i+1}
+    top = keys.detach().amax(dim=3)  # b u N k: a_i
+    kw = torch.exp(keys - top.unsqueeze(3))  # b u N C k, <= 1
+    decay = torch.exp(before.unsqueeze(3) - cm)  # b u N C k: the carried sums' rescaling, <= 1
+    # the scan: S_{i+1} = exp(c_i - c_{i+1}) S_i + exp(a_i - c_{i+1}) sum_{m in i} exp(K[m] - a_i) V[m]^T
+    shrink, grow = torch.exp(before - after), torch.exp(top - after)  # b u N k, <= 1
+    local = kw.transpose(3, 4) @ vals  # b u N k v
+    local = torch.cat([local, kw.sum(dim=3).unsqueeze(-1)], dim=-1)  # b u N k (v + 1): [S | z] of the chunk
+    carried = torch.cat([S, z.unsqueeze(-1)], dim=-1)  # b u k (v + 1)
+    Sz, last = _Scan.apply(shrink.unsqueeze(-1), grow.unsqueeze(-1) * local, carried)  # b u N k (v+1), b u k (v+1)
+    Ss, zs, S, z = Sz[..., :v], Sz[..., v], last[..., :v], last[..., v]  # the states before each chunk; after all
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # C C
     if exact:
-        logits = keys.unsqueeze(2) - cm.unsqueeze(3)  # b u C(n) C(m) k
-        a = torch.exp(logits.masked_fill(~causal[..., None], float("-inf")))  # b u C C k, in [0, 1]
-        zn = decay * z.unsqueeze(2) + a.sum(dim=3)  # b u C k, >= 1 (the maximum's own term)
-        qz = q.unsqueeze(1) / zn.unsqueeze(2)  # b u h C k
-        scores = torch.einsum("buhnk,bunmk->buhnm", qz, a)  # b u h C C
+        a = torch.exp((keys.unsqueeze(3) - cm.unsqueeze(4)).masked_fill(~causal[..., None], float("-inf")))
+        zn = decay * zs.unsqueeze(3) + a.sum(dim=4)  # b u N C k, >= 1 (the maximum's own term); a: b u N C C k
+        qz = qc / zn.unsqueeze(3)  # b u N h C k
+        scores = torch.einsum("buihnk,buinmk->buihnm", qz, a)  # b u N h C C
     else:
-        top = keys.detach().amax(dim=2, keepdim=True)  # b u 1 k: the chunk's maximum
-        kw = torch.exp(keys - top)  # b u C k, <= 1
-        lift = torch.exp(top - cm)  # b u C k, <= exp(MAX_SPREAD)
-        zn = decay * z.unsqueeze(2) + lift * kw.cumsum(dim=2)  # b u C k, >= 1
-        qz = q.unsqueeze(1) / zn.unsqueeze(2)  # b u h C k
-        scores = ((qz * lift.unsqueeze(2)) @ kw.unsqueeze(2).transpose(3, 4)).masked_fill(~causal, 0.0)  # b u h C C
-    y = scores @ values.unsqueeze(2)  # b u h C v: within the chunk
-    y = y + (qz * decay.unsqueeze(2)) @ S.unsqueeze(2)  # b u h C v: the earlier context
-    full = torch.cat([window, values], dim=2)  # b u (r - 1 + C) v
-    if emb is not None:
-        qe = torch.einsum("bhnk,urk->buhnr", q, emb)  # b u h C r
-        y = y + _band(qe) @ full.unsqueeze(2)  # b u h C v: the local causal scope
-    last = cm[:, :, -1]  # b u k: the new running maximum
-    w = torch.exp(keys - last.unsqueeze(2))  # b u C k
-    shrink = torch.exp(c - last)  # b u k
-    S = shrink.unsqueeze(-1) * S + w.transpose(2, 3) @ values  # b u k v
-    z = shrink * z + w.sum(dim=2)  # b u k
+        lift = torch.exp(top.unsqueeze(3) - cm)  # b u N C k, <= exp(MAX_SPREAD)
+        zn = decay * zs.unsqueeze(3) + lift * kw.cumsum(dim=3)  # b u N C k, >= 1
+        qz = qc / zn.unsqueeze(3)  # b u N h C k
+        scores = ((qz * lift.unsqueeze(3)) @ kw.unsqueeze(3).transpose(4, 5)).masked_fill(~causal, 0.0)  # b u N h C C
+    y = (qz * decay.unsqueeze(3)).flatten(3, 4) @ Ss  # b u N (h C) v: the earlier chunks
+    full = torch.cat([window, values], dim=2)  # b u (r - 1 + n) v
+    if emb is None:
+        y = y + scores.flatten(3, 4) @ vals  # b u N (h C) v: within the chunk
+    else:
+        r = emb.shape[1]
+        qe = (qc.reshape(-1, k) @ emb.permute(2, 0, 1).reshape(k, u * r)).unflatten(-1, (u, r))  # (b N h C) u r
+        qe = qe.unflatten(0, (b, N, h, C)).permute(0, 4, 1, 2, 3, 5)  # b u N h C r
+        scores = _band(scores, qe)  # b u N h C (r - 1 + C)
+        windows = full.unfold(2, C + r - 1, C).transpose(3, 4)  # b u N (r - 1 + C) v
+        y = y + scores.flatten(3, 4) @ windows  # b u N (h C) v: within the chunk and the local scope
+    y = y.sum(dim=1).unflatten(2, (h, C)).transpose(2, 3).reshape(b, n, h, v)  # b n h v
     window = full[:, :, full.shape[2] - window.shape[2]:]  # b u (r - 1) v
-    return y.sum(dim=1).transpose(1, 2), {"S": S, "z": z, "c": last, "window": window}  # b C h v
+    return y, {"S": S, "z": z, "c": cm[:, :, -1, -1], "window": window}
+
+
+def _run(q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None, state: dict[str, Tensor], chunk: int,
+         exact: bool):
+    """The whole sequence: its full chunks at once, then the shorter last chunk (if any)."""
+    n = q.shape[2]
+    if n == 0:
+        return q.new_zeros(q.shape[0], 0, q.shape[1], values.shape[3]), state
+    body, ys = n - n % chunk, []
+    for s, e, c in ((0, body, chunk), (body, n, n - body)):
+        if e > s:
+            y, state = _chunks(q[:, :, s:e], keys[:, :, s:e], values[:, :, s:e], emb, state, c, exact)
+            ys.append(y)
+    return (torch.cat(ys, dim=1) if len(ys) > 1 else ys[0]), state
 
 
 def _spread(keys: Tensor, c: Tensor, chunk: int) -> float:
@@ -161,58 +218,27 @@ def _check(q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None) -> None:
 
 
 class _ChunkedCausalLambda(torch.autograd.Function):
-    """The chunked form; forward keeps only its inputs, backward recomputes each chunk's state."""
+    """The chunked form; forward keeps only its inputs, backward recomputes the chunk states and products."""
 
     @staticmethod
     def forward(ctx, q, keys, values, emb, chunk, state):
         exact = _spread(keys, state["c"], chunk) > MAX_SPREAD
         ctx.chunk, ctx.state, ctx.exact = chunk, state, exact
         ctx.save_for_backward(q, keys, values, emb)
-        ys = []
-        for s in range(0, q.shape[2], chunk):
-            y, state = _chunk(q[:, :, s:s + chunk], keys[:, :, s:s + chunk], values[:, :, s:s + chunk], emb, state,
-                              exact)
-            ys.append(y)
+        y, state = _run(q, keys, values, emb, state, chunk, exact)
         final = tuple(state[key] for key in _STATE_KEYS)
         ctx.mark_non_differentiable(*final)
-        return (torch.cat(ys, dim=1),) + final
+        return (y,) + final
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy, *_):
-        q, keys, values, emb = ctx.saved_tensors
-        chunk, n = ctx.chunk, q.shape[2]
-        starts = list(range(0, n, chunk))
-        states = [ctx.state]  # the state before each chunk, recomputed (not kept from the forward pass)
-        with torch.no_grad():
-            for s in starts[:-1]:
-                states.append(_chunk(q[:, :, s:s + chunk], keys[:, :, s:s + chunk], values[:, :, s:s + chunk],
-                                     emb, states[-1], ctx.exact)[1])
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(keys), torch.zeros_like(values)
-        demb = None if emb is None else torch.zeros_like(emb)
-        dstate = None  # gradient reaching the state after the chunk (from the later chunks)
-        for s, before in zip(reversed(starts), reversed(states)):
-            with torch.enable_grad():
-                inputs = [t.detach().requires_grad_() for t in (q[:, :, s:s + chunk], keys[:, :, s:s + chunk],
-                                                                 values[:, :, s:s + chunk])]
-                e = None if emb is None else emb.detach().requires_grad_()
-                carried = {key: t.detach().requires_grad_(key != "c") for key, t in before.items()}
-                y, after = _chunk(*inputs, e, carried, ctx.exact)
-                outs, grads = [y], [dy[:, s:s + chunk]]
-                if dstate is not None:
-                    for key in ("S", "z", "window"):
-                        outs.append(after[key])
-                        grads.append(dstate[key])
-                wrt = inputs + [carried["S"], carried["z"], carried["window"]] + ([] if e is None else [e])
-                g = torch.autograd.grad(outs, wrt, grads, allow_unused=True)
-            for acc, gi in zip((dq, dk, dv), g[:3]):
-                if gi is not None:
-                    acc[:, :, s:s + chunk] += gi
-            dstate = {key: torch.zeros_like(carried[key]) if gi is None else gi
-                      for key, gi in zip(("S", "z", "window"), g[3:6])}
-            if e is not None and g[6] is not None:
-                demb += g[6]
-        return dq, dk, dv, demb, None, None
+        inputs = [None if t is None else t.detach().requires_grad_() for t in ctx.saved_tensors]
+        with torch.enable_grad():
+            y, _ = _run(*inputs, ctx.state, ctx.chunk, ctx.exact)
+            wrt = [t for t in inputs if t is not None]
+            grads = iter(torch.autograd.grad(y, wrt, dy, allow_unused=True))
+        return (*(None if t is None else next(grads) for t in inputs), None, None)
 
 
 def causal_lambda(q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None = None, *,
@@ -249,6 +275,17 @@ def causal_lambda(q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None = 
 def causal_lambda_step(q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None,
                        state: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
     """One position after the context ``state`` summarises: ``q [b, h, k]``, ``keys [b, k, u]``,
-    ``values [b, v, u]`` -> ``(y [b, h, v], new state)``; the state's size never changes."""
-    y, state = _chunk(*_prepare(q.unsqueeze(1), keys.unsqueeze(1), values.unsqueeze(1), emb), state)
-    return y[:, 0], state
+    ``values [b, v, u]`` -> ``(y [b, h, v], new state)``; the state's size never changes (the recurrence the
+    chunked form carries between chunks, one position at a time)."""
+    q, keys, values, emb = _prepare(q.unsqueeze(1), keys.unsqueeze(1), values.unsqueeze(1), emb)
+    q, keys, values = q[:, :, 0].unsqueeze(1), keys[:, :, 0], values[:, :, 0]  # b 1 h k, b u k, b u v
+    S, z, c, window = state["S"], state["z"], state["c"], state["window"]
+    top = torch.maximum(c, keys)  # b u k: the new running maximum
+    shrink, w = torch.exp(c - top), torch.exp(keys - top)  # b u k, <= 1
+    S = shrink.unsqueeze(-1) * S + w.unsqueeze(-1) * values.unsqueeze(2)  # b u k v
+    z = shrink * z + w  # b u k, >= 1
+    y = (q / z.unsqueeze(2)) @ S  # b u h v
+    full = torch.cat([window, values.unsqueeze(2)], dim=2)  # b u r v: oldest first, this position last
+    if emb is not None:
+        y = y + (q @ emb.flip(1).transpose(1, 2)) @ full  # b u h v
+    return y.sum(dim=1), {"S": S, "z": z, "c": top, "window": full[:, :, 1:]}  # b h v
