@@ -6,16 +6,24 @@ from lambdanet.layers import (AbsolutePositionEmbedding, LambdaLayer, RelativePo
                               create_spatial_layer, list_spatial_layers)
 from lambdanet.models import create_model, list_models, model_args, model_info, register_model
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 
 def load_model(path, *, ema: bool = True):
-    """The trained model of a ``lambdanet train`` run directory, its safetensors weights or its ``last.pt``
-    (see :func:`lambdanet.train.load.load_model`)."""
+    """The trained model of a ``lambdanet train`` run directory, its safetensors weights, its ``last.pt`` or
+    ``"hf-hub:owner/name"`` (see :func:`lambdanet.train.load.load_model`)."""
     from lambdanet.train.load import load_model as _load
 
     return _load(path, ema=ema)
 
+
+def push_to_hub(source, repo_id: str, **kwargs) -> str:
+    """Share a run directory, its weights or a model on the Hugging Face hub (see :func:`lambdanet.hub.push_to_hub`);
+    ``create_model("hf-hub:" + repo_id)`` loads it back."""
+    from lambdanet.hub import push_to_hub as _push
+
+    return _push(source, repo_id, **kwargs)
+
 __all__ = ["functional", "LambdaLayer", "RelativePositionEmbedding", "AbsolutePositionEmbedding",
            "create_spatial_layer", "list_spatial_layers", "create_model", "list_models", "model_info",
-           "model_args", "register_model", "load_model", "__version__"]
+           "model_args", "register_model", "load_model", "push_to_hub", "__version__"]

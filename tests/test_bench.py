@@ -209,3 +209,24 @@ def test_bench_scaling_layer_choice(tmp_path, capsys):
     assert all(r["fwd_bwd_ms"] > 0 and r["gflops_fwd_bwd"] > 0 for r in rows)
     assert main(["bench", "scaling", "--quick", "--layers", "conv", "--out", str(tmp_path)]) == 2
     assert "unknown bench layer(s) ['conv']; valid: global_attention," in capsys.readouterr().err
+
+
+def test_language_model_parts_run_and_their_numbers_obey_the_models(tmp_path):
+    """The lm parts on nano models: every family at every context; the lambda and linear models' generation state
+    the same size at every context, the transformer's KV cache in proportion to it (2 n d per layer); the
+    quality part's rows per budget and seed, the steps budget exactly its steps."""
+    results = run_benchmarks(["lm", "lm_quality"], quick=True, out=tmp_path, log=lambda s: None)
+    train, gen = results["lm_train"], results["lm_generation"]
+    assert {(r["mixer"], r["context"]) for r in train} == {(m, n) for m in ("lambda", "transformer", "linear")
+                                                          for n in (64, 128)}
+    assert all(r["tokens_per_s"] > 0 and r["peak_bytes_one_sequence"] > 0 for r in train)
+    state = {(r["mixer"], r["context"]): r["state_bytes"] for r in gen}
+    assert state["lambda", 64] == state["lambda", 256] and state["linear", 64] == state["linear", 256]
+    # the KV cache: 2 layers x (k, v) x n x d (64) x 4 bytes, plus the 8-byte position counter
+    assert state["transformer", 64] == 2 * 2 * 64 * 64 * 4 + 8 and state["transformer", 256] == 2 * 2 * 256 * 64 * 4 + 8
+    summary = results["lm_quality_summary"]
+    assert {(r["budget"], r["mixer"]) for r in summary} == {(b, m) for b in ("time", "steps")
+                                                            for m in ("lambda", "transformer", "linear")}
+    assert all(r["steps"] == 3 for r in results["lm_quality"] if r["budget"] == "steps")
+    assert (tmp_path / "lm_quality.png").is_file() and (tmp_path / "lm_throughput.png").is_file()
+    assert "equal time and equal steps" in (tmp_path / "bench.md").read_text()

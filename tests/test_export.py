@@ -507,7 +507,8 @@ def test_half_precision_exports_store_and_compute_in_that_dtype(run, tmp_path, c
         import onnx
 
         proto = onnx.load(str(out))
-        floating = [t for t in proto.graph.initializer if t.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)]
+        kinds = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
+        floating = [t for t in proto.graph.initializer if t.data_type in kinds]
         assert floating and all(t.data_type == onnx.TensorProto.FLOAT16 for t in floating)
         assert proto.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
     elif fmt == "torchscript":

@@ -165,7 +165,8 @@ def test_fine_tune_a_grey_run_directory_on_rgb_images(tiny_digits_run, folder, t
                  "--out", str(out)]) == 0
     log = capsys.readouterr().out
     assert f"starting from {tiny_digits_run} ({tiny_digits_run / 'model.safetensors'})" in log
-    assert "adapted from the checkpoint's 1 input channel to the model's 3 (repeated over them and scaled by 1/3)" in log
+    assert ("adapted from the checkpoint's 1 input channel to the model's 3 (repeated over them and scaled by 1/3)"
+            in log)
     import yaml
 
     saved = yaml.safe_load((out / "config.yaml").read_text())
@@ -180,7 +181,7 @@ def test_fine_tune_a_grey_run_directory_on_rgb_images(tiny_digits_run, folder, t
     rows = (out / "metrics.csv").read_text().strip().splitlines()
     assert len(rows) == 2 and math.isfinite(float(rows[1].split(",")[rows[0].split(",").index("train_loss")]))
     model = lambdanet.load_model(out, ema=False)
-    assert model.pretrained_cfg["in_chans"] == 3 and model.pretrained_cfg["classes"] == ["cats", "dogs"]
+    assert model.pretrained_cfg["input_size"][0] == 3 and model.pretrained_cfg["classes"] == ["cats", "dogs"]
     assert model.fc.out_features == 2
     # the stem: the run's repeated and divided by 3 (the rule rounds once to float32, the expectation once, each
     # of the 2 updates once: 4 * 2^-24 relative), moved by at most lr = 1e-12 per AdamW step over the 2 steps

@@ -153,7 +153,8 @@ def test_kernels_compile_for_hopper_without_spills():
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = "import json; from lambdanet.kernels.lambda_position import compile_report; print(json.dumps(compile_report()))"
+    code = ("import json; from lambdanet.kernels.lambda_position import compile_report; "
+            "print(json.dumps(compile_report()))")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     if proc.returncode and "ptxas" in proc.stderr and "not found" in proc.stderr:
         pytest.skip("Triton's ptxas is not available here")

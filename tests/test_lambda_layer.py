@@ -417,7 +417,8 @@ def test_inference_caches_the_embeddings_until_the_weights_change():
 
 @pytest.mark.parametrize("kwargs,other", [
     (dict(r=5, heads=4, dim_u=2, multihead=True), dict(r=7, heads=4, dim_u=2, multihead=True)),
-    (dict(r=None, feat_size=6, position_embedding="absolute"), dict(r=None, feat_size=5, position_embedding="absolute")),
+    (dict(r=None, feat_size=6, position_embedding="absolute"),
+     dict(r=None, feat_size=5, position_embedding="absolute")),
 ])
 def test_weights_saved_with_shaped_position_tables_still_load(kwargs, other):
     """Checkpoints from before the tables were stored flat hold ``[g, k, u, *K]`` (``[g, k, u, n, m]``);

@@ -222,3 +222,49 @@ def test_command_line_errors_are_one_line(tmp_path, corpus_dir, capsys):
     assert "byte values up to 200 but vocab_size is 128" in err and err.count("\n") == 1
     assert main(["lm", "train", "--model", "lambda_resnet26", "--out", str(tmp_path / "m")]) == 2
     assert "must be a language model" in capsys.readouterr().err
+
+
+def test_bf16_autocast_forward_is_float32s_to_bf16_rounding_and_a_bf16_run_learns(tmp_path, corpus_dir):
+    """Under CPU bf16 autocast the linear layers run in bf16 (unit roundoff 2^-8 = 3.9e-3) and the causal lambda
+    in float32: the logits stay within 3e-2 relative RMS of float32's (a few roundings in sequence through two
+    blocks), far from an unnormalised or overflowing sum (relative error ~1). A bf16 run trains as float32's."""
+    torch.manual_seed(0)
+    model = create_model("lambda_lm_nano").eval()
+    tokens = torch.randint(0, 256, (2, 100))
+    with torch.no_grad():
+        ref = model(tokens)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = model(tokens).float()
+    assert ((low - ref).norm() / ref.norm()).item() < 3e-2
+    summary = train_lm(lm_config(tmp_path, corpus_dir, amp="bf16"), log=lambda _: None)
+    assert summary["val_bits_per_byte"] < 4.0  # from log2(256) = 8 bits, as the float32 run above
+
+
+def test_torchrun_two_processes_train_as_one_with_the_same_global_batch(tmp_path, corpus_dir):
+    """``lambdanet lm train`` under torchrun: each rank takes half of every global batch of windows; the same
+    global batch on one process gives the same weight updates (float32 reduction-order noise, ~1e-6, against an
+    update of ~1e-2: a wrong shard or a missing average differs by O(1))."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    args = ["lm", "train", "--data", f"text:{corpus_dir}", "--model", "lambda_lm_nano", "--context", "32",
+            "--epochs", "1", "--steps-per-epoch", "6", "--batch-size", "8", "--warmup-steps", "2", "--no-progress",
+            "--no-tensorboard", "--eval-bytes", "256"]
+    env = {**__import__("os").environ, "PYTHONWARNINGS": "ignore"}
+    ddp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "-m", "lambdanet", *args, "--out", str(tmp_path / "ddp")], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert ddp.returncode == 0, ddp.stderr[-2000:]
+    assert main([*args, "--out", str(tmp_path / "one")]) == 0
+    s_ddp = json.loads((tmp_path / "ddp" / "summary.json").read_text())
+    s_one = json.loads((tmp_path / "one" / "summary.json").read_text())
+    assert (s_ddp["processes"], s_one["processes"]) == (2, 1)
+    torch.manual_seed(0)
+    init = create_model("lambda_lm_nano").state_dict()
+    a, b = load_file(tmp_path / "ddp" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
+    da = torch.cat([(a[k] - init[k]).flatten() for k in init])
+    db = torch.cat([(b[k] - init[k]).flatten() for k in init])
+    assert db.norm() > 0 and (da - db).norm() / db.norm() < 1e-3
+    assert s_ddp["val_bits_per_byte"] == pytest.approx(s_one["val_bits_per_byte"], rel=1e-4)

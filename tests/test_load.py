@@ -32,10 +32,10 @@ def test_load_model_from_a_run_directory_reproduces_the_reported_accuracy(run):
     out, summary = run
     model = lambdanet.load_model(out)  # the EMA weights, which the summary reports
     cfg = model.pretrained_cfg
-    assert (cfg["model"], cfg["num_classes"], cfg["in_chans"], cfg["image_size"]) == ("lambda_resnet26", 10, 1, 16)
+    assert (cfg["architecture"], cfg["num_classes"], cfg["input_size"]) == ("lambda_resnet26", 10, (1, 16, 16))
     assert cfg["mean"] == [0.30] and cfg["std"] == [0.38] and not model.training
     assert sum(p.numel() for p in model.parameters()) == summary["params"]
-    assert _test_accuracy(model, cfg["image_size"]) == pytest.approx(summary["final_acc"], abs=1e-12)
+    assert _test_accuracy(model, cfg["input_size"][-1]) == pytest.approx(summary["final_acc"], abs=1e-12)
 
 
 def test_every_form_of_a_run_loads_the_same_weights(run):
@@ -74,7 +74,7 @@ def test_create_model_with_a_run_checkpoint_takes_its_weights_and_class_names(ru
     ref = lambdanet.load_model(out / "model.safetensors")
     x = torch.randn(3, 1, 16, 16)
     torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
-    for key in ("classes", "image_size", "mean", "std"):
+    for key in ("classes", "input_size", "mean", "std"):
         assert model.pretrained_cfg[key] == ref.pretrained_cfg[key], key
 
 
@@ -151,4 +151,5 @@ def test_shared_embeddings_round_trip_through_every_loader(tmp_path):
     for model in (lambdanet.load_model(path), again):
         torch.testing.assert_close(model(x), want, rtol=0, atol=0)
         emb = model.state_dict()
-        assert emb["stages.2.0.spatial.embedding.weight"].data_ptr() == emb["stages.3.1.spatial.embedding.weight"].data_ptr()
+        shared = emb["stages.3.1.spatial.embedding.weight"].data_ptr()
+        assert emb["stages.2.0.spatial.embedding.weight"].data_ptr() == shared

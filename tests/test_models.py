@@ -407,8 +407,8 @@ def test_paper_recipes():
 
 
 # ResNet-RS and LambdaResNets: the 350-epoch recipes of Tables 19-20 (lambda_resnet26 is not in the paper)
-TABLE20_MODELS = [n for n in list_models(task="image") if n.startswith(("resnet_rs", "lambda_resnet")) and n != "lambda_resnet26"
-                  and n not in byoa.model_cfgs]
+TABLE20_MODELS = [n for n in list_models(task="image") if n.startswith(("resnet_rs", "lambda_resnet"))
+                  and n != "lambda_resnet26" and n not in byoa.model_cfgs]
 
 
 @pytest.mark.parametrize("name", TABLE20_MODELS)

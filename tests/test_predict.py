@@ -120,7 +120,7 @@ def test_predict_runs_in_the_dtype_of_the_model(tmp_path):
     """The float32 preprocessed images are cast to the dtype of the model's parameters."""
     rng = np.random.default_rng(2)
     Image.fromarray(rng.integers(0, 256, size=(8, 8), dtype=np.uint8), mode="L").save(tmp_path / "g.png")
-    cfg = {"image_size": 8, "mean": [0.5], "std": [0.25], "in_chans": 1, "classes": None}
+    cfg = {"input_size": (1, 8, 8), "mean": [0.5], "std": [0.25], "classes": None}
     reference, half = Probe(cfg, 3), Probe(cfg, 3).to(torch.bfloat16)
     predict(reference, tmp_path / "g.png")
     predict(half, tmp_path / "g.png")
@@ -161,8 +161,8 @@ def test_crop_pct_bicubic_preprocessing_and_imagenet_labels(tmp_path):
     rgb = np.random.default_rng(0).integers(0, 256, size=(32, 64, 3), dtype=np.uint8)  # H 32, W 64
     Image.fromarray(rgb, mode="RGB").save(tmp_path / "wide.png")
     mean, std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
-    probe = Probe({"image_size": 8, "crop_pct": 0.5, "interpolation": "bicubic", "mean": mean, "std": std,
-                   "in_chans": 3, "classes": None}, 1000)
+    probe = Probe({"input_size": (3, 8, 8), "crop_pct": 0.5, "interpolation": "bicubic", "mean": mean, "std": std,
+                   "classes": None}, 1000)
     (result,) = predict(probe, tmp_path / "wide.png", top_k=5)
     # 32x64 -> shorter side 8 / 0.5 = 16: 16x32, then the central 8x8 (rows 4..11, columns 12..19)
     x = torch.from_numpy(rgb).permute(2, 0, 1)[None].double() / 255.0  # 1 3 32 64
@@ -183,7 +183,7 @@ def test_crop_pct_bicubic_preprocessing_and_imagenet_labels(tmp_path):
 def test_one_channel_models_read_grayscale_and_named_classes_label_the_output(tmp_path):
     gray = np.random.default_rng(1).integers(0, 256, size=(8, 8), dtype=np.uint8)
     Image.fromarray(np.repeat(gray[..., None], 3, axis=2), mode="RGB").save(tmp_path / "g.png")  # R = G = B
-    probe = Probe({"image_size": 8, "mean": [0.5], "std": [0.25], "in_chans": 1, "classes": ["a", "b", "c"]}, 3)
+    probe = Probe({"input_size": (1, 8, 8), "mean": [0.5], "std": [0.25], "classes": ["a", "b", "c"]}, 3)
     probe.train()
     (result,) = predict(probe, [tmp_path / "g.png"], top_k=10)  # more than the classes: all of them
     assert probe.modes == [False] and probe.training  # eval during the call, the training flag restored

@@ -16,8 +16,8 @@ from lambdanet.engine.checkpoint import load_checkpoint
 from lambdanet.engine.preempt import Preempted, StopSignals, exit_status
 
 # 2 epochs of 5 batches: a signal after global step 7 lands in epoch 2, after its batch 2
-TRAIN = ["train", "--model", "resnet26", "--epochs", "2", "--max-train-batches", "5", "--batch-size", "16", "--no-progress",
-         "--no-tensorboard", "--optimizer", "sgd", "--lr", "0.05", "--ema-decay", "0.9"]
+TRAIN = ["train", "--model", "resnet26", "--epochs", "2", "--max-train-batches", "5", "--batch-size", "16",
+         "--no-progress", "--no-tensorboard", "--optimizer", "sgd", "--lr", "0.05", "--ema-decay", "0.9"]
 
 
 @contextlib.contextmanager

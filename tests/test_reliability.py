@@ -203,7 +203,8 @@ def test_every_train_option_has_a_description_and_its_choices(capsys):
     for f in dataclasses.fields(TrainConfig):
         assert f.metadata["help"].split("(")[0].strip()[:30] in text, f.name
     for flag, choices in [("--amp", "{none,bf16,fp16}"), ("--optimizer", "{sgd,adam,adamw,rmsprop}"),
-                          ("--schedule", "{cosine,constant,step}"), ("--recipe", "{quick,paper90,paper350,cifar_repro}")]:
+                          ("--schedule", "{cosine,constant,step}"),
+                          ("--recipe", "{quick,paper90,paper350,cifar_repro}")]:
         assert f"{flag} {choices}" in text, flag
 
 
@@ -219,17 +220,17 @@ def test_top_level_help_says_what_lambdanet_is_and_demo_is_documented():
     assert "LambdaNetworks" in text and "demo" in text
     demo = build_parser().commands["demo"].format_help()
     for flag in ("--dim", "--dim-k", "--heads", "--r", "--size", "--batch"):
-        line = next(l for l in demo.splitlines() if l.strip().startswith(flag + " "))
+        line = next(row for row in demo.splitlines() if row.strip().startswith(flag + " "))
         assert len(line.split()) > 2, line  # a description after the flag and its metavar
 
 
 def test_models_paper_honours_the_pattern(capsys):
     assert main(["models", "--paper", "--no-flops", "lambda_resnet1*"]) == 0
-    rows = [l for l in capsys.readouterr().out.splitlines()[2:]]
+    rows = list(capsys.readouterr().out.splitlines()[2:])
     from lambdanet.models.paper_tables import PAPER_ROWS
 
     expected = [r for r in PAPER_ROWS if r.model and r.model.startswith("lambda_resnet1")]
-    assert len(rows) == len(expected) >= 4 and all("lambda_resnet1" in l for l in rows)
+    assert len(rows) == len(expected) >= 4 and all("lambda_resnet1" in row for row in rows)
 
 
 def test_one_epoch_inside_the_warmup_is_flagged(tmp_path, capsys):

@@ -89,10 +89,10 @@ def test_pretrained_cfg_is_the_checkpoints_preprocessing():
         cfg = timm.models.get_pretrained_cfg(byoa.model_cfgs[name].pretrained.hub_id.removeprefix("timm/"))
         with torch.device("meta"):
             ours = create_model(name).pretrained_cfg
-        assert ours["image_size"] == cfg.input_size[-1], name
+        assert ours["input_size"] == cfg.input_size, name
         assert ours["crop_pct"] == cfg.crop_pct and ours["interpolation"] == cfg.interpolation, name
         assert ours["mean"] == pytest.approx(cfg.mean) and ours["std"] == pytest.approx(cfg.std), name
-        assert ours["hub_id"] == "timm/" + f"{cfg.architecture}.{cfg.tag}", name
+        assert ours["hf_hub_id"] == "timm/" + f"{cfg.architecture}.{cfg.tag}", name
 
 
 @pytest.fixture(scope="module")

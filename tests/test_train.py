@@ -117,7 +117,8 @@ def test_datasets_offline_and_sharding_reproduces_single_process_batches():
     assert len(batches) == 2 and len(set(sum(batches, []))) == 8
 
 
-@pytest.mark.skipif(not Path("/usr/share/datasets/fashion-mnist").exists(), reason="dataset-fashion-mnist not installed")
+@pytest.mark.skipif(not Path("/usr/share/datasets/fashion-mnist").exists(),
+                    reason="dataset-fashion-mnist not installed")
 def test_fashion_mnist_from_the_debian_package():
     spec, train_ds, test_ds = build_datasets("fashion-mnist", download=False)
     assert (len(train_ds), len(test_ds)) == (60000, 10000)

@@ -22,9 +22,9 @@ from lambdanet.bench.peers import peer_attention_layers, peer_lambda_layers
 from lambdanet.layers import LambdaLayer, RelativePositionEmbedding, create_spatial_layer
 from lambdanet.runtime import count_flops, peak_memory, time_round_robin
 
-__all__ = ["LayerConfig", "LAYER_SUITE", "TARGET_POINTS", "ATTENTION_POINTS", "IMPL_POINTS", "lambda_impls", "triton_runs", "build_layer", "loglog_slope",
-           "geomean", "bench_layer", "interleaved_fwd_bwd", "layer_sweep", "scaling_slopes", "lambda_vs_peers",
-           "attention_vs_peers"]
+__all__ = ["LayerConfig", "LAYER_SUITE", "TARGET_POINTS", "ATTENTION_POINTS", "IMPL_POINTS", "lambda_impls",
+           "triton_runs", "build_layer", "loglog_slope", "geomean", "bench_layer", "interleaved_fwd_bwd", "layer_sweep",
+           "scaling_slopes", "lambda_vs_peers", "attention_vs_peers"]
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,8 @@ class LayerConfig:
 
 
 LAYER_SUITE: dict[str, LayerConfig] = {c.name: c for c in [
-    LayerConfig("global_attention", "relative_self_attention", {"heads": 4}, True, paper="Table 4 global self-attention",
+    LayerConfig("global_attention", "relative_self_attention", {"heads": 4}, True,
+                paper="Table 4 global self-attention",
                 max_side=64),
     LayerConfig("axial_attention", "axial_self_attention", {"heads": 4}, True, paper="Table 4 axial self-attention"),
     LayerConfig("local_attention_7x7", "local_self_attention", {"heads": 4, "kernel_size": 7},

@@ -12,6 +12,10 @@ of ``bench.md``):
 * ``detection``: the detection study's backbones (ResNet-26, +SE, lambda and halo hybrids) alone at 512,
   768 and 1024 px, batch 1 and 2: forward and training time, peak memory, memory's slope against image area.
 * ``table4``: Table 4's memory column from the complexity formulas on each variant's layer shapes.
+* ``lm``: the language models (``lambda_lm_tiny`` against the same-size transformer and linear-attention LMs):
+  training tokens/s and peak memory at contexts 256 to 8192, generation latency and state size at 1k to 16k.
+* ``lm_quality``: the same three trained at context 512 on the standard library for equal time and for equal
+  steps, three seeds each (about 35 minutes on 2 CPU cores): validation bits per byte, mean and spread.
 
 A missing peer package leaves out its rows; a line on stderr and in ``bench.md`` says so and how to install it.
 """
@@ -25,9 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from lambdanet.bench import detection_bench, layer_bench, model_bench
+from lambdanet.bench import detection_bench, layer_bench, lm_bench, model_bench
 from lambdanet.bench.peers import missing_peers_warning
 from lambdanet.bench.report import environment, markdown, plot_scaling, write_rows
+from lambdanet.helpers import require
 from lambdanet.runtime import check_amp
 
 __all__ = ["BenchSettings", "Part", "PARTS", "DEFAULT_PARTS", "DEFAULT_SUITES", "run_benchmarks"]
@@ -89,8 +94,8 @@ def _impls(s: BenchSettings, out: Path, log: Log) -> PartResult:
                         ("median_ms", "ms"), ("peak_bytes", "peak bytes"), ("slowdown_vs_fastest", "x fastest"),
                         ("auto", "auto's pick"), ("fastest", "fastest")]), "",
         f"`auto` picks the fastest implementation at {sum(r['auto'] and r['fastest'] for r in rows)} of "
-        f"{sum(r['auto'] for r in rows)} points" + (f"; worst miss {max(r['slowdown_vs_fastest'] for r in missed):.2f}x."
-                                                     if missed else "."), ""]
+        f"{sum(r['auto'] for r in rows)} points"
+        + (f"; worst miss {max(r['slowdown_vs_fastest'] for r in missed):.2f}x." if missed else "."), ""]
 
 
 def _attention(s: BenchSettings, out: Path, log: Log) -> PartResult:
@@ -179,6 +184,50 @@ def _table4(s: BenchSettings, out: Path, log: Log) -> PartResult:
                          ("measured_bytes", "measured peak"), ("formula_bytes", "formula tensor")]), ""]
 
 
+def _lm(s: BenchSettings, out: Path, log: Log) -> PartResult:
+    log("== lm: training throughput and memory against context, generation latency and state")
+    size, contexts, gen_contexts = ("nano", (64, 128), (64, 256)) if s.quick else (
+        "tiny", (256, 512, 1024, 2048, 4096, 8192), (1024, 2048, 4096, 8192, 16384))
+    train = lm_bench.throughput(size, contexts, tokens_per_step=256 if s.quick else 4096, device=s.device,
+                                repeats=1 if s.quick else 3, log=log)
+    gen = lm_bench.generation(size, gen_contexts, device=s.device, steps=3 if s.quick else 20, log=log)
+    slopes = lm_bench.memory_slopes(train, lo=contexts[0] if s.quick else 1024, hi=contexts[-1])
+    plots = lm_bench.plot_lm_study(train, gen, [], out)
+    return {"lm_train": train, "lm_memory_slopes": slopes, "lm_generation": gen}, [
+        f"## Language models: {size} (lambda, transformer, linear attention)", "",
+        "Training (forward+backward), `max(1, 4096 // context)` sequences per step; peak memory of one sequence.",
+        "", markdown(train, [("mixer", "mixer"), ("context", "context"), ("batch", "B"),
+                             ("tokens_per_s", "tokens/s"), ("speed_vs_transformer", "x transformer"),
+                             ("peak_bytes_one_sequence", "peak bytes (1 seq)")]), "",
+        markdown(slopes, [("mixer", "mixer"), ("contexts", "contexts"), ("memory_slope", "log-log memory slope"),
+                          ("mib_per_1k_tokens", "MiB per 1k tokens")]), "",
+        "Generation, batch 1: one step after a context of n tokens.", "",
+        markdown(gen, [("mixer", "mixer"), ("context", "context"), ("ms_per_token", "ms/token"),
+                       ("speed_vs_transformer", "x transformer"), ("state_bytes", "state bytes"),
+                       ("step_peak_bytes", "step peak bytes")]), ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
+
+
+def _lm_quality(s: BenchSettings, out: Path, log: Log) -> PartResult:
+    from lambdanet.lm.corpus import load_corpus
+
+    log("== lm_quality: validation bits per byte at equal time and equal steps")
+    kw = (dict(size="nano", context=64, batch=2, steps=3, seconds=0.5, seeds=(0, 1), eval_bytes=2048) if s.quick
+          else dict(size="tiny"))
+    rows = lm_bench.quality(load_corpus("stdlib"), device=s.device, log=log, **kw)
+    lm_bench.check_finite(rows)
+    summary = lm_bench.quality_summary(rows)
+    plots = lm_bench.plot_lm_study([], [], rows, out)
+    first = rows[0]
+    return {"lm_quality": rows, "lm_quality_summary": summary}, [
+        f"## Language models: bits per byte at equal time and equal steps ({first['model'].rsplit('_', 1)[1]}, "
+        f"context {first['context']}, batch {first['batch']}, stdlib)", "",
+        markdown(summary, [("budget", "budget"), ("mixer", "mixer"), ("seeds", "seeds"),
+                           ("mean_bits_per_byte", "mean bits/byte"), ("std_bits_per_byte", "std"),
+                           ("min_bits_per_byte", "min"), ("max_bits_per_byte", "max"),
+                           ("vs_transformer", "/ transformer"), ("mean_steps", "steps"),
+                           ("mean_train_s", "train s")]), ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
+
+
 class Part(NamedTuple):
     """A benchmark part: its function and the peer packages (import names) it compares against."""
 
@@ -194,6 +243,8 @@ PARTS: dict[str, Part] = {
     "models": Part(_models, lambda s: model_bench.suite_peers(s.model_suites)),
     "table4": Part(_table4, lambda s: ()),
     "detection": Part(_detection, lambda s: ()),
+    "lm": Part(_lm, lambda s: ()),
+    "lm_quality": Part(_lm_quality, lambda s: ()),
 }
 
 
@@ -213,6 +264,7 @@ def run_benchmarks(parts: Sequence[str] = tuple(PARTS), *, device: str = "cpu", 
     goes to ``log``; a missing peer package to ``warn`` (stderr) and ``bench.md``.
     """
     check_amp(amp, device)
+    require("matplotlib", "bench", "lambdanet bench (its plots)")
     for what, asked, valid in (("bench layer(s)", layers or (), layer_bench.LAYER_SUITE),
                                ("model suite(s)", suites, model_bench.MODEL_SUITES),
                                ("bench part(s)", parts, PARTS)):

@@ -19,9 +19,10 @@ DESCRIPTION = ("lambdanet: LambdaNetworks (Bello, ICLR 2021) in PyTorch: lambda 
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
+    from lambdanet.helpers import MissingExtraError
     from lambdanet.train.trainer import TrainingDivergedError
 
-    return (ValueError, TrainingDivergedError, FileNotFoundError)
+    return (ValueError, TrainingDivergedError, FileNotFoundError, MissingExtraError)
 
 
 def build_parser() -> argparse.ArgumentParser:

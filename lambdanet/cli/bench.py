@@ -40,7 +40,10 @@ def _add_bench(sub) -> None:
                     "timm's HaloAttn and BottleneckAttn), scaling (Table 4 layers across resolutions: time, memory, "
                     "FLOPs, log-log slopes and plots), models (Table 13/14 suites, HaloNet, MobileNet, the 26-layer "
                     "hybrid: img/s, memory, params, FLOPs), table4 (Table 4's memory column from the complexity "
-                    "formulas). Writes CSV, JSON, PNG plots and bench.md into --out. The peers come with the bench "
+                    "formulas), detection (backbones at detection sizes), lm (language models: training tokens/s "
+                    "and memory at contexts 256-8192, generation latency and state at 1k-16k), lm_quality (bits "
+                    "per byte at equal time and equal steps, 3 seeds, about 35 minutes). Writes CSV, JSON, PNG plots "
+                    "and bench.md into --out. The peers come with the bench "
                     f"extra ({INSTALL_HINT}); without it their rows are left out, with a warning.")
     bench.add_argument("parts", nargs="*", default=None, metavar="part",
                        help=f"parts to run, among {', '.join(PARTS)} (default: {' '.join(DEFAULT_PARTS)})")

@@ -90,10 +90,11 @@ def _cmd_export(args: argparse.Namespace) -> int:
     model = load_for_inference(args.checkpoint, model=args.model, pretrained=args.pretrained,
                                num_classes=args.num_classes, img_size=args.img_size, dtype=dtype)
     cfg = getattr(model, "pretrained_cfg", None) or {}
-    name = cfg.get("model") or args.model
-    size = args.img_size or cfg.get("image_size") or model_info(name).input_size
+    name = cfg.get("architecture") or args.model
+    in_chans, _, cfg_size = cfg.get("input_size") or (3, None, None)
+    size = args.img_size or cfg_size or model_info(name).input_size
     out = args.out or default_export_path(name, args.format)
-    res = export_model(model, out, args.format, input_size=size, in_chans=cfg.get("in_chans") or 3,
+    res = export_model(model, out, args.format, input_size=size, in_chans=in_chans,
                        check=not args.no_check, batch_size=args.batch_size, dynamic_batch=not args.static_batch)
     shape = (["batch"] if res["dynamic_batch"] else []) + res["input_shape"][1 if res["dynamic_batch"] else 0:]
     batches = " and ".join(map(str, res["check_batches"]))
@@ -143,7 +144,37 @@ def _add_export(sub) -> None:
     ex.set_defaults(func=_cmd_export)
 
 
+def _cmd_push(args: argparse.Namespace) -> int:
+    """Share a run on the Hugging Face hub (library: ``lambdanet.hub.push_to_hub`` / ``save_for_hub``)."""
+    from lambdanet.hub import push_to_hub, save_for_hub
+
+    if args.folder:
+        folder = save_for_hub(args.run, args.folder)
+        print(f"{args.run} -> {folder} ({', '.join(sorted(p.name for p in folder.iterdir()))}); upload it with "
+              f"lambdanet push-to-hub {args.run} {args.repo_id}")
+        return 0
+    url = push_to_hub(args.run, args.repo_id, private=args.private)
+    print(f"{args.run} -> {url}; load it with lambdanet.create_model('hf-hub:{args.repo_id}')")
+    return 0
+
+
+def _add_push(sub) -> None:
+    push = sub.add_parser("push-to-hub", help="share a trained run on the Hugging Face hub",
+                          description="Upload a lambdanet train run (its weights with their description, a "
+                                      "config.json, a model card with the run's metrics, config.yaml and "
+                                      "summary.json) to a Hugging Face hub repository, created when missing; "
+                                      "create_model('hf-hub:OWNER/NAME') and load_model('hf-hub:OWNER/NAME') load "
+                                      "it. Needs a token with write access (huggingface-cli login).")
+    push.add_argument("run", help="the run directory (or its model.safetensors / model_ema.safetensors)")
+    push.add_argument("repo_id", help="the hub repository, OWNER/NAME")
+    push.add_argument("--private", action="store_true", help="create the repository private")
+    push.add_argument("--folder", default=None,
+                      help="write the repository's files into this folder instead of uploading them")
+    push.set_defaults(func=_cmd_push)
+
+
 def register(sub) -> None:
     """Add this module's commands to the subparsers ``sub``."""
     _add_predict(sub)
     _add_export(sub)
+    _add_push(sub)

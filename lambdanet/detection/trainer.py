@@ -44,7 +44,7 @@ from lambdanet.engine.optim import build_optimizer, lr_at
 from lambdanet.engine.preempt import Preempted, StopSignals
 from lambdanet.engine.rundir import check_new_run
 from lambdanet.engine.state import RunState
-from lambdanet.engine.task import Task, run
+from lambdanet.engine.task import Task, check_extras, run
 from lambdanet.runtime import AMP_DTYPES
 from lambdanet.engine.config import RunConfig, option
 
@@ -357,6 +357,7 @@ def train_detector(cfg: DetectConfig, log: Callable[[str], None] = print) -> dic
     procs = local_processes(cfg)
     if procs == 1:
         return run(DetectionTask, cfg, log)
+    check_extras(DetectionTask, cfg)
     check_new_run(cfg.out, cfg.resume, RUN_CHECKPOINTS)  # a user error is one line here, not one per process
     if cfg.resume:
         cfg.check_resume()
@@ -399,6 +400,8 @@ class DetectionTask(Task):
     a checkpoint every epoch; before the first epoch, the backbone's glyph-crop pre-training."""
 
     diverged_hint = "Lower --lr or raise --warmup-steps."
+    command = "detect"
+    extras = (("matplotlib", "train"), ("pycocotools", "detect"))
 
     def build_state(self) -> RunState:
         from lambdanet.detection.data import GlyphSceneConfig, build_detection_datasets

@@ -32,14 +32,17 @@ from lambdanet.engine.loop import fit
 from lambdanet.engine.preempt import StopSignals, resume_point
 from lambdanet.engine.rundir import RunDirBusyError, RunDirLock, check_new_run
 from lambdanet.engine.state import RunState
+from lambdanet.helpers import require
 
-__all__ = ["Task", "run"]
+__all__ = ["Task", "run", "check_extras"]
 
 
 class Task:
     """A task of the engine (see the module's docstring for what a subclass implements)."""
 
     diverged_hint = "Lower --lr or check the data."
+    command = "train"  # the command that runs the task, for messages
+    extras: tuple[tuple[str, str], ...] = (("matplotlib", "train"),)  # (module, extra) the task needs: the plots
     lr: Callable[[int], float] | None = None  # the rate of each step (None: the state's scheduler)
     steps_per_epoch: int = 0
 
@@ -94,9 +97,19 @@ def run(task_cls: type[Task], cfg, log: Callable[[str], None] = print) -> dict:
         cleanup(ctx, synchronize=finished)
 
 
+def check_extras(task_cls: type[Task], cfg) -> None:
+    """The optional packages a run of ``task_cls`` needs are installed, else a one-line error naming the extra
+    (before anything is trained or written)."""
+    for module, extra in task_cls.extras:
+        require(module, extra, f"lambdanet {task_cls.command}")
+    if getattr(cfg, "tensorboard", False):
+        require("tensorboard", "train", "--tensorboard (the default; --no-tensorboard turns it off)")
+
+
 def _run(task: Task) -> dict:
     cfg, ctx, out = task.cfg, task.ctx, task.out
     cfg.validate()
+    check_extras(type(task), cfg)
     saved_epochs = cfg.check_resume() if cfg.resume else cfg.epochs
     check_new_run(out, cfg.resume, cfg.CHECKPOINTS)
     random.seed(cfg.seed)
@@ -129,7 +142,8 @@ def _restore(task: Task, state: RunState, saved_epochs: int) -> None:
         raise ValueError(f"--epochs {cfg.epochs} is fewer than the {state.epoch} epochs {out} has done")
     if task.ctx.is_main:
         truncate_history(out / "metrics.csv", state.epoch)
-    task.log(f"resuming {out}: {state.epoch}/{saved_epochs} epochs done{resume_point(state.epoch, state.epoch_partial)}")
+    where = resume_point(state.epoch, state.epoch_partial)
+    task.log(f"resuming {out}: {state.epoch}/{saved_epochs} epochs done{where}")
     if cfg.epochs != saved_epochs:
         task.log(f"extending the run from {saved_epochs} to {cfg.epochs} epochs: the learning-rate schedule is "
                  f"recomputed over {cfg.epochs} epochs and continues from epoch {state.epoch}")

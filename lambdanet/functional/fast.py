@@ -14,7 +14,10 @@ from torch.utils.checkpoint import checkpoint
 
 from lambdanet.helpers import check_choice, compute_dtype, conv_nd
 
-__all__ = ["POSITION_IMPLS", "KEY_NORMS", "crop_relative_kernel", "cropped_kernel_size", "gather_relative_embeddings", "position_lambdas", "einsum_position_lambdas", "normalize_keys", "content_lambda", "causal_content_lambdas", "apply_lambdas", "apply_content_lambda", "permute_copy", "position_output_qe", "relative_position_output_qe", "POSITION_OUTPUT_IMPLS", "token_position_lambdas"]
+__all__ = ["POSITION_IMPLS", "KEY_NORMS", "crop_relative_kernel", "cropped_kernel_size", "gather_relative_embeddings",
+           "position_lambdas", "einsum_position_lambdas", "normalize_keys", "content_lambda", "causal_content_lambdas",
+           "apply_lambdas", "apply_content_lambda", "permute_copy", "position_output_qe", "relative_position_output_qe",
+           "POSITION_OUTPUT_IMPLS", "token_position_lambdas"]
 
 POSITION_IMPLS = ("conv", "depthwise_conv", "einsum")
 POSITION_OUTPUT_IMPLS = POSITION_IMPLS + ("einsum_qe",)

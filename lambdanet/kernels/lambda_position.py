@@ -91,7 +91,8 @@ def _forward(q_ptr, v_ptr, r_ptr, y_ptr, N, H, K, V, U, S0, W, T0, T1, c0, c1,
         m_ok = offs_m < hi
         idx, valid = _pairs(offs_n, offs_m, n_ok, m_ok, W, T0, T1, c0, c1)  # n m
         for u in range(U):
-            s = _scores(q_ptr, r_ptr, offs_n, offs_h, n_ok, h_ok, idx, valid, u, K, U, T, s_qn, s_qh, BLOCK_N, BLOCK_H, BLOCK_M)
+            s = _scores(q_ptr, r_ptr, offs_n, offs_h, n_ok, h_ok, idx, valid, u, K, U, T, s_qn, s_qh,
+                        BLOCK_N, BLOCK_H, BLOCK_M)
             vt = tl.load(v_ptr + offs_m[:, None] * s_vm + offs_v[None, :] * s_vv + u,
                          mask=m_ok[:, None] & v_ok[None, :], other=0.0)  # m v
             s2 = tl.reshape(s, (BLOCK_N * BLOCK_H, BLOCK_M))
@@ -101,7 +102,8 @@ def _forward(q_ptr, v_ptr, r_ptr, y_ptr, N, H, K, V, U, S0, W, T0, T1, c0, c1,
                 acc += tl.dot(s2, vt.to(tl.float32), input_precision=F32_DOT)
     out = tl.reshape(acc, (BLOCK_N, BLOCK_H, BLOCK_V))
     y_ptrs = y_ptr + b * s_yb + offs_n[:, None, None] * s_yn + offs_h[None, :, None] * s_yh + offs_v[None, None, :]
-    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=n_ok[:, None, None] & h_ok[None, :, None] & v_ok[None, None, :])
+    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty),
+             mask=n_ok[:, None, None] & h_ok[None, :, None] & v_ok[None, None, :])
 
 
 @triton.jit
@@ -118,8 +120,8 @@ def _backward_q(q_ptr, v_ptr, r_ptr, dy_ptr, dq_ptr, N, H, K, V, U, S0, W, T0, T
     offs_h, offs_v = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_V)
     n_ok, h_ok, v_ok = offs_n < N, offs_h < H, offs_v < V
     row_ok = n_ok[:, None] & h_ok[None, :]
-    dy = tl.load(dy_ptr + b * s_yb + offs_n[:, None, None] * s_yn + offs_h[None, :, None] * s_yh + offs_v[None, None, :],
-                 mask=row_ok[:, :, None] & v_ok[None, None, :], other=0.0)
+    dy_offs = b * s_yb + offs_n[:, None, None] * s_yn + offs_h[None, :, None] * s_yh + offs_v[None, None, :]
+    dy = tl.load(dy_ptr + dy_offs, mask=row_ok[:, :, None] & v_ok[None, None, :], other=0.0)
     dy2 = tl.reshape(dy, (BLOCK_N * BLOCK_H, BLOCK_V))
     lo, hi = _band(pid_n * BLOCK_N // W, (tl.minimum(pid_n * BLOCK_N + BLOCK_N, N) - 1) // W, c0, T0, S0, W)
     for m0 in range(lo, hi, BLOCK_M):
@@ -166,7 +168,8 @@ def _backward_kv(q_ptr, v_ptr, r_ptr, dy_ptr, dv_ptr, dr_ptr, N, H, K, V, U, S0,
             n_ok = (offs_n < hi) & (offs_n < N)
             row_ok = n_ok[:, None] & h_ok[None, :]
             idx, valid = _pairs(offs_n, offs_m, n_ok, m_ok, W, T0, T1, c0, c1)  # n m
-            s = _scores(q_ptr, r_ptr, offs_n, offs_h, n_ok, h_ok, idx, valid, u, K, U, T, s_qn, s_qh, BLOCK_N, BLOCK_H, BLOCK_M)
+            s = _scores(q_ptr, r_ptr, offs_n, offs_h, n_ok, h_ok, idx, valid, u, K, U, T, s_qn, s_qh,
+                        BLOCK_N, BLOCK_H, BLOCK_M)
             dy = tl.load(dy_ptr + offs_n[:, None, None] * s_yn + offs_h[None, :, None] * s_yh + offs_v[None, None, :],
                          mask=row_ok[:, :, None] & v_ok[None, None, :], other=0.0)
             dy2 = tl.reshape(dy, (BLOCK_N * BLOCK_H, BLOCK_V))

@@ -136,6 +136,7 @@ class LanguageModelTask(Task):
     """Next-byte prediction (:class:`LMConfig`; see the module docstring)."""
 
     diverged_hint = "Lower --lr, raise --warmup-steps or keep --grad-clip."
+    command = "lm train"
 
     def build_state(self) -> RunState:
         cfg, ctx = self.cfg, self.ctx

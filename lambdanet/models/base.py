@@ -34,10 +34,23 @@ class Backbone(nn.Module):
                 if isinstance(m, block_type):
                     m.zero_init_last()
 
-    def reset_classifier(self, num_classes: int) -> None:
-        """Replace the classifier by a fresh one with ``num_classes`` outputs (0: no classifier)."""
+    def get_classifier(self) -> nn.Module:
+        """The classifier (timm's interface): ``fc``, an ``nn.Identity`` when there is none."""
+        return self.fc
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """Replace the classifier by a fresh one with ``num_classes`` outputs (0: no classifier); the pooling is
+        global average pooling (``global_pool`` ``None`` or ``"avg"``, timm's argument). ``pretrained_cfg`` follows
+        (its ``num_classes``; its ``classes`` no longer apply)."""
+        if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 0:
+            raise ValueError(f"num_classes must be a non-negative int, got {num_classes!r}")
+        if global_pool not in (None, "avg"):
+            raise ValueError(f"global_pool must be 'avg' (global average pooling, the only one), got {global_pool!r}")
         self.num_classes = num_classes
         self.fc = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+        cfg = getattr(self, "pretrained_cfg", None)
+        if cfg is not None and cfg.get("num_classes") != num_classes:
+            cfg.update(num_classes=num_classes, classes=None)
 
     def forward_stages(self, x: Tensor) -> list[Tensor]:
         """Feature maps of c2..c5 (strides 4, 8, 16, 32 with the ImageNet stems), for a trunk of ``stem``
@@ -54,6 +67,7 @@ class Backbone(nn.Module):
         return self.final_conv(self.stages(self.stem(x)))
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
+        """Pooled features ``[b, num_features]`` (``pre_logits``) or logits from :meth:`forward_features`' map."""
         x = self.head_drop(x.mean(dim=(2, 3)))
         return x if pre_logits else self.fc(x)
 

@@ -205,8 +205,9 @@ def self_attention_layer(kind: str, kwargs: Mapping, dim: int, stride: int, feat
         dim_head = kw.pop("dim_head", None) or make_divisible(dim * kw.pop("qk_ratio", 1.0)) // heads
         block = kw.pop("block_size", 8)
         layer = HaloAttention(dim, dim, stride=stride, block_size=block, halo_size=kw.pop("halo_size", 3),
-                              heads=heads, dim_qk=heads * dim_head, downsample="pool" if block % stride else "subsample",
-                              rel_split="full", rel_geometry="window", mask_padding=False)
+                              heads=heads, dim_qk=heads * dim_head,
+                              downsample="pool" if block % stride else "subsample", rel_split="full",
+                              rel_geometry="window", mask_padding=False)
     elif kind == "bottleneck":  # BoTNet: 4 heads, global, full-depth relative tables
         heads = kw.pop("num_heads", 4)
         dim_head = kw.pop("dim_head", None) or make_divisible(dim * kw.pop("qk_ratio", 1.0)) // heads

@@ -11,6 +11,7 @@ import os
 from torch import nn
 
 from lambdanet.models import pretrained as weights
+from lambdanet.models.hub import download_hub_weights, hub_repo
 from lambdanet.models.registry import entry_point, model_info, pretrained_cfg
 
 __all__ = ["create_model"]
@@ -21,7 +22,9 @@ def create_model(name: str, *, num_classes: int | None = None, in_chans: int | N
     """Build the registered model ``name``.
 
     Args:
-        name: one of :func:`lambdanet.models.list_models`.
+        name: one of :func:`lambdanet.models.list_models`, or ``"hf-hub:owner/name"``: a model shared with
+            :func:`lambdanet.hub.push_to_hub` (its architecture, arguments, weights, classes and preprocessing;
+            downloaded once into huggingface_hub's cache, then read offline).
         num_classes: classifier outputs (default 1000; 0 for no classifier: ``forward`` returns pooled features).
             Language models (``model_info(name).task == "lm"``) take ``vocab_size`` instead.
         in_chans: input image channels (default 3).
@@ -34,17 +37,23 @@ def create_model(name: str, *, num_classes: int | None = None, in_chans: int | N
             another number of input channels has its input convolution adapted to ``in_chans``.
         **kwargs: architecture options (:func:`lambdanet.models.model_args`); unknown ones raise a ``ValueError``.
 
-    The model carries ``pretrained_cfg``: what its inputs should look like (``image_size``, ``mean``, ``std``,
-    ``crop_pct``, ``interpolation``) and its ``classes`` (``None``: ImageNet's for 1000 classes).
+    The model carries ``pretrained_cfg`` in timm's keys (:func:`lambdanet.models.registry.image_cfg`): what its
+    inputs should look like (``input_size``, ``mean``, ``std``, ``crop_pct``, ``interpolation``), ``first_conv``,
+    ``classifier``, and its ``classes`` (``None``: ImageNet's for 1000 classes); a language model's is
+    ``{"architecture", "vocab_size"}``.
     """
+    repo = hub_repo(name)
+    if repo is not None:
+        return _from_hub(repo, num_classes=num_classes, in_chans=in_chans, pretrained=pretrained,
+                         checkpoint_path=checkpoint_path, **kwargs)
     build = entry_point(name, kwargs)
     if model_info(name).task == "lm":
         if num_classes is not None or in_chans is not None or pretrained or checkpoint_path is not None:
             raise ValueError(f"{name} is a language model: it takes vocab_size=..., not num_classes, in_chans or "
                              "weights (load a trained one with lambdanet.lm.load_lm)")
         model = build(**kwargs)
-        model.model_name = name
-        model.pretrained_cfg = {"model": name, "vocab_size": model.vocab_size}
+        model.model_name, model.model_kwargs = name, dict(kwargs)
+        model.pretrained_cfg = {"architecture": name, "vocab_size": model.vocab_size}
         return model
     num_classes, in_chans = 1000 if num_classes is None else num_classes, 3 if in_chans is None else in_chans
     if not isinstance(num_classes, int) or num_classes < 0:
@@ -56,8 +65,33 @@ def create_model(name: str, *, num_classes: int | None = None, in_chans: int | N
     if pretrained:
         weights.hub_id(name)  # fail before building when there are no weights
     model = build(num_classes=num_classes, in_chans=in_chans, **kwargs)
-    model.model_name = name
-    model.pretrained_cfg = pretrained_cfg(name, num_classes, in_chans)
+    model.model_name, model.model_kwargs = name, dict(kwargs)
+    first_conv = next((n for n, m in model.named_modules() if isinstance(m, nn.Conv2d)), None)
+    model.pretrained_cfg = pretrained_cfg(name, num_classes, in_chans) | {"first_conv": first_conv,
+                                                                          "classifier": "fc"}
+    model.default_cfg = model.pretrained_cfg  # timm's older name for the same dict
     if pretrained or checkpoint_path is not None:
         weights.load_into(model, name, pretrained=pretrained, checkpoint_path=checkpoint_path)
     return model
+
+
+def _from_hub(repo: str, *, num_classes, in_chans, pretrained, checkpoint_path, **kwargs) -> nn.Module:
+    """``create_model("hf-hub:...")``: the repository's architecture and arguments (``kwargs`` override them)
+    with its weights; another ``num_classes`` / ``in_chans`` adapts them as ``checkpoint_path`` does."""
+    if pretrained or checkpoint_path is not None:
+        raise ValueError(f"hf-hub:{repo} brings its own weights: pass neither pretrained nor checkpoint_path")
+    path, meta = download_hub_weights(repo)
+    arch, arch_kwargs = meta["model"], {**meta.get("model_kwargs", {}), **kwargs}
+    if model_info(arch).task == "lm":
+        from safetensors.torch import load_model
+
+        model = create_model(arch, vocab_size=meta["vocab_size"], **arch_kwargs)
+        load_model(model, str(path))
+    else:
+        model = create_model(arch, num_classes=meta["num_classes"] if num_classes is None else num_classes,
+                             in_chans=meta["in_chans"] if in_chans is None else in_chans, checkpoint_path=path,
+                             **arch_kwargs)
+        model.pretrained_cfg.update(weights=f"hf-hub:{repo}", hf_hub_id=repo.partition("@")[0])
+    model.model_kwargs = arch_kwargs
+    return model
+

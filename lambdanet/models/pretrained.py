@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from lambdanet.files import WeightsMismatchError, read_state_dict, run_file, run_metadata
 from lambdanet.layers import HaloAttention, LambdaLayer, RelativeSelfAttention
-from lambdanet.models.registry import published_models
+from lambdanet.models.registry import published_models, run_image_cfg
 
 __all__ = ["PretrainedUnavailableError", "HUB_FILENAME", "cache_dir", "hub_id", "convert_timm_state_dict",
            "adapt_input_conv", "tie_shared", "load_weights", "load_state", "load_pretrained", "load_into",
@@ -255,8 +255,12 @@ def load_into(model: nn.Module, name: str, *, pretrained: bool = False,
         checkpoint_path = run_file(checkpoint_path)  # a run directory: its weights file
     notes = load_pretrained(model, name) if pretrained else load_weights(model, checkpoint_path, name)
     if checkpoint_path is not None:  # lambdanet's run weights describe their data: classes and preprocessing
-        meta = run_metadata(checkpoint_path) or {}
-        model.pretrained_cfg.update({k: meta[k] for k in ("classes", "data", "image_size", "mean", "std") if k in meta})
+        meta = run_metadata(checkpoint_path)
+        if meta and "image_size" in meta:
+            cfg = model.pretrained_cfg
+            model.pretrained_cfg.update(run_image_cfg({**meta, "model": cfg["architecture"],
+                                                       "num_classes": cfg["num_classes"],
+                                                       "in_chans": cfg["input_size"][0]}))
         if any("classifier" in n for n in notes):
             model.pretrained_cfg["classes"] = None
     model.pretrained_cfg["weights"] = "pretrained" if pretrained else str(checkpoint_path)

@@ -17,8 +17,8 @@ from torch import nn
 
 from lambdanet.constants import DEFAULT_CROP_PCT, DEFAULT_INTERPOLATION, IMAGENET_MEAN, IMAGENET_STD
 
-__all__ = ["unregister_model", "register_model", "entry_point", "pretrained_cfg", "published_models",
-           "list_models", "model_info", "model_args", "ModelInfo", "PretrainedCfg"]
+__all__ = ["unregister_model", "register_model", "entry_point", "image_cfg", "run_image_cfg", "pretrained_cfg",
+           "published_models", "list_models", "model_info", "model_args", "ModelInfo", "PretrainedCfg"]
 
 
 @dataclass(frozen=True)
@@ -175,15 +175,39 @@ def entry_point(name: str, kwargs: Mapping[str, object] | None = None) -> Callab
     return _MODELS[name]
 
 
+def image_cfg(architecture: str, *, num_classes: int, in_chans: int, image_size: int, mean, std,
+              crop_pct: float = 1.0, interpolation: str = "bilinear", classes=None, data: str | None = None,
+              hf_hub_id: str | None = None) -> dict:
+    """An image model's ``pretrained_cfg`` in timm's keys and meanings, so that timm's data helpers
+    (``resolve_data_config``, ``create_transform``) read it: ``architecture``, ``num_classes``, ``input_size``
+    ``(in_chans, H, W)``, ``crop_pct`` (resize the shorter side to ``H / crop_pct``, centre-crop; 1: resize
+    straight), ``crop_mode`` (``"center"``), ``interpolation``, ``mean``, ``std`` and, for published weights,
+    ``hf_hub_id``; plus lambdanet's ``classes`` (class names, ``None``: ImageNet's for 1000 classes) and ``data``
+    (what the weights were trained on). :func:`lambdanet.models.create_model` adds ``first_conv`` and
+    ``classifier`` (module names in the built model), loading adds ``weights`` and ``load_notes``."""
+    cfg = {"architecture": architecture, "num_classes": num_classes, "input_size": (in_chans, image_size, image_size),
+           "crop_pct": crop_pct, "crop_mode": "center", "interpolation": interpolation, "mean": list(mean),
+           "std": list(std), "classes": classes, "data": data}
+    return cfg | ({"hf_hub_id": hf_hub_id} if hf_hub_id else {})
+
+
+def run_image_cfg(meta: dict) -> dict:
+    """:func:`image_cfg` of a ``lambdanet train`` run's weights from their metadata (``model``, ``num_classes``,
+    ``in_chans``, ``image_size``, ``mean``, ``std``, ``classes``, ``data``): resized straight to the run's size
+    (``crop_pct`` 1), as the run evaluated."""
+    return image_cfg(meta["model"], num_classes=meta["num_classes"], in_chans=meta["in_chans"],
+                     image_size=meta["image_size"], mean=meta["mean"], std=meta["std"], classes=meta.get("classes"),
+                     data=meta.get("data"))
+
+
 def pretrained_cfg(name: str, num_classes: int = 1000, in_chans: int = 3) -> dict:
-    """``model.pretrained_cfg`` of ``create_model(name, num_classes=..., in_chans=...)`` before any weights are
-    loaded: the model's :meth:`ModelInfo.preprocessing` as plain data, with ``classes`` ``None`` (ImageNet's
-    when there are 1000) and, for a model with published weights, their ``hub_id`` and ``data``."""
+    """``model.pretrained_cfg`` (:func:`image_cfg`) of ``create_model(name, num_classes=..., in_chans=...)`` before
+    any weights are loaded: the model's :meth:`ModelInfo.preprocessing`, and for a model with published weights
+    their ``hf_hub_id`` and ``data``."""
     p = model_info(name).preprocessing
-    cfg = {"model": name, "num_classes": num_classes, "in_chans": in_chans, "classes": None,
-           "data": "imagenet" if p.hub_id else None, "image_size": p.input_size, "crop_pct": p.crop_pct,
-           "interpolation": p.interpolation, "mean": list(p.mean), "std": list(p.std)}
-    return cfg | ({"hub_id": p.hub_id} if p.hub_id else {})
+    return image_cfg(name, num_classes=num_classes, in_chans=in_chans, image_size=p.input_size, mean=p.mean,
+                     std=p.std, crop_pct=p.crop_pct, interpolation=p.interpolation,
+                     data="imagenet" if p.hub_id else None, hf_hub_id=p.hub_id)
 
 
 def published_models() -> dict[str, PretrainedCfg]:

@@ -161,8 +161,8 @@ class TrainConfig(RunConfig):
             raise ValueError("pass --pretrained (the published weights) or --checkpoint FILE, not both")
         if self.checkpoint is not None:
             if not Path(self.checkpoint).expanduser().exists():
-                raise ValueError(f"checkpoint {self.checkpoint!r} does not exist (expected a run directory of lambdanet "
-                                 "train or a weights file: .safetensors, .pth, .bin, a run's last.pt)")
+                raise ValueError(f"checkpoint {self.checkpoint!r} does not exist (expected a run directory of "
+                                 "lambdanet train or a weights file: .safetensors, .pth, .bin, a run's last.pt)")
             run_file(self.checkpoint)  # a directory without weights: one line naming it
         if not isinstance(self.model_kwargs, dict):
             raise ValueError(f"model_kwargs must be a mapping, got {self.model_kwargs!r}")

@@ -18,6 +18,8 @@ from torch import nn
 from lambdanet.data import dataset_spec
 from lambdanet.files import read_state_dict, run_file, run_metadata
 from lambdanet.models import create_model
+from lambdanet.models.hub import download_hub_weights, hub_repo
+from lambdanet.models.registry import run_image_cfg
 from lambdanet.models.pretrained import load_state
 from lambdanet.engine.checkpoint import CheckpointError, load_checkpoint, trained_weights
 
@@ -49,12 +51,21 @@ def load_model(path: str | os.PathLike, *, ema: bool = True) -> nn.Module:
 
     Args:
         path: a run directory (``model_ema.safetensors`` when present and ``ema``, else
-            ``model.safetensors``), a ``.safetensors`` file written by ``lambdanet train``, or a ``last.pt``.
+            ``model.safetensors``), a ``.safetensors`` file written by ``lambdanet train``, a ``last.pt``, or
+            ``"hf-hub:owner/name"``: a run shared with :func:`lambdanet.hub.push_to_hub` (downloaded once into
+            huggingface_hub's cache).
         ema: prefer the EMA weights where a run has both.
 
-    The returned model has ``pretrained_cfg``: ``{"model", "num_classes", "in_chans", "classes", "data",
-    "image_size", "mean", "std"}`` (what its inputs must look like and what its outputs mean).
+    The returned model has ``pretrained_cfg`` in timm's keys (:func:`lambdanet.models.registry.image_cfg`):
+    ``architecture``, ``num_classes``, ``input_size`` ``(in_chans, size, size)``, ``mean``, ``std``, ``crop_pct``
+    1 (resized straight, as the run evaluated), ``classes`` and ``data`` (what its inputs must look like and what
+    its outputs mean).
     """
+    repo = hub_repo(path)
+    if repo is not None:
+        model = load_model(download_hub_weights(repo)[0])
+        model.pretrained_cfg.update(weights=f"hf-hub:{repo}", hf_hub_id=repo.partition("@")[0])
+        return model
     path = run_file(path, ema=ema)
     if not path.is_file():
         raise ValueError(f"{path} does not exist; pass a run directory, its model.safetensors or its last.pt")
@@ -74,8 +85,7 @@ def load_model(path: str | os.PathLike, *, ema: bool = True) -> nn.Module:
         meta = {"model": cfg["model"], "num_classes": spec.num_classes, "in_chans": spec.in_chans,
                 "classes": spec.classes, "data": cfg["data"], "image_size": cfg.get("img_size") or spec.image_size,
                 "mean": list(spec.mean), "std": list(spec.std)}
-    model.pretrained_cfg = {k: meta[k] for k in ("model", "num_classes", "in_chans", "classes", "data", "image_size",
-                                                 "mean", "std")}
+    model.pretrained_cfg.update(run_image_cfg(meta))
     return model.eval()
 
 

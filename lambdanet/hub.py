@@ -1,0 +1,131 @@
+"""Share trained models on the Hugging Face hub: ``push_to_hub(run_dir_or_model, "owner/name")``.
+
+:func:`save_for_hub` writes what a hub repository holds, into a local folder:
+
+* ``model.safetensors``: the weights with lambdanet's header (architecture, its arguments, classes,
+  preprocessing), the file ``lambdanet train`` writes (a run's EMA weights when it has them);
+* ``config.json``: the same as JSON, timm's layout (``architecture``, ``num_classes``, ``model_args``,
+  ``pretrained_cfg`` in timm's keys) plus ``classes`` and ``library_name``;
+* ``README.md``: the model card: the run's metrics from ``summary.json``, the command that trained it, how to
+  load it; and the run's ``config.yaml`` and ``summary.json`` beside it.
+
+:func:`push_to_hub` uploads that folder with ``huggingface_hub`` (one commit). Loading it back is
+``lambdanet.create_model("hf-hub:owner/name")`` or ``lambdanet.load_model("hf-hub:owner/name")``
+(:mod:`lambdanet.models.hub`); the logits are bit-equal to the run's own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from torch import nn
+
+from lambdanet.files import run_file, run_metadata, weights_metadata
+from lambdanet.models.hub import CONFIG_FILE, WEIGHTS_FILE
+from lambdanet.models.registry import run_image_cfg
+
+__all__ = ["save_for_hub", "push_to_hub", "model_card"]
+
+
+def _from_model(model: nn.Module, folder: Path) -> dict:
+    """Weights and metadata of an in-memory image model made by ``create_model`` / ``load_model``."""
+    from safetensors.torch import save_model
+
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    if "input_size" not in cfg or not hasattr(model, "model_kwargs"):
+        raise ValueError("push_to_hub takes a run directory, its weights file, or an image model made by "
+                         "lambdanet.create_model / load_model (it needs pretrained_cfg and model_kwargs)")
+    in_chans, size, _ = cfg["input_size"]
+    meta = {"model": cfg["architecture"], "model_kwargs": dict(model.model_kwargs), "num_classes": cfg["num_classes"],
+            "in_chans": in_chans, "classes": cfg.get("classes"), "data": cfg.get("data"), "image_size": size,
+            "mean": list(cfg["mean"]), "std": list(cfg["std"])}
+    save_model(model, str(folder / WEIGHTS_FILE), metadata=weights_metadata(**meta), force_contiguous=True)
+    return meta
+
+
+def save_for_hub(source: str | os.PathLike | nn.Module, folder: str | os.PathLike) -> Path:
+    """Write the hub repository of ``source`` (a ``lambdanet train`` run directory, its ``.safetensors`` weights,
+    or an image model from ``create_model`` / ``load_model``) into ``folder`` (see the module docstring)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    summary, run_dir = {}, None
+    if isinstance(source, nn.Module):
+        meta = _from_model(source, folder)
+    else:
+        weights = run_file(source)
+        meta = run_metadata(weights) if weights.is_file() else None
+        if not meta or "image_size" not in meta:
+            raise ValueError(f"{source}: not the weights of a lambdanet train run (a run directory or its "
+                             "model.safetensors / model_ema.safetensors)")
+        shutil.copyfile(weights, folder / WEIGHTS_FILE)
+        run_dir = weights.parent
+        for name in ("summary.json", "config.yaml"):
+            if (run_dir / name).is_file():
+                shutil.copyfile(run_dir / name, folder / name)
+        if (run_dir / "summary.json").is_file():
+            summary = json.loads((run_dir / "summary.json").read_text())
+    cfg = run_image_cfg(meta)
+    config = {"architecture": meta["model"], "num_classes": meta["num_classes"], "model_args": meta["model_kwargs"],
+              "pretrained_cfg": {**cfg, "input_size": list(cfg["input_size"])}, "classes": meta.get("classes"),
+              "library_name": "lambdanet"}
+    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    (folder / "README.md").write_text(model_card(meta, summary, has_config=(folder / "config.yaml").is_file()))
+    return folder
+
+
+def model_card(meta: dict, summary: dict, *, repo_id: str = "OWNER/NAME", has_config: bool = False) -> str:
+    """The ``README.md`` of a shared model: front matter for the hub, the metrics of ``summary`` (a run's
+    ``summary.json``; may be empty), how it was trained and how to load it."""
+    rows = [("test top-1", summary.get("final_acc"), "{:.2%}"), ("test top-5", summary.get("final_top5"), "{:.2%}"),
+            (f"best test top-1 (epoch {summary.get('best_epoch')})", summary.get("best_acc"), "{:.2%}"),
+            ("parameters", summary.get("params"), "{:,}"), ("epochs", summary.get("epochs"), "{}"),
+            ("training time (s)", summary.get("train_time_s"), "{:.0f}"), ("hardware", summary.get("hardware"), "{}")]
+    metrics = [f"| {name} | {fmt.format(value)} |" for name, value, fmt in rows if value is not None]
+    data, arch = meta.get("data") or "unknown data", meta["model"]
+    lines = ["---", "library_name: lambdanet", "tags:", "- image-classification", "- lambda-networks", "---", "",
+             f"# {arch} trained on {data}", "",
+             f"A `{arch}` ({json.dumps(meta['model_kwargs'])}) trained with lambdanet (`pip install lambdanet`), "
+             "the PyTorch reference implementation of LambdaNetworks (Bello, ICLR 2021): "
+             f"{meta['num_classes']} classes, {meta['in_chans']}-channel "
+             f"{meta['image_size']}x{meta['image_size']} inputs normalised with mean {meta['mean']} and std "
+             f"{meta['std']}.", ""]
+    if metrics:
+        lines += ["## Results", "", "| metric | value |", "|---|---|", *metrics, ""]
+    lines += ["## Training", ""]
+    if has_config:
+        lines += [f"Trained with `lambdanet train --config config.yaml` (recipe `{summary.get('recipe', '?')}`); "
+                  "`config.yaml` here holds every option of the run, `summary.json` its results.", ""]
+    else:
+        lines += ["Weights of a model built with `lambdanet.create_model`; see the uploader for how it was trained.",
+                  ""]
+    lines += ["## Use", "", "```python", "import lambdanet", "from lambdanet.predict import predict", "",
+              f'model = lambdanet.create_model("hf-hub:{repo_id}")  # or lambdanet.load_model("hf-hub:{repo_id}")',
+              'print(predict(model, "image.png"))  # top-5 classes, preprocessed as model.pretrained_cfg says',
+              "```", "",
+              "The preprocessing is in `model.pretrained_cfg`, in timm's keys "
+              "(`timm.data.resolve_data_config(model=model)` reads it).", ""]
+    return "\n".join(lines)
+
+
+def push_to_hub(source: str | os.PathLike | nn.Module, repo_id: str, *, private: bool = False,
+                token: str | None = None, revision: str | None = None, commit_message: str | None = None) -> str:
+    """Upload ``source`` (see :func:`save_for_hub`) to the hub repository ``repo_id`` (created when missing) in
+    one commit; returns the commit's URL. Needs a token with write access (``huggingface-cli login`` or
+    ``token``)."""
+    from huggingface_hub import HfApi
+
+    if not isinstance(repo_id, str) or repo_id.count("/") != 1:
+        raise ValueError(f"repo_id must be 'owner/name', got {repo_id!r}")
+    api = HfApi(token=token)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = save_for_hub(source, tmp)
+        card = (folder / "README.md").read_text().replace("OWNER/NAME", repo_id)
+        (folder / "README.md").write_text(card)
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        info = api.upload_folder(repo_id=repo_id, folder_path=str(folder), revision=revision,
+                                 commit_message=commit_message or "Upload lambdanet model")
+    return str(getattr(info, "commit_url", info))

@@ -1,0 +1,128 @@
+"""Sharing trained models: push_to_hub / create_model("hf-hub:...") / load_model("hf-hub:...") and hubconf.py,
+without network: the repository push_to_hub writes is placed in huggingface_hub's own cache layout (a temporary
+cache, offline mode), so loading goes through huggingface_hub exactly as after a real download; the upload goes
+to a recording stand-in for ``HfApi``. The expectation is the run's own model: logits bit-equal, same
+preprocessing and classes."""
+
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import huggingface_hub
+import huggingface_hub.constants
+import pytest
+import torch
+
+import lambdanet
+from lambdanet import create_model, load_model
+from lambdanet.hub import push_to_hub, save_for_hub
+
+REPO = Path(__file__).resolve().parent.parent
+RUN = REPO / "tests" / "fixtures" / "runs_v1" / "train_done"  # written by lambdanet 0.1.0
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An empty huggingface_hub cache in offline mode; ``publish(folder, repo_id)`` puts a repository in it as a
+    download would (``models--owner--name/snapshots/<commit>/`` and ``refs/main``)."""
+    cache = tmp_path / "hf_cache"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+    def publish(folder: Path, repo_id: str) -> None:
+        commit = "0123456789abcdef0123456789abcdef01234567"
+        root = cache / f"models--{repo_id.replace('/', '--')}"
+        shutil.copytree(folder, root / "snapshots" / commit)
+        (root / "refs").mkdir(parents=True)
+        (root / "refs" / "main").write_text(commit)
+
+    return publish
+
+
+def test_a_run_shared_and_loaded_back_gives_its_own_logits(tmp_path, hub_cache):
+    folder = save_for_hub(RUN, tmp_path / "repo")
+    assert {p.name for p in folder.iterdir()} == {"model.safetensors", "config.json", "README.md", "summary.json",
+                                                  "config.yaml"}
+    hub_cache(folder, "someone/digits-resnet26")
+    own = load_model(RUN)
+    x = torch.randn(4, 1, 16, 16)
+    for shared in (create_model("hf-hub:someone/digits-resnet26").eval(),
+                   load_model("hf-hub:someone/digits-resnet26")):
+        assert torch.equal(shared(x), own(x))
+        for key in ("architecture", "num_classes", "input_size", "mean", "std", "classes", "data"):
+            assert shared.pretrained_cfg[key] == own.pretrained_cfg[key], key
+        assert shared.pretrained_cfg["weights"] == "hf-hub:someone/digits-resnet26"
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architecture"] == "resnet26" and config["pretrained_cfg"]["input_size"] == [1, 16, 16]
+    assert config["model_args"] == json.loads((RUN / "summary.json").read_text())["model_kwargs"]
+
+
+def test_the_model_card_renders_the_runs_metrics_and_how_to_load_it(tmp_path):
+    summary = json.loads((RUN / "summary.json").read_text())
+    card = (save_for_hub(RUN, tmp_path / "repo") / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: lambdanet\n")
+    assert f"| test top-1 | {summary['final_acc']:.2%} |" in card
+    assert f"| parameters | {summary['params']:,} |" in card and "lambdanet train --config config.yaml" in card
+    assert 'create_model("hf-hub:OWNER/NAME")' in card
+
+
+def test_a_model_object_is_shared_with_its_arguments(tmp_path, hub_cache):
+    torch.manual_seed(1)
+    model = create_model("resnet26", num_classes=3, in_chans=2, base_width=4, stem="cifar").eval()
+    hub_cache(save_for_hub(model, tmp_path / "repo"), "someone/tiny")
+    shared = create_model("hf-hub:someone/tiny").eval()
+    x = torch.randn(2, 2, 32, 32)
+    assert shared.model_kwargs == {"base_width": 4, "stem": "cifar"} and torch.equal(shared(x), model(x))
+    fresh_head = create_model("hf-hub:someone/tiny", num_classes=5)  # fine-tuning: the trunk shared, a new head
+    first = model.pretrained_cfg["first_conv"]
+    assert fresh_head.fc.out_features == 5
+    assert torch.equal(dict(fresh_head.named_modules())[first].weight, dict(model.named_modules())[first].weight)
+
+
+def test_push_to_hub_uploads_the_repository_in_one_commit(monkeypatch, tmp_path):
+    calls = []
+
+    class RecordingApi:
+        def __init__(self, token=None):
+            calls.append(("init", token))
+
+        def create_repo(self, repo_id, private=False, exist_ok=False):
+            calls.append(("create_repo", repo_id, private, exist_ok))
+
+        def upload_folder(self, repo_id, folder_path, revision=None, commit_message=None):
+            shutil.copytree(folder_path, tmp_path / "uploaded")
+            calls.append(("upload_folder", repo_id, commit_message))
+            return "https://huggingface.co/someone/digits/commit/abc"
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", RecordingApi)
+    url = lambdanet.push_to_hub(RUN, "someone/digits", private=True, token="t")
+    assert url.endswith("/commit/abc")
+    assert [c[0] for c in calls] == ["init", "create_repo", "upload_folder"] and calls[1][2:] == (True, True)
+    card = (tmp_path / "uploaded" / "README.md").read_text()
+    assert 'create_model("hf-hub:someone/digits")' in card and "OWNER/NAME" not in card
+    with pytest.raises(ValueError, match="repo_id"):
+        push_to_hub(RUN, "no-owner")
+
+
+def test_hub_names_and_missing_repositories_are_one_line_errors(hub_cache):
+    for name, needle in (("hf-hub:nobody", "owner/name"), ("hf-hub:someone/missing", "could not be had")):
+        with pytest.raises(ValueError, match=needle) as info:
+            create_model(name)
+        assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="brings its own weights"):
+        create_model("hf-hub:someone/missing", pretrained=True)
+
+
+def test_hubconf_serves_every_registered_model_to_torch_hub(monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))  # torch.hub prepends the repository
+    spec = importlib.util.spec_from_file_location("hubconf", REPO / "hubconf.py")
+    hubconf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hubconf)
+    entries = {n for n in dir(hubconf) if callable(getattr(hubconf, n)) and not n.startswith("_")}
+    assert entries == set(lambdanet.list_models())  # what torch.hub.list would show
+    model = torch.hub.load(str(REPO), "lambda_resnet26", source="local", num_classes=4, in_chans=1)
+    reference = create_model("lambda_resnet26", num_classes=4, in_chans=1)
+    assert type(model) is type(reference) and model.pretrained_cfg == reference.pretrained_cfg
+    assert [p.shape for p in model.parameters()] == [p.shape for p in reference.parameters()]
