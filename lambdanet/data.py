@@ -23,9 +23,10 @@ import functools
 import gzip
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -122,7 +123,7 @@ class SeededTransformDataset(Dataset):
         self.epoch = epoch
 
     def __len__(self) -> int:
-        return len(self.base)
+        return len(cast(Sized, self.base))
 
     def __getitem__(self, i: int) -> tuple[Tensor, int]:
         image, label = self.base[i]
@@ -195,7 +196,8 @@ def _torchvision_pair(name: str, cls, data_dir: Path, download: bool, *, searche
                       ) -> tuple[TensorImages, TensorImages]:
     """torchvision's (train, test) of ``cls`` as tensors, or one :class:`DatasetUnavailableError` line."""
     try:
-        return tuple(_from_torchvision(cls(str(data_dir), train=t, download=download)) for t in (True, False))
+        return cast("tuple[TensorImages, TensorImages]",
+                    tuple(_from_torchvision(cls(str(data_dir), train=t, download=download)) for t in (True, False)))
     except Exception as err:  # noqa: BLE001  torchvision raises RuntimeError, URLError, OSError, ... here
         if download:
             text = " ".join(str(err).split())
@@ -297,7 +299,8 @@ def build_datasets(name: str, *, data_dir: str | os.PathLike = "~/.cache/lambdan
     if name.startswith("imagefolder:"):
         return _imagefolder(name.split(":", 1)[1])
     spec = dataset_spec(name)
-    loaders = {"digits": _digits, "mnist5k": _mnist5k, "fashion-mnist": lambda: _fashion_mnist(data_dir, download)}
+    loaders: dict[str, Callable[[], tuple[TensorImages, TensorImages]]] = {
+        "digits": _digits, "mnist5k": _mnist5k, "fashion-mnist": lambda: _fashion_mnist(data_dir, download)}
     train, test = loaders.get(name, lambda: _cifar(name, data_dir, download))()
     return spec, train, test
 
@@ -355,15 +358,16 @@ class ImageLoader:
         self.fast = isinstance(base, TensorImages) and spec.small
         self.randaugment = rand_augment(*randaugment) if self.fast and train and randaugment else None
         if self.fast:
-            images = base.images if indices is None else base.images[indices]
-            labels = base.labels if indices is None else base.labels[indices]
+            tensors = cast(TensorImages, base)  # self.fast: base is a TensorImages
+            images = tensors.images if indices is None else tensors.images[indices]
+            labels = tensors.labels if indices is None else tensors.labels[indices]
             self.images, self.labels, self.n = resize_images(images, image_size), labels, len(labels)
             self.mean = torch.tensor(spec.mean).view(1, -1, 1, 1)
             self.std = torch.tensor(spec.std).view(1, -1, 1, 1)
         else:
             tf = build_transforms(spec, image_size, train=train, augment=augment, randaugment=randaugment)
             self.dataset = SeededTransformDataset(dataset, tf, seed)
-            self.n, self.workers = len(dataset), workers
+            self.n, self.workers = len(cast(Sized, dataset)), workers
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         """Iterate over ``epoch``'s batches from batch ``start_batch`` on (a preempted epoch continued: the batches
@@ -410,7 +414,7 @@ class ImageLoader:
         """RandAugment of one ``[c, h, w]`` image in [0, 1] under the generator of ``(seed, epoch, i)``."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(sample_seed(self.seed, self.epoch, i))
-            return self.randaugment(image)
+            return cast("Callable[[Tensor], Tensor]", self.randaugment)(image)  # only called when it is set
 
     def _crop(self, x: Tensor, offsets: Tensor) -> Tensor:
         """Random crops of ``image_size`` from the zero-padded batch at per-sample ``offsets``."""

@@ -6,7 +6,7 @@ import importlib
 import math
 import operator
 from collections.abc import Iterable, Sequence
-from typing import Callable
+from typing import Callable, SupportsIndex, cast, overload
 
 import torch
 import torch.nn.functional as F
@@ -16,13 +16,19 @@ __all__ = ["MissingExtraError", "require", "compute_dtype", "to_ntuple", "check_
            "conv_nd", "avg_pool_nd", "check_input", "check_real"]
 
 
+@overload
+def to_ntuple(value: None, n: int, name: str) -> None: ...
+@overload
+def to_ntuple(value: int | Sequence[int], n: int, name: str) -> tuple[int, ...]: ...
+
+
 def to_ntuple(value: int | Sequence[int] | None, n: int, name: str) -> tuple[int, ...] | None:
     """``value`` as an ``n``-tuple of ints (``None`` stays ``None``); a ``ValueError`` naming ``name`` for
     anything else (a non-int entry, a sequence of the wrong length)."""
     if value is None:
         return None
     if _is_int(value):
-        return (operator.index(value),) * n
+        return (operator.index(cast(SupportsIndex, value)),) * n
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise ValueError(f"{name} must be an int or a sequence of {n} ints, got {value!r}")
     entries = tuple(value)

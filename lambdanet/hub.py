@@ -21,6 +21,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import cast
 
 from torch import nn
 
@@ -40,9 +41,9 @@ def _from_model(model: nn.Module, folder: Path) -> dict:
         raise ValueError("push_to_hub takes a run directory, its weights file, or an image model made by "
                          "lambdanet.create_model / load_model (it needs pretrained_cfg and model_kwargs)")
     in_chans, size, _ = cfg["input_size"]
-    meta = {"model": cfg["architecture"], "model_kwargs": dict(model.model_kwargs), "num_classes": cfg["num_classes"],
-            "in_chans": in_chans, "classes": cfg.get("classes"), "data": cfg.get("data"), "image_size": size,
-            "mean": list(cfg["mean"]), "std": list(cfg["std"])}
+    meta = {"model": cfg["architecture"], "model_kwargs": dict(cast(dict, model.model_kwargs)),
+            "num_classes": cfg["num_classes"], "in_chans": in_chans, "classes": cfg.get("classes"),
+            "data": cfg.get("data"), "image_size": size, "mean": list(cfg["mean"]), "std": list(cfg["std"])}
     save_model(model, str(folder / WEIGHTS_FILE), metadata=weights_metadata(**meta), force_contiguous=True)
     return meta
 
@@ -53,6 +54,7 @@ def save_for_hub(source: str | os.PathLike | nn.Module, folder: str | os.PathLik
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     summary, run_dir = {}, None
+    meta: dict | None
     if isinstance(source, nn.Module):
         meta = _from_model(source, folder)
     else:

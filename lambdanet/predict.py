@@ -23,6 +23,7 @@ import functools
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -105,17 +106,18 @@ def load_for_inference(checkpoint: str | os.PathLike | None = None, *, model: st
                              "weights or its last.pt")
         if model is None or _is_run_output(path):
             net = load_model(path, ema=ema)
-            trained = net.pretrained_cfg["architecture"]
+            pretrained_cfg = cast("dict[str, Any]", net.pretrained_cfg)
+            trained = pretrained_cfg["architecture"]
             if model is not None and model != trained:
                 raise ValueError(f"model {model!r} does not match checkpoint {str(path)!r}, which holds {trained!r}")
-            if num_classes is not None and num_classes != net.pretrained_cfg["num_classes"]:
+            if num_classes is not None and num_classes != pretrained_cfg["num_classes"]:
                 raise ValueError(f"num_classes={num_classes} does not match checkpoint {str(path)!r}, trained "
-                                 f"with {net.pretrained_cfg['num_classes']} classes")
+                                 f"with {pretrained_cfg['num_classes']} classes")
             return net.to(dtype).eval()
         kwargs["checkpoint_path"] = str(path)
     elif pretrained:
         kwargs["pretrained"] = True
-    return create_model(model, **kwargs).to(dtype).eval()
+    return create_model(cast(str, model), **kwargs).to(dtype).eval()  # model is given here (checked above)
 
 
 # --------------------------------------------------------------------------------------------------- images

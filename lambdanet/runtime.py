@@ -57,7 +57,7 @@ def autocast_context(device: torch.device | str, amp: str) -> AbstractContextMan
 class PeakMemory(TorchDispatchMode):
     """Peak bytes of tensor storages created while active (CPU or any device without allocator stats)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.live = self.peak = 0
         self._sizes: dict[int, int] = {}

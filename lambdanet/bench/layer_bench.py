@@ -155,7 +155,7 @@ def lambda_vs_peers(points=TARGET_POINTS, *, device: str = "cpu", repeats: int =
     for b, c, side, r in points:
         torch.manual_seed(0)
         x = torch.randn(b, c, side, side, device=device)
-        impls = {"lambdanet": LambdaLayer(c, dim_k=dim_k, heads=heads, r=r, feat_size=side)}
+        impls: dict[str, nn.Module] = {"lambdanet": LambdaLayer(c, dim_k=dim_k, heads=heads, r=r, feat_size=side)}
         if triton_runs(device):  # the fused kernels, opt-in until measured: their own row
             impls["lambdanet-triton"] = LambdaLayer(c, dim_k=dim_k, heads=heads, r=r, feat_size=side, impl="triton")
         impls.update(peer_lambda_layers(c, side, r, dim_k=dim_k, heads=heads))
@@ -199,7 +199,7 @@ def lambda_impls(points=IMPL_POINTS, *, device: str = "cpu", repeats: int = 5, d
         torch.manual_seed(0)
         x = torch.randn(b, c, side, side, device=device)
         kwargs = dict(dim_k=dim_k, heads=heads, dim_u=dim_u, r=r, feat_size=side)
-        layers = {impl: LambdaLayer(c, **kwargs, impl=impl).to(device) for impl in impls}
+        layers: dict[str, nn.Module] = {impl: LambdaLayer(c, **kwargs, impl=impl).to(device) for impl in impls}
         auto = LambdaLayer(c, **kwargs).to(device)
         try:
             results = interleaved_fwd_bwd(layers, x, repeats=repeats, log=log)

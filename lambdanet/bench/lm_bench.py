@@ -19,6 +19,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,7 @@ from lambdanet.engine.optim import build_optimizer, lr_at
 from lambdanet.lm.corpus import Corpus
 from lambdanet.lm.task import LMConfig, evaluate_bits_per_byte
 from lambdanet.models import create_model
+from lambdanet.models.lm import LanguageModel
 from lambdanet.runtime import peak_memory, sync, time_round_robin
 
 __all__ = ["LM_MIXERS", "throughput", "memory_slopes", "generation", "quality", "quality_summary",
@@ -38,9 +40,9 @@ LM_MIXERS = ("lambda", "transformer", "linear")
 Log = Callable[[str], None]
 
 
-def _models(size: str, device: torch.device) -> dict[str, nn.Module]:
+def _models(size: str, device: torch.device) -> dict[str, LanguageModel]:
     torch.manual_seed(0)
-    return {m: create_model(f"{m}_lm_{size}").to(device) for m in LM_MIXERS}
+    return {m: cast(LanguageModel, create_model(f"{m}_lm_{size}").to(device)) for m in LM_MIXERS}
 
 
 def _train_step(model: nn.Module, tokens: torch.Tensor) -> Callable[[], None]:
@@ -57,7 +59,7 @@ def throughput(size: str = "tiny", contexts: Sequence[int] = (256, 512, 1024, 20
     device_ = torch.device(device)
     models = _models(size, device_)
     g = torch.Generator().manual_seed(0)
-    rows = []
+    rows: list[dict] = []
     for n in contexts:
         batch = max(1, tokens_per_step // n)
         tokens = torch.randint(0, 256, (batch, n + 1), generator=g).to(device_)  # b (n + 1)
@@ -109,11 +111,11 @@ def generation(size: str = "tiny", contexts: Sequence[int] = (1024, 2048, 4096, 
     device_ = torch.device(device)
     models = {m: model.eval() for m, model in _models(size, device_).items()}
     g = torch.Generator().manual_seed(0)
-    rows = []
+    rows: list[dict] = []
     for n in contexts:
         prompt = torch.randint(0, 256, (1, n), generator=g).to(device_)  # 1 n
         token = prompt[:, -1]  # 1
-        mine = []
+        mine: list[dict] = []
         for m, model in models.items():
             _, state = model(prompt, return_state=True)
             times = []
@@ -149,7 +151,7 @@ def _train(name: str, corpus: Corpus, context: int, batch: int, seed: int, *, st
     warmup = cfg.warmup_steps / (cfg.epochs * cfg.steps_per_epoch)  # the default run's warm-up fraction
     floor, spent, done = cfg.min_lr / cfg.lr, 0.0, 0
     while (steps is not None and done < steps) or (seconds is not None and spent < seconds):
-        fraction = done / steps if steps is not None else spent / seconds
+        fraction = done / steps if steps is not None else spent / cast(float, seconds)  # not None without steps
         for group in opt.param_groups:
             group["lr"] = cfg.lr * lr_at(round(1000 * fraction), 1000, round(1000 * warmup), min_factor=floor)
         starts = torch.randint(0, high + 1, (batch,), generator=g)
@@ -161,7 +163,7 @@ def _train(name: str, corpus: Corpus, context: int, batch: int, seed: int, *, st
         loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cast(float, cfg.grad_clip))  # LMConfig's default: 1.0
         opt.step()
         sync(device)
         spent += time.perf_counter() - start

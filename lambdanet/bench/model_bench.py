@@ -67,7 +67,7 @@ def _is_oom(err: BaseException) -> bool:
     return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
 
 
-def bench_model(model: nn.Module, img: int, batch: int, *, device: str = "cpu", train: bool = True,
+def bench_model(model: nn.Module, img: int, batch: int, *, device: str | torch.device = "cpu", train: bool = True,
                 repeats: int = 3, channels_last: bool = False, amp: str = "none", compile: bool = False,
                 min_batch: int = 1) -> dict:
     """Images/s of training or inference steps, halving ``batch`` on out-of-memory.
@@ -124,7 +124,7 @@ def run_model_suite(suite: str, *, img: int = 224, batch: int = 16, device: str 
     ``channels_last``, ``amp`` and ``compile`` apply to every model alike (see :func:`bench_model`)."""
     if suite not in MODEL_SUITES:
         raise ValueError(f"unknown model suite {suite!r}; valid: {', '.join(MODEL_SUITES)}")
-    rows = []
+    rows: list[dict] = []
     for label, name, kwargs in MODEL_SUITES[suite]:
         torch.manual_seed(0)
         model = _build(name, kwargs, img)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from torch import nn
 
@@ -39,7 +39,7 @@ def available_peers(modules: Iterable[str] = tuple(PEER_PACKAGES)) -> dict[str, 
     return have
 
 
-def missing_peers_warning(needed: dict[str, Iterable[str]]) -> str | None:
+def missing_peers_warning(needed: Mapping[str, Iterable[str]]) -> str | None:
     """One line naming the peer packages of ``needed`` (``{import name: parts that compare against it}``)
     that cannot be imported, the parts that run without them and how to install them; ``None`` if none."""
     have = available_peers(needed)
@@ -61,8 +61,9 @@ def peer_lambda_layers(dim: int, side: int, r: int | None, *, dim_k: int = 16, h
         if have["timm"]:
             from timm.layers.lambda_layer import LambdaLayer as TimmLambda
 
-            peers["timm.LambdaLayer"] = TimmLambda(dim, dim, feat_size=None if r else (side, side), r=r,
-                                                   num_heads=heads, dim_head=dim_k)
+            # timm annotates r as int, but None is its relative-position mode (unused ignore: timm not installed)
+            peers["timm.LambdaLayer"] = TimmLambda(dim, dim, feat_size=None if r else (side, side), num_heads=heads,
+                                                   dim_head=dim_k, r=r)  # type: ignore[arg-type, unused-ignore]
         if have["lambda_networks"]:
             from lambda_networks import LambdaLayer as LucidLambda
 

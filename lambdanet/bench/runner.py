@@ -291,8 +291,8 @@ def run_benchmarks(parts: Sequence[str] = tuple(PARTS), *, device: str = "cpu", 
         rows, lines = PARTS[part].run(settings, out, log)
         results.update(rows)
         report += lines
-    for name, rows in results.items():
-        write_rows(rows, out, name)
+    for name, table in results.items():
+        write_rows(table, out, name)
     (out / "bench.md").write_text("\n".join(report) + "\n")
     log(f"-> {out / 'bench.md'}")
     return results

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import cast
 
 from lambdanet.cli import bench, deploy, detect, info, lm, training
 
@@ -25,14 +26,22 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (ValueError, TrainingDivergedError, FileNotFoundError, MissingExtraError)
 
 
-def build_parser() -> argparse.ArgumentParser:
+class CommandParser(argparse.ArgumentParser):
+    """The ``lambdanet`` parser: ``commands`` maps each command to its own (plain ``ArgumentParser``); looking up
+    ``None`` (no command given) finds none."""
+
+    commands: dict[str | None, argparse.ArgumentParser]
+
+
+def build_parser() -> CommandParser:
     from lambdanet import __version__
 
-    parser = argparse.ArgumentParser(prog="lambdanet", description=DESCRIPTION,
-                                     epilog="Run 'lambdanet COMMAND --help' for a command's options.")
+    parser = CommandParser(prog="lambdanet", description=DESCRIPTION,
+                           epilog="Run 'lambdanet COMMAND --help' for a command's options.")
     parser.add_argument("--version", action="version", version=f"lambdanet {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="command")
-    parser.commands = sub.choices  # name -> subparser, for errors in a command's own usage
+    sub = parser.add_subparsers(dest="command", metavar="command", parser_class=argparse.ArgumentParser)
+    # name -> subparser, for errors in a command's own usage
+    parser.commands = cast("dict[str | None, argparse.ArgumentParser]", sub.choices)
     for module in (info, training, lm, deploy, detect, bench):  # the order of 'lambdanet --help'
         module.register(sub)
     return parser

@@ -8,8 +8,9 @@ import copy
 import io
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -46,8 +47,9 @@ def dataset_to_coco(dataset: Dataset) -> dict:
     if not isinstance(names, Sequence) or isinstance(names, str):
         raise ValueError(f"dataset must name its categories (a 'categories' list, label k is categories[k - 1]); "
                          f"{type(dataset).__name__} has none")
-    images, annotations = [], []
-    for i in range(len(dataset)):
+    images: list[dict] = []
+    annotations: list[dict] = []
+    for i in range(len(cast(Sized, dataset))):
         image, target = dataset[i]
         height, width = image.shape[-2:]
         image_id = int(target["image_id"])

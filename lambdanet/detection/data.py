@@ -27,8 +27,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from torch.utils.data import Dataset
-
 from lambdanet.detection.coco import (BOX_TOLERANCE, CocoInstances, coco_ground_truth,  # noqa: F401
                                       coco_split_files, dataset_to_coco, encode_masks, read_coco_annotations)
 from lambdanet.detection.glyphs import (CACHE_DIR, FASHION_MNIST_CLASSES, GLYPH_SETS, GLYPH_SOURCES,  # noqa: F401
@@ -54,7 +52,7 @@ def list_detection_datasets() -> list[str]:
 
 def build_detection_datasets(name: str = "glyphs", *, seed: int = 0, config: GlyphSceneConfig = GlyphSceneConfig(),
                              cache_dir: str | os.PathLike = CACHE_DIR, progress: bool = True
-                             ) -> tuple[Dataset, Dataset]:
+                             ) -> tuple[GlyphInstances | CocoInstances, GlyphInstances | CocoInstances]:
     """(train, test) of ``name``: ``"glyphs"`` (:class:`GlyphInstances` of ``config`` and ``seed``) or
     ``"coco:DIR"`` (:class:`CocoInstances` of a COCO folder, see :func:`coco_split_files`)."""
     if name == "glyphs":

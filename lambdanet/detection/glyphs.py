@@ -13,13 +13,14 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from lambdanet.data import FASHION_MNIST_DIR, DatasetUnavailableError, build_datasets
+from lambdanet.data import FASHION_MNIST_DIR, DatasetUnavailableError, TensorImages, build_datasets
 from lambdanet.detection.coco import dataset_to_coco
 from lambdanet.detection.targets import SPLITS, instance_target
 
@@ -176,7 +177,7 @@ class GlyphPool:
                 _, train, test = build_datasets(spec.data, download=False)
             except DatasetUnavailableError as err:
                 raise ValueError(f"glyph source {source!r} is unavailable: {err}") from None
-            part = train if split == "train" else test
+            part = cast(TensorImages, train if split == "train" else test)  # the glyph sources are in memory
             self.images.append(part.images[:, 0].numpy())
             self.labels.append(np.array([categories.index(spec.classes[int(y)]) for y in part.labels.tolist()]))
             self.styles.append(spec.style)
@@ -212,7 +213,8 @@ def render_glyph(grey: np.ndarray, style: GlyphStyle, size: tuple[int, int]
     ``[H, W]``), see :class:`GlyphStyle`."""
     from PIL import Image
 
-    g = np.clip(resize(grey, size, Image.BILINEAR), 0, 1)  # H W
+    # Pillow sets its module-level filter constants with setattr, out of its type information's sight
+    g = np.clip(resize(grey, size, Image.BILINEAR), 0, 1)  # type: ignore[attr-defined]  # H W
     alpha = np.clip((g - style.lo) / (style.hi - style.lo), 0, 1)  # H W
     return alpha, alpha >= 0.5, style.shade_min + (1 - style.shade_min) * g  # shade: H W
 
@@ -251,7 +253,8 @@ def background(size: int, rng: np.random.Generator) -> np.ndarray:
     base = c0[:, None, None] * (1 - t) + c1[:, None, None] * t  # 3 H W
     k = int(rng.integers(3, 9))
     grid = rng.uniform(-1, 1, (3, k, k)).astype(np.float32)
-    noise = np.stack([resize(g, (size, size), Image.BICUBIC) for g in grid])  # 3 H W
+    # Pillow sets its module-level filter constants with setattr, out of its type information's sight
+    noise = np.stack([resize(g, (size, size), Image.BICUBIC) for g in grid])  # type: ignore[attr-defined]  # 3 H W
     return np.clip(base + np.float32(rng.uniform(0.1, 0.3)) * noise, 0, 1)
 
 
@@ -299,7 +302,8 @@ def render_scene(pool: GlyphPool, cfg: GlyphSceneConfig, rng: np.random.Generato
     n = int(rng.integers(1, cfg.max_objects + 1))
     kinds = ["large"] if rng.random() < cfg.large_prob else []
     kinds += ["small" if rng.random() < cfg.small_prob else "medium" for _ in range(n - len(kinds))]
-    labels, full_areas = [], []  # 0-based categories, mask areas before occlusion
+    labels: list[int] = []  # 0-based categories
+    full_areas: list[int] = []  # mask areas before occlusion
     for kind in kinds:
         lo, hi = area_range(kind, cfg)
         area = float(math.exp(rng.uniform(math.log(lo), math.log(hi))))

@@ -26,6 +26,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -220,7 +221,7 @@ class FeaturePyramidBackbone(nn.Module):
 
         super().__init__()
         self.body = body
-        self.fpn = FeaturePyramidNetwork([i["num_chs"] for i in body.feature_info], out_channels,
+        self.fpn = FeaturePyramidNetwork([i["num_chs"] for i in cast("list[dict]", body.feature_info)], out_channels,
                                          extra_blocks=LastLevelMaxPool())
         self.out_channels, self.frozen_bn, self.channels_last = out_channels, frozen_bn, channels_last
         if channels_last:

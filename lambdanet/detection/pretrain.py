@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -219,7 +220,7 @@ def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, 
         return nn.functional.cross_entropy(run(images), labels.to(device)) * (share * world / cfg.batch_size), {}
 
     def save(state: RunState) -> None:
-        state.save(checkpoint, identity=identity)
+        state.save(cast("str | Path", checkpoint), identity=identity)  # passed on only with a checkpoint
 
     bar = progress_bar(progress, cfg.steps, done, "pre-training the backbone on glyph crops")
     result = train_epoch(state, data_parallel(model, ctx), _crop_loader(train, cfg, done, first, share, seed),

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -66,7 +67,7 @@ def collate_detection(batch: Sequence[tuple[Tensor, dict]]) -> tuple[list[Tensor
 def size_statistics(dataset: Dataset) -> dict[str, int]:
     """Objects of ``dataset`` per COCO size class (``{"images", "objects", "small", "medium", "large"}``)."""
     counts = dict.fromkeys(("images", "objects", *SIZE_CLASSES), 0)
-    for i in range(len(dataset)):
+    for i in range(len(cast(Sized, dataset))):
         counts["images"] += 1
         for area in dataset[i][1]["area"].tolist():
             counts["objects"] += 1

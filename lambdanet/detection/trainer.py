@@ -28,6 +28,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -47,6 +48,11 @@ from lambdanet.engine.state import RunState
 from lambdanet.engine.task import Task, check_extras, run
 from lambdanet.runtime import AMP_DTYPES
 from lambdanet.engine.config import RunConfig, option
+
+if TYPE_CHECKING:
+    from torchvision.models.detection.transform import GeneralizedRCNNTransform
+
+    from lambdanet.detection.model import FeaturePyramidBackbone
 
 __all__ = ["DetectConfig", "DETECT_RECIPES", "DETECT_CHOICES", "DETECT_RESUME_FREE", "resolve_detect_config",
            "train_detector", "local_processes", "quick_backbone_kwargs", "lr_factor", "plot_detection_history",
@@ -262,7 +268,8 @@ def lr_factor(step: int, total: int, warmup: int, steps: list[float]) -> float:
 def build_detector(cfg: DetectConfig, num_classes: int) -> nn.Module:
     from lambdanet.detection.model import DetectorOptions, create_detector
 
-    options = DetectorOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in cfg.detector.items()})
+    overrides: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in cfg.detector.items()}
+    options = DetectorOptions(**overrides)
     # built at img_size; _set_eval_size switches the transform to the jittered sizes for training
     return create_detector(cfg.backbone, num_classes, masks=cfg.masks, min_size=cfg.img_size,
                            max_size=_max_size(cfg), pretrained_backbone=cfg.pretrained_backbone,
@@ -284,7 +291,7 @@ def _max_size(cfg: DetectConfig) -> int:
 
 def _set_eval_size(model: nn.Module, cfg: DetectConfig) -> None:
     """Evaluation at ``img_size`` (training draws from the jittered sizes)."""
-    transform = unwrap(model).transform
+    transform = cast("GeneralizedRCNNTransform", unwrap(model).transform)
     transform.min_size = (cfg.img_size,) if not model.training else _train_sizes(cfg)
     transform.max_size = 2 * max(transform.min_size)
 
@@ -294,6 +301,7 @@ def _loader(dataset, cfg: DetectConfig, ctx: DistContext, train: bool):
 
     from lambdanet.detection.targets import collate_detection
 
+    sampler: DistributedSampler | None
     sampler = DistributedSampler(dataset, ctx.world, ctx.rank, shuffle=train, seed=cfg.seed) if ctx.enabled else None
     per_rank = cfg.batch_size // ctx.world if train else cfg.eval_batch_size
     g = torch.Generator().manual_seed(cfg.seed)
@@ -307,7 +315,7 @@ def _evaluate(model: nn.Module, test, cfg: DetectConfig, ctx: DistContext) -> di
     plain = unwrap(model)
     plain.eval()
     _set_eval_size(plain, cfg)
-    data = test
+    data: Any = test  # Any: a Subset of it gets its categories
     if cfg.max_eval_images is not None:  # the first images, with the categories (for the COCO ground truth)
         data = torch.utils.data.Subset(test, range(min(cfg.max_eval_images, len(test))))
         data.categories = test.categories
@@ -390,7 +398,7 @@ def _pretrain(model: nn.Module, cfg: DetectConfig, ctx: DistContext, log: Callab
                                       progress=_bars(cfg, ctx), log=log,
                                       checkpoint=Path(cfg.out) / PRETRAIN_CHECKPOINT,
                                       checkpoint_every=PRETRAIN_CHECKPOINT_EVERY, stop=stop, **cfg.backbone_kwargs)
-    load_backbone_weights(model.backbone.body, weights)
+    load_backbone_weights(cast("FeaturePyramidBackbone", model.backbone).body, weights)
     return info
 
 
@@ -478,7 +486,7 @@ class DetectionTask(Task):
     def describe(self, state: RunState) -> str:
         cfg, model = self.cfg, unwrap(state.model)
         self.params = sum(p.numel() for p in model.parameters())
-        self.backbone_params = sum(p.numel() for p in model.backbone.body.parameters())
+        self.backbone_params = sum(p.numel() for p in cast("FeaturePyramidBackbone", model.backbone).body.parameters())
         return (f"detect: {cfg.backbone} {'Mask' if cfg.masks else 'Faster'} R-CNN, {self.params / 1e6:.2f}M "
                 f"parameters (backbone {self.backbone_params / 1e6:.2f}M), {len(self.train_set)} train / "
                 f"{len(self.test)} test images, {self.train_set.num_classes} classes, train sizes "

@@ -13,7 +13,7 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import yaml
 
@@ -41,6 +41,16 @@ class RunConfig:
 
     RECIPES: ClassVar[dict[str, dict]] = {"quick": {}}
     CHECKPOINTS: ClassVar[tuple[str, ...]] = ("last.pt",)  # what a run continues from
+
+    if TYPE_CHECKING:  # what every subclass, a dataclass, declares (not fields of this class)
+        __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+        recipe: str
+        epochs: int
+        batch_size: int
+        lr: float
+        lr_batch_scale: int | None
+        out: str
+        resume: bool
 
     @classmethod
     def resolve(cls, recipe: str | None = None, yaml_values: dict | None = None, overrides: dict | None = None):
@@ -204,7 +214,7 @@ def describe_default(name: str, values: dict[str, dict], default_recipe: str = "
     return f"default: {first} ({default_recipe} recipe); " + "; ".join(others)
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type) -> None:
+def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type[RunConfig]) -> None:
     """``--config FILE`` (YAML) and one ``--flag`` per field of ``config_cls`` with its one-line help
     (:func:`option` metadata), choices and default as the recipes set it (:func:`describe_default`; booleans:
     ``--flag`` / ``--no-flag``); the parsed default is ``None`` = "not given", so recipe and YAML values
@@ -217,6 +227,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type) -> N
         args = typing.get_args(hint)
         base = next((a for a in args if a is not type(None)), hint) if args else hint
         help_text = f"{f.metadata['help']} ({describe_default(f.name, recipes)})"
+        kind: dict[str, Any]
         if base is bool:
             kind = {"action": argparse.BooleanOptionalAction}
         elif base is dict or hint is dict:

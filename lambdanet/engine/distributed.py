@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -117,7 +118,8 @@ def launch_local(fn: Callable[..., object], args: tuple, nprocs: int,
         raise
     except mp.ProcessRaisedException as err:
         last = str(err).strip().splitlines()[-1]  # the worker's traceback ends "module.Type: message"
-        for kind in (ValueError, *relay):
+        kinds: tuple[type[Exception], ...] = (ValueError, *relay)
+        for kind in kinds:
             name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
             if last.startswith(f"{name}: "):
                 raise kind(last.removeprefix(f"{name}: ")) from None
@@ -248,10 +250,13 @@ class AllReduceBatchNorm(nn.modules.batchnorm._BatchNorm):
         var = (m2s + counts * (means - mean.detach()).square()).sum(0) / n
         if self.track_running_stats:
             with torch.no_grad():
-                self.num_batches_tracked += 1
+                # the buffers exist with track_running_stats (torch types them Tensor | None)
+                tracked = cast(Tensor, self.num_batches_tracked)
+                tracked += 1
+                self.num_batches_tracked = tracked
                 m = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
-                self.running_mean.mul_(1 - m).add_(mean.detach(), alpha=m)
-                self.running_var.mul_(1 - m).add_(var.detach() * n / (n - 1).clamp_min(1), alpha=m)
+                cast(Tensor, self.running_mean).mul_(1 - m).add_(mean.detach(), alpha=m)
+                cast(Tensor, self.running_var).mul_(1 - m).add_(var.detach() * n / (n - 1).clamp_min(1), alpha=m)
         y = (xf - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
         if self.affine:
             y = y * self.weight.view(shape) + self.bias.view(shape)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Iterable
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -130,7 +131,7 @@ def train_epoch(state: RunState, model: nn.Module, batches: Iterable, step_loss:
             if signalled:
                 return None
             if ctx.is_main:
-                save(state)
+                cast("Callable[[RunState], None]", save)(state)  # not None: without a signal the test above needs it
             state.epoch_partial = None
     state.epoch_partial = None
     return {"sums": _carried(sums, ctx)[0], "seconds": time.perf_counter() - start}
@@ -164,7 +165,7 @@ def fit(task, state: RunState, model: nn.Module, *, ctx: DistContext, logger, lo
                 task.save(state)
             barrier(ctx)  # the others wait for the save: a process that ends first gets the rest stopped
             raise Preempted.at(stop.received, f"in epoch {state.epoch + 1}/{cfg.epochs} after batch "
-                               f"{state.epoch_partial['batches']}/{task.steps_per_epoch}", path, cfg.out)
+                               f"{cast(dict, state.epoch_partial)['batches']}/{task.steps_per_epoch}", path, cfg.out)
         state.epoch += 1
         state.train_time_s += result["seconds"]
         row = {"epoch": state.epoch, **task.epoch_row(state, model, result)}
@@ -185,6 +186,9 @@ def evaluate(model: nn.Module, loader, *, device: torch.device, ctx: DistContext
     ctx = ctx or DistContext()
     model.eval()
     loss_fn = loss_fn or nn.CrossEntropyLoss()
+    c1: float  # counts: ints, floats after the reduction
+    c5: float
+    n: float
     loss_sum, c1, c5, n = 0.0, 0, 0, 0
     for x, y in loader:
         x, y = to_device(x, device, channels_last), y.to(device, non_blocking=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -13,7 +15,8 @@ __all__ = ["param_groups", "build_optimizer", "build_scheduler", "build_ema", "s
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """No weight decay on normalisation parameters and biases (1-d tensors)."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for p in model.parameters():
         if p.requires_grad:
             (no_decay if p.ndim <= 1 else decay).append(p)
@@ -33,19 +36,20 @@ def build_optimizer(model: nn.Module, cfg=None, *, name: str | None = None, lr: 
         weight_decay = weight_decay if weight_decay is not None else cfg.weight_decay
         momentum, nesterov = getattr(cfg, "momentum", momentum), getattr(cfg, "nesterov", nesterov)
         betas = tuple(getattr(cfg, "betas", betas))
-    groups = param_groups(model, weight_decay)
+    # lr and weight_decay come from cfg or the keywords: float from here on
+    groups = param_groups(model, cast(float, weight_decay))
     if name == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=nesterov)
+        return torch.optim.SGD(groups, lr=cast(float, lr), momentum=momentum, nesterov=nesterov)
     if name in ("adam", "adamw"):
-        return (torch.optim.Adam if name == "adam" else torch.optim.AdamW)(groups, lr=lr, betas=betas)
+        return (torch.optim.Adam if name == "adam" else torch.optim.AdamW)(groups, lr=cast(float, lr), betas=betas)
     if name == "rmsprop":
-        return torch.optim.RMSprop(groups, lr=lr, momentum=momentum, alpha=0.9, eps=1e-3)
+        return torch.optim.RMSprop(groups, lr=cast(float, lr), momentum=momentum, alpha=0.9, eps=1e-3)
     raise ValueError(f"optimizer must be one of ['sgd', 'adam', 'adamw', 'rmsprop'], got {name!r}")
 
 
 def lr_at(step: int, total_steps: int, warmup_steps: int, *, start_factor: float = 0.0, min_factor: float = 0.0,
           schedule: str = "cosine", decay_rate: float = 1.0, decay_steps: int = 1,
-          milestones: tuple[float, ...] = (), linear_lr: bool = False) -> float:
+          milestones: Sequence[float] = (), linear_lr: bool = False) -> float:
     """Multiplier of the base learning rate at optimiser step ``step`` (0-based): the one schedule function of
     every task. Linear warm-up from ``start_factor`` to 1 over ``warmup_steps`` (reaching 1 at the last warm-up
     step; with ``linear_lr``, torch's ``LinearLR`` phase: ``start_factor`` at step 0, 1 at step ``warmup_steps``),

@@ -12,8 +12,17 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from lambdanet.engine.distributed import DistContext, all_reduce_sum
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from types import FrameType
+    from typing import Any
+
+    # what signal.signal takes and returns: a function, SIG_DFL / SIG_IGN, or None (one not set from Python)
+    _Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 __all__ = ["Preempted", "StopSignals", "STOP_SIGNALS", "exit_status", "resume_point"]
 
@@ -54,18 +63,19 @@ class StopSignals:
     thread: elsewhere (a run started from a worker thread) the process keeps its handlers and :meth:`requested`
     reports only what :meth:`request` was told."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.received: signal.Signals | None = None
         self._first = 0.0
-        self._previous: dict[signal.Signals, object] = {}
+        self._previous: dict[signal.Signals, _Handler] = {}
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
             for outer in self._previous.values():  # nested in another: a signal it caught already counts here
-                if isinstance(getattr(outer, "__self__", None), StopSignals) and outer.__self__.received:
-                    self.request(outer.__self__.received)
+                owner = getattr(outer, "__self__", None)
+                if isinstance(owner, StopSignals) and owner.received:
+                    self.request(owner.received)
         return self
 
     def __exit__(self, *exc) -> None:

@@ -13,7 +13,7 @@ __all__ = ["RunDirLock", "RunDirBusyError", "checkpoints_in", "check_new_run"]
 try:
     import fcntl
 except ImportError:  # not POSIX: no locking (documented)
-    fcntl = None
+    fcntl = None  # type: ignore[assignment]  # mypy types an imported name as the module, never None
 
 
 class RunDirBusyError(ValueError):

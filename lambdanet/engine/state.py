@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.optim.swa_utils import AveragedModel
 
 from lambdanet.engine.checkpoint import rng_state, save_checkpoint, set_rng_state, unwrap
 
@@ -41,7 +42,7 @@ class RunState:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
-    ema: nn.Module | None = None
+    ema: AveragedModel | None = None
     scaler: torch.amp.GradScaler | None = None
     epoch: int = 0  # epochs completed
     step: int = 0  # optimiser steps taken (tasks that schedule the rate themselves)

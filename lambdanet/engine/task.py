@@ -20,6 +20,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -46,6 +47,13 @@ class Task:
     lr: Callable[[int], float] | None = None  # the rate of each step (None: the state's scheduler)
     steps_per_epoch: int = 0
 
+    if TYPE_CHECKING:  # every subclass implements these (the module's docstring)
+        def build_state(self) -> RunState: ...
+
+        def describe(self, state: RunState) -> str: ...
+
+        def finish(self, state: RunState, row: dict, stopped: bool) -> dict: ...
+
     def __init__(self, cfg, ctx: DistContext, log: Callable[[str], None], stop: StopSignals | None = None):
         self.cfg, self.ctx, self.log, self.stop = cfg, ctx, log, stop
         self.out = Path(cfg.out)
@@ -70,7 +78,7 @@ class Task:
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """The model the loop trains, before the DDP wrap: compiled when the configuration has ``compile`` set."""
-        return torch.compile(model) if getattr(self.cfg, "compile", False) else model
+        return cast(nn.Module, torch.compile(model)) if getattr(self.cfg, "compile", False) else model
 
 
 def run(task_cls: type[Task], cfg, log: Callable[[str], None] = print) -> dict:

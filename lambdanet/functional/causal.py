@@ -32,6 +32,8 @@ gradient flows through it. Computed in :func:`~lambdanet.helpers.compute_dtype` 
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 from torch import Tensor
 
@@ -241,9 +243,20 @@ class _ChunkedCausalLambda(torch.autograd.Function):
         return (*(None if t is None else next(grads) for t in inputs), None, None)
 
 
+@overload
+def causal_lambda(q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None = None, *, chunk: int = ...,
+                  state: dict[str, Tensor] | None = None, return_state: Literal[False] = False) -> Tensor: ...
+
+
+@overload
+def causal_lambda(q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None = None, *, chunk: int = ...,
+                  state: dict[str, Tensor] | None = None,
+                  return_state: Literal[True]) -> tuple[Tensor, dict[str, Tensor]]: ...
+
+
 def causal_lambda(q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None = None, *,
                   chunk: int = DEFAULT_CHUNK, state: dict[str, Tensor] | None = None,
-                  return_state: bool = False):
+                  return_state: bool = False) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
     """Causal lambdas over a sequence in the chunked form (linear in ``n``; see the module docstring).
 
     Args:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -60,7 +61,7 @@ def _position_output_backward(grad: Tensor, q: Tensor, values: Tensor, table: Te
 
     _check(q.device)
     grad, q, values, table = grad.contiguous(), q.contiguous(), values.contiguous(), table.contiguous()
-    f32 = dict(device=q.device, dtype=torch.float32)
+    f32: dict[str, Any] = dict(device=q.device, dtype=torch.float32)
     dq, dvalues, dtable = torch.zeros(q.shape, **f32), torch.zeros(values.shape, **f32), torch.zeros(table.shape, **f32)
     launch_backward(grad, q, values, table, (center0, center1), (height, width), dq, dvalues, dtable)
     return dq.to(q.dtype), dvalues.to(values.dtype), dtable.to(table.dtype)

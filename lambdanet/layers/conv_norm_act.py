@@ -8,6 +8,7 @@ state-dict keys are their indices), :class:`ConvNormAct` the same as one module 
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import cast
 
 from torch import Tensor, nn
 
@@ -56,7 +57,7 @@ class BatchNormAct(nn.BatchNorm2d):
 
     def __init__(self, channels: int, act: Act = "relu"):
         super().__init__(channels)
-        self.act = get_act(act)(inplace=True)
+        self.act = cast(type[nn.Module], get_act(act))(inplace=True)  # needs an act: None raises TypeError
 
     def forward(self, x: Tensor) -> Tensor:
         return self.act(super().forward(x))

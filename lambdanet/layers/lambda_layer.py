@@ -16,6 +16,7 @@ import math
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -307,7 +308,7 @@ class LambdaLayer(nn.Module):
         if emb is None:
             return r, feat
         local = isinstance(emb, RelativePositionEmbedding) and emb.feat_size is None
-        return (emb.kernel_size[0], None) if local else (None, emb.feat_size)
+        return (cast(RelativePositionEmbedding, emb).kernel_size[0], None) if local else (None, emb.feat_size)
 
     def _make_norm(self, channels: int) -> nn.Module:
         norms = {"batch": nn.BatchNorm1d, "layer": nn.LayerNorm}
@@ -396,7 +397,7 @@ class LambdaLayer(nn.Module):
         """``impl="auto"``: see :meth:`choose_impl`."""
         if isinstance(self.embedding, AbsolutePositionEmbedding):
             return "einsum_qe"  # "einsum" where queries-first does not apply: plan's one fallback
-        emb = self.embedding
+        emb = cast(RelativePositionEmbedding, self.embedding)  # plan() returned already without embeddings
         taps = math.prod(LF.cropped_kernel_size(emb.kernel_size, emb.center, spatial))
         h, k, v = self.heads, self.dim_k, self.dim_v
         fewest, most = policy.dense_conv_taps
@@ -452,7 +453,7 @@ class LambdaLayer(nn.Module):
             y_c, lam_c = self._content(q, keys.to(cdtype), vals)  # b n h v | b n g v k (causal)
             y_p, lam_p = self._position(plan, q, vals, spatial)  # b n h v (queries-first) | b n g v k
             lam = _add(lam_p, lam_c)  # b n g v k: every per-query lambda, applied in one GEMM
-            out = _add(y_c, y_p, None if lam is None else LF.apply_lambdas(q, lam))  # b n h v
+            out = cast(Tensor, _add(y_c, y_p, None if lam is None else LF.apply_lambdas(q, lam)))  # b n h v
             if self.position_bias is not None:  # q_n . b on every value channel
                 out = out + (q @ self.position_bias.to(cdtype)).unsqueeze(-1)  # b n h v
         return self._output(out.to(out_dtype), spatial, channels_first)  # b d_out *S / stride
@@ -504,34 +505,37 @@ class LambdaLayer(nn.Module):
         """Queries-first position output ``y^p = (q E) V``, ``[b, n, h, v]`` (multi-query; ``u = 1`` but for
         ``"triton"``)."""
         emb, dtype = self.embedding, vals.dtype  # the compute dtype: half-precision tables are widened
+        rel = cast(RelativePositionEmbedding, emb)  # what every step but "einsum_qe_absolute" runs on
         b, n = vals.shape[:2]
         if step == "triton":  # fused kernels, any u: q [b n h k], V [b m v u], R [k u *K]
             from lambdanet.kernels import lambda_position_output
 
             vals = vals.view(b, n, self.dim_v, self.dim_u)  # b m v u
-            return lambda_position_output(q, vals, emb.table[0].to(dtype), emb.center, spatial)  # b n h v
+            return lambda_position_output(q, vals, rel.table[0].to(dtype), rel.center, spatial)  # b n h v
         vals = vals.view(b, n, self.dim_v)  # b m v
         if step == "einsum_qe_absolute":
-            y = LF.position_output_qe(q, emb.embeddings()[0, :, 0].to(dtype), vals)  # b h n v
+            absolute = cast(AbsolutePositionEmbedding, emb)
+            y = LF.position_output_qe(q, absolute.embeddings()[0, :, 0].to(dtype), vals)  # b h n v
         elif step == "einsum_qe_whole":  # whole E, cached in eval
-            y = LF.position_output_qe(q, emb.embeddings(spatial, dtype)[0, :, 0], vals)  # b h n v
+            y = LF.position_output_qe(q, rel.embeddings(spatial, dtype)[0, :, 0], vals)  # b h n v
         else:  # "einsum_qe_chunked": E row chunks built on the fly, no k n m tensor
-            y = LF.relative_position_output_qe(q, emb.table.to(dtype), emb.center, spatial, vals)  # b h n v
+            y = LF.relative_position_output_qe(q, rel.table.to(dtype), rel.center, spatial, vals)  # b h n v
         return y.transpose(1, 2)  # b n h v
 
     def _position_lambdas(self, step: str, vals: Tensor, spatial: tuple[int, ...]) -> Tensor:
         """Lambdas-first position lambdas ``[b, n, g, v, k]`` from normalised values ``[b, n, (g v u)]``."""
         emb, dtype = self.embedding, vals.dtype  # the compute dtype: half-precision tables are widened
+        rel = cast(RelativePositionEmbedding, emb)  # what every step but "einsum_absolute" runs on
         b, n = vals.shape[:2]
         g, v, u, k = self.groups, self.dim_v, self.dim_u, self.dim_k
         if step == "depthwise_conv_tokens":  # channels-last in and out: no layout copies
-            return LF.token_position_lambdas(vals, emb.table.to(dtype), emb.center, spatial)  # b n g v k
+            return LF.token_position_lambdas(vals, rel.table.to(dtype), rel.center, spatial)  # b n g v k
         vals_cf = LF.permute_copy(vals, (0, 2, 1)).view(b, g, v, u, *spatial)  # b g v u *S
         if step == "einsum_absolute":
-            e = emb.embeddings(self.causal).to(dtype)  # g k u n m
+            e = cast(AbsolutePositionEmbedding, emb).embeddings(self.causal).to(dtype)  # g k u n m
             lam = LF.einsum_position_lambdas(vals_cf.reshape(b, g, v, u, n), e)  # b g v k n
         else:  # "conv" | "einsum"
-            lam = LF.position_lambdas(vals_cf, emb.table.to(dtype), emb.center, step)  # b g v k *S
+            lam = LF.position_lambdas(vals_cf, rel.table.to(dtype), rel.center, step)  # b g v k *S
         return LF.permute_copy(lam.reshape(b, g, v, k, n), (0, 4, 1, 2, 3))  # b n g v k
 
     def _output(self, out: Tensor, spatial: tuple[int, ...], channels_first: bool) -> Tensor:

@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,7 @@ from lambdanet.engine.task import Task, run
 from lambdanet.files import encode_metadata, read_safetensors, run_metadata
 from lambdanet.lm.corpus import DATA_HELP, load_corpus
 from lambdanet.models import create_model, list_models
+from lambdanet.models.lm import LanguageModel
 from lambdanet.runtime import AMP_DTYPES, autocast_context
 
 __all__ = ["LMConfig", "LanguageModelTask", "train_lm", "evaluate_bits_per_byte", "load_lm", "sample",
@@ -114,6 +116,7 @@ def evaluate_bits_per_byte(model: nn.Module, data: Tensor, context: int, *, batc
     starts = torch.arange(0, max(n, 0), context)
     if ctx is not None and ctx.enabled:
         starts = starts[ctx.rank::ctx.world]
+    count: float  # an int, a float after the reduction
     total, count = 0.0, 0
     for i in range(0, starts.numel(), batch_size):
         s = starts[i:i + batch_size]
@@ -258,7 +261,7 @@ def load_lm(path: str | Path, device: torch.device | str = "cpu") -> nn.Module:
         state = ckpt["model"]
     model = create_model(meta["model"], vocab_size=meta["vocab_size"], **meta["model_kwargs"])
     model.load_state_dict(state)
-    model.lm_cfg = meta
+    model.lm_cfg = meta  # type: ignore[assignment]  # torch types Module.__setattr__ as Tensor | Module only
     return model.to(device).eval()
 
 
@@ -266,7 +269,7 @@ def sample(path: str | Path, prompt: str | bytes, *, max_new_tokens: int = 256, 
            top_k: int | None = None, seed: int = 0, device: torch.device | str = "cpu") -> bytes:
     """Continue ``prompt`` (text is UTF-8 encoded) with the language model of a run: the prompt's bytes and the
     ``max_new_tokens`` sampled after them."""
-    model = load_lm(path, device)
+    model = cast(LanguageModel, load_lm(path, device))  # a language model: load_lm builds only those
     data = prompt.encode() if isinstance(prompt, str) else bytes(prompt)
     if not data:
         raise ValueError("prompt must hold at least one byte")

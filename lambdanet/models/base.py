@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Protocol, cast
+
 from torch import Tensor, nn
 
 __all__ = ["Backbone"]
+
+if TYPE_CHECKING:
+    class _ZeroInitLast(Protocol):
+        def zero_init_last(self) -> None: ...
 
 
 class Backbone(nn.Module):
@@ -13,6 +19,11 @@ class Backbone(nn.Module):
 
     num_features: int
     feature_info: list[dict]
+    if TYPE_CHECKING:  # the default trunk's parts, set by the subclasses that use it (typing only: torch.jit reads
+        # class annotations)
+        stem: nn.Module
+        stages: nn.Sequential
+        final_conv: nn.Module
 
     def _init_head(self, num_features: int, num_classes: int, drop_rate: float, features_only: bool) -> None:
         if not 0.0 <= drop_rate < 1.0:
@@ -32,7 +43,7 @@ class Backbone(nn.Module):
         if zero_init_last:
             for m in self.modules():
                 if isinstance(m, block_type):
-                    m.zero_init_last()
+                    cast("_ZeroInitLast", m).zero_init_last()
 
     def get_classifier(self) -> nn.Module:
         """The classifier (timm's interface): ``fc``, an ``nn.Identity`` when there is none."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import cast
 
 from torch import Tensor, nn
 
@@ -188,13 +189,14 @@ class ByoaBlock(nn.Module):
 
     def zero_init_last(self) -> None:
         if self.shortcut is not None:
-            nn.init.zeros_(self.conv3_1x1.bn.weight)
+            nn.init.zeros_(cast(nn.BatchNorm2d, self.conv3_1x1.bn).weight)
 
 
 def self_attention_layer(kind: str, kwargs: Mapping, dim: int, stride: int, feat_size: tuple[int, int]) -> nn.Module:
     """The self-attention layer of a block (``dim`` channels in and out) from timm's layer name and
     keyword arguments, built from lambdanet's layers with the checkpoints' conventions (module docstring)."""
     kw = dict(kwargs)
+    layer: nn.Module
     if kind == "lambda":  # timm: 4 heads, k = 16, u = 1
         r = kw.pop("r", 9)
         layer = LambdaLayer(dim, dim, dim_k=kw.pop("dim_head", 16), heads=kw.pop("num_heads", 4), r=r,
@@ -259,7 +261,7 @@ class ByoaNet(Backbone):
         if not isinstance(img, int) or img <= 0:
             raise ValueError(f"img_size must be a positive int, got {img_size!r}")
         self.spec, self.img_size = spec, (img, img)
-        act = get_act(spec.act, "act")
+        act = cast("type[nn.Module]", get_act(spec.act, "act"))  # a name: never None
         self.stem, ch, reduction = _stem(spec, in_chans, act)
         feat, total = (img // reduction, img // reduction), sum(len(s.blocks) for s in spec.stages)
         k, stages, self.feature_info = 0, [], []
@@ -269,7 +271,9 @@ class ByoaNet(Backbone):
                 stride = stage.stride if j == 0 else 1
                 mid = make_divisible((ch if spec.bottle_in else stage.channels) * stage.bottle_ratio)
                 if letter == "a":
-                    spatial = self_attention_layer(*(stage.self_attn or spec.self_attn), mid, stride, feat)
+                    # the stage's self-attention, else the model's (a spec with "a" blocks has one)
+                    spatial = self_attention_layer(*cast("tuple[str, dict]", stage.self_attn or spec.self_attn), mid,
+                                                   stride, feat)
                     gate = None
                 else:
                     groups = mid // stage.group_size if stage.group_size else 1
@@ -302,7 +306,7 @@ class ByoaNet(Backbone):
         """He init (fan-out) for the trunk's convolutions, BN at identity; attention layers keep their own."""
         for m in self.modules():
             if isinstance(m, ConvNormAct):
-                nn.init.kaiming_normal_(m.conv.weight, mode="fan_out", nonlinearity="relu")
+                nn.init.kaiming_normal_(cast(nn.Conv2d, m.conv).weight, mode="fan_out", nonlinearity="relu")
         self._init_norms(ByoaBlock, zero_init_last)
 
 

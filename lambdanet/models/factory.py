@@ -7,6 +7,7 @@ beside ``_registry.py``: factory -> {registry, pretrained}, families -> registry
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 
@@ -14,11 +15,14 @@ from lambdanet.models import pretrained as weights
 from lambdanet.models.hub import download_hub_weights, hub_repo
 from lambdanet.models.registry import entry_point, model_info, pretrained_cfg
 
+if TYPE_CHECKING:
+    from lambdanet.models.registry import CreatedModel
+
 __all__ = ["create_model"]
 
 
 def create_model(name: str, *, num_classes: int | None = None, in_chans: int | None = None, pretrained: bool = False,
-                 checkpoint_path: str | os.PathLike | None = None, **kwargs) -> nn.Module:
+                 checkpoint_path: str | os.PathLike | None = None, **kwargs: Any) -> nn.Module:
     """Build the registered model ``name``.
 
     Args:
@@ -51,7 +55,7 @@ def create_model(name: str, *, num_classes: int | None = None, in_chans: int | N
         if num_classes is not None or in_chans is not None or pretrained or checkpoint_path is not None:
             raise ValueError(f"{name} is a language model: it takes vocab_size=..., not num_classes, in_chans or "
                              "weights (load a trained one with lambdanet.lm.load_lm)")
-        model = build(**kwargs)
+        model = cast("CreatedModel", build(**kwargs))  # given its attributes below
         model.model_name, model.model_kwargs = name, dict(kwargs)
         model.pretrained_cfg = {"architecture": name, "vocab_size": model.vocab_size}
         return model
@@ -64,7 +68,7 @@ def create_model(name: str, *, num_classes: int | None = None, in_chans: int | N
         raise ValueError("pass pretrained=True (the published checkpoint) or checkpoint_path=FILE, not both")
     if pretrained:
         weights.hub_id(name)  # fail before building when there are no weights
-    model = build(num_classes=num_classes, in_chans=in_chans, **kwargs)
+    model = cast("CreatedModel", build(num_classes=num_classes, in_chans=in_chans, **kwargs))
     model.model_name, model.model_kwargs = name, dict(kwargs)
     first_conv = next((n for n, m in model.named_modules() if isinstance(m, nn.Conv2d)), None)
     model.pretrained_cfg = pretrained_cfg(name, num_classes, in_chans) | {"first_conv": first_conv,
@@ -85,12 +89,12 @@ def _from_hub(repo: str, *, num_classes, in_chans, pretrained, checkpoint_path, 
     if model_info(arch).task == "lm":
         from safetensors.torch import load_model
 
-        model = create_model(arch, vocab_size=meta["vocab_size"], **arch_kwargs)
+        model = cast("CreatedModel", create_model(arch, vocab_size=meta["vocab_size"], **arch_kwargs))
         load_model(model, str(path))
     else:
-        model = create_model(arch, num_classes=meta["num_classes"] if num_classes is None else num_classes,
-                             in_chans=meta["in_chans"] if in_chans is None else in_chans, checkpoint_path=path,
-                             **arch_kwargs)
+        model = cast("CreatedModel", create_model(
+            arch, num_classes=meta["num_classes"] if num_classes is None else num_classes,
+            in_chans=meta["in_chans"] if in_chans is None else in_chans, checkpoint_path=path, **arch_kwargs))
         model.pretrained_cfg.update(weights=f"hf-hub:{repo}", hf_hub_id=repo.partition("@")[0])
     model.model_kwargs = arch_kwargs
     return model

@@ -20,7 +20,7 @@ Each :data:`model_cfgs` row (:class:`HaloNetSpec`) has an entry point of its nam
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 from lambdanet.models.registry import ModelInfo, register_model
 from lambdanet.models.resnet import RESNET_ARGS, ResNet, ResNetArgs, ResNetConfig, build_resnet
@@ -73,8 +73,9 @@ def halonet_config(name: str, *, base_width: int = 64, **changes) -> ResNetConfi
     """
     b, h, rv, rb, l3, s, df, params_m, _ = model_cfgs[name]._replace(**changes)
     widths = tuple(base_width * 2 ** i for i in range(4))
-    stage_kwargs = tuple({"block_size": b, "halo_size": h, "heads": heads, "dim_qk": w}
-                         for heads, w in zip(HEADS, widths))
+    stage_kwargs = cast("tuple[dict, dict, dict, dict]",  # one per stage: HEADS has 4 entries
+                        tuple({"block_size": b, "halo_size": h, "heads": heads, "dim_qk": w}
+                              for heads, w in zip(HEADS, widths)))
     return ResNetConfig(
         (3, 3, l3, 3), widths=widths, expansion=rb, spatial_mult=rv, stem="resnet", shortcut="conv",
         pattern=("L" * 3, "L" * 3, "L" * l3, "L" * 3), spatial_layer="halo_attention", stage_kwargs=stage_kwargs,

@@ -24,7 +24,9 @@ KV cache grows with the context.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +79,7 @@ def matched_dim_v(dim: int, heads: int, dim_k: int) -> int:
 
 
 class _Block(nn.Module):
-    def __init__(self, mixer: nn.Module, dim: int, mlp_ratio: float, dropout: float):
+    def __init__(self, mixer: CausalSelfAttention | CausalLambdaLayer, dim: int, mlp_ratio: float, dropout: float):
         super().__init__()
         hidden = int(dim * mlp_ratio)
         self.norm1, self.mixer, self.norm2 = nn.LayerNorm(dim), mixer, nn.LayerNorm(dim)
@@ -101,7 +103,12 @@ class LanguageModel(nn.Module):
 
     Args:
         mixer: ``"lambda"``, ``"transformer"`` or ``"linear"``.
-        dim, depth, heads, dim_k, r, mlp_ratio: as :class:`LMSize`.
+        dim: model width ``d`` (:class:`LMSize`, as the next five).
+        depth: blocks.
+        heads: query heads.
+        dim_k: the lambda layer's query/key depth ``|k|``.
+        r: the lambda layer's causal local scope.
+        mlp_ratio: MLP hidden width / ``d``.
         vocab_size: tokens (256: bytes).
         dim_v: the lambda layer's value depth (default :func:`matched_dim_v`); ignored by the transformer.
         dim_u: the lambda layer's intra-depth ``|u|``.
@@ -127,7 +134,7 @@ class LanguageModel(nn.Module):
         self.mixer, self.vocab_size, self.dim = mixer, vocab_size, dim
         self.max_len = max_len if learned else None
         self.embed = nn.Embedding(vocab_size, dim)
-        self.pos_embed = nn.Parameter(torch.zeros(max_len, dim)) if learned else None
+        self.pos_embed = nn.Parameter(torch.zeros(cast(int, max_len), dim)) if learned else None  # checked above
         if mixer != "transformer":
             dim_v = matched_dim_v(dim, heads, dim_k) if dim_v is None else dim_v
         mixers = [CausalSelfAttention(dim, heads, rotary=not learned) if mixer == "transformer" else
@@ -144,9 +151,9 @@ class LanguageModel(nn.Module):
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, std=0.02)
                 if getattr(m, "bias", None) is not None:
-                    nn.init.zeros_(m.bias)
-        for block in self.blocks:
-            for last in (block.mixer.proj, block.mlp[2]):
+                    nn.init.zeros_(cast(Tensor, m.bias))
+        for block in cast("Iterable[_Block]", self.blocks):
+            for last in (block.mixer.proj, cast(nn.Linear, block.mlp[2])):
                 nn.init.normal_(last.weight, std=0.02 / math.sqrt(2 * depth))
         if self.pos_embed is not None:
             nn.init.normal_(self.pos_embed, std=0.02)
@@ -167,7 +174,7 @@ class LanguageModel(nn.Module):
         check_positive_int(batch_size, "batch_size")
         device = self.embed.weight.device
         return {"position": torch.zeros((), dtype=torch.long, device=device),
-                "layers": [b.mixer.init_state(batch_size) for b in self.blocks]}
+                "layers": [b.mixer.init_state(batch_size) for b in cast("Iterable[_Block]", self.blocks)]}
 
     def forward(self, tokens: Tensor, state: dict | None = None, return_state: bool = False):
         """``tokens [b, n]`` -> logits ``[b, n, vocab_size]``; with ``state`` the tokens continue that context,
@@ -200,7 +207,7 @@ class LanguageModel(nn.Module):
         if self.pos_embed is not None:
             x = x + self.pos_embed[position]  # b d
         new = []
-        for block, s in zip(self.blocks, state["layers"]):
+        for block, s in zip(cast("Iterable[_Block]", self.blocks), state["layers"]):
             x, s = block.step(x, s)  # b d
             new.append(s)
         logits = self.norm(x) @ self.embed.weight.t()  # b vocab

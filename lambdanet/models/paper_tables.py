@@ -9,6 +9,7 @@ HaloNet Table A2. Rows we cannot match with a faithful implementation keep a lar
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 __all__ = ["PaperRow", "PAPER_ROWS"]
 
@@ -61,7 +62,7 @@ PAPER_ROWS: list[PaperRow] = [
     PaperRow("3", "Lambda layer (|u|=4)", "resnet50", {"stage_layers": "LLLL", "layer_kwargs": {"dim_u": 4, "r": 7}},
              16.0, note="u > 1 uses the lambda convolution with a 7x7 scope (App. E.1)"),
     # Table 4: memory / throughput comparison (no parameter counts)
-    *[PaperRow("4", row, "resnet50", {"stage_layers": "LLLL", **kw}, image_size=224) for row, kw in [
+    *[PaperRow("4", row, "resnet50", {"stage_layers": "LLLL", **cast(dict, kw)}, image_size=224) for row, kw in [
         ("Global self-attention", {"spatial_layer": "relative_self_attention"}),
         ("Axial self-attention", {"spatial_layer": "axial_self_attention"}),
         ("Local self-attention (7x7)", {"spatial_layer": "local_self_attention"}), ("Lambda layer", {}),

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -26,6 +27,9 @@ from torch import Tensor, nn
 from lambdanet.files import WeightsMismatchError, read_state_dict, run_file, run_metadata
 from lambdanet.layers import HaloAttention, LambdaLayer, RelativeSelfAttention
 from lambdanet.models.registry import published_models, run_image_cfg
+
+if TYPE_CHECKING:
+    from lambdanet.models.registry import CreatedModel
 
 __all__ = ["PretrainedUnavailableError", "HUB_FILENAME", "cache_dir", "hub_id", "convert_timm_state_dict",
            "adapt_input_conv", "tie_shared", "load_weights", "load_state", "load_pretrained", "load_into",
@@ -51,7 +55,7 @@ def hub_id(name: str) -> str:
         raise PretrainedUnavailableError(
             f"no pretrained weights are published for {name!r}; models with weights: {', '.join(sorted(published))} "
             "(for your own weights pass checkpoint_path=FILE)")
-    return published[name].hub_id
+    return cast(str, published[name].hub_id)  # published_models keeps the models with a hub_id
 
 
 def _lambda_keys(layer: LambdaLayer, sd: dict[str, Tensor], p: str) -> None:
@@ -83,7 +87,8 @@ def _bottleneck_keys(layer: RelativeSelfAttention | HaloAttention, sd: dict[str,
     sd[p + "rel.rel_w"] = sd.pop(p + "pos_embed.width_rel")
 
 
-_CONVERTERS: dict[type, Callable[[nn.Module, dict, str], None]] = {
+# module type -> its converter, which takes a module of that type
+_CONVERTERS: dict[type[nn.Module], Callable[[Any, dict[str, Tensor], str], None]] = {
     LambdaLayer: _lambda_keys, HaloAttention: _halo_keys, RelativeSelfAttention: _bottleneck_keys}
 
 
@@ -155,14 +160,15 @@ def _fit(model: nn.Module, own: dict[str, Tensor], sd: dict[str, Tensor]) -> tup
             sd.pop(key, None)
         notes.append(f"the checkpoint's {classes}-class classifier is not loaded: the model has a new one "
                      f"({getattr(model, 'num_classes', '?')} classes)")
-    key = _input_conv_key(model)
-    value, mine = sd.get(key), own.get(key)
-    if (value is not None and mine is not None and value.dim() == 4 == mine.dim() and value.shape[1] != mine.shape[1]
-            and value.shape[0] == mine.shape[0] and value.shape[2:] == mine.shape[2:]):
+    conv_key = _input_conv_key(model)  # None: no plain input convolution
+    value, mine = (sd.get(conv_key), own.get(conv_key)) if conv_key is not None else (None, None)
+    if (conv_key is not None and value is not None and mine is not None and value.dim() == 4 == mine.dim()
+            and value.shape[1] != mine.shape[1] and value.shape[0] == mine.shape[0]
+            and value.shape[2:] == mine.shape[2:]):
         n, m = value.shape[1], mine.shape[1]
-        sd[key] = adapt_input_conv(value, m, mine.dtype)
+        sd[conv_key] = adapt_input_conv(value, m, mine.dtype)
         how = "summed over them" if m == 1 else f"repeated over them and scaled by {n}/{m}"
-        notes.append(f"the input convolution {key} is adapted from the checkpoint's {n} input channel"
+        notes.append(f"the input convolution {conv_key} is adapted from the checkpoint's {n} input channel"
                      f"{'s' * (n != 1)} to the model's {m} ({how})")
     return sd, notes
 
@@ -253,15 +259,17 @@ def load_into(model: nn.Module, name: str, *, pretrained: bool = False,
     for lambdanet's own run weights, their classes and preprocessing."""
     if checkpoint_path is not None:
         checkpoint_path = run_file(checkpoint_path)  # a run directory: its weights file
-    notes = load_pretrained(model, name) if pretrained else load_weights(model, checkpoint_path, name)
+    # not pretrained: create_model was given a checkpoint_path
+    notes = load_pretrained(model, name) if pretrained else load_weights(model, cast(Path, checkpoint_path), name)
+    created = cast("CreatedModel", model)  # built by create_model: it has pretrained_cfg
     if checkpoint_path is not None:  # lambdanet's run weights describe their data: classes and preprocessing
         meta = run_metadata(checkpoint_path)
         if meta and "image_size" in meta:
-            cfg = model.pretrained_cfg
-            model.pretrained_cfg.update(run_image_cfg({**meta, "model": cfg["architecture"],
-                                                       "num_classes": cfg["num_classes"],
-                                                       "in_chans": cfg["input_size"][0]}))
+            cfg = created.pretrained_cfg
+            created.pretrained_cfg.update(run_image_cfg({**meta, "model": cfg["architecture"],
+                                                         "num_classes": cfg["num_classes"],
+                                                         "in_chans": cfg["input_size"][0]}))
         if any("classifier" in n for n in notes):
-            model.pretrained_cfg["classes"] = None
-    model.pretrained_cfg["weights"] = "pretrained" if pretrained else str(checkpoint_path)
-    model.pretrained_cfg["load_notes"] = notes
+            created.pretrained_cfg["classes"] = None
+    created.pretrained_cfg["weights"] = "pretrained" if pretrained else str(checkpoint_path)
+    created.pretrained_cfg["load_notes"] = notes

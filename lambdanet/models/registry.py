@@ -12,6 +12,7 @@ import fnmatch
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 
@@ -76,6 +77,16 @@ class ModelInfo:
         return self.pretrained or PretrainedCfg(input_size=self.input_size)
 
 
+if TYPE_CHECKING:
+    class CreatedModel(nn.Module):
+        """For type checkers only: the attributes :func:`lambdanet.models.create_model` sets on its model."""
+
+        model_name: str
+        model_kwargs: dict[str, Any]
+        pretrained_cfg: dict[str, Any]
+        default_cfg: dict[str, Any]
+
+
 # name -> entry point; name -> metadata; name -> accepted architecture keywords and their defaults
 _MODELS: dict[str, Callable[..., nn.Module]] = {}
 _INFO: dict[str, ModelInfo] = {}
@@ -105,7 +116,9 @@ def register_model(fn: Callable[..., nn.Module] | None = None, *, info: ModelInf
             bad = sorted(set(args) & set(_BUILD_ARGS))
             if bad:
                 raise ValueError(f"args of model {name!r} must not contain {bad}: every model takes them")
-            f.__signature__ = _signature(declared, image=info is None or info.task == "image")
+            # declared is dict(args) here; inspect.signature reads a function's __signature__ (unknown to Callable)
+            cast(Any, f).__signature__ = _signature(cast("dict[str, object]", declared),
+                                                    image=info is None or info.task == "image")
         if declared is not None:
             _ARGS[name] = declared
         _MODELS[name], _INFO[name] = f, info if info is not None else ModelInfo(name)
@@ -212,4 +225,4 @@ def pretrained_cfg(name: str, num_classes: int = 1000, in_chans: int = 3) -> dic
 
 def published_models() -> dict[str, PretrainedCfg]:
     """The registered models with published weights (a ``hub_id``) and their :class:`PretrainedCfg`."""
-    return {n: _INFO[n].pretrained for n in list_models() if _INFO[n].pretrained and _INFO[n].pretrained.hub_id}
+    return {n: p for n in list_models() if (p := _INFO[n].pretrained) and p.hub_id}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
+from typing import cast
 
 from torch import Tensor, nn
 
@@ -73,7 +74,8 @@ class ResNetConfig:
     paper: str = ""
 
     def block_pattern(self) -> tuple[str, str, str, str]:
-        return self.pattern if self.pattern is not None else tuple("C" * n for n in self.layers)
+        return self.pattern if self.pattern is not None else cast("tuple[str, str, str, str]",
+                                                                  tuple("C" * n for n in self.layers))
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,7 @@ def stage_pattern(layers: Sequence[int], stage_layers: str) -> tuple[str, str, s
     if not isinstance(stage_layers, str) or len(stage_layers) != 4 or set(stage_layers.upper()) - {"C", "L"}:
         raise ValueError(f"stage_layers must be 4 letters C (3x3 conv) or L (the spatial_layer), one per stage "
                          f"c2..c5, e.g. 'CCLL'; got {stage_layers!r}")
-    return tuple(letter * n for letter, n in zip(stage_layers.upper(), layers))
+    return cast("tuple[str, str, str, str]", tuple(letter * n for letter, n in zip(stage_layers.upper(), layers)))
 
 
 def _stem(kind: str, in_chans: int, act: type[nn.Module]) -> tuple[nn.Sequential, int, int]:
@@ -202,7 +204,7 @@ class ResNet(Backbone):
         if len(img) != 2 or min(img) <= 0:
             raise ValueError(f"img_size must be a positive int or (H, W), got {img_size!r}")
         self.cfg, self.img_size = cfg, img
-        act = get_act(cfg.act)
+        act = cast("type[nn.Module]", get_act(cfg.act))  # a name (validated): never None
         self.stem, ch, reduction = _stem(cfg.stem, in_chans, act)
         size, total = tuple(math.ceil(s / reduction) for s in img), sum(cfg.layers)
         dpr = [drop_path_rate * i / max(1, total - 1) for i in range(total)]
@@ -223,8 +225,8 @@ class ResNet(Backbone):
                     kwargs = {**cfg.stage_kwargs[i], **(layer_kwargs or {})}
                     if share_embeddings:
                         kwargs["embedding"] = _shared_embedding(shared, cfg.spatial_layer, kwargs, size)
-                    spatial = create_spatial_layer(cfg.spatial_layer, w, spatial_ch, stride=stride, feat_size=size,
-                                                   **kwargs)
+                    spatial = create_spatial_layer(cfg.spatial_layer, w, spatial_ch, stride=stride,
+                                                   feat_size=cast("tuple[int, int]", size), **kwargs)  # size: (H, W)
                 se = cfg.se_ratio if letters[j] == "C" else 0.0
                 blocks.append(Bottleneck(ch, w, out_ch, spatial, spatial_ch, stride=stride, shortcut=cfg.shortcut,
                                          se_ratio=se, act=act, drop_path=dpr[k]))
@@ -261,12 +263,12 @@ class ResNet(Backbone):
 
 
 def _shared_embedding(shared: dict, layer: str, kwargs: Mapping,
-                      size: tuple[int, int]) -> RelativePositionEmbedding:
+                      size: tuple[int, ...]) -> RelativePositionEmbedding:
     dim_k, dim_u = kwargs.get("dim_k", 16), kwargs.get("dim_u", 1)
     key = ("global", dim_k, dim_u, size) if layer == "lambda" else ("local", dim_k, dim_u, kwargs.get("r", 23))
     if key not in shared:
         shared[key] = (RelativePositionEmbedding.global_context(dim_k, size, dim_u=dim_u) if layer == "lambda"
-                       else RelativePositionEmbedding.local(dim_k, key[3], dim_u=dim_u))
+                       else RelativePositionEmbedding.local(dim_k, cast(int, key[3]), dim_u=dim_u))
     return shared[key]
 
 

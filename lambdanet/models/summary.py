@@ -6,6 +6,8 @@ its weights. FLOPs: ``torch.utils.flop_counter`` (2 per multiply-add), one image
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 
 from lambdanet.models.paper_tables import PAPER_ROWS, PaperRow
@@ -24,7 +26,8 @@ def model_summary(name: str, img_size: int | None = None, *, flops: bool = True,
     with torch.device("meta"):
         model = create_model(name, **kwargs).eval()
         params = sum(p.numel() for p in model.parameters())
-        total = count_flops(lambda: model(torch.empty(1, 3, size, size))) if flops and not lm else None
+        side = cast(int, size)  # an image model's (the only ones whose FLOPs are counted)
+        total = count_flops(lambda: model(torch.empty(1, 3, side, side))) if flops and not lm else None
     return {"model": name, "params": params, "flops": total, "input_size": size}
 
 
@@ -37,8 +40,8 @@ def paper_comparison(rows: list[PaperRow] | None = None, *, flops: bool = True) 
     """Each paper row with our parameter count (and FLOPs where the paper reports them)."""
     out = []
     for row in rows if rows is not None else PAPER_ROWS:
-        entry = {"table": row.table, "row": row.row, "call": row.call, "paper_params_m": row.params_m,
-                 "paper_flops_g": row.flops_g, "note": row.note}
+        entry: dict[str, Any] = {"table": row.table, "row": row.row, "call": row.call, "paper_params_m": row.params_m,
+                                 "paper_flops_g": row.flops_g, "note": row.note}
         if row.model:
             s = model_summary(row.model, row.image_size, flops=flops and row.flops_g is not None, **row.kwargs)
             entry["params_m"] = s["params"] / 1e6

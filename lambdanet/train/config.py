@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from lambdanet.data import dataset_spec, list_datasets
 from lambdanet.engine.config import RunConfig, config_source_from_args, flag, option
@@ -262,7 +263,7 @@ def _resolve_model_values(cfg: TrainConfig) -> None:
                                  f"model_kwargs {key}={kwargs[key]}; give it once")
             setattr(cfg, key, kwargs.pop(key))
         if getattr(cfg, key) is None:
-            setattr(cfg, key, float(accepted.get(key) or 0.0))
+            setattr(cfg, key, float(cast("float | None", accepted.get(key)) or 0.0))
     if cfg.drop_path_rate and "drop_path_rate" not in accepted:
         raise ValueError(f"model {cfg.model!r} has no stochastic depth; drop_path_rate must be 0 or null")
     if cfg.drop_rate and "drop_rate" not in accepted:

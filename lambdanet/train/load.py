@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any, cast
 
 from torch import nn
 
@@ -64,7 +65,7 @@ def load_model(path: str | os.PathLike, *, ema: bool = True) -> nn.Module:
     repo = hub_repo(path)
     if repo is not None:
         model = load_model(download_hub_weights(repo)[0])
-        model.pretrained_cfg.update(weights=f"hf-hub:{repo}", hf_hub_id=repo.partition("@")[0])
+        cast("dict[str, Any]", model.pretrained_cfg).update(weights=f"hf-hub:{repo}", hf_hub_id=repo.partition("@")[0])
         return model
     path = run_file(path, ema=ema)
     if not path.is_file():
@@ -85,7 +86,7 @@ def load_model(path: str | os.PathLike, *, ema: bool = True) -> nn.Module:
         meta = {"model": cfg["model"], "num_classes": spec.num_classes, "in_chans": spec.in_chans,
                 "classes": spec.classes, "data": cfg["data"], "image_size": cfg.get("img_size") or spec.image_size,
                 "mean": list(spec.mean), "std": list(spec.std)}
-    model.pretrained_cfg.update(run_image_cfg(meta))
+    cast("dict[str, Any]", model.pretrained_cfg).update(run_image_cfg(meta))
     return model.eval()
 
 

@@ -5,7 +5,9 @@ The pseudo-label file records the dataset, fraction and seed it belongs to."""
 
 from __future__ import annotations
 
+from collections.abc import Sized
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -28,7 +30,7 @@ def make_pseudo_labels(checkpoint: str | Path, out: str | Path, *, threshold: fl
         raise ValueError(f"the teacher {checkpoint} was trained on all labels (labeled_fraction=1.0): there are no "
                          "unlabelled images; train the teacher with --labeled-fraction < 1")
     spec, train_ds, _ = build_datasets(cfg.data, data_dir=cfg.data_dir, download=cfg.download)
-    _, unlabeled = labeled_split(len(train_ds), cfg.labeled_fraction, cfg.seed)
+    _, unlabeled = labeled_split(len(cast(Sized, train_ds)), cfg.labeled_fraction, cfg.seed)
     model, _ = restore_model(state, spec)
     model.eval()
     loader = ImageLoader(Subset(train_ds, unlabeled), spec, cfg.img_size or spec.image_size, train=False,

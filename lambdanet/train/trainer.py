@@ -6,9 +6,10 @@ recipe- or model-specific was settled by :func:`lambdanet.train.config.resolve_c
 from __future__ import annotations
 
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -26,6 +27,9 @@ from lambdanet.models import create_model
 from lambdanet.train.config import TrainConfig, model_build_kwargs
 from lambdanet.train.load import restore_model
 
+if TYPE_CHECKING:
+    from torch.utils.data import Dataset
+
 __all__ = ["train", "evaluate_checkpoint", "TrainingDivergedError", "ClassificationTask", "build_model_for",
            "hardware_string", "load_pseudo_labels"]
 
@@ -39,7 +43,8 @@ def hardware_string(device: torch.device) -> str:
 def build_model_for(cfg: TrainConfig, spec: DatasetSpec, *, initial_weights: bool = True) -> nn.Module:
     """``create_model`` of a resolved ``cfg`` for a dataset's classes and channels, starting from the weights
     of ``--pretrained`` / ``--checkpoint`` when ``initial_weights`` (a resumed run takes its own instead)."""
-    weights = {"pretrained": cfg.pretrained, "checkpoint_path": cfg.checkpoint} if initial_weights else {}
+    weights: dict[str, Any] = ({"pretrained": cfg.pretrained, "checkpoint_path": cfg.checkpoint} if initial_weights
+                               else {})
     return create_model(cfg.model, num_classes=spec.num_classes, in_chans=spec.in_chans, **weights,
                         **model_build_kwargs(cfg))
 
@@ -67,23 +72,23 @@ class RunData:
 
 def _prepare_data(cfg: TrainConfig, ctx: DistContext) -> RunData:
     spec, train_ds, test_ds = build_datasets(cfg.data, data_dir=cfg.data_dir, download=cfg.download)
-    pool = labeled_split(len(train_ds), cfg.labeled_fraction, cfg.seed)[0]
+    pool = labeled_split(len(cast(Sized, train_ds)), cfg.labeled_fraction, cfg.seed)[0]
     val_ds = None
     if cfg.val_split:
         keep, held = split_indices(len(pool), cfg.val_split, cfg.seed + 1)
         val_ds = Subset(train_ds, pool[held])
         pool = pool[keep]
-    fit_ds = Subset(train_ds, pool)
+    fit_ds: Dataset = Subset(train_ds, pool)
     if cfg.pseudo_labels:
         pl = load_pseudo_labels(cfg.pseudo_labels, cfg)
         if not isinstance(train_ds, TensorImages):
             raise ValueError("pseudo-labels are supported for in-memory datasets (digits, mnist5k, fashion-mnist, "
                              "cifar10/100)")
-        keep = torch.as_tensor(pool)
-        fit_ds = TensorImages(torch.cat([train_ds.images[keep], train_ds.images[torch.as_tensor(pl["indices"])]]),
-                              torch.cat([train_ds.labels[keep], torch.as_tensor(pl["labels"])]))
+        kept = torch.as_tensor(pool)
+        fit_ds = TensorImages(torch.cat([train_ds.images[kept], train_ds.images[torch.as_tensor(pl["indices"])]]),
+                              torch.cat([train_ds.labels[kept], torch.as_tensor(pl["labels"])]))
     ra = (cfg.randaugment_layers, cfg.randaugment_magnitude) if cfg.randaugment_layers else None
-    world, img = ctx.world, cfg.img_size
+    world, img = ctx.world, cast(int, cfg.img_size)  # resolve_config set it
     eval_bs = max(world, cfg.eval_batch_size - cfg.eval_batch_size % world)
     train_loader = ImageLoader(fit_ds, spec, img, train=True, batch_size=cfg.batch_size, seed=cfg.seed,
                                rank=ctx.rank, world=world, workers=cfg.workers, augment=cfg.augment, randaugment=ra)
@@ -205,10 +210,11 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
 
 def _start_note(cfg: TrainConfig, model: nn.Module) -> str:
     source = f"{cfg.model}'s published weights" if cfg.pretrained else cfg.checkpoint
-    used = model.pretrained_cfg.get("weights")
+    pretrained_cfg = cast("dict[str, Any]", model.pretrained_cfg)
+    used = pretrained_cfg.get("weights")
     if not cfg.pretrained and used != str(cfg.checkpoint):  # a run directory: the file it stands for
         source = f"{cfg.checkpoint} ({used})"
-    notes = "; ".join(model.pretrained_cfg.get("load_notes") or [])
+    notes = "; ".join(pretrained_cfg.get("load_notes") or [])
     return f"starting from {source}" + (f" ({notes})" if notes else "")
 
 
@@ -216,7 +222,8 @@ def _write_outputs(state: RunState, cfg: TrainConfig, data: RunData, history: li
     """The run's weights (raw and EMA, with the header that rebuilds the model), plots and ``summary.json``."""
     out, spec = Path(cfg.out), data.spec
     meta = weights_metadata(model=cfg.model, model_kwargs=model_build_kwargs(cfg), num_classes=spec.num_classes,
-                            in_chans=spec.in_chans, classes=spec.classes, data=cfg.data, image_size=cfg.img_size,
+                            in_chans=spec.in_chans, classes=spec.classes, data=cfg.data,
+                            image_size=cast(int, cfg.img_size),  # resolve_config set it
                             mean=spec.mean, std=spec.std)
     export_safetensors(state.model, out / "model.safetensors", meta)
     if state.ema is not None:
@@ -252,7 +259,7 @@ def _dry_run(model: nn.Module, loader: ImageLoader, cfg: TrainConfig, device: to
         with torch.no_grad():
             model(x)
     except (ValueError, RuntimeError) as err:
-        small = cfg.img_size < stride  # a RuntimeError of larger images is no size problem: left as it is
+        small = cast(int, cfg.img_size) < stride  # a RuntimeError of larger images is no size problem: left as it is
         if isinstance(err, RuntimeError) and not small:
             raise
         hint = f"; it downsamples by {stride}: use --img-size {stride} or more" if small else ""
