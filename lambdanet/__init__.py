@@ -2,8 +2,13 @@
 and attention baselines they are measured against."""
 
 from lambdanet import functional
-from lambdanet.layers import (AbsolutePositionEmbedding, LambdaLayer, RelativePositionEmbedding,
-                              create_spatial_layer, list_spatial_layers)
+from lambdanet.layers import (
+    AbsolutePositionEmbedding,
+    LambdaLayer,
+    RelativePositionEmbedding,
+    create_spatial_layer,
+    list_spatial_layers,
+)
 from lambdanet.models import create_model, list_models, model_args, model_info, register_model
 
 __version__ = "0.2.0.dev0"
@@ -24,6 +29,20 @@ def push_to_hub(source, repo_id: str, **kwargs) -> str:
 
     return _push(source, repo_id, **kwargs)
 
-__all__ = ["functional", "LambdaLayer", "RelativePositionEmbedding", "AbsolutePositionEmbedding",
-           "create_spatial_layer", "list_spatial_layers", "create_model", "list_models", "model_info",
-           "model_args", "register_model", "load_model", "push_to_hub", "__version__"]
+
+__all__ = [
+    "functional",
+    "LambdaLayer",
+    "RelativePositionEmbedding",
+    "AbsolutePositionEmbedding",
+    "create_spatial_layer",
+    "list_spatial_layers",
+    "create_model",
+    "list_models",
+    "model_info",
+    "model_args",
+    "register_model",
+    "load_model",
+    "push_to_hub",
+    "__version__",
+]

@@ -36,9 +36,24 @@ from torch.utils.data import Dataset
 from lambdanet.constants import IMAGENET_MEAN, IMAGENET_STD
 from lambdanet.helpers import require
 
-__all__ = ["DatasetSpec", "list_datasets", "dataset_spec", "build_datasets", "SeededTransformDataset",
-           "build_transforms", "split_indices", "labeled_split", "FASHION_MNIST_DIR", "epoch_seed", "epoch_indices",
-           "ImageLoader", "TensorImages", "Subset", "resize_images", "DatasetUnavailableError"]
+__all__ = [
+    "DatasetSpec",
+    "list_datasets",
+    "dataset_spec",
+    "build_datasets",
+    "SeededTransformDataset",
+    "build_transforms",
+    "split_indices",
+    "labeled_split",
+    "FASHION_MNIST_DIR",
+    "epoch_seed",
+    "epoch_indices",
+    "ImageLoader",
+    "TensorImages",
+    "Subset",
+    "resize_images",
+    "DatasetUnavailableError",
+]
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 
@@ -104,12 +119,12 @@ class Subset(Dataset):
 
 def epoch_seed(seed: int, epoch: int) -> int:
     """The seed of the data order in ``epoch`` of a run seeded ``seed``."""
-    return (seed * 1_000_003 + epoch) % (2 ** 63)
+    return (seed * 1_000_003 + epoch) % (2**63)
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
     """The seed of sample ``index``'s random augmentation in ``epoch`` of a run seeded ``seed``."""
-    return (seed * 1_000_003 + epoch * 7_919 + index) % (2 ** 63)
+    return (seed * 1_000_003 + epoch * 7_919 + index) % (2**63)
 
 
 class SeededTransformDataset(Dataset):
@@ -171,7 +186,7 @@ def _read_idx(path: Path) -> np.ndarray:
     with gzip.open(path, "rb") as f:
         data = f.read()
     ndim = data[3]
-    shape = tuple(int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim))
+    shape = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
     return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
 
 
@@ -186,26 +201,34 @@ def _fashion_mnist(data_dir: Path, download: bool) -> tuple[TensorImages, Tensor
         return parts[0], parts[1]
     from torchvision.datasets import FashionMNIST
 
-    how = ("install the Debian package (apt-get install dataset-fashion-mnist), or put torchvision's "
-           f"FashionMNIST/raw files under {data_dir}")
-    return _torchvision_pair("fashion-mnist", FashionMNIST, data_dir, download,
-                             searched=f"{FASHION_MNIST_DIR} and {data_dir}", how=how)
+    how = (
+        "install the Debian package (apt-get install dataset-fashion-mnist), or put torchvision's "
+        f"FashionMNIST/raw files under {data_dir}"
+    )
+    return _torchvision_pair(
+        "fashion-mnist", FashionMNIST, data_dir, download, searched=f"{FASHION_MNIST_DIR} and {data_dir}", how=how
+    )
 
 
-def _torchvision_pair(name: str, cls, data_dir: Path, download: bool, *, searched: str, how: str
-                      ) -> tuple[TensorImages, TensorImages]:
+def _torchvision_pair(
+    name: str, cls, data_dir: Path, download: bool, *, searched: str, how: str
+) -> tuple[TensorImages, TensorImages]:
     """torchvision's (train, test) of ``cls`` as tensors, or one :class:`DatasetUnavailableError` line."""
     try:
-        return cast("tuple[TensorImages, TensorImages]",
-                    tuple(_from_torchvision(cls(str(data_dir), train=t, download=download)) for t in (True, False)))
+        return cast(
+            "tuple[TensorImages, TensorImages]",
+            tuple(_from_torchvision(cls(str(data_dir), train=t, download=download)) for t in (True, False)),
+        )
     except Exception as err:  # noqa: BLE001  torchvision raises RuntimeError, URLError, OSError, ... here
         if download:
             text = " ".join(str(err).split())
             why = f"the download failed ({type(err).__name__}: {text[:200] + ('...' if len(text) > 200 else '')})"
         else:
             why = "--no-download was given"
-        raise DatasetUnavailableError(f"dataset {name} was not found in {searched} and {why}; {how}, or pass "
-                                      "--data-dir pointing at an existing copy") from None
+        raise DatasetUnavailableError(
+            f"dataset {name} was not found in {searched} and {why}; {how}, or pass "
+            "--data-dir pointing at an existing copy"
+        ) from None
 
 
 def _from_torchvision(ds) -> TensorImages:
@@ -219,8 +242,14 @@ def _cifar(name: str, data_dir: Path, download: bool) -> tuple[TensorImages, Ten
 
     cls = CIFAR10 if name == "cifar10" else CIFAR100
     archive = "cifar-10-python.tar.gz" if name == "cifar10" else "cifar-100-python.tar.gz"
-    return _torchvision_pair(name, cls, data_dir, download, searched=str(data_dir),
-                             how=f"download {archive} on a machine with network access and unpack it in {data_dir}")
+    return _torchvision_pair(
+        name,
+        cls,
+        data_dir,
+        download,
+        searched=str(data_dir),
+        how=f"download {archive} on a machine with network access and unpack it in {data_dir}",
+    )
 
 
 class ImageFolderTensors(Dataset):
@@ -246,13 +275,16 @@ def _imagefolder_spec(path: str) -> DatasetSpec:
     root = Path(path).expanduser()
     missing = [str(root / s) for s in ("train", "val") if not (root / s).is_dir()]
     if missing:
-        raise ValueError(f"imagefolder:{path} needs the folders {' and '.join(missing)} "
-                         "(ImageNet layout: train/<class>/*.jpg and val/<class>/*.jpg)")
+        raise ValueError(
+            f"imagefolder:{path} needs the folders {' and '.join(missing)} "
+            "(ImageNet layout: train/<class>/*.jpg and val/<class>/*.jpg)"
+        )
     classes = [sorted(d.name for d in (root / s).iterdir() if d.is_dir()) for s in ("train", "val")]
     if classes[0] != classes[1]:
         raise ValueError(f"imagefolder:{path}: train/ and val/ have different class folders")
-    return DatasetSpec(f"imagefolder:{path}", len(classes[0]), 3, 224, IMAGENET_MEAN, IMAGENET_STD, True, False,
-                       classes=classes[0])
+    return DatasetSpec(
+        f"imagefolder:{path}", len(classes[0]), 3, 224, IMAGENET_MEAN, IMAGENET_STD, True, False, classes=classes[0]
+    )
 
 
 def _imagefolder(path: str) -> tuple[DatasetSpec, Dataset, Dataset]:
@@ -269,8 +301,9 @@ def dataset_spec(name: str) -> DatasetSpec:
     return _SPECS[name]
 
 
-def build_transforms(spec: DatasetSpec, image_size: int, *, train: bool, augment: bool = True,
-                     randaugment: tuple[int, int] | None = None) -> Callable:
+def build_transforms(
+    spec: DatasetSpec, image_size: int, *, train: bool, augment: bool = True, randaugment: tuple[int, int] | None = None
+) -> Callable:
     """torchvision v2 pipeline from a uint8 tensor image of a file dataset (large images) to a normalised
     float tensor: (train) random-resized crop + flip; (eval) resize to ``image_size / 0.875`` and centre crop.
     ``randaugment = (layers, magnitude)`` adds RandAugment. Small in-memory images are augmented by
@@ -292,15 +325,22 @@ def build_transforms(spec: DatasetSpec, image_size: int, *, train: bool, augment
     return v2.Compose(ops)
 
 
-def build_datasets(name: str, *, data_dir: str | os.PathLike = "~/.cache/lambdanet/data", download: bool = True,
-                   ) -> tuple[DatasetSpec, Dataset, Dataset]:
+def build_datasets(
+    name: str,
+    *,
+    data_dir: str | os.PathLike = "~/.cache/lambdanet/data",
+    download: bool = True,
+) -> tuple[DatasetSpec, Dataset, Dataset]:
     """(spec, train, test) of ``name``: raw uint8 images, no transforms yet."""
     data_dir = Path(data_dir).expanduser()
     if name.startswith("imagefolder:"):
         return _imagefolder(name.split(":", 1)[1])
     spec = dataset_spec(name)
     loaders: dict[str, Callable[[], tuple[TensorImages, TensorImages]]] = {
-        "digits": _digits, "mnist5k": _mnist5k, "fashion-mnist": lambda: _fashion_mnist(data_dir, download)}
+        "digits": _digits,
+        "mnist5k": _mnist5k,
+        "fashion-mnist": lambda: _fashion_mnist(data_dir, download),
+    }
     train, test = loaders.get(name, lambda: _cifar(name, data_dir, download))()
     return spec, train, test
 
@@ -309,21 +349,34 @@ def resize_images(images: Tensor, size: int) -> Tensor:
     """Resize a uint8 ``[N, C, H, W]`` tensor to ``size x size`` once (bilinear, antialiased)."""
     if images.shape[-2:] == (size, size):
         return images
-    out = torch.nn.functional.interpolate(images.float(), size=(size, size), mode="bilinear", antialias=True,
-                                          align_corners=False)
+    out = torch.nn.functional.interpolate(
+        images.float(), size=(size, size), mode="bilinear", antialias=True, align_corners=False
+    )
     return out.round().clamp(0, 255).to(torch.uint8)
 
 
-def epoch_indices(n: int, epoch: int, seed: int, *, shuffle: bool, rank: int = 0, world: int = 1,
-                  batch_size: int | None = None, drop_last: bool = False) -> list[list[int]]:
+def epoch_indices(
+    n: int,
+    epoch: int,
+    seed: int,
+    *,
+    shuffle: bool,
+    rank: int = 0,
+    world: int = 1,
+    batch_size: int | None = None,
+    drop_last: bool = False,
+) -> list[list[int]]:
     """The batches of one rank for one epoch. The global order is a seeded permutation of ``range(n)`` (or
     ``range(n)``); global batch ``i`` is ``order[i B:(i+1) B]`` and rank ``r`` takes its elements
     ``r, r + world, ...`` so that the union of the ranks' ``i``-th batches is the single-process ``i``-th batch
     of size ``B = batch_size``."""
-    order = (torch.randperm(n, generator=torch.Generator().manual_seed(epoch_seed(seed, epoch))).tolist()
-             if shuffle else list(range(n)))
+    order = (
+        torch.randperm(n, generator=torch.Generator().manual_seed(epoch_seed(seed, epoch))).tolist()
+        if shuffle
+        else list(range(n))
+    )
     bs = batch_size or n
-    chunks = [order[start:start + bs] for start in range(0, n, bs)]
+    chunks = [order[start : start + bs] for start in range(0, n, bs)]
     chunks = [c for c in chunks if not drop_last or len(c) == bs]  # only the last one can be short
     return [c[rank::world] for c in chunks if c[rank::world]]
 
@@ -344,9 +397,21 @@ class ImageLoader:
     datasets (large images) go through :func:`build_transforms`, :class:`SeededTransformDataset` and a
     ``DataLoader``. Both are deterministic per ``(seed, epoch, index)``."""
 
-    def __init__(self, dataset: Dataset, spec: DatasetSpec, image_size: int, *, train: bool, batch_size: int,
-                 seed: int = 0, rank: int = 0, world: int = 1, workers: int = 0, augment: bool = True,
-                 randaugment: tuple[int, int] | None = None):
+    def __init__(
+        self,
+        dataset: Dataset,
+        spec: DatasetSpec,
+        image_size: int,
+        *,
+        train: bool,
+        batch_size: int,
+        seed: int = 0,
+        rank: int = 0,
+        world: int = 1,
+        workers: int = 0,
+        augment: bool = True,
+        randaugment: tuple[int, int] | None = None,
+    ):
         if batch_size % world:
             raise ValueError(f"batch_size={batch_size} must be divisible by the number of processes ({world})")
         self.spec, self.image_size, self.train = spec, image_size, train
@@ -377,8 +442,16 @@ class ImageLoader:
             self.dataset.set_epoch(epoch)
 
     def batches(self) -> list[list[int]]:
-        return epoch_indices(self.n, self.epoch, self.seed, shuffle=self.train, rank=self.rank, world=self.world,
-                             batch_size=self.batch_size, drop_last=self.train)
+        return epoch_indices(
+            self.n,
+            self.epoch,
+            self.seed,
+            shuffle=self.train,
+            rank=self.rank,
+            world=self.world,
+            batch_size=self.batch_size,
+            drop_last=self.train,
+        )
 
     def __len__(self) -> int:
         return len(self.batches())
@@ -389,7 +462,7 @@ class ImageLoader:
         return sum(len(b) for b in self.batches())
 
     def __iter__(self):
-        batches = self.batches()[self.start_batch:]
+        batches = self.batches()[self.start_batch :]
         if not self.fast:
             yield from torch.utils.data.DataLoader(self.dataset, batch_sampler=batches, num_workers=self.workers)
             return

@@ -48,13 +48,26 @@ from torch import Tensor, nn
 from lambdanet.helpers import MissingExtraError, check_choice, check_positive_int
 from lambdanet.predict import DTYPES, floating_dtype
 
-__all__ = ["CHECK_RTOL", "FORMATS", "FORMAT_DTYPES", "HALF_CHECK_RTOL", "ONNX_INSTALL", "ONNX_SINGLE_FILE_MAX_BYTES",
-           "SUFFIXES", "ExportCheckError", "MissingDependencyError", "check_dtype", "check_tolerance",
-           "default_export_path", "export_model", "require_format"]
+__all__ = [
+    "CHECK_RTOL",
+    "FORMATS",
+    "FORMAT_DTYPES",
+    "HALF_CHECK_RTOL",
+    "ONNX_INSTALL",
+    "ONNX_SINGLE_FILE_MAX_BYTES",
+    "SUFFIXES",
+    "ExportCheckError",
+    "MissingDependencyError",
+    "check_dtype",
+    "check_tolerance",
+    "default_export_path",
+    "export_model",
+    "require_format",
+]
 
 FORMATS = ("onnx", "torchscript", "exported-program")
 SUFFIXES = {"onnx": ".onnx", "torchscript": ".pt", "exported-program": ".pt2"}
-ONNX_INSTALL = "pip install \"lambdanet[export]\" (or: pip install onnx onnxscript onnxruntime)"
+ONNX_INSTALL = 'pip install "lambdanet[export]" (or: pip install onnx onnxscript onnxruntime)'
 # the precisions each format exports in (names of lambdanet.predict.DTYPES); see the module docstring
 FORMAT_DTYPES = {"onnx": ("float32", "float16"), "torchscript": tuple(DTYPES), "exported-program": tuple(DTYPES)}
 # weights above this go to an external .data file: a protobuf message (an .onnx file) cannot exceed 2 GB, and
@@ -94,8 +107,10 @@ def check_dtype(format: str, dtype: torch.dtype, name: str = "dtype") -> None:
     names = {v: k for k, v in DTYPES.items()}
     if names.get(dtype) not in FORMAT_DTYPES[format]:
         why = " (ONNX Runtime's CPU provider has no bfloat16 convolution)" if dtype == torch.bfloat16 else ""
-        raise ValueError(f"{name} must be one of {list(FORMAT_DTYPES[format])} for the {format} format, got "
-                         f"{names.get(dtype, dtype)!r}{why}")
+        raise ValueError(
+            f"{name} must be one of {list(FORMAT_DTYPES[format])} for the {format} format, got "
+            f"{names.get(dtype, dtype)!r}{why}"
+        )
 
 
 def require_format(format: str, *, check: bool = True, dtype: torch.dtype | None = None) -> None:
@@ -116,8 +131,7 @@ def require_format(format: str, *, check: bool = True, dtype: torch.dtype | None
         except ImportError:
             missing.append(name)
     if missing:
-        raise MissingDependencyError(f"ONNX export needs {', '.join(missing)}, which is not installed: "
-                                     f"{ONNX_INSTALL}")
+        raise MissingDependencyError(f"ONNX export needs {', '.join(missing)}, which is not installed: {ONNX_INSTALL}")
 
 
 def default_export_path(name: str, format: str) -> Path:
@@ -218,13 +232,25 @@ def _external_locations(path: Path) -> list[str]:
 
     proto = onnx.load(str(path), load_external_data=False)
     tensors = [*proto.graph.initializer, *(a.t for n in proto.graph.node for a in n.attribute if a.HasField("t"))]
-    found = [next(e.value for e in t.external_data if e.key == "location") for t in tensors
-             if t.data_location == onnx.TensorProto.EXTERNAL]
+    found = [
+        next(e.value for e in t.external_data if e.key == "location")
+        for t in tensors
+        if t.data_location == onnx.TensorProto.EXTERNAL
+    ]
     return list(dict.fromkeys(found))
 
 
-def export_model(model: nn.Module, path: str | os.PathLike, format: str, *, input_size: int, in_chans: int,
-                 check: bool = True, batch_size: int | None = None, dynamic_batch: bool = True) -> dict:
+def export_model(
+    model: nn.Module,
+    path: str | os.PathLike,
+    format: str,
+    *,
+    input_size: int,
+    in_chans: int,
+    check: bool = True,
+    batch_size: int | None = None,
+    dynamic_batch: bool = True,
+) -> dict:
     """Write ``model`` to ``path`` in ``format`` (see the module docstring) and check it.
 
     Args:
@@ -270,9 +296,18 @@ def export_model(model: nn.Module, path: str | os.PathLike, format: str, *, inpu
         with torch.no_grad():
             expected = [_tensors(model(xi)) for xi in inputs] if check else []
         external_data = _write(model, x, path, format, dynamic_batch)
-        result = {"path": str(path), "format": format, "dtype": str(dtype).removeprefix("torch."),
-                  "input_shape": list(x.shape), "dynamic_batch": dynamic_batch, "check_batches": check_batches,
-                  "external_data": external_data, "checked": check, "max_abs_error": None, "tolerance": None}
+        result = {
+            "path": str(path),
+            "format": format,
+            "dtype": str(dtype).removeprefix("torch."),
+            "input_shape": list(x.shape),
+            "dynamic_batch": dynamic_batch,
+            "check_batches": check_batches,
+            "external_data": external_data,
+            "checked": check,
+            "max_abs_error": None,
+            "tolerance": None,
+        }
         if not check:
             return result
         actual = _run_export(path, format, device, check_batches, inputs)
@@ -282,8 +317,15 @@ def export_model(model: nn.Module, path: str | os.PathLike, format: str, *, inpu
     return result | {"max_abs_error": error, "tolerance": tolerance}
 
 
-def _check_arguments(format: str, dtype: torch.dtype, check: bool, input_size: int, in_chans: int,
-                     batch_size: int | None, dynamic_batch: bool) -> int:
+def _check_arguments(
+    format: str,
+    dtype: torch.dtype,
+    check: bool,
+    input_size: int,
+    in_chans: int,
+    batch_size: int | None,
+    dynamic_batch: bool,
+) -> int:
     """:func:`export_model`'s arguments checked (one-line ``ValueError``s); returns the batch size to trace at."""
     check_choice(format, "format", FORMATS)
     check_dtype(format, dtype, "the model's dtype")  # before the packages: a bfloat16 ONNX export needs none
@@ -295,8 +337,10 @@ def _check_arguments(format: str, dtype: torch.dtype, check: bool, input_size: i
         batch_size = _DYNAMIC_BATCH if dynamic_batch else 1
     check_positive_int(batch_size, "batch_size")
     if dynamic_batch and batch_size < 2:
-        raise ValueError(f"batch_size must be at least 2 with dynamic_batch=True (torch.export specialises a "
-                         f"dimension of size 1 to the constant 1), got {batch_size}")
+        raise ValueError(
+            f"batch_size must be at least 2 with dynamic_batch=True (torch.export specialises a "
+            f"dimension of size 1 to the constant 1), got {batch_size}"
+        )
     return batch_size
 
 
@@ -319,13 +363,16 @@ def _write(model: nn.Module, x: Tensor, path: Path, format: str, dynamic_batch: 
         if not dynamic_batch:
             raise
         first = (str(err).strip().splitlines() or [""])[0]
-        raise ValueError(f"the {format} export with a dynamic batch failed ({type(err).__name__}: {first}); "
-                         f"dynamic_batch=False (lambdanet export --static-batch) exports for batch "
-                         f"{x.shape[0]} only") from err
+        raise ValueError(
+            f"the {format} export with a dynamic batch failed ({type(err).__name__}: {first}); "
+            f"dynamic_batch=False (lambdanet export --static-batch) exports for batch "
+            f"{x.shape[0]} only"
+        ) from err
 
 
-def _run_export(path: Path, format: str, device: torch.device, check_batches: list[int],
-                inputs: list[Tensor]) -> list[list[Tensor]]:
+def _run_export(
+    path: Path, format: str, device: torch.device, check_batches: list[int], inputs: list[Tensor]
+) -> list[list[Tensor]]:
     """The exported file loaded back and run on the check inputs."""
     run = _load(path, format, device)
     actual = []
@@ -335,13 +382,20 @@ def _run_export(path: Path, format: str, device: torch.device, check_batches: li
                 actual.append(run(xi))
             except Exception as err:  # e.g. a trace whose reshapes froze the traced batch
                 first = (str(err).strip().splitlines() or [""])[0]
-                raise ExportCheckError(f"{path}: the {format} export fails at batch {b} "
-                                       f"({type(err).__name__}: {first})") from err
+                raise ExportCheckError(
+                    f"{path}: the {format} export fails at batch {b} ({type(err).__name__}: {first})"
+                ) from err
     return actual
 
 
-def _compare(path: Path, format: str, check_batches: list[int], actual: list[list[Tensor]],
-             expected: list[list[Tensor]], dtype: torch.dtype) -> tuple[float, float]:
+def _compare(
+    path: Path,
+    format: str,
+    check_batches: list[int],
+    actual: list[list[Tensor]],
+    expected: list[list[Tensor]],
+    dtype: torch.dtype,
+) -> tuple[float, float]:
     """(largest error, its tolerance) of the export's outputs against the eager model's, the worst relative to
     :func:`check_tolerance`; :class:`ExportCheckError` when a shape differs or an error exceeds its tolerance."""
     worst = (0.0, 0.0, float("inf"), check_batches[0])  # (error / tolerance, error, tolerance, batch), worst
@@ -350,8 +404,9 @@ def _compare(path: Path, format: str, check_batches: list[int], actual: list[lis
             raise ExportCheckError(f"{path}: the export returns {len(got)} outputs, the model {len(want)}")
         for a, e in zip(got, want):
             if tuple(a.shape) != tuple(e.shape):
-                raise ExportCheckError(f"{path}: at batch {b} the export returns shape {tuple(a.shape)}, the "
-                                       f"model {tuple(e.shape)}")
+                raise ExportCheckError(
+                    f"{path}: at batch {b} the export returns shape {tuple(a.shape)}, the model {tuple(e.shape)}"
+                )
             err = float((a.to(e.device, e.dtype) - e).abs().max()) if e.numel() else 0.0
             tol = check_tolerance(e, dtype)
             ratio = float("inf") if math.isnan(err) else err / tol  # NaN: the worst
@@ -359,6 +414,8 @@ def _compare(path: Path, format: str, check_batches: list[int], actual: list[lis
                 worst = (ratio, err, tol, b)
     _, error, tolerance, batch = worst
     if not error <= tolerance:  # also catches NaN
-        raise ExportCheckError(f"{path}: the {format} export differs from the eager model by up to {error:.3g} "
-                               f"(max abs) at batch {batch}, above the tolerance {tolerance:.3g}")
+        raise ExportCheckError(
+            f"{path}: the {format} export differs from the eager model by up to {error:.3g} "
+            f"(max abs) at batch {batch}, above the tolerance {tolerance:.3g}"
+        )
     return error, tolerance

@@ -12,8 +12,18 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["WeightsMismatchError", "METADATA_FORMAT", "RUN_FILES", "run_file", "read_safetensors", "read_state_dict",
-           "weights_metadata", "encode_metadata", "run_metadata", "is_run_weights"]
+__all__ = [
+    "WeightsMismatchError",
+    "METADATA_FORMAT",
+    "RUN_FILES",
+    "run_file",
+    "read_safetensors",
+    "read_state_dict",
+    "weights_metadata",
+    "encode_metadata",
+    "run_metadata",
+    "is_run_weights",
+]
 
 METADATA_FORMAT = "lambdanet.weights.v1"  # the header of the weights lambdanet train writes
 RUN_FILES = ("model_ema.safetensors", "model.safetensors", "last.pt")  # what a run directory holds, preferred first
@@ -31,12 +41,13 @@ def run_file(path: str | os.PathLike, *, ema: bool = True, checkpoint: bool = Fa
     path = Path(path).expanduser()
     if not path.is_dir():
         return path
-    names = ("last.pt",) if checkpoint else RUN_FILES[0 if ema else 1:]
+    names = ("last.pt",) if checkpoint else RUN_FILES[0 if ema else 1 :]
     found = next((path / n for n in names if (path / n).is_file()), None)
     if found is None:
         what = "training checkpoint (last.pt)" if checkpoint else f"trained model ({', '.join(names)})"
-        raise ValueError(f"{path} is a directory but holds no {what}; pass a run directory of lambdanet train or "
-                         "a weights file")
+        raise ValueError(
+            f"{path} is a directory but holds no {what}; pass a run directory of lambdanet train or a weights file"
+        )
     return found
 
 
@@ -50,8 +61,10 @@ def read_safetensors(path: Path, tensors: bool = True) -> tuple[dict[str, Tensor
             meta = f.metadata() or {}
             sd = {k: f.get_tensor(k) for k in f.keys()} if tensors else {}
     except SafetensorError as err:
-        raise WeightsMismatchError(f"weights file {path} is corrupted or truncated and cannot be loaded "
-                                   f"({type(err).__name__}: {str(err)[:200]}); delete it or restore a copy") from None
+        raise WeightsMismatchError(
+            f"weights file {path} is corrupted or truncated and cannot be loaded "
+            f"({type(err).__name__}: {str(err)[:200]}); delete it or restore a copy"
+        ) from None
     except OSError as err:
         raise WeightsMismatchError(f"weights file {path} cannot be read ({err})") from None
     return sd, meta
@@ -62,8 +75,10 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
     ``"state_dict"``, ``"model"`` or ``"state_dict_ema"``); loaded with ``weights_only=True``."""
     path = Path(path)
     if not path.is_file():
-        raise WeightsMismatchError(f"checkpoint_path {str(path)!r} does not exist (expected a weights file: "
-                                   ".safetensors, .pth, .bin or a run's last.pt)")
+        raise WeightsMismatchError(
+            f"checkpoint_path {str(path)!r} does not exist (expected a weights file: "
+            ".safetensors, .pth, .bin or a run's last.pt)"
+        )
     if path.suffix == ".safetensors":
         return read_safetensors(path)[0]
     try:
@@ -79,11 +94,30 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
     return obj
 
 
-def weights_metadata(*, model: str, model_kwargs: dict, num_classes: int, in_chans: int, classes: list | None,
-                     data: str, image_size: int, mean, std) -> dict[str, str]:
+def weights_metadata(
+    *,
+    model: str,
+    model_kwargs: dict,
+    num_classes: int,
+    in_chans: int,
+    classes: list | None,
+    data: str,
+    image_size: int,
+    mean,
+    std,
+) -> dict[str, str]:
     """The header of a run's safetensors weights (safetensors metadata holds strings: JSON values)."""
-    return encode_metadata(model=model, model_kwargs=model_kwargs, num_classes=num_classes, in_chans=in_chans,
-                           classes=classes, data=data, image_size=image_size, mean=list(mean), std=list(std))
+    return encode_metadata(
+        model=model,
+        model_kwargs=model_kwargs,
+        num_classes=num_classes,
+        in_chans=in_chans,
+        classes=classes,
+        data=data,
+        image_size=image_size,
+        mean=list(mean),
+        std=list(std),
+    )
 
 
 def encode_metadata(**values) -> dict[str, str]:

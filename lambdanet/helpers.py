@@ -12,8 +12,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["MissingExtraError", "require", "compute_dtype", "to_ntuple", "check_positive_int", "check_choice",
-           "conv_nd", "avg_pool_nd", "check_input", "check_real"]
+__all__ = [
+    "MissingExtraError",
+    "require",
+    "compute_dtype",
+    "to_ntuple",
+    "check_positive_int",
+    "check_choice",
+    "conv_nd",
+    "avg_pool_nd",
+    "check_input",
+    "check_real",
+]
 
 
 @overload
@@ -112,8 +122,9 @@ def check_input(x: Tensor, dim: int, spatial_dims: int | None, layer: str, *, di
             has = "which has no spatial axes"
         raise ValueError(f"{layer} expects input of {names} ({wanted}), got shape {tuple(x.shape)}, {has}")
     if x.shape[1] != dim:
-        raise ValueError(f"{layer} was built with {dim_name}={dim} input channels, got input with {x.shape[1]} "
-                         "channels")
+        raise ValueError(
+            f"{layer} was built with {dim_name}={dim} input channels, got input with {x.shape[1]} channels"
+        )
     if not x.is_floating_point():
         raise ValueError(f"{layer} expects a floating-point input, got dtype {x.dtype}")
     if any(s == 0 for s in x.shape[2:]):
@@ -155,6 +166,6 @@ def require(module: str, extra: str, what: str):
     try:
         return importlib.import_module(module)
     except ImportError as err:
-        raise MissingExtraError(f"{what} needs {module.split('.')[0]}, which is not installed ({err}): "
-                                f'pip install "lambdanet[{extra}]"') from None
-
+        raise MissingExtraError(
+            f'{what} needs {module.split(".")[0]}, which is not installed ({err}): pip install "lambdanet[{extra}]"'
+        ) from None

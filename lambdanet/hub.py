@@ -38,12 +38,22 @@ def _from_model(model: nn.Module, folder: Path) -> dict:
 
     cfg = getattr(model, "pretrained_cfg", None) or {}
     if "input_size" not in cfg or not hasattr(model, "model_kwargs"):
-        raise ValueError("push_to_hub takes a run directory, its weights file, or an image model made by "
-                         "lambdanet.create_model / load_model (it needs pretrained_cfg and model_kwargs)")
+        raise ValueError(
+            "push_to_hub takes a run directory, its weights file, or an image model made by "
+            "lambdanet.create_model / load_model (it needs pretrained_cfg and model_kwargs)"
+        )
     in_chans, size, _ = cfg["input_size"]
-    meta = {"model": cfg["architecture"], "model_kwargs": dict(cast(dict, model.model_kwargs)),
-            "num_classes": cfg["num_classes"], "in_chans": in_chans, "classes": cfg.get("classes"),
-            "data": cfg.get("data"), "image_size": size, "mean": list(cfg["mean"]), "std": list(cfg["std"])}
+    meta = {
+        "model": cfg["architecture"],
+        "model_kwargs": dict(cast(dict, model.model_kwargs)),
+        "num_classes": cfg["num_classes"],
+        "in_chans": in_chans,
+        "classes": cfg.get("classes"),
+        "data": cfg.get("data"),
+        "image_size": size,
+        "mean": list(cfg["mean"]),
+        "std": list(cfg["std"]),
+    }
     save_model(model, str(folder / WEIGHTS_FILE), metadata=weights_metadata(**meta), force_contiguous=True)
     return meta
 
@@ -61,8 +71,10 @@ def save_for_hub(source: str | os.PathLike | nn.Module, folder: str | os.PathLik
         weights = run_file(source)
         meta = run_metadata(weights) if weights.is_file() else None
         if not meta or "image_size" not in meta:
-            raise ValueError(f"{source}: not the weights of a lambdanet train run (a run directory or its "
-                             "model.safetensors / model_ema.safetensors)")
+            raise ValueError(
+                f"{source}: not the weights of a lambdanet train run (a run directory or its "
+                "model.safetensors / model_ema.safetensors)"
+            )
         shutil.copyfile(weights, folder / WEIGHTS_FILE)
         run_dir = weights.parent
         for name in ("summary.json", "config.yaml"):
@@ -71,9 +83,14 @@ def save_for_hub(source: str | os.PathLike | nn.Module, folder: str | os.PathLik
         if (run_dir / "summary.json").is_file():
             summary = json.loads((run_dir / "summary.json").read_text())
     cfg = run_image_cfg(meta)
-    config = {"architecture": meta["model"], "num_classes": meta["num_classes"], "model_args": meta["model_kwargs"],
-              "pretrained_cfg": {**cfg, "input_size": list(cfg["input_size"])}, "classes": meta.get("classes"),
-              "library_name": "lambdanet"}
+    config = {
+        "architecture": meta["model"],
+        "num_classes": meta["num_classes"],
+        "model_args": meta["model_kwargs"],
+        "pretrained_cfg": {**cfg, "input_size": list(cfg["input_size"])},
+        "classes": meta.get("classes"),
+        "library_name": "lambdanet",
+    }
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     (folder / "README.md").write_text(model_card(meta, summary, has_config=(folder / "config.yaml").is_file()))
     return folder
@@ -82,39 +99,75 @@ def save_for_hub(source: str | os.PathLike | nn.Module, folder: str | os.PathLik
 def model_card(meta: dict, summary: dict, *, repo_id: str = "OWNER/NAME", has_config: bool = False) -> str:
     """The ``README.md`` of a shared model: front matter for the hub, the metrics of ``summary`` (a run's
     ``summary.json``; may be empty), how it was trained and how to load it."""
-    rows = [("test top-1", summary.get("final_acc"), "{:.2%}"), ("test top-5", summary.get("final_top5"), "{:.2%}"),
-            (f"best test top-1 (epoch {summary.get('best_epoch')})", summary.get("best_acc"), "{:.2%}"),
-            ("parameters", summary.get("params"), "{:,}"), ("epochs", summary.get("epochs"), "{}"),
-            ("training time (s)", summary.get("train_time_s"), "{:.0f}"), ("hardware", summary.get("hardware"), "{}")]
+    rows = [
+        ("test top-1", summary.get("final_acc"), "{:.2%}"),
+        ("test top-5", summary.get("final_top5"), "{:.2%}"),
+        (f"best test top-1 (epoch {summary.get('best_epoch')})", summary.get("best_acc"), "{:.2%}"),
+        ("parameters", summary.get("params"), "{:,}"),
+        ("epochs", summary.get("epochs"), "{}"),
+        ("training time (s)", summary.get("train_time_s"), "{:.0f}"),
+        ("hardware", summary.get("hardware"), "{}"),
+    ]
     metrics = [f"| {name} | {fmt.format(value)} |" for name, value, fmt in rows if value is not None]
     data, arch = meta.get("data") or "unknown data", meta["model"]
-    lines = ["---", "library_name: lambdanet", "tags:", "- image-classification", "- lambda-networks", "---", "",
-             f"# {arch} trained on {data}", "",
-             f"A `{arch}` ({json.dumps(meta['model_kwargs'])}) trained with lambdanet (`pip install lambdanet`), "
-             "the PyTorch reference implementation of LambdaNetworks (Bello, ICLR 2021): "
-             f"{meta['num_classes']} classes, {meta['in_chans']}-channel "
-             f"{meta['image_size']}x{meta['image_size']} inputs normalised with mean {meta['mean']} and std "
-             f"{meta['std']}.", ""]
+    lines = [
+        "---",
+        "library_name: lambdanet",
+        "tags:",
+        "- image-classification",
+        "- lambda-networks",
+        "---",
+        "",
+        f"# {arch} trained on {data}",
+        "",
+        f"A `{arch}` ({json.dumps(meta['model_kwargs'])}) trained with lambdanet (`pip install lambdanet`), "
+        "the PyTorch reference implementation of LambdaNetworks (Bello, ICLR 2021): "
+        f"{meta['num_classes']} classes, {meta['in_chans']}-channel "
+        f"{meta['image_size']}x{meta['image_size']} inputs normalised with mean {meta['mean']} and std "
+        f"{meta['std']}.",
+        "",
+    ]
     if metrics:
         lines += ["## Results", "", "| metric | value |", "|---|---|", *metrics, ""]
     lines += ["## Training", ""]
     if has_config:
-        lines += [f"Trained with `lambdanet train --config config.yaml` (recipe `{summary.get('recipe', '?')}`); "
-                  "`config.yaml` here holds every option of the run, `summary.json` its results.", ""]
+        lines += [
+            f"Trained with `lambdanet train --config config.yaml` (recipe `{summary.get('recipe', '?')}`); "
+            "`config.yaml` here holds every option of the run, `summary.json` its results.",
+            "",
+        ]
     else:
-        lines += ["Weights of a model built with `lambdanet.create_model`; see the uploader for how it was trained.",
-                  ""]
-    lines += ["## Use", "", "```python", "import lambdanet", "from lambdanet.predict import predict", "",
-              f'model = lambdanet.create_model("hf-hub:{repo_id}")  # or lambdanet.load_model("hf-hub:{repo_id}")',
-              'print(predict(model, "image.png"))  # top-5 classes, preprocessed as model.pretrained_cfg says',
-              "```", "",
-              "The preprocessing is in `model.pretrained_cfg`, in timm's keys "
-              "(`timm.data.resolve_data_config(model=model)` reads it).", ""]
+        lines += [
+            "Weights of a model built with `lambdanet.create_model`; see the uploader for how it was trained.",
+            "",
+        ]
+    lines += [
+        "## Use",
+        "",
+        "```python",
+        "import lambdanet",
+        "from lambdanet.predict import predict",
+        "",
+        f'model = lambdanet.create_model("hf-hub:{repo_id}")  # or lambdanet.load_model("hf-hub:{repo_id}")',
+        'print(predict(model, "image.png"))  # top-5 classes, preprocessed as model.pretrained_cfg says',
+        "```",
+        "",
+        "The preprocessing is in `model.pretrained_cfg`, in timm's keys "
+        "(`timm.data.resolve_data_config(model=model)` reads it).",
+        "",
+    ]
     return "\n".join(lines)
 
 
-def push_to_hub(source: str | os.PathLike | nn.Module, repo_id: str, *, private: bool = False,
-                token: str | None = None, revision: str | None = None, commit_message: str | None = None) -> str:
+def push_to_hub(
+    source: str | os.PathLike | nn.Module,
+    repo_id: str,
+    *,
+    private: bool = False,
+    token: str | None = None,
+    revision: str | None = None,
+    commit_message: str | None = None,
+) -> str:
     """Upload ``source`` (see :func:`save_for_hub`) to the hub repository ``repo_id`` (created when missing) in
     one commit; returns the commit's URL. Needs a token with write access (``huggingface-cli login`` or
     ``token``)."""
@@ -128,6 +181,10 @@ def push_to_hub(source: str | os.PathLike | nn.Module, repo_id: str, *, private:
         card = (folder / "README.md").read_text().replace("OWNER/NAME", repo_id)
         (folder / "README.md").write_text(card)
         api.create_repo(repo_id, private=private, exist_ok=True)
-        info = api.upload_folder(repo_id=repo_id, folder_path=str(folder), revision=revision,
-                                 commit_message=commit_message or "Upload lambdanet model")
+        info = api.upload_folder(
+            repo_id=repo_id,
+            folder_path=str(folder),
+            revision=revision,
+            commit_message=commit_message or "Upload lambdanet model",
+        )
     return str(getattr(info, "commit_url", info))

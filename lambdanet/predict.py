@@ -33,9 +33,20 @@ from lambdanet.models import create_model, model_args
 from lambdanet.files import is_run_weights
 from lambdanet.train.load import load_model
 
-__all__ = ["DTYPES", "IMAGE_SUFFIXES", "INTERPOLATIONS", "class_labels", "find_images", "floating_dtype",
-           "imagenet_classes", "load_for_inference", "load_image", "predict", "preprocess_transform",
-           "resolve_dtype"]
+__all__ = [
+    "DTYPES",
+    "IMAGE_SUFFIXES",
+    "INTERPOLATIONS",
+    "class_labels",
+    "find_images",
+    "floating_dtype",
+    "imagenet_classes",
+    "load_for_inference",
+    "load_image",
+    "predict",
+    "preprocess_transform",
+    "resolve_dtype",
+]
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 INTERPOLATIONS = ("bilinear", "bicubic")
@@ -66,9 +77,16 @@ def _is_run_output(path: Path) -> bool:
     return path.is_dir() or path.suffix == ".pt" or is_run_weights(path)
 
 
-def load_for_inference(checkpoint: str | os.PathLike | None = None, *, model: str | None = None,
-                       pretrained: bool = False, num_classes: int | None = None, img_size: int | None = None,
-                       ema: bool = True, dtype: str | torch.dtype = "float32") -> nn.Module:
+def load_for_inference(
+    checkpoint: str | os.PathLike | None = None,
+    *,
+    model: str | None = None,
+    pretrained: bool = False,
+    num_classes: int | None = None,
+    img_size: int | None = None,
+    ema: bool = True,
+    dtype: str | torch.dtype = "float32",
+) -> nn.Module:
     """The model to predict with or export, in eval mode, in ``dtype``.
 
     Args:
@@ -102,8 +120,10 @@ def load_for_inference(checkpoint: str | os.PathLike | None = None, *, model: st
     if checkpoint is not None:
         path = Path(checkpoint)
         if not path.exists():
-            raise ValueError(f"checkpoint {str(path)!r} does not exist; pass a run directory, its .safetensors "
-                             "weights or its last.pt")
+            raise ValueError(
+                f"checkpoint {str(path)!r} does not exist; pass a run directory, its .safetensors "
+                "weights or its last.pt"
+            )
         if model is None or _is_run_output(path):
             net = load_model(path, ema=ema)
             pretrained_cfg = cast("dict[str, Any]", net.pretrained_cfg)
@@ -111,8 +131,10 @@ def load_for_inference(checkpoint: str | os.PathLike | None = None, *, model: st
             if model is not None and model != trained:
                 raise ValueError(f"model {model!r} does not match checkpoint {str(path)!r}, which holds {trained!r}")
             if num_classes is not None and num_classes != pretrained_cfg["num_classes"]:
-                raise ValueError(f"num_classes={num_classes} does not match checkpoint {str(path)!r}, trained "
-                                 f"with {pretrained_cfg['num_classes']} classes")
+                raise ValueError(
+                    f"num_classes={num_classes} does not match checkpoint {str(path)!r}, trained "
+                    f"with {pretrained_cfg['num_classes']} classes"
+                )
             return net.to(dtype).eval()
         kwargs["checkpoint_path"] = str(path)
     elif pretrained:
@@ -207,8 +229,9 @@ def class_labels(classes: Sequence | None, num_outputs: int) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------------- predict
-def predict(model: nn.Module, images: str | os.PathLike | Sequence[str | os.PathLike], *, top_k: int = 5,
-            batch_size: int = 32) -> list[dict]:
+def predict(
+    model: nn.Module, images: str | os.PathLike | Sequence[str | os.PathLike], *, top_k: int = 5, batch_size: int = 32
+) -> list[dict]:
     """The ``top_k`` classes of each image, most probable first.
 
     Args:
@@ -226,8 +249,10 @@ def predict(model: nn.Module, images: str | os.PathLike | Sequence[str | os.Path
     """
     cfg = getattr(model, "pretrained_cfg", None)
     if not cfg:
-        raise ValueError("the model has no pretrained_cfg describing its inputs; load it with "
-                         "lambdanet.load_model(RUN) or create_model(name, pretrained=True)")
+        raise ValueError(
+            "the model has no pretrained_cfg describing its inputs; load it with "
+            "lambdanet.load_model(RUN) or create_model(name, pretrained=True)"
+        )
     check_positive_int(top_k, "top_k")
     check_positive_int(batch_size, "batch_size")
     transform = preprocess_transform(cfg)
@@ -241,7 +266,7 @@ def predict(model: nn.Module, images: str | os.PathLike | Sequence[str | os.Path
     model.eval()
     try:
         for start in range(0, len(paths), batch_size):
-            batch = paths[start:start + batch_size]
+            batch = paths[start : start + batch_size]
             x = torch.stack([transform(load_image(p, cfg["input_size"][0])) for p in batch])  # b c h w, float32
             x = x.to(device=device, dtype=dtype)
             with torch.inference_mode():
@@ -253,8 +278,9 @@ def predict(model: nn.Module, images: str | os.PathLike | Sequence[str | os.Path
             probs = logits.double().softmax(dim=1)  # b classes
             values, indices = probs.topk(min(top_k, probs.shape[1]), dim=1)  # b k, sorted descending
             for path, vs, ix in zip(batch, values.tolist(), indices.tolist()):
-                results.append({"image": str(path), "top_k": [{"label": labels[i], "index": i, "prob": v}
-                                                              for v, i in zip(vs, ix)]})
+                results.append(
+                    {"image": str(path), "top_k": [{"label": labels[i], "index": i, "prob": v} for v, i in zip(vs, ix)]}
+                )
     finally:
         model.train(was_training)
     return results

@@ -30,8 +30,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["AMP_DTYPES", "check_amp", "autocast_context", "PeakMemory", "Timing", "sync", "timed_call", "time_fn",
-           "time_round_robin", "peak_memory", "count_flops"]
+__all__ = [
+    "AMP_DTYPES",
+    "check_amp",
+    "autocast_context",
+    "PeakMemory",
+    "Timing",
+    "sync",
+    "timed_call",
+    "time_fn",
+    "time_round_robin",
+    "peak_memory",
+    "count_flops",
+]
 
 # ----------------------------------------------------------------------------------------------- precision
 AMP_DTYPES: dict[str, torch.dtype | None] = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -139,8 +150,14 @@ class Timing:
         return cls(statistics.median(times), qs[0], qs[2], len(times))
 
 
-def time_round_robin(fns: Mapping[str, Callable[[], object]], device: torch.device | str = "cpu", *,
-                     warmup: int = 2, repeats: int = 7, max_seconds: float | None = None) -> dict[str, Timing]:
+def time_round_robin(
+    fns: Mapping[str, Callable[[], object]],
+    device: torch.device | str = "cpu",
+    *,
+    warmup: int = 2,
+    repeats: int = 7,
+    max_seconds: float | None = None,
+) -> dict[str, Timing]:
     """:class:`Timing` of each callable over ``repeats`` rounds after ``warmup`` calls of each. Each round calls
     every callable once, starting one further along each round, so that slow drifts of the machine's speed fall
     on all of them alike. Fewer rounds (at least 3) are run when ``max_seconds`` would be exceeded."""
@@ -162,8 +179,14 @@ def time_round_robin(fns: Mapping[str, Callable[[], object]], device: torch.devi
     return {name: Timing.of(times[name]) for name in names}
 
 
-def time_fn(fn: Callable[[], object], device: torch.device | str = "cpu", *, warmup: int = 2,
-            repeats: int = 7, max_seconds: float | None = None) -> Timing:
+def time_fn(
+    fn: Callable[[], object],
+    device: torch.device | str = "cpu",
+    *,
+    warmup: int = 2,
+    repeats: int = 7,
+    max_seconds: float | None = None,
+) -> Timing:
     """:func:`time_round_robin` of the single callable ``fn``."""
     return time_round_robin({"fn": fn}, device, warmup=warmup, repeats=repeats, max_seconds=max_seconds)["fn"]
 

@@ -126,3 +126,17 @@ def test_hubconf_serves_every_registered_model_to_torch_hub(monkeypatch):
     reference = create_model("lambda_resnet26", num_classes=4, in_chans=1)
     assert type(model) is type(reference) and model.pretrained_cfg == reference.pretrained_cfg
     assert [p.shape for p in model.parameters()] == [p.shape for p in reference.parameters()]
+
+
+def test_the_push_to_hub_command_writes_or_uploads_the_repository(tmp_path, monkeypatch, capsys):
+    from lambdanet.cli import main
+
+    assert main(["push-to-hub", str(RUN), "someone/digits", "--folder", str(tmp_path / "repo")]) == 0
+    assert (tmp_path / "repo" / "model.safetensors").read_bytes() == (RUN / "model_ema.safetensors").read_bytes()
+    uploads = []
+    monkeypatch.setattr("lambdanet.hub.push_to_hub", lambda run, repo, private: uploads.append((run, repo, private))
+                        or "https://huggingface.co/someone/digits/commit/1")
+    assert main(["push-to-hub", str(RUN), "someone/digits", "--private"]) == 0
+    assert uploads == [(str(RUN), "someone/digits", True)] and "hf-hub:someone/digits" in capsys.readouterr().out
+    assert main(["push-to-hub", str(tmp_path), "someone/digits", "--folder", str(tmp_path / "x")]) == 2
+    assert capsys.readouterr().err.count("\n") == 1

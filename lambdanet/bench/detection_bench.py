@@ -42,9 +42,15 @@ def _steps(body: torch.nn.Module, x: torch.Tensor) -> dict[str, Callable[[], Non
     return {"forward": forward, "train": train}
 
 
-def backbone_costs(backbones: Sequence[str] = tuple(STUDY_BACKBONES), sizes: Sequence[int] = DETECTION_SIZES,
-                   batches: Sequence[int] = DETECTION_BATCHES, *, device: str = "cpu", repeats: int = 3,
-                   log: Callable[[str], None] = print) -> list[dict]:
+def backbone_costs(
+    backbones: Sequence[str] = tuple(STUDY_BACKBONES),
+    sizes: Sequence[int] = DETECTION_SIZES,
+    batches: Sequence[int] = DETECTION_BATCHES,
+    *,
+    device: str = "cpu",
+    repeats: int = 3,
+    log: Callable[[str], None] = print,
+) -> list[dict]:
     """One row per backbone, size and batch: ``params``, ``forward_ms`` / ``train_ms`` (medians over
     ``repeats`` round-robin rounds) and ``forward_peak_bytes`` / ``train_peak_bytes``."""
     device_ = torch.device(device)
@@ -62,14 +68,23 @@ def backbone_costs(backbones: Sequence[str] = tuple(STUDY_BACKBONES), sizes: Seq
                 timing = time_round_robin(steps, device_, warmup=1, repeats=repeats, max_seconds=120)
                 peaks = {mode: peak_memory(step, device_) for mode, step in steps.items()}
                 body.zero_grad(set_to_none=True)
-                row = {"backbone": name, "label": STUDY_BACKBONES.get(name, name), "size": size, "batch": batch,
-                       "params": params, "forward_ms": timing["forward"].median_s * 1e3,
-                       "train_ms": timing["train"].median_s * 1e3, "forward_peak_bytes": peaks["forward"],
-                       "train_peak_bytes": peaks["train"]}
+                row = {
+                    "backbone": name,
+                    "label": STUDY_BACKBONES.get(name, name),
+                    "size": size,
+                    "batch": batch,
+                    "params": params,
+                    "forward_ms": timing["forward"].median_s * 1e3,
+                    "train_ms": timing["train"].median_s * 1e3,
+                    "forward_peak_bytes": peaks["forward"],
+                    "train_peak_bytes": peaks["train"],
+                }
                 rows.append(row)
-                log(f"  {name} {size}px batch {batch}: forward {row['forward_ms']:.0f} ms / "
+                log(
+                    f"  {name} {size}px batch {batch}: forward {row['forward_ms']:.0f} ms / "
                     f"{peaks['forward'] / 2**20:.0f} MiB, train {row['train_ms']:.0f} ms / "
-                    f"{peaks['train'] / 2**20:.0f} MiB")
+                    f"{peaks['train'] / 2**20:.0f} MiB"
+                )
     return rows
 
 
@@ -84,9 +99,15 @@ def memory_slopes(rows: Sequence[dict]) -> list[dict]:
         if len(mine) < 2:
             continue
         areas = [r["size"] ** 2 for r in mine]
-        out.append({"backbone": name, "batch": batch, "sizes": "/".join(str(r["size"]) for r in mine),
-                    "forward_memory_slope": loglog_slope(areas, [r["forward_peak_bytes"] for r in mine]),
-                    "train_memory_slope": loglog_slope(areas, [r["train_peak_bytes"] for r in mine]),
-                    "area_ratio": areas[-1] / areas[0],
-                    "train_peak_ratio": mine[-1]["train_peak_bytes"] / mine[0]["train_peak_bytes"]})
+        out.append(
+            {
+                "backbone": name,
+                "batch": batch,
+                "sizes": "/".join(str(r["size"]) for r in mine),
+                "forward_memory_slope": loglog_slope(areas, [r["forward_peak_bytes"] for r in mine]),
+                "train_memory_slope": loglog_slope(areas, [r["train_peak_bytes"] for r in mine]),
+                "area_ratio": areas[-1] / areas[0],
+                "train_peak_ratio": mine[-1]["train_peak_bytes"] / mine[0]["train_peak_bytes"],
+            }
+        )
     return out

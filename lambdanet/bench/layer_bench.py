@@ -22,9 +22,24 @@ from lambdanet.bench.peers import peer_attention_layers, peer_lambda_layers
 from lambdanet.layers import LambdaLayer, RelativePositionEmbedding, create_spatial_layer
 from lambdanet.runtime import count_flops, peak_memory, time_round_robin
 
-__all__ = ["LayerConfig", "LAYER_SUITE", "TARGET_POINTS", "ATTENTION_POINTS", "IMPL_POINTS", "lambda_impls",
-           "triton_runs", "build_layer", "loglog_slope", "geomean", "bench_layer", "interleaved_fwd_bwd", "layer_sweep",
-           "scaling_slopes", "lambda_vs_peers", "attention_vs_peers"]
+__all__ = [
+    "LayerConfig",
+    "LAYER_SUITE",
+    "TARGET_POINTS",
+    "ATTENTION_POINTS",
+    "IMPL_POINTS",
+    "lambda_impls",
+    "triton_runs",
+    "build_layer",
+    "loglog_slope",
+    "geomean",
+    "bench_layer",
+    "interleaved_fwd_bwd",
+    "layer_sweep",
+    "scaling_slopes",
+    "lambda_vs_peers",
+    "attention_vs_peers",
+]
 
 
 @dataclass(frozen=True)
@@ -40,31 +55,63 @@ class LayerConfig:
     max_side: int = 128  # quadratic layers beyond this need tens of GB or minutes per call: skipped
 
 
-LAYER_SUITE: dict[str, LayerConfig] = {c.name: c for c in [
-    LayerConfig("global_attention", "relative_self_attention", {"heads": 4}, True,
-                paper="Table 4 global self-attention",
-                max_side=64),
-    LayerConfig("axial_attention", "axial_self_attention", {"heads": 4}, True, paper="Table 4 axial self-attention"),
-    LayerConfig("local_attention_7x7", "local_self_attention", {"heads": 4, "kernel_size": 7},
-                paper="Table 4 local self-attention (7x7)"),
-    LayerConfig("halo_attention_b8_h3", "halo_attention", {"heads": 4, "block_size": 8, "halo_size": 3},
-                paper="HaloNet blocked local attention"),
-    LayerConfig("lambda", "lambda", {}, True, paper="Table 4 lambda layer (global, k=16)", max_side=64),
-    LayerConfig("lambda_k8", "lambda", {"dim_k": 8}, True, paper="Table 4 lambda layer |k|=8", max_side=64),
-    LayerConfig("lambda_shared", "lambda", {}, True, shared_embedding=True,
-                paper="Table 4 lambda layer, shared embeddings", max_side=64),
-    LayerConfig("lambda_conv_7x7", "lambda_conv", {"r": 7}, paper="Table 4 lambda convolution (7x7)"),
-    LayerConfig("conv_3x3", "conv", {}, paper="ResNet 3x3 convolution (Table 3)"),
-    LayerConfig("conv_se", "conv_se", {}, paper="Table 3 squeeze-and-excitation"),
-    LayerConfig("linear_attention", "linear_attention", {}, paper="Table 3 channel / linear attention"),
-    LayerConfig("double_attention", "double_attention", {}, paper="Table 3 double attention (A^2-Nets)"),
-    LayerConfig("attention_augmented_conv", "attention_augmented_conv", {}, True,
-                paper="Table 3 attention augmentation (conv + global relative attention)", max_side=64),
-]}
+LAYER_SUITE: dict[str, LayerConfig] = {
+    c.name: c
+    for c in [
+        LayerConfig(
+            "global_attention",
+            "relative_self_attention",
+            {"heads": 4},
+            True,
+            paper="Table 4 global self-attention",
+            max_side=64,
+        ),
+        LayerConfig(
+            "axial_attention", "axial_self_attention", {"heads": 4}, True, paper="Table 4 axial self-attention"
+        ),
+        LayerConfig(
+            "local_attention_7x7",
+            "local_self_attention",
+            {"heads": 4, "kernel_size": 7},
+            paper="Table 4 local self-attention (7x7)",
+        ),
+        LayerConfig(
+            "halo_attention_b8_h3",
+            "halo_attention",
+            {"heads": 4, "block_size": 8, "halo_size": 3},
+            paper="HaloNet blocked local attention",
+        ),
+        LayerConfig("lambda", "lambda", {}, True, paper="Table 4 lambda layer (global, k=16)", max_side=64),
+        LayerConfig("lambda_k8", "lambda", {"dim_k": 8}, True, paper="Table 4 lambda layer |k|=8", max_side=64),
+        LayerConfig(
+            "lambda_shared",
+            "lambda",
+            {},
+            True,
+            shared_embedding=True,
+            paper="Table 4 lambda layer, shared embeddings",
+            max_side=64,
+        ),
+        LayerConfig("lambda_conv_7x7", "lambda_conv", {"r": 7}, paper="Table 4 lambda convolution (7x7)"),
+        LayerConfig("conv_3x3", "conv", {}, paper="ResNet 3x3 convolution (Table 3)"),
+        LayerConfig("conv_se", "conv_se", {}, paper="Table 3 squeeze-and-excitation"),
+        LayerConfig("linear_attention", "linear_attention", {}, paper="Table 3 channel / linear attention"),
+        LayerConfig("double_attention", "double_attention", {}, paper="Table 3 double attention (A^2-Nets)"),
+        LayerConfig(
+            "attention_augmented_conv",
+            "attention_augmented_conv",
+            {},
+            True,
+            paper="Table 3 attention augmentation (conv + global relative attention)",
+            max_side=64,
+        ),
+    ]
+}
 
 
-def build_layer(config: LayerConfig, dim: int, side: int | tuple[int, int],
-                shared: RelativePositionEmbedding | None = None) -> nn.Module:
+def build_layer(
+    config: LayerConfig, dim: int, side: int | tuple[int, int], shared: RelativePositionEmbedding | None = None
+) -> nn.Module:
     """Instantiate ``config`` for ``dim`` channels on ``side x side`` inputs."""
     kwargs = {**config.kwargs, "embedding": shared} if config.shared_embedding else config.kwargs
     return create_spatial_layer(config.layer, dim, dim, feat_size=side if config.global_context else None, **kwargs)
@@ -84,15 +131,24 @@ def loglog_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
 
 def _step(layer: nn.Module, x: torch.Tensor, backward: bool) -> Callable[[], None]:
     """One forward (``backward=False``) or forward+backward (``layer(x).sum().backward()``) pass."""
+
     def step():
         y = layer(x)
         if backward:
             y.float().sum().backward()
+
     return step
 
 
-def _measure(layers: dict[str, nn.Module], steps: dict[str, Callable[[], None]], device: torch.device, *,
-             repeats: int, warmup: int, max_seconds: float | None = None) -> dict[str, dict]:
+def _measure(
+    layers: dict[str, nn.Module],
+    steps: dict[str, Callable[[], None]],
+    device: torch.device,
+    *,
+    repeats: int,
+    warmup: int,
+    max_seconds: float | None = None,
+) -> dict[str, dict]:
     """Round-robin time, then peak memory and FLOPs of each step. The memory is that of a step that starts
     without parameter gradients (like a training step after ``zero_grad(set_to_none=True)``), so the
     gradients it creates are counted; they are dropped again afterwards."""
@@ -100,23 +156,41 @@ def _measure(layers: dict[str, nn.Module], steps: dict[str, Callable[[], None]],
     out = {}
     for name, step in steps.items():
         layers[name].zero_grad(set_to_none=True)
-        out[name] = {"median_ms": timings[name].median_s * 1e3, "iqr_ms": timings[name].iqr_s * 1e3,
-                     "repeats": timings[name].repeats, "peak_bytes": peak_memory(step, device),
-                     "flops": count_flops(step)}
+        out[name] = {
+            "median_ms": timings[name].median_s * 1e3,
+            "iqr_ms": timings[name].iqr_s * 1e3,
+            "repeats": timings[name].repeats,
+            "peak_bytes": peak_memory(step, device),
+            "flops": count_flops(step),
+        }
         layers[name].zero_grad(set_to_none=True)
     return out
 
 
-def bench_layer(layer: nn.Module, x: torch.Tensor, *, backward: bool = True, repeats: int = 7,
-                warmup: int = 2, max_seconds: float | None = 20.0) -> dict:
+def bench_layer(
+    layer: nn.Module,
+    x: torch.Tensor,
+    *,
+    backward: bool = True,
+    repeats: int = 7,
+    warmup: int = 2,
+    max_seconds: float | None = 20.0,
+) -> dict:
     """Median time, peak memory and FLOPs of one forward (or forward+backward) pass of ``layer`` on ``x``."""
     x = x.detach().requires_grad_(backward)
-    return _measure({"layer": layer}, {"layer": _step(layer, x, backward)}, x.device, repeats=repeats,
-                    warmup=warmup, max_seconds=max_seconds)["layer"]
+    return _measure(
+        {"layer": layer},
+        {"layer": _step(layer, x, backward)},
+        x.device,
+        repeats=repeats,
+        warmup=warmup,
+        max_seconds=max_seconds,
+    )["layer"]
 
 
-def interleaved_fwd_bwd(impls: dict[str, nn.Module], x: torch.Tensor, *, repeats: int = 5, warmup: int = 2,
-                        log=print) -> dict[str, dict]:
+def interleaved_fwd_bwd(
+    impls: dict[str, nn.Module], x: torch.Tensor, *, repeats: int = 5, warmup: int = 2, log=print
+) -> dict[str, dict]:
     """Forward+backward of several layers on the same input, timed round-robin (one call of each per round,
     the order rotating) so that drifting machine speed affects them alike; then peak memory and FLOPs.
     A layer whose warm-up fails (out of memory, unsupported input) is logged and left out."""
@@ -144,8 +218,9 @@ def geomean(values: Sequence[float]) -> float:
 TARGET_POINTS = [(8, 256, 16, 9), (8, 256, 16, None), (32, 256, 14, 9), (8, 512, 8, 9), (8, 64, 56, 9)]
 
 
-def lambda_vs_peers(points=TARGET_POINTS, *, device: str = "cpu", repeats: int = 5, dim_k: int = 16,
-                    heads: int = 4, log=print) -> list[dict]:
+def lambda_vs_peers(
+    points=TARGET_POINTS, *, device: str = "cpu", repeats: int = 5, dim_k: int = 16, heads: int = 4, log=print
+) -> list[dict]:
     """Forward+backward time and peak memory of our ``LambdaLayer`` and the peers' at each point.
 
     One row per (point, implementation) with ``ratio_vs_fastest_peer`` (peer time / ours, > 1 = we are
@@ -166,14 +241,17 @@ def lambda_vs_peers(points=TARGET_POINTS, *, device: str = "cpu", repeats: int =
         peers = {k: v for k, v in results.items() if not k.startswith("lambdanet")}
         if peers and "lambdanet" in results:
             fastest = min(peers, key=lambda k: peers[k]["median_ms"])
-            for row in rows[-len(results):]:
+            for row in rows[-len(results) :]:
                 if row["impl"].startswith("lambdanet"):
                     mine = results[row["impl"]]
                     row["fastest_peer"] = fastest
                     row["ratio_vs_fastest_peer"] = peers[fastest]["median_ms"] / mine["median_ms"]
                     row["memory_ratio"] = mine["peak_bytes"] / max(peers[fastest]["peak_bytes"], 1)
-        log("  " + ", ".join(f"{k} {v['median_ms']:.1f} ms / {v['peak_bytes'] / 2**20:.0f} MiB"
-                             for k, v in results.items()) + f"  @ {point}")
+        log(
+            "  "
+            + ", ".join(f"{k} {v['median_ms']:.1f} ms / {v['peak_bytes'] / 2**20:.0f} MiB" for k, v in results.items())
+            + f"  @ {point}"
+        )
     return rows
 
 
@@ -188,8 +266,16 @@ def triton_runs(device: str | torch.device) -> bool:
 IMPL_POINTS = [(b, 256, side, r) for b in (64, 256) for side in (14, 28) for r in (7, 23, None)]
 
 
-def lambda_impls(points=IMPL_POINTS, *, device: str = "cpu", repeats: int = 5, dim_k: int = 16, heads: int = 4,
-                 dim_u: int = 1, log=print) -> list[dict]:
+def lambda_impls(
+    points=IMPL_POINTS,
+    *,
+    device: str = "cpu",
+    repeats: int = 5,
+    dim_k: int = 16,
+    heads: int = 4,
+    dim_u: int = 1,
+    log=print,
+) -> list[dict]:
     """Forward+backward time and peak memory of every position implementation of our ``LambdaLayer`` at each
     point (``(batch, channels, side, r)``; ``r=None`` global), timed round-robin, with the one ``auto`` picks and
     the fastest: the measurement an :class:`~lambdanet.layers.ImplPolicy` for the device is fitted to."""
@@ -209,11 +295,24 @@ def lambda_impls(points=IMPL_POINTS, *, device: str = "cpu", repeats: int = 5, d
         fastest = min(results, key=lambda k: results[k]["median_ms"])
         picked = auto.choose_impl((side, side), torch.device(device).type)
         for impl, res in results.items():
-            rows.append({"batch": b, "channels": c, "side": side, "scope": "global" if r is None else f"{r}x{r}",
-                         "dim_u": dim_u, "impl": impl, **res, "fastest": impl == fastest, "auto": impl == picked,
-                         "slowdown_vs_fastest": res["median_ms"] / results[fastest]["median_ms"]})
-        log(f"  {(b, c, side, r)}: fastest {fastest}, auto {picked} "
-            f"({results[picked]['median_ms'] / results[fastest]['median_ms']:.2f}x the fastest's time)")
+            rows.append(
+                {
+                    "batch": b,
+                    "channels": c,
+                    "side": side,
+                    "scope": "global" if r is None else f"{r}x{r}",
+                    "dim_u": dim_u,
+                    "impl": impl,
+                    **res,
+                    "fastest": impl == fastest,
+                    "auto": impl == picked,
+                    "slowdown_vs_fastest": res["median_ms"] / results[fastest]["median_ms"],
+                }
+            )
+        log(
+            f"  {(b, c, side, r)}: fastest {fastest}, auto {picked} "
+            f"({results[picked]['median_ms'] / results[fastest]['median_ms']:.2f}x the fastest's time)"
+        )
     return rows
 
 
@@ -237,8 +336,16 @@ def timing_flags(fwd: dict, fwd_bwd: dict, spread: float = MAX_TIMING_SPREAD) ->
     return flags
 
 
-def layer_sweep(names: Sequence[str], sides: Sequence[int], batches: Sequence[int], *, dim: int = 64,
-                device: str = "cpu", repeats: int = 3, log=print) -> list[dict]:
+def layer_sweep(
+    names: Sequence[str],
+    sides: Sequence[int],
+    batches: Sequence[int],
+    *,
+    dim: int = 64,
+    device: str = "cpu",
+    repeats: int = 3,
+    log=print,
+) -> list[dict]:
     """Forward and forward+backward time, peak memory and FLOPs of each layer across sizes and batches.
 
     A point whose timings fail :func:`timing_flags` is measured once more with twice the rounds; if it still
@@ -263,12 +370,24 @@ def layer_sweep(names: Sequence[str], sides: Sequence[int], batches: Sequence[in
                 except RuntimeError as err:
                     log(f"  {name} {side}x{side} b{b}: failed ({str(err)[:60]})")
                     continue
-                rows.append({"layer": name, "side": side, "positions": side * side, "batch": b,
-                             "forward_ms": fwd["median_ms"], "fwd_bwd_ms": fb["median_ms"],
-                             "peak_bytes": fb["peak_bytes"], "forward_peak_bytes": fwd["peak_bytes"],
-                             "gflops_fwd_bwd": fb["flops"] / 1e9, "flags": "; ".join(flags)})
-                log(f"  {name} {side}x{side} b{b}: fwd {fwd['median_ms']:.1f} ms, fwd+bwd {fb['median_ms']:.1f} ms, "
-                    f"{fb['peak_bytes'] / 2**20:.1f} MiB" + (f"  [UNRELIABLE: {'; '.join(flags)}]" if flags else ""))
+                rows.append(
+                    {
+                        "layer": name,
+                        "side": side,
+                        "positions": side * side,
+                        "batch": b,
+                        "forward_ms": fwd["median_ms"],
+                        "fwd_bwd_ms": fb["median_ms"],
+                        "peak_bytes": fb["peak_bytes"],
+                        "forward_peak_bytes": fwd["peak_bytes"],
+                        "gflops_fwd_bwd": fb["flops"] / 1e9,
+                        "flags": "; ".join(flags),
+                    }
+                )
+                log(
+                    f"  {name} {side}x{side} b{b}: fwd {fwd['median_ms']:.1f} ms, fwd+bwd {fb['median_ms']:.1f} ms, "
+                    f"{fb['peak_bytes'] / 2**20:.1f} MiB" + (f"  [UNRELIABLE: {'; '.join(flags)}]" if flags else "")
+                )
     return rows
 
 
@@ -290,9 +409,13 @@ def scaling_slopes(rows: Sequence[dict]) -> list[dict]:
         if len(small) < 2:
             continue
         n = [r["positions"] for r in small]
-        row = {"layer": layer, "batch": batches[0], "sides": len(small),
-               "time_slope": loglog_slope(n, [r["fwd_bwd_ms"] for r in small]),
-               "memory_slope": loglog_slope(n, [r["peak_bytes"] for r in small])}
+        row = {
+            "layer": layer,
+            "batch": batches[0],
+            "sides": len(small),
+            "time_slope": loglog_slope(n, [r["fwd_bwd_ms"] for r in small]),
+            "memory_slope": loglog_slope(n, [r["peak_bytes"] for r in small]),
+        }
         flagged = [str(r["side"]) for r in small if r.get("flags")]
         flags = [f"unreliable timings at side {', '.join(flagged)}"] if flagged else []
         if row["time_slope"] < 0:
@@ -312,8 +435,9 @@ def scaling_slopes(rows: Sequence[dict]) -> list[dict]:
 ATTENTION_POINTS = [(8, 256, 16), (8, 128, 32), (32, 256, 14)]
 
 
-def attention_vs_peers(points=ATTENTION_POINTS, *, device: str = "cpu", repeats: int = 5, heads: int = 4,
-                       log=print) -> list[dict]:
+def attention_vs_peers(
+    points=ATTENTION_POINTS, *, device: str = "cpu", repeats: int = 5, heads: int = 4, log=print
+) -> list[dict]:
     """Our HaloNet attention and global relative attention against timm's HaloAttn and BottleneckAttn at
     matched sizes (heads, block 8, halo 3), forward+backward, timed round-robin."""
     rows = []
@@ -321,10 +445,18 @@ def attention_vs_peers(points=ATTENTION_POINTS, *, device: str = "cpu", repeats:
         torch.manual_seed(0)
         x = torch.randn(b, c, side, side, device=device)
         peers = peer_attention_layers(c, side, heads=heads)
-        pairs = {"halo": ("lambdanet.halo_attention", create_spatial_layer(
-                     "halo_attention", c, c, heads=heads, block_size=8, halo_size=3), "timm.HaloAttn"),
-                 "global": ("lambdanet.relative_self_attention", create_spatial_layer(
-                     "relative_self_attention", c, c, feat_size=side, heads=heads), "timm.BottleneckAttn")}
+        pairs = {
+            "halo": (
+                "lambdanet.halo_attention",
+                create_spatial_layer("halo_attention", c, c, heads=heads, block_size=8, halo_size=3),
+                "timm.HaloAttn",
+            ),
+            "global": (
+                "lambdanet.relative_self_attention",
+                create_spatial_layer("relative_self_attention", c, c, feat_size=side, heads=heads),
+                "timm.BottleneckAttn",
+            ),
+        }
         for kind, (ours_name, ours, peer_name) in pairs.items():
             impls = {ours_name: ours.to(device)}
             if peer_name in peers:
@@ -337,6 +469,9 @@ def attention_vs_peers(points=ATTENTION_POINTS, *, device: str = "cpu", repeats:
                     row["ratio_vs_peer"] = res[peer_name]["median_ms"] / r["median_ms"]
                     row["memory_ratio"] = r["peak_bytes"] / max(res[peer_name]["peak_bytes"], 1)
                 rows.append(row)
-            log("  " + ", ".join(f"{k} {v['median_ms']:.1f} ms / {v['peak_bytes'] / 2**20:.0f} MiB"
-                                 for k, v in res.items()) + f"  @ {point}")
+            log(
+                "  "
+                + ", ".join(f"{k} {v['median_ms']:.1f} ms / {v['peak_bytes'] / 2**20:.0f} MiB" for k, v in res.items())
+                + f"  @ {point}"
+            )
     return rows

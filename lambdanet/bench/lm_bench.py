@@ -33,8 +33,7 @@ from lambdanet.models import create_model
 from lambdanet.models.lm import LanguageModel
 from lambdanet.runtime import peak_memory, sync, time_round_robin
 
-__all__ = ["LM_MIXERS", "throughput", "memory_slopes", "generation", "quality", "quality_summary",
-           "plot_lm_study"]
+__all__ = ["LM_MIXERS", "throughput", "memory_slopes", "generation", "quality", "quality_summary", "plot_lm_study"]
 
 LM_MIXERS = ("lambda", "transformer", "linear")
 Log = Callable[[str], None]
@@ -50,11 +49,19 @@ def _train_step(model: nn.Module, tokens: torch.Tensor) -> Callable[[], None]:
         logits = model(tokens[:, :-1])  # b n vocab
         F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
         model.zero_grad(set_to_none=True)
+
     return step
 
 
-def throughput(size: str = "tiny", contexts: Sequence[int] = (256, 512, 1024, 2048, 4096, 8192), *,
-               tokens_per_step: int = 4096, device: str = "cpu", repeats: int = 3, log: Log = print) -> list[dict]:
+def throughput(
+    size: str = "tiny",
+    contexts: Sequence[int] = (256, 512, 1024, 2048, 4096, 8192),
+    *,
+    tokens_per_step: int = 4096,
+    device: str = "cpu",
+    repeats: int = 3,
+    log: Log = print,
+) -> list[dict]:
     """Training tokens/s and single-sequence peak memory of each family at each context (see the module doc)."""
     device_ = torch.device(device)
     models = _models(size, device_)
@@ -63,19 +70,33 @@ def throughput(size: str = "tiny", contexts: Sequence[int] = (256, 512, 1024, 20
     for n in contexts:
         batch = max(1, tokens_per_step // n)
         tokens = torch.randint(0, 256, (batch, n + 1), generator=g).to(device_)  # b (n + 1)
-        timing = time_round_robin({m: _train_step(model, tokens) for m, model in models.items()}, device_,
-                                  warmup=1, repeats=repeats)
+        timing = time_round_robin(
+            {m: _train_step(model, tokens) for m, model in models.items()}, device_, warmup=1, repeats=repeats
+        )
         for m, model in models.items():
             peak = peak_memory(_train_step(model, tokens[:1]), device_)
-            rows.append({"model": f"{m}_lm_{size}", "mixer": m, "context": n, "batch": batch,
-                         "tokens_per_s": batch * n / timing[m].median_s, "step_ms": timing[m].median_s * 1e3,
-                         "peak_bytes_one_sequence": peak})
-        mine = rows[-len(models):]
+            rows.append(
+                {
+                    "model": f"{m}_lm_{size}",
+                    "mixer": m,
+                    "context": n,
+                    "batch": batch,
+                    "tokens_per_s": batch * n / timing[m].median_s,
+                    "step_ms": timing[m].median_s * 1e3,
+                    "peak_bytes_one_sequence": peak,
+                }
+            )
+        mine = rows[-len(models) :]
         base = next(r for r in mine if r["mixer"] == "transformer")["tokens_per_s"]
         for r in mine:
             r["speed_vs_transformer"] = r["tokens_per_s"] / base
-        log(f"  context {n} x {batch}: " + ", ".join(f"{r['mixer']} {r['tokens_per_s']:,.0f} tok/s "
-                                                      f"{r['peak_bytes_one_sequence'] / 2**20:.0f} MiB" for r in mine))
+        log(
+            f"  context {n} x {batch}: "
+            + ", ".join(
+                f"{r['mixer']} {r['tokens_per_s']:,.0f} tok/s {r['peak_bytes_one_sequence'] / 2**20:.0f} MiB"
+                for r in mine
+            )
+        )
     return rows
 
 
@@ -84,12 +105,18 @@ def memory_slopes(rows: Sequence[dict], lo: int = 1024, hi: int = 8192) -> list[
     2: quadratic) and the peak's growth per 1k tokens between ``lo`` and ``hi``."""
     out = []
     for m in dict.fromkeys(r["mixer"] for r in rows):
-        pts = sorted((r["context"], r["peak_bytes_one_sequence"]) for r in rows
-                     if r["mixer"] == m and lo <= r["context"] <= hi)
+        pts = sorted(
+            (r["context"], r["peak_bytes_one_sequence"]) for r in rows if r["mixer"] == m and lo <= r["context"] <= hi
+        )
         if len(pts) >= 2:
-            out.append({"mixer": m, "contexts": f"{pts[0][0]}-{pts[-1][0]}",
-                        "memory_slope": loglog_slope([p[0] for p in pts], [p[1] for p in pts]),
-                        "mib_per_1k_tokens": (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0]) * 1024 / 2**20})
+            out.append(
+                {
+                    "mixer": m,
+                    "contexts": f"{pts[0][0]}-{pts[-1][0]}",
+                    "memory_slope": loglog_slope([p[0] for p in pts], [p[1] for p in pts]),
+                    "mib_per_1k_tokens": (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0]) * 1024 / 2**20,
+                }
+            )
     return out
 
 
@@ -104,8 +131,14 @@ def _nbytes(state) -> int:
 
 
 @torch.no_grad()
-def generation(size: str = "tiny", contexts: Sequence[int] = (1024, 2048, 4096, 8192, 16384), *,
-               device: str = "cpu", steps: int = 20, log: Log = print) -> list[dict]:
+def generation(
+    size: str = "tiny",
+    contexts: Sequence[int] = (1024, 2048, 4096, 8192, 16384),
+    *,
+    device: str = "cpu",
+    steps: int = 20,
+    log: Log = print,
+) -> list[dict]:
     """Per-token generation latency (median of ``steps`` single steps), state bytes and one step's peak memory
     after a context of each length (batch 1)."""
     device_ = torch.device(device)
@@ -127,19 +160,41 @@ def generation(size: str = "tiny", contexts: Sequence[int] = (1024, 2048, 4096, 
                 if i >= 2:
                     times.append(time.perf_counter() - start)
             peak = peak_memory(lambda: model.step(state, token), device_)
-            mine.append({"model": f"{m}_lm_{size}", "mixer": m, "context": n, "ms_per_token":
-                         statistics.median(times) * 1e3, "state_bytes": _nbytes(state), "step_peak_bytes": peak})
+            mine.append(
+                {
+                    "model": f"{m}_lm_{size}",
+                    "mixer": m,
+                    "context": n,
+                    "ms_per_token": statistics.median(times) * 1e3,
+                    "state_bytes": _nbytes(state),
+                    "step_peak_bytes": peak,
+                }
+            )
         base = next(r for r in mine if r["mixer"] == "transformer")["ms_per_token"]
         for r in mine:
             r["speed_vs_transformer"] = base / r["ms_per_token"]
-        log(f"  context {n}: " + ", ".join(f"{r['mixer']} {r['ms_per_token']:.2f} ms/token, state "
-                                            f"{r['state_bytes'] / 2**20:.2f} MiB" for r in mine))
+        log(
+            f"  context {n}: "
+            + ", ".join(
+                f"{r['mixer']} {r['ms_per_token']:.2f} ms/token, state {r['state_bytes'] / 2**20:.2f} MiB" for r in mine
+            )
+        )
         rows += mine
     return rows
 
 
-def _train(name: str, corpus: Corpus, context: int, batch: int, seed: int, *, steps: int | None,
-           seconds: float | None, device: torch.device, eval_bytes: int) -> dict:
+def _train(
+    name: str,
+    corpus: Corpus,
+    context: int,
+    batch: int,
+    seed: int,
+    *,
+    steps: int | None,
+    seconds: float | None,
+    device: torch.device,
+    eval_bytes: int,
+) -> dict:
     """One run: ``steps`` optimiser steps (schedule over the steps) or ``seconds`` of training (schedule over the
     time spent); returns its validation bits per byte, steps and training seconds."""
     cfg = LMConfig()
@@ -172,9 +227,19 @@ def _train(name: str, corpus: Corpus, context: int, batch: int, seed: int, *, st
     return {"val_bits_per_byte": res["bits_per_byte"], "steps": done, "train_s": spent}
 
 
-def quality(corpus: Corpus, size: str = "tiny", *, context: int = 512, batch: int = 16, steps: int = 200,
-            seconds: float = 120.0, seeds: Sequence[int] = (0, 1, 2), eval_bytes: int = 65536, device: str = "cpu",
-            log: Log = print) -> list[dict]:
+def quality(
+    corpus: Corpus,
+    size: str = "tiny",
+    *,
+    context: int = 512,
+    batch: int = 16,
+    steps: int = 200,
+    seconds: float = 120.0,
+    seeds: Sequence[int] = (0, 1, 2),
+    eval_bytes: int = 65536,
+    device: str = "cpu",
+    log: Log = print,
+) -> list[dict]:
     """Validation bits per byte of each family after ``steps`` steps and after ``seconds`` of training, per seed
     (rows with ``budget`` ``"steps"`` or ``"time"``); the first ``eval_bytes`` of the validation split."""
     device_ = torch.device(device)
@@ -182,13 +247,32 @@ def quality(corpus: Corpus, size: str = "tiny", *, context: int = 512, batch: in
     for budget in ("time", "steps"):
         for seed in seeds:
             for m in LM_MIXERS:
-                res = _train(f"{m}_lm_{size}", corpus, context, batch, seed, device=device_, eval_bytes=eval_bytes,
-                             steps=steps if budget == "steps" else None,
-                             seconds=seconds if budget == "time" else None)
-                rows.append({"model": f"{m}_lm_{size}", "mixer": m, "budget": budget, "seed": seed,
-                             "context": context, "batch": batch, **res})
-                log(f"  {budget} seed {seed} {m}: {res['val_bits_per_byte']:.3f} bits/byte after {res['steps']} "
-                    f"steps, {res['train_s']:.0f}s")
+                res = _train(
+                    f"{m}_lm_{size}",
+                    corpus,
+                    context,
+                    batch,
+                    seed,
+                    device=device_,
+                    eval_bytes=eval_bytes,
+                    steps=steps if budget == "steps" else None,
+                    seconds=seconds if budget == "time" else None,
+                )
+                rows.append(
+                    {
+                        "model": f"{m}_lm_{size}",
+                        "mixer": m,
+                        "budget": budget,
+                        "seed": seed,
+                        "context": context,
+                        "batch": batch,
+                        **res,
+                    }
+                )
+                log(
+                    f"  {budget} seed {seed} {m}: {res['val_bits_per_byte']:.3f} bits/byte after {res['steps']} "
+                    f"steps, {res['train_s']:.0f}s"
+                )
     return rows
 
 
@@ -202,12 +286,20 @@ def quality_summary(rows: Sequence[dict]) -> list[dict]:
             mine = [r for r in rows if r["budget"] == budget and r["mixer"] == m]
             bpb = [r["val_bits_per_byte"] for r in mine]
             means[m] = statistics.fmean(bpb)
-            out.append({"budget": budget, "mixer": m, "seeds": len(bpb), "mean_bits_per_byte": means[m],
-                        "std_bits_per_byte": statistics.stdev(bpb) if len(bpb) > 1 else 0.0,
-                        "min_bits_per_byte": min(bpb), "max_bits_per_byte": max(bpb),
-                        "mean_steps": statistics.fmean(r["steps"] for r in mine),
-                        "mean_train_s": statistics.fmean(r["train_s"] for r in mine)})
-        for r in out[-len(means):]:
+            out.append(
+                {
+                    "budget": budget,
+                    "mixer": m,
+                    "seeds": len(bpb),
+                    "mean_bits_per_byte": means[m],
+                    "std_bits_per_byte": statistics.stdev(bpb) if len(bpb) > 1 else 0.0,
+                    "min_bits_per_byte": min(bpb),
+                    "max_bits_per_byte": max(bpb),
+                    "mean_steps": statistics.fmean(r["steps"] for r in mine),
+                    "mean_train_s": statistics.fmean(r["train_s"] for r in mine),
+                }
+            )
+        for r in out[-len(means) :]:
             r["vs_transformer"] = r["mean_bits_per_byte"] / means["transformer"] if "transformer" in means else None
     return out
 
@@ -221,10 +313,21 @@ def plot_lm_study(train_rows: Sequence[dict], gen_rows: Sequence[dict], quality_
     import matplotlib.pyplot as plt
 
     paths = []
-    panels = (("lm_throughput.png", train_rows, (("tokens_per_s", "training tokens/s", 1),
-                                                 ("peak_bytes_one_sequence", "peak memory, 1 sequence (MiB)", 2**20))),
-              ("lm_generation.png", gen_rows, (("ms_per_token", "generation ms/token", 1),
-                                               ("state_bytes", "state (MiB)", 2**20))))
+    panels = (
+        (
+            "lm_throughput.png",
+            train_rows,
+            (
+                ("tokens_per_s", "training tokens/s", 1),
+                ("peak_bytes_one_sequence", "peak memory, 1 sequence (MiB)", 2**20),
+            ),
+        ),
+        (
+            "lm_generation.png",
+            gen_rows,
+            (("ms_per_token", "generation ms/token", 1), ("state_bytes", "state (MiB)", 2**20)),
+        ),
+    )
     for name, rows, keys in panels:
         if not rows:
             continue

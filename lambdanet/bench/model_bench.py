@@ -29,22 +29,49 @@ from lambdanet.layers.relative_attention import RelativeSelfAttention
 from lambdanet.models import create_model
 from lambdanet.runtime import autocast_context, check_amp, count_flops, peak_memory, time_fn
 
-__all__ = ["MODEL_SUITES", "TABLE4_PAPER_GB", "suite_peers", "bench_model", "run_model_suite", "quadratic_bytes",
-           "table4_memory", "validate_quadratic_memory"]
+__all__ = [
+    "MODEL_SUITES",
+    "TABLE4_PAPER_GB",
+    "suite_peers",
+    "bench_model",
+    "run_model_suite",
+    "quadratic_bytes",
+    "table4_memory",
+    "validate_quadratic_memory",
+]
 
 _T13 = ("CCCC", "LCCC", "LLCC", "LLLC", "LLLL", "CLLL", "CCLL", "CCCL")
 MODEL_SUITES: dict[str, list[tuple[str, str, dict]]] = {
     "table13": [(f"resnet50 {st}", "resnet50", {"stage_layers": st}) for st in _T13],
-    "table14": [(n, n, {}) for n in ("resnet_rs101", "resnet_rs101_se", "lambda_resnet101", "lambda_resnet101_c4",
-                                     "resnet_rs152", "resnet_rs152_se", "lambda_resnet152", "lambda_resnet152_c4")],
+    "table14": [
+        (n, n, {})
+        for n in (
+            "resnet_rs101",
+            "resnet_rs101_se",
+            "lambda_resnet101",
+            "lambda_resnet101_c4",
+            "resnet_rs152",
+            "resnet_rs152_se",
+            "lambda_resnet152",
+            "lambda_resnet152_c4",
+        )
+    ],
     "halonet": [(n, n, {}) for n in ("halonet_h0", "halonet_h1", "halonet_h2")],
     "mobilenet": [(n, n, {}) for n in ("mobilenet_v2", "mobilenet_v2_lambda")],
-    "hybrid26": [("resnet26", "resnet26", {}), ("lambda_resnet26", "lambda_resnet26", {}),
-                 ("timm:resnet26t", "timm:resnet26t", {}), ("timm:lambda_resnet26t", "timm:lambda_resnet26t", {})],
+    "hybrid26": [
+        ("resnet26", "resnet26", {}),
+        ("lambda_resnet26", "lambda_resnet26", {}),
+        ("timm:resnet26t", "timm:resnet26t", {}),
+        ("timm:lambda_resnet26t", "timm:lambda_resnet26t", {}),
+    ],
     # the same architectures (and weights) as timm's, side by side with timm's own, relative to resnet26t
-    "timm26": [("timm:resnet26t", "timm:resnet26t", {}), ("lambda_resnet26t", "lambda_resnet26t", {}),
-               ("timm:lambda_resnet26t", "timm:lambda_resnet26t", {}), ("halonet26t", "halonet26t", {}),
-               ("timm:halonet26t", "timm:halonet26t", {})],
+    "timm26": [
+        ("timm:resnet26t", "timm:resnet26t", {}),
+        ("lambda_resnet26t", "lambda_resnet26t", {}),
+        ("timm:lambda_resnet26t", "timm:lambda_resnet26t", {}),
+        ("halonet26t", "halonet26t", {}),
+        ("timm:halonet26t", "timm:halonet26t", {}),
+    ],
 }
 
 
@@ -67,9 +94,19 @@ def _is_oom(err: BaseException) -> bool:
     return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
 
 
-def bench_model(model: nn.Module, img: int, batch: int, *, device: str | torch.device = "cpu", train: bool = True,
-                repeats: int = 3, channels_last: bool = False, amp: str = "none", compile: bool = False,
-                min_batch: int = 1) -> dict:
+def bench_model(
+    model: nn.Module,
+    img: int,
+    batch: int,
+    *,
+    device: str | torch.device = "cpu",
+    train: bool = True,
+    repeats: int = 3,
+    channels_last: bool = False,
+    amp: str = "none",
+    compile: bool = False,
+    min_batch: int = 1,
+) -> dict:
     """Images/s of training or inference steps, halving ``batch`` on out-of-memory.
 
     ``amp`` (``none``, ``bf16``, ``fp16``) runs the forward under ``torch.autocast`` (fp16 training with a
@@ -113,13 +150,27 @@ def bench_model(model: nn.Module, img: int, batch: int, *, device: str | torch.d
             batch //= 2
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    return {"batch": batch, "images_per_s": batch / timing.median_s, "step_ms": timing.median_s * 1e3,
-            "peak_bytes": peak}
+    return {
+        "batch": batch,
+        "images_per_s": batch / timing.median_s,
+        "step_ms": timing.median_s * 1e3,
+        "peak_bytes": peak,
+    }
 
 
-def run_model_suite(suite: str, *, img: int = 224, batch: int = 16, device: str = "cpu", repeats: int = 3,
-                    modes: Sequence[str] = ("train", "infer"), channels_last: bool = False, amp: str = "none",
-                    compile: bool = False, log=print) -> list[dict]:
+def run_model_suite(
+    suite: str,
+    *,
+    img: int = 224,
+    batch: int = 16,
+    device: str = "cpu",
+    repeats: int = 3,
+    modes: Sequence[str] = ("train", "infer"),
+    channels_last: bool = False,
+    amp: str = "none",
+    compile: bool = False,
+    log=print,
+) -> list[dict]:
     """Every model of ``suite``: params, FLOPs (one image), and images/s per mode, relative to the first.
     ``channels_last``, ``amp`` and ``compile`` apply to every model alike (see :func:`bench_model`)."""
     if suite not in MODEL_SUITES:
@@ -136,14 +187,22 @@ def run_model_suite(suite: str, *, img: int = 224, batch: int = 16, device: str 
             model.eval()
             x1 = torch.randn(1, 3, img, img)
             flops = count_flops(lambda: model(x1))
-        row = {"suite": suite, "model": label, "params": params, "gflops": flops / 1e9, "image_size": img,
-               "amp": amp, "channels_last": channels_last, "compile": compile}
+        row = {"suite": suite, "model": label, "params": params, "gflops": flops / 1e9, "image_size": img}
+        row.update(amp=amp, channels_last=channels_last, compile=compile)
         try:
             for mode in modes:
-                res = bench_model(model, img, batch, device=device, train=mode == "train", repeats=repeats,
-                                  channels_last=channels_last, amp=amp, compile=compile)
-                row.update({f"{mode}_images_per_s": res["images_per_s"], f"{mode}_batch": res["batch"],
-                            f"{mode}_peak_bytes": res["peak_bytes"]})
+                res = bench_model(
+                    model,
+                    img,
+                    batch,
+                    device=device,
+                    train=mode == "train",
+                    repeats=repeats,
+                    channels_last=channels_last,
+                    amp=amp,
+                    compile=compile,
+                )
+                row.update({f"{mode}_{key}": res[key] for key in ("images_per_s", "batch", "peak_bytes")})
         except (RuntimeError, NotImplementedError) as err:
             if not name.startswith("timm:"):
                 raise
@@ -152,8 +211,10 @@ def run_model_suite(suite: str, *, img: int = 224, batch: int = 16, device: str 
             row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:100]}"
             log(f"  {label}: failed ({row['error']})")
         else:
-            log(f"  {label}: {params / 1e6:.2f}M params, {flops / 1e9:.2f} GFLOPs, "
-                + ", ".join(f"{m} {row[f'{m}_images_per_s']:.1f} img/s" for m in modes))
+            log(
+                f"  {label}: {params / 1e6:.2f}M params, {flops / 1e9:.2f} GFLOPs, "
+                + ", ".join(f"{m} {row[f'{m}_images_per_s']:.1f} img/s" for m in modes)
+            )
         rows.append(row)
     for mode in modes:
         base = rows[0].get(f"{mode}_images_per_s") if rows else None
@@ -165,8 +226,13 @@ def run_model_suite(suite: str, *, img: int = 224, batch: int = 16, device: str 
 
 # ------------------------------------------------------------------------------------------------ Table 4
 
-TABLE4_PAPER_GB = {"Global self-attention": 120.0, "Axial self-attention": 4.8, "Lambda layer": 1.9,
-                   "Lambda layer (|k|=8)": 0.95, "Lambda layer (shared embeddings)": 0.63}
+TABLE4_PAPER_GB = {
+    "Global self-attention": 120.0,
+    "Axial self-attention": 4.8,
+    "Lambda layer": 1.9,
+    "Lambda layer (|k|=8)": 0.95,
+    "Lambda layer (shared embeddings)": 0.63,
+}
 
 _TABLE4 = {
     "Global self-attention": ("relative_self_attention", {}, False),
@@ -182,9 +248,11 @@ _TABLE4 = {
 def _layer_sizes(model: nn.Module, img: int) -> list[tuple[nn.Module, tuple[int, int]]]:
     """Every spatial layer with the spatial size of its input, found with forward hooks on the meta device."""
     found = []
-    hooks = [m.register_forward_hook(lambda mod, inp, out: found.append((mod, tuple(inp[0].shape[2:]))))
-             for m in model.modules() if isinstance(m, LambdaLayer | RelativeSelfAttention | AxialAttention
-                                                    | LocalSelfAttention)]
+    hooks = [
+        m.register_forward_hook(lambda mod, inp, out: found.append((mod, tuple(inp[0].shape[2:]))))
+        for m in model.modules()
+        if isinstance(m, LambdaLayer | RelativeSelfAttention | AxialAttention | LocalSelfAttention)
+    ]
     with torch.no_grad():
         model(torch.empty(1, 3, img, img, device="meta"))
     for h in hooks:
@@ -211,7 +279,7 @@ def quadratic_bytes(layer: nn.Module, size: tuple[int, int], batch: int, shared_
     if isinstance(layer, AxialAttention):
         return 4.0 * batch * layer.height.heads * n * (size[0] + size[1])
     if isinstance(layer, LocalSelfAttention):
-        return 4.0 * batch * layer.attn.heads * n * layer.kernel_size ** 2
+        return 4.0 * batch * layer.attn.heads * n * layer.kernel_size**2
     return 0.0
 
 
@@ -220,12 +288,25 @@ def table4_memory(batch: int = 128, img: int = 224) -> list[dict]:
     rows = []
     for label, (layer, kwargs, shared) in _TABLE4.items():
         with torch.device("meta"):
-            model = create_model("resnet50", stage_layers="LLLL", spatial_layer=layer, layer_kwargs=kwargs,
-                                 share_embeddings=shared, img_size=img)
+            model = create_model(
+                "resnet50",
+                stage_layers="LLLL",
+                spatial_layer=layer,
+                layer_kwargs=kwargs,
+                share_embeddings=shared,
+                img_size=img,
+            )
         seen: set = set()
         total = sum(quadratic_bytes(m, s, batch, seen) for m, s in _layer_sizes(model, img))
-        rows.append({"variant": label, "ours_gb": total / 1e9, "paper_gb": TABLE4_PAPER_GB.get(label),
-                     "batch": batch, "image_size": img})
+        rows.append(
+            {
+                "variant": label,
+                "ours_gb": total / 1e9,
+                "paper_gb": TABLE4_PAPER_GB.get(label),
+                "batch": batch,
+                "image_size": img,
+            }
+        )
     return rows
 
 
@@ -233,10 +314,19 @@ def validate_quadratic_memory(side: int = 28, dim: int = 64, batch: int = 2) -> 
     """Measured forward+backward peak of single layers against the formula's quadratic tensor: the
     measured peak must be at least the formula (it also holds activations) and scale like it."""
     rows = []
-    for name, layer in (("global attention", RelativeSelfAttention(dim, dim, feat_size=side, heads=4)),
-                        ("lambda einsum", LambdaLayer(dim, r=23, impl="einsum"))):
+    for name, layer in (
+        ("global attention", RelativeSelfAttention(dim, dim, feat_size=side, heads=4)),
+        ("lambda einsum", LambdaLayer(dim, r=23, impl="einsum")),
+    ):
         x = torch.randn(batch, dim, side, side, requires_grad=True)
         measured = peak_memory(lambda: layer(x).sum().backward())
-        rows.append({"layer": name, "side": side, "batch": batch, "measured_bytes": measured,
-                     "formula_bytes": quadratic_bytes(layer, (side, side), batch)})
+        rows.append(
+            {
+                "layer": name,
+                "side": side,
+                "batch": batch,
+                "measured_bytes": measured,
+                "formula_bytes": quadratic_bytes(layer, (side, side), batch),
+            }
+        )
     return rows

@@ -17,8 +17,14 @@ from collections.abc import Iterable, Mapping
 
 from torch import nn
 
-__all__ = ["PEER_PACKAGES", "INSTALL_HINT", "available_peers", "missing_peers_warning", "peer_lambda_layers",
-           "peer_attention_layers"]
+__all__ = [
+    "PEER_PACKAGES",
+    "INSTALL_HINT",
+    "available_peers",
+    "missing_peers_warning",
+    "peer_lambda_layers",
+    "peer_attention_layers",
+]
 
 # import name -> the name pip installs it under (both in the ``bench`` extra)
 PEER_PACKAGES = {"timm": "timm", "lambda_networks": "lambda-networks"}
@@ -47,8 +53,10 @@ def missing_peers_warning(needed: Mapping[str, Iterable[str]]) -> str | None:
     if not missing:
         return None
     parts = list(dict.fromkeys(p for ps in missing.values() for p in ps))
-    return (f"peers not installed: {', '.join(missing)} ({', '.join(parts)} run without their rows); install "
-            f"them with {INSTALL_HINT} or pip install {' '.join(missing)}")
+    return (
+        f"peers not installed: {', '.join(missing)} ({', '.join(parts)} run without their rows); install "
+        f"them with {INSTALL_HINT} or pip install {' '.join(missing)}"
+    )
 
 
 def peer_lambda_layers(dim: int, side: int, r: int | None, *, dim_k: int = 16, heads: int = 4) -> dict[str, nn.Module]:
@@ -62,18 +70,26 @@ def peer_lambda_layers(dim: int, side: int, r: int | None, *, dim_k: int = 16, h
             from timm.layers.lambda_layer import LambdaLayer as TimmLambda
 
             # timm annotates r as int, but None is its relative-position mode (unused ignore: timm not installed)
-            peers["timm.LambdaLayer"] = TimmLambda(dim, dim, feat_size=None if r else (side, side), num_heads=heads,
-                                                   dim_head=dim_k, r=r)  # type: ignore[arg-type, unused-ignore]
+            peers["timm.LambdaLayer"] = TimmLambda(
+                dim,
+                dim,
+                feat_size=None if r else (side, side),
+                num_heads=heads,
+                dim_head=dim_k,
+                r=r,  # type: ignore[arg-type, unused-ignore]
+            )
         if have["lambda_networks"]:
             from lambda_networks import LambdaLayer as LucidLambda
 
-            peers["lucidrains.LambdaLayer"] = LucidLambda(dim=dim, dim_out=dim, dim_k=dim_k, heads=heads, r=r,
-                                                         n=None if r else side)
+            peers["lucidrains.LambdaLayer"] = LucidLambda(
+                dim=dim, dim_out=dim, dim_k=dim_k, heads=heads, r=r, n=None if r else side
+            )
     return peers
 
 
-def peer_attention_layers(dim: int, side: int, *, heads: int = 4, block_size: int = 8,
-                          halo_size: int = 3) -> dict[str, nn.Module]:
+def peer_attention_layers(
+    dim: int, side: int, *, heads: int = 4, block_size: int = 8, halo_size: int = 3
+) -> dict[str, nn.Module]:
     """timm's HaloAttn and BottleneckAttn (global relative attention) at matched sizes."""
     peers: dict[str, nn.Module] = {}
     if not available_peers(["timm"])["timm"]:
@@ -84,7 +100,8 @@ def peer_attention_layers(dim: int, side: int, *, heads: int = 4, block_size: in
         from timm.layers.halo_attn import HaloAttn
 
         if side % block_size == 0:
-            peers["timm.HaloAttn"] = HaloAttn(dim, dim, feat_size=(side, side), num_heads=heads,
-                                              block_size=block_size, halo_size=halo_size)
+            peers["timm.HaloAttn"] = HaloAttn(
+                dim, dim, feat_size=(side, side), num_heads=heads, block_size=block_size, halo_size=halo_size
+            )
         peers["timm.BottleneckAttn"] = BottleneckAttn(dim, dim, feat_size=(side, side), num_heads=heads)
     return peers

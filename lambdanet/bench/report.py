@@ -13,8 +13,14 @@ __all__ = ["environment", "write_rows", "markdown", "plot_scaling"]
 
 
 def environment(device: str) -> dict:
-    env = {"torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
-           "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(), "device": device}
+    env = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "device": device,
+    }
     if device == "cuda" and torch.cuda.is_available():
         env.update(gpu=torch.cuda.get_device_name(), cuda=torch.version.cuda)
     return env
@@ -57,17 +63,27 @@ def plot_scaling(rows: list[dict], out: Path) -> list[Path]:
         return []
     batch = min(r["batch"] for r in rows)
     paths = []
-    for key, ylabel, fname in (("fwd_bwd_ms", "forward+backward time (ms)", "scaling_time.png"),
-                               ("peak_bytes", "peak memory (MiB)", "scaling_memory.png")):
+    for key, ylabel, fname in (
+        ("fwd_bwd_ms", "forward+backward time (ms)", "scaling_time.png"),
+        ("peak_bytes", "peak memory (MiB)", "scaling_memory.png"),
+    ):
         fig, ax = plt.subplots(figsize=(8, 6))
         for i, layer in enumerate(dict.fromkeys(r["layer"] for r in rows)):
-            pts = sorted((r["positions"], r[key] / (2 ** 20 if key == "peak_bytes" else 1)) for r in rows
-                         if r["layer"] == layer and r["batch"] == batch)
+            pts = sorted(
+                (r["positions"], r[key] / (2**20 if key == "peak_bytes" else 1))
+                for r in rows
+                if r["layer"] == layer and r["batch"] == batch
+            )
             if pts:  # 10 colours in the default cycle: markers and line styles keep 13+ layers apart
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="osD^v<>phX*P"[i % 12],
-                        linestyle="-" if i < 10 else "-.", label=layer)
+                ax.plot(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    marker="osD^v<>phX*P"[i % 12],
+                    linestyle="-" if i < 10 else "-.",
+                    label=layer,
+                )
         xs = sorted({r["positions"] for r in rows})
-        y0 = min(r[key] / (2 ** 20 if key == "peak_bytes" else 1) for r in rows)
+        y0 = min(r[key] / (2**20 if key == "peak_bytes" else 1) for r in rows)
         for slope, style in ((1, ":"), (2, "--")):
             ax.plot(xs, [y0 * (x / xs[0]) ** slope for x in xs], "k" + style, alpha=0.5, label=f"slope {slope}")
         ax.set(xscale="log", yscale="log", xlabel="positions n = H W", ylabel=ylabel, title=f"batch {batch}")

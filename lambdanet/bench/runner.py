@@ -69,17 +69,35 @@ def _targets(s: BenchSettings, out: Path, log: Log) -> PartResult:
     log("== targets: LambdaLayer against the peers (forward+backward)")
     points = [(2, 32, 8, 5), (2, 32, 8, None)] if s.quick else layer_bench.TARGET_POINTS
     rows = layer_bench.lambda_vs_peers(points, device=s.device, repeats=2 if s.quick else s.repeats, log=log)
-    report = ["## LambdaLayer against the peers (forward+backward)", "",
-              markdown(rows, [("batch", "B"), ("channels", "C"), ("side", "size"), ("scope", "scope"),
-                              ("impl", "implementation"), ("median_ms", "ms"), ("iqr_ms", "IQR ms"),
-                              ("peak_bytes", "peak bytes"), ("ratio_vs_fastest_peer", "speed-up vs fastest peer"),
-                              ("memory_ratio", "memory vs that peer")]), ""]
+    report = [
+        "## LambdaLayer against the peers (forward+backward)",
+        "",
+        markdown(
+            rows,
+            [
+                ("batch", "B"),
+                ("channels", "C"),
+                ("side", "size"),
+                ("scope", "scope"),
+                ("impl", "implementation"),
+                ("median_ms", "ms"),
+                ("iqr_ms", "IQR ms"),
+                ("peak_bytes", "peak bytes"),
+                ("ratio_vs_fastest_peer", "speed-up vs fastest peer"),
+                ("memory_ratio", "memory vs that peer"),
+            ],
+        ),
+        "",
+    ]
     ours = [r for r in rows if r["impl"] == "lambdanet" and "ratio_vs_fastest_peer" in r]
     if ours:
         gm = layer_bench.geomean([r["ratio_vs_fastest_peer"] for r in ours])
-        report += [f"Geometric-mean speed-up against the fastest peer: {gm:.2f}x; slowest point "
-                   f"{min(r['ratio_vs_fastest_peer'] for r in ours):.2f}x; largest memory "
-                   f"ratio {max(r['memory_ratio'] for r in ours):.2f}.", ""]
+        report += [
+            f"Geometric-mean speed-up against the fastest peer: {gm:.2f}x; slowest point "
+            f"{min(r['ratio_vs_fastest_peer'] for r in ours):.2f}x; largest memory "
+            f"ratio {max(r['memory_ratio'] for r in ours):.2f}.",
+            "",
+        ]
     return {"targets": rows}, report
 
 
@@ -89,13 +107,29 @@ def _impls(s: BenchSettings, out: Path, log: Log) -> PartResult:
     rows = layer_bench.lambda_impls(points, device=s.device, repeats=2 if s.quick else s.repeats, log=log)
     missed = [r for r in rows if r["auto"] and not r["fastest"]]
     return {"impls": rows}, [
-        "## LambdaLayer implementations (forward+backward)", "",
-        markdown(rows, [("batch", "B"), ("channels", "C"), ("side", "size"), ("scope", "scope"), ("impl", "impl"),
-                        ("median_ms", "ms"), ("peak_bytes", "peak bytes"), ("slowdown_vs_fastest", "x fastest"),
-                        ("auto", "auto's pick"), ("fastest", "fastest")]), "",
+        "## LambdaLayer implementations (forward+backward)",
+        "",
+        markdown(
+            rows,
+            [
+                ("batch", "B"),
+                ("channels", "C"),
+                ("side", "size"),
+                ("scope", "scope"),
+                ("impl", "impl"),
+                ("median_ms", "ms"),
+                ("peak_bytes", "peak bytes"),
+                ("slowdown_vs_fastest", "x fastest"),
+                ("auto", "auto's pick"),
+                ("fastest", "fastest"),
+            ],
+        ),
+        "",
         f"`auto` picks the fastest implementation at {sum(r['auto'] and r['fastest'] for r in rows)} of "
         f"{sum(r['auto'] for r in rows)} points"
-        + (f"; worst miss {max(r['slowdown_vs_fastest'] for r in missed):.2f}x." if missed else "."), ""]
+        + (f"; worst miss {max(r['slowdown_vs_fastest'] for r in missed):.2f}x." if missed else "."),
+        "",
+    ]
 
 
 def _attention(s: BenchSettings, out: Path, log: Log) -> PartResult:
@@ -103,10 +137,24 @@ def _attention(s: BenchSettings, out: Path, log: Log) -> PartResult:
     points = [(2, 32, 16)] if s.quick else layer_bench.ATTENTION_POINTS
     rows = layer_bench.attention_vs_peers(points, device=s.device, repeats=2 if s.quick else s.repeats, log=log)
     return {"attention": rows}, [
-        "## Attention layers against timm (forward+backward)", "",
-        markdown(rows, [("kind", "layer"), ("batch", "B"), ("channels", "C"), ("side", "size"),
-                        ("impl", "implementation"), ("median_ms", "ms"), ("peak_bytes", "peak bytes"),
-                        ("ratio_vs_peer", "speed-up vs timm"), ("memory_ratio", "memory vs timm")]), ""]
+        "## Attention layers against timm (forward+backward)",
+        "",
+        markdown(
+            rows,
+            [
+                ("kind", "layer"),
+                ("batch", "B"),
+                ("channels", "C"),
+                ("side", "size"),
+                ("impl", "implementation"),
+                ("median_ms", "ms"),
+                ("peak_bytes", "peak bytes"),
+                ("ratio_vs_peer", "speed-up vs timm"),
+                ("memory_ratio", "memory vs timm"),
+            ],
+        ),
+        "",
+    ]
 
 
 def _scaling(s: BenchSettings, out: Path, log: Log) -> PartResult:
@@ -115,23 +163,56 @@ def _scaling(s: BenchSettings, out: Path, log: Log) -> PartResult:
     names = list(s.layers) if s.layers else (quick_layers if s.quick else list(layer_bench.LAYER_SUITE))
     sides = [8, 12] if s.quick else [14, 16, 24, 32, 48, 64, 96, 128]
     batches = [1] if s.quick else [1, 4]
-    rows = layer_bench.layer_sweep(names, sides, batches, dim=16 if s.quick else 64, device=s.device,
-                                   repeats=3, log=log)
+    rows = layer_bench.layer_sweep(
+        names, sides, batches, dim=16 if s.quick else 64, device=s.device, repeats=3, log=log
+    )
     slopes = layer_bench.scaling_slopes(rows)
     plots = plot_scaling(rows, out)
     flagged = [r for r in rows + slopes if r.get("flags")]
-    warning = [f"**Warning: {len(flagged)} row(s) below are flagged unreliable** (timing rounds spreading by more "
-               f"than {layer_bench.MAX_TIMING_SPREAD:.0%} of the median after a re-measurement, fwd+bwd faster than "
-               "fwd, or a negative time slope): rerun on a quiet machine before quoting them.", ""] if flagged else []
+    warning = (
+        [
+            f"**Warning: {len(flagged)} row(s) below are flagged unreliable** (timing rounds spreading by more "
+            f"than {layer_bench.MAX_TIMING_SPREAD:.0%} of the median after a re-measurement, fwd+bwd faster than "
+            "fwd, or a negative time slope): rerun on a quiet machine before quoting them.",
+            "",
+        ]
+        if flagged
+        else []
+    )
     if flagged:
         log(f"warning: {len(flagged)} scaling row(s) flagged unreliable (see 'flags' in the report)")
-    report = ["## Spatial layers across resolutions", "", *warning,
-              markdown(rows, [("layer", "layer"), ("side", "size"), ("batch", "B"), ("forward_ms", "fwd ms"),
-                              ("fwd_bwd_ms", "fwd+bwd ms"), ("peak_bytes", "peak bytes"),
-                              ("gflops_fwd_bwd", "GFLOPs"), ("flags", "flags")]), "",
-              "Log-log slopes against the number of positions (per example: growth of the peak with the batch).", "",
-              markdown(slopes, [("layer", "layer"), ("time_slope", "time slope"), ("memory_slope", "memory slope"),
-                                ("per_example_slope", "per-example memory slope"), ("flags", "flags")]), ""]
+    report = [
+        "## Spatial layers across resolutions",
+        "",
+        *warning,
+        markdown(
+            rows,
+            [
+                ("layer", "layer"),
+                ("side", "size"),
+                ("batch", "B"),
+                ("forward_ms", "fwd ms"),
+                ("fwd_bwd_ms", "fwd+bwd ms"),
+                ("peak_bytes", "peak bytes"),
+                ("gflops_fwd_bwd", "GFLOPs"),
+                ("flags", "flags"),
+            ],
+        ),
+        "",
+        "Log-log slopes against the number of positions (per example: growth of the peak with the batch).",
+        "",
+        markdown(
+            slopes,
+            [
+                ("layer", "layer"),
+                ("time_slope", "time slope"),
+                ("memory_slope", "memory slope"),
+                ("per_example_slope", "per-example memory slope"),
+                ("flags", "flags"),
+            ],
+        ),
+        "",
+    ]
     report += [f"![{p.stem}]({p.name})" for p in plots] + [""]
     return {"scaling": rows, "scaling_slopes": slopes}, report
 
@@ -140,37 +221,85 @@ def _models(s: BenchSettings, out: Path, log: Log) -> PartResult:
     rows = []
     for suite in s.model_suites:
         log(f"== models: {suite}")
-        rows += model_bench.run_model_suite(suite, img=32 if s.quick else s.img_size,
-                                            batch=2 if s.quick else s.batch_size, device=s.device,
-                                            repeats=1 if s.quick else 3, amp=s.amp, channels_last=s.channels_last,
-                                            compile=s.compile, log=log)
+        rows += model_bench.run_model_suite(
+            suite,
+            img=32 if s.quick else s.img_size,
+            batch=2 if s.quick else s.batch_size,
+            device=s.device,
+            repeats=1 if s.quick else 3,
+            amp=s.amp,
+            channels_last=s.channels_last,
+            compile=s.compile,
+            log=log,
+        )
     precision = "fp32" if s.amp == "none" else s.amp + " autocast"
     return {"models": rows}, [
-        "## Models", "", f"Precision {precision}, {'channels_last' if s.channels_last else 'NCHW'}, "
-        f"{'torch.compile' if s.compile else 'eager'}.", "",
-        markdown(rows, [("suite", "suite"), ("model", "model"), ("params", "params"), ("gflops", "GFLOPs"),
-                        ("train_images_per_s", "train img/s"), ("train_relative", "train rel."),
-                        ("infer_images_per_s", "infer img/s"), ("infer_relative", "infer rel."),
-                        ("train_peak_bytes", "train peak bytes")]
-                 + ([("error", "failed")] if any("error" in r for r in rows) else [])), ""]
+        "## Models",
+        "",
+        f"Precision {precision}, {'channels_last' if s.channels_last else 'NCHW'}, "
+        f"{'torch.compile' if s.compile else 'eager'}.",
+        "",
+        markdown(
+            rows,
+            [
+                ("suite", "suite"),
+                ("model", "model"),
+                ("params", "params"),
+                ("gflops", "GFLOPs"),
+                ("train_images_per_s", "train img/s"),
+                ("train_relative", "train rel."),
+                ("infer_images_per_s", "infer img/s"),
+                ("infer_relative", "infer rel."),
+                ("train_peak_bytes", "train peak bytes"),
+            ]
+            + ([("error", "failed")] if any("error" in r for r in rows) else []),
+        ),
+        "",
+    ]
 
 
 def _detection(s: BenchSettings, out: Path, log: Log) -> PartResult:
     log("== detection: backbone-only time and peak memory at detection sizes")
-    sizes, batches = ((64, 96, 128), (1,)) if s.quick else (detection_bench.DETECTION_SIZES,
-                                                             detection_bench.DETECTION_BATCHES)
-    rows = detection_bench.backbone_costs(sizes=sizes, batches=batches, device=s.device,
-                                          repeats=1 if s.quick else 3, log=log)
+    sizes, batches = (
+        ((64, 96, 128), (1,)) if s.quick else (detection_bench.DETECTION_SIZES, detection_bench.DETECTION_BATCHES)
+    )
+    rows = detection_bench.backbone_costs(
+        sizes=sizes, batches=batches, device=s.device, repeats=1 if s.quick else 3, log=log
+    )
     slopes = detection_bench.memory_slopes(rows)
     return {"detection": rows, "detection_slopes": slopes}, [
-        "## Detection backbones (backbone only, quick-recipe width)", "",
-        markdown(rows, [("label", "backbone"), ("params", "params"), ("size", "size"), ("batch", "B"),
-                        ("forward_ms", "forward ms"), ("forward_peak_bytes", "forward peak bytes"),
-                        ("train_ms", "fwd+bwd ms"), ("train_peak_bytes", "fwd+bwd peak bytes")]), "",
-        "Log-log slope of peak memory against image area (1: linear, 2: quadratic).", "",
-        markdown(slopes, [("backbone", "backbone"), ("batch", "B"), ("sizes", "sizes"),
-                          ("forward_memory_slope", "forward slope"), ("train_memory_slope", "fwd+bwd slope"),
-                          ("area_ratio", "area ratio"), ("train_peak_ratio", "fwd+bwd peak ratio")]), ""]
+        "## Detection backbones (backbone only, quick-recipe width)",
+        "",
+        markdown(
+            rows,
+            [
+                ("label", "backbone"),
+                ("params", "params"),
+                ("size", "size"),
+                ("batch", "B"),
+                ("forward_ms", "forward ms"),
+                ("forward_peak_bytes", "forward peak bytes"),
+                ("train_ms", "fwd+bwd ms"),
+                ("train_peak_bytes", "fwd+bwd peak bytes"),
+            ],
+        ),
+        "",
+        "Log-log slope of peak memory against image area (1: linear, 2: quadratic).",
+        "",
+        markdown(
+            slopes,
+            [
+                ("backbone", "backbone"),
+                ("batch", "B"),
+                ("sizes", "sizes"),
+                ("forward_memory_slope", "forward slope"),
+                ("train_memory_slope", "fwd+bwd slope"),
+                ("area_ratio", "area ratio"),
+                ("train_peak_ratio", "fwd+bwd peak ratio"),
+            ],
+        ),
+        "",
+    ]
 
 
 def _table4(s: BenchSettings, out: Path, log: Log) -> PartResult:
@@ -178,41 +307,90 @@ def _table4(s: BenchSettings, out: Path, log: Log) -> PartResult:
     rows = model_bench.table4_memory()
     check = model_bench.validate_quadratic_memory()
     return {"table4": rows, "table4_check": check}, [
-        "## Table 4 memory (batch 128, 224x224, fp32)", "",
-        markdown(rows, [("variant", "variant"), ("ours_gb", "ours (GB)"), ("paper_gb", "paper (GB)")]), "",
-        markdown(check, [("layer", "layer"), ("side", "size"), ("batch", "B"),
-                         ("measured_bytes", "measured peak"), ("formula_bytes", "formula tensor")]), ""]
+        "## Table 4 memory (batch 128, 224x224, fp32)",
+        "",
+        markdown(rows, [("variant", "variant"), ("ours_gb", "ours (GB)"), ("paper_gb", "paper (GB)")]),
+        "",
+        markdown(
+            check,
+            [
+                ("layer", "layer"),
+                ("side", "size"),
+                ("batch", "B"),
+                ("measured_bytes", "measured peak"),
+                ("formula_bytes", "formula tensor"),
+            ],
+        ),
+        "",
+    ]
 
 
 def _lm(s: BenchSettings, out: Path, log: Log) -> PartResult:
     log("== lm: training throughput and memory against context, generation latency and state")
-    size, contexts, gen_contexts = ("nano", (64, 128), (64, 256)) if s.quick else (
-        "tiny", (256, 512, 1024, 2048, 4096, 8192), (1024, 2048, 4096, 8192, 16384))
-    train = lm_bench.throughput(size, contexts, tokens_per_step=256 if s.quick else 4096, device=s.device,
-                                repeats=1 if s.quick else 3, log=log)
+    size, contexts, gen_contexts = (
+        ("nano", (64, 128), (64, 256))
+        if s.quick
+        else ("tiny", (256, 512, 1024, 2048, 4096, 8192), (1024, 2048, 4096, 8192, 16384))
+    )
+    train = lm_bench.throughput(
+        size, contexts, tokens_per_step=256 if s.quick else 4096, device=s.device, repeats=1 if s.quick else 3, log=log
+    )
     gen = lm_bench.generation(size, gen_contexts, device=s.device, steps=3 if s.quick else 20, log=log)
     slopes = lm_bench.memory_slopes(train, lo=contexts[0] if s.quick else 1024, hi=contexts[-1])
     plots = lm_bench.plot_lm_study(train, gen, [], out)
     return {"lm_train": train, "lm_memory_slopes": slopes, "lm_generation": gen}, [
-        f"## Language models: {size} (lambda, transformer, linear attention)", "",
+        f"## Language models: {size} (lambda, transformer, linear attention)",
+        "",
         "Training (forward+backward), `max(1, 4096 // context)` sequences per step; peak memory of one sequence.",
-        "", markdown(train, [("mixer", "mixer"), ("context", "context"), ("batch", "B"),
-                             ("tokens_per_s", "tokens/s"), ("speed_vs_transformer", "x transformer"),
-                             ("peak_bytes_one_sequence", "peak bytes (1 seq)")]), "",
-        markdown(slopes, [("mixer", "mixer"), ("contexts", "contexts"), ("memory_slope", "log-log memory slope"),
-                          ("mib_per_1k_tokens", "MiB per 1k tokens")]), "",
-        "Generation, batch 1: one step after a context of n tokens.", "",
-        markdown(gen, [("mixer", "mixer"), ("context", "context"), ("ms_per_token", "ms/token"),
-                       ("speed_vs_transformer", "x transformer"), ("state_bytes", "state bytes"),
-                       ("step_peak_bytes", "step peak bytes")]), ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
+        "",
+        markdown(
+            train,
+            [
+                ("mixer", "mixer"),
+                ("context", "context"),
+                ("batch", "B"),
+                ("tokens_per_s", "tokens/s"),
+                ("speed_vs_transformer", "x transformer"),
+                ("peak_bytes_one_sequence", "peak bytes (1 seq)"),
+            ],
+        ),
+        "",
+        markdown(
+            slopes,
+            [
+                ("mixer", "mixer"),
+                ("contexts", "contexts"),
+                ("memory_slope", "log-log memory slope"),
+                ("mib_per_1k_tokens", "MiB per 1k tokens"),
+            ],
+        ),
+        "",
+        "Generation, batch 1: one step after a context of n tokens.",
+        "",
+        markdown(
+            gen,
+            [
+                ("mixer", "mixer"),
+                ("context", "context"),
+                ("ms_per_token", "ms/token"),
+                ("speed_vs_transformer", "x transformer"),
+                ("state_bytes", "state bytes"),
+                ("step_peak_bytes", "step peak bytes"),
+            ],
+        ),
+        "",
+    ] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
 
 
 def _lm_quality(s: BenchSettings, out: Path, log: Log) -> PartResult:
     from lambdanet.lm.corpus import load_corpus
 
     log("== lm_quality: validation bits per byte at equal time and equal steps")
-    kw = (dict(size="nano", context=64, batch=2, steps=3, seconds=0.5, seeds=(0, 1), eval_bytes=2048) if s.quick
-          else dict(size="tiny"))
+    kw = (
+        dict(size="nano", context=64, batch=2, steps=3, seconds=0.5, seeds=(0, 1), eval_bytes=2048)
+        if s.quick
+        else dict(size="tiny")
+    )
     rows = lm_bench.quality(load_corpus("stdlib"), device=s.device, log=log, **kw)
     lm_bench.check_finite(rows)
     summary = lm_bench.quality_summary(rows)
@@ -220,12 +398,25 @@ def _lm_quality(s: BenchSettings, out: Path, log: Log) -> PartResult:
     first = rows[0]
     return {"lm_quality": rows, "lm_quality_summary": summary}, [
         f"## Language models: bits per byte at equal time and equal steps ({first['model'].rsplit('_', 1)[1]}, "
-        f"context {first['context']}, batch {first['batch']}, stdlib)", "",
-        markdown(summary, [("budget", "budget"), ("mixer", "mixer"), ("seeds", "seeds"),
-                           ("mean_bits_per_byte", "mean bits/byte"), ("std_bits_per_byte", "std"),
-                           ("min_bits_per_byte", "min"), ("max_bits_per_byte", "max"),
-                           ("vs_transformer", "/ transformer"), ("mean_steps", "steps"),
-                           ("mean_train_s", "train s")]), ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
+        f"context {first['context']}, batch {first['batch']}, stdlib)",
+        "",
+        markdown(
+            summary,
+            [
+                ("budget", "budget"),
+                ("mixer", "mixer"),
+                ("seeds", "seeds"),
+                ("mean_bits_per_byte", "mean bits/byte"),
+                ("std_bits_per_byte", "std"),
+                ("min_bits_per_byte", "min"),
+                ("max_bits_per_byte", "max"),
+                ("vs_transformer", "/ transformer"),
+                ("mean_steps", "steps"),
+                ("mean_train_s", "train s"),
+            ],
+        ),
+        "",
+    ] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
 
 
 class Part(NamedTuple):
@@ -252,11 +443,23 @@ def _stderr(message: str) -> None:
     print(message, file=sys.stderr)
 
 
-def run_benchmarks(parts: Sequence[str] = tuple(PARTS), *, device: str = "cpu", out: str | Path = "bench_results",
-                   quick: bool = False, suites: Sequence[str] = DEFAULT_SUITES, img_size: int = 224,
-                   batch_size: int = 8, repeats: int = 5, amp: str = "none", channels_last: bool = False,
-                   compile: bool = False, layers: Sequence[str] | None = None, log: Log = print,
-                   warn: Log = _stderr) -> dict:
+def run_benchmarks(
+    parts: Sequence[str] = tuple(PARTS),
+    *,
+    device: str = "cpu",
+    out: str | Path = "bench_results",
+    quick: bool = False,
+    suites: Sequence[str] = DEFAULT_SUITES,
+    img_size: int = 224,
+    batch_size: int = 8,
+    repeats: int = 5,
+    amp: str = "none",
+    channels_last: bool = False,
+    compile: bool = False,
+    layers: Sequence[str] | None = None,
+    log: Log = print,
+    warn: Log = _stderr,
+) -> dict:
     """Run ``parts``; returns ``{name: rows}`` and writes ``<out>/<name>.{json,csv}``, plots and ``bench.md``.
 
     ``amp``, ``channels_last`` and ``compile`` apply to the models part (see ``model_bench.bench_model``);
@@ -265,19 +468,34 @@ def run_benchmarks(parts: Sequence[str] = tuple(PARTS), *, device: str = "cpu", 
     """
     check_amp(amp, device)
     require("matplotlib", "bench", "lambdanet bench (its plots)")
-    for what, asked, valid in (("bench layer(s)", layers or (), layer_bench.LAYER_SUITE),
-                               ("model suite(s)", suites, model_bench.MODEL_SUITES),
-                               ("bench part(s)", parts, PARTS)):
+    for what, asked, valid in (
+        ("bench layer(s)", layers or (), layer_bench.LAYER_SUITE),
+        ("model suite(s)", suites, model_bench.MODEL_SUITES),
+        ("bench part(s)", parts, PARTS),
+    ):
         unknown = sorted(set(asked) - set(valid))
         if unknown:
             raise ValueError(f"unknown {what} {unknown}; valid: {', '.join(valid)}")
-    settings = BenchSettings(device=device, quick=quick, suites=tuple(suites), img_size=img_size,
-                             batch_size=batch_size, repeats=repeats, amp=amp, channels_last=channels_last,
-                             compile=compile, layers=tuple(layers) if layers else None)
+    settings = BenchSettings(
+        device=device,
+        quick=quick,
+        suites=tuple(suites),
+        img_size=img_size,
+        batch_size=batch_size,
+        repeats=repeats,
+        amp=amp,
+        channels_last=channels_last,
+        compile=compile,
+        layers=tuple(layers) if layers else None,
+    )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    report = [f"# lambdanet bench ({time.strftime('%Y-%m-%d')})", "",
-              "Environment: " + ", ".join(f"{k} {v}" for k, v in environment(device).items()), ""]
+    report = [
+        f"# lambdanet bench ({time.strftime('%Y-%m-%d')})",
+        "",
+        "Environment: " + ", ".join(f"{k} {v}" for k, v in environment(device).items()),
+        "",
+    ]
     needed: dict[str, list[str]] = {}
     for part in parts:
         for peer in PARTS[part].peers(settings):

@@ -14,9 +14,11 @@ from lambdanet.cli import bench, deploy, detect, info, lm, training
 
 __all__ = ["main", "build_parser"]
 
-DESCRIPTION = ("lambdanet: LambdaNetworks (Bello, ICLR 2021) in PyTorch: lambda layers, LambdaResNets and the "
-               "convolution / attention baselines they are measured against (SE, linear, relative, local, axial "
-               "and halo attention), with the papers' models, training recipes and benchmarks.")
+DESCRIPTION = (
+    "lambdanet: LambdaNetworks (Bello, ICLR 2021) in PyTorch: lambda layers, LambdaResNets and the "
+    "convolution / attention baselines they are measured against (SE, linear, relative, local, axial "
+    "and halo attention), with the papers' models, training recipes and benchmarks."
+)
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -36,8 +38,9 @@ class CommandParser(argparse.ArgumentParser):
 def build_parser() -> CommandParser:
     from lambdanet import __version__
 
-    parser = CommandParser(prog="lambdanet", description=DESCRIPTION,
-                           epilog="Run 'lambdanet COMMAND --help' for a command's options.")
+    parser = CommandParser(
+        prog="lambdanet", description=DESCRIPTION, epilog="Run 'lambdanet COMMAND --help' for a command's options."
+    )
     parser.add_argument("--version", action="version", version=f"lambdanet {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="command", parser_class=argparse.ArgumentParser)
     # name -> subparser, for errors in a command's own usage

@@ -16,60 +16,116 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         if not torch.cuda.is_available():
             raise ValueError("--device cuda but no CUDA device is available")
-    run_benchmarks(args.parts or DEFAULT_PARTS, device=args.device, out=args.out, quick=args.quick,
-                   suites=args.suites, img_size=args.img_size, batch_size=args.batch_size, repeats=args.repeats,
-                   amp=args.amp, channels_last=args.channels_last, compile=args.compile, layers=args.layers)
+    run_benchmarks(
+        args.parts or DEFAULT_PARTS,
+        device=args.device,
+        out=args.out,
+        quick=args.quick,
+        suites=args.suites,
+        img_size=args.img_size,
+        batch_size=args.batch_size,
+        repeats=args.repeats,
+        amp=args.amp,
+        channels_last=args.channels_last,
+        compile=args.compile,
+        layers=args.layers,
+    )
     return 0
 
 
 def _add_bench(sub) -> None:
-    from lambdanet.bench.layer_bench import LAYER_SUITE, TARGET_POINTS
-    from lambdanet.bench.model_bench import MODEL_SUITES
+    from lambdanet.bench.layer_bench import TARGET_POINTS
     from lambdanet.bench.peers import INSTALL_HINT
-    from lambdanet.bench.runner import DEFAULT_PARTS, DEFAULT_SUITES, PARTS
+    from lambdanet.bench.runner import DEFAULT_PARTS, PARTS
+
+    points = "; ".join(f"B={b} C={c} {n}x{n} {'global' if r is None else f'{r}x{r}'}" for b, c, n, r in TARGET_POINTS)
+    bench = sub.add_parser(
+        "bench",
+        help="speed / memory / FLOPs benchmarks against the baselines and peers",
+        description=f"Parts: targets (LambdaLayer, k=16 h=4, forward+backward against timm and lucidrains "
+        f"lambda-networks at {points}; with the Triton kernels as their own row on CUDA), impls (every "
+        "LambdaLayer position implementation at batch 64-256, 14x14 and 28x28, scopes 7, 23 and global: "
+        "the fastest and auto's pick), attention (HaloNet and global relative attention against "
+        "timm's HaloAttn and BottleneckAttn), scaling (Table 4 layers across resolutions: time, memory, "
+        "FLOPs, log-log slopes and plots), models (Table 13/14 suites, HaloNet, MobileNet, the 26-layer "
+        "hybrid: img/s, memory, params, FLOPs), table4 (Table 4's memory column from the complexity "
+        "formulas), detection (backbones at detection sizes), lm (language models: training tokens/s "
+        "and memory at contexts 256-8192, generation latency and state at 1k-16k), lm_quality (bits "
+        "per byte at equal time and equal steps, 3 seeds, about 35 minutes). Writes CSV, JSON, PNG plots "
+        "and bench.md into --out. The peers come with the bench "
+        f"extra ({INSTALL_HINT}); without it their rows are left out, with a warning.",
+    )
+    bench.add_argument(
+        "parts",
+        nargs="*",
+        default=None,
+        metavar="part",
+        help=f"parts to run, among {', '.join(PARTS)} (default: {' '.join(DEFAULT_PARTS)})",
+    )
+    bench.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="device to measure on: cpu or cuda (default: %(default)s)",
+    )
+    bench.add_argument(
+        "--out",
+        default="bench_results",
+        help="folder receiving <part>.csv/.json, the plots and bench.md (default: %(default)s)",
+    )
+    bench.add_argument("--quick", action="store_true", help="tiny sizes and few repeats: a smoke test of the harness")
+    _add_part_options(bench)
+    bench.set_defaults(func=_cmd_bench)
+
+
+def _add_part_options(bench) -> None:
+    """The options that only some parts read."""
+    from lambdanet.bench.layer_bench import LAYER_SUITE
+    from lambdanet.bench.model_bench import MODEL_SUITES
+    from lambdanet.bench.runner import DEFAULT_SUITES
     from lambdanet.runtime import AMP_DTYPES
 
-    points = "; ".join(f"B={b} C={c} {n}x{n} {'global' if r is None else f'{r}x{r}'}"
-                       for b, c, n, r in TARGET_POINTS)
-    bench = sub.add_parser(
-        "bench", help="speed / memory / FLOPs benchmarks against the baselines and peers",
-        description=f"Parts: targets (LambdaLayer, k=16 h=4, forward+backward against timm and lucidrains "
-                    f"lambda-networks at {points}; with the Triton kernels as their own row on CUDA), impls (every "
-                    "LambdaLayer position implementation at batch 64-256, 14x14 and 28x28, scopes 7, 23 and global: "
-                    "the fastest and auto's pick), attention (HaloNet and global relative attention against "
-                    "timm's HaloAttn and BottleneckAttn), scaling (Table 4 layers across resolutions: time, memory, "
-                    "FLOPs, log-log slopes and plots), models (Table 13/14 suites, HaloNet, MobileNet, the 26-layer "
-                    "hybrid: img/s, memory, params, FLOPs), table4 (Table 4's memory column from the complexity "
-                    "formulas), detection (backbones at detection sizes), lm (language models: training tokens/s "
-                    "and memory at contexts 256-8192, generation latency and state at 1k-16k), lm_quality (bits "
-                    "per byte at equal time and equal steps, 3 seeds, about 35 minutes). Writes CSV, JSON, PNG plots "
-                    "and bench.md into --out. The peers come with the bench "
-                    f"extra ({INSTALL_HINT}); without it their rows are left out, with a warning.")
-    bench.add_argument("parts", nargs="*", default=None, metavar="part",
-                       help=f"parts to run, among {', '.join(PARTS)} (default: {' '.join(DEFAULT_PARTS)})")
-    bench.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                       help="device to measure on: cpu or cuda (default: %(default)s)")
-    bench.add_argument("--out", default="bench_results",
-                       help="folder receiving <part>.csv/.json, the plots and bench.md (default: %(default)s)")
-    bench.add_argument("--quick", action="store_true", help="tiny sizes and few repeats: a smoke test of the harness")
-    bench.add_argument("--suites", nargs="+", default=list(DEFAULT_SUITES), choices=list(MODEL_SUITES),
-                       metavar="SUITE", help=f"models part: suites among {', '.join(MODEL_SUITES)} "
-                                             f"(default: {' '.join(DEFAULT_SUITES)})")
-    bench.add_argument("--img-size", type=int, default=224,
-                       help="models part: input resolution (default: %(default)s)")
-    bench.add_argument("--batch-size", type=int, default=8,
-                       help="models part: batch size, halved on out-of-memory (default: %(default)s)")
-    bench.add_argument("--repeats", type=int, default=5,
-                       help="targets and attention parts: timed rounds per implementation (default: %(default)s)")
-    bench.add_argument("--layers", nargs="+", default=None, metavar="LAYER",
-                       help=f"scaling part: layers to sweep, among {', '.join(LAYER_SUITE)} (default: all)")
-    bench.add_argument("--amp", default="none", choices=list(AMP_DTYPES),
-                       help=f"models part: autocast precision, one of {', '.join(AMP_DTYPES)} (fp16 needs --device "
-                            "cuda; default: %(default)s)")
+    bench.add_argument(
+        "--suites",
+        nargs="+",
+        default=list(DEFAULT_SUITES),
+        choices=list(MODEL_SUITES),
+        metavar="SUITE",
+        help=f"models part: suites among {', '.join(MODEL_SUITES)} (default: {' '.join(DEFAULT_SUITES)})",
+    )
+    bench.add_argument("--img-size", type=int, default=224, help="models part: input resolution (default: %(default)s)")
+    bench.add_argument(
+        "--batch-size",
+        type=int,
+        default=8,
+        help="models part: batch size, halved on out-of-memory (default: %(default)s)",
+    )
+    bench.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="targets and attention parts: timed rounds per implementation (default: %(default)s)",
+    )
+    bench.add_argument(
+        "--layers",
+        nargs="+",
+        default=None,
+        metavar="LAYER",
+        help=f"scaling part: layers to sweep, among {', '.join(LAYER_SUITE)} (default: all)",
+    )
+    bench.add_argument(
+        "--amp",
+        default="none",
+        choices=list(AMP_DTYPES),
+        help=f"models part: autocast precision, one of {', '.join(AMP_DTYPES)} (fp16 needs --device "
+        "cuda; default: %(default)s)",
+    )
     bench.add_argument("--channels-last", action="store_true", help="models part: channels_last model and input")
-    bench.add_argument("--compile", action="store_true",
-                       help="models part: time torch.compile(model) (compilation is in the untimed warm-up)")
-    bench.set_defaults(func=_cmd_bench)
+    bench.add_argument(
+        "--compile",
+        action="store_true",
+        help="models part: time torch.compile(model) (compilation is in the untimed warm-up)",
+    )
 
 
 def register(sub) -> None:

@@ -21,13 +21,15 @@ def _add_detect(sub) -> None:
     from lambdanet.engine.config import add_config_arguments
 
     detect = sub.add_parser(
-        "detect", help="train and evaluate Mask R-CNN / Faster R-CNN on a lambda, halo or convolution backbone",
+        "detect",
+        help="train and evaluate Mask R-CNN / Faster R-CNN on a lambda, halo or convolution backbone",
         description=f"Detection and instance segmentation (LambdaNetworks Table 6, HaloNet Table 5): torchvision's "
-                    f"Mask R-CNN on an FPN over a registered backbone. Recipes: {', '.join(DETECT_RECIPES)} (paper: "
-                    "App. E.2's 1024 px COCO recipe). Data: glyphs (built-in offline scenes) or coco:DIR. "
-                    "Evaluation: COCO box and mask AP with pycocotools, in summary.json. Every option is also a YAML "
-                    "key (--config); --resume continues the run in --out; under torchrun it trains with "
-                    "DistributedDataParallel.")
+        f"Mask R-CNN on an FPN over a registered backbone. Recipes: {', '.join(DETECT_RECIPES)} (paper: "
+        "App. E.2's 1024 px COCO recipe). Data: glyphs (built-in offline scenes) or coco:DIR. "
+        "Evaluation: COCO box and mask AP with pycocotools, in summary.json. Every option is also a YAML "
+        "key (--config); --resume continues the run in --out; under torchrun it trains with "
+        "DistributedDataParallel.",
+    )
     add_config_arguments(detect, DetectConfig)
     detect.set_defaults(func=_cmd_detect)
 

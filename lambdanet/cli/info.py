@@ -24,17 +24,22 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     dt = time.perf_counter() - t0
     params = sum(p.numel() for p in layer.parameters())
     print(layer)
-    print(f"input {tuple(x.shape)} -> output {tuple(y.shape)}; {params:,} parameters; "
-          f"forward+backward {dt * 1e3:.1f} ms (impl={layer.choose_impl((args.size, args.size))})")
+    print(
+        f"input {tuple(x.shape)} -> output {tuple(y.shape)}; {params:,} parameters; "
+        f"forward+backward {dt * 1e3:.1f} ms (impl={layer.choose_impl((args.size, args.size))})"
+    )
     return 0
 
 
 def _add_demo(sub) -> None:
-    demo = sub.add_parser("demo", help="run one lambda layer forward and backward on random data",
-                          description="Build a LambdaLayer, run it forward and backward on a random [batch, dim, "
-                                      "size, size] input, and print the layer, its output shape, parameter count, "
-                                      "time and the position implementation it chose.",
-                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    demo = sub.add_parser(
+        "demo",
+        help="run one lambda layer forward and backward on random data",
+        description="Build a LambdaLayer, run it forward and backward on a random [batch, dim, "
+        "size, size] input, and print the layer, its output shape, parameter count, "
+        "time and the position implementation it chose.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     demo.add_argument("--dim", type=int, default=64, help="input and output channels d")
     demo.add_argument("--dim-k", type=int, default=16, help="query/key depth |k|")
     demo.add_argument("--heads", type=int, default=4, help="queries per lambda |h| (must divide --dim)")
@@ -44,30 +49,53 @@ def _add_demo(sub) -> None:
     demo.set_defaults(func=_cmd_demo)
 
 
+def _paper_rows(args: argparse.Namespace) -> int:
+    """``lambdanet models --paper``: the paper-table rows matching the pattern, ours against the papers'."""
+    import fnmatch
+
+    from lambdanet.models.paper_tables import PAPER_ROWS
+    from lambdanet.models.summary import markdown_table, paper_comparison
+
+    picked = [
+        r
+        for r in PAPER_ROWS
+        if args.pattern is None or (r.model and fnmatch.fnmatch(r.model, args.pattern)) or r.table == args.pattern
+    ]
+    if not picked:
+        print(
+            f"no paper-table row has a model matching {args.pattern!r} (or is table {args.pattern!r})",
+            file=sys.stderr,
+        )
+        return 1
+    rows = paper_comparison(picked, flops=not args.no_flops)
+    for r in rows:
+        r["ours"] = f"{r['params_m']:.2f}" if r.get("params_m") is not None else "-"
+        r["delta_s"] = f"{r['delta']:+.1%}" if r.get("delta") is not None else "-"
+        r["flops_s"] = f"{r['flops_g']:.2f}" if r.get("flops_g") is not None else "-"
+    print(
+        markdown_table(
+            rows,
+            [
+                ("table", "table"),
+                ("row", "row"),
+                ("call", "create_model call"),
+                ("paper_params_m", "paper (M)"),
+                ("ours", "ours (M)"),
+                ("delta_s", "delta"),
+                ("paper_flops_g", "paper GFLOPs"),
+                ("flops_s", "our GFLOPs"),
+            ],
+        )
+    )
+    return 0
+
+
 def _cmd_models(args: argparse.Namespace) -> int:
     """Print every registered model (params, FLOPs, input size) or the paper-table comparison."""
-    from lambdanet.models.summary import markdown_table, paper_comparison, summarize_models
+    from lambdanet.models.summary import markdown_table, summarize_models
 
     if args.paper:
-        import fnmatch
-
-        from lambdanet.models.paper_tables import PAPER_ROWS
-
-        picked = [r for r in PAPER_ROWS if args.pattern is None or (r.model and fnmatch.fnmatch(r.model, args.pattern))
-                  or r.table == args.pattern]
-        if not picked:
-            print(f"no paper-table row has a model matching {args.pattern!r} (or is table {args.pattern!r})",
-                  file=sys.stderr)
-            return 1
-        rows = paper_comparison(picked, flops=not args.no_flops)
-        for r in rows:
-            r["ours"] = f"{r['params_m']:.2f}" if r.get("params_m") is not None else "-"
-            r["delta_s"] = f"{r['delta']:+.1%}" if r.get("delta") is not None else "-"
-            r["flops_s"] = f"{r['flops_g']:.2f}" if r.get("flops_g") is not None else "-"
-        print(markdown_table(rows, [("table", "table"), ("row", "row"), ("call", "create_model call"),
-                                    ("paper_params_m", "paper (M)"), ("ours", "ours (M)"), ("delta_s", "delta"),
-                                    ("paper_flops_g", "paper GFLOPs"), ("flops_s", "our GFLOPs")]))
-        return 0
+        return _paper_rows(args)
     rows = summarize_models(args.pattern, flops=not args.no_flops)
     if args.pretrained:  # the models with published weights, their hub ids and accuracy
         from lambdanet.models.registry import published_models
@@ -78,8 +106,10 @@ def _cmd_models(args: argparse.Namespace) -> int:
             p = published[r["model"]]
             r["hub_id"], r["top1"] = p.hub_id, "-" if p.top1 is None else f"{p.top1:.1f}"
     if not rows:
-        print(f"no registered model{' with pretrained weights' if args.pretrained else ''} matches "
-              f"{args.pattern!r}", file=sys.stderr)
+        print(
+            f"no registered model{' with pretrained weights' if args.pretrained else ''} matches {args.pattern!r}",
+            file=sys.stderr,
+        )
         return 1
     for r in rows:
         r["params_m"] = f"{r['params'] / 1e6:.2f}"
@@ -92,18 +122,28 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _add_models(sub) -> None:
-    models = sub.add_parser("models", help="list models with params, FLOPs and input size",
-                            description="Every registered model with its parameters (1000 classes), FLOPs "
-                                        "(torch.utils.flop_counter, one image at the default input size) and input "
-                                        "size; --paper compares the papers' tables instead.")
-    models.add_argument("pattern", nargs="?", default=None,
-                        help="shell-style filter on model names, e.g. 'lambda_resnet*' (with --paper: rows whose "
-                             "model matches, or a table number such as 13)")
+    models = sub.add_parser(
+        "models",
+        help="list models with params, FLOPs and input size",
+        description="Every registered model with its parameters (1000 classes), FLOPs "
+        "(torch.utils.flop_counter, one image at the default input size) and input "
+        "size; --paper compares the papers' tables instead.",
+    )
+    models.add_argument(
+        "pattern",
+        nargs="?",
+        default=None,
+        help="shell-style filter on model names, e.g. 'lambda_resnet*' (with --paper: rows whose "
+        "model matches, or a table number such as 13)",
+    )
     models.add_argument("--paper", action="store_true", help="compare with the papers' parameter/FLOP tables")
     models.add_argument("--no-flops", action="store_true", help="skip FLOP counting (faster)")
-    models.add_argument("--pretrained", action="store_true",
-                        help="only the models with published ImageNet weights (create_model(name, pretrained=True)), "
-                             "with their hub ids and accuracy")
+    models.add_argument(
+        "--pretrained",
+        action="store_true",
+        help="only the models with published ImageNet weights (create_model(name, pretrained=True)), "
+        "with their hub ids and accuracy",
+    )
     models.set_defaults(func=_cmd_models)
 
 

@@ -21,8 +21,15 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     """Continue a prompt with a trained model (library: ``lambdanet.lm.sample``)."""
     from lambdanet.lm.task import sample
 
-    out = sample(args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                 top_k=args.top_k, seed=args.seed, device="cuda" if args.device == "cuda" else "cpu")
+    out = sample(
+        args.checkpoint,
+        args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+        device="cuda" if args.device == "cuda" else "cpu",
+    )
     sys.stdout.write(out.decode("utf-8", errors="replace") + "\n")
     return 0
 
@@ -31,24 +38,33 @@ def register(sub) -> None:
     from lambdanet.engine.config import add_config_arguments
     from lambdanet.lm.task import LMConfig
 
-    lm = sub.add_parser("lm", help="byte-level language models (causal lambdas and their baselines)",
-                        description="Train causal lambda language models and their transformer and linear-attention "
-                                    "baselines on bytes, and sample from them.")
+    lm = sub.add_parser(
+        "lm",
+        help="byte-level language models (causal lambdas and their baselines)",
+        description="Train causal lambda language models and their transformer and linear-attention "
+        "baselines on bytes, and sample from them.",
+    )
     cmds = lm.add_subparsers(dest="lm_command", metavar="command")
     lm.set_defaults(func=lambda _: (lm.print_help(), 2)[1])
     train = cmds.add_parser(
-        "train", help="train a language model",
+        "train",
+        help="train a language model",
         description=f"Train a byte-level language model. Recipes: {', '.join(LMConfig.RECIPES)}. Every option is "
-                    "also a YAML key (--config FILE); precedence: defaults < --recipe < --config < flags. --resume "
-                    "continues the run in --out where it stopped; under torchrun the same command trains with "
-                    "DistributedDataParallel. summary.json reports val_bits_per_byte on the whole validation split.")
+        "also a YAML key (--config FILE); precedence: defaults < --recipe < --config < flags. --resume "
+        "continues the run in --out where it stopped; under torchrun the same command trains with "
+        "DistributedDataParallel. summary.json reports val_bits_per_byte on the whole validation split.",
+    )
     add_config_arguments(train, LMConfig)
     train.set_defaults(func=_cmd_train)
-    smp = cmds.add_parser("sample", help="continue a prompt with a trained model",
-                          description="Continue --prompt with the model of a run of lambdanet lm train, token by token "
-                                      "with the model's streaming state.")
-    smp.add_argument("--checkpoint", required=True, help="run directory of lambdanet lm train (or its "
-                                                         "model.safetensors / last.pt)")
+    smp = cmds.add_parser(
+        "sample",
+        help="continue a prompt with a trained model",
+        description="Continue --prompt with the model of a run of lambdanet lm train, token by token "
+        "with the model's streaming state.",
+    )
+    smp.add_argument(
+        "--checkpoint", required=True, help="run directory of lambdanet lm train (or its model.safetensors / last.pt)"
+    )
     smp.add_argument("--prompt", required=True, help="text to continue (UTF-8)")
     smp.add_argument("--max-new-tokens", type=int, default=256, help="bytes to generate (default: 256)")
     smp.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (default: 0.8)")

@@ -23,13 +23,15 @@ def _add_train(sub) -> None:
 
     recipes = ", ".join(RECIPES)
     train = sub.add_parser(
-        "train", help="train and evaluate a model",
+        "train",
+        help="train and evaluate a model",
         description=f"Train and evaluate. Recipes: {recipes}. Data: {', '.join(list_datasets())}. Every option is "
-                    "also a YAML key (--config FILE); precedence: defaults < --recipe < --config < flags. "
-                    "--resume continues the run in --out where it stopped. --checkpoint RUN_OR_FILE fine-tunes a "
-                    "run's model (its architecture and image size unless given) or timm's weights, adapting the "
-                    "input channels and the classifier to the data. Under torchrun the same command trains "
-                    "with DistributedDataParallel.")
+        "also a YAML key (--config FILE); precedence: defaults < --recipe < --config < flags. "
+        "--resume continues the run in --out where it stopped. --checkpoint RUN_OR_FILE fine-tunes a "
+        "run's model (its architecture and image size unless given) or timm's weights, adapting the "
+        "input channels and the classifier to the data. Under torchrun the same command trains "
+        "with DistributedDataParallel.",
+    )
     add_config_arguments(train, TrainConfig)
     train.set_defaults(func=_cmd_train)
 
@@ -40,28 +42,44 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     from lambdanet.train.trainer import evaluate_checkpoint
 
-    res = evaluate_checkpoint(args.checkpoint, data=args.data, split=args.split, ema=not args.no_ema,
-                              batch_size=args.batch_size, device=args.device, data_dir=args.data_dir)
+    res = evaluate_checkpoint(
+        args.checkpoint,
+        data=args.data,
+        split=args.split,
+        ema=not args.no_ema,
+        batch_size=args.batch_size,
+        device=args.device,
+        data_dir=args.data_dir,
+    )
     if args.json:
         print(json.dumps(res, indent=2))
     else:
-        print(f"{res['model']} ({res['weights']} weights, epoch {res['epoch']}) on {res['data']} {res['split']}: "
-              f"top-1 {res['top1']:.4f}, top-5 {res['top5']:.4f}, loss {res['loss']:.4f} ({res['samples']} images)")
+        print(
+            f"{res['model']} ({res['weights']} weights, epoch {res['epoch']}) on {res['data']} {res['split']}: "
+            f"top-1 {res['top1']:.4f}, top-5 {res['top5']:.4f}, loss {res['loss']:.4f} ({res['samples']} images)"
+        )
     return 0
 
 
 def _add_eval(sub) -> None:
-    ev = sub.add_parser("eval", help="evaluate a checkpoint",
-                        description="Top-1/top-5 accuracy and loss of a training checkpoint (its EMA weights when it "
-                                    "has them) on its dataset or another one.")
-    ev.add_argument("--checkpoint", required=True,
-                    help="a run directory of lambdanet train or its last.pt (the training checkpoint)")
+    ev = sub.add_parser(
+        "eval",
+        help="evaluate a checkpoint",
+        description="Top-1/top-5 accuracy and loss of a training checkpoint (its EMA weights when it "
+        "has them) on its dataset or another one.",
+    )
+    ev.add_argument(
+        "--checkpoint",
+        required=True,
+        help="a run directory of lambdanet train or its last.pt (the training checkpoint)",
+    )
     ev.add_argument("--data", default=None, help="dataset (default: the checkpoint's)")
     ev.add_argument("--data-dir", default=None, help="dataset folder (default: the checkpoint's)")
     ev.add_argument("--split", default="test", choices=["test", "train"], help="split to evaluate (default: test)")
     ev.add_argument("--batch-size", type=int, default=256, help="evaluation batch size (default: 256)")
-    ev.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                    help="device (default: auto = CUDA when available)")
+    ev.add_argument(
+        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="device (default: auto = CUDA when available)"
+    )
     ev.add_argument("--no-ema", action="store_true", help="use the raw weights even if an EMA exists")
     ev.add_argument("--json", action="store_true", help="print the result as JSON")
     ev.set_defaults(func=_cmd_eval)
@@ -81,12 +99,15 @@ def _add_sweep(sub) -> None:
     from lambdanet.engine.config import add_config_arguments
     from lambdanet.train.config import TrainConfig
 
-    sw = sub.add_parser("sweep", help="learning-rate sensitivity study",
-                        description="Train the same recipe at several learning rates (and models) into "
-                                    "--out/<model>/lr_<lr>; writes sweep.md, sweep.json and sweep.png (accuracy vs "
-                                    "learning rate) into --out. Rerunning reuses finished runs of the same resolved "
-                                    "configuration and resumes unfinished ones; a run folder holding another "
-                                    "configuration is refused. Every train option applies.")
+    sw = sub.add_parser(
+        "sweep",
+        help="learning-rate sensitivity study",
+        description="Train the same recipe at several learning rates (and models) into "
+        "--out/<model>/lr_<lr>; writes sweep.md, sweep.json and sweep.png (accuracy vs "
+        "learning rate) into --out. Rerunning reuses finished runs of the same resolved "
+        "configuration and resumes unfinished ones; a run folder holding another "
+        "configuration is refused. Every train option applies.",
+    )
     sw.add_argument("--lrs", type=float, nargs="+", required=True, help="learning rates")
     sw.add_argument("--models", nargs="+", default=None, help="models (default: --model)")
     add_config_arguments(sw, TrainConfig)
@@ -98,15 +119,20 @@ def _cmd_pseudo(args: argparse.Namespace) -> int:
     from lambdanet.train.pseudo import make_pseudo_labels
 
     res = make_pseudo_labels(args.checkpoint, args.out, threshold=args.threshold)
-    print(f"{len(res['labels'])} pseudo-labels for {res['data']} (labeled_fraction {res['labeled_fraction']}, "
-          f"seed {res['seed']}), {res['agreement_with_true_labels']:.4f} agree with the hidden labels -> {args.out}")
+    print(
+        f"{len(res['labels'])} pseudo-labels for {res['data']} (labeled_fraction {res['labeled_fraction']}, "
+        f"seed {res['seed']}), {res['agreement_with_true_labels']:.4f} agree with the hidden labels -> {args.out}"
+    )
     return 0
 
 
 def _add_pseudo_label(sub) -> None:
-    ps = sub.add_parser("pseudo-label", help="label a teacher's unlabelled images",
-                        description="Label the unlabelled part (1 - labeled_fraction) of a teacher run's training "
-                                    "set; train a student with --labeled-fraction F --pseudo-labels FILE.")
+    ps = sub.add_parser(
+        "pseudo-label",
+        help="label a teacher's unlabelled images",
+        description="Label the unlabelled part (1 - labeled_fraction) of a teacher run's training "
+        "set; train a student with --labeled-fraction F --pseudo-labels FILE.",
+    )
     ps.add_argument("--checkpoint", required=True, help="the teacher's last.pt (trained with --labeled-fraction < 1)")
     ps.add_argument("--out", required=True, help="output file (.pt)")
     ps.add_argument("--threshold", type=float, default=0.0, help="keep labels with at least this confidence")

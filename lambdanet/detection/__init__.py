@@ -3,12 +3,33 @@ Table 5): Mask R-CNN / Faster R-CNN on an FPN over any registered backbone (:mod
 glyph instance-segmentation dataset and COCO folders (:mod:`.data`), COCO evaluation (:mod:`.evaluate`,
 needs pycocotools)."""
 
-from lambdanet.detection.data import (CocoInstances, GlyphInstances, GlyphSceneConfig, build_detection_datasets,
-                                      coco_ground_truth, collate_detection, dataset_to_coco,
-                                      list_detection_datasets, size_statistics)
+from lambdanet.detection.data import (
+    CocoInstances,
+    GlyphInstances,
+    GlyphSceneConfig,
+    build_detection_datasets,
+    coco_ground_truth,
+    collate_detection,
+    dataset_to_coco,
+    list_detection_datasets,
+    size_statistics,
+)
 from lambdanet.detection.evaluate import evaluate_detector, evaluate_predictions
 from lambdanet.detection.model import BACKBONE_PRESETS, DetectorOptions, create_detector
 
-__all__ = ["create_detector", "DetectorOptions", "BACKBONE_PRESETS", "GlyphInstances", "GlyphSceneConfig",
-           "CocoInstances", "build_detection_datasets", "list_detection_datasets", "coco_ground_truth",
-           "dataset_to_coco", "collate_detection", "size_statistics", "evaluate_detector", "evaluate_predictions"]
+__all__ = [
+    "create_detector",
+    "DetectorOptions",
+    "BACKBONE_PRESETS",
+    "GlyphInstances",
+    "GlyphSceneConfig",
+    "CocoInstances",
+    "build_detection_datasets",
+    "list_detection_datasets",
+    "coco_ground_truth",
+    "dataset_to_coco",
+    "collate_detection",
+    "size_statistics",
+    "evaluate_detector",
+    "evaluate_predictions",
+]

@@ -19,8 +19,15 @@ from torch.utils.data import Dataset
 
 from lambdanet.detection.targets import empty_target
 
-__all__ = ["CocoInstances", "coco_ground_truth", "dataset_to_coco", "read_coco_annotations", "coco_split_files",
-           "encode_masks", "BOX_TOLERANCE"]
+__all__ = [
+    "CocoInstances",
+    "coco_ground_truth",
+    "dataset_to_coco",
+    "read_coco_annotations",
+    "coco_split_files",
+    "encode_masks",
+    "BOX_TOLERANCE",
+]
 
 # a COCO box may overrun its image by this many pixels (rounding in real annotation files) before it is an error
 BOX_TOLERANCE = 1.0
@@ -45,8 +52,10 @@ def dataset_to_coco(dataset: Dataset) -> dict:
     annotation ids count from 1 (COCOeval treats id 0 as unmatched)."""
     names = getattr(dataset, "categories", None)
     if not isinstance(names, Sequence) or isinstance(names, str):
-        raise ValueError(f"dataset must name its categories (a 'categories' list, label k is categories[k - 1]); "
-                         f"{type(dataset).__name__} has none")
+        raise ValueError(
+            f"dataset must name its categories (a 'categories' list, label k is categories[k - 1]); "
+            f"{type(dataset).__name__} has none"
+        )
     images: list[dict] = []
     annotations: list[dict] = []
     for i in range(len(cast(Sized, dataset))):
@@ -55,14 +64,30 @@ def dataset_to_coco(dataset: Dataset) -> dict:
         image_id = int(target["image_id"])
         images.append({"id": image_id, "width": int(width), "height": int(height), "file_name": f"{image_id}.png"})
         for rle, (x0, y0, x1, y1), label, area, crowd in zip(
-                encode_masks(target["masks"]), target["boxes"].tolist(), target["labels"].tolist(),
-                target["area"].tolist(), target["iscrowd"].tolist()):
-            annotations.append({"id": len(annotations) + 1, "image_id": image_id, "category_id": int(label),
-                                "segmentation": rle, "area": float(area), "bbox": [x0, y0, x1 - x0, y1 - y0],
-                                "iscrowd": int(crowd)})
+            encode_masks(target["masks"]),
+            target["boxes"].tolist(),
+            target["labels"].tolist(),
+            target["area"].tolist(),
+            target["iscrowd"].tolist(),
+        ):
+            annotations.append(
+                {
+                    "id": len(annotations) + 1,
+                    "image_id": image_id,
+                    "category_id": int(label),
+                    "segmentation": rle,
+                    "area": float(area),
+                    "bbox": [x0, y0, x1 - x0, y1 - y0],
+                    "iscrowd": int(crowd),
+                }
+            )
     categories = [{"id": k + 1, "name": name, "supercategory": "object"} for k, name in enumerate(names)]
-    return {"info": {"description": "lambdanet detection ground truth"}, "images": images,
-            "annotations": annotations, "categories": categories}
+    return {
+        "info": {"description": "lambdanet detection ground truth"},
+        "images": images,
+        "annotations": annotations,
+        "categories": categories,
+    }
 
 
 def coco_ground_truth(dataset: Dataset) -> dict:
@@ -86,8 +111,10 @@ def read_coco_annotations(ann_file: Path, image_dir: Path) -> dict:
     if missing := [k for k in ("images", "annotations", "categories") if not isinstance(data.get(k), list)]:
         raise ValueError(f"COCO annotation file {ann_file} needs the lists {missing} (COCO instances format)")
     if not data["annotations"]:
-        raise ValueError(f"COCO annotation file {ann_file} has no annotations (images without any are fine, but "
-                         "the file must annotate at least one object)")
+        raise ValueError(
+            f"COCO annotation file {ann_file} has no annotations (images without any are fine, but "
+            "the file must annotate at least one object)"
+        )
     if not data["categories"]:
         raise ValueError(f"COCO annotation file {ann_file} has no categories")
     images = {img["id"]: img for img in data["images"]}
@@ -95,12 +122,16 @@ def read_coco_annotations(ann_file: Path, image_dir: Path) -> dict:
     for ann in data["annotations"]:
         aid = ann.get("id")
         if ann.get("category_id") not in category_ids:
-            raise ValueError(f"COCO annotation file {ann_file}: annotation {aid} has category_id "
-                             f"{ann.get('category_id')!r}, not among the categories {sorted(category_ids)}")
+            raise ValueError(
+                f"COCO annotation file {ann_file}: annotation {aid} has category_id "
+                f"{ann.get('category_id')!r}, not among the categories {sorted(category_ids)}"
+            )
         img = images.get(ann.get("image_id"))
         if img is None:
-            raise ValueError(f"COCO annotation file {ann_file}: annotation {aid} refers to image_id "
-                             f"{ann.get('image_id')!r}, which is not in 'images'")
+            raise ValueError(
+                f"COCO annotation file {ann_file}: annotation {aid} refers to image_id "
+                f"{ann.get('image_id')!r}, which is not in 'images'"
+            )
         box = ann.get("bbox")
         if not (isinstance(box, list) and len(box) == 4):
             raise ValueError(f"COCO annotation file {ann_file}: annotation {aid} needs bbox [x, y, w, h], got {box!r}")
@@ -108,16 +139,22 @@ def read_coco_annotations(ann_file: Path, image_dir: Path) -> dict:
         width, height = img["width"], img["height"]
         t = BOX_TOLERANCE
         if x < -t or y < -t or w < 0 or h < 0 or x + w > width + t or y + h > height + t:
-            raise ValueError(f"COCO annotation file {ann_file}: annotation {aid} has bbox {box} (x, y, w, h) outside "
-                             f"its image {img.get('file_name')!r} of {width}x{height} (tolerance {t} px)")
+            raise ValueError(
+                f"COCO annotation file {ann_file}: annotation {aid} has bbox {box} (x, y, w, h) outside "
+                f"its image {img.get('file_name')!r} of {width}x{height} (tolerance {t} px)"
+            )
         for key in ("segmentation", "iscrowd"):
             if key not in ann:
-                raise ValueError(f"COCO annotation file {ann_file}: annotation {aid} has no {key!r} (the COCO "
-                                 "instances format gives every annotation a segmentation, polygons or RLE, and "
-                                 "iscrowd)")
+                raise ValueError(
+                    f"COCO annotation file {ann_file}: annotation {aid} has no {key!r} (the COCO "
+                    "instances format gives every annotation a segmentation, polygons or RLE, and "
+                    "iscrowd)"
+                )
     if absent := [img["file_name"] for img in data["images"] if not (image_dir / img["file_name"]).is_file()]:
-        raise ValueError(f"COCO annotation file {ann_file}: {len(absent)} of {len(data['images'])} image files are "
-                         f"missing under {image_dir} (first: {absent[0]})")
+        raise ValueError(
+            f"COCO annotation file {ann_file}: {len(absent)} of {len(data['images'])} image files are "
+            f"missing under {image_dir} (first: {absent[0]})"
+        )
     return data
 
 
@@ -147,7 +184,8 @@ class CocoInstances(Dataset):
         with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints its loading progress
             base = CocoDetection(str(self.image_dir), str(self.ann_file))
         self.base = wrap_dataset_for_transforms_v2(
-            base, target_keys={"image_id", "boxes", "masks", "labels", "iscrowd"})
+            base, target_keys={"image_id", "boxes", "masks", "labels", "iscrowd"}
+        )
         self.ids = list(base.ids)
 
     @property
@@ -172,9 +210,14 @@ class CocoInstances(Dataset):
         keep = (crowd == 0) & (boxes[:, 2] - boxes[:, 0] >= 1) & (boxes[:, 3] - boxes[:, 1] >= 1)  # n
         masks = raw["masks"].as_subclass(Tensor)[keep].to(torch.uint8)  # k H W
         labels = torch.tensor([self.label_of[int(c)] for c in raw["labels"][keep].tolist()], dtype=torch.int64)
-        return image, {"boxes": boxes[keep], "labels": labels, "masks": masks, "image_id": int(raw["image_id"]),
-                       "area": masks.flatten(1).sum(dim=1).float() if len(masks) else torch.zeros(0),
-                       "iscrowd": torch.zeros(len(labels), dtype=torch.int64)}
+        return image, {
+            "boxes": boxes[keep],
+            "labels": labels,
+            "masks": masks,
+            "image_id": int(raw["image_id"]),
+            "area": masks.flatten(1).sum(dim=1).float() if len(masks) else torch.zeros(0),
+            "iscrowd": torch.zeros(len(labels), dtype=torch.int64),
+        }
 
     def to_coco(self) -> dict:
         """The annotation file with category ids replaced by the labels (crowd regions kept)."""
@@ -197,13 +240,16 @@ def coco_split_files(root: Path) -> dict[str, tuple[Path, Path]]:
         for prefix in prefixes:
             matches = [f for f in files if f.stem.removeprefix("instances_").startswith(prefix)]
             if len(matches) > 1:
-                raise ValueError(f"coco:{root} has several {prefix} annotation files {[m.name for m in matches]}; "
-                                 "keep one")
+                raise ValueError(
+                    f"coco:{root} has several {prefix} annotation files {[m.name for m in matches]}; keep one"
+                )
             if matches:
                 found[split] = (root / matches[0].stem.removeprefix("instances_"), matches[0])
                 break
     if missing := [s for s in ("train", "test") if s not in found]:
-        raise ValueError(f"coco:{root} needs {' and '.join(missing)} annotation files: "
-                         f"{ann_dir}/instances_train*.json and instances_val*.json (COCO layout, images in "
-                         f"{root}/<train2017|val2017>/)")
+        raise ValueError(
+            f"coco:{root} needs {' and '.join(missing)} annotation files: "
+            f"{ann_dir}/instances_train*.json and instances_val*.json (COCO layout, images in "
+            f"{root}/<train2017|val2017>/)"
+        )
     return found

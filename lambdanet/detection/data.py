@@ -27,22 +27,82 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from lambdanet.detection.coco import (BOX_TOLERANCE, CocoInstances, coco_ground_truth,  # noqa: F401
-                                      coco_split_files, dataset_to_coco, encode_masks, read_coco_annotations)
-from lambdanet.detection.glyphs import (CACHE_DIR, FASHION_MNIST_CLASSES, GLYPH_SETS, GLYPH_SOURCES,  # noqa: F401
-                                        VERSION, GlyphInstances, GlyphPool, GlyphSceneConfig, GlyphSource,
-                                        GlyphStyle, config_record, generate_glyph_scenes, glyph_cache_path,
-                                        glyph_scenes, place, render_scene, resolve_glyph_sources)
-from lambdanet.detection.targets import (LARGE_AREA, SIZE_CLASSES, SMALL_AREA, collate_detection,  # noqa: F401
-                                         empty_target, instance_target, mask_boxes, size_class, size_statistics)
+from lambdanet.detection.coco import (
+    BOX_TOLERANCE,
+    CocoInstances,
+    coco_ground_truth,  # noqa: F401
+    coco_split_files,
+    dataset_to_coco,
+    encode_masks,
+    read_coco_annotations,
+)
+from lambdanet.detection.glyphs import (
+    CACHE_DIR,
+    FASHION_MNIST_CLASSES,
+    GLYPH_SETS,  # noqa: F401
+    GLYPH_SOURCES,  # noqa: F401
+    VERSION,
+    GlyphInstances,
+    GlyphPool,
+    GlyphSceneConfig,
+    GlyphSource,
+    GlyphStyle,
+    config_record,
+    generate_glyph_scenes,
+    glyph_cache_path,
+    glyph_scenes,
+    place,
+    render_scene,
+    resolve_glyph_sources,
+)
+from lambdanet.detection.targets import (
+    LARGE_AREA,
+    SIZE_CLASSES,
+    SMALL_AREA,
+    collate_detection,  # noqa: F401
+    empty_target,
+    instance_target,
+    mask_boxes,
+    size_class,
+    size_statistics,
+)
 
-__all__ = ["GlyphSceneConfig", "GlyphInstances", "CocoInstances", "GlyphPool", "GlyphStyle", "GlyphSource",
-           "generate_glyph_scenes", "glyph_scenes", "glyph_cache_path", "config_record", "render_scene", "place",
-           "build_detection_datasets", "list_detection_datasets", "coco_ground_truth", "dataset_to_coco",
-           "read_coco_annotations", "coco_split_files", "encode_masks", "instance_target", "empty_target",
-           "mask_boxes", "size_class", "size_statistics", "collate_detection", "resolve_glyph_sources",
-           "GLYPH_SOURCES", "SIZE_CLASSES", "SMALL_AREA", "LARGE_AREA", "CACHE_DIR", "VERSION",
-           "FASHION_MNIST_CLASSES", "BOX_TOLERANCE"]
+__all__ = [
+    "GlyphSceneConfig",
+    "GlyphInstances",
+    "CocoInstances",
+    "GlyphPool",
+    "GlyphStyle",
+    "GlyphSource",
+    "generate_glyph_scenes",
+    "glyph_scenes",
+    "glyph_cache_path",
+    "config_record",
+    "render_scene",
+    "place",
+    "build_detection_datasets",
+    "list_detection_datasets",
+    "coco_ground_truth",
+    "dataset_to_coco",
+    "read_coco_annotations",
+    "coco_split_files",
+    "encode_masks",
+    "instance_target",
+    "empty_target",
+    "mask_boxes",
+    "size_class",
+    "size_statistics",
+    "collate_detection",
+    "resolve_glyph_sources",
+    "GLYPH_SOURCES",
+    "SIZE_CLASSES",
+    "SMALL_AREA",
+    "LARGE_AREA",
+    "CACHE_DIR",
+    "VERSION",
+    "FASHION_MNIST_CLASSES",
+    "BOX_TOLERANCE",
+]
 
 
 def list_detection_datasets() -> list[str]:
@@ -50,9 +110,14 @@ def list_detection_datasets() -> list[str]:
     return ["glyphs", "coco:DIR"]
 
 
-def build_detection_datasets(name: str = "glyphs", *, seed: int = 0, config: GlyphSceneConfig = GlyphSceneConfig(),
-                             cache_dir: str | os.PathLike = CACHE_DIR, progress: bool = True
-                             ) -> tuple[GlyphInstances | CocoInstances, GlyphInstances | CocoInstances]:
+def build_detection_datasets(
+    name: str = "glyphs",
+    *,
+    seed: int = 0,
+    config: GlyphSceneConfig = GlyphSceneConfig(),
+    cache_dir: str | os.PathLike = CACHE_DIR,
+    progress: bool = True,
+) -> tuple[GlyphInstances | CocoInstances, GlyphInstances | CocoInstances]:
     """(train, test) of ``name``: ``"glyphs"`` (:class:`GlyphInstances` of ``config`` and ``seed``) or
     ``"coco:DIR"`` (:class:`CocoInstances` of a COCO folder, see :func:`coco_split_files`)."""
     if name == "glyphs":

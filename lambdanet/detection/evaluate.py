@@ -42,16 +42,23 @@ def predictions_to_coco(predictions: Sequence[dict], iou_type: str) -> list[dict
         scores, labels = pred["scores"].tolist(), pred["labels"].tolist()
         if iou_type == "bbox":
             for (x0, y0, x1, y1), score, label in zip(pred["boxes"].tolist(), scores, labels):
-                results.append({"image_id": image_id, "category_id": int(label), "bbox": [x0, y0, x1 - x0, y1 - y0],
-                                "score": float(score)})
+                results.append(
+                    {
+                        "image_id": image_id,
+                        "category_id": int(label),
+                        "bbox": [x0, y0, x1 - x0, y1 - y0],
+                        "score": float(score),
+                    }
+                )
             continue
         if "masks" not in pred:
             raise ValueError(f"segm evaluation needs masks in every prediction; image {image_id} has none")
         masks = pred["masks"][:, 0] if pred["masks"].dim() == 4 else pred["masks"]  # n H W
         binary = masks >= MASK_THRESHOLD if masks.is_floating_point() else masks.bool()  # n H W
         for rle, score, label in zip(encode_masks(binary), scores, labels):
-            results.append({"image_id": image_id, "category_id": int(label), "segmentation": rle,
-                            "score": float(score)})
+            results.append(
+                {"image_id": image_id, "category_id": int(label), "segmentation": rle, "score": float(score)}
+            )
     return results
 
 
@@ -66,8 +73,9 @@ def coco_api(data: dict):
     return coco
 
 
-def evaluate_predictions(ground_truth: dict, predictions: Sequence[dict],
-                         iou_types: Sequence[str] = IOU_TYPES) -> dict[str, float]:
+def evaluate_predictions(
+    ground_truth: dict, predictions: Sequence[dict], iou_types: Sequence[str] = IOU_TYPES
+) -> dict[str, float]:
     """COCO AP of ``predictions`` against ``ground_truth`` (a COCO-format dict, e.g.
     :func:`lambdanet.detection.data.coco_ground_truth`), over the images that have a prediction entry
     (an image without detections needs an entry with empty tensors)."""
@@ -84,21 +92,28 @@ def evaluate_predictions(ground_truth: dict, predictions: Sequence[dict],
             if results:
                 dt = gt.loadRes(results)
             else:  # pycocotools cannot load an empty result list: an empty result set scores 0
-                dt = coco_api({"images": ground_truth["images"], "categories": ground_truth["categories"],
-                               "annotations": []})
+                dt = coco_api(
+                    {"images": ground_truth["images"], "categories": ground_truth["categories"], "annotations": []}
+                )
             evaluator = COCOeval(gt, dt, iouType=iou_type)
             evaluator.params.imgIds = image_ids
             evaluator.evaluate()
             evaluator.accumulate()
             evaluator.summarize()
-        for name, value in zip(METRICS, evaluator.stats[:len(METRICS)]):
+        for name, value in zip(METRICS, evaluator.stats[: len(METRICS)]):
             metrics[f"{iou_type}_{name}"] = float(value) if value >= 0 else math.nan
     return metrics
 
 
 @torch.inference_mode()
-def evaluate_detector(model: nn.Module, dataset: Dataset, *, batch_size: int = 2,
-                      device: str | torch.device | None = None, progress: bool = False) -> dict[str, float]:
+def evaluate_detector(
+    model: nn.Module,
+    dataset: Dataset,
+    *,
+    batch_size: int = 2,
+    device: str | torch.device | None = None,
+    progress: bool = False,
+) -> dict[str, float]:
     """COCO box (and, for a model with a mask head, mask) AP of ``model`` on ``dataset``.
 
     Args:
@@ -122,8 +137,12 @@ def evaluate_detector(model: nn.Module, dataset: Dataset, *, batch_size: int = 2
         for images, targets in tqdm(loader, desc="evaluate", disable=not progress, leave=False):
             outputs = model([image.to(device) for image in images])
             for target, output in zip(targets, outputs):
-                predictions.append({"image_id": int(target["image_id"]),
-                                    **{k: v.cpu() for k, v in output.items() if isinstance(v, Tensor)}})
+                predictions.append(
+                    {
+                        "image_id": int(target["image_id"]),
+                        **{k: v.cpu() for k, v in output.items() if isinstance(v, Tensor)},
+                    }
+                )
     finally:
         model.train(was_training)
     roi_heads = getattr(model, "roi_heads", None)

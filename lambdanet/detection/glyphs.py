@@ -24,15 +24,45 @@ from lambdanet.data import FASHION_MNIST_DIR, DatasetUnavailableError, TensorIma
 from lambdanet.detection.coco import dataset_to_coco
 from lambdanet.detection.targets import SPLITS, instance_target
 
-__all__ = ["GlyphSceneConfig", "GlyphInstances", "GlyphPool", "GlyphStyle", "GlyphSource", "generate_glyph_scenes",
-           "glyph_scenes", "glyph_cache_path", "config_record", "render_scene", "place", "resolve_glyph_sources",
-           "glyph_categories", "GLYPH_SOURCES", "GLYPH_SETS", "CACHE_DIR", "VERSION", "FASHION_MNIST_CLASSES",
-           "DIGIT_CLASSES", "STROKE", "SILHOUETTE", "DEFAULT_GLYPHS"]
+__all__ = [
+    "GlyphSceneConfig",
+    "GlyphInstances",
+    "GlyphPool",
+    "GlyphStyle",
+    "GlyphSource",
+    "generate_glyph_scenes",
+    "glyph_scenes",
+    "glyph_cache_path",
+    "config_record",
+    "render_scene",
+    "place",
+    "resolve_glyph_sources",
+    "glyph_categories",
+    "GLYPH_SOURCES",
+    "GLYPH_SETS",
+    "CACHE_DIR",
+    "VERSION",
+    "FASHION_MNIST_CLASSES",
+    "DIGIT_CLASSES",
+    "STROKE",
+    "SILHOUETTE",
+    "DEFAULT_GLYPHS",
+]
 
 VERSION = "v1"  # bump when the generator changes: it names the cache files
 CACHE_DIR = Path("~/.cache/lambdanet/data")
-FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
-                         "Ankle boot")
+FASHION_MNIST_CLASSES = (
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+)
 DIGIT_CLASSES = tuple(str(d) for d in range(10))
 
 
@@ -122,8 +152,9 @@ class GlyphSceneConfig:
         if self.image_size < 32:
             raise ValueError(f"GlyphSceneConfig.image_size must be at least 32, got {self.image_size}")
         if self.max_objects > 255:
-            raise ValueError(f"GlyphSceneConfig.max_objects must be at most 255 (uint8 instance maps), "
-                             f"got {self.max_objects}")
+            raise ValueError(
+                f"GlyphSceneConfig.max_objects must be at most 255 (uint8 instance maps), got {self.max_objects}"
+            )
         if self.glyphs not in GLYPH_SETS:
             raise ValueError(f"GlyphSceneConfig.glyphs must be one of {list(GLYPH_SETS)}, got {self.glyphs!r}")
         for name in ("large_prob", "small_prob", "min_visible"):
@@ -193,7 +224,7 @@ class GlyphPool:
         if not inside.any():
             inside = grey > 0
         rows, cols = np.flatnonzero(inside.any(axis=1)), np.flatnonzero(inside.any(axis=0))
-        crop = grey[rows[0]:rows[-1] + 1, cols[0]:cols[-1] + 1]
+        crop = grey[rows[0] : rows[-1] + 1, cols[0] : cols[-1] + 1]
         # one zero pixel around: strokes touching the frame (8x8 digits) fade out instead of ending square
         return np.pad(crop, 1), int(self.labels[s][i]), style
 
@@ -203,12 +234,17 @@ def resize(array: np.ndarray, size: tuple[int, int], resample: int) -> np.ndarra
     widen their support when shrinking: antialiased); deterministic on every machine."""
     from PIL import Image
 
-    return np.asarray(Image.fromarray(np.ascontiguousarray(array, dtype=np.float32), mode="F").resize(
-        (size[1], size[0]), resample=resample), dtype=np.float32)
+    return np.asarray(
+        Image.fromarray(np.ascontiguousarray(array, dtype=np.float32), mode="F").resize(
+            (size[1], size[0]), resample=resample
+        ),
+        dtype=np.float32,
+    )
 
 
-def render_glyph(grey: np.ndarray, style: GlyphStyle, size: tuple[int, int]
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def render_glyph(
+    grey: np.ndarray, style: GlyphStyle, size: tuple[int, int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``grey`` ``[h, w]`` resized (bilinear) to ``size``: (opacity ``[H, W]``, mask ``[H, W]`` bool, shade
     ``[H, W]``), see :class:`GlyphStyle`."""
     from PIL import Image
@@ -219,8 +255,9 @@ def render_glyph(grey: np.ndarray, style: GlyphStyle, size: tuple[int, int]
     return alpha, alpha >= 0.5, style.shade_min + (1 - style.shade_min) * g  # shade: H W
 
 
-def fit_glyph(grey: np.ndarray, style: GlyphStyle, area: float, max_side: int
-              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def fit_glyph(
+    grey: np.ndarray, style: GlyphStyle, area: float, max_side: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Render ``grey`` so that its mask covers about ``area`` pixels (sides at most ``max_side``): a first
     guess assuming the mask fills half of its box, then one correction by the area it really has."""
     h, w = grey.shape
@@ -271,8 +308,9 @@ def area_range(kind: str, cfg: GlyphSceneConfig) -> tuple[float, float]:
     return {"small": cfg.small_area, "medium": cfg.medium_area, "large": cfg.large_area}[kind]
 
 
-def place(mask: np.ndarray, instances: np.ndarray, full_areas: list[int], cfg: GlyphSceneConfig,
-          rng: np.random.Generator) -> tuple[int, int] | None:
+def place(
+    mask: np.ndarray, instances: np.ndarray, full_areas: list[int], cfg: GlyphSceneConfig, rng: np.random.Generator
+) -> tuple[int, int] | None:
     """A random top-left corner for ``mask`` where every earlier object keeps ``min_visible`` of its mask
     (``None`` when ``placement_tries`` draws find none)."""
     (h, w), size = mask.shape, instances.shape[0]
@@ -280,14 +318,15 @@ def place(mask: np.ndarray, instances: np.ndarray, full_areas: list[int], cfg: G
     need = np.array([0.0] + [cfg.min_visible * a for a in full_areas])  # n+1
     for _ in range(cfg.placement_tries):
         y, x = int(rng.integers(0, size - h + 1)), int(rng.integers(0, size - w + 1))
-        covered = np.bincount(instances[y:y + h, x:x + w][mask], minlength=len(full_areas) + 1)  # n+1
+        covered = np.bincount(instances[y : y + h, x : x + w][mask], minlength=len(full_areas) + 1)  # n+1
         if np.all(visible[1:] - covered[1:] >= need[1:]):
             return y, x
     return None
 
 
-def render_scene(pool: GlyphPool, cfg: GlyphSceneConfig, rng: np.random.Generator
-                 ) -> tuple[np.ndarray, np.ndarray, list[int]]:
+def render_scene(
+    pool: GlyphPool, cfg: GlyphSceneConfig, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray, list[int]]:
     """One scene: (image uint8 ``[3, S, S]``, instance map uint8 ``[S, S]`` (0 background, ``k`` the
     ``k``-th object), 0-based categories of objects 1..n).
 
@@ -318,10 +357,10 @@ def render_scene(pool: GlyphPool, cfg: GlyphSceneConfig, rng: np.random.Generato
         if corner is None:
             continue
         (y, x), (h, w) = corner, mask.shape
-        region = image[:, y:y + h, x:x + w]  # 3 h w
+        region = image[:, y : y + h, x : x + w]  # 3 h w
         ink = glyph_colour(luminance(region.mean(axis=(1, 2))), rng)[:, None, None] * shade[None]  # 3 h w
-        image[:, y:y + h, x:x + w] = region * (1 - alpha[None]) + ink * alpha[None]
-        instances[y:y + h, x:x + w][mask] = len(labels) + 1
+        image[:, y : y + h, x : x + w] = region * (1 - alpha[None]) + ink * alpha[None]
+        instances[y : y + h, x : x + w][mask] = len(labels) + 1
         labels.append(label)
         full_areas.append(int(mask.sum()))
     # drop fully hidden objects, renumbering the rest in pasting order
@@ -337,8 +376,7 @@ def render_scene(pool: GlyphPool, cfg: GlyphSceneConfig, rng: np.random.Generato
     return np.round(np.clip(image, 0, 1) * 255).astype(np.uint8), instances, labels  # 3 S S, S S, n
 
 
-def generate_glyph_scenes(cfg: GlyphSceneConfig = GlyphSceneConfig(), seed: int = 0, *,
-                          progress: bool = False) -> dict:
+def generate_glyph_scenes(cfg: GlyphSceneConfig = GlyphSceneConfig(), seed: int = 0, *, progress: bool = False) -> dict:
     """The glyph scenes of ``cfg`` and ``seed``, without the cache: ``{"version", "seed", "config",
     "categories", "train": split, "test": split}``, each split ``{"images": uint8 [N, 3, S, S],
     "instances": uint8 [N, S, S], "labels": int64 [total] (1-based), "offsets": int64 [N + 1]}`` (the
@@ -350,8 +388,12 @@ def generate_glyph_scenes(cfg: GlyphSceneConfig = GlyphSceneConfig(), seed: int 
     from tqdm.auto import tqdm
 
     sources = resolve_glyph_sources(cfg.glyphs)
-    out: dict = {"version": VERSION, "seed": seed, "config": config_record(cfg),
-                 "categories": glyph_categories(sources)}
+    out: dict = {
+        "version": VERSION,
+        "seed": seed,
+        "config": config_record(cfg),
+        "categories": glyph_categories(sources),
+    }
     for code, split in enumerate(SPLITS):
         pool = GlyphPool(sources, split)
         count = cfg.train_images if split == "train" else cfg.test_images
@@ -362,9 +404,12 @@ def generate_glyph_scenes(cfg: GlyphSceneConfig = GlyphSceneConfig(), seed: int 
             instances.append(inst)
             labels += [k + 1 for k in lab]
             offsets.append(len(labels))
-        out[split] = {"images": torch.from_numpy(np.stack(images)), "instances": torch.from_numpy(np.stack(instances)),
-                      "labels": torch.tensor(labels, dtype=torch.int64),
-                      "offsets": torch.tensor(offsets, dtype=torch.int64)}
+        out[split] = {
+            "images": torch.from_numpy(np.stack(images)),
+            "instances": torch.from_numpy(np.stack(instances)),
+            "labels": torch.tensor(labels, dtype=torch.int64),
+            "offsets": torch.tensor(offsets, dtype=torch.int64),
+        }
     return out
 
 
@@ -374,16 +419,22 @@ def config_record(cfg: GlyphSceneConfig) -> dict:
     return record | {k: list(record[k]) for k in ("small_area", "medium_area", "large_area")}
 
 
-def glyph_cache_path(cfg: GlyphSceneConfig = GlyphSceneConfig(), seed: int = 0,
-                     cache_dir: str | os.PathLike = CACHE_DIR) -> Path:
+def glyph_cache_path(
+    cfg: GlyphSceneConfig = GlyphSceneConfig(), seed: int = 0, cache_dir: str | os.PathLike = CACHE_DIR
+) -> Path:
     """``cache_dir/glyph-instances-<version>-<seed>-<digest>.pt``; the digest is of the configuration with
     its glyph sources resolved (a machine with Fashion-MNIST caches other scenes than one without)."""
     digest = hashlib.sha1(json.dumps(config_record(cfg), sort_keys=True).encode()).hexdigest()[:10]
     return Path(cache_dir).expanduser() / f"glyph-instances-{VERSION}-{seed}-{digest}.pt"
 
 
-def glyph_scenes(cfg: GlyphSceneConfig = GlyphSceneConfig(), seed: int = 0, *,
-                 cache_dir: str | os.PathLike = CACHE_DIR, progress: bool = True) -> dict:
+def glyph_scenes(
+    cfg: GlyphSceneConfig = GlyphSceneConfig(),
+    seed: int = 0,
+    *,
+    cache_dir: str | os.PathLike = CACHE_DIR,
+    progress: bool = True,
+) -> dict:
     """:func:`generate_glyph_scenes`, read from :func:`glyph_cache_path` when it holds them, else generated
     and written there atomically (a temporary file in the same folder, then renamed): concurrent
     processes never read a partial file. A file of another version or configuration is regenerated."""
@@ -393,8 +444,12 @@ def glyph_scenes(cfg: GlyphSceneConfig = GlyphSceneConfig(), seed: int = 0, *,
             data = torch.load(path, map_location="cpu", weights_only=True)
         except Exception:  # noqa: BLE001  a truncated or foreign file: regenerate it
             data = None
-        if (isinstance(data, dict) and data.get("version") == VERSION and data.get("seed") == seed
-                and data.get("config") == config_record(cfg)):
+        if (
+            isinstance(data, dict)
+            and data.get("version") == VERSION
+            and data.get("seed") == seed
+            and data.get("config") == config_record(cfg)
+        ):
             return data
     data = generate_glyph_scenes(cfg, seed, progress=progress)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -422,8 +477,16 @@ class GlyphInstances(Dataset):
             :func:`build_detection_datasets`).
     """
 
-    def __init__(self, split: str = "train", *, seed: int = 0, config: GlyphSceneConfig = GlyphSceneConfig(),
-                 cache_dir: str | os.PathLike = CACHE_DIR, scenes: dict | None = None, progress: bool = True):
+    def __init__(
+        self,
+        split: str = "train",
+        *,
+        seed: int = 0,
+        config: GlyphSceneConfig = GlyphSceneConfig(),
+        cache_dir: str | os.PathLike = CACHE_DIR,
+        scenes: dict | None = None,
+        progress: bool = True,
+    ):
         if split not in SPLITS:
             raise ValueError(f"split must be one of {list(SPLITS)}, got {split!r}")
         data = scenes if scenes is not None else glyph_scenes(config, seed, cache_dir=cache_dir, progress=progress)
@@ -443,7 +506,7 @@ class GlyphInstances(Dataset):
 
     def target(self, i: int) -> dict:
         """The target of image ``i`` (without decoding the image)."""
-        labels = self.labels[self.offsets[i]:self.offsets[i + 1]]  # n
+        labels = self.labels[self.offsets[i] : self.offsets[i + 1]]  # n
         ids = torch.arange(1, len(labels) + 1, dtype=torch.uint8)  # n
         masks = self.instances[i][None] == ids[:, None, None]  # n S S
         return instance_target(masks, labels, image_id=i + 1)

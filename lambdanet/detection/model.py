@@ -34,9 +34,19 @@ from torch import Tensor, nn
 from lambdanet.constants import IMAGENET_MEAN, IMAGENET_STD
 from lambdanet.models import create_model, list_models, model_args
 
-__all__ = ["DetectorOptions", "BackbonePreset", "BACKBONE_PRESETS", "FeaturePyramidBackbone", "create_detector",
-           "create_feature_backbone", "detector_input_size", "halo_hybrid_kwargs", "resolve_backbone",
-           "input_normalization", "STUDY_BACKBONES"]
+__all__ = [
+    "DetectorOptions",
+    "BackbonePreset",
+    "BACKBONE_PRESETS",
+    "FeaturePyramidBackbone",
+    "create_detector",
+    "create_feature_backbone",
+    "detector_input_size",
+    "halo_hybrid_kwargs",
+    "resolve_backbone",
+    "input_normalization",
+    "STUDY_BACKBONES",
+]
 
 FEATURE_NAMES = ("0", "1", "2", "3")  # the FPN levels P2..P5 the RoI heads pool from (P6 is "pool")
 
@@ -87,20 +97,34 @@ class DetectorOptions:
     channels_last: bool = False
 
     def __post_init__(self):
-        for name in ("fpn_channels", "representation_size", "mask_head_channels", "mask_roi_size", "size_divisible",
-                     "rpn_batch_size_per_image", "box_batch_size_per_image", "box_detections_per_img"):
+        for name in (
+            "fpn_channels",
+            "representation_size",
+            "mask_head_channels",
+            "mask_roi_size",
+            "size_divisible",
+            "rpn_batch_size_per_image",
+            "box_batch_size_per_image",
+            "box_detections_per_img",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"DetectorOptions.{name} must be a positive int, got {value!r}")
         for name in ("rpn_pre_nms_top_n", "rpn_post_nms_top_n"):
             value = getattr(self, name)
-            if (not isinstance(value, (list, tuple)) or len(value) != 2
-                    or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in value)):
-                raise ValueError(f"DetectorOptions.{name} must be two positive ints (training, inference), "
-                                 f"got {value!r}")
+            if (
+                not isinstance(value, (list, tuple))
+                or len(value) != 2
+                or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in value)
+            ):
+                raise ValueError(
+                    f"DetectorOptions.{name} must be two positive ints (training, inference), got {value!r}"
+                )
         if len(self.anchor_sizes) != len(FEATURE_NAMES) + 1 or any(s <= 0 for s in self.anchor_sizes):
-            raise ValueError(f"DetectorOptions.anchor_sizes must be {len(FEATURE_NAMES) + 1} positive sizes, one "
-                             f"per level P2..P6, got {self.anchor_sizes!r}")
+            raise ValueError(
+                f"DetectorOptions.anchor_sizes must be {len(FEATURE_NAMES) + 1} positive sizes, one "
+                f"per level P2..P6, got {self.anchor_sizes!r}"
+            )
         if not self.aspect_ratios or any(r <= 0 for r in self.aspect_ratios):
             raise ValueError(f"DetectorOptions.aspect_ratios must be positive ratios, got {self.aspect_ratios!r}")
         if not 0.0 <= self.box_score_thresh <= 1.0:
@@ -125,8 +149,12 @@ def halo_hybrid_kwargs(block_size: int, halo_size: int = 3, heads: int = 8) -> d
     Table 5): squeeze-and-excitation (ratio 1/16) in the convolution blocks, ``stage_layers="CCCL"`` with
     ``spatial_layer="halo_attention"``; 8 heads as in HaloNet's c5 (Table A2 caption); the strided first
     c5 block subsamples its queries (HaloNet Fig. 2), so ``block_size`` must be even."""
-    return {"se": True, "stage_layers": "CCCL", "spatial_layer": "halo_attention",
-            "layer_kwargs": {"block_size": block_size, "halo_size": halo_size, "heads": heads}}
+    return {
+        "se": True,
+        "stage_layers": "CCCL",
+        "spatial_layer": "halo_attention",
+        "layer_kwargs": {"block_size": block_size, "halo_size": halo_size, "heads": heads},
+    }
 
 
 # HaloNet Table 5's backbones: ResNet-50/101 + SE (ratio 1/16, Hu et al. 2018) and its hybrids with halo attention
@@ -134,8 +162,11 @@ def halo_hybrid_kwargs(block_size: int, halo_size: int = 3, heads: int = 8) -> d
 # compares registered models directly (resnet101 / lambda_resnet101, resnet152 / lambda_resnet152).
 BACKBONE_PRESETS: dict[str, BackbonePreset] = {
     f"resnet{depth}_se{suffix}": BackbonePreset(f"resnet{depth}", kwargs, f"{source}: ResNet-{depth} + SE{note}")
-    for depth, source in ((26, "HaloNet Table 5's recipe at 26 layers"), (50, "HaloNet Table 5"),
-                          (101, "HaloNet Table 5"))
+    for depth, source in (
+        (26, "HaloNet Table 5's recipe at 26 layers"),
+        (50, "HaloNet Table 5"),
+        (101, "HaloNet Table 5"),
+    )
     for suffix, kwargs, note in (
         ("", {"se": True}, " (baseline)"),
         ("_halo_b8", halo_hybrid_kwargs(8), ", c5 3x3 convolutions replaced by halo attention (b=8, h=3)"),
@@ -146,9 +177,12 @@ BACKBONE_PRESETS: dict[str, BackbonePreset] = {
 # The side-by-side study (docs/detection.md, in Table 6's layout): a ResNet, its +SE twin, its lambda hybrid
 # (lambda layers in c4 and c5, LambdaNetworks Table 13's C-C-L-L) and its halo hybrid (HaloNet Table 5), all
 # with [2, 2, 2, 2] blocks so that a 2-core CPU trains each in minutes.
-STUDY_BACKBONES: dict[str, str] = {"resnet26": "ResNet-26", "resnet26_se": "ResNet-26 + SE",
-                                   "lambda_resnet26": "LambdaResNet-26 (lambda layers in c4, c5)",
-                                   "resnet26_se_halo_b8": "ResNet-26 + SE, halo attention in c5 (b=8, h=3)"}
+STUDY_BACKBONES: dict[str, str] = {
+    "resnet26": "ResNet-26",
+    "resnet26_se": "ResNet-26 + SE",
+    "lambda_resnet26": "LambdaResNet-26 (lambda layers in c4, c5)",
+    "resnet26_se_halo_b8": "ResNet-26 + SE, halo attention in c5 (b=8, h=3)",
+}
 
 
 def input_normalization(model: nn.Module) -> tuple[list[float], list[float]]:
@@ -171,33 +205,41 @@ def resolve_backbone(backbone: str, backbone_kwargs: Mapping) -> tuple[str, dict
         preset = BACKBONE_PRESETS[backbone]
         return preset.model, {**preset.kwargs, **backbone_kwargs}
     if backbone not in list_models(task="image"):
-        raise ValueError(f"backbone must be a registered model or one of BACKBONE_PRESETS "
-                         f"{sorted(BACKBONE_PRESETS)}, got {backbone!r}")
+        raise ValueError(
+            f"backbone must be a registered model or one of BACKBONE_PRESETS "
+            f"{sorted(BACKBONE_PRESETS)}, got {backbone!r}"
+        )
     return backbone, dict(backbone_kwargs)
 
 
-def create_feature_backbone(backbone: str, *, max_size: int, size_divisible: int = 32, pretrained: bool = False,
-                            **backbone_kwargs) -> tuple[nn.Module, str, dict]:
+def create_feature_backbone(
+    backbone: str, *, max_size: int, size_divisible: int = 32, pretrained: bool = False, **backbone_kwargs
+) -> tuple[nn.Module, str, dict]:
     """The feature extractor of :func:`create_detector`: ``create_model(name, features_only=True,
     num_classes=0, ...)`` with ``img_size`` defaulting to :func:`detector_input_size` where the model takes
     it. Returns (module, registered name, the options it was built with)."""
     name, kwargs = resolve_backbone(backbone, backbone_kwargs)
     accepted = model_args(name)
     if "features_only" not in accepted:
-        raise ValueError(f"backbone {name!r} has no features_only option: a detector backbone must be a registered "
-                         "model that takes features_only=True and then returns its c2..c5 feature maps "
-                         "(and lists their channels in feature_info)")
+        raise ValueError(
+            f"backbone {name!r} has no features_only option: a detector backbone must be a registered "
+            "model that takes features_only=True and then returns its c2..c5 feature maps "
+            "(and lists their channels in feature_info)"
+        )
     if "img_size" in accepted and kwargs.get("img_size") is None:
         kwargs["img_size"] = detector_input_size(max_size, size_divisible)
     body = create_model(name, num_classes=0, features_only=True, pretrained=pretrained, **kwargs)
     info = getattr(body, "feature_info", None)
     if not isinstance(info, list) or len(info) != len(FEATURE_NAMES) or any("num_chs" not in i for i in info):
-        raise ValueError(f"backbone {name!r} must list its {len(FEATURE_NAMES)} feature maps c2..c5 in feature_info "
-                         f"(dicts with 'num_chs' and 'reduction'), got {info!r}")
+        raise ValueError(
+            f"backbone {name!r} must list its {len(FEATURE_NAMES)} feature maps c2..c5 in feature_info "
+            f"(dicts with 'num_chs' and 'reduction'), got {info!r}"
+        )
     largest = max(i.get("reduction", 32) for i in info)
     if size_divisible % largest:
-        raise ValueError(f"size_divisible must be a multiple of backbone {name!r}'s largest stride {largest}, "
-                         f"got {size_divisible}")
+        raise ValueError(
+            f"size_divisible must be a multiple of backbone {name!r}'s largest stride {largest}, got {size_divisible}"
+        )
     return body, name, kwargs
 
 
@@ -214,15 +256,17 @@ class FeaturePyramidBackbone(nn.Module):
             made contiguous again for the pyramid.
     """
 
-    def __init__(self, body: nn.Module, out_channels: int = 256, *, frozen_bn: bool = False,
-                 channels_last: bool = False):
+    def __init__(
+        self, body: nn.Module, out_channels: int = 256, *, frozen_bn: bool = False, channels_last: bool = False
+    ):
         from torchvision.ops import FeaturePyramidNetwork
         from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 
         super().__init__()
         self.body = body
-        self.fpn = FeaturePyramidNetwork([i["num_chs"] for i in cast("list[dict]", body.feature_info)], out_channels,
-                                         extra_blocks=LastLevelMaxPool())
+        self.fpn = FeaturePyramidNetwork(
+            [i["num_chs"] for i in cast("list[dict]", body.feature_info)], out_channels, extra_blocks=LastLevelMaxPool()
+        )
         self.out_channels, self.frozen_bn, self.channels_last = out_channels, frozen_bn, channels_last
         if channels_last:
             body.to(memory_format=torch.channels_last)
@@ -249,9 +293,51 @@ class FeaturePyramidBackbone(nn.Module):
         return self.fpn(OrderedDict(zip(FEATURE_NAMES, feats)))  # "0".."3", "pool": (B, out_channels, h, w)
 
 
-def create_detector(backbone: str, num_classes: int, *, masks: bool = True, min_size: int = 800,
-                    max_size: int = 1333, pretrained_backbone: bool = False, options: DetectorOptions | None = None,
-                    **backbone_kwargs) -> nn.Module:
+def _rcnn_kwargs(opts: DetectorOptions, norm: tuple, min_size: int, max_size: int, num_classes: int) -> dict:
+    """The keywords torchvision's ``FasterRCNN`` / ``MaskRCNN`` take from :class:`DetectorOptions`: the
+    transform (``norm``: the backbone's mean and std), the anchors and RPN, the box branch."""
+    from torchvision.models.detection.anchor_utils import AnchorGenerator
+    from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
+    from torchvision.models.detection.rpn import RPNHead
+    from torchvision.ops import MultiScaleRoIAlign
+
+    levels = len(opts.anchor_sizes)
+    anchors = AnchorGenerator(tuple((s,) for s in opts.anchor_sizes), (tuple(opts.aspect_ratios),) * levels)
+    c = opts.fpn_channels
+    mean, std = norm
+    return {
+        "min_size": min_size,
+        "max_size": max_size,
+        "image_mean": mean,
+        "image_std": std,
+        "size_divisible": opts.size_divisible,
+        "rpn_batch_size_per_image": opts.rpn_batch_size_per_image,
+        "rpn_anchor_generator": anchors,
+        "rpn_head": RPNHead(c, anchors.num_anchors_per_location()[0]),
+        "rpn_pre_nms_top_n_train": opts.rpn_pre_nms_top_n[0],
+        "rpn_pre_nms_top_n_test": opts.rpn_pre_nms_top_n[1],
+        "rpn_post_nms_top_n_train": opts.rpn_post_nms_top_n[0],
+        "rpn_post_nms_top_n_test": opts.rpn_post_nms_top_n[1],
+        "box_roi_pool": MultiScaleRoIAlign(list(FEATURE_NAMES), output_size=7, sampling_ratio=2),
+        "box_head": TwoMLPHead(c * 7 * 7, opts.representation_size),
+        "box_predictor": FastRCNNPredictor(opts.representation_size, num_classes + 1),
+        "box_batch_size_per_image": opts.box_batch_size_per_image,
+        "box_score_thresh": opts.box_score_thresh,
+        "box_detections_per_img": opts.box_detections_per_img,
+    }
+
+
+def create_detector(
+    backbone: str,
+    num_classes: int,
+    *,
+    masks: bool = True,
+    min_size: int = 800,
+    max_size: int = 1333,
+    pretrained_backbone: bool = False,
+    options: DetectorOptions | None = None,
+    **backbone_kwargs,
+) -> nn.Module:
     """torchvision's Mask R-CNN (``masks=True``) or Faster R-CNN on an FPN over a lambdanet backbone.
 
     Args:
@@ -272,46 +358,49 @@ def create_detector(backbone: str, num_classes: int, *, masks: bool = True, min_
     from) and the backbone's registered name in it.
     """
     from torchvision.models.detection import FasterRCNN, MaskRCNN
-    from torchvision.models.detection.anchor_utils import AnchorGenerator
-    from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
     from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
-    from torchvision.models.detection.rpn import RPNHead
     from torchvision.ops import MultiScaleRoIAlign
 
-    for arg, value, note in (("num_classes", num_classes, " (object categories, background excluded)"),
-                             ("min_size", min_size, ""), ("max_size", max_size, "")):
+    for arg, value, note in (
+        ("num_classes", num_classes, " (object categories, background excluded)"),
+        ("min_size", min_size, ""),
+        ("max_size", max_size, ""),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"{arg} must be a positive int{note}, got {value!r}")
     opts = options if options is not None else DetectorOptions()
-    body, name, kwargs = create_feature_backbone(backbone, max_size=max_size, size_divisible=opts.size_divisible,
-                                                 pretrained=pretrained_backbone, **backbone_kwargs)
+    body, name, kwargs = create_feature_backbone(
+        backbone,
+        max_size=max_size,
+        size_divisible=opts.size_divisible,
+        pretrained=pretrained_backbone,
+        **backbone_kwargs,
+    )
     frozen = pretrained_backbone if opts.frozen_bn is None else opts.frozen_bn
     features = FeaturePyramidBackbone(body, opts.fpn_channels, frozen_bn=frozen, channels_last=opts.channels_last)
-    levels = len(opts.anchor_sizes)
-    anchors = AnchorGenerator(tuple((s,) for s in opts.anchor_sizes), (tuple(opts.aspect_ratios),) * levels)
     c = opts.fpn_channels
-    mean, std = input_normalization(body)
-    common = {
-        "min_size": min_size, "max_size": max_size, "image_mean": mean, "image_std": std,
-        "size_divisible": opts.size_divisible, "rpn_batch_size_per_image": opts.rpn_batch_size_per_image,
-        "rpn_anchor_generator": anchors, "rpn_head": RPNHead(c, anchors.num_anchors_per_location()[0]),
-        "rpn_pre_nms_top_n_train": opts.rpn_pre_nms_top_n[0], "rpn_pre_nms_top_n_test": opts.rpn_pre_nms_top_n[1],
-        "rpn_post_nms_top_n_train": opts.rpn_post_nms_top_n[0], "rpn_post_nms_top_n_test": opts.rpn_post_nms_top_n[1],
-        "box_roi_pool": MultiScaleRoIAlign(list(FEATURE_NAMES), output_size=7, sampling_ratio=2),
-        "box_head": TwoMLPHead(c * 7 * 7, opts.representation_size),
-        "box_predictor": FastRCNNPredictor(opts.representation_size, num_classes + 1),
-        "box_batch_size_per_image": opts.box_batch_size_per_image, "box_score_thresh": opts.box_score_thresh,
-        "box_detections_per_img": opts.box_detections_per_img}
+    common = _rcnn_kwargs(opts, input_normalization(body), min_size, max_size, num_classes)
     if masks:
         m = opts.mask_head_channels
-        model = MaskRCNN(features, num_classes=None, **common,
-                         mask_roi_pool=MultiScaleRoIAlign(list(FEATURE_NAMES), output_size=opts.mask_roi_size,
-                                                           sampling_ratio=2),
-                         mask_head=MaskRCNNHeads(c, (m,) * 4, 1),
-                         mask_predictor=MaskRCNNPredictor(m, m, num_classes + 1))
+        model = MaskRCNN(
+            features,
+            num_classes=None,
+            **common,
+            mask_roi_pool=MultiScaleRoIAlign(list(FEATURE_NAMES), output_size=opts.mask_roi_size, sampling_ratio=2),
+            mask_head=MaskRCNNHeads(c, (m,) * 4, 1),
+            mask_predictor=MaskRCNNPredictor(m, m, num_classes + 1),
+        )
     else:
         model = FasterRCNN(features, num_classes=None, **common)
-    model.detector_cfg = {"backbone": backbone, "model": name, "backbone_kwargs": kwargs, "num_classes": num_classes,
-                          "masks": masks, "min_size": min_size, "max_size": max_size,
-                          "pretrained_backbone": pretrained_backbone, "options": asdict(opts)}
+    model.detector_cfg = {
+        "backbone": backbone,
+        "model": name,
+        "backbone_kwargs": kwargs,
+        "num_classes": num_classes,
+        "masks": masks,
+        "min_size": min_size,
+        "max_size": max_size,
+        "pretrained_backbone": pretrained_backbone,
+        "options": asdict(opts),
+    }
     return model

@@ -25,8 +25,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from lambdanet.detection.glyphs import DEFAULT_GLYPHS, GlyphPool, GlyphSceneConfig, glyph_categories, \
-    render_scene, resolve_glyph_sources
+from lambdanet.detection.glyphs import (
+    DEFAULT_GLYPHS,
+    GlyphPool,
+    GlyphSceneConfig,
+    glyph_categories,
+    render_scene,
+    resolve_glyph_sources,
+)
 from lambdanet.helpers import check_positive_int
 from lambdanet.models.pretrained import load_state
 from lambdanet.engine.checkpoint import CheckpointError, load_checkpoint
@@ -36,8 +42,14 @@ from lambdanet.engine.optim import build_optimizer, lr_at
 from lambdanet.engine.preempt import Preempted
 from lambdanet.engine.state import RunState
 
-__all__ = ["PretrainConfig", "GlyphCrops", "pretrain_backbone", "transfer_mismatch", "load_backbone_weights",
-           "batch_share"]
+__all__ = [
+    "PretrainConfig",
+    "GlyphCrops",
+    "pretrain_backbone",
+    "transfer_mismatch",
+    "load_backbone_weights",
+    "batch_share",
+]
 
 
 @dataclass(frozen=True)
@@ -78,15 +90,24 @@ class PretrainConfig:
         if self.img_size < 32:
             raise ValueError(f"PretrainConfig.img_size must be at least 32, got {self.img_size}")
         if self.lr <= 0 or self.weight_decay < 0 or self.warmup_steps < 0:
-            raise ValueError(f"PretrainConfig needs lr > 0, weight_decay >= 0 and warmup_steps >= 0, got "
-                             f"{self.lr}, {self.weight_decay}, {self.warmup_steps}")
+            raise ValueError(
+                f"PretrainConfig needs lr > 0, weight_decay >= 0 and warmup_steps >= 0, got "
+                f"{self.lr}, {self.weight_decay}, {self.warmup_steps}"
+            )
 
 
 def crop_scene_config(img_size: int, glyphs: str = DEFAULT_GLYPHS) -> GlyphSceneConfig:
     """One object per image, small or medium: mask areas from 1.5% to 45% of the crop."""
     area = img_size * img_size
-    return GlyphSceneConfig(image_size=img_size, glyphs=glyphs, max_objects=1, large_prob=0.0, small_prob=0.5,
-                            small_area=(0.015 * area, 0.08 * area), medium_area=(0.08 * area, 0.45 * area))
+    return GlyphSceneConfig(
+        image_size=img_size,
+        glyphs=glyphs,
+        max_objects=1,
+        large_prob=0.0,
+        small_prob=0.5,
+        small_area=(0.015 * area, 0.08 * area),
+        medium_area=(0.08 * area, 0.45 * area),
+    )
 
 
 class GlyphCrops(Dataset):
@@ -121,14 +142,15 @@ def batch_share(batch_size: int, rank: int, world: int) -> tuple[int, int]:
     return rank * base + min(rank, extra), base + (rank < extra)
 
 
-def _accuracy(model: nn.Module, data: GlyphCrops, batch_size: int, mean: Tensor, std: Tensor,
-              rank: int = 0, world: int = 1) -> float:
+def _accuracy(
+    model: nn.Module, data: GlyphCrops, batch_size: int, mean: Tensor, std: Tensor, rank: int = 0, world: int = 1
+) -> float:
     """Top-1 on ``data``; in a process group each process classifies every ``world``-th crop."""
     model.eval()
     correct, mine = 0, list(range(rank, len(data), world))
     with torch.no_grad():
         for start in range(0, len(mine), batch_size):
-            images, labels = zip(*(data[i] for i in mine[start:start + batch_size]))
+            images, labels = zip(*(data[i] for i in mine[start : start + batch_size]))
             logits = model((torch.stack(images).to(mean.device) - mean) / std)  # b classes
             correct += int((logits.argmax(1).cpu() == torch.tensor(labels)).sum())
     return all_reduce_sum([correct], DistContext(rank, world, device=mean.device))[0] / len(data)  # no-op alone
@@ -177,10 +199,27 @@ def load_backbone_weights(body: nn.Module, weights: dict[str, Tensor]) -> None:
     load_state(body, {k: weights[k] for k in state}, source="the glyph pre-training's weights")
 
 
-def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, seed: int = 0,
-                      glyphs: str = DEFAULT_GLYPHS, device: str | torch.device = "cpu", progress: bool = True,
-                      log: Callable[[str], None] = print, checkpoint: str | Path | None = None,
-                      checkpoint_every: int = 100, stop=None, **model_kwargs) -> tuple[dict[str, Tensor], dict]:
+def _process_group(device: torch.device) -> DistContext:
+    """This process's place in the running process group (rank 0 of 1 without one)."""
+    grouped = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if grouped else (0, 1)
+    return DistContext(rank, world, device=device)
+
+
+def pretrain_backbone(
+    backbone: str,
+    cfg: PretrainConfig = PretrainConfig(),
+    *,
+    seed: int = 0,
+    glyphs: str = DEFAULT_GLYPHS,
+    device: str | torch.device = "cpu",
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+    checkpoint: str | Path | None = None,
+    checkpoint_every: int = 100,
+    stop=None,
+    **model_kwargs,
+) -> tuple[dict[str, Tensor], dict]:
     """Train ``create_model(backbone, num_classes=<glyph categories>, **model_kwargs)`` on :class:`GlyphCrops`
     of the train glyphs for ``cfg.steps`` steps; returns (its state dict without the classifier, ``{"
     pretrain_accuracy": top-1 on test-glyph crops, "pretrain_time_s": seconds}``). ``backbone`` may be a
@@ -193,9 +232,8 @@ def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, 
     arrived, the training is saved to ``checkpoint`` and :class:`~lambdanet.engine.preempt.Preempted` raised."""
     name, kwargs = _classifier_name_kwargs(backbone, model_kwargs, cfg.img_size)
     device = torch.device(device)
-    grouped = dist.is_available() and dist.is_initialized()
-    rank, world = (dist.get_rank(), dist.get_world_size()) if grouped else (0, 1)
-    ctx = DistContext(rank, world, device=device)
+    ctx = _process_group(device)
+    rank, world = ctx.rank, ctx.world
     if cfg.batch_size < world:
         raise ValueError(f"PretrainConfig.batch_size {cfg.batch_size} must be at least the {world} processes")
     check_positive_int(checkpoint_every, "checkpoint_every")
@@ -205,11 +243,13 @@ def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, 
     model, layout, mean, std = _classifier(name, kwargs, len(train.categories), cfg, device, seed)
     state = RunState(model, build_optimizer(model, name="adamw", lr=cfg.lr, weight_decay=cfg.weight_decay))
     # what must agree for a saved training to continue (workers and progress only change how it runs)
-    identity = {"backbone": backbone, "model_kwargs": dict(model_kwargs), "seed": seed, "glyphs": glyphs,
-                "config": {k: v for k, v in asdict(cfg).items() if k != "workers"}}
+    identity = {"backbone": backbone, "model_kwargs": dict(model_kwargs), "seed": seed, "glyphs": glyphs}
+    identity["config"] = {k: v for k, v in asdict(cfg).items() if k != "workers"}
     done = _continued(checkpoint, identity, state, device)
-    log(f"pre-training {backbone} on {cfg.steps} x {cfg.batch_size} glyph crops ({cfg.img_size} px, "
-        f"{len(train.categories)} classes)")
+    log(
+        f"pre-training {backbone} on {cfg.steps} x {cfg.batch_size} glyph crops ({cfg.img_size} px, "
+        f"{len(train.categories)} classes)"
+    )
     if done:
         log(f"continuing the pre-training from {checkpoint}: {done}/{cfg.steps} steps done")
 
@@ -223,10 +263,19 @@ def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, 
         state.save(cast("str | Path", checkpoint), identity=identity)  # passed on only with a checkpoint
 
     bar = progress_bar(progress, cfg.steps, done, "pre-training the backbone on glyph crops")
-    result = train_epoch(state, data_parallel(model, ctx), _crop_loader(train, cfg, done, first, share, seed),
-                         step_loss, ctx=ctx, total=cfg.steps, lr=lambda step: cfg.lr * lr_at(
-                             step, cfg.steps, cfg.warmup_steps), stop=stop, bar=bar,  # warm-up, then cosine to 0
-                         save=save if checkpoint is not None else None, save_every=checkpoint_every)
+    result = train_epoch(
+        state,
+        data_parallel(model, ctx),
+        _crop_loader(train, cfg, done, first, share, seed),
+        step_loss,
+        ctx=ctx,
+        total=cfg.steps,
+        lr=lambda step: cfg.lr * lr_at(step, cfg.steps, cfg.warmup_steps),
+        stop=stop,
+        bar=bar,  # warm-up, then cosine to 0
+        save=save if checkpoint is not None else None,
+        save_every=checkpoint_every,
+    )
     if bar is not None:
         bar.close()
     if result is None:
@@ -243,8 +292,9 @@ def pretrain_backbone(backbone: str, cfg: PretrainConfig = PretrainConfig(), *, 
     return weights, {"pretrain_accuracy": accuracy, "pretrain_time_s": seconds}
 
 
-def _classifier(name: str, kwargs: dict, num_classes: int, cfg: PretrainConfig, device: torch.device, seed: int
-                ) -> tuple[nn.Module, torch.memory_format, Tensor, Tensor]:
+def _classifier(
+    name: str, kwargs: dict, num_classes: int, cfg: PretrainConfig, device: torch.device, seed: int
+) -> tuple[nn.Module, torch.memory_format, Tensor, Tensor]:
     """The classifier to pre-train (initialised from ``seed``) in the detector's memory layout, the layout, and
     the mean and std ``[1, 3, 1, 1]`` its inputs are normalised with (the detector's)."""
     from lambdanet.detection.model import input_normalization
@@ -272,8 +322,10 @@ def _continued(checkpoint: str | Path | None, identity: dict, state: RunState, d
         return 0
     saved = load_checkpoint(checkpoint, map_location=device)
     if saved.get("identity") != identity:
-        raise CheckpointError(f"{checkpoint} holds another pre-training ({saved.get('identity')}), not "
-                              f"{identity}; delete it to start over")
+        raise CheckpointError(
+            f"{checkpoint} holds another pre-training ({saved.get('identity')}), not "
+            f"{identity}; delete it to start over"
+        )
     state.load_state_dict(saved)
     if state.epoch_partial is None:  # lambdanet <= 0.1 kept the steps and the seconds only
         state.epoch_partial = {"batches": state.step, "seconds": state.train_time_s, "sums": {}}
@@ -285,5 +337,10 @@ def _crop_loader(train: GlyphCrops, cfg: PretrainConfig, done: int, first: int, 
     it is rendered), by workers ahead of the training if any, with a generator of its own (starting the
     loader leaves the global RNG alone: the same after a continued run)."""
     mine = Subset(train, [step * cfg.batch_size + first + j for step in range(done, cfg.steps) for j in range(share)])
-    return DataLoader(mine, batch_size=share, num_workers=cfg.workers, prefetch_factor=4 if cfg.workers else None,
-                      generator=torch.Generator().manual_seed(seed))
+    return DataLoader(
+        mine,
+        batch_size=share,
+        num_workers=cfg.workers,
+        prefetch_factor=4 if cfg.workers else None,
+        generator=torch.Generator().manual_seed(seed),
+    )

@@ -35,14 +35,24 @@ def study_rows(summaries: Mapping[str, dict], bench: Sequence[dict] = ()) -> lis
     backbone-only forward+backward time (ms) and peak memory (MiB) at 1024 px for batches 1 and 2."""
     rows = []
     for name, summary in summaries.items():
-        row = {"backbone": name, "label": STUDY_BACKBONES.get(name, name),
-               "backbone_params": summary.get("backbone_params"), "train_time_s": summary.get("train_time_s")}
-        row |= {k: summary.get(k) for k in (f"{kind}_{metric}" for kind in ("bbox", "segm")
-                                            for metric in ("AP", "AP_small", "AP_medium", "AP_large"))}
+        row = {
+            "backbone": name,
+            "label": STUDY_BACKBONES.get(name, name),
+            "backbone_params": summary.get("backbone_params"),
+            "train_time_s": summary.get("train_time_s"),
+        }
+        row |= {
+            k: summary.get(k)
+            for k in (
+                f"{kind}_{metric}"
+                for kind in ("bbox", "segm")
+                for metric in ("AP", "AP_small", "AP_medium", "AP_large")
+            )
+        }
         for r in bench:
             if r["backbone"] == name and r["size"] == SIZE:
                 row[f"train_ms_b{r['batch']}"] = r["train_ms"]
-                row[f"train_peak_mib_b{r['batch']}"] = r["train_peak_bytes"] / 2 ** 20
+                row[f"train_peak_mib_b{r['batch']}"] = r["train_peak_bytes"] / 2**20
         rows.append(row)
     return rows
 
@@ -71,14 +81,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("usage: python -m lambdanet.detection.study RUNS_DIR [BENCH_DETECTION_JSON]", file=sys.stderr)
         return 2
     runs = Path(args[0])
-    summaries = {name: json.loads((runs / name / "summary.json").read_text()) for name in STUDY_BACKBONES
-                 if (runs / name / "summary.json").is_file()}
+    summaries = {
+        name: json.loads((runs / name / "summary.json").read_text())
+        for name in STUDY_BACKBONES
+        if (runs / name / "summary.json").is_file()
+    }
     if not summaries:
         print(f"error: no {runs}/<backbone>/summary.json for any of {', '.join(STUDY_BACKBONES)}", file=sys.stderr)
         return 2
     if len(args) == 2 and not Path(args[1]).is_file():
-        print(f"error: no benchmark rows at {args[1]} (lambdanet bench detection --out DIR writes DIR/detection.json)",
-              file=sys.stderr)
+        print(
+            f"error: no benchmark rows at {args[1]} (lambdanet bench detection --out DIR writes DIR/detection.json)",
+            file=sys.stderr,
+        )
         return 2
     print(study_table(summaries, json.loads(Path(args[1]).read_text()) if len(args) == 2 else []))
     return 0

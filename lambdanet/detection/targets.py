@@ -10,11 +10,21 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-__all__ = ["SIZE_CLASSES", "SMALL_AREA", "LARGE_AREA", "SPLITS", "size_class", "mask_boxes", "instance_target",
-           "empty_target", "collate_detection", "size_statistics"]
+__all__ = [
+    "SIZE_CLASSES",
+    "SMALL_AREA",
+    "LARGE_AREA",
+    "SPLITS",
+    "size_class",
+    "mask_boxes",
+    "instance_target",
+    "empty_target",
+    "collate_detection",
+    "size_statistics",
+]
 
 # COCO's size classes by mask area (pycocotools COCOeval areaRng): small < 32^2 <= medium <= 96^2 < large
-SMALL_AREA, LARGE_AREA = 32 ** 2, 96 ** 2
+SMALL_AREA, LARGE_AREA = 32**2, 96**2
 SIZE_CLASSES = ("small", "medium", "large")
 SPLITS = ("train", "test")
 
@@ -47,15 +57,21 @@ def instance_target(masks: Tensor, labels: Tensor, image_id: int) -> dict:
     """The torchvision detection target of instance masks ``[N, H, W]`` and their 1-based labels ``[N]``:
     boxes from the masks (:func:`mask_boxes`), area = mask pixels, ``iscrowd`` = 0."""
     masks = masks.to(torch.uint8)
-    return {"boxes": mask_boxes(masks), "labels": labels.long(), "masks": masks, "image_id": int(image_id),
-            "area": masks.flatten(1).sum(dim=1).float() if len(masks) else torch.zeros(0),
-            "iscrowd": torch.zeros(len(labels), dtype=torch.int64)}
+    return {
+        "boxes": mask_boxes(masks),
+        "labels": labels.long(),
+        "masks": masks,
+        "image_id": int(image_id),
+        "area": masks.flatten(1).sum(dim=1).float() if len(masks) else torch.zeros(0),
+        "iscrowd": torch.zeros(len(labels), dtype=torch.int64),
+    }
 
 
 def empty_target(height: int, width: int, image_id: int) -> dict:
     """The target of an image without objects."""
-    return instance_target(torch.zeros(0, height, width, dtype=torch.uint8), torch.zeros(0, dtype=torch.int64),
-                           image_id)
+    return instance_target(
+        torch.zeros(0, height, width, dtype=torch.uint8), torch.zeros(0, dtype=torch.int64), image_id
+    )
 
 
 def collate_detection(batch: Sequence[tuple[Tensor, dict]]) -> tuple[list[Tensor], list[dict]]:

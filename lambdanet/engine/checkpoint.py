@@ -11,8 +11,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "rng_state", "set_rng_state",
-           "export_safetensors", "unwrap", "trained_weights"]
+__all__ = [
+    "CheckpointError",
+    "save_checkpoint",
+    "load_checkpoint",
+    "rng_state",
+    "set_rng_state",
+    "export_safetensors",
+    "unwrap",
+    "trained_weights",
+]
 
 
 class CheckpointError(ValueError):
@@ -52,13 +60,17 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     if (kind := _file_kind(path)) is not None:
-        raise CheckpointError(f"{path} is {kind}, not a training checkpoint; pass the last.pt that lambdanet train "
-                              "writes into its run directory")
+        raise CheckpointError(
+            f"{path} is {kind}, not a training checkpoint; pass the last.pt that lambdanet train "
+            "writes into its run directory"
+        )
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as err:  # torch raises many types for a damaged zip / pickle
-        raise CheckpointError(f"checkpoint {path} is corrupted or truncated and cannot be loaded "
-                              f"({type(err).__name__}: {str(err)[:200]}); delete it or restore a copy") from None
+        raise CheckpointError(
+            f"checkpoint {path} is corrupted or truncated and cannot be loaded "
+            f"({type(err).__name__}: {str(err)[:200]}); delete it or restore a copy"
+        ) from None
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"checkpoint {path} is not a lambdanet checkpoint (no 'model' entry)")
     return state

@@ -19,8 +19,18 @@ import yaml
 
 from lambdanet.engine.rundir import checkpoints_in
 
-__all__ = ["option", "RunConfig", "ConfigSource", "load_yaml", "save_yaml", "config_differences", "flag",
-           "describe_differences", "add_config_arguments", "config_source_from_args"]
+__all__ = [
+    "option",
+    "RunConfig",
+    "ConfigSource",
+    "load_yaml",
+    "save_yaml",
+    "config_differences",
+    "flag",
+    "describe_differences",
+    "add_config_arguments",
+    "config_source_from_args",
+]
 
 
 def option(default, help: str, choices: tuple | None = None, *, resume_free: bool = False, **kw):
@@ -62,12 +72,16 @@ class RunConfig:
         if explicit.get("resume"):
             out = Path(explicit.get("out", cls.out))
             if not (out / "config.yaml").is_file() or not checkpoints_in(out, cls.CHECKPOINTS):
-                raise ValueError(f"nothing to resume in {out}: it needs config.yaml and "
-                                 f"{' or '.join(cls.CHECKPOINTS)} from an earlier run")
+                raise ValueError(
+                    f"nothing to resume in {out}: it needs config.yaml and "
+                    f"{' or '.join(cls.CHECKPOINTS)} from an earlier run"
+                )
             saved = load_yaml(out / "config.yaml")
             _check_keys(cls, saved, str(out / "config.yaml"))
-            given = {k: {**saved[k], **v} if isinstance(v, dict) and isinstance(saved.get(k), dict) else v
-                     for k, v in explicit.items()}
+            given = {
+                k: {**saved[k], **v} if isinstance(v, dict) and isinstance(saved.get(k), dict) else v
+                for k, v in explicit.items()
+            }
             cfg = cls(**{**saved, **given})
         else:
             name = explicit.get("recipe") or recipe or "quick"
@@ -122,9 +136,11 @@ class RunConfig:
         saved = dataclasses.asdict(type(self).resolve(overrides={"out": self.out, "resume": True}))
         free = self.resume_free()
         if changed := config_differences(saved, self, ignore=free + ("epochs",)):
-            raise ValueError(f"--resume cannot change {', '.join(changed)}: {describe_differences(changed)}; only "
-                             f"--epochs and {', '.join(flag(k) for k in free if k not in ('resume', 'out'))} may "
-                             f"change: drop the others, or start a new run with another --out")
+            raise ValueError(
+                f"--resume cannot change {', '.join(changed)}: {describe_differences(changed)}; only "
+                f"--epochs and {', '.join(flag(k) for k in free if k not in ('resume', 'out'))} may "
+                f"change: drop the others, or start a new run with another --out"
+            )
         return int(saved["epochs"])
 
 
@@ -152,8 +168,11 @@ def config_differences(saved: dict, cfg, ignore: tuple[str, ...] = ()) -> dict[s
     """``{field: (saved value, new value)}`` for every field of the configuration ``cfg`` that differs from
     ``saved`` (a field missing there counts as its default), except ``ignore``."""
     default = dataclasses.asdict(type(cfg)())
-    return {k: (saved.get(k, default[k]), v) for k, v in dataclasses.asdict(cfg).items()
-            if k not in ignore and saved.get(k, default[k]) != v}
+    return {
+        k: (saved.get(k, default[k]), v)
+        for k, v in dataclasses.asdict(cfg).items()
+        if k not in ignore and saved.get(k, default[k]) != v
+    }
 
 
 def flag(name: str) -> str:
@@ -195,6 +214,7 @@ def _parse_mapping(text: str) -> dict:
 def _optional(conv):
     def parse(text: str):
         return None if text.lower() in ("none", "null") else conv(text)
+
     parse.__name__ = getattr(conv, "__name__", "value")
     return parse
 
@@ -207,8 +227,11 @@ def describe_default(name: str, values: dict[str, dict], default_recipe: str = "
     """``default: X`` when every recipe runs ``name`` with the same value, else the default recipe's value and
     each other recipe's (``default: 1200 (quick recipe); paper: 0``), so ``--help`` shows what will run."""
     first = _shown(values[default_recipe][name])
-    others = [f"{recipe}: {_shown(v[name])}" for recipe, v in values.items()
-              if recipe != default_recipe and _shown(v[name]) != first]
+    others = [
+        f"{recipe}: {_shown(v[name])}"
+        for recipe, v in values.items()
+        if recipe != default_recipe and _shown(v[name]) != first
+    ]
     if name == "recipe" or not others:
         return f"default: {first}"
     return f"default: {first} ({default_recipe} recipe); " + "; ".join(others)
@@ -236,8 +259,11 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type[RunCo
             kind = {"type": float, "nargs": "+", "metavar": "X"}
         else:
             conv = {int: int, float: float, str: str}.get(base, str)
-            kind = {"type": _optional(conv) if type(None) in args else conv, "choices": choices.get(f.name),
-                    "metavar": "{" + ",".join(choices[f.name]) + "}" if f.name in choices else None}
+            kind = {
+                "type": _optional(conv) if type(None) in args else conv,
+                "choices": choices.get(f.name),
+                "metavar": "{" + ",".join(choices[f.name]) + "}" if f.name in choices else None,
+            }
         parser.add_argument(flag(f.name), dest=f.name, default=None, help=help_text, **kind)
 
 

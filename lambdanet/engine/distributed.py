@@ -22,9 +22,23 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["DistContext", "init_distributed", "all_reduce_sum", "all_gather_with_grad", "AllReduceBatchNorm",
-           "convert_sync_batchnorm", "barrier", "cleanup", "uses_cuda", "usable_cores", "threads_per_process",
-           "in_process_group", "launch_local", "all_threads_on_main", "data_parallel"]
+__all__ = [
+    "DistContext",
+    "init_distributed",
+    "all_reduce_sum",
+    "all_gather_with_grad",
+    "AllReduceBatchNorm",
+    "convert_sync_batchnorm",
+    "barrier",
+    "cleanup",
+    "uses_cuda",
+    "usable_cores",
+    "threads_per_process",
+    "in_process_group",
+    "launch_local",
+    "all_threads_on_main",
+    "data_parallel",
+]
 
 
 @dataclass
@@ -86,8 +100,7 @@ def in_process_group() -> bool:
     return "WORLD_SIZE" in os.environ
 
 
-def launch_local(fn: Callable[..., object], args: tuple, nprocs: int,
-                 relay: tuple[type[Exception], ...] = ()) -> None:
+def launch_local(fn: Callable[..., object], args: tuple, nprocs: int, relay: tuple[type[Exception], ...] = ()) -> None:
     """Run ``fn(*args)`` in ``nprocs`` new processes on this machine, joined as one process group: each gets
     torchrun's environment variables (so :func:`init_distributed` picks them up) and ``usable_cores() // nprocs``
     threads. A ``ValueError`` (a user error) in a worker is raised here as the same one-line error, and so is an
@@ -101,10 +114,19 @@ def launch_local(fn: Callable[..., object], args: tuple, nprocs: int,
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nprocs),
-           "LOCAL_WORLD_SIZE": str(nprocs)}
-    context = mp.start_processes(_local_worker, args=(fn, args, env, threads_per_process(nprocs)), nprocs=nprocs,
-                                 join=False, start_method="spawn")
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(nprocs),
+        "LOCAL_WORLD_SIZE": str(nprocs),
+    }
+    context = mp.start_processes(
+        _local_worker,
+        args=(fn, args, env, threads_per_process(nprocs)),
+        nprocs=nprocs,
+        join=False,
+        start_method="spawn",
+    )
     forwarded: list[int] = []
     try:
         with _forwarded_signals(context.processes, forwarded):  # SIGTERM / SIGINT to this process reach the workers
@@ -112,9 +134,10 @@ def launch_local(fn: Callable[..., object], args: tuple, nprocs: int,
                 pass
     except mp.ProcessExitedException as err:
         if forwarded:  # a worker ended by the signal before it could catch it (starting up, say): one line
-            raise ValueError(f"stopped by {signal.Signals(forwarded[0]).name} before the worker processes could "
-                             f"save anything ({err}); run the command again (with --resume if a run was saved)"
-                             ) from None
+            raise ValueError(
+                f"stopped by {signal.Signals(forwarded[0]).name} before the worker processes could "
+                f"save anything ({err}); run the command again (with --resume if a run was saved)"
+            ) from None
         raise
     except mp.ProcessRaisedException as err:
         last = str(err).strip().splitlines()[-1]  # the worker's traceback ends "module.Type: message"
@@ -244,7 +267,7 @@ class AllReduceBatchNorm(nn.modules.batchnorm._BatchNorm):
         local_m2 = (xf - local_mean.detach().view(shape)).square().sum(dims)  # c: sum of squared deviations
         count = torch.full((1,), xf.numel() / c, device=x.device, dtype=torch.float32)
         gathered = all_gather_with_grad(torch.cat([local_mean, local_m2, count]))  # world (2c + 1)
-        means, m2s, counts = gathered[:, :c], gathered[:, c:2 * c], gathered[:, 2 * c:]
+        means, m2s, counts = gathered[:, :c], gathered[:, c : 2 * c], gathered[:, 2 * c :]
         n = counts.sum()
         mean = (counts * means).sum(0) / n  # Chan et al.'s parallel mean and variance: no cancellation
         var = (m2s + counts * (means - mean.detach()).square()).sum(0) / n
@@ -274,8 +297,9 @@ def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:
 def _convert(module: nn.Module) -> nn.Module:
     out = module
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, AllReduceBatchNorm):
-        out = AllReduceBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
-                                 module.track_running_stats)
+        out = AllReduceBatchNorm(
+            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats
+        )
         out.load_state_dict(module.state_dict())
         out.train(module.training)
     for name, child in module.named_children():

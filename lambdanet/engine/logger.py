@@ -105,8 +105,10 @@ def truncate_history(path: Path, epochs: int) -> None:
 
 
 # the classification run's plots: (file, metrics, y label)
-TRAIN_PANELS = (("loss.png", ("train_loss", "val_loss", "test_loss"), "cross-entropy"),
-                ("accuracy.png", ("train_top1", "val_top1", "test_top1", "test_top1_ema"), "top-1"))
+TRAIN_PANELS = (
+    ("loss.png", ("train_loss", "val_loss", "test_loss"), "cross-entropy"),
+    ("accuracy.png", ("train_top1", "val_top1", "test_top1", "test_top1_ema"), "top-1"),
+)
 
 
 def plot_history(history: list[dict], out: Path, panels=TRAIN_PANELS) -> list[Path]:
@@ -125,8 +127,11 @@ def plot_history(history: list[dict], out: Path, panels=TRAIN_PANELS) -> list[Pa
             continue
         fig, ax = plt.subplots(figsize=(6, 4))
         for key in keys:
-            pts = [(r["epoch"], r[key]) for r in history
-                   if isinstance(r.get(key), int | float) and not isinstance(r[key], bool) and r[key] == r[key]]
+            pts = [
+                (r["epoch"], r[key])
+                for r in history
+                if isinstance(r.get(key), int | float) and not isinstance(r[key], bool) and r[key] == r[key]
+            ]
             if pts:
                 ax.plot(*zip(*pts), marker="o", markersize=3, label=key)
         ax.set(xlabel="epoch", ylabel=ylabel)

@@ -17,8 +17,17 @@ from lambdanet.engine.preempt import Preempted
 from lambdanet.engine.state import RunState
 from lambdanet.runtime import autocast_context  # the loops' autocast, validated in one place
 
-__all__ = ["optimizer_step", "NonFiniteLossError", "TrainingDivergedError", "train_epoch", "fit", "evaluate",
-           "topk_correct", "progress_bar", "to_device"]
+__all__ = [
+    "optimizer_step",
+    "NonFiniteLossError",
+    "TrainingDivergedError",
+    "train_epoch",
+    "fit",
+    "evaluate",
+    "topk_correct",
+    "progress_bar",
+    "to_device",
+]
 
 
 class NonFiniteLossError(RuntimeError):
@@ -56,8 +65,13 @@ def progress_bar(enabled: bool, total: int, initial: int = 0, desc: str = ""):
     return tqdm(total=total, initial=initial, desc=desc, leave=False, dynamic_ncols=True, file=sys.stderr)
 
 
-def optimizer_step(loss: Tensor, optimizer: torch.optim.Optimizer, *, scaler: torch.amp.GradScaler | None = None,
-                   clip: tuple[nn.Module, float] | None = None) -> None:
+def optimizer_step(
+    loss: Tensor,
+    optimizer: torch.optim.Optimizer,
+    *,
+    scaler: torch.amp.GradScaler | None = None,
+    clip: tuple[nn.Module, float] | None = None,
+) -> None:
     """One optimiser step on ``loss``, the same for every task: gradients cleared, back-propagated (scaled by
     ``scaler`` under fp16 autocast), their norm clipped to ``clip = (model, max_norm)`` if given (after
     unscaling), then the step (skipped by the scaler when the gradients are not finite)."""
@@ -82,10 +96,22 @@ def _carried(sums: dict[str, float], ctx: DistContext) -> tuple[dict[str, float]
     return total, (dict(total) if ctx.is_main else dict.fromkeys(keys, 0.0))
 
 
-def train_epoch(state: RunState, model: nn.Module, batches: Iterable, step_loss: Callable, *, ctx: DistContext,
-                total: int, amp: str = "none", clip: float | None = None, lr: Callable[[int], float] | None = None,
-                stop=None, bar=None, save: Callable[[RunState], None] | None = None, save_every: int = 0
-                ) -> dict | None:
+def train_epoch(
+    state: RunState,
+    model: nn.Module,
+    batches: Iterable,
+    step_loss: Callable,
+    *,
+    ctx: DistContext,
+    total: int,
+    amp: str = "none",
+    clip: float | None = None,
+    lr: Callable[[int], float] | None = None,
+    stop=None,
+    bar=None,
+    save: Callable[[RunState], None] | None = None,
+    save_every: int = 0,
+) -> dict | None:
     """One epoch of ``total`` optimiser steps, or the rest of one that stopped (``state.epoch_partial``).
     ``batches`` yields the epoch's batches from the first not yet trained (the task positions its loader);
     ``step_loss(model, batch) -> (loss, {name: amount})`` runs under autocast, and the amounts are summed over the
@@ -122,8 +148,9 @@ def train_epoch(state: RunState, model: nn.Module, batches: Iterable, step_loss:
             sums[k] = sums.get(k, 0.0) + v
         if bar is not None:
             bar.update()
-            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", lr=f"{state.optimizer.param_groups[0]['lr']:.2e}",
-                            refresh=False)
+            bar.set_postfix(
+                loss=f"{float(loss.detach()):.3f}", lr=f"{state.optimizer.param_groups[0]['lr']:.2e}", refresh=False
+            )
         signalled = stop is not None and stop.requested(ctx) is not None
         if signalled or (save is not None and save_every and (i + 1) % save_every == 0 and i + 1 < total):
             total_sums, sums = _carried(sums, ctx)
@@ -137,8 +164,9 @@ def train_epoch(state: RunState, model: nn.Module, batches: Iterable, step_loss:
     return {"sums": _carried(sums, ctx)[0], "seconds": time.perf_counter() - start}
 
 
-def fit(task, state: RunState, model: nn.Module, *, ctx: DistContext, logger, log: Callable[[str], None],
-        stop=None) -> tuple[dict, bool]:
+def fit(
+    task, state: RunState, model: nn.Module, *, ctx: DistContext, logger, log: Callable[[str], None], stop=None
+) -> tuple[dict, bool]:
     """The epochs left of ``task``'s run (:class:`lambdanet.engine.task.Task`): each trained
     (:func:`train_epoch`), turned into a metrics row (``task.epoch_row``: its evaluation included), logged
     and checkpointed when ``task.save_due`` (and at the end or an early stop). A signal saves the step and
@@ -147,15 +175,32 @@ def fit(task, state: RunState, model: nn.Module, *, ctx: DistContext, logger, lo
     cfg, path = task.cfg, task.checkpoint_path
     row, stopped, last_saved = {}, False, state.epoch
     while state.epoch < cfg.epochs and not stopped:
-        bar = progress_bar(cfg.progress and ctx.is_main, task.steps_per_epoch,
-                           int((state.epoch_partial or {}).get("batches", 0)), f"epoch {state.epoch + 1}/{cfg.epochs}")
+        bar = progress_bar(
+            cfg.progress and ctx.is_main,
+            task.steps_per_epoch,
+            int((state.epoch_partial or {}).get("batches", 0)),
+            f"epoch {state.epoch + 1}/{cfg.epochs}",
+        )
         try:
-            result = train_epoch(state, model, task.batches(state), task.step_loss, ctx=ctx,
-                                 total=task.steps_per_epoch, amp=cfg.amp, clip=getattr(cfg, "grad_clip", None),
-                                 lr=task.lr, stop=stop, bar=bar)
+            result = train_epoch(
+                state,
+                model,
+                task.batches(state),
+                task.step_loss,
+                ctx=ctx,
+                total=task.steps_per_epoch,
+                amp=cfg.amp,
+                clip=getattr(cfg, "grad_clip", None),
+                lr=task.lr,
+                stop=stop,
+                bar=bar,
+            )
         except NonFiniteLossError as err:
-            where = (f"the last good checkpoint is {path} (epoch {last_saved})" if path.is_file()
-                     else "no checkpoint had been written yet")
+            where = (
+                f"the last good checkpoint is {path} (epoch {last_saved})"
+                if path.is_file()
+                else "no checkpoint had been written yet"
+            )
             raise TrainingDivergedError(f"{err}; training stopped, {where}. {task.diverged_hint}") from None
         finally:
             if bar is not None:
@@ -164,8 +209,13 @@ def fit(task, state: RunState, model: nn.Module, *, ctx: DistContext, logger, lo
             if ctx.is_main:
                 task.save(state)
             barrier(ctx)  # the others wait for the save: a process that ends first gets the rest stopped
-            raise Preempted.at(stop.received, f"in epoch {state.epoch + 1}/{cfg.epochs} after batch "
-                               f"{cast(dict, state.epoch_partial)['batches']}/{task.steps_per_epoch}", path, cfg.out)
+            raise Preempted.at(
+                stop.received,
+                f"in epoch {state.epoch + 1}/{cfg.epochs} after batch "
+                f"{cast(dict, state.epoch_partial)['batches']}/{task.steps_per_epoch}",
+                path,
+                cfg.out,
+            )
         state.epoch += 1
         state.train_time_s += result["seconds"]
         row = {"epoch": state.epoch, **task.epoch_row(state, model, result)}
@@ -180,8 +230,16 @@ def fit(task, state: RunState, model: nn.Module, *, ctx: DistContext, logger, lo
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader, *, device: torch.device, ctx: DistContext | None = None, amp: str = "none",
-             channels_last: bool = False, loss_fn: nn.Module | None = None) -> dict:
+def evaluate(
+    model: nn.Module,
+    loader,
+    *,
+    device: torch.device,
+    ctx: DistContext | None = None,
+    amp: str = "none",
+    channels_last: bool = False,
+    loss_fn: nn.Module | None = None,
+) -> dict:
     """Top-1 / top-5 accuracy (fractions) and mean cross-entropy over ``loader`` (summed over ranks)."""
     ctx = ctx or DistContext()
     model.eval()

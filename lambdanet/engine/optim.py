@@ -23,9 +23,17 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, cfg=None, *, name: str | None = None, lr: float | None = None,
-                    weight_decay: float | None = None, momentum: float = 0.9, nesterov: bool = False,
-                    betas: tuple[float, float] = (0.9, 0.999)) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module,
+    cfg=None,
+    *,
+    name: str | None = None,
+    lr: float | None = None,
+    weight_decay: float | None = None,
+    momentum: float = 0.9,
+    nesterov: bool = False,
+    betas: tuple[float, float] = (0.9, 0.999),
+) -> torch.optim.Optimizer:
     """The optimiser of every task, over :func:`param_groups`: SGD (momentum), Adam (L2 weight decay, as the
     reproduction report), AdamW or RMSProp. Its settings come from a run configuration ``cfg`` (its
     ``optimizer``, ``effective_lr()``, ``weight_decay`` and, where it has them, ``momentum``, ``nesterov``,
@@ -47,9 +55,19 @@ def build_optimizer(model: nn.Module, cfg=None, *, name: str | None = None, lr: 
     raise ValueError(f"optimizer must be one of ['sgd', 'adam', 'adamw', 'rmsprop'], got {name!r}")
 
 
-def lr_at(step: int, total_steps: int, warmup_steps: int, *, start_factor: float = 0.0, min_factor: float = 0.0,
-          schedule: str = "cosine", decay_rate: float = 1.0, decay_steps: int = 1,
-          milestones: Sequence[float] = (), linear_lr: bool = False) -> float:
+def lr_at(
+    step: int,
+    total_steps: int,
+    warmup_steps: int,
+    *,
+    start_factor: float = 0.0,
+    min_factor: float = 0.0,
+    schedule: str = "cosine",
+    decay_rate: float = 1.0,
+    decay_steps: int = 1,
+    milestones: Sequence[float] = (),
+    linear_lr: bool = False,
+) -> float:
     """Multiplier of the base learning rate at optimiser step ``step`` (0-based): the one schedule function of
     every task. Linear warm-up from ``start_factor`` to 1 over ``warmup_steps`` (reaching 1 at the last warm-up
     step; with ``linear_lr``, torch's ``LinearLR`` phase: ``start_factor`` at step 0, 1 at step ``warmup_steps``),
@@ -79,8 +97,16 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg, steps_per_epoch: int)
     decay_steps = max(1, int(round(cfg.lr_decay_epochs * steps_per_epoch)))
 
     def factor(step: int) -> float:
-        return lr_at(step, total, warmup, start_factor=cfg.warmup_start_factor, min_factor=min_factor,
-                     schedule=cfg.schedule, decay_rate=cfg.lr_decay_rate, decay_steps=decay_steps)
+        return lr_at(
+            step,
+            total,
+            warmup,
+            start_factor=cfg.warmup_start_factor,
+            min_factor=min_factor,
+            schedule=cfg.schedule,
+            decay_rate=cfg.lr_decay_rate,
+            decay_steps=decay_steps,
+        )
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 

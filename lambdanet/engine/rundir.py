@@ -39,8 +39,10 @@ class RunDirLock:
         except OSError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise RunDirBusyError(f"run directory {self.out} is in use by another lambdanet process (pid {holder}); "
-                                  "wait for it to end, or choose another --out") from None
+            raise RunDirBusyError(
+                f"run directory {self.out} is in use by another lambdanet process (pid {holder}); "
+                "wait for it to end, or choose another --out"
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._fd = fd
@@ -69,5 +71,6 @@ def check_new_run(out: str | os.PathLike, resume: bool, names: tuple[str, ...] =
     one of the checkpoints ``names``."""
     found = checkpoints_in(out, names)
     if not resume and found:
-        raise ValueError(f"{out} already holds a run ({found[0]}); pass --resume to continue it or choose another "
-                         "--out")
+        raise ValueError(
+            f"{out} already holds a run ({found[0]}); pass --resume to continue it or choose another --out"
+        )

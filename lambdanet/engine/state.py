@@ -27,8 +27,11 @@ def _partial(partial: dict | None) -> dict | None:
     if not partial:
         return partial
     if "loss_sum" in partial:  # classification's of lambdanet <= 0.1
-        return {"batches": partial["batches"], "seconds": partial.get("seconds", 0.0),
-                "sums": {"loss": partial["loss_sum"], "correct": partial["correct"], "n": partial["seen"]}}
+        return {
+            "batches": partial["batches"],
+            "seconds": partial.get("seconds", 0.0),
+            "sums": {"loss": partial["loss_sum"], "correct": partial["correct"], "n": partial["seen"]},
+        }
     return {**partial, "sums": {"n": partial["batches"], **partial.get("sums", {})}}  # detection's lacked "n"
 
 
@@ -55,14 +58,26 @@ class RunState:
     def state_dict(self, **extra) -> dict:
         """The checkpoint: every component's state, the counters, the RNG states, and ``extra`` (the run's
         configuration and whatever else its task keeps there)."""
+
         def of(component):
             return component.state_dict() if component is not None else None
 
-        return {"model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": of(self.scheduler), "ema": of(self.ema), "scaler": of(self.scaler), "epoch": self.epoch,
-                "step": self.step, "train_time_s": self.train_time_s, "samples_seen": self.samples_seen,
-                "best": dict(self.best), "bad_epochs": self.bad_epochs, "epoch_partial": self.epoch_partial,
-                "rng": rng_state(), **extra}
+        return {
+            "model": unwrap(self.model).state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": of(self.scheduler),
+            "ema": of(self.ema),
+            "scaler": of(self.scaler),
+            "epoch": self.epoch,
+            "step": self.step,
+            "train_time_s": self.train_time_s,
+            "samples_seen": self.samples_seen,
+            "best": dict(self.best),
+            "bad_epochs": self.bad_epochs,
+            "epoch_partial": self.epoch_partial,
+            "rng": rng_state(),
+            **extra,
+        }
 
     def save(self, path: str | os.PathLike, cfg=None, **extra) -> None:
         """Write :meth:`state_dict` atomically to ``path`` with the run's configuration ``cfg`` (a dataclass,

@@ -48,6 +48,7 @@ class Task:
     steps_per_epoch: int = 0
 
     if TYPE_CHECKING:  # every subclass implements these (the module's docstring)
+
         def build_state(self) -> RunState: ...
 
         def describe(self, state: RunState) -> str: ...
@@ -153,6 +154,7 @@ def _restore(task: Task, state: RunState, saved_epochs: int) -> None:
     where = resume_point(state.epoch, state.epoch_partial)
     task.log(f"resuming {out}: {state.epoch}/{saved_epochs} epochs done{where}")
     if cfg.epochs != saved_epochs:
-        task.log(f"extending the run from {saved_epochs} to {cfg.epochs} epochs: the learning-rate schedule is "
-                 f"recomputed over {cfg.epochs} epochs and continues from epoch {state.epoch}")
-
+        task.log(
+            f"extending the run from {saved_epochs} to {cfg.epochs} epochs: the learning-rate schedule is "
+            f"recomputed over {cfg.epochs} epochs and continues from epoch {state.epoch}"
+        )

@@ -39,8 +39,13 @@ from torch import Tensor
 
 from lambdanet.helpers import compute_dtype
 
-__all__ = ["causal_lambda_reference", "causal_lambda", "causal_lambda_step", "init_causal_lambda_state",
-           "DEFAULT_CHUNK"]
+__all__ = [
+    "causal_lambda_reference",
+    "causal_lambda",
+    "causal_lambda_step",
+    "init_causal_lambda_state",
+    "DEFAULT_CHUNK",
+]
 
 DEFAULT_CHUNK = 64  # positions per chunk of the chunked form (the exact C x C products inside a chunk)
 _STATE_KEYS = ("S", "z", "c", "window")
@@ -71,15 +76,27 @@ def causal_lambda_reference(q: Tensor, keys: Tensor, values: Tensor, emb: Tensor
     return torch.stack(out, dim=1)  # b n h v
 
 
-def init_causal_lambda_state(batch_size: int, dim_k: int, dim_v: int, dim_u: int = 1, r: int = 0, *,
-                             dtype: torch.dtype = torch.float32, device=None) -> dict[str, Tensor]:
+def init_causal_lambda_state(
+    batch_size: int,
+    dim_k: int,
+    dim_v: int,
+    dim_u: int = 1,
+    r: int = 0,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device=None,
+) -> dict[str, Tensor]:
     """The empty context's state: ``S [b, u, k, v]``, ``z [b, u, k]`` (zeros), the running key maximum
     ``c [b, u, k]`` (``-inf``) and ``window [b, u, r - 1, v]``, the last ``r - 1`` values (zeros: positions
     before the sequence contribute nothing). Its size does not depend on the context's length."""
     b, k, v, u = batch_size, dim_k, dim_v, dim_u
     kw = {"dtype": dtype, "device": device}
-    return {"S": torch.zeros(b, u, k, v, **kw), "z": torch.zeros(b, u, k, **kw),
-            "c": torch.full((b, u, k), float("-inf"), **kw), "window": torch.zeros(b, u, max(r - 1, 0), v, **kw)}
+    return {
+        "S": torch.zeros(b, u, k, v, **kw),
+        "z": torch.zeros(b, u, k, **kw),
+        "c": torch.full((b, u, k), float("-inf"), **kw),
+        "window": torch.zeros(b, u, max(r - 1, 0), v, **kw),
+    }
 
 
 def _band(scores: Tensor, qe: Tensor) -> Tensor:
@@ -89,7 +106,7 @@ def _band(scores: Tensor, qe: Tensor) -> Tensor:
     *lead, c, r = qe.shape
     padded = torch.nn.functional.pad(qe.flip(-1), (0, c))  # ... C (C + r): the skew trick, row n shifted by n
     band = padded.flatten(-2)[..., : c * (c + r - 1)].unflatten(-1, (c, c + r - 1))  # ... C (r - 1 + C)
-    return torch.cat([band[..., : r - 1], band[..., r - 1:] + scores], dim=-1)  # ... C (r - 1 + C)
+    return torch.cat([band[..., : r - 1], band[..., r - 1 :] + scores], dim=-1)  # ... C (r - 1 + C)
 
 
 class _Scan(torch.autograd.Function):
@@ -117,8 +134,15 @@ class _Scan(torch.autograd.Function):
         return None, dB, g
 
 
-def _chunks(q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None, state: dict[str, Tensor], chunk: int,
-            exact: bool = False):
+def _chunks(
+    q: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    emb: Tensor | None,
+    state: dict[str, Tensor],
+    chunk: int,
+    exact: bool = False,
+):
     """``N = n / C`` chunks of ``C`` positions at once after the context ``state`` summarises: ``(y [b, n, h, v],
     state)``; ``n`` a multiple of ``C``.
 
@@ -169,12 +193,13 @@ def _chunks(q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None, state: 
         windows = full.unfold(2, C + r - 1, C).transpose(3, 4)  # b u N (r - 1 + C) v
         y = y + scores.flatten(3, 4) @ windows  # b u N (h C) v: within the chunk and the local scope
     y = y.sum(dim=1).unflatten(2, (h, C)).transpose(2, 3).reshape(b, n, h, v)  # b n h v
-    window = full[:, :, full.shape[2] - window.shape[2]:]  # b u (r - 1) v
+    window = full[:, :, full.shape[2] - window.shape[2] :]  # b u (r - 1) v
     return y, {"S": S, "z": z, "c": cm[:, :, -1, -1], "window": window}
 
 
-def _run(q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None, state: dict[str, Tensor], chunk: int,
-         exact: bool):
+def _run(
+    q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None, state: dict[str, Tensor], chunk: int, exact: bool
+):
     """The whole sequence: its full chunks at once, then the shorter last chunk (if any)."""
     n = q.shape[2]
     if n == 0:
@@ -209,12 +234,16 @@ def _prepare(q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None):
 
 def _check(q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None) -> None:
     if q.dim() != 4 or keys.dim() != 4 or values.dim() != 4:
-        raise ValueError(f"q, keys and values must be [b, n, h, k], [b, n, k, u] and [b, n, v, u], got shapes "
-                         f"{tuple(q.shape)}, {tuple(keys.shape)} and {tuple(values.shape)}")
+        raise ValueError(
+            f"q, keys and values must be [b, n, h, k], [b, n, k, u] and [b, n, v, u], got shapes "
+            f"{tuple(q.shape)}, {tuple(keys.shape)} and {tuple(values.shape)}"
+        )
     (b, n, _, k), u = q.shape, keys.shape[3]
     if keys.shape[:3] != (b, n, k) or values.shape[:2] != (b, n) or values.shape[3] != u:
-        raise ValueError(f"q [b, n, h, k], keys [b, n, k, u] and values [b, n, v, u] disagree: "
-                         f"{tuple(q.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}")
+        raise ValueError(
+            f"q [b, n, h, k], keys [b, n, k, u] and values [b, n, v, u] disagree: "
+            f"{tuple(q.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}"
+        )
     if emb is not None and (emb.dim() != 3 or emb.shape[1:] != (k, u) or emb.shape[0] < 1):
         raise ValueError(f"emb must be [r, k={k}, u={u}] with r >= 1, got {tuple(emb.shape)}")
 
@@ -244,19 +273,41 @@ class _ChunkedCausalLambda(torch.autograd.Function):
 
 
 @overload
-def causal_lambda(q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None = None, *, chunk: int = ...,
-                  state: dict[str, Tensor] | None = None, return_state: Literal[False] = False) -> Tensor: ...
+def causal_lambda(
+    q: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    emb: Tensor | None = None,
+    *,
+    chunk: int = ...,
+    state: dict[str, Tensor] | None = None,
+    return_state: Literal[False] = False,
+) -> Tensor: ...
 
 
 @overload
-def causal_lambda(q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None = None, *, chunk: int = ...,
-                  state: dict[str, Tensor] | None = None,
-                  return_state: Literal[True]) -> tuple[Tensor, dict[str, Tensor]]: ...
+def causal_lambda(
+    q: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    emb: Tensor | None = None,
+    *,
+    chunk: int = ...,
+    state: dict[str, Tensor] | None = None,
+    return_state: Literal[True],
+) -> tuple[Tensor, dict[str, Tensor]]: ...
 
 
-def causal_lambda(q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None = None, *,
-                  chunk: int = DEFAULT_CHUNK, state: dict[str, Tensor] | None = None,
-                  return_state: bool = False) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
+def causal_lambda(
+    q: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    emb: Tensor | None = None,
+    *,
+    chunk: int = DEFAULT_CHUNK,
+    state: dict[str, Tensor] | None = None,
+    return_state: bool = False,
+) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
     """Causal lambdas over a sequence in the chunked form (linear in ``n``; see the module docstring).
 
     Args:
@@ -278,15 +329,23 @@ def causal_lambda(q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None = 
         raise ValueError(f"chunk must be a positive int, got {chunk!r}")
     q, keys, values, emb = _prepare(q, keys, values, emb)
     if state is None:
-        state = init_causal_lambda_state(q.shape[0], q.shape[3], values.shape[3], keys.shape[1],
-                                         0 if emb is None else emb.shape[1], dtype=q.dtype, device=q.device)
+        state = init_causal_lambda_state(
+            q.shape[0],
+            q.shape[3],
+            values.shape[3],
+            keys.shape[1],
+            0 if emb is None else emb.shape[1],
+            dtype=q.dtype,
+            device=q.device,
+        )
     state = {key: t.detach().to(q.dtype) for key, t in state.items()}
     y, *final = _ChunkedCausalLambda.apply(q, keys, values, emb, chunk, state)
     return (y, dict(zip(_STATE_KEYS, final))) if return_state else y
 
 
-def causal_lambda_step(q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None,
-                       state: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+def causal_lambda_step(
+    q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None, state: dict[str, Tensor]
+) -> tuple[Tensor, dict[str, Tensor]]:
     """One position after the context ``state`` summarises: ``q [b, h, k]``, ``keys [b, k, u]``,
     ``values [b, v, u]`` -> ``(y [b, h, v], new state)``; the state's size never changes (the recurrence the
     chunked form carries between chunks, one position at a time)."""

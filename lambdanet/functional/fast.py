@@ -14,18 +14,34 @@ from torch.utils.checkpoint import checkpoint
 
 from lambdanet.helpers import check_choice, compute_dtype, conv_nd
 
-__all__ = ["POSITION_IMPLS", "KEY_NORMS", "crop_relative_kernel", "cropped_kernel_size", "gather_relative_embeddings",
-           "position_lambdas", "einsum_position_lambdas", "normalize_keys", "content_lambda", "causal_content_lambdas",
-           "apply_lambdas", "apply_content_lambda", "permute_copy", "position_output_qe", "relative_position_output_qe",
-           "POSITION_OUTPUT_IMPLS", "token_position_lambdas"]
+__all__ = [
+    "POSITION_IMPLS",
+    "KEY_NORMS",
+    "crop_relative_kernel",
+    "cropped_kernel_size",
+    "gather_relative_embeddings",
+    "position_lambdas",
+    "einsum_position_lambdas",
+    "normalize_keys",
+    "content_lambda",
+    "causal_content_lambdas",
+    "apply_lambdas",
+    "apply_content_lambda",
+    "permute_copy",
+    "position_output_qe",
+    "relative_position_output_qe",
+    "POSITION_OUTPUT_IMPLS",
+    "token_position_lambdas",
+]
 
 POSITION_IMPLS = ("conv", "depthwise_conv", "einsum")
 POSITION_OUTPUT_IMPLS = POSITION_IMPLS + ("einsum_qe",)
 KEY_NORMS = ("softmax", "l2", "none")
 
 
-def crop_relative_kernel(kernel: Tensor, center: Sequence[int],
-                         spatial: Sequence[int]) -> tuple[Tensor, tuple[int, ...]]:
+def crop_relative_kernel(
+    kernel: Tensor, center: Sequence[int], spatial: Sequence[int]
+) -> tuple[Tensor, tuple[int, ...]]:
     """Drop the kernel taps that can never reach a position of an input of size ``spatial``.
 
     ``kernel`` is ``[g, k, u, *K]`` with entry ``center[a]`` of axis ``a`` being relative offset 0. On an
@@ -50,12 +66,14 @@ def _reachable_taps(center: int, size: int, s: int) -> tuple[int, int]:
 
 def cropped_kernel_size(kernel_size: Sequence[int], center: Sequence[int], spatial: Sequence[int]) -> tuple[int, ...]:
     """The shape ``*K`` that :func:`crop_relative_kernel` leaves, from sizes alone (no tensor touched)."""
-    return tuple(hi - lo + 1 for lo, hi in (_reachable_taps(c, size, s)
-                                            for c, size, s in zip(center, kernel_size, spatial)))
+    return tuple(
+        hi - lo + 1 for lo, hi in (_reachable_taps(c, size, s) for c, size, s in zip(center, kernel_size, spatial))
+    )
 
 
-def gather_relative_embeddings(kernel: Tensor, center: Sequence[int], spatial: Sequence[int],
-                               rows: tuple[int, int] | None = None) -> Tensor:
+def gather_relative_embeddings(
+    kernel: Tensor, center: Sequence[int], spatial: Sequence[int], rows: tuple[int, int] | None = None
+) -> Tensor:
     """Re-index a relative kernel ``R[g, k, u, *K]`` into ``E[g, k, u, n, m]`` (paper Sec. 3.3).
 
     ``E[n, m] = R[m - n + center]`` where that index lies inside the kernel and 0 elsewhere, per axis, so
@@ -327,8 +345,9 @@ def _qe_chunk(b: int, n: int, h: int, k: int, m: int, v: int, max_chunk_elements
     return row * max(1, min(n // row, budget // max(1, b * h * m * row)))
 
 
-def position_output_qe(queries: Tensor, embeddings: Tensor, values: Tensor, *,
-                       max_chunk_elements: int | None = None) -> Tensor:
+def position_output_qe(
+    queries: Tensor, embeddings: Tensor, values: Tensor, *, max_chunk_elements: int | None = None
+) -> Tensor:
     """Position output ``y^p[b, n, h] = (lambda^p_n)^T q^h_n`` contracted queries-first (multi-query, ``u = 1``).
 
     ``lambda^p_n = sum_m E[n, m] V[m]^T`` costs ``b n m k v`` multiply-adds; contracting
@@ -356,14 +375,23 @@ def position_output_qe(queries: Tensor, embeddings: Tensor, values: Tensor, *,
         # torch.jit.trace reads shapes as traced 0-dim tensors, which as the Function's b and h belong to the
         # outer graph (the tracer fails with "unordered_map::at"), and a traced Python Function could not be
         # saved anyway: plain chunked GEMMs instead (whose backward keeps the q . E chunks; export does not mind)
-        chunks = [_qe_chunk_output(q_n[i:i + chunk], e_n[i:i + chunk], values, b, h)  # b h nc v
-                  for i in range(0, n, chunk)]
+        chunks = [
+            _qe_chunk_output(q_n[i : i + chunk], e_n[i : i + chunk], values, b, h)  # b h nc v
+            for i in range(0, n, chunk)
+        ]
         return torch.cat(chunks, dim=2)  # b h n v
     return _QEPositionOutput.apply(q_n, e_n, values, b, h, chunk)  # b h n v
 
 
-def relative_position_output_qe(queries: Tensor, kernel: Tensor, center: Sequence[int], spatial: Sequence[int],
-                                values: Tensor, *, max_chunk_elements: int | None = None) -> Tensor:
+def relative_position_output_qe(
+    queries: Tensor,
+    kernel: Tensor,
+    center: Sequence[int],
+    spatial: Sequence[int],
+    values: Tensor,
+    *,
+    max_chunk_elements: int | None = None,
+) -> Tensor:
     """:func:`position_output_qe` with ``E`` built from a relative kernel chunk by chunk.
 
     The rows of ``E`` that a query chunk needs are re-indexed from ``R`` (:func:`gather_relative_embeddings`
@@ -388,8 +416,10 @@ def relative_position_output_qe(queries: Tensor, kernel: Tensor, center: Sequenc
     if kernel.dim() != 3 + len(spatial) or kernel.shape[0] != 1 or kernel.shape[2] != 1 or kernel.shape[1] != k:
         raise ValueError(f"kernel must be [1, k={k}, 1, *K] with {len(spatial)} kernel axes, got {tuple(kernel.shape)}")
     if n != math.prod(spatial) or m != n or len(center) != len(spatial):
-        raise ValueError(f"queries and values must have n = m = prod(spatial) = {math.prod(spatial)} positions "
-                         f"and center one entry per axis, got n={n}, m={m}, center={center}")
+        raise ValueError(
+            f"queries and values must have n = m = prod(spatial) = {math.prod(spatial)} positions "
+            f"and center one entry per axis, got n={n}, m={m}, center={center}"
+        )
     row = n // spatial[0]
     rows = _qe_chunk(b, n, h, k, m, v, max_chunk_elements, row) // row
 
@@ -402,7 +432,7 @@ def relative_position_output_qe(queries: Tensor, kernel: Tensor, center: Sequenc
     outs = []
     for start in range(0, spatial[0], rows):
         stop = min(spatial[0], start + rows)
-        q_c = q_n[start * row:stop * row]  # nc (b h) k
+        q_c = q_n[start * row : stop * row]  # nc (b h) k
         if torch.is_grad_enabled() and not torch.jit.is_tracing():  # keep q, R and V only; the chunk's E rows
             # and scores are rebuilt in backward (a traced graph records plain ops, as in position_output_qe)
             outs.append(checkpoint(chunk_output, q_c, kernel, values, start, stop, use_reentrant=False))

@@ -28,8 +28,10 @@ def _bind(**named: tuple[Tensor, str]) -> dict[str, int]:
         for ax, s in zip(axes, t.shape):
             if ax in sizes and sizes[ax][0] != s:
                 other_size, other_arg = sizes[ax]
-                raise ValueError(f"{arg} has {ax}={s} but {other_arg} has {ax}={other_size}; "
-                                 f"expected {arg} of shape [{', '.join(axes)}]")
+                raise ValueError(
+                    f"{arg} has {ax}={s} but {other_arg} has {ax}={other_size}; "
+                    f"expected {arg} of shape [{', '.join(axes)}]"
+                )
             sizes.setdefault(ax, (int(s), arg))
     return {ax: s for ax, (s, _) in sizes.items()}
 
@@ -48,13 +50,21 @@ def lambda_layer(queries: Tensor, keys: Tensor, embeddings: Tensor, values: Tens
         ``[b, n, h * v]``: ``y_n = concat_h((lambda^c + lambda^p_n)^T q^h_n)`` (Eq. 1-2).
     """
     if keys.dim() == 4 or values.dim() == 4 or embeddings.dim() == 4:
-        s = _bind(queries=(queries, "b h n k"), keys=(keys, "b m k u"), embeddings=(embeddings, "n m k u"),
-                  values=(values, "b m v u"))
+        s = _bind(
+            queries=(queries, "b h n k"),
+            keys=(keys, "b m k u"),
+            embeddings=(embeddings, "n m k u"),
+            values=(values, "b m v u"),
+        )
         content_lambda = torch.einsum("bmku,bmvu->bkv", keys.softmax(dim=1), values)  # b k v
         position_lambdas = torch.einsum("nmku,bmvu->bnkv", embeddings, values)  # b n k v
     else:
-        s = _bind(queries=(queries, "b h n k"), keys=(keys, "b m k"), embeddings=(embeddings, "n m k"),
-                  values=(values, "b m v"))
+        s = _bind(
+            queries=(queries, "b h n k"),
+            keys=(keys, "b m k"),
+            embeddings=(embeddings, "n m k"),
+            values=(values, "b m v"),
+        )
         content_lambda = torch.einsum("bmk,bmv->bkv", keys.softmax(dim=1), values)  # b k v
         position_lambdas = torch.einsum("nmk,bmv->bnkv", embeddings, values)  # b n k v
     content_output = torch.einsum("bhnk,bkv->bnhv", queries, content_lambda)  # b n h v
@@ -98,8 +108,9 @@ def compute_position_lambdas(embeddings: Tensor, values: Tensor, impl: str = "ei
     return lam[:, 0].permute(0, 3, 2, 1)  # b n k v
 
 
-def masked_lambda_layer(queries: Tensor, normalized_keys: Tensor, embeddings: Tensor, values: Tensor,
-                        mask: Tensor) -> Tensor:
+def masked_lambda_layer(
+    queries: Tensor, normalized_keys: Tensor, embeddings: Tensor, values: Tensor, mask: Tensor
+) -> Tensor:
     """Masked multi-query lambda layer, Fig. 6: query ``n`` only sees the context positions ``m``
     with ``mask[n, m] == 1``; each query gets its own content lambda.
 
@@ -114,8 +125,13 @@ def masked_lambda_layer(queries: Tensor, normalized_keys: Tensor, embeddings: Te
     Returns:
         ``[b, n, h * v]``.
     """
-    s = _bind(queries=(queries, "b h n k"), normalized_keys=(normalized_keys, "b m k"),
-              embeddings=(embeddings, "k n m"), values=(values, "b m v"), mask=(mask, "n m"))
+    s = _bind(
+        queries=(queries, "b h n k"),
+        normalized_keys=(normalized_keys, "b m k"),
+        embeddings=(embeddings, "k n m"),
+        values=(values, "b m v"),
+        mask=(mask, "n m"),
+    )
     mask = mask.to(values.dtype)
     content_mu = torch.einsum("bmk,bmv->bmkv", normalized_keys, values)  # b m k v
     content_lambdas = torch.einsum("bmkv,nm->bnkv", content_mu, mask)  # b n k v
@@ -138,8 +154,12 @@ def multihead_lambda_layer(queries: Tensor, keys: Tensor, embeddings: Tensor, va
     Returns:
         ``[b, n, h * v]``.
     """
-    s = _bind(queries=(queries, "b h n k"), keys=(keys, "b h m k"), embeddings=(embeddings, "h n m k"),
-              values=(values, "b h m v"))
+    s = _bind(
+        queries=(queries, "b h n k"),
+        keys=(keys, "b h m k"),
+        embeddings=(embeddings, "h n m k"),
+        values=(values, "b h m v"),
+    )
     content_lambda = torch.einsum("bhmk,bhmv->bhkv", keys.softmax(dim=2), values)  # b h k v
     position_lambdas = torch.einsum("hnmk,bhmv->bnhkv", embeddings, values)  # b n h k v
     content_output = torch.einsum("bhnk,bhkv->bnhv", queries, content_lambda)  # b n h v

@@ -61,8 +61,25 @@ def _pairs(offs_n, offs_m, n_ok, m_ok, W, T0, T1, c0, c1):
 
 
 @triton.jit
-def _scores(q_ptr, r_ptr, offs_n, offs_h, n_ok, h_ok, idx, valid, u, K, U, T, s_qn, s_qh,
-            BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr):
+def _scores(
+    q_ptr,
+    r_ptr,
+    offs_n,
+    offs_h,
+    n_ok,
+    h_ok,
+    idx,
+    valid,
+    u,
+    K,
+    U,
+    T,
+    s_qn,
+    s_qh,
+    BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     """S[n, h, m] = sum_k q[n, h, k] R[k, u, idx[n, m]] (fp32, zero where not valid)."""
     s = tl.zeros((BLOCK_N, BLOCK_H, BLOCK_M), dtype=tl.float32)
     qmask = n_ok[:, None] & h_ok[None, :]
@@ -74,10 +91,38 @@ def _scores(q_ptr, r_ptr, offs_n, offs_h, n_ok, h_ok, idx, valid, u, K, U, T, s_
 
 
 @triton.jit
-def _forward(q_ptr, v_ptr, r_ptr, y_ptr, N, H, K, V, U, S0, W, T0, T1, c0, c1,
-             s_qb, s_qn, s_qh, s_vb, s_vm, s_vv, s_yb, s_yn, s_yh,
-             BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr,
-             HALF_DOT: tl.constexpr, F32_DOT: tl.constexpr):
+def _forward(
+    q_ptr,
+    v_ptr,
+    r_ptr,
+    y_ptr,
+    N,
+    H,
+    K,
+    V,
+    U,
+    S0,
+    W,
+    T0,
+    T1,
+    c0,
+    c1,
+    s_qb,
+    s_qn,
+    s_qh,
+    s_vb,
+    s_vm,
+    s_vv,
+    s_yb,
+    s_yn,
+    s_yh,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    HALF_DOT: tl.constexpr,
+    F32_DOT: tl.constexpr,
+):
     pid_n, b = tl.program_id(0), tl.program_id(1)
     T = T0 * T1
     q_ptr, v_ptr = q_ptr + b * s_qb, v_ptr + b * s_vb
@@ -91,10 +136,14 @@ def _forward(q_ptr, v_ptr, r_ptr, y_ptr, N, H, K, V, U, S0, W, T0, T1, c0, c1,
         m_ok = offs_m < hi
         idx, valid = _pairs(offs_n, offs_m, n_ok, m_ok, W, T0, T1, c0, c1)  # n m
         for u in range(U):
-            s = _scores(q_ptr, r_ptr, offs_n, offs_h, n_ok, h_ok, idx, valid, u, K, U, T, s_qn, s_qh,
-                        BLOCK_N, BLOCK_H, BLOCK_M)
-            vt = tl.load(v_ptr + offs_m[:, None] * s_vm + offs_v[None, :] * s_vv + u,
-                         mask=m_ok[:, None] & v_ok[None, :], other=0.0)  # m v
+            s = _scores(
+                q_ptr, r_ptr, offs_n, offs_h, n_ok, h_ok, idx, valid, u, K, U, T, s_qn, s_qh, BLOCK_N, BLOCK_H, BLOCK_M
+            )
+            vt = tl.load(
+                v_ptr + offs_m[:, None] * s_vm + offs_v[None, :] * s_vv + u,
+                mask=m_ok[:, None] & v_ok[None, :],
+                other=0.0,
+            )  # m v
             s2 = tl.reshape(s, (BLOCK_N * BLOCK_H, BLOCK_M))
             if HALF_DOT:  # half-precision operands, fp32 accumulation
                 acc += tl.dot(s2.to(vt.dtype), vt)
@@ -102,15 +151,45 @@ def _forward(q_ptr, v_ptr, r_ptr, y_ptr, N, H, K, V, U, S0, W, T0, T1, c0, c1,
                 acc += tl.dot(s2, vt.to(tl.float32), input_precision=F32_DOT)
     out = tl.reshape(acc, (BLOCK_N, BLOCK_H, BLOCK_V))
     y_ptrs = y_ptr + b * s_yb + offs_n[:, None, None] * s_yn + offs_h[None, :, None] * s_yh + offs_v[None, None, :]
-    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty),
-             mask=n_ok[:, None, None] & h_ok[None, :, None] & v_ok[None, None, :])
+    tl.store(
+        y_ptrs, out.to(y_ptr.dtype.element_ty), mask=n_ok[:, None, None] & h_ok[None, :, None] & v_ok[None, None, :]
+    )
 
 
 @triton.jit
-def _backward_q(q_ptr, v_ptr, r_ptr, dy_ptr, dq_ptr, N, H, K, V, U, S0, W, T0, T1, c0, c1,
-                s_qb, s_qn, s_qh, s_vb, s_vm, s_vv, s_yb, s_yn, s_yh,
-                BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr,
-             HALF_DOT: tl.constexpr, F32_DOT: tl.constexpr):
+def _backward_q(
+    q_ptr,
+    v_ptr,
+    r_ptr,
+    dy_ptr,
+    dq_ptr,
+    N,
+    H,
+    K,
+    V,
+    U,
+    S0,
+    W,
+    T0,
+    T1,
+    c0,
+    c1,
+    s_qb,
+    s_qn,
+    s_qh,
+    s_vb,
+    s_vm,
+    s_vv,
+    s_yb,
+    s_yn,
+    s_yh,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    HALF_DOT: tl.constexpr,
+    F32_DOT: tl.constexpr,
+):
     """dq[n, h, k] = sum_{m, u} (dy[n, h] . V[m, :, u]) R[k, u, off(n, m)]; dq (fp32, zeroed, q's strides)
     is owned by this program's rows: read-modify-write without atomics."""
     pid_n, b = tl.program_id(0), tl.program_id(1)
@@ -129,8 +208,11 @@ def _backward_q(q_ptr, v_ptr, r_ptr, dy_ptr, dq_ptr, N, H, K, V, U, S0, W, T0, T
         m_ok = offs_m < hi
         idx, valid = _pairs(offs_n, offs_m, n_ok, m_ok, W, T0, T1, c0, c1)  # n m
         for u in range(U):
-            vt = tl.load(v_ptr + offs_m[:, None] * s_vm + offs_v[None, :] * s_vv + u,
-                         mask=m_ok[:, None] & v_ok[None, :], other=0.0)  # m v
+            vt = tl.load(
+                v_ptr + offs_m[:, None] * s_vm + offs_v[None, :] * s_vv + u,
+                mask=m_ok[:, None] & v_ok[None, :],
+                other=0.0,
+            )  # m v
             if HALF_DOT:
                 ds = tl.dot(dy2.to(vt.dtype), tl.trans(vt))  # (n h) m
             else:
@@ -144,10 +226,40 @@ def _backward_q(q_ptr, v_ptr, r_ptr, dy_ptr, dq_ptr, N, H, K, V, U, S0, W, T0, T
 
 
 @triton.jit
-def _backward_kv(q_ptr, v_ptr, r_ptr, dy_ptr, dv_ptr, dr_ptr, N, H, K, V, U, S0, W, T0, T1, c0, c1,
-                 s_qb, s_qn, s_qh, s_vb, s_vm, s_vv, s_yb, s_yn, s_yh,
-                 BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr,
-             HALF_DOT: tl.constexpr, F32_DOT: tl.constexpr):
+def _backward_kv(
+    q_ptr,
+    v_ptr,
+    r_ptr,
+    dy_ptr,
+    dv_ptr,
+    dr_ptr,
+    N,
+    H,
+    K,
+    V,
+    U,
+    S0,
+    W,
+    T0,
+    T1,
+    c0,
+    c1,
+    s_qb,
+    s_qn,
+    s_qh,
+    s_vb,
+    s_vm,
+    s_vv,
+    s_yb,
+    s_yn,
+    s_yh,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    HALF_DOT: tl.constexpr,
+    F32_DOT: tl.constexpr,
+):
     """Per context tile: dV[m, v, u] = sum_{n, h} S[(n, h), m] dy[n, h, v] (owned rows, fp32, V's strides)
     and dR[k, u, off(n, m)] += sum_h q[n, h, k] (dy[n, h] . V[m, :, u]) (atomic, fp32)."""
     pid_m, b = tl.program_id(0), tl.program_id(1)
@@ -160,18 +272,23 @@ def _backward_kv(q_ptr, v_ptr, r_ptr, dy_ptr, dv_ptr, dr_ptr, N, H, K, V, U, S0,
     # the queries that reach this tile: the band of the mirrored table (offsets seen from the context side)
     lo, hi = _band(pid_m * BLOCK_M // W, (tl.minimum(pid_m * BLOCK_M + BLOCK_M, N) - 1) // W, T0 - 1 - c0, T0, S0, W)
     for u in range(U):
-        vt = tl.load(v_ptr + offs_m[:, None] * s_vm + offs_v[None, :] * s_vv + u,
-                     mask=m_ok[:, None] & v_ok[None, :], other=0.0)  # m v
+        vt = tl.load(
+            v_ptr + offs_m[:, None] * s_vm + offs_v[None, :] * s_vv + u, mask=m_ok[:, None] & v_ok[None, :], other=0.0
+        )  # m v
         dv = tl.zeros((BLOCK_M, BLOCK_V), dtype=tl.float32)
         for n0 in range(lo, hi, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_ok = (offs_n < hi) & (offs_n < N)
             row_ok = n_ok[:, None] & h_ok[None, :]
             idx, valid = _pairs(offs_n, offs_m, n_ok, m_ok, W, T0, T1, c0, c1)  # n m
-            s = _scores(q_ptr, r_ptr, offs_n, offs_h, n_ok, h_ok, idx, valid, u, K, U, T, s_qn, s_qh,
-                        BLOCK_N, BLOCK_H, BLOCK_M)
-            dy = tl.load(dy_ptr + offs_n[:, None, None] * s_yn + offs_h[None, :, None] * s_yh + offs_v[None, None, :],
-                         mask=row_ok[:, :, None] & v_ok[None, None, :], other=0.0)
+            s = _scores(
+                q_ptr, r_ptr, offs_n, offs_h, n_ok, h_ok, idx, valid, u, K, U, T, s_qn, s_qh, BLOCK_N, BLOCK_H, BLOCK_M
+            )
+            dy = tl.load(
+                dy_ptr + offs_n[:, None, None] * s_yn + offs_h[None, :, None] * s_yh + offs_v[None, None, :],
+                mask=row_ok[:, :, None] & v_ok[None, None, :],
+                other=0.0,
+            )
             dy2 = tl.reshape(dy, (BLOCK_N * BLOCK_H, BLOCK_V))
             s2 = tl.trans(tl.reshape(s, (BLOCK_N * BLOCK_H, BLOCK_M)))  # m (n h)
             if HALF_DOT:
@@ -196,12 +313,34 @@ def _launch_args(q, values, table, center, spatial, y):
     s0, w = (1, spatial[0]) if len(spatial) == 1 else spatial
     t0, t1 = (1, table.shape[-1]) if len(spatial) == 1 else table.shape[-2:]
     c0, c1 = (0, center[0]) if len(spatial) == 1 else center
-    return b, dict(N=n, H=h, K=k, V=v, U=u, S0=s0, W=w, T0=t0, T1=t1, c0=c0, c1=c1,
-                   s_qb=q.stride(0), s_qn=q.stride(1), s_qh=q.stride(2), s_vb=values.stride(0),
-                   s_vm=values.stride(1), s_vv=values.stride(2), s_yb=y.stride(0), s_yn=y.stride(1),
-                   s_yh=y.stride(2), BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, BLOCK_H=max(triton.next_power_of_2(h), 1),
-                   BLOCK_V=max(triton.next_power_of_2(v), 16), HALF_DOT=_half_dot(values.dtype),
-                   F32_DOT="tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee")
+    return b, dict(
+        N=n,
+        H=h,
+        K=k,
+        V=v,
+        U=u,
+        S0=s0,
+        W=w,
+        T0=t0,
+        T1=t1,
+        c0=c0,
+        c1=c1,
+        s_qb=q.stride(0),
+        s_qn=q.stride(1),
+        s_qh=q.stride(2),
+        s_vb=values.stride(0),
+        s_vm=values.stride(1),
+        s_vv=values.stride(2),
+        s_yb=y.stride(0),
+        s_yn=y.stride(1),
+        s_yh=y.stride(2),
+        BLOCK_N=BLOCK_N,
+        BLOCK_M=BLOCK_M,
+        BLOCK_H=max(triton.next_power_of_2(h), 1),
+        BLOCK_V=max(triton.next_power_of_2(v), 16),
+        HALF_DOT=_half_dot(values.dtype),
+        F32_DOT="tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee",
+    )
 
 
 def _half_dot(dtype: torch.dtype) -> bool:
@@ -228,11 +367,33 @@ def launch_backward(grad, q, values, table, center, spatial, dq, dvalues, dtable
     _backward_kv[(triton.cdiv(args["N"], BLOCK_M), b)](q, values, table, grad, dvalues, dtable, **args)
 
 
-_INT_ARGS = ("N", "H", "K", "V", "U", "S0", "W", "T0", "T1", "c0", "c1", "s_qb", "s_qn", "s_qh", "s_vb", "s_vm",
-             "s_vv", "s_yb", "s_yn", "s_yh")
-_KERNELS = {"forward": ("_forward", ("q_ptr", "v_ptr", "r_ptr", "y_ptr")),
-            "backward_q": ("_backward_q", ("q_ptr", "v_ptr", "r_ptr", "dy_ptr", "dq_ptr")),
-            "backward_kv": ("_backward_kv", ("q_ptr", "v_ptr", "r_ptr", "dy_ptr", "dv_ptr", "dr_ptr"))}
+_INT_ARGS = (
+    "N",
+    "H",
+    "K",
+    "V",
+    "U",
+    "S0",
+    "W",
+    "T0",
+    "T1",
+    "c0",
+    "c1",
+    "s_qb",
+    "s_qn",
+    "s_qh",
+    "s_vb",
+    "s_vm",
+    "s_vv",
+    "s_yb",
+    "s_yn",
+    "s_yh",
+)
+_KERNELS = {
+    "forward": ("_forward", ("q_ptr", "v_ptr", "r_ptr", "y_ptr")),
+    "backward_q": ("_backward_q", ("q_ptr", "v_ptr", "r_ptr", "dy_ptr", "dq_ptr")),
+    "backward_kv": ("_backward_kv", ("q_ptr", "v_ptr", "r_ptr", "dy_ptr", "dv_ptr", "dr_ptr")),
+}
 
 
 def compile_report(arch: int = 90, *, block_h: int = 4, block_v: int = 64, num_warps: int = 4) -> list[dict]:
@@ -252,13 +413,22 @@ def compile_report(arch: int = 90, *, block_h: int = 4, block_v: int = 64, num_w
         for dtype, half in (("fp32", False), ("bf16", True)):
             sig = {p: "*fp32" if p in ("dq_ptr", "dv_ptr", "dr_ptr") else f"*{dtype}" for p in ptrs}
             sig |= {name: "i32" for name in _INT_ARGS}
-            consts = dict(BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, BLOCK_H=block_h, BLOCK_V=block_v, HALF_DOT=half,
-                          F32_DOT="ieee")
+            consts = dict(
+                BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, BLOCK_H=block_h, BLOCK_V=block_v, HALF_DOT=half, F32_DOT="ieee"
+            )
             sig |= {name: "constexpr" for name in consts}
             src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
             kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
             ptx = kernel.asm["ptx"]
-            rows.append({"kernel": label, "dtype": dtype, "mma": len(re.findall(r"\bw?gmma|\bmma\.", ptx)),
-                         "local_loads": ptx.count("ld.local"), "local_stores": ptx.count("st.local"),
-                         "shared_bytes": kernel.metadata.shared, "cubin_bytes": len(kernel.asm["cubin"])})
+            rows.append(
+                {
+                    "kernel": label,
+                    "dtype": dtype,
+                    "mma": len(re.findall(r"\bw?gmma|\bmma\.", ptx)),
+                    "local_loads": ptx.count("ld.local"),
+                    "local_stores": ptx.count("st.local"),
+                    "shared_bytes": kernel.metadata.shared,
+                    "cubin_bytes": len(kernel.asm["cubin"]),
+                }
+            )
     return rows

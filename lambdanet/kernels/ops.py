@@ -28,8 +28,9 @@ def kernels_available(device: torch.device | str) -> tuple[bool, str]:
         return False, "Triton is not installed (pip install triton)"
     if device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
         return True, ""
-    return False, (f"the Triton kernels run on CUDA devices (or on CPU tensors under TRITON_INTERPRET=1), "
-                   f"got {device.type}")
+    return False, (
+        f"the Triton kernels run on CUDA devices (or on CPU tensors under TRITON_INTERPRET=1), got {device.type}"
+    )
 
 
 def _check(device: torch.device) -> None:
@@ -39,8 +40,9 @@ def _check(device: torch.device) -> None:
 
 
 @torch.library.custom_op("lambdanet::lambda_position_output", mutates_args=())
-def _position_output(q: Tensor, values: Tensor, table: Tensor, center0: int, center1: int, height: int,
-                     width: int) -> Tensor:
+def _position_output(
+    q: Tensor, values: Tensor, table: Tensor, center0: int, center1: int, height: int, width: int
+) -> Tensor:
     from lambdanet.kernels.lambda_position import launch_forward
 
     _check(q.device)
@@ -55,8 +57,9 @@ def _(q, values, table, center0, center1, height, width):
 
 
 @torch.library.custom_op("lambdanet::lambda_position_output_backward", mutates_args=())
-def _position_output_backward(grad: Tensor, q: Tensor, values: Tensor, table: Tensor, center0: int, center1: int,
-                              height: int, width: int) -> tuple[Tensor, Tensor, Tensor]:
+def _position_output_backward(
+    grad: Tensor, q: Tensor, values: Tensor, table: Tensor, center0: int, center1: int, height: int, width: int
+) -> tuple[Tensor, Tensor, Tensor]:
     from lambdanet.kernels.lambda_position import launch_backward
 
     _check(q.device)
@@ -94,8 +97,9 @@ def _geometry(center: Sequence[int], spatial: Sequence[int]) -> tuple[int, int, 
     raise ValueError(f"impl='triton' serves 1-d and 2-d inputs, got {len(spatial)} spatial dims")
 
 
-def lambda_position_output(q: Tensor, values: Tensor, table: Tensor, center: Sequence[int],
-                           spatial: Sequence[int]) -> Tensor:
+def lambda_position_output(
+    q: Tensor, values: Tensor, table: Tensor, center: Sequence[int], spatial: Sequence[int]
+) -> Tensor:
     """Position output ``y[b, n, h, v] = sum_{m, u} (q[b, n, h] . R[:, u, off(n, m)]) V[b, m, v, u]``.
 
     Args:
@@ -111,13 +115,13 @@ def lambda_position_output(q: Tensor, values: Tensor, table: Tensor, center: Seq
     return _position_output(q, values, table, c0, c1, height, width)
 
 
-def lambda_position_output_reference(q: Tensor, values: Tensor, table: Tensor, center: Sequence[int],
-                                     spatial: Sequence[int]) -> Tensor:
+def lambda_position_output_reference(
+    q: Tensor, values: Tensor, table: Tensor, center: Sequence[int], spatial: Sequence[int]
+) -> Tensor:
     """The same function computed plainly in PyTorch (materialises ``E[n, m]``; for tests)."""
     c0, c1, height, width = _geometry(center, spatial)
     t = table.unsqueeze(2) if len(spatial) == 1 else table  # k u T0 T1
-    ii, jj = torch.meshgrid(torch.arange(height, device=q.device), torch.arange(width, device=q.device),
-                            indexing="ij")
+    ii, jj = torch.meshgrid(torch.arange(height, device=q.device), torch.arange(width, device=q.device), indexing="ij")
     ii, jj = ii.reshape(-1), jj.reshape(-1)
     di = ii[None, :] - ii[:, None] + c0  # n m
     dj = jj[None, :] - jj[:, None] + c1

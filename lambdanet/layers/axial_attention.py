@@ -40,7 +40,7 @@ class AxialAttention1d(nn.Module):
         qkv = self.qkv(x).reshape(b, 3, h, d, hh, ww)
         # axis 2: sequences run down the columns (3 b h W H d), axis 3: along the rows (3 b h H W d)
         q, k, v = (qkv.permute(1, 0, 2, 5, 4, 3) if self.axis == 2 else qkv.permute(1, 0, 2, 4, 5, 3)).unbind(0)
-        out = attend(q, k, v, self.rel(q), scale=d ** -0.5)  # b h other L d
+        out = attend(q, k, v, self.rel(q), scale=d**-0.5)  # b h other L d
         out = out.permute(0, 1, 4, 3, 2) if self.axis == 2 else out.permute(0, 1, 4, 2, 3)  # b h d H W
         return out.reshape(b, self.dim_out, hh, ww)
 
@@ -48,8 +48,15 @@ class AxialAttention1d(nn.Module):
 class AxialAttention(nn.Module):
     """Height-axis then width-axis attention on ``[B, dim, H, W]`` (inputs up to ``feat_size``)."""
 
-    def __init__(self, dim: int, dim_out: int | None = None, *, feat_size: int | Sequence[int] | None = None,
-                 stride: int = 1, heads: int = 8):
+    def __init__(
+        self,
+        dim: int,
+        dim_out: int | None = None,
+        *,
+        feat_size: int | Sequence[int] | None = None,
+        stride: int = 1,
+        heads: int = 8,
+    ):
         super().__init__()
         dim_out = dim if dim_out is None else dim_out
         for name, val in (("dim", dim), ("dim_out", dim_out), ("heads", heads)):

@@ -52,8 +52,9 @@ class CausalSelfAttention(nn.Module):
     def init_state(self, batch_size: int, dtype: torch.dtype | None = None, device=None) -> dict[str, Tensor]:
         """The empty KV cache: ``k`` and ``v`` of shape ``[b, heads, 0, dim / heads]``."""
         p = self.qkv.weight
-        empty = torch.zeros(batch_size, self.heads, 0, self.dim // self.heads, dtype=dtype or p.dtype,
-                            device=device or p.device)
+        empty = torch.zeros(
+            batch_size, self.heads, 0, self.dim // self.heads, dtype=dtype or p.dtype, device=device or p.device
+        )
         return {"k": empty, "v": empty.clone()}
 
     def _heads(self, x: Tensor, start: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -44,8 +44,16 @@ class CausalLambdaLayer(nn.Module):
     PyTorch's default initialisation (a model may rescale ``proj`` with its depth).
     """
 
-    def __init__(self, dim: int, heads: int = 4, dim_k: int = 16, dim_v: int | None = None, dim_u: int = 1,
-                 r: int = 64, chunk: int = LC.DEFAULT_CHUNK):
+    def __init__(
+        self,
+        dim: int,
+        heads: int = 4,
+        dim_k: int = 16,
+        dim_v: int | None = None,
+        dim_u: int = 1,
+        r: int = 64,
+        chunk: int = LC.DEFAULT_CHUNK,
+    ):
         super().__init__()
         for value, name in ((dim, "dim"), (heads, "heads"), (dim_k, "dim_k"), (dim_u, "dim_u"), (chunk, "chunk")):
             check_positive_int(value, name)
@@ -54,7 +62,14 @@ class CausalLambdaLayer(nn.Module):
         if not isinstance(r, int) or r < 0:
             raise ValueError(f"r must be a non-negative int (0: content lambdas only), got {r!r}")
         self.dim, self.heads, self.dim_k, self.dim_v, self.dim_u, self.r, self.chunk = (
-            dim, heads, dim_k, dim_v, dim_u, r, chunk)
+            dim,
+            heads,
+            dim_k,
+            dim_v,
+            dim_u,
+            r,
+            chunk,
+        )
         self.qkv = nn.Linear(dim, heads * dim_k + dim_k * dim_u + dim_v * dim_u, bias=False)
         self.proj = nn.Linear(heads * dim_v, dim, bias=False)
         self.emb = nn.Parameter(torch.randn(r, dim_k, dim_u) / math.sqrt(max(r, 1) * dim_k)) if r else None
@@ -68,8 +83,9 @@ class CausalLambdaLayer(nn.Module):
         """The empty context's state (:func:`lambdanet.functional.causal.init_causal_lambda_state`)."""
         p = self.qkv.weight
         dtype = torch.promote_types(dtype or p.dtype, torch.float32)
-        return LC.init_causal_lambda_state(batch_size, self.dim_k, self.dim_v, self.dim_u, self.r, dtype=dtype,
-                                           device=device or p.device)
+        return LC.init_causal_lambda_state(
+            batch_size, self.dim_k, self.dim_v, self.dim_u, self.r, dtype=dtype, device=device or p.device
+        )
 
     def forward(self, x: Tensor, state: dict[str, Tensor] | None = None, return_state: bool = False):
         """``x [b, n, dim]`` -> ``[b, n, dim]`` (and the state after the last position if ``return_state``);
@@ -88,5 +104,7 @@ class CausalLambdaLayer(nn.Module):
         return self.proj(y.flatten(1).to(x.dtype)), state
 
     def extra_repr(self) -> str:
-        return (f"dim={self.dim}, heads={self.heads}, dim_k={self.dim_k}, dim_v={self.dim_v}, dim_u={self.dim_u}, "
-                f"r={self.r}, chunk={self.chunk}")
+        return (
+            f"dim={self.dim}, heads={self.heads}, dim_k={self.dim_k}, dim_v={self.dim_v}, dim_u={self.dim_u}, "
+            f"r={self.r}, chunk={self.chunk}"
+        )

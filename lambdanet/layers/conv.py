@@ -15,8 +15,7 @@ class ConvLayer(nn.Module):
     """``kernel_size x kernel_size`` convolution, no bias (a BatchNorm follows in the block). Time
     ``Theta(b n r d_in d_out)``, space ``Theta(b n d)``; stride is the convolution's."""
 
-    def __init__(self, dim: int, dim_out: int | None = None, *, stride: int = 1, kernel_size: int = 3,
-                 groups: int = 1):
+    def __init__(self, dim: int, dim_out: int | None = None, *, stride: int = 1, kernel_size: int = 3, groups: int = 1):
         super().__init__()
         dim_out = dim if dim_out is None else dim_out
         for name, val in (("dim", dim), ("dim_out", dim_out), ("stride", stride), ("groups", groups)):
@@ -36,8 +35,9 @@ class ConvSE(ConvLayer):
     """3x3 convolution followed by squeeze-and-excitation on its output (ratio ``rd_ratio``: ``1/16``, SE-ResNet's,
     which gives Table 3's 28.1M; ``0.25`` as in ResNet-RS)."""
 
-    def __init__(self, dim: int, dim_out: int | None = None, *, stride: int = 1, kernel_size: int = 3,
-                 rd_ratio: float = 1 / 16):
+    def __init__(
+        self, dim: int, dim_out: int | None = None, *, stride: int = 1, kernel_size: int = 3, rd_ratio: float = 1 / 16
+    ):
         super().__init__(dim, dim_out, stride=stride, kernel_size=kernel_size)
         self.se = SqueezeExcite(self.conv.out_channels, rd_ratio=rd_ratio)
 

@@ -34,8 +34,9 @@ def make_divisible(v: float, divisor: int = 8, round_limit: float = 0.9) -> int:
     return new_v + divisor if new_v < round_limit * v else new_v
 
 
-def conv_norm_act(dim: int, dim_out: int, kernel_size: int = 1, *, stride: int = 1, groups: int = 1,
-                  act: Act = "relu") -> list[nn.Module]:
+def conv_norm_act(
+    dim: int, dim_out: int, kernel_size: int = 1, *, stride: int = 1, groups: int = 1, act: Act = "relu"
+) -> list[nn.Module]:
     """``[conv, BatchNorm, activation]``: a ``kernel_size`` convolution without bias, padded to keep the size
     at stride 1; without ``act`` the first two."""
     conv = nn.Conv2d(dim, dim_out, kernel_size, stride, kernel_size // 2, groups=groups, bias=False)
@@ -46,8 +47,9 @@ def conv_norm_act(dim: int, dim_out: int, kernel_size: int = 1, *, stride: int =
 class ConvNormAct(nn.Sequential):
     """:func:`conv_norm_act` as one module: ``conv``, ``bn``, ``act`` (``nn.Identity`` without ``act``)."""
 
-    def __init__(self, dim: int, dim_out: int, kernel_size: int = 1, *, stride: int = 1, groups: int = 1,
-                 act: Act = "relu"):
+    def __init__(
+        self, dim: int, dim_out: int, kernel_size: int = 1, *, stride: int = 1, groups: int = 1, act: Act = "relu"
+    ):
         conv, bn, *act_module = conv_norm_act(dim, dim_out, kernel_size, stride=stride, groups=groups, act=act)
         super().__init__(OrderedDict(conv=conv, bn=bn, act=act_module[0] if act_module else nn.Identity()))
 

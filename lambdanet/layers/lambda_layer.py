@@ -71,17 +71,28 @@ class ImplPolicy:
     def __post_init__(self):
         check_positive_int(self.max_whole_positions, "max_whole_positions")
         check_positive_int(self.max_whole_elements, "max_whole_elements")
-        for name, positive in (("gemm_speedup", False), ("einsum_positions_per_tap", False),
-                               ("dense_conv_speedup", True)):  # the cost model divides by dense_conv_speedup
+        for name, positive in (
+            ("gemm_speedup", False),
+            ("einsum_positions_per_tap", False),
+            ("dense_conv_speedup", True),
+        ):  # the cost model divides by dense_conv_speedup
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-                    value > 0 if positive else value >= 0):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not (value > 0 if positive else value >= 0)
+            ):
                 raise ValueError(f"{name} must be a {'positive' if positive else 'non-negative'} number, got {value!r}")
         taps = self.dense_conv_taps
-        if (not isinstance(taps, (tuple, list)) or len(taps) != 2
-                or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in taps) or taps[0] > taps[1]):
-            raise ValueError(f"dense_conv_taps must be (fewest, most) non-negative int taps with fewest <= most, "
-                             f"got {taps!r}")
+        if (
+            not isinstance(taps, (tuple, list))
+            or len(taps) != 2
+            or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in taps)
+            or taps[0] > taps[1]
+        ):
+            raise ValueError(
+                f"dense_conv_taps must be (fewest, most) non-negative int taps with fewest <= most, got {taps!r}"
+            )
 
 
 DEFAULT_IMPL_POLICY = ImplPolicy()
@@ -198,14 +209,31 @@ class LambdaLayer(nn.Module):
     (float64 for float64 inputs), also under ``torch.autocast``; the projections follow autocast.
     """
 
-    def __init__(self, dim: int, dim_out: int | None = None, *, dim_k: int = 16, heads: int = 4, dim_u: int = 1,
-                 r: int | None = 23, feat_size: int | Sequence[int] | None = None, stride: int = 1,
-                 spatial_dims: int | None = None, causal: bool = False, content: bool = True,
-                 position: bool = True, position_embedding: str = "relative",
-                 embedding: RelativePositionEmbedding | AbsolutePositionEmbedding | None = None,
-                 multihead: bool = False, key_norm: str = "softmax", query_softmax: bool = False,
-                 qv_norm: str | None = "auto", impl: str = "auto", stride_pool: int = 3,
-                 position_bias: bool = False):
+    def __init__(
+        self,
+        dim: int,
+        dim_out: int | None = None,
+        *,
+        dim_k: int = 16,
+        heads: int = 4,
+        dim_u: int = 1,
+        r: int | None = 23,
+        feat_size: int | Sequence[int] | None = None,
+        stride: int = 1,
+        spatial_dims: int | None = None,
+        causal: bool = False,
+        content: bool = True,
+        position: bool = True,
+        position_embedding: str = "relative",
+        embedding: RelativePositionEmbedding | AbsolutePositionEmbedding | None = None,
+        multihead: bool = False,
+        key_norm: str = "softmax",
+        query_softmax: bool = False,
+        qv_norm: str | None = "auto",
+        impl: str = "auto",
+        stride_pool: int = 3,
+        position_bias: bool = False,
+    ):
         super().__init__()
         dim_out = dim if dim_out is None else dim_out
         for name, value in dict(dim=dim, dim_out=dim_out, dim_k=dim_k, heads=heads, dim_u=dim_u).items():
@@ -221,14 +249,13 @@ class LambdaLayer(nn.Module):
         if not (content or position):
             raise ValueError("content and position cannot both be False: the layer would compute nothing")
         if embedding is not None and not isinstance(embedding, (RelativePositionEmbedding, AbsolutePositionEmbedding)):
-            raise ValueError("embedding must be a RelativePositionEmbedding or AbsolutePositionEmbedding, "
-                             f"got {type(embedding).__name__}")
+            raise ValueError(
+                "embedding must be a RelativePositionEmbedding or AbsolutePositionEmbedding, "
+                f"got {type(embedding).__name__}"
+            )
         spatial_dims = self._resolve_spatial_dims(spatial_dims, embedding, causal, feat_size)
-        if impl == "triton" and (multihead or spatial_dims == 3 or position_embedding == "absolute"
-                                 or isinstance(embedding, AbsolutePositionEmbedding) or not position):
-            raise ValueError("impl='triton' needs a multi-query layer (multihead=False) with relative position "
-                             f"embeddings on 1-d or 2-d inputs; got multihead={multihead}, spatial_dims="
-                             f"{spatial_dims}, position_embedding={position_embedding!r}, position={position}")
+        if impl == "triton":
+            self._check_triton(multihead, spatial_dims, position_embedding, embedding, position)
         if causal and stride != 1:
             raise ValueError("causal=True needs stride=1 (the average pool would mix future positions)")
         feat = to_ntuple(feat_size, spatial_dims, "feat_size")
@@ -263,6 +290,22 @@ class LambdaLayer(nn.Module):
 
     # ------------------------------------------------------------------------------------------ construction
     @staticmethod
+    def _check_triton(multihead: bool, spatial_dims: int, position_embedding: str, embedding, position: bool) -> None:
+        """``impl="triton"``: the kernels cover multi-query layers with relative embeddings on 1-d and 2-d inputs."""
+        if (
+            multihead
+            or spatial_dims == 3
+            or position_embedding == "absolute"
+            or isinstance(embedding, AbsolutePositionEmbedding)
+            or not position
+        ):
+            raise ValueError(
+                "impl='triton' needs a multi-query layer (multihead=False) with relative position "
+                f"embeddings on 1-d or 2-d inputs; got multihead={multihead}, spatial_dims="
+                f"{spatial_dims}, position_embedding={position_embedding!r}, position={position}"
+            )
+
+    @staticmethod
     def _resolve_spatial_dims(spatial_dims: int | None, embedding, causal: bool, feat_size) -> int:
         """``spatial_dims``, else the shared embedding's, else 1 when causal, ``len(feat_size)``, or 2."""
         if spatial_dims is None and embedding is not None:
@@ -273,8 +316,10 @@ class LambdaLayer(nn.Module):
             elif feat_size is not None and not isinstance(feat_size, int):
                 n = len(feat_size) if hasattr(feat_size, "__len__") and not isinstance(feat_size, str) else 0
                 if not 1 <= n <= 3:  # its entries are checked with the resolved spatial_dims
-                    raise ValueError("feat_size must be an int or a sequence of 1, 2 or 3 ints (one per spatial dim), "
-                                     f"got {feat_size!r}")
+                    raise ValueError(
+                        "feat_size must be an int or a sequence of 1, 2 or 3 ints (one per spatial dim), "
+                        f"got {feat_size!r}"
+                    )
                 spatial_dims = n
             else:
                 spatial_dims = 2
@@ -283,8 +328,9 @@ class LambdaLayer(nn.Module):
             raise ValueError(f"causal=True needs 1-d inputs (spatial_dims=1), got spatial_dims={spatial_dims}")
         return spatial_dims
 
-    def _build_embedding(self, position_embedding: str, embedding, r: int | None,
-                         feat: tuple[int, ...] | None) -> RelativePositionEmbedding | AbsolutePositionEmbedding:
+    def _build_embedding(
+        self, position_embedding: str, embedding, r: int | None, feat: tuple[int, ...] | None
+    ) -> RelativePositionEmbedding | AbsolutePositionEmbedding:
         """The position embeddings: the shared ``embedding`` (checked against this layer), absolute ones over
         ``feat``, a local relative table of scope ``r``, or a global relative table over ``feat``."""
         k, u, g, dims, causal = self.dim_k, self.dim_u, self.groups, self.spatial_dims, self.causal
@@ -323,8 +369,10 @@ class LambdaLayer(nn.Module):
             raise ValueError(f"shared embedding has causal={emb.causal}, this layer has causal={self.causal}")
         if isinstance(emb, RelativePositionEmbedding) and emb.feat_size is None:
             if r is None or (r,) * self.spatial_dims != emb.kernel_size:
-                raise ValueError(f"r={r} does not match the shared embedding's local scope {emb.kernel_size}; "
-                                 f"pass r={emb.kernel_size[0]}")
+                raise ValueError(
+                    f"r={r} does not match the shared embedding's local scope {emb.kernel_size}; "
+                    f"pass r={emb.kernel_size[0]}"
+                )
         else:
             if r is not None:
                 raise ValueError(f"the shared embedding is global (feat_size={emb.feat_size}); pass r=None")
@@ -336,12 +384,18 @@ class LambdaLayer(nn.Module):
         with torch.no_grad():
             w, nq = self.qkv.weight, self.dim_qk_total
             w[:nq].normal_(0.0, (self.dim * self.dim_k) ** -0.5)
-            w[nq:].normal_(0.0, self.dim ** -0.5)
+            w[nq:].normal_(0.0, self.dim**-0.5)
 
     def extra_repr(self) -> str:
         scope = f"r={self.r}" if self.r is not None else f"feat_size={self.feat_size}"
-        parts = [f"{self.dim}, {self.dim_out}", f"dim_k={self.dim_k}", f"heads={self.heads}",
-                 f"dim_u={self.dim_u}", scope, f"stride={self.stride}"]
+        parts = [
+            f"{self.dim}, {self.dim_out}",
+            f"dim_k={self.dim_k}",
+            f"heads={self.heads}",
+            f"dim_u={self.dim_u}",
+            scope,
+            f"stride={self.stride}",
+        ]
         if self.spatial_dims != 2:
             parts.append(f"spatial_dims={self.spatial_dims}")
         parts += [f"{flag}=True" for flag in ("causal", "multihead", "query_softmax") if getattr(self, flag)]
@@ -358,18 +412,23 @@ class LambdaLayer(nn.Module):
     # ------------------------------------------------------------------------------------------ planning
     def _check_spatial(self, spatial: tuple[int, ...]) -> None:
         if self.stride > 1 and self.stride_pool == 2 and min(spatial) < 2:
-            raise ValueError(f"stride_pool=2 pools non-overlapping 2-wide windows: every spatial side must be at "
-                             f"least 2, got an input of spatial size {spatial} (stride_pool=3 pools any size)")
+            raise ValueError(
+                f"stride_pool=2 pools non-overlapping 2-wide windows: every spatial side must be at "
+                f"least 2, got an input of spatial size {spatial} (stride_pool=3 pools any size)"
+            )
         emb = self.embedding
         if isinstance(emb, AbsolutePositionEmbedding):
             if spatial != emb.feat_size:
-                raise ValueError(f"absolute position embeddings were built for feat_size={emb.feat_size}, "
-                                 f"got an input of spatial size {spatial}")
+                raise ValueError(
+                    f"absolute position embeddings were built for feat_size={emb.feat_size}, "
+                    f"got an input of spatial size {spatial}"
+                )
         elif isinstance(emb, RelativePositionEmbedding) and emb.feat_size is not None:
             if any(s > f for s, f in zip(spatial, emb.feat_size)):
                 raise ValueError(
                     f"input spatial size {spatial} is larger than feat_size={emb.feat_size} of the global "
-                    "relative embeddings; build the layer with a larger feat_size or use a local scope r")
+                    "relative embeddings; build the layer with a larger feat_size or use a local scope r"
+                )
 
     def plan(self, spatial: Sequence[int], device_type: str | None = None) -> LambdaPlan:
         """The :class:`LambdaPlan` for an input of this spatial size on ``device_type`` (default: the device
@@ -491,8 +550,9 @@ class LambdaLayer(nn.Module):
         lam = LF.content_lambda(LF.normalize_keys(keys, self.key_norm, dim=1), vals)  # b g k v
         return LF.apply_content_lambda(q, lam), None  # b n h v
 
-    def _position(self, plan: LambdaPlan, q: Tensor, vals: Tensor,
-                  spatial: tuple[int, ...]) -> tuple[Tensor | None, Tensor | None]:
+    def _position(
+        self, plan: LambdaPlan, q: Tensor, vals: Tensor, spatial: tuple[int, ...]
+    ) -> tuple[Tensor | None, Tensor | None]:
         """Position part by ``plan.position``: ``(y^p [b, n, h, v], None)`` queries-first, ``(None, lambda^p
         [b, n, g, v, k])`` lambdas-first, ``(None, None)`` without position lambdas."""
         if plan.position is None:

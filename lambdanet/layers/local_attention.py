@@ -62,29 +62,49 @@ class BlockedLocalAttention(nn.Module):
             (timm's checkpoints): padded pixels take part as keys of zero content and zero value.
     """
 
-    def __init__(self, dim: int, dim_out: int, *, block_size: int, halo_size: int, heads: int,
-                 dim_qk: int | None = None, stride: int = 1, window: int | None = None,
-                 rel_max_offset: int | None = None, rel_split: str = "half", rel_geometry: str = "pixel",
-                 mask_padding: bool = True):
+    def __init__(
+        self,
+        dim: int,
+        dim_out: int,
+        *,
+        block_size: int,
+        halo_size: int,
+        heads: int,
+        dim_qk: int | None = None,
+        stride: int = 1,
+        window: int | None = None,
+        rel_max_offset: int | None = None,
+        rel_split: str = "half",
+        rel_geometry: str = "pixel",
+        mask_padding: bool = True,
+    ):
         super().__init__()
         check_choice(rel_geometry, "rel_geometry", ("pixel", "window"))
         check_choice(rel_split, "rel_split", ("half", "full"))
         dim_qk = dim_out if dim_qk is None else dim_qk
-        for name, val in (("dim", dim), ("dim_out", dim_out), ("heads", heads), ("dim_qk", dim_qk),
-                          ("block_size", block_size), ("stride", stride)):
+        for name, val in (
+            ("dim", dim),
+            ("dim_out", dim_out),
+            ("heads", heads),
+            ("dim_qk", dim_qk),
+            ("block_size", block_size),
+            ("stride", stride),
+        ):
             check_positive_int(val, name)
         if isinstance(halo_size, bool) or not isinstance(halo_size, int) or halo_size < 0:
             raise ValueError(f"halo_size must be a non-negative int, got {halo_size!r}")
-        if rel_max_offset is not None and (isinstance(rel_max_offset, bool) or not isinstance(rel_max_offset, int)
-                                           or rel_max_offset < 0):
+        if rel_max_offset is not None and (
+            isinstance(rel_max_offset, bool) or not isinstance(rel_max_offset, int) or rel_max_offset < 0
+        ):
             raise ValueError(f"rel_max_offset must be a non-negative int or None, got {rel_max_offset!r}")
         if dim_out % heads or dim_qk % heads:
             raise ValueError(f"heads={heads} must divide dim_out={dim_out} and dim_qk={dim_qk}")
         if (dim_qk // heads) < 2:
             raise ValueError(f"each head needs at least 2 query/key channels (dim_qk={dim_qk}, heads={heads})")
         if block_size % stride:
-            raise ValueError(f"stride={stride} must divide block_size={block_size} (queries are subsampled "
-                             "inside each block)")
+            raise ValueError(
+                f"stride={stride} must divide block_size={block_size} (queries are subsampled inside each block)"
+            )
         if window is not None:
             check_positive_int(window, "window", odd=True)
             if window // 2 > halo_size:
@@ -95,15 +115,22 @@ class BlockedLocalAttention(nn.Module):
         self.q = nn.Conv2d(dim, dim_qk, 1, bias=False)
         self.kv = nn.Conv2d(dim, dim_qk + dim_out, 1, bias=False)
         if rel_max_offset is None:
-            rel_max_offset = (block_size + 2 * halo_size - 1 if rel_geometry == "window" else
-                              window // 2 if window is not None else block_size + halo_size - 1)
+            rel_max_offset = (
+                block_size + 2 * halo_size - 1
+                if rel_geometry == "window"
+                else window // 2
+                if window is not None
+                else block_size + halo_size - 1
+            )
         self.rel = RelativePosition2d((rel_max_offset, rel_max_offset), dim_qk // heads, split=rel_split)
 
     def extra_repr(self) -> str:
         extra = "" if self.rel_geometry == "pixel" else f", rel_geometry={self.rel_geometry!r}"
         extra += "" if self.mask_padding else ", mask_padding=False"
-        return (f"block_size={self.block_size}, halo_size={self.halo_size}, heads={self.heads}, "
-                f"stride={self.stride}, window={self.window}{extra}")
+        return (
+            f"block_size={self.block_size}, halo_size={self.halo_size}, heads={self.heads}, "
+            f"stride={self.stride}, window={self.window}{extra}"
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         check_input(x, self.dim, 2, type(self).__name__)
@@ -121,7 +148,7 @@ class BlockedLocalAttention(nn.Module):
         kv = kv.unfold(2, win, bs).unfold(3, win, bs)  # b c nbh nbw win win (a view)
         kv = kv.reshape(b, self.dim_qk + self.dim_out, nb, win * win)  # gather the haloed windows
         k = kv[:, : self.dim_qk].reshape(b, h, dk, nb, win * win).permute(0, 1, 3, 4, 2)  # b h nb (win win) dk
-        v = kv[:, self.dim_qk:].reshape(b, h, dv, nb, win * win).permute(0, 1, 3, 4, 2)  # b h nb (win win) dv
+        v = kv[:, self.dim_qk :].reshape(b, h, dv, nb, win * win).permute(0, 1, 3, 4, 2)  # b h nb (win win) dv
         mask = self._mask(hh, ww, x.device)  # nb (bq bq) (win win), True = a real pixel in reach
         coords_q = torch.arange(bq, device=x.device)  # "window": query i of a block sits at window index i
         if self.rel_geometry == "pixel":  # at window pixel i s + h
@@ -129,7 +156,7 @@ class BlockedLocalAttention(nn.Module):
         coords_k = torch.arange(win, device=x.device)
         bias = self.rel(q, (coords_q, coords_q), (coords_k, coords_k))  # b h nbh nbw bq bq win win
         bias = bias.reshape(b, h, nb, bq * bq, win * win)
-        out = attend(q.reshape(b, h, nb, bq * bq, dk), k, v, bias, mask, scale=dk ** -0.5)  # b h nb (bq bq) dv
+        out = attend(q.reshape(b, h, nb, bq * bq, dk), k, v, bias, mask, scale=dk**-0.5)  # b h nb (bq bq) dv
         out = out.reshape(b, h, nbh, nbw, bq, bq, dv).permute(0, 1, 6, 2, 4, 3, 5)  # b h dv nbh bq nbw bq
         out = out.reshape(b, self.dim_out, nbh * bq, nbw * bq)
         return out[..., :hq, :wq]
@@ -142,7 +169,7 @@ class BlockedLocalAttention(nn.Module):
         nbh, nbw = math.ceil(hh / bs), math.ceil(ww / bs)
         bq, win = bs // s, bs + 2 * hs
         valid = torch.zeros(nbh * bs + 2 * hs, nbw * bs + 2 * hs, dtype=torch.bool, device=device)
-        valid[hs:hs + hh, hs:hs + ww] = True
+        valid[hs : hs + hh, hs : hs + ww] = True
         if not self.mask_padding:
             valid[:] = True
         valid = valid.unfold(0, win, bs).unfold(1, win, bs).reshape(nbh * nbw, 1, win * win)
@@ -174,18 +201,40 @@ class HaloAttention(BlockedLocalAttention):
             paper's; ``"full"``, ``"window"``, ``False`` reproduce timm's HaloNet checkpoints).
     """
 
-    def __init__(self, dim: int, dim_out: int | None = None, *, stride: int = 1, block_size: int = 8,
-                 halo_size: int = 3, heads: int | None = None, dim_qk: int | None = None,
-                 pixel_centered: bool = False, downsample: str = "subsample", rel_split: str = "half",
-                 rel_geometry: str = "pixel", mask_padding: bool = True):
+    def __init__(
+        self,
+        dim: int,
+        dim_out: int | None = None,
+        *,
+        stride: int = 1,
+        block_size: int = 8,
+        halo_size: int = 3,
+        heads: int | None = None,
+        dim_qk: int | None = None,
+        pixel_centered: bool = False,
+        downsample: str = "subsample",
+        rel_split: str = "half",
+        rel_geometry: str = "pixel",
+        mask_padding: bool = True,
+    ):
         dim_out = dim if dim_out is None else dim_out
         check_positive_int(dim_out, "dim_out")
         check_choice(downsample, "downsample", ("subsample", "pool"))
         heads = max(1, dim_out // 16) if heads is None else heads
         pool = downsample == "pool" and stride > 1
-        super().__init__(dim, dim_out, block_size=block_size, halo_size=halo_size, heads=heads, dim_qk=dim_qk,
-                         stride=1 if pool else stride, window=2 * halo_size + 1 if pixel_centered else None,
-                         rel_split=rel_split, rel_geometry=rel_geometry, mask_padding=mask_padding)
+        super().__init__(
+            dim,
+            dim_out,
+            block_size=block_size,
+            halo_size=halo_size,
+            heads=heads,
+            dim_qk=dim_qk,
+            stride=1 if pool else stride,
+            window=2 * halo_size + 1 if pixel_centered else None,
+            rel_split=rel_split,
+            rel_geometry=rel_geometry,
+            mask_padding=mask_padding,
+        )
         self.pool_stride = stride if pool else 1
 
     def forward(self, x: Tensor) -> Tensor:
@@ -203,15 +252,31 @@ class LocalSelfAttention(nn.Module):
         block_size: query block of the blocked implementation (a speed/memory knob, not a model change).
     """
 
-    def __init__(self, dim: int, dim_out: int | None = None, *, stride: int = 1, kernel_size: int = 7,
-                 heads: int = 8, block_size: int = 8, dim_qk: int | None = None):
+    def __init__(
+        self,
+        dim: int,
+        dim_out: int | None = None,
+        *,
+        stride: int = 1,
+        kernel_size: int = 7,
+        heads: int = 8,
+        block_size: int = 8,
+        dim_qk: int | None = None,
+    ):
         super().__init__()
         dim_out = dim if dim_out is None else dim_out
         check_positive_int(kernel_size, "kernel_size", odd=True)
         check_choice(stride, "stride", (1, 2))
         self.stride, self.kernel_size = stride, kernel_size
-        self.attn = BlockedLocalAttention(dim, dim_out, block_size=block_size, halo_size=kernel_size // 2,
-                                          heads=heads, dim_qk=dim_qk, window=kernel_size)
+        self.attn = BlockedLocalAttention(
+            dim,
+            dim_out,
+            block_size=block_size,
+            halo_size=kernel_size // 2,
+            heads=heads,
+            dim_qk=dim_qk,
+            window=kernel_size,
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         return pool_after(self.attn(x), self.stride)

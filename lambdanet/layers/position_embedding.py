@@ -63,8 +63,16 @@ class RelativePositionEmbedding(_FlatTable):
         ``table``: ``[groups, dim_k, dim_u, *kernel_size]``, a view of ``weight`` ``[g k u, prod(kernel_size)]``.
     """
 
-    def __init__(self, dim_k: int, kernel_size: Sequence[int], *, dim_u: int = 1, groups: int = 1,
-                 causal: bool = False, feat_size: Sequence[int] | None = None):
+    def __init__(
+        self,
+        dim_k: int,
+        kernel_size: Sequence[int],
+        *,
+        dim_u: int = 1,
+        groups: int = 1,
+        causal: bool = False,
+        feat_size: Sequence[int] | None = None,
+    ):
         super().__init__()
         for name, val in (("dim_k", dim_k), ("dim_u", dim_u), ("groups", groups)):
             check_positive_int(val, name)
@@ -86,19 +94,29 @@ class RelativePositionEmbedding(_FlatTable):
         return self.weight.view(self.groups, self.dim_k, self.dim_u, *self.kernel_size)  # g k u *K
 
     @classmethod
-    def local(cls, dim_k: int, r: int, *, spatial_dims: int = 2, dim_u: int = 1, groups: int = 1,
-              causal: bool = False) -> RelativePositionEmbedding:
+    def local(
+        cls, dim_k: int, r: int, *, spatial_dims: int = 2, dim_u: int = 1, groups: int = 1, causal: bool = False
+    ) -> RelativePositionEmbedding:
         """A local scope of ``r`` positions per axis (``r`` odd; causal: the ``r`` ending at the query)."""
         check_positive_int(r, "r", odd=not causal)
         return cls(dim_k, (r,) * spatial_dims, dim_u=dim_u, groups=groups, causal=causal)
 
     @classmethod
-    def global_context(cls, dim_k: int, feat_size: int | Sequence[int], *, spatial_dims: int | None = None,
-                       dim_u: int = 1, groups: int = 1, causal: bool = False) -> RelativePositionEmbedding:
+    def global_context(
+        cls,
+        dim_k: int,
+        feat_size: int | Sequence[int],
+        *,
+        spatial_dims: int | None = None,
+        dim_u: int = 1,
+        groups: int = 1,
+        causal: bool = False,
+    ) -> RelativePositionEmbedding:
         """Every relative offset of a ``feat_size`` input: ``2 s - 1`` entries per axis (``s`` if causal)."""
         if spatial_dims is None:
-            spatial_dims = 1 if isinstance(feat_size, int) and causal else (
-                2 if isinstance(feat_size, int) else len(feat_size))
+            spatial_dims = (
+                1 if isinstance(feat_size, int) and causal else (2 if isinstance(feat_size, int) else len(feat_size))
+            )
         size = to_ntuple(feat_size, spatial_dims, "feat_size")
         for s in size:
             check_positive_int(s, "feat_size")

@@ -23,8 +23,14 @@ from lambdanet.layers.linear_attention import ConvPlusAttention, DoubleAttention
 from lambdanet.layers.local_attention import HaloAttention, LocalSelfAttention
 from lambdanet.layers.relative_attention import AttentionAugmentedConv, RelativeSelfAttention
 
-__all__ = ["create_spatial_layer", "list_spatial_layers", "spatial_layer_info", "SpatialLayerSpec",
-           "register_spatial_layer", "FEAT_SIZE_USES"]
+__all__ = [
+    "create_spatial_layer",
+    "list_spatial_layers",
+    "spatial_layer_info",
+    "SpatialLayerSpec",
+    "register_spatial_layer",
+    "FEAT_SIZE_USES",
+]
 
 _FRAME = ("self", "dim", "dim_out", "stride", "feat_size")
 FEAT_SIZE_USES = ("required", "optional", "unused")
@@ -71,29 +77,78 @@ def register_spatial_layer(name: str, spec: SpatialLayerSpec) -> None:
     _REGISTRY[name] = spec
 
 
-register_spatial_layer("conv", SpatialLayerSpec(
-    ConvLayer, paper="ResNet 3x3 convolution (LambdaNetworks Table 3)"))
+register_spatial_layer("conv", SpatialLayerSpec(ConvLayer, paper="ResNet 3x3 convolution (LambdaNetworks Table 3)"))
 register_spatial_layer("conv_se", SpatialLayerSpec(ConvSE, paper="conv + squeeze-and-excitation (Hu et al. 2018)"))
-register_spatial_layer("linear_attention", SpatialLayerSpec(ConvPlusAttention, {"attention": "efficient"},
-                       EfficientAttention, paper="conv + efficient attention (Shen et al. 2018), Table 3"))
-register_spatial_layer("double_attention", SpatialLayerSpec(ConvPlusAttention, {"attention": "double"},
-                       DoubleAttention, paper="conv + double attention (A^2-Nets, Chen et al. 2018), Table 3"))
-register_spatial_layer("relative_self_attention", SpatialLayerSpec(
-    RelativeSelfAttention, feat_size_use="required",
-    paper="global relative self-attention (Bello et al. 2019 / BoTNet), Table 4"))
-register_spatial_layer("attention_augmented_conv", SpatialLayerSpec(
-    AttentionAugmentedConv, feat_size_use="required",
-    paper="conv + relative self-attention, attention augmentation (Bello et al. 2019), Table 3"))
-register_spatial_layer("local_self_attention", SpatialLayerSpec(
-    LocalSelfAttention, paper="SASA local relative self-attention (Ramachandran et al. 2019), Tables 3-4"))
-register_spatial_layer("axial_self_attention", SpatialLayerSpec(AxialAttention, feat_size_use="required",
-                       paper="axial self-attention (Ho et al. 2019; Wang et al. 2020), Table 4"))
-register_spatial_layer("halo_attention", SpatialLayerSpec(
-    HaloAttention, paper="HaloNet blocked local self-attention (Vaswani et al. 2021)"))
-register_spatial_layer("lambda", SpatialLayerSpec(LambdaLayer, {"r": None}, feat_size_use="required",
-                       paper="lambda layer, global context with relative embeddings (LambdaNetworks Sec. 3.3)"))
-register_spatial_layer("lambda_conv", SpatialLayerSpec(LambdaLayer, feat_size_use="optional",
-                       paper="lambda convolution, local scope r (LambdaNetworks Sec. 3.4; r=23 default)"))
+register_spatial_layer(
+    "linear_attention",
+    SpatialLayerSpec(
+        ConvPlusAttention,
+        {"attention": "efficient"},
+        EfficientAttention,
+        paper="conv + efficient attention (Shen et al. 2018), Table 3",
+    ),
+)
+register_spatial_layer(
+    "double_attention",
+    SpatialLayerSpec(
+        ConvPlusAttention,
+        {"attention": "double"},
+        DoubleAttention,
+        paper="conv + double attention (A^2-Nets, Chen et al. 2018), Table 3",
+    ),
+)
+register_spatial_layer(
+    "relative_self_attention",
+    SpatialLayerSpec(
+        RelativeSelfAttention,
+        feat_size_use="required",
+        paper="global relative self-attention (Bello et al. 2019 / BoTNet), Table 4",
+    ),
+)
+register_spatial_layer(
+    "attention_augmented_conv",
+    SpatialLayerSpec(
+        AttentionAugmentedConv,
+        feat_size_use="required",
+        paper="conv + relative self-attention, attention augmentation (Bello et al. 2019), Table 3",
+    ),
+)
+register_spatial_layer(
+    "local_self_attention",
+    SpatialLayerSpec(
+        LocalSelfAttention, paper="SASA local relative self-attention (Ramachandran et al. 2019), Tables 3-4"
+    ),
+)
+register_spatial_layer(
+    "axial_self_attention",
+    SpatialLayerSpec(
+        AxialAttention,
+        feat_size_use="required",
+        paper="axial self-attention (Ho et al. 2019; Wang et al. 2020), Table 4",
+    ),
+)
+register_spatial_layer(
+    "halo_attention",
+    SpatialLayerSpec(HaloAttention, paper="HaloNet blocked local self-attention (Vaswani et al. 2021)"),
+)
+register_spatial_layer(
+    "lambda",
+    SpatialLayerSpec(
+        LambdaLayer,
+        {"r": None},
+        feat_size_use="required",
+        paper="lambda layer, global context with relative embeddings (LambdaNetworks Sec. 3.3)",
+    ),
+)
+register_spatial_layer(
+    "lambda_conv",
+    SpatialLayerSpec(
+        LambdaLayer,
+        feat_size_use="optional",
+        paper="lambda convolution, local scope r (LambdaNetworks Sec. 3.4; r=23 default)",
+    ),
+)
+
 
 def list_spatial_layers() -> list[str]:
     """Names accepted by :func:`create_spatial_layer`."""
@@ -107,8 +162,15 @@ def spatial_layer_info(name: str) -> SpatialLayerSpec:
     return _REGISTRY[name]
 
 
-def create_spatial_layer(name: str, dim: int, dim_out: int | None = None, *, stride: int = 1,
-                         feat_size: int | tuple[int, int] | None = None, **kwargs) -> nn.Module:
+def create_spatial_layer(
+    name: str,
+    dim: int,
+    dim_out: int | None = None,
+    *,
+    stride: int = 1,
+    feat_size: int | tuple[int, int] | None = None,
+    **kwargs,
+) -> nn.Module:
     """Build the spatial layer ``name`` mapping ``[B, dim, H, W]`` to ``[B, dim_out, H / stride, W / stride]``.
     ``feat_size``: the input's spatial size, needed by global layers, not passed to local ones
     (:attr:`SpatialLayerSpec.feat_size_use`). Unknown names or keywords raise a ``ValueError`` with the choices."""

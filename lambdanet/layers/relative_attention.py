@@ -29,8 +29,9 @@ __all__ = ["RelativeSelfAttention", "AttentionAugmentedConv", "check_feat_size"]
 def check_feat_size(spatial: Sequence[int], feat_size: Sequence[int], layer: str) -> None:
     """Inputs up to ``feat_size`` are served (the relative tables are cropped); larger ones are not."""
     if any(s > f for s, f in zip(spatial, feat_size)):
-        raise ValueError(f"{layer} was built for feat_size={tuple(feat_size)}; got a larger input of spatial "
-                         f"size {tuple(spatial)}")
+        raise ValueError(
+            f"{layer} was built for feat_size={tuple(feat_size)}; got a larger input of spatial size {tuple(spatial)}"
+        )
 
 
 class RelativeSelfAttention(nn.Module):
@@ -46,8 +47,17 @@ class RelativeSelfAttention(nn.Module):
         rel_split: ``"full"`` (Bello 2019) or ``"half"`` channel allocation of the relative tables.
     """
 
-    def __init__(self, dim: int, dim_out: int | None = None, *, feat_size: int | Sequence[int] | None = None,
-                 stride: int = 1, heads: int = 4, dim_qk: int | None = None, rel_split: str = "full"):
+    def __init__(
+        self,
+        dim: int,
+        dim_out: int | None = None,
+        *,
+        feat_size: int | Sequence[int] | None = None,
+        stride: int = 1,
+        heads: int = 4,
+        dim_qk: int | None = None,
+        rel_split: str = "full",
+    ):
         super().__init__()
         dim_out = dim if dim_out is None else dim_out
         dim_qk = dim_out if dim_qk is None else dim_qk
@@ -60,8 +70,9 @@ class RelativeSelfAttention(nn.Module):
         if dim_out % heads or dim_qk % heads:
             raise ValueError(f"heads={heads} must divide dim_out={dim_out} and dim_qk={dim_qk}")
         if rel_split == "half" and dim_qk // heads < 2:
-            raise ValueError(f"rel_split='half' needs at least 2 query/key channels per head, got dim_qk={dim_qk} "
-                             f"for heads={heads}")
+            raise ValueError(
+                f"rel_split='half' needs at least 2 query/key channels per head, got dim_qk={dim_qk} for heads={heads}"
+            )
         self.dim, self.dim_out, self.dim_qk, self.heads, self.stride = dim, dim_out, dim_qk, heads, stride
         self.feat_size = to_ntuple(feat_size, 2, "feat_size")
         for s in self.feat_size:
@@ -79,7 +90,7 @@ class RelativeSelfAttention(nn.Module):
         v = v.reshape(b, h, dv, hh * ww).transpose(-1, -2)  # b h m dv
         coords = (torch.arange(hh, device=x.device), torch.arange(ww, device=x.device))
         bias = self.rel(q, coords, coords).reshape(b, h, hh * ww, hh * ww)  # b h n m
-        out = attend(q.reshape(b, h, hh * ww, dk), k, v, bias, scale=dk ** -0.5)  # b h n dv
+        out = attend(q.reshape(b, h, hh * ww, dk), k, v, bias, scale=dk**-0.5)  # b h n dv
         return out.transpose(-1, -2).reshape(b, self.dim_out, hh, ww)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -98,9 +109,18 @@ class AttentionAugmentedConv(nn.Module):
         v_ratio: ``upsilon = d_v / dim_out`` (0.1); ``d_k`` and ``d_v`` are rounded to multiples of ``heads``.
     """
 
-    def __init__(self, dim: int, dim_out: int | None = None, *, feat_size: int | Sequence[int] | None = None,
-                 stride: int = 1, heads: int = 8, k_ratio: float = 0.2, v_ratio: float = 0.1,
-                 rel_split: str = "full"):
+    def __init__(
+        self,
+        dim: int,
+        dim_out: int | None = None,
+        *,
+        feat_size: int | Sequence[int] | None = None,
+        stride: int = 1,
+        heads: int = 8,
+        k_ratio: float = 0.2,
+        v_ratio: float = 0.1,
+        rel_split: str = "full",
+    ):
         super().__init__()
         dim_out = dim if dim_out is None else dim_out
         for name, val in (("dim", dim), ("dim_out", dim_out), ("heads", heads)):
@@ -111,12 +131,15 @@ class AttentionAugmentedConv(nn.Module):
         dk = max(heads, round(k_ratio * dim_out / heads) * heads)
         dv = max(heads, round(v_ratio * dim_out / heads) * heads)
         if dv >= dim_out:
-            raise ValueError(f"dim_out={dim_out} is too small for {heads} heads with v_ratio={v_ratio}: "
-                             f"the attention would take all {dv} channels")
+            raise ValueError(
+                f"dim_out={dim_out} is too small for {heads} heads with v_ratio={v_ratio}: "
+                f"the attention would take all {dv} channels"
+            )
         self.dim, self.stride = dim, stride
         self.conv = nn.Conv2d(dim, dim_out - dv, 3, stride, 1, bias=False)
-        self.attn = RelativeSelfAttention(dim, dv, feat_size=feat_size, stride=stride, heads=heads, dim_qk=dk,
-                                          rel_split=rel_split)
+        self.attn = RelativeSelfAttention(
+            dim, dv, feat_size=feat_size, stride=stride, heads=heads, dim_qk=dk, rel_split=rel_split
+        )
         self.proj = nn.Conv2d(dv, dv, 1, bias=False)  # W_O, mixes the heads
 
     def forward(self, x: Tensor) -> Tensor:

@@ -29,9 +29,21 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lambdanet.helpers import check_choice, compute_dtype
 
-__all__ = ["RelativePosition2d", "RelativePosition1d", "ATTENTION_IMPLS", "HALF_DTYPES", "SDPA_DEVICE_TYPES",
-           "SDPA_TRAINING_BACKENDS", "auto_attention_impl", "attention_impl", "use_attention_impl", "attend",
-           "attend_math", "attend_sdpa", "half_reductions_allowed"]
+__all__ = [
+    "RelativePosition2d",
+    "RelativePosition1d",
+    "ATTENTION_IMPLS",
+    "HALF_DTYPES",
+    "SDPA_DEVICE_TYPES",
+    "SDPA_TRAINING_BACKENDS",
+    "auto_attention_impl",
+    "attention_impl",
+    "use_attention_impl",
+    "attend",
+    "attend_math",
+    "attend_sdpa",
+    "half_reductions_allowed",
+]
 
 
 class RelativePosition2d(nn.Module):
@@ -51,8 +63,8 @@ class RelativePosition2d(nn.Module):
         self.max_offset = tuple(int(o) for o in max_offset)
         self.dim_head, self.split = dim_head, split
         dh, dw = (dim_head, dim_head) if split == "full" else (dim_head // 2, dim_head - dim_head // 2)
-        self.rel_h = nn.Parameter(torch.randn(2 * self.max_offset[0] + 1, dh) * dim_head ** -0.5)
-        self.rel_w = nn.Parameter(torch.randn(2 * self.max_offset[1] + 1, dw) * dim_head ** -0.5)
+        self.rel_h = nn.Parameter(torch.randn(2 * self.max_offset[0] + 1, dh) * dim_head**-0.5)
+        self.rel_w = nn.Parameter(torch.randn(2 * self.max_offset[1] + 1, dw) * dim_head**-0.5)
 
     def extra_repr(self) -> str:
         return f"max_offset={self.max_offset}, dim_head={self.dim_head}, split={self.split!r}"
@@ -136,8 +148,15 @@ def use_attention_impl(impl: str) -> Iterator[None]:
         _forced_impl = previous
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None = None, mask: Tensor | None = None,
-           scale: float = 1.0, impl: str = "auto") -> Tensor:
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias: Tensor | None = None,
+    mask: Tensor | None = None,
+    scale: float = 1.0,
+    impl: str = "auto",
+) -> Tensor:
     """Softmax attention ``softmax(q k^T scale + bias, masked) v`` by the implementation :func:`attention_impl`
     picks (``impl``: one of :data:`ATTENTION_IMPLS`). ``q [..., Nq, d]``, ``k [..., Nk, d]``, ``v [..., Nk, dv]``
     (same leading dims), ``bias`` and ``mask`` (True = keep) broadcastable to ``[..., Nq, Nk]``. A query row with
@@ -147,8 +166,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None = None, mask: Te
     return attend_math(q, k, v, bias, mask, scale)
 
 
-def attend_math(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None = None, mask: Tensor | None = None,
-                scale: float = 1.0) -> Tensor:
+def attend_math(
+    q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None = None, mask: Tensor | None = None, scale: float = 1.0
+) -> Tensor:
     """The reference implementation of :func:`attend`. Logits and softmax run in :func:`compute_dtype` (``q k^T``
     itself is a matmul in the input dtype). Masked keys get the most negative finite logit, so a row with no
     valid key gives a uniform (finite) average instead of NaN."""
@@ -171,8 +191,9 @@ def half_reductions_allowed() -> bool:
     return True if allowed is None else bool(allowed())
 
 
-def attend_sdpa(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None = None, mask: Tensor | None = None,
-                scale: float = 1.0) -> Tensor:
+def attend_sdpa(
+    q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None = None, mask: Tensor | None = None, scale: float = 1.0
+) -> Tensor:
     """:func:`attend_math`'s function through ``F.scaled_dot_product_attention``.
 
     * ``bias`` and ``mask`` become one additive ``attn_mask`` in the query dtype (the memory-efficient kernel
@@ -220,7 +241,7 @@ class RelativePosition1d(nn.Module):
     def __init__(self, max_offset: int, dim_head: int):
         super().__init__()
         self.max_offset, self.dim_head = int(max_offset), dim_head
-        self.rel = nn.Parameter(torch.randn(2 * self.max_offset + 1, dim_head) * dim_head ** -0.5)
+        self.rel = nn.Parameter(torch.randn(2 * self.max_offset + 1, dim_head) * dim_head**-0.5)
 
     def extra_repr(self) -> str:
         return f"max_offset={self.max_offset}, dim_head={self.dim_head}"

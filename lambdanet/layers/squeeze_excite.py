@@ -22,8 +22,9 @@ class SqueezeExcite(nn.Module):
     Time ``Theta(b n c)``, space ``Theta(b c)``.
     """
 
-    def __init__(self, channels: int, rd_ratio: float = 1 / 16, rd_channels: int | None = None,
-                 act: type[nn.Module] = nn.ReLU):
+    def __init__(
+        self, channels: int, rd_ratio: float = 1 / 16, rd_channels: int | None = None, act: type[nn.Module] = nn.ReLU
+    ):
         super().__init__()
         check_positive_int(channels, "channels")
         if rd_channels is None:

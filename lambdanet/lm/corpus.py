@@ -75,9 +75,14 @@ def load_corpus(data: str = "stdlib") -> Corpus:
     excluded) or ``"text:PATH"`` (a file, or every file under a folder outside hidden folders)."""
     if data == "stdlib":
         root = stdlib_root()
-        paths = sorted((p for p in root.rglob("*.py") if p.is_file()
-                        and not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts)),
-                       key=lambda p: p.relative_to(root).as_posix())
+        paths = sorted(
+            (
+                p
+                for p in root.rglob("*.py")
+                if p.is_file() and not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts)
+            ),
+            key=lambda p: p.relative_to(root).as_posix(),
+        )
         if not paths:
             raise ValueError(f"data stdlib: no Python sources under {root}; use --data text:PATH")
         return _split_files(root, paths, data)
@@ -88,7 +93,12 @@ def load_corpus(data: str = "stdlib") -> Corpus:
         return _split_tail(path.read_bytes(), data)
     if not path.is_dir():
         raise ValueError(f"data {data}: {path} does not exist")
-    paths = sorted((p for p in path.rglob("*") if p.is_file()
-                    and not any(part.startswith(".") for part in p.relative_to(path).parts)),
-                   key=lambda p: p.relative_to(path).as_posix())
+    paths = sorted(
+        (
+            p
+            for p in path.rglob("*")
+            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        ),
+        key=lambda p: p.relative_to(path).as_posix(),
+    )
     return _split_files(path, paths, data)

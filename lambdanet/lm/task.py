@@ -33,11 +33,12 @@ from lambdanet.models import create_model, list_models
 from lambdanet.models.lm import LanguageModel
 from lambdanet.runtime import AMP_DTYPES, autocast_context
 
-__all__ = ["LMConfig", "LanguageModelTask", "train_lm", "evaluate_bits_per_byte", "load_lm", "sample",
-           "LM_PANELS"]
+__all__ = ["LMConfig", "LanguageModelTask", "train_lm", "evaluate_bits_per_byte", "load_lm", "sample", "LM_PANELS"]
 
-LM_PANELS = (("loss.png", ("train_bits_per_byte", "val_bits_per_byte"), "bits per byte"),
-             ("lr.png", ("lr",), "learning rate"))
+LM_PANELS = (
+    ("loss.png", ("train_bits_per_byte", "val_bits_per_byte"), "bits per byte"),
+    ("lr.png", ("lr",), "learning rate"),
+)
 
 
 @dataclass
@@ -49,8 +50,15 @@ class LMConfig(RunConfig):
 
     RECIPES = {
         "quick": {},
-        "long": {"model": "lambda_lm_small", "context": 512, "epochs": 30, "steps_per_epoch": 500, "batch_size": 32,
-                 "lr": 1e-3, "warmup_steps": 500},
+        "long": {
+            "model": "lambda_lm_small",
+            "context": 512,
+            "epochs": 30,
+            "steps_per_epoch": 500,
+            "batch_size": 32,
+            "lr": 1e-3,
+            "warmup_steps": 500,
+        },
     }
 
     model: str = option("lambda_lm_tiny", "registered language model (lambdanet models '*_lm_*' lists them)")
@@ -72,14 +80,17 @@ class LMConfig(RunConfig):
     grad_clip: float | None = option(1.0, "clip the gradient norm to this (null: no clipping)")
     amp: str = option("none", "autocast precision (fp16 needs CUDA)", choices=tuple(AMP_DTYPES))
     compile: bool = option(False, "torch.compile the model")
-    device: str = option("auto", "device (auto: CUDA when available)", choices=("auto", "cpu", "cuda"),
-                         resume_free=True)
+    device: str = option(
+        "auto", "device (auto: CUDA when available)", choices=("auto", "cpu", "cuda"), resume_free=True
+    )
     seed: int = option(0, "seed of initialisation and of the training windows")
-    eval_bytes: int | None = option(131072, "bytes of the validation split evaluated after each epoch (null: all; "
-                                            "the end of the run evaluates all)")
+    eval_bytes: int | None = option(
+        131072, "bytes of the validation split evaluated after each epoch (null: all; the end of the run evaluates all)"
+    )
     eval_batch_size: int = option(16, "sequences per evaluation batch")
-    out: str = option("runs/lm", "run directory (config, metrics, checkpoints, weights, plots, summary)",
-                      resume_free=True)
+    out: str = option(
+        "runs/lm", "run directory (config, metrics, checkpoints, weights, plots, summary)", resume_free=True
+    )
     checkpoint_every: int = option(1, "write last.pt every this many epochs (and at the end)", resume_free=True)
     resume: bool = option(False, "continue the run in --out where it stopped", resume_free=True)
     tensorboard: bool = option(True, "write TensorBoard event files beside metrics.csv", resume_free=True)
@@ -87,8 +98,15 @@ class LMConfig(RunConfig):
 
     def validate(self) -> None:
         super().validate()
-        for name in ("vocab_size", "context", "epochs", "steps_per_epoch", "batch_size", "eval_batch_size",
-                     "checkpoint_every"):
+        for name in (
+            "vocab_size",
+            "context",
+            "epochs",
+            "steps_per_epoch",
+            "batch_size",
+            "eval_batch_size",
+            "checkpoint_every",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -105,8 +123,16 @@ def _windows(data: Tensor, starts: Tensor, length: int) -> Tensor:
 
 
 @torch.no_grad()
-def evaluate_bits_per_byte(model: nn.Module, data: Tensor, context: int, *, batch_size: int = 16,
-                           device: torch.device | str = "cpu", amp: str = "none", ctx=None) -> dict:
+def evaluate_bits_per_byte(
+    model: nn.Module,
+    data: Tensor,
+    context: int,
+    *,
+    batch_size: int = 16,
+    device: torch.device | str = "cpu",
+    amp: str = "none",
+    ctx=None,
+) -> dict:
     """Bits per byte of ``model`` on ``data`` (1-d bytes) cut into consecutive windows of ``context`` predicted
     bytes (each window also reads the byte before it); with ``ctx`` the windows are shared among the ranks
     and the sums reduced. Returns ``{"bits_per_byte", "loss" (nats per byte), "bytes"}``."""
@@ -115,11 +141,11 @@ def evaluate_bits_per_byte(model: nn.Module, data: Tensor, context: int, *, batc
     n = data.numel() - 1  # predicted bytes
     starts = torch.arange(0, max(n, 0), context)
     if ctx is not None and ctx.enabled:
-        starts = starts[ctx.rank::ctx.world]
+        starts = starts[ctx.rank :: ctx.world]
     count: float  # an int, a float after the reduction
     total, count = 0.0, 0
     for i in range(0, starts.numel(), batch_size):
-        s = starts[i:i + batch_size]
+        s = starts[i : i + batch_size]
         full = s[s + context <= n]  # whole windows in one batch, a short last window alone
         for group in (full, s[s + context > n]):
             if group.numel():
@@ -147,11 +173,15 @@ class LanguageModelTask(Task):
             raise ValueError(f"batch_size={cfg.batch_size} must be a multiple of the {ctx.world} processes")
         self.corpus = corpus = load_corpus(cfg.data)
         if corpus.max_byte >= cfg.vocab_size:
-            raise ValueError(f"data {cfg.data} has byte values up to {corpus.max_byte} but vocab_size is "
-                             f"{cfg.vocab_size}; use --vocab-size 256")
+            raise ValueError(
+                f"data {cfg.data} has byte values up to {corpus.max_byte} but vocab_size is "
+                f"{cfg.vocab_size}; use --vocab-size 256"
+            )
         if corpus.train.numel() <= cfg.context + 1:
-            raise ValueError(f"data {cfg.data} has {corpus.train.numel()} training bytes, fewer than context + 2 = "
-                             f"{cfg.context + 2}; lower --context")
+            raise ValueError(
+                f"data {cfg.data} has {corpus.train.numel()} training bytes, fewer than context + 2 = "
+                f"{cfg.context + 2}; lower --context"
+            )
         model = create_model(cfg.model, vocab_size=cfg.vocab_size, **cfg.model_kwargs).to(ctx.device)
         if model.max_len is not None and cfg.context > model.max_len:
             raise ValueError(f"context={cfg.context} is longer than the model's max_len={model.max_len}")
@@ -159,8 +189,9 @@ class LanguageModelTask(Task):
         total = cfg.epochs * cfg.steps_per_epoch
         peak, floor = cfg.effective_lr(), cfg.min_lr / cfg.lr
         self.lr = lambda step: peak * lr_at(step, total, cfg.warmup_steps, min_factor=floor)
-        return RunState(model, build_optimizer(model, cfg),
-                        scaler=torch.amp.GradScaler("cuda") if cfg.amp == "fp16" else None)
+        return RunState(
+            model, build_optimizer(model, cfg), scaler=torch.amp.GradScaler("cuda") if cfg.amp == "fp16" else None
+        )
 
     def batches(self, state: RunState):
         """The epoch's windows from the first step not yet trained; this rank's share of each global batch."""
@@ -170,7 +201,7 @@ class LanguageModelTask(Task):
         starts = torch.randint(0, high + 1, (cfg.steps_per_epoch, cfg.batch_size), generator=g)
         done = int((state.epoch_partial or {}).get("batches", 0))
         for row in starts[done:]:
-            yield _windows(self.corpus.train, row[ctx.rank::ctx.world], cfg.context + 1)
+            yield _windows(self.corpus.train, row[ctx.rank :: ctx.world], cfg.context + 1)
 
     def step_loss(self, model: nn.Module, batch: Tensor) -> tuple[Tensor, dict]:
         batch = batch.to(self.ctx.device, non_blocking=True)
@@ -181,54 +212,91 @@ class LanguageModelTask(Task):
 
     def _evaluate(self, model: nn.Module, limit: int | None) -> dict:
         val = self.corpus.val if limit is None else self.corpus.val[:limit]
-        return evaluate_bits_per_byte(unwrap(model), val, self.cfg.context, batch_size=self.cfg.eval_batch_size,
-                                      device=self.ctx.device, amp=self.cfg.amp, ctx=self.ctx)
+        return evaluate_bits_per_byte(
+            unwrap(model),
+            val,
+            self.cfg.context,
+            batch_size=self.cfg.eval_batch_size,
+            device=self.ctx.device,
+            amp=self.cfg.amp,
+            ctx=self.ctx,
+        )
 
     def epoch_row(self, state: RunState, model: nn.Module, result: dict) -> dict:
         sums = result["sums"]
         seen = max(sums.get("bytes", 0), 1)
         state.samples_seen += int(sums.get("bytes", 0))
         res = self._evaluate(model, self.cfg.eval_bytes)
-        row = {"lr": state.optimizer.param_groups[0]["lr"], "train_loss": sums.get("loss", 0.0) / seen,
-               "train_bits_per_byte": sums.get("loss", 0.0) / seen / math.log(2),
-               "val_bits_per_byte": res["bits_per_byte"], "bytes_per_s": seen / max(result["seconds"], 1e-9)}
+        row = {
+            "lr": state.optimizer.param_groups[0]["lr"],
+            "train_loss": sums.get("loss", 0.0) / seen,
+            "train_bits_per_byte": sums.get("loss", 0.0) / seen / math.log(2),
+            "val_bits_per_byte": res["bits_per_byte"],
+            "bytes_per_s": seen / max(result["seconds"], 1e-9),
+        }
         if row["val_bits_per_byte"] < state.best.get("val_bits_per_byte", math.inf):
-            state.best = {"score": -row["val_bits_per_byte"], "val_bits_per_byte": row["val_bits_per_byte"],
-                          "epoch": state.epoch}
+            state.best = {
+                "score": -row["val_bits_per_byte"],
+                "val_bits_per_byte": row["val_bits_per_byte"],
+                "epoch": state.epoch,
+            }
         return row
 
     def epoch_line(self, row: dict) -> str:
-        return (f"epoch {row['epoch']}/{self.cfg.epochs}: train {row['train_bits_per_byte']:.3f} bits/byte, val "
-                f"{row['val_bits_per_byte']:.3f} bits/byte, {row['bytes_per_s']:.0f} bytes/s")
+        return (
+            f"epoch {row['epoch']}/{self.cfg.epochs}: train {row['train_bits_per_byte']:.3f} bits/byte, val "
+            f"{row['val_bits_per_byte']:.3f} bits/byte, {row['bytes_per_s']:.0f} bytes/s"
+        )
 
     def describe(self, state: RunState) -> str:
         cfg, c = self.cfg, self.corpus
         self.params = sum(p.numel() for p in state.model.parameters())
-        return (f"{cfg.model} ({self.params / 1e6:.2f}M params, {cfg.model_kwargs}) on {cfg.data}: "
-                f"{c.train.numel() / 1e6:.2f} MB train / {c.val.numel() / 1e6:.2f} MB validation ({c.files[0]} / "
-                f"{c.files[1]} files), context {cfg.context}, recipe {cfg.recipe}, {cfg.epochs} x "
-                f"{cfg.steps_per_epoch} steps of {cfg.batch_size} sequences x {self.ctx.world} process(es)")
+        return (
+            f"{cfg.model} ({self.params / 1e6:.2f}M params, {cfg.model_kwargs}) on {cfg.data}: "
+            f"{c.train.numel() / 1e6:.2f} MB train / {c.val.numel() / 1e6:.2f} MB validation ({c.files[0]} / "
+            f"{c.files[1]} files), context {cfg.context}, recipe {cfg.recipe}, {cfg.epochs} x "
+            f"{cfg.steps_per_epoch} steps of {cfg.batch_size} sequences x {self.ctx.world} process(es)"
+        )
 
     def finish(self, state: RunState, row: dict, stopped: bool) -> dict:
         """The whole validation split evaluated; on the main process the weights, plots and ``summary.json``."""
         cfg = self.cfg
         res = self._evaluate(state.model, None)
         history = read_history(self.out / "metrics.csv") if self.ctx.is_main else []
-        summary = {"model": cfg.model, "model_kwargs": dict(cfg.model_kwargs), "vocab_size": cfg.vocab_size,
-                   "data": cfg.data, "context": cfg.context, "recipe": cfg.recipe, "params": self.params,
-                   "epochs": state.epoch, "steps": state.step, "val_bits_per_byte": res["bits_per_byte"],
-                   "val_loss": res["loss"], "val_bytes": res["bytes"], "best_epoch_val_bits_per_byte":
-                   state.best.get("val_bits_per_byte"), "train_bytes_seen": state.samples_seen,
-                   "train_time_s": state.train_time_s,
-                   "bytes_per_s": state.samples_seen / max(state.train_time_s, 1e-9), "processes": self.ctx.world}
+        summary = {
+            "model": cfg.model,
+            "model_kwargs": dict(cfg.model_kwargs),
+            "vocab_size": cfg.vocab_size,
+            "data": cfg.data,
+            "context": cfg.context,
+            "recipe": cfg.recipe,
+            "params": self.params,
+            "epochs": state.epoch,
+            "steps": state.step,
+            "val_bits_per_byte": res["bits_per_byte"],
+            "val_loss": res["loss"],
+            "val_bytes": res["bytes"],
+            "best_epoch_val_bits_per_byte": state.best.get("val_bits_per_byte"),
+            "train_bytes_seen": state.samples_seen,
+            "train_time_s": state.train_time_s,
+            "bytes_per_s": state.samples_seen / max(state.train_time_s, 1e-9),
+            "processes": self.ctx.world,
+        }
         if self.ctx.is_main:
-            meta = encode_metadata(model=cfg.model, model_kwargs=dict(cfg.model_kwargs), vocab_size=cfg.vocab_size,
-                                   data=cfg.data, context=cfg.context)
+            meta = encode_metadata(
+                model=cfg.model,
+                model_kwargs=dict(cfg.model_kwargs),
+                vocab_size=cfg.vocab_size,
+                data=cfg.data,
+                context=cfg.context,
+            )
             export_safetensors(state.model, self.out / "model.safetensors", meta)
             summary["plots"] = [p.name for p in plot_history(history, self.out, LM_PANELS)]
             write_json(summary, self.out / "summary.json")
-        self.log(f"done: validation {res['bits_per_byte']:.3f} bits per byte on {res['bytes']} bytes, "
-                 f"{state.train_time_s:.1f}s training, {summary['bytes_per_s']:.0f} bytes/s -> {self.out}")
+        self.log(
+            f"done: validation {res['bits_per_byte']:.3f} bits per byte on {res['bytes']} bytes, "
+            f"{state.train_time_s:.1f}s training, {summary['bytes_per_s']:.0f} bytes/s -> {self.out}"
+        )
         return summary
 
 
@@ -265,8 +333,16 @@ def load_lm(path: str | Path, device: torch.device | str = "cpu") -> nn.Module:
     return model.to(device).eval()
 
 
-def sample(path: str | Path, prompt: str | bytes, *, max_new_tokens: int = 256, temperature: float = 0.8,
-           top_k: int | None = None, seed: int = 0, device: torch.device | str = "cpu") -> bytes:
+def sample(
+    path: str | Path,
+    prompt: str | bytes,
+    *,
+    max_new_tokens: int = 256,
+    temperature: float = 0.8,
+    top_k: int | None = None,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+) -> bytes:
     """Continue ``prompt`` (text is UTF-8 encoded) with the language model of a run: the prompt's bytes and the
     ``max_new_tokens`` sampled after them."""
     model = cast(LanguageModel, load_lm(path, device))  # a language model: load_lm builds only those
@@ -274,8 +350,9 @@ def sample(path: str | Path, prompt: str | bytes, *, max_new_tokens: int = 256, 
     if not data:
         raise ValueError("prompt must hold at least one byte")
     if max(data) >= model.vocab_size:
-        raise ValueError(f"the prompt has byte values up to {max(data)} but the model's vocab_size is "
-                         f"{model.vocab_size}")
+        raise ValueError(
+            f"the prompt has byte values up to {max(data)} but the model's vocab_size is {model.vocab_size}"
+        )
     tokens = torch.tensor([list(data)], dtype=torch.long, device=device)
     g = torch.Generator(device=device).manual_seed(seed)
     out = model.generate(tokens, max_new_tokens, temperature=temperature, top_k=top_k, generator=g)

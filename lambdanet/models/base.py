@@ -9,6 +9,7 @@ from torch import Tensor, nn
 __all__ = ["Backbone"]
 
 if TYPE_CHECKING:
+
     class _ZeroInitLast(Protocol):
         def zero_init_last(self) -> None: ...
 

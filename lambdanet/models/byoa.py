@@ -36,8 +36,7 @@ from typing import cast
 
 from torch import Tensor, nn
 
-from lambdanet.layers import (EfficientChannelAttention, HaloAttention, LambdaLayer, RelativeSelfAttention,
-                              SqueezeExcite)
+from lambdanet.layers import EfficientChannelAttention, HaloAttention, LambdaLayer, RelativeSelfAttention, SqueezeExcite
 from lambdanet.layers.conv_norm_act import BatchNormAct, ConvNormAct, get_act, make_divisible
 from lambdanet.layers.drop import DropPath
 from lambdanet.models.base import Backbone
@@ -46,8 +45,15 @@ from lambdanet.models.registry import ModelInfo, PretrainedCfg, register_model
 __all__ = ["ByoaStage", "ByoaSpec", "ByoaNet", "timm_weights", "model_cfgs", "BYOA_ARGS"]
 
 
-def timm_weights(hub_id: str, top1: float | None, *, input_size: int = 256, crop_pct: float = 0.95,
-                 interpolation: str = "bicubic", **kwargs) -> PretrainedCfg:
+def timm_weights(
+    hub_id: str,
+    top1: float | None,
+    *,
+    input_size: int = 256,
+    crop_pct: float = 0.95,
+    interpolation: str = "bicubic",
+    **kwargs,
+) -> PretrainedCfg:
     """The :class:`PretrainedCfg` of a timm checkpoint: ``hub_id``, its reported ImageNet top-1 (%, ``None``
     when our sources do not state it) and its evaluation preprocessing (timm's defaults for this family)."""
     return PretrainedCfg(input_size, crop_pct, interpolation, hub_id=hub_id, top1=top1, **kwargs)
@@ -91,66 +97,134 @@ model_cfgs: dict[str, ByoaSpec] = {
     "lambda_resnet26t": ByoaSpec(
         stages=(ByoaStage("bb", 256, 1), ByoaStage("bb", 512), ByoaStage("ba", 1024), ByoaStage("aa", 2048)),
         self_attn=("lambda", {"r": 9}),
-        pretrained=timm_weights("timm/lambda_resnet26t.c1_in1k", 79.1, crop_pct=0.94)),
+        pretrained=timm_weights("timm/lambda_resnet26t.c1_in1k", 79.1, crop_pct=0.94),
+    ),
     "lambda_resnet50ts": ByoaSpec(
         stages=(ByoaStage("bbb", 256, 1), ByoaStage("bbba", 512), ByoaStage("bababa", 1024), ByoaStage("bab", 2048)),
-        self_attn=("lambda", {"r": 9}), act="silu",
-        pretrained=timm_weights("timm/lambda_resnet50ts.a1h_in1k", 81.2, crop_pct=0.95)),
+        self_attn=("lambda", {"r": 9}),
+        act="silu",
+        pretrained=timm_weights("timm/lambda_resnet50ts.a1h_in1k", 81.2, crop_pct=0.95),
+    ),
     "lambda_resnet26rpt_256": ByoaSpec(
         stages=(ByoaStage("bb", 256, 1), ByoaStage("bb", 512), ByoaStage("ba", 1024), ByoaStage("aa", 2048)),
-        self_attn=("lambda", {"r": None}), fixed_input_size=True,
-        pretrained=timm_weights("timm/lambda_resnet26rpt_256.c1_in1k", 79.0, crop_pct=0.94)),
+        self_attn=("lambda", {"r": None}),
+        fixed_input_size=True,
+        pretrained=timm_weights("timm/lambda_resnet26rpt_256.c1_in1k", 79.0, crop_pct=0.94),
+    ),
     "halonet26t": ByoaSpec(
         stages=(ByoaStage("bb", 256, 1), ByoaStage("bb", 512), ByoaStage("ba", 1024), ByoaStage("aa", 2048)),
         self_attn=("halo", {"block_size": 8, "halo_size": 2}),
-        pretrained=timm_weights("timm/halonet26t.a1h_in1k", 79.1, crop_pct=0.95)),
+        pretrained=timm_weights("timm/halonet26t.a1h_in1k", 79.1, crop_pct=0.95),
+    ),
     "sehalonet33ts": ByoaSpec(
-        stages=(ByoaStage("bb", 256, 1), ByoaStage("bba", 512), ByoaStage("bba", 1024),
-                ByoaStage("aa", 1536, bottle_ratio=0.333)),
-        self_attn=("halo", {"block_size": 8, "halo_size": 3}), stem_pool=False, act="silu", num_features=1280,
+        stages=(
+            ByoaStage("bb", 256, 1),
+            ByoaStage("bba", 512),
+            ByoaStage("bba", 1024),
+            ByoaStage("aa", 1536, bottle_ratio=0.333),
+        ),
+        self_attn=("halo", {"block_size": 8, "halo_size": 3}),
+        stem_pool=False,
+        act="silu",
+        num_features=1280,
         channel_attn="se",
-        pretrained=timm_weights("timm/sehalonet33ts.ra2_in1k", 81.0, crop_pct=0.94)),
+        pretrained=timm_weights("timm/sehalonet33ts.ra2_in1k", 81.0, crop_pct=0.94),
+    ),
     "halonet50ts": ByoaSpec(
-        stages=(ByoaStage("bbb", 256, 1),
-                ByoaStage("bbba", 512, self_attn=("halo", {"block_size": 8, "halo_size": 3, "num_heads": 4})),
-                ByoaStage("bababa", 1024), ByoaStage("bab", 2048)),
-        self_attn=("halo", {"block_size": 8, "halo_size": 3}), act="silu",
-        pretrained=timm_weights("timm/halonet50ts.a1h_in1k", 81.6, crop_pct=0.94)),
+        stages=(
+            ByoaStage("bbb", 256, 1),
+            ByoaStage("bbba", 512, self_attn=("halo", {"block_size": 8, "halo_size": 3, "num_heads": 4})),
+            ByoaStage("bababa", 1024),
+            ByoaStage("bab", 2048),
+        ),
+        self_attn=("halo", {"block_size": 8, "halo_size": 3}),
+        act="silu",
+        pretrained=timm_weights("timm/halonet50ts.a1h_in1k", 81.6, crop_pct=0.94),
+    ),
     "eca_halonext26ts": ByoaSpec(
-        stages=(ByoaStage("bb", 256, 1, 16), ByoaStage("bb", 512, 2, 16), ByoaStage("ba", 1024, 2, 16),
-                ByoaStage("aa", 2048, 2, 16)),
-        self_attn=("halo", {"block_size": 8, "halo_size": 2, "dim_head": 16}), act="silu", channel_attn="eca",
-        pretrained=timm_weights("timm/eca_halonext26ts.c1_in1k", 79.5, crop_pct=0.94)),
+        stages=(
+            ByoaStage("bb", 256, 1, 16),
+            ByoaStage("bb", 512, 2, 16),
+            ByoaStage("ba", 1024, 2, 16),
+            ByoaStage("aa", 2048, 2, 16),
+        ),
+        self_attn=("halo", {"block_size": 8, "halo_size": 2, "dim_head": 16}),
+        act="silu",
+        channel_attn="eca",
+        pretrained=timm_weights("timm/eca_halonext26ts.c1_in1k", 79.5, crop_pct=0.94),
+    ),
     "haloregnetz_b": ByoaSpec(
-        stages=(ByoaStage("bb", 48, 2, 16, 3), ByoaStage("bbbbbb", 96, 2, 16, 3),
-                ByoaStage("bbbabbbabbba", 192, 2, 16, 3), ByoaStage("aa", 288, 2, 16, 3)),
-        self_attn=("halo", {"block_size": 7, "halo_size": 2, "qk_ratio": 0.33}), stem="3x3", stem_chs=32,
-        stem_pool=False, act="silu", num_features=1536, channel_attn="se", se_ratio=0.25, shortcut="",
-        bottle_in=True, linear_out=True,
-        pretrained=timm_weights("timm/haloregnetz_b.ra3_in1k", 81.1, input_size=224, crop_pct=0.94,
-                                 mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))),
+        stages=(
+            ByoaStage("bb", 48, 2, 16, 3),
+            ByoaStage("bbbbbb", 96, 2, 16, 3),
+            ByoaStage("bbbabbbabbba", 192, 2, 16, 3),
+            ByoaStage("aa", 288, 2, 16, 3),
+        ),
+        self_attn=("halo", {"block_size": 7, "halo_size": 2, "qk_ratio": 0.33}),
+        stem="3x3",
+        stem_chs=32,
+        stem_pool=False,
+        act="silu",
+        num_features=1536,
+        channel_attn="se",
+        se_ratio=0.25,
+        shortcut="",
+        bottle_in=True,
+        linear_out=True,
+        pretrained=timm_weights(
+            "timm/haloregnetz_b.ra3_in1k",
+            81.1,
+            input_size=224,
+            crop_pct=0.94,
+            mean=(0.5, 0.5, 0.5),
+            std=(0.5, 0.5, 0.5),
+        ),
+    ),
     "botnet26t_256": ByoaSpec(
         stages=(ByoaStage("bb", 256, 1), ByoaStage("bb", 512), ByoaStage("ba", 1024), ByoaStage("aa", 2048)),
-        self_attn=("bottleneck", {}), fixed_input_size=True,
-        pretrained=timm_weights("timm/botnet26t_256.c1_in1k", None, crop_pct=0.95)),
-    "sebotnet33ts_256": ByoaSpec(
-        stages=(ByoaStage("bb", 256, 1), ByoaStage("bba", 512), ByoaStage("bba", 1024),
-                ByoaStage("aa", 1536, bottle_ratio=0.333)),
-        self_attn=("bottleneck", {}), stem_pool=False, act="silu", num_features=1280, channel_attn="se",
+        self_attn=("bottleneck", {}),
         fixed_input_size=True,
-        pretrained=timm_weights("timm/sebotnet33ts_256.a1h_in1k", None, crop_pct=0.94)),
+        pretrained=timm_weights("timm/botnet26t_256.c1_in1k", None, crop_pct=0.95),
+    ),
+    "sebotnet33ts_256": ByoaSpec(
+        stages=(
+            ByoaStage("bb", 256, 1),
+            ByoaStage("bba", 512),
+            ByoaStage("bba", 1024),
+            ByoaStage("aa", 1536, bottle_ratio=0.333),
+        ),
+        self_attn=("bottleneck", {}),
+        stem_pool=False,
+        act="silu",
+        num_features=1280,
+        channel_attn="se",
+        fixed_input_size=True,
+        pretrained=timm_weights("timm/sebotnet33ts_256.a1h_in1k", None, crop_pct=0.94),
+    ),
     "lamhalobotnet50ts_256": ByoaSpec(
-        stages=(ByoaStage("bbb", 256, 1), ByoaStage("baba", 512, self_attn=("lambda", {"r": 13})),
-                ByoaStage("bababa", 1024, self_attn=("halo", {"halo_size": 3})),
-                ByoaStage("bab", 2048, self_attn=("bottleneck", {}))),
-        stem_pool=False, act="silu", fixed_input_size=True,
-        pretrained=timm_weights("timm/lamhalobotnet50ts_256.a1h_in1k", 81.6, crop_pct=0.95)),
+        stages=(
+            ByoaStage("bbb", 256, 1),
+            ByoaStage("baba", 512, self_attn=("lambda", {"r": 13})),
+            ByoaStage("bababa", 1024, self_attn=("halo", {"halo_size": 3})),
+            ByoaStage("bab", 2048, self_attn=("bottleneck", {})),
+        ),
+        stem_pool=False,
+        act="silu",
+        fixed_input_size=True,
+        pretrained=timm_weights("timm/lamhalobotnet50ts_256.a1h_in1k", 81.6, crop_pct=0.95),
+    ),
     "halo2botnet50ts_256": ByoaSpec(
-        stages=(ByoaStage("bbb", 256, 1), ByoaStage("baba", 512, self_attn=("halo", {"halo_size": 3})),
-                ByoaStage("bababa", 1024, self_attn=("halo", {"halo_size": 3})),
-                ByoaStage("bab", 2048, self_attn=("bottleneck", {}))),
-        stem_pool=False, act="silu", fixed_input_size=True,
-        pretrained=timm_weights("timm/halo2botnet50ts_256.a1h_in1k", 82.1, crop_pct=0.95)),
+        stages=(
+            ByoaStage("bbb", 256, 1),
+            ByoaStage("baba", 512, self_attn=("halo", {"halo_size": 3})),
+            ByoaStage("bababa", 1024, self_attn=("halo", {"halo_size": 3})),
+            ByoaStage("bab", 2048, self_attn=("bottleneck", {})),
+        ),
+        stem_pool=False,
+        act="silu",
+        fixed_input_size=True,
+        pretrained=timm_weights("timm/halo2botnet50ts_256.a1h_in1k", 82.1, crop_pct=0.95),
+    ),
 }
 
 
@@ -159,11 +233,29 @@ class ByoaBlock(nn.Module):
     ``spatial`` is the 3x3 :class:`ConvNormAct` (then ``attn`` is the optional channel gate) or the
     self-attention layer (then ``post_attn`` is the BN and activation)."""
 
-    def __init__(self, dim: int, dim_out: int, mid: int, spatial: nn.Module, *, attention: bool, stride: int,
-                 act: type[nn.Module], gate: nn.Module | None, shortcut: str, linear_out: bool, drop_path: float):
+    def __init__(
+        self,
+        dim: int,
+        dim_out: int,
+        mid: int,
+        spatial: nn.Module,
+        *,
+        attention: bool,
+        stride: int,
+        act: type[nn.Module],
+        gate: nn.Module | None,
+        shortcut: str,
+        linear_out: bool,
+        drop_path: float,
+    ):
         super().__init__()
-        self.shortcut = (nn.Identity() if dim == dim_out and stride == 1 else
-                         ConvNormAct(dim, dim_out, 1, stride=stride, act=None) if shortcut else None)
+        self.shortcut = (
+            nn.Identity()
+            if dim == dim_out and stride == 1
+            else ConvNormAct(dim, dim_out, 1, stride=stride, act=None)
+            if shortcut
+            else None
+        )
         self.conv1_1x1 = ConvNormAct(dim, mid, 1, act=act)
         if attention:
             self.self_attn = spatial  # mid -> mid, its own stride
@@ -199,22 +291,40 @@ def self_attention_layer(kind: str, kwargs: Mapping, dim: int, stride: int, feat
     layer: nn.Module
     if kind == "lambda":  # timm: 4 heads, k = 16, u = 1
         r = kw.pop("r", 9)
-        layer = LambdaLayer(dim, dim, dim_k=kw.pop("dim_head", 16), heads=kw.pop("num_heads", 4), r=r,
-                            feat_size=None if r is not None else feat_size, stride=stride, stride_pool=2,
-                            position_bias=r is not None)
+        layer = LambdaLayer(
+            dim,
+            dim,
+            dim_k=kw.pop("dim_head", 16),
+            heads=kw.pop("num_heads", 4),
+            r=r,
+            feat_size=None if r is not None else feat_size,
+            stride=stride,
+            stride_pool=2,
+            position_bias=r is not None,
+        )
     elif kind == "halo":  # timm: 8 heads, query/key depth from qk_ratio unless dim_head
         heads = kw.pop("num_heads", 8)
         dim_head = kw.pop("dim_head", None) or make_divisible(dim * kw.pop("qk_ratio", 1.0)) // heads
         block = kw.pop("block_size", 8)
-        layer = HaloAttention(dim, dim, stride=stride, block_size=block, halo_size=kw.pop("halo_size", 3),
-                              heads=heads, dim_qk=heads * dim_head,
-                              downsample="pool" if block % stride else "subsample", rel_split="full",
-                              rel_geometry="window", mask_padding=False)
+        layer = HaloAttention(
+            dim,
+            dim,
+            stride=stride,
+            block_size=block,
+            halo_size=kw.pop("halo_size", 3),
+            heads=heads,
+            dim_qk=heads * dim_head,
+            downsample="pool" if block % stride else "subsample",
+            rel_split="full",
+            rel_geometry="window",
+            mask_padding=False,
+        )
     elif kind == "bottleneck":  # BoTNet: 4 heads, global, full-depth relative tables
         heads = kw.pop("num_heads", 4)
         dim_head = kw.pop("dim_head", None) or make_divisible(dim * kw.pop("qk_ratio", 1.0)) // heads
-        layer = RelativeSelfAttention(dim, dim, feat_size=feat_size, stride=stride, heads=heads,
-                                      dim_qk=heads * dim_head, rel_split="full")
+        layer = RelativeSelfAttention(
+            dim, dim, feat_size=feat_size, stride=stride, heads=heads, dim_qk=heads * dim_head, rel_split="full"
+        )
     else:
         raise ValueError(f"self-attention layer must be one of ['lambda', 'halo', 'bottleneck'], got {kind!r}")
     if kw:
@@ -251,9 +361,18 @@ class ByoaNet(Backbone):
         zero_init_last: zero the last BN gamma of every residual block.
     """
 
-    def __init__(self, spec: ByoaSpec, *, num_classes: int = 1000, in_chans: int = 3, img_size: int | None = None,
-                 drop_rate: float = 0.0, drop_path_rate: float = 0.0, features_only: bool = False,
-                 zero_init_last: bool = True):
+    def __init__(
+        self,
+        spec: ByoaSpec,
+        *,
+        num_classes: int = 1000,
+        in_chans: int = 3,
+        img_size: int | None = None,
+        drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+        features_only: bool = False,
+        zero_init_last: bool = True,
+    ):
         super().__init__()
         if not 0.0 <= drop_path_rate < 1.0:
             raise ValueError(f"drop_path_rate must be in [0, 1), got {drop_path_rate}")
@@ -272,22 +391,36 @@ class ByoaNet(Backbone):
                 mid = make_divisible((ch if spec.bottle_in else stage.channels) * stage.bottle_ratio)
                 if letter == "a":
                     # the stage's self-attention, else the model's (a spec with "a" blocks has one)
-                    spatial = self_attention_layer(*cast("tuple[str, dict]", stage.self_attn or spec.self_attn), mid,
-                                                   stride, feat)
+                    spatial = self_attention_layer(
+                        *cast("tuple[str, dict]", stage.self_attn or spec.self_attn), mid, stride, feat
+                    )
                     gate = None
                 else:
                     groups = mid // stage.group_size if stage.group_size else 1
                     spatial = ConvNormAct(mid, mid, 3, stride=stride, groups=groups, act=act)
                     gate = self._gate(spec, mid)
-                blocks.append(ByoaBlock(ch, stage.channels, mid, spatial, attention=letter == "a", stride=stride,
-                                        act=act, gate=gate, shortcut=spec.shortcut, linear_out=spec.linear_out,
-                                        drop_path=drop_path_rate * k / max(1, total - 1)))
+                blocks.append(
+                    ByoaBlock(
+                        ch,
+                        stage.channels,
+                        mid,
+                        spatial,
+                        attention=letter == "a",
+                        stride=stride,
+                        act=act,
+                        gate=gate,
+                        shortcut=spec.shortcut,
+                        linear_out=spec.linear_out,
+                        drop_path=drop_path_rate * k / max(1, total - 1),
+                    )
+                )
                 ch, k = stage.channels, k + 1
                 if stride > 1:
                     feat, reduction = (feat[0] // stride, feat[1] // stride), reduction * stride
             stages.append(nn.Sequential(*blocks))
-            self.feature_info.append({"module": f"stages.{i}", "stage": f"c{i + 2}", "num_chs": ch,
-                                      "reduction": reduction})
+            self.feature_info.append(
+                {"module": f"stages.{i}", "stage": f"c{i + 2}", "num_chs": ch, "reduction": reduction}
+            )
         self.stages = nn.Sequential(*stages)
         self.final_conv = ConvNormAct(ch, spec.num_features, 1, act=act) if spec.num_features else nn.Identity()
         ch = spec.num_features or ch
@@ -310,8 +443,13 @@ class ByoaNet(Backbone):
         self._init_norms(ByoaBlock, zero_init_last)
 
 
-BYOA_ARGS: dict[str, object] = {"img_size": None, "drop_rate": 0.0, "drop_path_rate": 0.0, "features_only": False,
-                                "zero_init_last": True}
+BYOA_ARGS: dict[str, object] = {
+    "img_size": None,
+    "drop_rate": 0.0,
+    "drop_path_rate": 0.0,
+    "features_only": False,
+    "zero_init_last": True,
+}
 
 
 def _create(variant: str, *, num_classes: int = 1000, in_chans: int = 3, **kwargs) -> ByoaNet:

@@ -21,8 +21,15 @@ if TYPE_CHECKING:
 __all__ = ["create_model"]
 
 
-def create_model(name: str, *, num_classes: int | None = None, in_chans: int | None = None, pretrained: bool = False,
-                 checkpoint_path: str | os.PathLike | None = None, **kwargs: Any) -> nn.Module:
+def create_model(
+    name: str,
+    *,
+    num_classes: int | None = None,
+    in_chans: int | None = None,
+    pretrained: bool = False,
+    checkpoint_path: str | os.PathLike | None = None,
+    **kwargs: Any,
+) -> nn.Module:
     """Build the registered model ``name``.
 
     Args:
@@ -48,13 +55,21 @@ def create_model(name: str, *, num_classes: int | None = None, in_chans: int | N
     """
     repo = hub_repo(name)
     if repo is not None:
-        return _from_hub(repo, num_classes=num_classes, in_chans=in_chans, pretrained=pretrained,
-                         checkpoint_path=checkpoint_path, **kwargs)
+        return _from_hub(
+            repo,
+            num_classes=num_classes,
+            in_chans=in_chans,
+            pretrained=pretrained,
+            checkpoint_path=checkpoint_path,
+            **kwargs,
+        )
     build = entry_point(name, kwargs)
     if model_info(name).task == "lm":
         if num_classes is not None or in_chans is not None or pretrained or checkpoint_path is not None:
-            raise ValueError(f"{name} is a language model: it takes vocab_size=..., not num_classes, in_chans or "
-                             "weights (load a trained one with lambdanet.lm.load_lm)")
+            raise ValueError(
+                f"{name} is a language model: it takes vocab_size=..., not num_classes, in_chans or "
+                "weights (load a trained one with lambdanet.lm.load_lm)"
+            )
         model = cast("CreatedModel", build(**kwargs))  # given its attributes below
         model.model_name, model.model_kwargs = name, dict(kwargs)
         model.pretrained_cfg = {"architecture": name, "vocab_size": model.vocab_size}
@@ -71,8 +86,7 @@ def create_model(name: str, *, num_classes: int | None = None, in_chans: int | N
     model = cast("CreatedModel", build(num_classes=num_classes, in_chans=in_chans, **kwargs))
     model.model_name, model.model_kwargs = name, dict(kwargs)
     first_conv = next((n for n, m in model.named_modules() if isinstance(m, nn.Conv2d)), None)
-    model.pretrained_cfg = pretrained_cfg(name, num_classes, in_chans) | {"first_conv": first_conv,
-                                                                          "classifier": "fc"}
+    model.pretrained_cfg = pretrained_cfg(name, num_classes, in_chans) | {"first_conv": first_conv, "classifier": "fc"}
     model.default_cfg = model.pretrained_cfg  # timm's older name for the same dict
     if pretrained or checkpoint_path is not None:
         weights.load_into(model, name, pretrained=pretrained, checkpoint_path=checkpoint_path)
@@ -92,10 +106,16 @@ def _from_hub(repo: str, *, num_classes, in_chans, pretrained, checkpoint_path, 
         model = cast("CreatedModel", create_model(arch, vocab_size=meta["vocab_size"], **arch_kwargs))
         load_model(model, str(path))
     else:
-        model = cast("CreatedModel", create_model(
-            arch, num_classes=meta["num_classes"] if num_classes is None else num_classes,
-            in_chans=meta["in_chans"] if in_chans is None else in_chans, checkpoint_path=path, **arch_kwargs))
+        model = cast(
+            "CreatedModel",
+            create_model(
+                arch,
+                num_classes=meta["num_classes"] if num_classes is None else num_classes,
+                in_chans=meta["in_chans"] if in_chans is None else in_chans,
+                checkpoint_path=path,
+                **arch_kwargs,
+            ),
+        )
         model.pretrained_cfg.update(weights=f"hf-hub:{repo}", hf_hub_id=repo.partition("@")[0])
     model.model_kwargs = arch_kwargs
     return model
-

@@ -56,11 +56,21 @@ model_cfgs: dict[str, HaloNetSpec] = {
 HEADS = (4, 8, 8, 8)  # per stage c2..c5 (Table A2 caption)
 
 # the ResNet keyword arguments a HaloNet takes (its blocks, stem and widths are the table's)
-HALONET_ARGS = {k: RESNET_ARGS[k] for k in ("img_size", "drop_rate", "drop_path_rate", "features_only", "layer_kwargs",
-                                            "zero_init_last")}
+HALONET_ARGS = {
+    k: RESNET_ARGS[k]
+    for k in ("img_size", "drop_rate", "drop_path_rate", "features_only", "layer_kwargs", "zero_init_last")
+}
 # HaloNet Sec. 4.1 and App. C.3 (the RandAugment magnitude and image size are per model)
-RECIPE = {"epochs": 350, "optimizer": "sgd", "nesterov": True, "lr": 1.6, "batch_size": 4096, "warmup_epochs": 10,
-          "weight_decay": 2e-5, "label_smoothing": 0.1}
+RECIPE = {
+    "epochs": 350,
+    "optimizer": "sgd",
+    "nesterov": True,
+    "lr": 1.6,
+    "batch_size": 4096,
+    "warmup_epochs": 10,
+    "weight_decay": 2e-5,
+    "label_smoothing": 0.1,
+}
 
 
 def halonet_config(name: str, *, base_width: int = 64, **changes) -> ResNetConfig:
@@ -72,16 +82,27 @@ def halonet_config(name: str, *, base_width: int = 64, **changes) -> ResNetConfi
         **changes: Table A2 entries to replace (``df=1280``), for ablations of the table.
     """
     b, h, rv, rb, l3, s, df, params_m, _ = model_cfgs[name]._replace(**changes)
-    widths = tuple(base_width * 2 ** i for i in range(4))
-    stage_kwargs = cast("tuple[dict, dict, dict, dict]",  # one per stage: HEADS has 4 entries
-                        tuple({"block_size": b, "halo_size": h, "heads": heads, "dim_qk": w}
-                              for heads, w in zip(HEADS, widths)))
+    widths = tuple(base_width * 2**i for i in range(4))
+    stage_kwargs = cast(
+        "tuple[dict, dict, dict, dict]",  # one per stage: HEADS has 4 entries
+        tuple({"block_size": b, "halo_size": h, "heads": heads, "dim_qk": w} for heads, w in zip(HEADS, widths)),
+    )
     return ResNetConfig(
-        (3, 3, l3, 3), widths=widths, expansion=rb, spatial_mult=rv, stem="resnet", shortcut="conv",
-        pattern=("L" * 3, "L" * 3, "L" * l3, "L" * 3), spatial_layer="halo_attention", stage_kwargs=stage_kwargs,
-        act="silu", final_conv=df, input_size=s,
+        (3, 3, l3, 3),
+        widths=widths,
+        expansion=rb,
+        spatial_mult=rv,
+        stem="resnet",
+        shortcut="conv",
+        pattern=("L" * 3, "L" * 3, "L" * l3, "L" * 3),
+        spatial_layer="halo_attention",
+        stage_kwargs=stage_kwargs,
+        act="silu",
+        final_conv=df,
+        input_size=s,
         paper=f"HaloNet-{name.removeprefix('halonet_').upper()}: Table A2 (b={b}, h={h}, rv={rv}, rb={rb}, l3={l3}, "
-              f"s={s}, df={df}), {params_m}M parameters")
+        f"s={s}, df={df}), {params_m}M parameters",
+    )
 
 
 def _create(variant: str, *, num_classes: int = 1000, in_chans: int = 3, **kwargs) -> ResNet:

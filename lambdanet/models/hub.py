@@ -22,7 +22,7 @@ def hub_repo(name) -> str | None:
     """The repository id of an ``"hf-hub:owner/name"`` model name (``"owner/name@revision"`` allowed), else ``None``."""
     if not isinstance(name, str) or not name.startswith(HF_PREFIX):
         return None
-    repo = name[len(HF_PREFIX):]
+    repo = name[len(HF_PREFIX) :]
     if repo.count("/") != 1 or not all(repo.split("@")[0].split("/")):
         raise ValueError(f"a hub model is named 'hf-hub:owner/name', got {name!r}")
     return repo
@@ -38,10 +38,14 @@ def download_hub_weights(repo: str) -> tuple[Path, dict]:
         path = Path(hf_hub_download(repo_id=repo_id, filename=WEIGHTS_FILE, revision=revision or None))
     except Exception as err:  # offline and not cached, no such repository or file, hub errors
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"hf-hub:{repo}: {WEIGHTS_FILE} could not be had from the Hugging Face hub or its cache "
-                         f"({type(err).__name__}: {reason})") from None
+        raise ValueError(
+            f"hf-hub:{repo}: {WEIGHTS_FILE} could not be had from the Hugging Face hub or its cache "
+            f"({type(err).__name__}: {reason})"
+        ) from None
     meta = run_metadata(path)
     if not meta or "model" not in meta:
-        raise ValueError(f"hf-hub:{repo}: {WEIGHTS_FILE} was not written by lambdanet (no model description in "
-                         "its header); load timm checkpoints with timm, or pass checkpoint_path=FILE")
+        raise ValueError(
+            f"hf-hub:{repo}: {WEIGHTS_FILE} was not written by lambdanet (no model description in "
+            "its header); load timm checkpoints with timm, or pass checkpoint_path=FILE"
+        )
     return path, meta

@@ -118,9 +118,24 @@ class LanguageModel(nn.Module):
         dropout: dropout on the residual branches.
     """
 
-    def __init__(self, mixer: str, dim: int, depth: int, heads: int, *, vocab_size: int = 256, dim_k: int = 16,
-                 r: int = 64, mlp_ratio: float = 4.0, dim_v: int | None = None, dim_u: int = 1,
-                 chunk: int = 64, positions: str = "rotary", max_len: int | None = None, dropout: float = 0.0):
+    def __init__(
+        self,
+        mixer: str,
+        dim: int,
+        depth: int,
+        heads: int,
+        *,
+        vocab_size: int = 256,
+        dim_k: int = 16,
+        r: int = 64,
+        mlp_ratio: float = 4.0,
+        dim_v: int | None = None,
+        dim_u: int = 1,
+        chunk: int = 64,
+        positions: str = "rotary",
+        max_len: int | None = None,
+        dropout: float = 0.0,
+    ):
         super().__init__()
         check_choice(mixer, "mixer", MIXERS)
         check_choice(positions, "positions", POSITIONS)
@@ -137,9 +152,12 @@ class LanguageModel(nn.Module):
         self.pos_embed = nn.Parameter(torch.zeros(cast(int, max_len), dim)) if learned else None  # checked above
         if mixer != "transformer":
             dim_v = matched_dim_v(dim, heads, dim_k) if dim_v is None else dim_v
-        mixers = [CausalSelfAttention(dim, heads, rotary=not learned) if mixer == "transformer" else
-                  CausalLambdaLayer(dim, heads, dim_k, dim_v, dim_u, r if mixer == "lambda" else 0, chunk)
-                  for _ in range(depth)]
+        mixers = [
+            CausalSelfAttention(dim, heads, rotary=not learned)
+            if mixer == "transformer"
+            else CausalLambdaLayer(dim, heads, dim_k, dim_v, dim_u, r if mixer == "lambda" else 0, chunk)
+            for _ in range(depth)
+        ]
         self.blocks = nn.ModuleList(_Block(m, dim, mlp_ratio, dropout) for m in mixers)
         self.norm = nn.LayerNorm(dim)
         self._init_weights(depth)
@@ -163,18 +181,24 @@ class LanguageModel(nn.Module):
             got = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
             raise ValueError(f"tokens must be an integer tensor [batch, length], got {got}")
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size):
-            raise ValueError(f"tokens must lie in [0, vocab_size={self.vocab_size}), got values from "
-                             f"{int(tokens.min())} to {int(tokens.max())}")
+            raise ValueError(
+                f"tokens must lie in [0, vocab_size={self.vocab_size}), got values from "
+                f"{int(tokens.min())} to {int(tokens.max())}"
+            )
         if self.max_len is not None and start + tokens.shape[1] > self.max_len:
-            raise ValueError(f"the sequence is {start + tokens.shape[1]} tokens long but the model takes at most "
-                             f"max_len={self.max_len} (learnt positions)")
+            raise ValueError(
+                f"the sequence is {start + tokens.shape[1]} tokens long but the model takes at most "
+                f"max_len={self.max_len} (learnt positions)"
+            )
 
     def init_state(self, batch_size: int) -> dict:
         """The empty context: ``{"position": 0-d long tensor, "layers": [one state per block]}``."""
         check_positive_int(batch_size, "batch_size")
         device = self.embed.weight.device
-        return {"position": torch.zeros((), dtype=torch.long, device=device),
-                "layers": [b.mixer.init_state(batch_size) for b in cast("Iterable[_Block]", self.blocks)]}
+        return {
+            "position": torch.zeros((), dtype=torch.long, device=device),
+            "layers": [b.mixer.init_state(batch_size) for b in cast("Iterable[_Block]", self.blocks)],
+        }
 
     def forward(self, tokens: Tensor, state: dict | None = None, return_state: bool = False):
         """``tokens [b, n]`` -> logits ``[b, n, vocab_size]``; with ``state`` the tokens continue that context,
@@ -183,7 +207,7 @@ class LanguageModel(nn.Module):
         self._check_tokens(tokens, start)
         x = self.embed(tokens)  # b n d
         if self.pos_embed is not None:
-            x = x + self.pos_embed[start:start + tokens.shape[1]]  # b n d
+            x = x + self.pos_embed[start : start + tokens.shape[1]]  # b n d
         layers = [None] * len(self.blocks) if state is None else state["layers"]
         new = []
         for block, s in zip(self.blocks, layers):
@@ -214,8 +238,14 @@ class LanguageModel(nn.Module):
         return logits, {"position": state["position"] + 1, "layers": new}
 
     @torch.no_grad()
-    def generate(self, tokens: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 generator: torch.Generator | None = None) -> Tensor:
+    def generate(
+        self,
+        tokens: Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
         """Continue ``tokens [b, n]`` (``n >= 1``) by ``max_new_tokens`` sampled tokens: the prompt in one parallel
         pass, then :meth:`step` per token. ``top_k=1`` is greedy; ``temperature`` divides the logits.
 
@@ -243,8 +273,9 @@ class LanguageModel(nn.Module):
         return torch.cat(out, dim=1)
 
 
-def sample_next(logits: Tensor, temperature: float = 1.0, top_k: int | None = None,
-                generator: torch.Generator | None = None) -> Tensor:
+def sample_next(
+    logits: Tensor, temperature: float = 1.0, top_k: int | None = None, generator: torch.Generator | None = None
+) -> Tensor:
     """Sample one token per row of ``logits [b, vocab]`` from ``softmax(logits / temperature)`` restricted to
     the ``top_k`` most likely (``top_k=1``: the arg-max, deterministic)."""
     if not isinstance(temperature, (int, float)) or not temperature > 0:

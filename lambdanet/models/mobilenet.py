@@ -18,12 +18,27 @@ from lambdanet.layers.conv_norm_act import conv_norm_act
 from lambdanet.models.base import Backbone
 from lambdanet.models.registry import ModelInfo, register_model
 
-__all__ = ["MobileNetV2", "InvertedResidual", "LambdaBlock", "INVERTED_RESIDUAL_SETTING", "FEATURE_ROWS",
-           "MobileNetVariant", "model_cfgs", "MOBILENET_ARGS"]
+__all__ = [
+    "MobileNetV2",
+    "InvertedResidual",
+    "LambdaBlock",
+    "INVERTED_RESIDUAL_SETTING",
+    "FEATURE_ROWS",
+    "MobileNetVariant",
+    "model_cfgs",
+    "MOBILENET_ARGS",
+]
 
 # (expansion t, channels c, repeats n, stride s) of Sandler et al. 2018, Table 2
-INVERTED_RESIDUAL_SETTING = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1),
-                             (6, 160, 3, 2), (6, 320, 1, 1))
+INVERTED_RESIDUAL_SETTING = (
+    (1, 16, 1, 1),
+    (6, 24, 2, 2),
+    (6, 32, 3, 2),
+    (6, 64, 4, 2),
+    (6, 96, 3, 1),
+    (6, 160, 3, 2),
+    (6, 320, 1, 1),
+)
 # feature taps: the row of INVERTED_RESIDUAL_SETTING whose last block ends each stage (strides 4, 8, 16, 32)
 FEATURE_ROWS = {"c2": 1, "c3": 2, "c4": 4, "c5": 6}
 
@@ -50,8 +65,12 @@ class LambdaBlock(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int, *, r: int = 5, dim_k: int = 32, heads: int = 4):
         super().__init__()
         self.block = nn.Sequential(
-            *conv_norm_act(cin, cin, act="relu6"), LambdaLayer(cin, cin, dim_k=dim_k, heads=heads, r=r, stride=stride),
-            nn.BatchNorm2d(cin), nn.ReLU6(inplace=True), *conv_norm_act(cin, cout, act=None))
+            *conv_norm_act(cin, cin, act="relu6"),
+            LambdaLayer(cin, cin, dim_k=dim_k, heads=heads, r=r, stride=stride),
+            nn.BatchNorm2d(cin),
+            nn.ReLU6(inplace=True),
+            *conv_norm_act(cin, cout, act=None),
+        )
         self.residual = stride == 1 and cin == cout
 
     def forward(self, x: Tensor) -> Tensor:
@@ -61,8 +80,16 @@ class LambdaBlock(nn.Module):
 class MobileNetV2(Backbone):
     """MobileNet-v2 with optional lambda blocks at ``lambda_blocks`` (1-indexed inverted bottlenecks)."""
 
-    def __init__(self, *, num_classes: int = 1000, in_chans: int = 3, lambda_blocks: Sequence[int] = (),
-                 drop_rate: float = 0.2, features_only: bool = False, img_size: int = 224):
+    def __init__(
+        self,
+        *,
+        num_classes: int = 1000,
+        in_chans: int = 3,
+        lambda_blocks: Sequence[int] = (),
+        drop_rate: float = 0.2,
+        features_only: bool = False,
+        img_size: int = 224,
+    ):
         super().__init__()
         total = sum(n for _, _, n, _ in INVERTED_RESIDUAL_SETTING)
         if any(not 1 <= i <= total for i in lambda_blocks):
@@ -80,8 +107,14 @@ class MobileNetV2(Backbone):
                 cin, reduction = c, reduction * stride
             if row in stage_of_row:
                 self._taps.append(len(blocks) - 1)
-                self.feature_info.append({"module": f"features.{len(blocks) - 1}", "stage": stage_of_row[row],
-                                          "num_chs": c, "reduction": reduction})
+                self.feature_info.append(
+                    {
+                        "module": f"features.{len(blocks) - 1}",
+                        "stage": stage_of_row[row],
+                        "num_chs": c,
+                        "reduction": reduction,
+                    }
+                )
         self.features = nn.Sequential(*blocks)
         self.final_conv = nn.Sequential(*conv_norm_act(cin, 1280, act="relu6"))
         self._init_head(1280, num_classes, drop_rate, features_only)
@@ -122,8 +155,19 @@ model_cfgs: dict[str, MobileNetVariant] = {
 # the keyword arguments of the MobileNet entry points (mobilenet_v2_lambda also takes lambda_blocks)
 MOBILENET_ARGS = {"drop_rate": 0.2, "features_only": False, "img_size": 224}
 # LambdaNetworks App. E.2, MobileNet training setup (the hyperparameters of Howard et al. 2019)
-RECIPE = {"epochs": 350, "optimizer": "rmsprop", "momentum": 0.9, "lr": 0.1, "batch_size": 4096, "schedule": "step",
-          "lr_decay_rate": 0.99, "lr_decay_epochs": 3.0, "weight_decay": 1e-5, "drop_rate": 0.2, "img_size": 224}
+RECIPE = {
+    "epochs": 350,
+    "optimizer": "rmsprop",
+    "momentum": 0.9,
+    "lr": 0.1,
+    "batch_size": 4096,
+    "schedule": "step",
+    "lr_decay_rate": 0.99,
+    "lr_decay_epochs": 3.0,
+    "weight_decay": 1e-5,
+    "drop_rate": 0.2,
+    "img_size": 224,
+}
 
 
 def _create(variant: str, *, lambda_blocks: Sequence[int] | None = None, **kwargs) -> MobileNetV2:
@@ -133,8 +177,13 @@ def _create(variant: str, *, lambda_blocks: Sequence[int] | None = None, **kwarg
 
 
 def _info(name: str) -> ModelInfo:
-    return ModelInfo(name, 224, model_cfgs[name].paper, dict(RECIPE),
-                     recipe_source="LambdaNetworks App. E.2 (MobileNet training setup)")
+    return ModelInfo(
+        name,
+        224,
+        model_cfgs[name].paper,
+        dict(RECIPE),
+        recipe_source="LambdaNetworks App. E.2 (MobileNet training setup)",
+    )
 
 
 @register_model(info=_info("mobilenet_v2"), args=MOBILENET_ARGS)
@@ -143,8 +192,10 @@ def mobilenet_v2(**kwargs) -> MobileNetV2:
     return _create("mobilenet_v2", **kwargs)
 
 
-@register_model(info=_info("mobilenet_v2_lambda"),
-                args={**MOBILENET_ARGS, "lambda_blocks": model_cfgs["mobilenet_v2_lambda"].lambda_blocks})
+@register_model(
+    info=_info("mobilenet_v2_lambda"),
+    args={**MOBILENET_ARGS, "lambda_blocks": model_cfgs["mobilenet_v2_lambda"].lambda_blocks},
+)
 def mobilenet_v2_lambda(**kwargs) -> MobileNetV2:
     """MobileNet-v2 with the 10th and 16th inverted bottlenecks replaced by lightweight lambda blocks."""
     return _create("mobilenet_v2_lambda", **kwargs)

@@ -31,9 +31,20 @@ from lambdanet.models.registry import published_models, run_image_cfg
 if TYPE_CHECKING:
     from lambdanet.models.registry import CreatedModel
 
-__all__ = ["PretrainedUnavailableError", "HUB_FILENAME", "cache_dir", "hub_id", "convert_timm_state_dict",
-           "adapt_input_conv", "tie_shared", "load_weights", "load_state", "load_pretrained", "load_into",
-           "download_weights"]
+__all__ = [
+    "PretrainedUnavailableError",
+    "HUB_FILENAME",
+    "cache_dir",
+    "hub_id",
+    "convert_timm_state_dict",
+    "adapt_input_conv",
+    "tie_shared",
+    "load_weights",
+    "load_state",
+    "load_pretrained",
+    "load_into",
+    "download_weights",
+]
 
 HUB_FILENAME = "model.safetensors"  # what timm publishes in each hub repository
 
@@ -54,7 +65,8 @@ def hub_id(name: str) -> str:
     if name not in published:
         raise PretrainedUnavailableError(
             f"no pretrained weights are published for {name!r}; models with weights: {', '.join(sorted(published))} "
-            "(for your own weights pass checkpoint_path=FILE)")
+            "(for your own weights pass checkpoint_path=FILE)"
+        )
     return cast(str, published[name].hub_id)  # published_models keeps the models with a hub_id
 
 
@@ -89,7 +101,10 @@ def _bottleneck_keys(layer: RelativeSelfAttention | HaloAttention, sd: dict[str,
 
 # module type -> its converter, which takes a module of that type
 _CONVERTERS: dict[type[nn.Module], Callable[[Any, dict[str, Tensor], str], None]] = {
-    LambdaLayer: _lambda_keys, HaloAttention: _halo_keys, RelativeSelfAttention: _bottleneck_keys}
+    LambdaLayer: _lambda_keys,
+    HaloAttention: _halo_keys,
+    RelativeSelfAttention: _bottleneck_keys,
+}
 
 
 def convert_timm_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -122,8 +137,11 @@ def adapt_input_conv(weight: Tensor, in_chans: int, dtype: torch.dtype | None = 
     if n == in_chans:
         return weight
     w = weight.double()
-    w = (w.sum(dim=1, keepdim=True) if in_chans == 1
-         else w.repeat(1, -(-in_chans // n), 1, 1)[:, :in_chans] * (n / in_chans))
+    w = (
+        w.sum(dim=1, keepdim=True)
+        if in_chans == 1
+        else w.repeat(1, -(-in_chans // n), 1, 1)[:, :in_chans] * (n / in_chans)
+    )
     return w.to(dtype or weight.dtype)
 
 
@@ -158,18 +176,28 @@ def _fit(model: nn.Module, own: dict[str, Tensor], sd: dict[str, Tensor]) -> tup
         classes = sd["fc.weight"].shape[0]
         for key in _FC:
             sd.pop(key, None)
-        notes.append(f"the checkpoint's {classes}-class classifier is not loaded: the model has a new one "
-                     f"({getattr(model, 'num_classes', '?')} classes)")
+        notes.append(
+            f"the checkpoint's {classes}-class classifier is not loaded: the model has a new one "
+            f"({getattr(model, 'num_classes', '?')} classes)"
+        )
     conv_key = _input_conv_key(model)  # None: no plain input convolution
     value, mine = (sd.get(conv_key), own.get(conv_key)) if conv_key is not None else (None, None)
-    if (conv_key is not None and value is not None and mine is not None and value.dim() == 4 == mine.dim()
-            and value.shape[1] != mine.shape[1] and value.shape[0] == mine.shape[0]
-            and value.shape[2:] == mine.shape[2:]):
+    if (
+        conv_key is not None
+        and value is not None
+        and mine is not None
+        and value.dim() == 4 == mine.dim()
+        and value.shape[1] != mine.shape[1]
+        and value.shape[0] == mine.shape[0]
+        and value.shape[2:] == mine.shape[2:]
+    ):
         n, m = value.shape[1], mine.shape[1]
         sd[conv_key] = adapt_input_conv(value, m, mine.dtype)
         how = "summed over them" if m == 1 else f"repeated over them and scaled by {n}/{m}"
-        notes.append(f"the input convolution {conv_key} is adapted from the checkpoint's {n} input channel"
-                     f"{'s' * (n != 1)} to the model's {m} ({how})")
+        notes.append(
+            f"the input convolution {conv_key} is adapted from the checkpoint's {n} input channel"
+            f"{'s' * (n != 1)} to the model's {m} ({how})"
+        )
     return sd, notes
 
 
@@ -178,8 +206,14 @@ def load_weights(model: nn.Module, path: str | os.PathLike, name: str | None = N
     return load_state(model, read_state_dict(path), source=f"checkpoint_path {str(path)!r}", name=name, path=path)
 
 
-def load_state(model: nn.Module, state_dict: Mapping[str, Tensor], *, source: str = "the weights",
-               name: str | None = None, path: str | os.PathLike | None = None) -> list[str]:
+def load_state(
+    model: nn.Module,
+    state_dict: Mapping[str, Tensor],
+    *,
+    source: str = "the weights",
+    name: str | None = None,
+    path: str | os.PathLike | None = None,
+) -> list[str]:
     """The one way weights enter a model (every loader of the package calls it): lambdanet's own keys as they are,
     timm's converted (:func:`convert_timm_state_dict`), tensors shared in the model filled in (:func:`tie_shared`),
     a classifier of another width left out and the input convolution adapted to the model's channels; otherwise
@@ -196,13 +230,15 @@ def load_state(model: nn.Module, state_dict: Mapping[str, Tensor], *, source: st
         k = shapes[0]
         raise WeightsMismatchError(
             f"{source} does not fit {label}: {len(shapes)} tensors have other shapes, e.g. {k} "
-            f"{tuple(sd[k].shape)} in the file, {tuple(own[k].shape)} in the model ({_shape_hint(model, path, k)})")
+            f"{tuple(sd[k].shape)} in the file, {tuple(own[k].shape)} in the model ({_shape_hint(model, path, k)})"
+        )
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [k for k in missing if k not in _FC]
     if missing or unexpected:
         raise WeightsMismatchError(
             f"{source} does not fit {label}: {len(missing)} missing keys {missing[:3]}, {len(unexpected)} "
-            f"unexpected {unexpected[:3]} (is it a checkpoint of this model?)")
+            f"unexpected {unexpected[:3]} (is it a checkpoint of this model?)"
+        )
     return notes
 
 
@@ -211,9 +247,11 @@ def _shape_hint(model: nn.Module, path, key: str) -> str:
     another image size, else other architecture options."""
     meta = run_metadata(path) if path is not None else None
     if meta is not None:
-        return (f"the file holds {meta['model']} built with {meta['model_kwargs']} for {meta['image_size']} px, "
-                f"{meta['in_chans']}-channel images: build the model with those, as lambdanet.load_model(FILE) and "
-                "lambdanet train --checkpoint FILE do")
+        return (
+            f"the file holds {meta['model']} built with {meta['model_kwargs']} for {meta['image_size']} px, "
+            f"{meta['in_chans']}-channel images: build the model with those, as lambdanet.load_model(FILE) and "
+            "lambdanet train --checkpoint FILE do"
+        )
     attention = [n for n, m in model.named_modules() if type(m) in _CONVERTERS]
     if any(key.startswith(n + ".") for n in attention):
         return "global attention is sized by img_size: build the model at the checkpoint's"
@@ -241,7 +279,8 @@ def load_pretrained(model: nn.Module, name: str) -> list[str]:
             raise PretrainedUnavailableError(
                 f"pretrained weights of {name} could not be downloaded from the Hugging Face hub "
                 f"({repo}: {reason}); download {HUB_FILENAME} from https://huggingface.co/{repo} and pass "
-                f"checkpoint_path=FILE (CLI: --checkpoint FILE)") from err
+                f"checkpoint_path=FILE (CLI: --checkpoint FILE)"
+            ) from err
         from safetensors.torch import save_file
 
         sd = convert_timm_state_dict(model, read_state_dict(path))
@@ -252,8 +291,9 @@ def load_pretrained(model: nn.Module, name: str) -> list[str]:
     return load_weights(model, cached, name)
 
 
-def load_into(model: nn.Module, name: str, *, pretrained: bool = False,
-              checkpoint_path: str | os.PathLike | None = None) -> None:
+def load_into(
+    model: nn.Module, name: str, *, pretrained: bool = False, checkpoint_path: str | os.PathLike | None = None
+) -> None:
     """Load ``name``'s published weights (``pretrained``) or a weights file / run directory into ``model`` and
     record in its ``pretrained_cfg`` where they came from (``weights``), what was adapted (``load_notes``) and,
     for lambdanet's own run weights, their classes and preprocessing."""
@@ -266,9 +306,16 @@ def load_into(model: nn.Module, name: str, *, pretrained: bool = False,
         meta = run_metadata(checkpoint_path)
         if meta and "image_size" in meta:
             cfg = created.pretrained_cfg
-            created.pretrained_cfg.update(run_image_cfg({**meta, "model": cfg["architecture"],
-                                                         "num_classes": cfg["num_classes"],
-                                                         "in_chans": cfg["input_size"][0]}))
+            created.pretrained_cfg.update(
+                run_image_cfg(
+                    {
+                        **meta,
+                        "model": cfg["architecture"],
+                        "num_classes": cfg["num_classes"],
+                        "in_chans": cfg["input_size"][0],
+                    }
+                )
+            )
         if any("classifier" in n for n in notes):
             created.pretrained_cfg["classes"] = None
     created.pretrained_cfg["weights"] = "pretrained" if pretrained else str(checkpoint_path)

@@ -18,8 +18,20 @@ from torch import nn
 
 from lambdanet.constants import DEFAULT_CROP_PCT, DEFAULT_INTERPOLATION, IMAGENET_MEAN, IMAGENET_STD
 
-__all__ = ["unregister_model", "register_model", "entry_point", "image_cfg", "run_image_cfg", "pretrained_cfg",
-           "published_models", "list_models", "model_info", "model_args", "ModelInfo", "PretrainedCfg"]
+__all__ = [
+    "unregister_model",
+    "register_model",
+    "entry_point",
+    "image_cfg",
+    "run_image_cfg",
+    "pretrained_cfg",
+    "published_models",
+    "list_models",
+    "model_info",
+    "model_args",
+    "ModelInfo",
+    "PretrainedCfg",
+]
 
 
 @dataclass(frozen=True)
@@ -78,6 +90,7 @@ class ModelInfo:
 
 
 if TYPE_CHECKING:
+
     class CreatedModel(nn.Module):
         """For type checkers only: the attributes :func:`lambdanet.models.create_model` sets on its model."""
 
@@ -94,8 +107,12 @@ _ARGS: dict[str, dict[str, object]] = {}
 _BUILD_ARGS = ("num_classes", "in_chans")  # taken by every entry point, not architecture arguments
 
 
-def register_model(fn: Callable[..., nn.Module] | None = None, *, info: ModelInfo | None = None,
-                   args: Mapping[str, object] | None = None):
+def register_model(
+    fn: Callable[..., nn.Module] | None = None,
+    *,
+    info: ModelInfo | None = None,
+    args: Mapping[str, object] | None = None,
+):
     """Register a model entry point under its function name (usable bare or with keywords).
 
     Args:
@@ -117,8 +134,9 @@ def register_model(fn: Callable[..., nn.Module] | None = None, *, info: ModelInf
             if bad:
                 raise ValueError(f"args of model {name!r} must not contain {bad}: every model takes them")
             # declared is dict(args) here; inspect.signature reads a function's __signature__ (unknown to Callable)
-            cast(Any, f).__signature__ = _signature(cast("dict[str, object]", declared),
-                                                    image=info is None or info.task == "image")
+            cast(Any, f).__signature__ = _signature(
+                cast("dict[str, object]", declared), image=info is None or info.task == "image"
+            )
         if declared is not None:
             _ARGS[name] = declared
         _MODELS[name], _INFO[name] = f, info if info is not None else ModelInfo(name)
@@ -139,8 +157,9 @@ def _keyword_parameters(fn: Callable) -> dict[str, object] | None:
     params = inspect.signature(fn).parameters.values()
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return None
-    return {p.name: None if p.default is inspect.Parameter.empty else p.default
-            for p in params if p.name not in _BUILD_ARGS}
+    return {
+        p.name: None if p.default is inspect.Parameter.empty else p.default for p in params if p.name not in _BUILD_ARGS
+    }
 
 
 def unregister_model(name: str) -> None:
@@ -153,8 +172,11 @@ def unregister_model(name: str) -> None:
 def list_models(pattern: str | None = None, *, task: str | None = None) -> list[str]:
     """Registered model names, sorted; ``pattern`` is a shell-style wildcard (``"lambda_resnet*"``), ``task``
     keeps one kind (``"image"`` or ``"lm"``, :attr:`ModelInfo.task`)."""
-    return [n for n in sorted(_MODELS) if (not pattern or fnmatch.fnmatch(n, pattern))
-            and (task is None or _INFO[n].task == task)]
+    return [
+        n
+        for n in sorted(_MODELS)
+        if (not pattern or fnmatch.fnmatch(n, pattern)) and (task is None or _INFO[n].task == task)
+    ]
 
 
 def model_info(name: str) -> ModelInfo:
@@ -188,9 +210,20 @@ def entry_point(name: str, kwargs: Mapping[str, object] | None = None) -> Callab
     return _MODELS[name]
 
 
-def image_cfg(architecture: str, *, num_classes: int, in_chans: int, image_size: int, mean, std,
-              crop_pct: float = 1.0, interpolation: str = "bilinear", classes=None, data: str | None = None,
-              hf_hub_id: str | None = None) -> dict:
+def image_cfg(
+    architecture: str,
+    *,
+    num_classes: int,
+    in_chans: int,
+    image_size: int,
+    mean,
+    std,
+    crop_pct: float = 1.0,
+    interpolation: str = "bilinear",
+    classes=None,
+    data: str | None = None,
+    hf_hub_id: str | None = None,
+) -> dict:
     """An image model's ``pretrained_cfg`` in timm's keys and meanings, so that timm's data helpers
     (``resolve_data_config``, ``create_transform``) read it: ``architecture``, ``num_classes``, ``input_size``
     ``(in_chans, H, W)``, ``crop_pct`` (resize the shorter side to ``H / crop_pct``, centre-crop; 1: resize
@@ -198,9 +231,18 @@ def image_cfg(architecture: str, *, num_classes: int, in_chans: int, image_size:
     ``hf_hub_id``; plus lambdanet's ``classes`` (class names, ``None``: ImageNet's for 1000 classes) and ``data``
     (what the weights were trained on). :func:`lambdanet.models.create_model` adds ``first_conv`` and
     ``classifier`` (module names in the built model), loading adds ``weights`` and ``load_notes``."""
-    cfg = {"architecture": architecture, "num_classes": num_classes, "input_size": (in_chans, image_size, image_size),
-           "crop_pct": crop_pct, "crop_mode": "center", "interpolation": interpolation, "mean": list(mean),
-           "std": list(std), "classes": classes, "data": data}
+    cfg = {
+        "architecture": architecture,
+        "num_classes": num_classes,
+        "input_size": (in_chans, image_size, image_size),
+        "crop_pct": crop_pct,
+        "crop_mode": "center",
+        "interpolation": interpolation,
+        "mean": list(mean),
+        "std": list(std),
+        "classes": classes,
+        "data": data,
+    }
     return cfg | ({"hf_hub_id": hf_hub_id} if hf_hub_id else {})
 
 
@@ -208,9 +250,16 @@ def run_image_cfg(meta: dict) -> dict:
     """:func:`image_cfg` of a ``lambdanet train`` run's weights from their metadata (``model``, ``num_classes``,
     ``in_chans``, ``image_size``, ``mean``, ``std``, ``classes``, ``data``): resized straight to the run's size
     (``crop_pct`` 1), as the run evaluated."""
-    return image_cfg(meta["model"], num_classes=meta["num_classes"], in_chans=meta["in_chans"],
-                     image_size=meta["image_size"], mean=meta["mean"], std=meta["std"], classes=meta.get("classes"),
-                     data=meta.get("data"))
+    return image_cfg(
+        meta["model"],
+        num_classes=meta["num_classes"],
+        in_chans=meta["in_chans"],
+        image_size=meta["image_size"],
+        mean=meta["mean"],
+        std=meta["std"],
+        classes=meta.get("classes"),
+        data=meta.get("data"),
+    )
 
 
 def pretrained_cfg(name: str, num_classes: int = 1000, in_chans: int = 3) -> dict:
@@ -218,9 +267,18 @@ def pretrained_cfg(name: str, num_classes: int = 1000, in_chans: int = 3) -> dic
     any weights are loaded: the model's :meth:`ModelInfo.preprocessing`, and for a model with published weights
     their ``hf_hub_id`` and ``data``."""
     p = model_info(name).preprocessing
-    return image_cfg(name, num_classes=num_classes, in_chans=in_chans, image_size=p.input_size, mean=p.mean,
-                     std=p.std, crop_pct=p.crop_pct, interpolation=p.interpolation,
-                     data="imagenet" if p.hub_id else None, hf_hub_id=p.hub_id)
+    return image_cfg(
+        name,
+        num_classes=num_classes,
+        in_chans=in_chans,
+        image_size=p.input_size,
+        mean=p.mean,
+        std=p.std,
+        crop_pct=p.crop_pct,
+        interpolation=p.interpolation,
+        data="imagenet" if p.hub_id else None,
+        hf_hub_id=p.hub_id,
+    )
 
 
 def published_models() -> dict[str, PretrainedCfg]:

@@ -21,14 +21,28 @@ from typing import cast
 
 from torch import Tensor, nn
 
-from lambdanet.layers import (ConvLayer, DoubleAttention, RelativePositionEmbedding, SqueezeExcite,
-                              create_spatial_layer, list_spatial_layers)
+from lambdanet.layers import (
+    ConvLayer,
+    DoubleAttention,
+    RelativePositionEmbedding,
+    SqueezeExcite,
+    create_spatial_layer,
+    list_spatial_layers,
+)
 from lambdanet.layers.conv_norm_act import ACTIVATIONS, conv_norm_act, get_act
 from lambdanet.layers.drop import DropPath
 from lambdanet.models.base import Backbone
 
-__all__ = ["ResNetConfig", "ResNetArgs", "RESNET_ARGS", "ResNet", "Bottleneck", "build_resnet", "stage_pattern",
-           "STAGE_NAMES"]
+__all__ = [
+    "ResNetConfig",
+    "ResNetArgs",
+    "RESNET_ARGS",
+    "ResNet",
+    "Bottleneck",
+    "build_resnet",
+    "stage_pattern",
+    "STAGE_NAMES",
+]
 
 STAGE_NAMES = ("c2", "c3", "c4", "c5")
 
@@ -74,8 +88,11 @@ class ResNetConfig:
     paper: str = ""
 
     def block_pattern(self) -> tuple[str, str, str, str]:
-        return self.pattern if self.pattern is not None else cast("tuple[str, str, str, str]",
-                                                                  tuple("C" * n for n in self.layers))
+        return (
+            self.pattern
+            if self.pattern is not None
+            else cast("tuple[str, str, str, str]", tuple("C" * n for n in self.layers))
+        )
 
 
 @dataclass(frozen=True)
@@ -118,8 +135,10 @@ RESNET_ARGS: dict[str, object] = {f.name: f.default for f in fields(ResNetArgs)}
 def stage_pattern(layers: Sequence[int], stage_layers: str) -> tuple[str, str, str, str]:
     """``"CCLL"`` (Table 13 notation, one letter per stage c2..c5) -> one letter per block."""
     if not isinstance(stage_layers, str) or len(stage_layers) != 4 or set(stage_layers.upper()) - {"C", "L"}:
-        raise ValueError(f"stage_layers must be 4 letters C (3x3 conv) or L (the spatial_layer), one per stage "
-                         f"c2..c5, e.g. 'CCLL'; got {stage_layers!r}")
+        raise ValueError(
+            f"stage_layers must be 4 letters C (3x3 conv) or L (the spatial_layer), one per stage "
+            f"c2..c5, e.g. 'CCLL'; got {stage_layers!r}"
+        )
     return cast("tuple[str, str, str, str]", tuple(letter * n for letter, n in zip(stage_layers.upper(), layers)))
 
 
@@ -132,8 +151,11 @@ def _stem(kind: str, in_chans: int, act: type[nn.Module]) -> tuple[nn.Sequential
     if kind == "resnet":
         return nn.Sequential(*cba(in_chans, 64, 7, 2), nn.MaxPool2d(3, 2, 1)), 64, 4
     if kind == "rs":
-        return nn.Sequential(*cba(in_chans, 32, 3, 2), *cba(32, 32, 3, 1), *cba(32, 64, 3, 1),
-                             *cba(64, 64, 3, 2)), 64, 4
+        return (
+            nn.Sequential(*cba(in_chans, 32, 3, 2), *cba(32, 32, 3, 1), *cba(32, 64, 3, 1), *cba(64, 64, 3, 2)),
+            64,
+            4,
+        )
     if kind == "cifar":
         return nn.Sequential(*cba(in_chans, 64, 3, 1)), 64, 1
     raise ValueError(f"stem must be one of ['resnet', 'rs', 'cifar'], got {kind!r}")
@@ -142,8 +164,20 @@ def _stem(kind: str, in_chans: int, act: type[nn.Module]) -> tuple[nn.Sequential
 class Bottleneck(nn.Module):
     """A bottleneck block with an arbitrary spatial layer (see module docstring)."""
 
-    def __init__(self, in_ch: int, width: int, out_ch: int, spatial: nn.Module, spatial_ch: int, *, stride: int,
-                 shortcut: str, se_ratio: float, act: type[nn.Module], drop_path: float):
+    def __init__(
+        self,
+        in_ch: int,
+        width: int,
+        out_ch: int,
+        spatial: nn.Module,
+        spatial_ch: int,
+        *,
+        stride: int,
+        shortcut: str,
+        se_ratio: float,
+        act: type[nn.Module],
+        drop_path: float,
+    ):
         super().__init__()
         self.conv1 = nn.Conv2d(in_ch, width, 1, bias=False)
         self.bn1 = nn.BatchNorm2d(width)
@@ -174,6 +208,25 @@ class Bottleneck(nn.Module):
         return self.act(self.drop_path(out) + self.shortcut(x))
 
 
+def _check_args(
+    cfg: ResNetConfig, img_size: int | Sequence[int] | None, drop_path_rate: float, share_embeddings: bool
+) -> tuple[int, ...]:
+    """:class:`ResNet`'s arguments checked (one-line ``ValueError``s); returns the input size ``(H, W)``."""
+    _validate_config(cfg)
+    if not 0.0 <= drop_path_rate < 1.0:
+        raise ValueError(f"drop_path_rate must be in [0, 1), got {drop_path_rate}")
+    img = img_size if img_size is not None else cfg.input_size
+    img = (img, img) if isinstance(img, int) else tuple(img)
+    if len(img) != 2 or min(img) <= 0:
+        raise ValueError(f"img_size must be a positive int or (H, W), got {img_size!r}")
+    if share_embeddings and cfg.spatial_layer not in ("lambda", "lambda_conv"):
+        raise ValueError(
+            f"share_embeddings needs lambda layers (spatial_layer 'lambda' or 'lambda_conv'), "
+            f"got spatial_layer={cfg.spatial_layer!r}"
+        )
+    return img
+
+
 class ResNet(Backbone):
     """A :class:`ResNetConfig` made module.
 
@@ -191,26 +244,27 @@ class ResNet(Backbone):
             embeddings", App. A): one per (scope, depth) for local scopes, one per input size for global contexts.
     """
 
-    def __init__(self, cfg: ResNetConfig, *, num_classes: int = 1000, in_chans: int = 3,
-                 img_size: int | Sequence[int] | None = None, drop_rate: float = 0.0, drop_path_rate: float = 0.0,
-                 layer_kwargs: Mapping | None = None, features_only: bool = False, zero_init_last: bool = True,
-                 share_embeddings: bool = False):
+    def __init__(
+        self,
+        cfg: ResNetConfig,
+        *,
+        num_classes: int = 1000,
+        in_chans: int = 3,
+        img_size: int | Sequence[int] | None = None,
+        drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+        layer_kwargs: Mapping | None = None,
+        features_only: bool = False,
+        zero_init_last: bool = True,
+        share_embeddings: bool = False,
+    ):
         super().__init__()
-        _validate_config(cfg)
-        if not 0.0 <= drop_path_rate < 1.0:
-            raise ValueError(f"drop_path_rate must be in [0, 1), got {drop_path_rate}")
-        img = img_size if img_size is not None else cfg.input_size
-        img = (img, img) if isinstance(img, int) else tuple(img)
-        if len(img) != 2 or min(img) <= 0:
-            raise ValueError(f"img_size must be a positive int or (H, W), got {img_size!r}")
+        img = _check_args(cfg, img_size, drop_path_rate, share_embeddings)
         self.cfg, self.img_size = cfg, img
         act = cast("type[nn.Module]", get_act(cfg.act))  # a name (validated): never None
         self.stem, ch, reduction = _stem(cfg.stem, in_chans, act)
         size, total = tuple(math.ceil(s / reduction) for s in img), sum(cfg.layers)
         dpr = [drop_path_rate * i / max(1, total - 1) for i in range(total)]
-        if share_embeddings and cfg.spatial_layer not in ("lambda", "lambda_conv"):
-            raise ValueError(f"share_embeddings needs lambda layers (spatial_layer 'lambda' or 'lambda_conv'), "
-                             f"got spatial_layer={cfg.spatial_layer!r}")
         shared: dict[tuple, RelativePositionEmbedding] = {}
         stages, self.feature_info, k = [], [], 0
         for i, (n, w, letters) in enumerate(zip(cfg.layers, cfg.widths, cfg.block_pattern())):
@@ -225,24 +279,40 @@ class ResNet(Backbone):
                     kwargs = {**cfg.stage_kwargs[i], **(layer_kwargs or {})}
                     if share_embeddings:
                         kwargs["embedding"] = _shared_embedding(shared, cfg.spatial_layer, kwargs, size)
-                    spatial = create_spatial_layer(cfg.spatial_layer, w, spatial_ch, stride=stride,
-                                                   feat_size=cast("tuple[int, int]", size), **kwargs)  # size: (H, W)
+                    feat = cast("tuple[int, int]", size)  # (H, W)
+                    spatial = create_spatial_layer(
+                        cfg.spatial_layer, w, spatial_ch, stride=stride, feat_size=feat, **kwargs
+                    )
                 se = cfg.se_ratio if letters[j] == "C" else 0.0
-                blocks.append(Bottleneck(ch, w, out_ch, spatial, spatial_ch, stride=stride, shortcut=cfg.shortcut,
-                                         se_ratio=se, act=act, drop_path=dpr[k]))
+                blocks.append(
+                    Bottleneck(
+                        ch,
+                        w,
+                        out_ch,
+                        spatial,
+                        spatial_ch,
+                        stride=stride,
+                        shortcut=cfg.shortcut,
+                        se_ratio=se,
+                        act=act,
+                        drop_path=dpr[k],
+                    )
+                )
                 if j + 1 in extra:
                     blocks.append(DoubleAttention(out_ch))
                 ch, k = out_ch, k + 1
                 if stride == 2:
                     size, reduction = tuple(math.ceil(s / 2) for s in size), reduction * 2
             stages.append(nn.Sequential(*blocks))
-            self.feature_info.append({"module": f"stages.{i}", "stage": STAGE_NAMES[i], "num_chs": ch,
-                                      "reduction": reduction})
+            self.feature_info.append(
+                {"module": f"stages.{i}", "stage": STAGE_NAMES[i], "num_chs": ch, "reduction": reduction}
+            )
         self.stages = nn.Sequential(*stages)
         self.final_conv: nn.Module = nn.Identity()
         if cfg.final_conv:
-            self.final_conv = nn.Sequential(nn.Conv2d(ch, cfg.final_conv, 1, bias=False),
-                                            nn.BatchNorm2d(cfg.final_conv), act(inplace=True))
+            self.final_conv = nn.Sequential(
+                nn.Conv2d(ch, cfg.final_conv, 1, bias=False), nn.BatchNorm2d(cfg.final_conv), act(inplace=True)
+            )
             ch = cfg.final_conv
         self._init_head(ch, num_classes, drop_rate, features_only)
         self._init_weights(zero_init_last)
@@ -262,13 +332,15 @@ class ResNet(Backbone):
         self._init_norms(Bottleneck, zero_init_last)
 
 
-def _shared_embedding(shared: dict, layer: str, kwargs: Mapping,
-                      size: tuple[int, ...]) -> RelativePositionEmbedding:
+def _shared_embedding(shared: dict, layer: str, kwargs: Mapping, size: tuple[int, ...]) -> RelativePositionEmbedding:
     dim_k, dim_u = kwargs.get("dim_k", 16), kwargs.get("dim_u", 1)
     key = ("global", dim_k, dim_u, size) if layer == "lambda" else ("local", dim_k, dim_u, kwargs.get("r", 23))
     if key not in shared:
-        shared[key] = (RelativePositionEmbedding.global_context(dim_k, size, dim_u=dim_u) if layer == "lambda"
-                       else RelativePositionEmbedding.local(dim_k, cast(int, key[3]), dim_u=dim_u))
+        shared[key] = (
+            RelativePositionEmbedding.global_context(dim_k, size, dim_u=dim_u)
+            if layer == "lambda"
+            else RelativePositionEmbedding.local(dim_k, cast(int, key[3]), dim_u=dim_u)
+        )
     return shared[key]
 
 
@@ -292,8 +364,9 @@ def _validate_config(cfg: ResNetConfig) -> None:
             raise ValueError(f"nonlocal_blocks[{stage!r}] must be 1-indexed blocks in 1..{n}, got {blocks}")
 
 
-def build_resnet(cfg: ResNetConfig, args: ResNetArgs = ResNetArgs(), *, num_classes: int = 1000,
-                 in_chans: int = 3) -> ResNet:
+def build_resnet(
+    cfg: ResNetConfig, args: ResNetArgs = ResNetArgs(), *, num_classes: int = 1000, in_chans: int = 3
+) -> ResNet:
     """Apply the keyword arguments ``args`` to the configuration ``cfg`` and build the module."""
     changes: dict = {}
     if args.stage_layers is not None:
@@ -302,8 +375,9 @@ def build_resnet(cfg: ResNetConfig, args: ResNetArgs = ResNetArgs(), *, num_clas
     if args.spatial_layer is not None:
         changes["spatial_layer"] = args.spatial_layer
         if args.stage_layers is None and cfg.pattern is None:
-            raise ValueError("spatial_layer selects the layer of the non-C stages: also pass stage_layers, "
-                             "e.g. stage_layers='LLLL'")
+            raise ValueError(
+                "spatial_layer selects the layer of the non-C stages: also pass stage_layers, e.g. stage_layers='LLLL'"
+            )
         changes["stage_kwargs"] = ({}, {}, {}, {})
     if args.se:
         changes["se_ratio"] = 1 / 16 if args.se is True else float(args.se)
@@ -312,10 +386,18 @@ def build_resnet(cfg: ResNetConfig, args: ResNetArgs = ResNetArgs(), *, num_clas
     if args.base_width is not None:
         if not isinstance(args.base_width, int) or args.base_width <= 0:
             raise ValueError(f"base_width must be a positive int, got {args.base_width!r}")
-        changes["widths"] = tuple(args.base_width * 2 ** i for i in range(4))
+        changes["widths"] = tuple(args.base_width * 2**i for i in range(4))
     if args.nonlocal_blocks is not None:
         changes["nonlocal_blocks"] = dict(args.nonlocal_blocks)
-    return ResNet(replace(cfg, **changes), num_classes=num_classes, in_chans=in_chans, img_size=args.img_size,
-                  drop_rate=args.drop_rate, drop_path_rate=args.drop_path_rate, layer_kwargs=args.layer_kwargs,
-                  features_only=args.features_only, zero_init_last=args.zero_init_last,
-                  share_embeddings=args.share_embeddings)
+    return ResNet(
+        replace(cfg, **changes),
+        num_classes=num_classes,
+        in_chans=in_chans,
+        img_size=args.img_size,
+        drop_rate=args.drop_rate,
+        drop_path_rate=args.drop_path_rate,
+        layer_kwargs=args.layer_kwargs,
+        features_only=args.features_only,
+        zero_init_last=args.zero_init_last,
+        share_embeddings=args.share_embeddings,
+    )

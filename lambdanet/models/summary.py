@@ -40,8 +40,14 @@ def paper_comparison(rows: list[PaperRow] | None = None, *, flops: bool = True) 
     """Each paper row with our parameter count (and FLOPs where the paper reports them)."""
     out = []
     for row in rows if rows is not None else PAPER_ROWS:
-        entry: dict[str, Any] = {"table": row.table, "row": row.row, "call": row.call, "paper_params_m": row.params_m,
-                                 "paper_flops_g": row.flops_g, "note": row.note}
+        entry: dict[str, Any] = {
+            "table": row.table,
+            "row": row.row,
+            "call": row.call,
+            "paper_params_m": row.params_m,
+            "paper_flops_g": row.flops_g,
+            "note": row.note,
+        }
         if row.model:
             s = model_summary(row.model, row.image_size, flops=flops and row.flops_g is not None, **row.kwargs)
             entry["params_m"] = s["params"] / 1e6

@@ -25,20 +25,42 @@ from typing import NamedTuple
 from lambdanet.models.registry import ModelInfo, register_model
 from lambdanet.models.resnet import RESNET_ARGS, ResNet, ResNetArgs, ResNetConfig, build_resnet, stage_pattern
 
-__all__ = ["RESNET_LAYERS", "RESNET_RS_LAYERS", "LAMBDA_C4_BLOCKS", "TABLE20_REGULARIZATION", "Table20Row",
-           "ZooModel", "model_cfgs", "lambda_resnet_pattern", "table20_recipe"]
+__all__ = [
+    "RESNET_LAYERS",
+    "RESNET_RS_LAYERS",
+    "LAMBDA_C4_BLOCKS",
+    "TABLE20_REGULARIZATION",
+    "Table20Row",
+    "ZooModel",
+    "model_cfgs",
+    "lambda_resnet_pattern",
+    "table20_recipe",
+]
 
 # He et al. 2016 (and a compact 26-layer variant for small data)
 RESNET_LAYERS = {26: (2, 2, 2, 2), 50: (3, 4, 6, 3), 101: (3, 4, 23, 3), 152: (3, 8, 36, 3)}
 
 # LambdaNetworks Table 18 (block allocations of Bello et al. 2021)
-RESNET_RS_LAYERS = {50: (3, 4, 6, 3), 101: (3, 4, 23, 3), 152: (3, 8, 36, 3), 200: (3, 24, 36, 3),
-                    270: (4, 29, 53, 4), 350: (4, 36, 72, 4), 420: (4, 44, 87, 4)}
+RESNET_RS_LAYERS = {
+    50: (3, 4, 6, 3),
+    101: (3, 4, 23, 3),
+    152: (3, 8, 36, 3),
+    200: (3, 24, 36, 3),
+    270: (4, 29, 53, 4),
+    350: (4, 36, 72, 4),
+    420: (4, 44, 87, 4),
+}
 
 # LambdaNetworks Table 18: lambda layers in c4 (1-indexed blocks); every c5 block is a lambda layer
-LAMBDA_C4_BLOCKS = {50: (3,), 101: (6, 12, 18), 152: (5, 10, 15, 20, 25, 30), 200: (5, 10, 15, 20, 25, 30),
-                    270: (8, 16, 24, 32, 40, 48), 350: (10, 20, 30, 40, 50, 60),
-                    420: (10, 20, 30, 40, 50, 60, 70, 80)}
+LAMBDA_C4_BLOCKS = {
+    50: (3,),
+    101: (6, 12, 18),
+    152: (5, 10, 15, 20, 25, 30),
+    200: (5, 10, 15, 20, 25, 30),
+    270: (8, 16, 24, 32, 40, 48),
+    350: (10, 20, 30, 40, 50, 60),
+    420: (10, 20, 30, 40, 50, 60, 70, 80),
+}
 
 
 class Table20Row(NamedTuple):
@@ -54,8 +76,12 @@ class Table20Row(NamedTuple):
 TABLE20_REGULARIZATION: dict[int, tuple[Table20Row, ...]] = {
     50: (Table20Row(128, 10, 0.2, 0.0), Table20Row(160, 10, 0.2, 0.0)),
     101: (Table20Row(160, 10, 0.3, 0.0), Table20Row(192, 15, 0.2, 0.0)),
-    152: (Table20Row(192, 15, 0.3, 0.0), Table20Row(224, 15, 0.3, 0.1), Table20Row(256, 15, 0.3, 0.1),
-          Table20Row(288, 15, 0.3, 0.1)),
+    152: (
+        Table20Row(192, 15, 0.3, 0.0),
+        Table20Row(224, 15, 0.3, 0.1),
+        Table20Row(256, 15, 0.3, 0.1),
+        Table20Row(288, 15, 0.3, 0.1),
+    ),
     270: (Table20Row(256, 15, 0.3, 0.1),),
     350: (Table20Row(256, 15, 0.3, 0.2), Table20Row(288, 15, 0.3, 0.2), Table20Row(320, 15, 0.3, 0.2)),
     420: (Table20Row(320, 15, 0.3, 0.2),),
@@ -69,8 +95,9 @@ C5_LAMBDA = {"dim_k": 16, "heads": 4, "dim_u": 4, "r": 7}
 
 def lambda_resnet_pattern(layers: Sequence[int], c4_blocks: Sequence[int] | str) -> tuple[str, str, str, str]:
     """Table 18 placement: conv in c2-c3, lambda at ``c4_blocks`` (1-indexed, or ``"all"``), lambda in c5."""
-    c4 = "L" * layers[2] if c4_blocks == "all" else "".join(
-        "L" if j + 1 in c4_blocks else "C" for j in range(layers[2]))
+    c4 = (
+        "L" * layers[2] if c4_blocks == "all" else "".join("L" if j + 1 in c4_blocks else "C" for j in range(layers[2]))
+    )
     return ("C" * layers[0], "C" * layers[1], c4, "L" * layers[3])
 
 
@@ -81,9 +108,15 @@ def table20_recipe(depth: int, img_size: int) -> tuple[dict, str]:
     rows = TABLE20_REGULARIZATION[depth if listed else min(TABLE20_REGULARIZATION, key=lambda d: abs(d - depth))]
     row = max(rows, key=lambda r: r.img_size if r.img_size <= img_size else -1)
     source = "LambdaNetworks App. E.2, Tables 19-20" + ("" if listed else ", nearest depth (not listed for this depth)")
-    return {"epochs": 350, "img_size": row.img_size, "randaugment_layers": 2,
-            "randaugment_magnitude": row.randaugment_magnitude, "drop_rate": row.drop_rate,
-            "drop_path_rate": row.drop_path_rate, "weight_decay": 4e-5}, source
+    return {
+        "epochs": 350,
+        "img_size": row.img_size,
+        "randaugment_layers": 2,
+        "randaugment_magnitude": row.randaugment_magnitude,
+        "drop_rate": row.drop_rate,
+        "drop_path_rate": row.drop_path_rate,
+        "weight_decay": 4e-5,
+    }, source
 
 
 class ZooModel(NamedTuple):
@@ -99,41 +132,70 @@ class ZooModel(NamedTuple):
 def _resnet_v1(depth: int, *, small: bool = False) -> ZooModel:
     paper_row = depth == 50  # only ResNet-50 is a row of LambdaNetworks Tables 3, 9 and 13
     tables = "; LambdaNetworks Tables 3, 9, 13" if paper_row else ""
-    cfg = ResNetConfig(RESNET_LAYERS[depth], input_size=224, paper=f"ResNet-{depth} v1 (He et al. 2016; stride on "
-                                                                   f"the 3x3 conv){tables}")
-    return ZooModel(cfg, "He et al. 2016" + ("; LambdaNetworks Table 3" if paper_row else ""), {"epochs": 90},
-                    "LambdaNetworks App. E.2, 90-epoch setup", small)
+    cfg = ResNetConfig(
+        RESNET_LAYERS[depth],
+        input_size=224,
+        paper=f"ResNet-{depth} v1 (He et al. 2016; stride on the 3x3 conv){tables}",
+    )
+    return ZooModel(
+        cfg,
+        "He et al. 2016" + ("; LambdaNetworks Table 3" if paper_row else ""),
+        {"epochs": 90},
+        "LambdaNetworks App. E.2, 90-epoch setup",
+        small,
+    )
 
 
 def _resnet_rs(depth: int, *, se: bool = False) -> ZooModel:
     listed = depth in TABLE14_DEPTHS  # Table 14 lists ResNet-RS-101 and -152; Table 18 gives every depth's blocks
-    cfg = ResNetConfig(RESNET_RS_LAYERS[depth], stem="rs", shortcut="avg", se_ratio=0.25 if se else 0.0,
-                       input_size=DEFAULT_SIZE[depth],
-                       paper=f"ResNet-RS-{depth} {'w/' if se else 'wo/'} SE (Bello et al. 2021): ResNet-D stem and "
-                             "shortcut, max pool replaced by a strided 3x3 conv, SE ratio 0.25; LambdaNetworks "
-                             + ("Table 14" if listed else "Table 18 blocks"))
-    return ZooModel(cfg, "LambdaNetworks " + ("Table 14, Table 18 blocks" if listed else "Table 18 blocks"),
-                    *table20_recipe(depth, DEFAULT_SIZE[depth]))
+    cfg = ResNetConfig(
+        RESNET_RS_LAYERS[depth],
+        stem="rs",
+        shortcut="avg",
+        se_ratio=0.25 if se else 0.0,
+        input_size=DEFAULT_SIZE[depth],
+        paper=f"ResNet-RS-{depth} {'w/' if se else 'wo/'} SE (Bello et al. 2021): ResNet-D stem and "
+        "shortcut, max pool replaced by a strided 3x3 conv, SE ratio 0.25; LambdaNetworks "
+        + ("Table 14" if listed else "Table 18 blocks"),
+    )
+    return ZooModel(
+        cfg,
+        "LambdaNetworks " + ("Table 14, Table 18 blocks" if listed else "Table 18 blocks"),
+        *table20_recipe(depth, DEFAULT_SIZE[depth]),
+    )
 
 
 def _lambda_resnet(depth: int) -> ZooModel:
     layers = RESNET_RS_LAYERS[depth]
     pattern = lambda_resnet_pattern(layers, LAMBDA_C4_BLOCKS[depth])
-    cfg = ResNetConfig(layers, stem="rs", shortcut="avg", pattern=pattern,
-                       stage_kwargs=({}, {}, C4_LAMBDA, C5_LAMBDA), input_size=DEFAULT_SIZE[depth],
-                       paper=f"LambdaResNet-{depth}: Table 18 ({'-'.join(map(str, layers))}, lambda in c4 blocks "
-                             f"{LAMBDA_C4_BLOCKS[depth]} and all of c5)")
+    cfg = ResNetConfig(
+        layers,
+        stem="rs",
+        shortcut="avg",
+        pattern=pattern,
+        stage_kwargs=({}, {}, C4_LAMBDA, C5_LAMBDA),
+        input_size=DEFAULT_SIZE[depth],
+        paper=f"LambdaResNet-{depth}: Table 18 ({'-'.join(map(str, layers))}, lambda in c4 blocks "
+        f"{LAMBDA_C4_BLOCKS[depth]} and all of c5)",
+    )
     # Table 14 has the parameter counts of -101 and -152; Tables 19-20 list every depth but 200
     tables = ("Table 14, " if depth in TABLE14_DEPTHS else "") + (
-        "Tables 18-20" if depth in TABLE20_REGULARIZATION else "Table 18")
+        "Tables 18-20" if depth in TABLE20_REGULARIZATION else "Table 18"
+    )
     return ZooModel(cfg, f"LambdaNetworks {tables}", *table20_recipe(depth, DEFAULT_SIZE[depth]))
 
 
 def _lambda_resnet_c4(depth: int, c4_lambda: Mapping) -> ZooModel:
     layers = RESNET_RS_LAYERS[depth]
-    cfg = ResNetConfig(layers, stem="rs", shortcut="avg", pattern=lambda_resnet_pattern(layers, "all"),
-                       stage_kwargs=({}, {}, c4_lambda, C5_LAMBDA), input_size=DEFAULT_SIZE[depth],
-                       paper=f"LambdaResNet-{depth}-C4: every c4 and c5 block a lambda layer ({C4_TABLES[depth]})")
+    cfg = ResNetConfig(
+        layers,
+        stem="rs",
+        shortcut="avg",
+        pattern=lambda_resnet_pattern(layers, "all"),
+        stage_kwargs=({}, {}, c4_lambda, C5_LAMBDA),
+        input_size=DEFAULT_SIZE[depth],
+        paper=f"LambdaResNet-{depth}-C4: every c4 and c5 block a lambda layer ({C4_TABLES[depth]})",
+    )
     return ZooModel(cfg, f"LambdaNetworks {C4_TABLES[depth]}", *table20_recipe(depth, DEFAULT_SIZE[depth]))
 
 
@@ -151,13 +213,20 @@ model_cfgs: dict[str, ZooModel] = {
     "resnet101": _resnet_v1(101),
     "resnet152": _resnet_v1(152),
     # ResNet-RS (Bello et al. 2021) without and with squeeze-and-excitation: Table 14, Table 18 blocks
-    "resnet_rs50": _resnet_rs(50), "resnet_rs50_se": _resnet_rs(50, se=True),
-    "resnet_rs101": _resnet_rs(101), "resnet_rs101_se": _resnet_rs(101, se=True),
-    "resnet_rs152": _resnet_rs(152), "resnet_rs152_se": _resnet_rs(152, se=True),
-    "resnet_rs200": _resnet_rs(200), "resnet_rs200_se": _resnet_rs(200, se=True),
-    "resnet_rs270": _resnet_rs(270), "resnet_rs270_se": _resnet_rs(270, se=True),
-    "resnet_rs350": _resnet_rs(350), "resnet_rs350_se": _resnet_rs(350, se=True),
-    "resnet_rs420": _resnet_rs(420), "resnet_rs420_se": _resnet_rs(420, se=True),
+    "resnet_rs50": _resnet_rs(50),
+    "resnet_rs50_se": _resnet_rs(50, se=True),
+    "resnet_rs101": _resnet_rs(101),
+    "resnet_rs101_se": _resnet_rs(101, se=True),
+    "resnet_rs152": _resnet_rs(152),
+    "resnet_rs152_se": _resnet_rs(152, se=True),
+    "resnet_rs200": _resnet_rs(200),
+    "resnet_rs200_se": _resnet_rs(200, se=True),
+    "resnet_rs270": _resnet_rs(270),
+    "resnet_rs270_se": _resnet_rs(270, se=True),
+    "resnet_rs350": _resnet_rs(350),
+    "resnet_rs350_se": _resnet_rs(350, se=True),
+    "resnet_rs420": _resnet_rs(420),
+    "resnet_rs420_se": _resnet_rs(420, se=True),
     # LambdaResNets: Table 18 blocks and lambda placement, Table 14 parameter counts, Tables 19-20 recipes
     "lambda_resnet50": _lambda_resnet(50),
     "lambda_resnet101": _lambda_resnet(101),
@@ -173,11 +242,19 @@ model_cfgs: dict[str, ZooModel] = {
     "lambda_resnet270_c4": _lambda_resnet_c4(270, {**C4_LAMBDA, "r": 7}),
     # compact hybrid for small data, CPU runs and tests: the Table 13 C-C-L-L hybrid at 26 layers
     "lambda_resnet26": ZooModel(
-        ResNetConfig(RESNET_LAYERS[26], pattern=stage_pattern(RESNET_LAYERS[26], "CCLL"),
-                     stage_kwargs=({}, {}, C4_LAMBDA, C4_LAMBDA), input_size=224,
-                     paper="compact LambdaResNet-26: [2-2-2-2] blocks, lambda layers in c4 and c5 (the Table 13 "
-                           "C-C-L-L hybrid at 26 layers)"),
-        "LambdaNetworks Table 13 (C-C-L-L) at 26 layers", {}, "", small=True),
+        ResNetConfig(
+            RESNET_LAYERS[26],
+            pattern=stage_pattern(RESNET_LAYERS[26], "CCLL"),
+            stage_kwargs=({}, {}, C4_LAMBDA, C4_LAMBDA),
+            input_size=224,
+            paper="compact LambdaResNet-26: [2-2-2-2] blocks, lambda layers in c4 and c5 (the Table 13 "
+            "C-C-L-L hybrid at 26 layers)",
+        ),
+        "LambdaNetworks Table 13 (C-C-L-L) at 26 layers",
+        {},
+        "",
+        small=True,
+    ),
 }
 
 

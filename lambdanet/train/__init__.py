@@ -5,5 +5,14 @@ from lambdanet.train.config import RECIPES, TrainConfig, resolve_config
 from lambdanet.train.load import load_model
 from lambdanet.train.trainer import TrainingDivergedError, evaluate_checkpoint, train
 
-__all__ = ["TrainConfig", "RECIPES", "resolve_config", "train", "evaluate_checkpoint", "evaluate",
-           "NonFiniteLossError", "TrainingDivergedError", "load_model"]
+__all__ = [
+    "TrainConfig",
+    "RECIPES",
+    "resolve_config",
+    "train",
+    "evaluate_checkpoint",
+    "evaluate",
+    "NonFiniteLossError",
+    "TrainingDivergedError",
+    "load_model",
+]

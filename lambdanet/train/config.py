@@ -32,8 +32,16 @@ from lambdanet.models import model_args, model_info
 from lambdanet.runtime import AMP_DTYPES
 from lambdanet.train.load import checkpoint_settings
 
-__all__ = ["TrainConfig", "RECIPES", "RECIPE_MODEL_KEYS", "RESUME_FREE", "resolve_config", "config_from_args",
-           "model_build_kwargs", "recipe_values"]
+__all__ = [
+    "TrainConfig",
+    "RECIPES",
+    "RECIPE_MODEL_KEYS",
+    "RESUME_FREE",
+    "resolve_config",
+    "config_from_args",
+    "model_build_kwargs",
+    "recipe_values",
+]
 
 
 @dataclass
@@ -42,20 +50,30 @@ class TrainConfig(RunConfig):
 
     # model and data
     model: str = option("lambda_resnet26", "registered model name (lambdanet models lists them)")
-    model_kwargs: dict = option({}, "architecture options of the model, 'key=value,...' or a YAML mapping "
-                                  "(e.g. stage_layers=CCLL); the resolved config adds stem/base_width/img_size")
-    pretrained: bool = option(False, "start from the model's published ImageNet weights (lambdanet models --pretrained "
-                                   "lists the models that have them), with a new classifier for the data's classes")
-    checkpoint: str | None = option(None, "start from weights: timm's checkpoint of the model (.pth, .bin, "
-                                        ".safetensors) or a run of lambdanet train (its directory, .safetensors or "
-                                        "last.pt; its model, model_kwargs and img_size are taken unless given); "
-                                        "another input channel count is adapted, another class count gets a new "
-                                        "classifier")
+    model_kwargs: dict = option(
+        {},
+        "architecture options of the model, 'key=value,...' or a YAML mapping "
+        "(e.g. stage_layers=CCLL); the resolved config adds stem/base_width/img_size",
+    )
+    pretrained: bool = option(
+        False,
+        "start from the model's published ImageNet weights (lambdanet models --pretrained "
+        "lists the models that have them), with a new classifier for the data's classes",
+    )
+    checkpoint: str | None = option(
+        None,
+        "start from weights: timm's checkpoint of the model (.pth, .bin, "
+        ".safetensors) or a run of lambdanet train (its directory, .safetensors or "
+        "last.pt; its model, model_kwargs and img_size are taken unless given); "
+        "another input channel count is adapted, another class count gets a new "
+        "classifier",
+    )
     data: str = option("digits", "dataset: digits, mnist5k, fashion-mnist, cifar10, cifar100 or imagefolder:PATH")
     data_dir: str = option("~/.cache/lambdanet/data", "folder holding (or receiving) downloaded datasets")
     download: bool = option(True, "download a dataset that is not on disk (cifar, fashion-mnist)")
-    img_size: int | None = option(None, "training resolution (null: the dataset's, or the model's paper size "
-                                      "under a recipe that sets it)")
+    img_size: int | None = option(
+        None, "training resolution (null: the dataset's, or the model's paper size under a recipe that sets it)"
+    )
     val_split: float = option(0.0, "fraction of the training set held out for validation and model selection")
     # recipe
     recipe: str = option("quick", "named recipe whose values the other options override")
@@ -83,24 +101,28 @@ class TrainConfig(RunConfig):
     randaugment_magnitude: int = option(9, "RandAugment magnitude (0-30)")
     drop_rate: float | None = option(None, "dropout before the classifier (null: the model's default)")
     drop_path_rate: float | None = option(None, "stochastic depth rate (null: the model's default)")
-    compact_width: int | None = option(16, "base width given to ResNet-style models that do not set base_width "
-                                         "(null: the paper's width)")
+    compact_width: int | None = option(
+        16, "base width given to ResNet-style models that do not set base_width (null: the paper's width)"
+    )
     # system
     amp: str = option("none", "autocast precision (fp16 needs CUDA)", choices=tuple(AMP_DTYPES))
     channels_last: bool = option(False, "channels_last memory format for model and inputs")
     compile: bool = option(False, "torch.compile the model")
-    device: str = option("auto", "device (auto: CUDA when available)", choices=("auto", "cpu", "cuda"),
-                         resume_free=True)
+    device: str = option(
+        "auto", "device (auto: CUDA when available)", choices=("auto", "cpu", "cuda"), resume_free=True
+    )
     workers: int = option(0, "DataLoader worker processes for file datasets", resume_free=True)
     seed: int = option(0, "seed of initialisation, data order and augmentation")
     sync_bn: bool = option(False, "synchronised BatchNorm across torchrun processes")
     # run
-    out: str = option("runs/lambdanet", "run directory (config, metrics, checkpoints, weights, plots, summary)",
-                      resume_free=True)
+    out: str = option(
+        "runs/lambdanet", "run directory (config, metrics, checkpoints, weights, plots, summary)", resume_free=True
+    )
     checkpoint_every: int = option(1, "write last.pt every this many epochs (and at the end)", resume_free=True)
     resume: bool = option(False, "continue the run in --out where it stopped", resume_free=True)
-    early_stop_patience: int | None = option(None, "stop after this many epochs without validation improvement "
-                                                 "(needs --val-split)")
+    early_stop_patience: int | None = option(
+        None, "stop after this many epochs without validation improvement (needs --val-split)"
+    )
     tensorboard: bool = option(True, "write TensorBoard event files beside metrics.csv", resume_free=True)
     progress: bool = option(True, "progress bar on stderr", resume_free=True)
     labeled_fraction: float = option(1.0, "semi-supervised: the seeded fraction of training labels kept")
@@ -162,8 +184,10 @@ class TrainConfig(RunConfig):
             raise ValueError("pass --pretrained (the published weights) or --checkpoint FILE, not both")
         if self.checkpoint is not None:
             if not Path(self.checkpoint).expanduser().exists():
-                raise ValueError(f"checkpoint {self.checkpoint!r} does not exist (expected a run directory of "
-                                 "lambdanet train or a weights file: .safetensors, .pth, .bin, a run's last.pt)")
+                raise ValueError(
+                    f"checkpoint {self.checkpoint!r} does not exist (expected a run directory of "
+                    "lambdanet train or a weights file: .safetensors, .pth, .bin, a run's last.pt)"
+                )
             run_file(self.checkpoint)  # a directory without weights: one line naming it
         if not isinstance(self.model_kwargs, dict):
             raise ValueError(f"model_kwargs must be a mapping, got {self.model_kwargs!r}")
@@ -172,42 +196,73 @@ class TrainConfig(RunConfig):
         """Settings that run but are probably not what the user wants."""
         out = []
         if self.warmup_epochs >= self.epochs:
-            out.append(f"--epochs {self.epochs} ends inside the {self.warmup_epochs:g}-epoch learning-rate warm-up: "
-                       "the schedule never decays and accuracy may stay near chance; train longer (e.g. --epochs "
-                       f"{max(15, int(self.warmup_epochs) * 5)}) or pass --warmup-epochs 0")
+            out.append(
+                f"--epochs {self.epochs} ends inside the {self.warmup_epochs:g}-epoch learning-rate warm-up: "
+                "the schedule never decays and accuracy may stay near chance; train longer (e.g. --epochs "
+                f"{max(15, int(self.warmup_epochs) * 5)}) or pass --warmup-epochs 0"
+            )
         return out
 
 
 # the size-like options that may be null, and what they count (TrainConfig.validate)
-_OPTIONAL_SIZES = {"img_size": "the training resolution in pixels; each model has its own minimum, checked "
-                               "before training", "max_train_batches": "batches per epoch",
-                   "early_stop_patience": "epochs", "compact_width": "channels", "lr_batch_scale": "a batch size"}
+_OPTIONAL_SIZES = {
+    "img_size": "the training resolution in pixels; each model has its own minimum, checked before training",
+    "max_train_batches": "batches per epoch",
+    "early_stop_patience": "epochs",
+    "compact_width": "channels",
+    "lr_batch_scale": "a batch size",
+}
 
 
-_PAPER90 = {"optimizer": "sgd", "lr": 0.1, "lr_batch_scale": 256, "momentum": 0.9, "weight_decay": 1e-4,
-            "warmup_epochs": 5.0, "schedule": "cosine", "label_smoothing": 0.1, "ema_decay": 0.9999,
-            "bn_momentum": 1e-4, "epochs": 90, "batch_size": 256, "compact_width": None}
+_PAPER90 = {
+    "optimizer": "sgd",
+    "lr": 0.1,
+    "lr_batch_scale": 256,
+    "momentum": 0.9,
+    "weight_decay": 1e-4,
+    "warmup_epochs": 5.0,
+    "schedule": "cosine",
+    "label_smoothing": 0.1,
+    "ema_decay": 0.9999,
+    "bn_momentum": 1e-4,
+    "epochs": 90,
+    "batch_size": 256,
+    "compact_width": None,
+}
 RECIPES: dict[str, dict] = {
     "quick": {},
     "paper90": _PAPER90,
     "paper350": {**_PAPER90, "weight_decay": 4e-5, "epochs": 350, "randaugment_layers": 2, "amp": "bf16"},
-    "cifar_repro": {"optimizer": "adam", "lr": 2.5e-3, "warmup_epochs": 5.0, "warmup_start_factor": 0.2,
-                    "betas": [0.9, 0.9999], "weight_decay": 1e-4, "schedule": "cosine", "label_smoothing": 0.1,
-                    "epochs": 90, "batch_size": 128, "data": "cifar10", "compact_width": None},
+    "cifar_repro": {
+        "optimizer": "adam",
+        "lr": 2.5e-3,
+        "warmup_epochs": 5.0,
+        "warmup_start_factor": 0.2,
+        "betas": [0.9, 0.9999],
+        "weight_decay": 1e-4,
+        "schedule": "cosine",
+        "label_smoothing": 0.1,
+        "epochs": 90,
+        "batch_size": 128,
+        "data": "cifar10",
+        "compact_width": None,
+    },
 }
 
 # the values a recipe takes from the model's paper metadata (``ModelInfo.recipe``, Tables 19-20 for
 # LambdaResNets): image size, RandAugment magnitude, dropout and stochastic depth depend on the model
-RECIPE_MODEL_KEYS: dict[str, tuple[str, ...]] = {"paper350": ("img_size", "randaugment_magnitude", "drop_rate",
-                                                              "drop_path_rate")}
+RECIPE_MODEL_KEYS: dict[str, tuple[str, ...]] = {
+    "paper350": ("img_size", "randaugment_magnitude", "drop_rate", "drop_path_rate")
+}
 
 TrainConfig.RECIPES = RECIPES
 # what ``--resume`` lets change: how the run is watched and where it runs, never what it computes
 RESUME_FREE = TrainConfig.resume_free()
 
 
-def resolve_config(recipe: str | None = None, yaml_values: dict | None = None, overrides: dict | None = None
-                   ) -> TrainConfig:
+def resolve_config(
+    recipe: str | None = None, yaml_values: dict | None = None, overrides: dict | None = None
+) -> TrainConfig:
     """:meth:`TrainConfig.resolve <lambdanet.engine.config.RunConfig.resolve>`: defaults < recipe < the model's
     paper values the recipe takes (:data:`RECIPE_MODEL_KEYS`) < YAML < overrides; then what the data and model
     imply (image size, the small-image stem, the compact width, the model's own dropout / stochastic depth)
@@ -231,8 +286,10 @@ def _checkpoint_values(explicit: dict) -> dict:
         return explicit
     model = settings["model"]
     if explicit.get("model") not in (None, model):
-        raise ValueError(f"model {explicit['model']!r} does not match checkpoint {str(ckpt)!r}, which holds "
-                         f"{model!r}: drop --model to fine-tune the checkpoint's model")
+        raise ValueError(
+            f"model {explicit['model']!r} does not match checkpoint {str(ckpt)!r}, which holds "
+            f"{model!r}: drop --model to fine-tune the checkpoint's model"
+        )
     kwargs = dict(settings["model_kwargs"])
     for key in ("drop_rate", "drop_path_rate"):  # regularisation, not architecture: the new run's own
         kwargs.pop(key, None)  # (its flags, its recipe's paper values, or the model's defaults)
@@ -259,8 +316,10 @@ def _resolve_model_values(cfg: TrainConfig) -> None:
     for key in ("drop_rate", "drop_path_rate"):
         if key in kwargs:
             if getattr(cfg, key) is not None and getattr(cfg, key) != kwargs[key]:
-                raise ValueError(f"{key} is given twice: {flag(key)} {getattr(cfg, key)} and "
-                                 f"model_kwargs {key}={kwargs[key]}; give it once")
+                raise ValueError(
+                    f"{key} is given twice: {flag(key)} {getattr(cfg, key)} and "
+                    f"model_kwargs {key}={kwargs[key]}; give it once"
+                )
             setattr(cfg, key, kwargs.pop(key))
         if getattr(cfg, key) is None:
             setattr(cfg, key, float(cast("float | None", accepted.get(key)) or 0.0))
@@ -275,10 +334,12 @@ def _resolve_model_values(cfg: TrainConfig) -> None:
     if "img_size" in accepted and "img_size" not in kwargs:
         kwargs["img_size"] = cfg.img_size
     if "in_chans" in kwargs or "num_classes" in kwargs:
-        raise ValueError("model_kwargs must not set in_chans or num_classes: the model takes the data's channels "
-                         "(digits, mnist5k, fashion-mnist: 1; cifar10/100, imagefolder: 3) and classes; weights from "
-                         "--checkpoint or --pretrained with other channels have their input convolution adapted, "
-                         "with other classes get a new classifier")
+        raise ValueError(
+            "model_kwargs must not set in_chans or num_classes: the model takes the data's channels "
+            "(digits, mnist5k, fashion-mnist: 1; cifar10/100, imagefolder: 3) and classes; weights from "
+            "--checkpoint or --pretrained with other channels have their input convolution adapted, "
+            "with other classes get a new classifier"
+        )
     unknown = sorted(set(kwargs) - set(accepted))
     if unknown:
         raise ValueError(f"model {cfg.model!r} does not take {unknown}; it accepts: {', '.join(accepted)}")
@@ -300,9 +361,10 @@ def recipe_values() -> dict[str, dict]:
     """Per recipe, the values of :class:`TrainConfig` it runs with before the data and the model are known;
     the options a recipe takes from the model (:data:`RECIPE_MODEL_KEYS`) read ``"the model's"``."""
     base = dataclasses.asdict(TrainConfig())
-    return {name: {**base, **values, "recipe": name,
-                   **dict.fromkeys(RECIPE_MODEL_KEYS.get(name, ()), "the model's")}
-            for name, values in RECIPES.items()}
+    return {
+        name: {**base, **values, "recipe": name, **dict.fromkeys(RECIPE_MODEL_KEYS.get(name, ()), "the model's")}
+        for name, values in RECIPES.items()
+    }
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

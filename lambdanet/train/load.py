@@ -41,9 +41,11 @@ def restore_model(state: dict, spec, *, ema: bool = True) -> tuple[nn.Module, st
 def _read_metadata(path: Path) -> dict:
     meta = run_metadata(path)
     if meta is None:
-        raise ValueError(f"{path} holds weights without lambdanet's model description (written by an older "
-                         "lambdanet or another tool); load it into create_model(...) yourself with "
-                         "safetensors.torch.load_model, or pass the run's last.pt")
+        raise ValueError(
+            f"{path} holds weights without lambdanet's model description (written by an older "
+            "lambdanet or another tool); load it into create_model(...) yourself with "
+            "safetensors.torch.load_model, or pass the run's last.pt"
+        )
     return meta
 
 
@@ -72,10 +74,16 @@ def load_model(path: str | os.PathLike, *, ema: bool = True) -> nn.Module:
         raise ValueError(f"{path} does not exist; pass a run directory, its model.safetensors or its last.pt")
     if path.suffix == ".safetensors":
         meta = _read_metadata(path)
-        model = create_model(meta["model"], num_classes=meta["num_classes"], in_chans=meta["in_chans"],
-                             **meta["model_kwargs"])
-        load_state(model, read_state_dict(path), source=f"{path} (its header: {meta['model']}{meta['model_kwargs']})",
-                   name=meta["model"], path=path)
+        model = create_model(
+            meta["model"], num_classes=meta["num_classes"], in_chans=meta["in_chans"], **meta["model_kwargs"]
+        )
+        load_state(
+            model,
+            read_state_dict(path),
+            source=f"{path} (its header: {meta['model']}{meta['model_kwargs']})",
+            name=meta["model"],
+            path=path,
+        )
     else:
         state = load_checkpoint(path)
         cfg = dict(state.get("config") or {})
@@ -83,9 +91,16 @@ def load_model(path: str | os.PathLike, *, ema: bool = True) -> nn.Module:
             raise ValueError(f"checkpoint {path} has no training configuration")
         spec = dataset_spec(cfg["data"])
         model, _ = restore_model(state, spec, ema=ema)
-        meta = {"model": cfg["model"], "num_classes": spec.num_classes, "in_chans": spec.in_chans,
-                "classes": spec.classes, "data": cfg["data"], "image_size": cfg.get("img_size") or spec.image_size,
-                "mean": list(spec.mean), "std": list(spec.std)}
+        meta = {
+            "model": cfg["model"],
+            "num_classes": spec.num_classes,
+            "in_chans": spec.in_chans,
+            "classes": spec.classes,
+            "data": cfg["data"],
+            "image_size": cfg.get("img_size") or spec.image_size,
+            "mean": list(spec.mean),
+            "std": list(spec.std),
+        }
     cast("dict[str, Any]", model.pretrained_cfg).update(run_image_cfg(meta))
     return model.eval()
 
@@ -100,8 +115,12 @@ def checkpoint_settings(path: str | os.PathLike) -> dict | None:
         meta = run_metadata(file)
         if meta is None:
             return None
-        return {"model": meta["model"], "model_kwargs": dict(meta["model_kwargs"]), "image_size": meta["image_size"],
-                "file": file}
+        return {
+            "model": meta["model"],
+            "model_kwargs": dict(meta["model_kwargs"]),
+            "image_size": meta["image_size"],
+            "file": file,
+        }
     if file.suffix == ".pt" and file.is_file():
         try:
             state = load_checkpoint(file)

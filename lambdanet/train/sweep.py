@@ -14,8 +14,13 @@ from lambdanet.train.trainer import train
 __all__ = ["lr_sweep", "sweep_markdown", "plot_sweep"]
 
 
-def lr_sweep(source: ConfigSource, lrs: Sequence[float], models: Sequence[str] | None = None, *,
-             log: Callable[[str], None] = print) -> list[dict]:
+def lr_sweep(
+    source: ConfigSource,
+    lrs: Sequence[float],
+    models: Sequence[str] | None = None,
+    *,
+    log: Callable[[str], None] = print,
+) -> list[dict]:
     """Train ``source`` once per (model, learning rate) into ``<out>/<model>/lr_<lr>``, each configuration
     resolved for its model. Resumable: a finished run (``summary.json``) whose resolved configuration equals
     the one asked for is read back instead of retrained, an unfinished one is resumed; a run directory
@@ -34,8 +39,10 @@ def lr_sweep(source: ConfigSource, lrs: Sequence[float], models: Sequence[str] |
             if (run_dir / "config.yaml").exists():
                 changed = config_differences(load_yaml(run_dir / "config.yaml"), cfg, ignore=RESUME_FREE)
                 if changed:
-                    raise ValueError(f"{run_dir} holds a run with another configuration: "
-                                     f"{describe_differences(changed)}; choose another --out for this sweep")
+                    raise ValueError(
+                        f"{run_dir} holds a run with another configuration: "
+                        f"{describe_differences(changed)}; choose another --out for this sweep"
+                    )
             if (run_dir / "summary.json").exists():
                 summary = read_json(run_dir / "summary.json")
                 log(f"{model} lr={lr:g}: already done with this configuration ({summary['final_acc']:.4f})")
@@ -43,8 +50,15 @@ def lr_sweep(source: ConfigSource, lrs: Sequence[float], models: Sequence[str] |
                 cfg.resume = (run_dir / "last.pt").exists()
                 log(f"--- {model} lr={lr:g} -> {run_dir}")
                 summary = train(cfg, log=log)
-            rows.append({"model": model, "lr": lr, "final_acc": summary["final_acc"], "best_acc": summary["best_acc"],
-                         "train_time_s": summary["train_time_s"]})
+            rows.append(
+                {
+                    "model": model,
+                    "lr": lr,
+                    "final_acc": summary["final_acc"],
+                    "best_acc": summary["best_acc"],
+                    "train_time_s": summary["train_time_s"],
+                }
+            )
     out.mkdir(parents=True, exist_ok=True)
     write_json({"rows": rows, "recipe": base.recipe, "data": base.data, "epochs": base.epochs}, out / "sweep.json")
     (out / "sweep.md").write_text(sweep_markdown(rows) + "\n")

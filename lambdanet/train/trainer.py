@@ -30,23 +30,34 @@ from lambdanet.train.load import restore_model
 if TYPE_CHECKING:
     from torch.utils.data import Dataset
 
-__all__ = ["train", "evaluate_checkpoint", "TrainingDivergedError", "ClassificationTask", "build_model_for",
-           "hardware_string", "load_pseudo_labels"]
+__all__ = [
+    "train",
+    "evaluate_checkpoint",
+    "TrainingDivergedError",
+    "ClassificationTask",
+    "build_model_for",
+    "hardware_string",
+    "load_pseudo_labels",
+]
 
 
 def hardware_string(device: torch.device) -> str:
-    base = (f"{platform.system()} {platform.processor() or platform.machine()}, {torch.get_num_threads()} CPU "
-            f"threads, torch {torch.__version__}")
+    base = (
+        f"{platform.system()} {platform.processor() or platform.machine()}, {torch.get_num_threads()} CPU "
+        f"threads, torch {torch.__version__}"
+    )
     return f"{torch.cuda.get_device_name(device)}; {base}" if device.type == "cuda" else base
 
 
 def build_model_for(cfg: TrainConfig, spec: DatasetSpec, *, initial_weights: bool = True) -> nn.Module:
     """``create_model`` of a resolved ``cfg`` for a dataset's classes and channels, starting from the weights
     of ``--pretrained`` / ``--checkpoint`` when ``initial_weights`` (a resumed run takes its own instead)."""
-    weights: dict[str, Any] = ({"pretrained": cfg.pretrained, "checkpoint_path": cfg.checkpoint} if initial_weights
-                               else {})
-    return create_model(cfg.model, num_classes=spec.num_classes, in_chans=spec.in_chans, **weights,
-                        **model_build_kwargs(cfg))
+    weights: dict[str, Any] = (
+        {"pretrained": cfg.pretrained, "checkpoint_path": cfg.checkpoint} if initial_weights else {}
+    )
+    return create_model(
+        cfg.model, num_classes=spec.num_classes, in_chans=spec.in_chans, **weights, **model_build_kwargs(cfg)
+    )
 
 
 def load_pseudo_labels(path: str | Path, cfg: TrainConfig) -> dict:
@@ -82,23 +93,40 @@ def _prepare_data(cfg: TrainConfig, ctx: DistContext) -> RunData:
     if cfg.pseudo_labels:
         pl = load_pseudo_labels(cfg.pseudo_labels, cfg)
         if not isinstance(train_ds, TensorImages):
-            raise ValueError("pseudo-labels are supported for in-memory datasets (digits, mnist5k, fashion-mnist, "
-                             "cifar10/100)")
+            raise ValueError(
+                "pseudo-labels are supported for in-memory datasets (digits, mnist5k, fashion-mnist, cifar10/100)"
+            )
         kept = torch.as_tensor(pool)
-        fit_ds = TensorImages(torch.cat([train_ds.images[kept], train_ds.images[torch.as_tensor(pl["indices"])]]),
-                              torch.cat([train_ds.labels[kept], torch.as_tensor(pl["labels"])]))
+        fit_ds = TensorImages(
+            torch.cat([train_ds.images[kept], train_ds.images[torch.as_tensor(pl["indices"])]]),
+            torch.cat([train_ds.labels[kept], torch.as_tensor(pl["labels"])]),
+        )
     ra = (cfg.randaugment_layers, cfg.randaugment_magnitude) if cfg.randaugment_layers else None
     world, img = ctx.world, cast(int, cfg.img_size)  # resolve_config set it
     eval_bs = max(world, cfg.eval_batch_size - cfg.eval_batch_size % world)
-    train_loader = ImageLoader(fit_ds, spec, img, train=True, batch_size=cfg.batch_size, seed=cfg.seed,
-                               rank=ctx.rank, world=world, workers=cfg.workers, augment=cfg.augment, randaugment=ra)
+    train_loader = ImageLoader(
+        fit_ds,
+        spec,
+        img,
+        train=True,
+        batch_size=cfg.batch_size,
+        seed=cfg.seed,
+        rank=ctx.rank,
+        world=world,
+        workers=cfg.workers,
+        augment=cfg.augment,
+        randaugment=ra,
+    )
     if len(train_loader) == 0:
-        raise ValueError(f"batch_size={cfg.batch_size} is larger than the {train_loader.n} training images of "
-                         f"{cfg.data}; lower --batch-size")
+        raise ValueError(
+            f"batch_size={cfg.batch_size} is larger than the {train_loader.n} training images of "
+            f"{cfg.data}; lower --batch-size"
+        )
 
     def eval_loader(ds):
-        return ImageLoader(ds, spec, img, train=False, batch_size=eval_bs, rank=ctx.rank, world=world,
-                           workers=cfg.workers)
+        return ImageLoader(
+            ds, spec, img, train=False, batch_size=eval_bs, rank=ctx.rank, world=world, workers=cfg.workers
+        )
 
     return RunData(spec, train_loader, eval_loader(val_ds) if val_ds is not None else None, eval_loader(test_ds))
 
@@ -124,12 +152,17 @@ class ClassificationTask(Task):
             model = model.to(memory_format=torch.channels_last)
         _dry_run(model, data.test, cfg, ctx.device)
         optimizer = build_optimizer(model, cfg)
-        self.steps_per_epoch = steps = (len(data.train) if cfg.max_train_batches is None
-                                        else min(len(data.train), cfg.max_train_batches))
+        self.steps_per_epoch = steps = (
+            len(data.train) if cfg.max_train_batches is None else min(len(data.train), cfg.max_train_batches)
+        )
         self.loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
-        return RunState(model, optimizer, build_scheduler(optimizer, cfg, steps),
-                        ema=build_ema(model, cfg.ema_decay) if cfg.ema_decay else None,
-                        scaler=torch.amp.GradScaler("cuda") if cfg.amp == "fp16" else None)
+        return RunState(
+            model,
+            optimizer,
+            build_scheduler(optimizer, cfg, steps),
+            ema=build_ema(model, cfg.ema_decay) if cfg.ema_decay else None,
+            scaler=torch.amp.GradScaler("cuda") if cfg.amp == "fp16" else None,
+        )
 
     def save(self, state: RunState) -> None:
         """``last.pt`` with the model's build arguments."""
@@ -153,25 +186,33 @@ class ClassificationTask(Task):
         sums, cfg, ctx, data = result["sums"], self.cfg, self.ctx, self.data
         seen = max(sums["n"], 1)
         state.samples_seen += int(sums["n"])
-        row = {"lr": state.optimizer.param_groups[0]["lr"], "train_loss": sums["loss"] / seen,
-               "train_top1": sums["correct"] / seen, "images_per_s": sums["n"] / max(result["seconds"], 1e-9)}
+        row = {
+            "lr": state.optimizer.param_groups[0]["lr"],
+            "train_loss": sums["loss"] / seen,
+            "train_top1": sums["correct"] / seen,
+            "images_per_s": sums["n"] / max(result["seconds"], 1e-9),
+        }
         splits = {"test": data.test} if data.val is None else {"test": data.test, "val": data.val}
         for split, loader in splits.items():
             res = evaluate(model, loader, device=ctx.device, ctx=ctx, amp=cfg.amp, channels_last=cfg.channels_last)
             row.update({f"{split}_loss": res["loss"], f"{split}_top1": res["top1"], f"{split}_top5": res["top5"]})
         if state.ema is not None:
-            res = evaluate(state.ema.module, data.test, device=ctx.device, ctx=ctx, amp=cfg.amp,
-                           channels_last=cfg.channels_last)
+            res = evaluate(
+                state.ema.module, data.test, device=ctx.device, ctx=ctx, amp=cfg.amp, channels_last=cfg.channels_last
+            )
             row.update({"test_top1_ema": res["top1"], "test_top5_ema": res["top5"]})
         state.record(row, row["val_top1"] if data.val is not None else row.get("test_top1_ema", row["test_top1"]))
         return row
 
     def epoch_line(self, row: dict) -> str:
-        return (f"epoch {row['epoch']}/{self.cfg.epochs}: loss {row['train_loss']:.4f}, train top-1 "
-                f"{row['train_top1']:.4f}, " + (f"val top-1 {row['val_top1']:.4f}, " if "val_top1" in row else "")
-                + f"test top-1 {row['test_top1']:.4f}"
-                + (f" (EMA {row['test_top1_ema']:.4f})" if "test_top1_ema" in row else "")
-                + f", {row['images_per_s']:.0f} img/s")
+        return (
+            f"epoch {row['epoch']}/{self.cfg.epochs}: loss {row['train_loss']:.4f}, train top-1 "
+            f"{row['train_top1']:.4f}, "
+            + (f"val top-1 {row['val_top1']:.4f}, " if "val_top1" in row else "")
+            + f"test top-1 {row['test_top1']:.4f}"
+            + (f" (EMA {row['test_top1_ema']:.4f})" if "test_top1_ema" in row else "")
+            + f", {row['images_per_s']:.0f} img/s"
+        )
 
     def stops_early(self, state: RunState) -> bool:
         patience = self.cfg.early_stop_patience
@@ -187,7 +228,8 @@ class ClassificationTask(Task):
             f"{cfg.model} ({self.params / 1e6:.2f}M params, {cfg.model_kwargs}) on {cfg.data} at {cfg.img_size}x"
             f"{cfg.img_size}: {data.train.n} train / {data.test.n} test images, recipe {cfg.recipe}, {cfg.epochs} "
             f"epochs, batch {cfg.batch_size} x {self.ctx.world} process(es), lr {cfg.effective_lr():.2e}, "
-            f"{hardware_string(self.ctx.device)}")
+            f"{hardware_string(self.ctx.device)}"
+        )
 
     def finish(self, state: RunState, row: dict, stopped: bool) -> dict:
         """The summary; on the main process also the weights (raw and EMA), plots and ``summary.json``."""
@@ -196,9 +238,11 @@ class ClassificationTask(Task):
         summary = _summary(state, self.cfg, self.ctx, self.data, self.params, final, stopped)
         if self.ctx.is_main:
             _write_outputs(state, self.cfg, self.data, history, summary)
-        self.log(f"done: final test top-1 {summary['final_acc']:.4f}, best {summary['best_acc']:.4f} (epoch "
-                 f"{summary['best_epoch']}), {summary['train_time_s']:.1f}s training, {summary['images_per_s']:.0f} "
-                 f"img/s -> {self.out}")
+        self.log(
+            f"done: final test top-1 {summary['final_acc']:.4f}, best {summary['best_acc']:.4f} (epoch "
+            f"{summary['best_epoch']}), {summary['train_time_s']:.1f}s training, {summary['images_per_s']:.0f} "
+            f"img/s -> {self.out}"
+        )
         return summary
 
 
@@ -221,10 +265,17 @@ def _start_note(cfg: TrainConfig, model: nn.Module) -> str:
 def _write_outputs(state: RunState, cfg: TrainConfig, data: RunData, history: list[dict], summary: dict) -> None:
     """The run's weights (raw and EMA, with the header that rebuilds the model), plots and ``summary.json``."""
     out, spec = Path(cfg.out), data.spec
-    meta = weights_metadata(model=cfg.model, model_kwargs=model_build_kwargs(cfg), num_classes=spec.num_classes,
-                            in_chans=spec.in_chans, classes=spec.classes, data=cfg.data,
-                            image_size=cast(int, cfg.img_size),  # resolve_config set it
-                            mean=spec.mean, std=spec.std)
+    meta = weights_metadata(
+        model=cfg.model,
+        model_kwargs=model_build_kwargs(cfg),
+        num_classes=spec.num_classes,
+        in_chans=spec.in_chans,
+        classes=spec.classes,
+        data=cfg.data,
+        image_size=cast(int, cfg.img_size),  # resolve_config set it
+        mean=spec.mean,
+        std=spec.std,
+    )
     export_safetensors(state.model, out / "model.safetensors", meta)
     if state.ema is not None:
         export_safetensors(state.ema.module, out / "model_ema.safetensors", meta)
@@ -232,19 +283,32 @@ def _write_outputs(state: RunState, cfg: TrainConfig, data: RunData, history: li
     write_json(summary, out / "summary.json")
 
 
-def _summary(state: RunState, cfg: TrainConfig, ctx: DistContext, data: RunData, params: int, final: dict,
-             stopped_early: bool) -> dict:
+def _summary(
+    state: RunState, cfg: TrainConfig, ctx: DistContext, data: RunData, params: int, final: dict, stopped_early: bool
+) -> dict:
     """The run's ``summary.json``: what ran, what it reached (``final``: the last epoch's metrics row), how fast."""
     return {
-        "model": cfg.model, "model_kwargs": model_build_kwargs(cfg), "num_classes": data.spec.num_classes,
-        "in_chans": data.spec.in_chans, "classes": data.spec.classes, "data": cfg.data, "recipe": cfg.recipe,
-        "image_size": cfg.img_size, "params": params, "epochs": state.epoch, "epochs_planned": cfg.epochs,
-        "best_acc": state.best["test_top1"], "best_epoch": state.best["epoch"],
+        "model": cfg.model,
+        "model_kwargs": model_build_kwargs(cfg),
+        "num_classes": data.spec.num_classes,
+        "in_chans": data.spec.in_chans,
+        "classes": data.spec.classes,
+        "data": cfg.data,
+        "recipe": cfg.recipe,
+        "image_size": cfg.img_size,
+        "params": params,
+        "epochs": state.epoch,
+        "epochs_planned": cfg.epochs,
+        "best_acc": state.best["test_top1"],
+        "best_epoch": state.best["epoch"],
         "final_acc": final.get("test_top1_ema", final.get("test_top1")),
         "final_top5": final.get("test_top5_ema", final.get("test_top5")),
         "final_acc_raw_weights": final.get("test_top1"),
-        "train_time_s": state.train_time_s, "images_per_s": state.samples_seen / max(state.train_time_s, 1e-9),
-        "processes": ctx.world, "stopped_early": stopped_early, "hardware": hardware_string(ctx.device),
+        "train_time_s": state.train_time_s,
+        "images_per_s": state.samples_seen / max(state.train_time_s, 1e-9),
+        "processes": ctx.world,
+        "stopped_early": stopped_early,
+        "hardware": hardware_string(ctx.device),
         "best_selected_by": "validation top-1" if data.val is not None else "test top-1",
     }
 
@@ -263,13 +327,22 @@ def _dry_run(model: nn.Module, loader: ImageLoader, cfg: TrainConfig, device: to
         if isinstance(err, RuntimeError) and not small:
             raise
         hint = f"; it downsamples by {stride}: use --img-size {stride} or more" if small else ""
-        raise ValueError(f"model {cfg.model!r} cannot take {cfg.img_size}x{cfg.img_size} images from {cfg.data}: "
-                         f"{str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}{hint}"
-                         ) from None
+        raise ValueError(
+            f"model {cfg.model!r} cannot take {cfg.img_size}x{cfg.img_size} images from {cfg.data}: "
+            f"{str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}{hint}"
+        ) from None
 
 
-def evaluate_checkpoint(path: str | Path, *, data: str | None = None, split: str = "test", ema: bool = True,
-                        batch_size: int = 256, device: str = "auto", data_dir: str | None = None) -> dict:
+def evaluate_checkpoint(
+    path: str | Path,
+    *,
+    data: str | None = None,
+    split: str = "test",
+    ema: bool = True,
+    batch_size: int = 256,
+    device: str = "auto",
+    data_dir: str | None = None,
+) -> dict:
     """Top-1 / top-5 of a checkpoint's model (its EMA weights when present and ``ema``) on a dataset split;
     ``path`` is a ``last.pt`` or a run directory (its ``last.pt``: :func:`lambdanet.files.run_file`)."""
     if split not in ("test", "train"):
@@ -284,8 +357,19 @@ def evaluate_checkpoint(path: str | Path, *, data: str | None = None, split: str
     ctx = DistContext(device=torch.device("cuda" if uses_cuda(device) else "cpu"))
     spec, train_ds, test_ds = build_datasets(cfg.data, data_dir=cfg.data_dir, download=cfg.download)
     model, kind = restore_model(state, spec, ema=ema)
-    loader = ImageLoader(test_ds if split == "test" else train_ds, spec, cfg.img_size or spec.image_size, train=False,
-                         batch_size=batch_size)
+    loader = ImageLoader(
+        test_ds if split == "test" else train_ds,
+        spec,
+        cfg.img_size or spec.image_size,
+        train=False,
+        batch_size=batch_size,
+    )
     res = evaluate(model.to(ctx.device), loader, device=ctx.device, ctx=ctx)
-    return res | {"model": cfg.model, "data": cfg.data, "split": split, "checkpoint": str(path), "weights": kind,
-                  "epoch": int(state["epoch"])}
+    return res | {
+        "model": cfg.model,
+        "data": cfg.data,
+        "split": split,
+        "checkpoint": str(path),
+        "weights": kind,
+        "epoch": int(state["epoch"]),
+    }
