@@ -24,10 +24,11 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from lambdanet.bench.layer_bench import loglog_slope
 from lambdanet.engine.optim import build_optimizer, lr_at
-from lambdanet.lm.corpus import Corpus
+from lambdanet.lm.corpus import Corpus, windows
 from lambdanet.lm.task import LMConfig, evaluate_bits_per_byte
 from lambdanet.models import create_model
 from lambdanet.models.lm import LanguageModel
@@ -121,13 +122,8 @@ def memory_slopes(rows: Sequence[dict], lo: int = 1024, hi: int = 8192) -> list[
 
 
 def _nbytes(state) -> int:
-    if isinstance(state, torch.Tensor):
-        return state.numel() * state.element_size()
-    if isinstance(state, dict):
-        return sum(_nbytes(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(_nbytes(v) for v in state)
-    return 0
+    """Bytes of the tensors in a nest of dicts, lists and tuples (a model's generation state)."""
+    return sum(t.numel() * t.element_size() for t in tree_flatten(state)[0] if isinstance(t, torch.Tensor))
 
 
 @torch.no_grad()
@@ -210,7 +206,7 @@ def _train(
         for group in opt.param_groups:
             group["lr"] = cfg.lr * lr_at(round(1000 * fraction), 1000, round(1000 * warmup), min_factor=floor)
         starts = torch.randint(0, high + 1, (batch,), generator=g)
-        tokens = corpus.train[starts[:, None] + torch.arange(context + 1)].long().to(device)  # b (n + 1)
+        tokens = windows(corpus.train, starts, context + 1).to(device)  # b (n + 1)
         sync(device)
         start = time.perf_counter()
         model.train()

@@ -141,7 +141,6 @@ def _chunks(
     emb: Tensor | None,
     state: dict[str, Tensor],
     chunk: int,
-    exact: bool = False,
 ):
     """``N = n / C`` chunks of ``C`` positions at once after the context ``state`` summarises: ``(y [b, n, h, v],
     state)``; ``n`` a multiple of ``C``.
@@ -151,7 +150,8 @@ def _chunks(
     for query ``n`` is ``exp(K[m] - cm[n])`` (``cm[n]`` the running maximum). Only the states before each chunk
     (``S_i, z_i`` relative to ``c_i``) are a scan over chunks; everything else is batched over them. Inside a chunk
     the fast form factors the weight as ``exp(K[m] - a_i) * exp(a_i - cm[n])``, a GEMM, valid while
-    ``a_i - cm[n] <= MAX_SPREAD``; ``exact`` forms the ``C x C x k`` weights instead."""
+    ``a_i - cm[n] <= MAX_SPREAD``; beyond that (any chunk), the exact form builds the ``C x C x k`` weights. The
+    choice depends on the inputs only, so the backward pass's recomputation makes the same one."""
     S, z, c, window = state["S"], state["z"], state["c"], state["window"]
     (b, h, n, k), u, v, C = q.shape, keys.shape[1], values.shape[3], chunk
     N = n // C
@@ -171,7 +171,7 @@ def _chunks(
     Sz, last = _Scan.apply(shrink.unsqueeze(-1), grow.unsqueeze(-1) * local, carried)  # b u N k (v+1), b u k (v+1)
     Ss, zs, S, z = Sz[..., :v], Sz[..., v], last[..., :v], last[..., v]  # the states before each chunk; after all
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # C C
-    if exact:
+    if (top.unsqueeze(3) - cm).amax().item() > MAX_SPREAD:  # exact: exp(a_i - cm[n]) could overflow
         a = torch.exp((keys.unsqueeze(3) - cm.unsqueeze(4)).masked_fill(~causal[..., None], float("-inf")))
         zn = decay * zs.unsqueeze(3) + a.sum(dim=4)  # b u N C k, >= 1 (the maximum's own term); a: b u N C C k
         qz = qc / zn.unsqueeze(3)  # b u N h C k
@@ -197,9 +197,7 @@ def _chunks(
     return y, {"S": S, "z": z, "c": cm[:, :, -1, -1], "window": window}
 
 
-def _run(
-    q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None, state: dict[str, Tensor], chunk: int, exact: bool
-):
+def _run(q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None, state: dict[str, Tensor], chunk: int):
     """The whole sequence: its full chunks at once, then the shorter last chunk (if any)."""
     n = q.shape[2]
     if n == 0:
@@ -207,23 +205,13 @@ def _run(
     body, ys = n - n % chunk, []
     for s, e, c in ((0, body, chunk), (body, n, n - body)):
         if e > s:
-            y, state = _chunks(q[:, :, s:e], keys[:, :, s:e], values[:, :, s:e], emb, state, c, exact)
+            y, state = _chunks(q[:, :, s:e], keys[:, :, s:e], values[:, :, s:e], emb, state, c)
             ys.append(y)
     return (torch.cat(ys, dim=1) if len(ys) > 1 else ys[0]), state
 
 
-def _spread(keys: Tensor, c: Tensor, chunk: int) -> float:
-    """The largest ``a - cm[n]`` of any chunk (``a`` the chunk's key maximum, ``cm[n]`` the running one)."""
-    n = keys.shape[2]
-    cm = torch.maximum(keys.cummax(dim=2).values, c.unsqueeze(2))  # b u n k
-    pad = -n % chunk
-    top = torch.nn.functional.pad(keys, (0, 0, 0, pad), value=float("-inf"))  # b u (n + pad) k
-    top = top.unflatten(2, (-1, chunk)).amax(dim=3).repeat_interleave(chunk, dim=2)[:, :, :n]  # b u n k
-    return (top - cm).amax().item() if n else 0.0
-
-
 def _prepare(q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None):
-    """Token-major inputs -> the internal layout of :func:`_chunk`, in the compute dtype."""
+    """Token-major inputs -> the internal layout of :func:`_chunks`, in the compute dtype."""
     dtype = compute_dtype(q.dtype, keys.dtype, values.dtype, *(() if emb is None else (emb.dtype,)))
     q = q.to(dtype).transpose(1, 2)  # b h n k
     keys = keys.to(dtype).permute(0, 3, 1, 2)  # b u n k
@@ -253,10 +241,9 @@ class _ChunkedCausalLambda(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, keys, values, emb, chunk, state):
-        exact = _spread(keys, state["c"], chunk) > MAX_SPREAD
-        ctx.chunk, ctx.state, ctx.exact = chunk, state, exact
+        ctx.chunk, ctx.state = chunk, state
         ctx.save_for_backward(q, keys, values, emb)
-        y, state = _run(q, keys, values, emb, state, chunk, exact)
+        y, state = _run(q, keys, values, emb, state, chunk)
         final = tuple(state[key] for key in _STATE_KEYS)
         ctx.mark_non_differentiable(*final)
         return (y,) + final
@@ -266,7 +253,7 @@ class _ChunkedCausalLambda(torch.autograd.Function):
     def backward(ctx, dy, *_):
         inputs = [None if t is None else t.detach().requires_grad_() for t in ctx.saved_tensors]
         with torch.enable_grad():
-            y, _ = _run(*inputs, ctx.state, ctx.chunk, ctx.exact)
+            y, _ = _run(*inputs, ctx.state, ctx.chunk)
             wrt = [t for t in inputs if t is not None]
             grads = iter(torch.autograd.grad(y, wrt, dy, allow_unused=True))
         return (*(None if t is None else next(grads) for t in inputs), None, None)

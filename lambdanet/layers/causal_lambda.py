@@ -61,15 +61,8 @@ class CausalLambdaLayer(nn.Module):
         check_positive_int(dim_v, "dim_v")
         if not isinstance(r, int) or r < 0:
             raise ValueError(f"r must be a non-negative int (0: content lambdas only), got {r!r}")
-        self.dim, self.heads, self.dim_k, self.dim_v, self.dim_u, self.r, self.chunk = (
-            dim,
-            heads,
-            dim_k,
-            dim_v,
-            dim_u,
-            r,
-            chunk,
-        )
+        self.dim, self.heads, self.dim_k, self.dim_v = dim, heads, dim_k, dim_v
+        self.dim_u, self.r, self.chunk = dim_u, r, chunk
         self.qkv = nn.Linear(dim, heads * dim_k + dim_k * dim_u + dim_v * dim_u, bias=False)
         self.proj = nn.Linear(heads * dim_v, dim, bias=False)
         self.emb = nn.Parameter(torch.randn(r, dim_k, dim_u) / math.sqrt(max(r, 1) * dim_k)) if r else None

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["Corpus", "load_corpus", "stdlib_root", "is_validation_file", "VAL_PERCENT", "DATA_HELP"]
+__all__ = ["Corpus", "load_corpus", "windows", "stdlib_root", "is_validation_file", "VAL_PERCENT", "DATA_HELP"]
 
 VAL_PERCENT = 5
 DATA_HELP = "corpus: stdlib (this Python's standard library sources) or text:FILE|DIR (bytes of a file or folder)"
@@ -102,3 +102,8 @@ def load_corpus(data: str = "stdlib") -> Corpus:
         key=lambda p: p.relative_to(path).as_posix(),
     )
     return _split_files(path, paths, data)
+
+
+def windows(data: Tensor, starts: Tensor, length: int) -> Tensor:
+    """The ``length`` bytes of ``data`` (1-d) from each of ``starts`` as long tokens: ``[len(starts), length]``."""
+    return data[starts[:, None] + torch.arange(length)].long()  # b length

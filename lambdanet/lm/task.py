@@ -28,7 +28,7 @@ from lambdanet.engine.optim import build_optimizer, lr_at
 from lambdanet.engine.state import RunState
 from lambdanet.engine.task import Task, run
 from lambdanet.files import encode_metadata, read_safetensors, run_metadata
-from lambdanet.lm.corpus import DATA_HELP, load_corpus
+from lambdanet.lm.corpus import DATA_HELP, load_corpus, windows
 from lambdanet.models import create_model, list_models
 from lambdanet.models.lm import LanguageModel
 from lambdanet.runtime import AMP_DTYPES, autocast_context
@@ -118,10 +118,6 @@ class LMConfig(RunConfig):
             raise ValueError(f"eval_bytes must be >= 2 or null (all), got {self.eval_bytes!r}")
 
 
-def _windows(data: Tensor, starts: Tensor, length: int) -> Tensor:
-    return data[starts[:, None] + torch.arange(length)].long()  # b length
-
-
 @torch.no_grad()
 def evaluate_bits_per_byte(
     model: nn.Module,
@@ -150,7 +146,7 @@ def evaluate_bits_per_byte(
         for group in (full, s[s + context > n]):
             if group.numel():
                 length = min(context, n - int(group[0]))
-                seq = _windows(data, group, length + 1).to(device)  # b (length + 1)
+                seq = windows(data, group, length + 1).to(device)  # b (length + 1)
                 with autocast_context(device, amp):
                     logits = model(seq[:, :-1])  # b length vocab
                 total += float(F.cross_entropy(logits.float().flatten(0, 1), seq[:, 1:].flatten(), reduction="sum"))
@@ -201,7 +197,7 @@ class LanguageModelTask(Task):
         starts = torch.randint(0, high + 1, (cfg.steps_per_epoch, cfg.batch_size), generator=g)
         done = int((state.epoch_partial or {}).get("batches", 0))
         for row in starts[done:]:
-            yield _windows(self.corpus.train, row[ctx.rank :: ctx.world], cfg.context + 1)
+            yield windows(self.corpus.train, row[ctx.rank :: ctx.world], cfg.context + 1)
 
     def step_loss(self, model: nn.Module, batch: Tensor) -> tuple[Tensor, dict]:
         batch = batch.to(self.ctx.device, non_blocking=True)

@@ -19,7 +19,7 @@ from torch import nn
 from lambdanet.data import dataset_spec
 from lambdanet.files import read_state_dict, run_file, run_metadata
 from lambdanet.models import create_model
-from lambdanet.models.hub import download_hub_weights, hub_repo
+from lambdanet.models.hub import hub_repo
 from lambdanet.models.registry import run_image_cfg
 from lambdanet.models.pretrained import load_state
 from lambdanet.engine.checkpoint import CheckpointError, load_checkpoint, trained_weights
@@ -64,11 +64,8 @@ def load_model(path: str | os.PathLike, *, ema: bool = True) -> nn.Module:
     1 (resized straight, as the run evaluated), ``classes`` and ``data`` (what its inputs must look like and what
     its outputs mean).
     """
-    repo = hub_repo(path)
-    if repo is not None:
-        model = load_model(download_hub_weights(repo)[0])
-        cast("dict[str, Any]", model.pretrained_cfg).update(weights=f"hf-hub:{repo}", hf_hub_id=repo.partition("@")[0])
-        return model
+    if hub_repo(path) is not None:  # create_model reads a shared run (and records where it came from)
+        return create_model(str(path)).eval()
     path = run_file(path, ema=ema)
     if not path.is_file():
         raise ValueError(f"{path} does not exist; pass a run directory, its model.safetensors or its last.pt")
