@@ -1,33 +1,70 @@
 #!/usr/bin/env bash
-# The GPU measurements of the lambda kernels and models (issue: "Fast on the GPU"), for one lent GPU machine
-# (device tool: torch 2.11, triton 3.6, timm, no network). Each stage fits one 10-minute call; results go to
-# $OUT/<stage>/ (bench.md, CSV, JSON, plots) and the logs to $OUT/<stage>.log.
+# The GPU measurements of the lambda kernels, layers and models (issue 23), for one lent GPU machine (device
+# tool: torch 2.11, triton 3.6, timm, no network). Results go to $OUT/r/<stage>/ (bench.md, CSV, JSON) and the
+# logs to $OUT/r/<stage>.log; the bundles pack $OUT/r into $OUT/results.tgz (the device tool returns at most 8
+# files). Each stage runs under its own time limit so that a bundle ends inside one 10-minute call.
 #
-#   bash scripts/gpu_bench.sh check    # pytest -m device: kernels and layers on CUDA against the CPU/einsum
-#   bash scripts/gpu_bench.sh layers   # LambdaLayer fwd+bwd vs timm/lucidrains (fp32), every impl, attention
-#   bash scripts/gpu_bench.sh models   # models: bf16, channels_last, 256 px, batch 256, eager and compiled
+#   bash scripts/gpu_bench.sh check      # pytest -m device: kernels, layers and models on CUDA against the CPU
+#   bash scripts/gpu_bench.sh kernels    # the position kernels' roofline against measured ceilings
+#   bash scripts/gpu_bench.sh layers     # LambdaLayer fwd+bwd vs timm/lucidrains, fp32 and bf16; attention
+#   bash scripts/gpu_bench.sh impls      # every LambdaLayer implementation (what ImplPolicy is fitted to)
+#   bash scripts/gpu_bench.sh models     # models: bf16, channels_last, 256 px, batch 256, eager
+#   bash scripts/gpu_bench.sh compiled   # the timm26 suite under torch.compile
+#   bash scripts/gpu_bench.sh run1|run2|run3  # bundles of one 10-minute call each (check kernels layers impls |
+#                                            # models compiled | compiled timm26 impls and the layer checks)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_results}
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-PY=${PYTHON:-python}
-stage=${1:-check}
+R="$OUT/r"
+mkdir -p "$R"
+if [ -d .whl ]; then  # peers carried as wheels (lambda-networks is not on the device image)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+BENCH="$PY -m lambdanet bench --device cuda"
 {
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
-  $PY -c "import lambdanet; print('lambdanet ok')"
-} > "$OUT/env.txt" 2>&1
-case "$stage" in
-  check)
-    $PY -m pytest -q -m device tests/test_device.py tests/test_kernels.py -p no:cacheprovider 2>&1 | tee "$OUT/check.log" | tail -30 ;;
-  layers)
-    $PY -m lambdanet bench targets impls attention --device cuda --repeats 20 --out "$OUT/layers" 2>&1 | tee "$OUT/layers.log" | tail -40 ;;
-  models)
-    for mode in "" "--compile"; do
-      name=models${mode:+-compiled}
-      $PY -m lambdanet bench models --device cuda --suites timm26 table13 table14 --amp bf16 --channels-last \
-        --img-size 256 --batch-size 256 $mode --out "$OUT/$name" 2>&1 | tee "$OUT/$name.log" | tail -25
-    done ;;
-  *) echo "unknown stage $stage (check | layers | models)"; exit 2 ;;
-esac
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
+  $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+  $PY -c "import timm, lambda_networks, lambdanet; print('timm', timm.__version__, 'lambdanet', lambdanet.__version__)"
+} > "$R/env.txt" 2>&1
+
+stage() {  # stage NAME SECONDS COMMAND...: run under a time limit, log to $R/NAME.log
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (limit ${limit}s): $*"
+  local t0=$SECONDS
+  timeout --signal=INT --kill-after=10 "$limit" "$@" > "$R/$name.log" 2>&1
+  echo "   exit $? after $((SECONDS - t0))s"
+  tail -n 12 "$R/$name.log"
+}
+
+run_stage() {
+  case "$1" in
+    check) stage check 170 $PY -m pytest -q -m device tests/test_device.py tests/test_kernels.py -p no:cacheprovider -rf ;;
+    kernels) stage kernels 80 $BENCH kernels --out "$R/kernels" ;;
+    layers)
+      stage layers-fp32 80 $BENCH targets attention --repeats 20 --out "$R/layers-fp32"
+      stage layers-bf16 70 $BENCH targets attention --amp bf16 --repeats 20 --out "$R/layers-bf16" ;;
+    impls) stage impls-fp32 150 $BENCH impls --repeats 10 --out "$R/impls-fp32" ;;
+    impls-bf16) stage impls-bf16 120 $BENCH impls --amp bf16 --repeats 10 --out "$R/impls-bf16" ;;
+    models) stage models 300 $BENCH models --suites timm26 table13 table14 --amp bf16 --channels-last \
+      --img-size 256 --batch-size 256 --out "$R/models" ;;
+    compiled) stage compiled 270 $BENCH models --suites timm26 --amp bf16 --channels-last --img-size 256 \
+      --batch-size 256 --compile --out "$R/compiled" ;;
+    timm26) stage timm26 90 $BENCH models --suites timm26 --amp bf16 --channels-last --img-size 256 \
+      --batch-size 256 --out "$R/timm26" ;;
+    run1) for s in check kernels layers impls; do run_stage $s; done ;;
+    run2) for s in models compiled; do run_stage $s; done ;;
+    compiled-26t) stage compiled-26t 330 $PY scripts/gpu_compiled.py "$R/compiled-26t" ;;
+    run4) for s in impls compiled-26t; do run_stage $s; done ;;
+    run3) for s in compiled timm26 impls; do run_stage $s; done
+      stage check-layers 60 $PY -m pytest -q -m device tests/test_device.py -k "lambda or autocast" -p no:cacheprovider -rf ;;
+    *) echo "unknown stage $1 (check | kernels | layers | impls | impls-bf16 | models | compiled | timm26 | run1-3)"; exit 2 ;;
+  esac
+}
+
+run_stage "${1:-check}"
+tar czf "$OUT/results.tgz" -C "$OUT" r

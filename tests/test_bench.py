@@ -230,3 +230,69 @@ def test_language_model_parts_run_and_their_numbers_obey_the_models(tmp_path):
     assert all(r["steps"] == 3 for r in results["lm_quality"] if r["budget"] == "steps")
     assert (tmp_path / "lm_quality.png").is_file() and (tmp_path / "lm_throughput.png").is_file()
     assert "equal time and equal steps" in (tmp_path / "bench.md").read_text()
+
+
+@pytest.mark.parametrize("side, r", [(5, 3), (7, 23), (6, None), (9, 4), (14, 23), (28, 7)])
+def test_kernel_roofline_counts_the_pairs_inside_the_scope(side, r):
+    """The roofline's pair count against the reference position output with every input one: y[n] is then
+    the number of context positions m whose offset lies in the table, so the sum is the pair count."""
+    from lambdanet.bench.kernel_bench import position_counts, scope_pairs
+    from lambdanet.kernels import lambda_position_output_reference
+
+    t = 2 * side - 1 if r is None else r
+    ones = torch.ones(1, side * side, 1, 1, dtype=torch.float64)
+    table = torch.ones(1, 1, t, t, dtype=torch.float64)
+    y = lambda_position_output_reference(ones, ones, table, (t // 2, t // 2), (side, side))
+    assert scope_pairs(side, r) == int(y.sum())
+    counts = position_counts(3, side, r, heads=4, dim_k=16, dim_v=8, itemsize=2)
+    n = side * side
+    assert counts["fwd"]["scores_macs"] == 3 * int(y.sum()) * 4 * 16
+    assert counts["fwd"]["matrix_macs"] == 3 * int(y.sum()) * 4 * 8
+    # q, V, table and y once each, 2 bytes an element
+    assert counts["fwd"]["bytes"] == 2 * (3 * n * 4 * 16 + 3 * n * 8 + 16 * t * t + 3 * n * 4 * 8)
+
+
+def test_kernels_part_needs_cuda_and_says_so(tmp_path):
+    rows = run_benchmarks(["kernels"], device="cpu", out=tmp_path, log=lambda *_: None)
+    assert rows == {} and "Skipped: needs a CUDA device" in (tmp_path / "bench.md").read_text()
+
+
+def test_layer_parts_run_the_forward_under_the_asked_autocast():
+    """``amp`` reaches the layers' forwards (and only them): a probe records autocast inside its forward."""
+    from lambdanet.bench.layer_bench import interleaved_fwd_bwd
+
+    class Probe(torch.nn.Conv2d):
+        seen: list = []
+
+        def forward(self, x):
+            self.seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+            return super().forward(x)
+
+    probe = Probe(4, 4, 3, padding=1)
+    res = interleaved_fwd_bwd({"probe": probe}, torch.randn(2, 4, 6, 6), repeats=1, warmup=1, amp="bf16")
+    assert res["probe"]["median_ms"] > 0 and set(Probe.seen) == {(True, torch.bfloat16)}
+    Probe.seen.clear()
+    interleaved_fwd_bwd({"probe": probe}, torch.randn(2, 4, 6, 6), repeats=1, warmup=1)
+    assert {enabled for enabled, _ in Probe.seen} == {False}
+
+
+def test_channels_last_conversion_takes_models_with_5d_weights():
+    """timm's lambda_resnet26t holds a 5-d Conv3d weight that ``Module.to(memory_format=channels_last)``
+    rejects; the bench converts the 4-d tensors instead, and the model computes the same function (float64:
+    only the summation order of the convolutions changes, ~1e-15 relative)."""
+    timm = pytest.importorskip("timm")
+    from lambdanet.bench.model_bench import _to_channels_last
+
+    torch.manual_seed(0)
+    model = timm.create_model("lambda_resnet26t", pretrained=False, num_classes=10).double().eval()
+    with pytest.raises(RuntimeError, match="rank 4"):
+        model.to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 64, 64, dtype=torch.float64)
+    with torch.no_grad():
+        before = model(x)
+        _to_channels_last(model)
+        after = model(x.contiguous(memory_format=torch.channels_last))
+    weights = [p for p in model.parameters() if p.dim() == 4]
+    assert weights and all(p.is_contiguous(memory_format=torch.channels_last) for p in weights)
+    assert any(p.dim() == 5 for p in model.parameters())
+    torch.testing.assert_close(after, before, atol=1e-10 * before.abs().max().item(), rtol=0)

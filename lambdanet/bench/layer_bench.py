@@ -20,7 +20,7 @@ from torch import nn
 
 from lambdanet.bench.peers import peer_attention_layers, peer_lambda_layers
 from lambdanet.layers import LambdaLayer, RelativePositionEmbedding, create_spatial_layer
-from lambdanet.runtime import count_flops, peak_memory, time_round_robin
+from lambdanet.runtime import autocast_context, count_flops, peak_memory, time_round_robin
 
 __all__ = [
     "LayerConfig",
@@ -129,11 +129,13 @@ def loglog_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
     return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
 
 
-def _step(layer: nn.Module, x: torch.Tensor, backward: bool) -> Callable[[], None]:
-    """One forward (``backward=False``) or forward+backward (``layer(x).sum().backward()``) pass."""
+def _step(layer: nn.Module, x: torch.Tensor, backward: bool, amp: str = "none") -> Callable[[], None]:
+    """One forward (``backward=False``) or forward+backward (``layer(x).sum().backward()``) pass, the forward
+    under ``amp`` autocast (:func:`~lambdanet.runtime.autocast_context`)."""
 
     def step():
-        y = layer(x)
+        with autocast_context(x.device, amp):
+            y = layer(x)
         if backward:
             y.float().sum().backward()
 
@@ -189,15 +191,22 @@ def bench_layer(
 
 
 def interleaved_fwd_bwd(
-    impls: dict[str, nn.Module], x: torch.Tensor, *, repeats: int = 5, warmup: int = 2, log=print
+    impls: dict[str, nn.Module],
+    x: torch.Tensor,
+    *,
+    repeats: int = 5,
+    warmup: int = 2,
+    amp: str = "none",
+    log=print,
 ) -> dict[str, dict]:
     """Forward+backward of several layers on the same input, timed round-robin (one call of each per round,
     the order rotating) so that drifting machine speed affects them alike; then peak memory and FLOPs.
-    A layer whose warm-up fails (out of memory, unsupported input) is logged and left out."""
+    ``amp`` autocasts the forwards. A layer whose warm-up fails (out of memory, unsupported input) is logged
+    and left out."""
     xs = x.detach().requires_grad_(True)
     steps = {}
     for name, layer in impls.items():
-        step = _step(layer, xs, backward=True)
+        step = _step(layer, xs, backward=True, amp=amp)
         try:
             for _ in range(warmup):
                 step()
@@ -219,7 +228,14 @@ TARGET_POINTS = [(8, 256, 16, 9), (8, 256, 16, None), (32, 256, 14, 9), (8, 512,
 
 
 def lambda_vs_peers(
-    points=TARGET_POINTS, *, device: str = "cpu", repeats: int = 5, dim_k: int = 16, heads: int = 4, log=print
+    points=TARGET_POINTS,
+    *,
+    device: str = "cpu",
+    repeats: int = 5,
+    dim_k: int = 16,
+    heads: int = 4,
+    amp: str = "none",
+    log=print,
 ) -> list[dict]:
     """Forward+backward time and peak memory of our ``LambdaLayer`` and the peers' at each point.
 
@@ -234,9 +250,9 @@ def lambda_vs_peers(
         if triton_runs(device):  # the fused kernels, opt-in until measured: their own row
             impls["lambdanet-triton"] = LambdaLayer(c, dim_k=dim_k, heads=heads, r=r, feat_size=side, impl="triton")
         impls.update(peer_lambda_layers(c, side, r, dim_k=dim_k, heads=heads))
-        point = {"batch": b, "channels": c, "side": side, "scope": "global" if r is None else f"{r}x{r}"}
+        point = {"batch": b, "channels": c, "side": side, "scope": "global" if r is None else f"{r}x{r}", "amp": amp}
         impls = {name: layer.to(device) for name, layer in impls.items()}
-        results = interleaved_fwd_bwd(impls, x, repeats=repeats, log=log)
+        results = interleaved_fwd_bwd(impls, x, repeats=repeats, amp=amp, log=log)
         rows += [{**point, "impl": name, **res} for name, res in results.items()]
         peers = {k: v for k, v in results.items() if not k.startswith("lambdanet")}
         if peers and "lambdanet" in results:
@@ -274,6 +290,7 @@ def lambda_impls(
     dim_k: int = 16,
     heads: int = 4,
     dim_u: int = 1,
+    amp: str = "none",
     log=print,
 ) -> list[dict]:
     """Forward+backward time and peak memory of every position implementation of our ``LambdaLayer`` at each
@@ -288,7 +305,7 @@ def lambda_impls(
         layers: dict[str, nn.Module] = {impl: LambdaLayer(c, **kwargs, impl=impl).to(device) for impl in impls}
         auto = LambdaLayer(c, **kwargs).to(device)
         try:
-            results = interleaved_fwd_bwd(layers, x, repeats=repeats, log=log)
+            results = interleaved_fwd_bwd(layers, x, repeats=repeats, amp=amp, log=log)
         except torch.OutOfMemoryError:
             log(f"  out of memory at {(b, c, side, r)}: skipped")
             continue
@@ -302,6 +319,7 @@ def lambda_impls(
                     "side": side,
                     "scope": "global" if r is None else f"{r}x{r}",
                     "dim_u": dim_u,
+                    "amp": amp,
                     "impl": impl,
                     **res,
                     "fastest": impl == fastest,
@@ -436,7 +454,7 @@ ATTENTION_POINTS = [(8, 256, 16), (8, 128, 32), (32, 256, 14)]
 
 
 def attention_vs_peers(
-    points=ATTENTION_POINTS, *, device: str = "cpu", repeats: int = 5, heads: int = 4, log=print
+    points=ATTENTION_POINTS, *, device: str = "cpu", repeats: int = 5, heads: int = 4, amp: str = "none", log=print
 ) -> list[dict]:
     """Our HaloNet attention and global relative attention against timm's HaloAttn and BottleneckAttn at
     matched sizes (heads, block 8, halo 3), forward+backward, timed round-robin."""
@@ -461,8 +479,8 @@ def attention_vs_peers(
             impls = {ours_name: ours.to(device)}
             if peer_name in peers:
                 impls[peer_name] = peers[peer_name].to(device)
-            res = interleaved_fwd_bwd(impls, x, repeats=repeats, log=log)
-            point = {"kind": kind, "batch": b, "channels": c, "side": side}
+            res = interleaved_fwd_bwd(impls, x, repeats=repeats, amp=amp, log=log)
+            point = {"kind": kind, "batch": b, "channels": c, "side": side, "amp": amp}
             for name, r in res.items():
                 row = {**point, "impl": name, **r}
                 if name == ours_name and peer_name in res:

@@ -117,7 +117,7 @@ def bench_model(
     check_amp(amp, device)
     model = model.to(device)
     if channels_last:
-        model = model.to(memory_format=torch.channels_last)
+        _to_channels_last(model)
     runner = torch.compile(model) if compile else model
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9) if train else None
     scaler = torch.amp.GradScaler(device.type, enabled=train and amp == "fp16")
@@ -156,6 +156,14 @@ def bench_model(
         "step_ms": timing.median_s * 1e3,
         "peak_bytes": peak,
     }
+
+
+def _to_channels_last(model: nn.Module) -> None:
+    """Every 4-d parameter and buffer of ``model`` in channels_last layout, in place. ``model.to(memory_format=)``
+    refuses models that also hold 5-d weights (timm's lambda layers: a Conv3d position embedding)."""
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.dim() == 4:
+            tensor.data = tensor.data.contiguous(memory_format=torch.channels_last)
 
 
 def run_model_suite(

@@ -11,6 +11,8 @@ of ``bench.md``):
 * ``models``: model suites (Table 13 hybrids, Table 14, HaloNet, MobileNet, the 26-layer hybrid).
 * ``detection``: the detection study's backbones (ResNet-26, +SE, lambda and halo hybrids) alone at 512,
   768 and 1024 px, batch 1 and 2: forward and training time, peak memory, memory's slope against image area.
+* ``kernels``: the fused Triton position kernels' roofline on a CUDA device (``kernel_bench``): the device's
+  copy and matrix-product ceilings, then each kernel call's time, rate, bound and fraction of its ceiling.
 * ``table4``: Table 4's memory column from the complexity formulas on each variant's layer shapes.
 * ``lm``: the language models (``lambda_lm_tiny`` against the same-size transformer and linear-attention LMs):
   training tokens/s and peak memory at contexts 256 to 8192, generation latency and state size at 1k to 16k.
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from lambdanet.bench import detection_bench, layer_bench, lm_bench, model_bench
+from lambdanet.bench import detection_bench, kernel_bench, layer_bench, lm_bench, model_bench
 from lambdanet.bench.peers import missing_peers_warning
 from lambdanet.bench.report import environment, markdown, plot_scaling, write_rows
 from lambdanet.helpers import require
@@ -68,7 +70,7 @@ PartResult = tuple[dict[str, list[dict]], list[str]]  # rows per output file, li
 def _targets(s: BenchSettings, out: Path, log: Log) -> PartResult:
     log("== targets: LambdaLayer against the peers (forward+backward)")
     points = [(2, 32, 8, 5), (2, 32, 8, None)] if s.quick else layer_bench.TARGET_POINTS
-    rows = layer_bench.lambda_vs_peers(points, device=s.device, repeats=2 if s.quick else s.repeats, log=log)
+    rows = layer_bench.lambda_vs_peers(points, device=s.device, repeats=2 if s.quick else s.repeats, amp=s.amp, log=log)
     report = [
         "## LambdaLayer against the peers (forward+backward)",
         "",
@@ -104,7 +106,7 @@ def _targets(s: BenchSettings, out: Path, log: Log) -> PartResult:
 def _impls(s: BenchSettings, out: Path, log: Log) -> PartResult:
     log("== impls: every LambdaLayer position implementation (forward+backward)")
     points = [(2, 32, 8, 5), (2, 32, 8, None)] if s.quick else layer_bench.IMPL_POINTS
-    rows = layer_bench.lambda_impls(points, device=s.device, repeats=2 if s.quick else s.repeats, log=log)
+    rows = layer_bench.lambda_impls(points, device=s.device, repeats=2 if s.quick else s.repeats, amp=s.amp, log=log)
     missed = [r for r in rows if r["auto"] and not r["fastest"]]
     return {"impls": rows}, [
         "## LambdaLayer implementations (forward+backward)",
@@ -135,7 +137,9 @@ def _impls(s: BenchSettings, out: Path, log: Log) -> PartResult:
 def _attention(s: BenchSettings, out: Path, log: Log) -> PartResult:
     log("== attention: halo and global relative attention against timm")
     points = [(2, 32, 16)] if s.quick else layer_bench.ATTENTION_POINTS
-    rows = layer_bench.attention_vs_peers(points, device=s.device, repeats=2 if s.quick else s.repeats, log=log)
+    rows = layer_bench.attention_vs_peers(
+        points, device=s.device, repeats=2 if s.quick else s.repeats, amp=s.amp, log=log
+    )
     return {"attention": rows}, [
         "## Attention layers against timm (forward+backward)",
         "",
@@ -325,6 +329,40 @@ def _table4(s: BenchSettings, out: Path, log: Log) -> PartResult:
     ]
 
 
+def _kernels(s: BenchSettings, out: Path, log: Log) -> PartResult:
+    log("== kernels: the position kernels against the device's ceilings")
+    if not layer_bench.triton_runs(s.device):
+        log("  skipped: the kernels' roofline is measured on a CUDA device with Triton (--device cuda)")
+        return {}, ["## Position kernels' roofline", "", "Skipped: needs a CUDA device with Triton.", ""]
+    ceiling = kernel_bench.ceilings(s.device)
+    log("  ceilings: " + ", ".join(f"{k} {v:,.0f}" for k, v in ceiling.items()))
+    points = [(8, 14, 256, 23), (8, 14, 256, None)] if s.quick else kernel_bench.KERNEL_POINTS
+    rows = kernel_bench.position_roofline(points, device=s.device, ceiling=ceiling, log=log)
+    return {"kernels": rows, "ceilings": [ceiling]}, [
+        "## Position kernels' roofline",
+        "",
+        "Ceilings measured in this run: " + ", ".join(f"{k} {v:,.0f}" for k, v in ceiling.items()) + ".",
+        "",
+        markdown(
+            rows,
+            [
+                ("batch", "B"),
+                ("side", "size"),
+                ("channels", "C"),
+                ("scope", "scope"),
+                ("dtype", "dtype"),
+                ("pass", "pass"),
+                ("ms", "ms"),
+                ("TFLOPs", "TFLOP/s"),
+                ("GBps", "GB/s"),
+                ("bound", "bound"),
+                ("fraction", "fraction of ceiling"),
+            ],
+        ),
+        "",
+    ]
+
+
 def _lm(s: BenchSettings, out: Path, log: Log) -> PartResult:
     log("== lm: training throughput and memory against context, generation latency and state")
     size, contexts, gen_contexts = (
@@ -436,6 +474,7 @@ PARTS: dict[str, Part] = {
     "detection": Part(_detection, lambda s: ()),
     "lm": Part(_lm, lambda s: ()),
     "lm_quality": Part(_lm_quality, lambda s: ()),
+    "kernels": Part(_kernels, lambda s: ()),
 }
 
 
@@ -462,7 +501,8 @@ def run_benchmarks(
 ) -> dict:
     """Run ``parts``; returns ``{name: rows}`` and writes ``<out>/<name>.{json,csv}``, plots and ``bench.md``.
 
-    ``amp``, ``channels_last`` and ``compile`` apply to the models part (see ``model_bench.bench_model``);
+    ``channels_last`` and ``compile`` apply to the models part (see ``model_bench.bench_model``), ``amp`` to it
+    and to the targets, impls and attention parts (the layers' forwards under autocast);
     ``layers`` picks the scaling part's layers among ``layer_bench.LAYER_SUITE`` (default: all). Progress
     goes to ``log``; a missing peer package to ``warn`` (stderr) and ``bench.md``.
     """

@@ -51,7 +51,9 @@ def _add_bench(sub) -> None:
         "hybrid: img/s, memory, params, FLOPs), table4 (Table 4's memory column from the complexity "
         "formulas), detection (backbones at detection sizes), lm (language models: training tokens/s "
         "and memory at contexts 256-8192, generation latency and state at 1k-16k), lm_quality (bits "
-        "per byte at equal time and equal steps, 3 seeds, about 35 minutes). Writes CSV, JSON, PNG plots "
+        "per byte at equal time and equal steps, 3 seeds, about 35 minutes), kernels (the Triton position "
+        "kernels' roofline on a CUDA device, against its copy and matrix ceilings measured in the same run). "
+        "Writes CSV, JSON, PNG plots "
         "and bench.md into --out. The peers come with the bench "
         f"extra ({INSTALL_HINT}); without it their rows are left out, with a warning.",
     )
@@ -117,8 +119,8 @@ def _add_part_options(bench) -> None:
         "--amp",
         default="none",
         choices=list(AMP_DTYPES),
-        help=f"models part: autocast precision, one of {', '.join(AMP_DTYPES)} (fp16 needs --device "
-        "cuda; default: %(default)s)",
+        help=f"models, targets, impls and attention parts: autocast precision, one of {', '.join(AMP_DTYPES)} "
+        "(fp16 needs --device cuda; default: %(default)s)",
     )
     bench.add_argument("--channels-last", action="store_true", help="models part: channels_last model and input")
     bench.add_argument(

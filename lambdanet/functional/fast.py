@@ -4,6 +4,9 @@ reference path beside it: :mod:`lambdanet.functional.reference`."""
 
 from __future__ import annotations
 
+import functools
+from contextlib import AbstractContextManager, nullcontext
+
 import math
 from collections.abc import Sequence
 
@@ -293,17 +296,28 @@ class _QEPositionOutput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_n: Tensor, e_n: Tensor, values: Tensor, b: int, h: int, chunk: int) -> Tensor:
         n, v = q_n.shape[0], values.shape[2]
+        ctx.dtypes = q_n.dtype, e_n.dtype, values.dtype
+        # one compute dtype, decided here (autocast's, else the promoted one) and saved with the inputs, so that
+        # the backward computes in it whether or not autocast is active there (under torch.compile it is not)
+        q_n, e_n, values = _same_dtype(q_n, e_n, values)
         ctx.save_for_backward(q_n, e_n, values)
         ctx.b, ctx.h, ctx.chunk = b, h, chunk
         out = values.new_empty(b, h, n, v)
-        for i in range(0, n, chunk):
-            j = min(n, i + chunk)
-            out[:, :, i:j] = _qe_chunk_output(q_n[i:j], e_n[i:j], values, b, h)  # b h nc v
+        with _no_autocast(q_n.device.type):
+            for i in range(0, n, chunk):
+                j = min(n, i + chunk)
+                out[:, :, i:j] = _qe_chunk_output(q_n[i:j], e_n[i:j], values, b, h)  # b h nc v
         return out  # b h n v
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         q_n, e_n, values = ctx.saved_tensors
+        with _no_autocast(q_n.device.type):
+            grads = _QEPositionOutput._backward(ctx, grad.to(q_n.dtype), q_n, e_n, values)
+        return *(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)), None, None, None
+
+    @staticmethod
+    def _backward(ctx, grad: Tensor, q_n: Tensor, e_n: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         b, h, chunk = ctx.b, ctx.h, ctx.chunk
         n, k, m = e_n.shape
         grad_q = torch.empty_like(q_n)
@@ -320,7 +334,27 @@ class _QEPositionOutput(torch.autograd.Function):
             g_a = g_a.permute(2, 0, 1, 3).reshape(nc, b * h, m)  # nc (b h) m
             grad_q[i:j] = torch.bmm(g_a, e_n[i:j].transpose(1, 2))  # nc (b h) k
             grad_e[i:j] = torch.bmm(q_n[i:j].transpose(1, 2), g_a)  # nc k m
-        return grad_q, grad_e, grad_v, None, None, None
+        return grad_q, grad_e, grad_v
+
+
+_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")  # where torch.autocast exists (meta tensors have none)
+
+
+def _no_autocast(device_type: str) -> AbstractContextManager:
+    """Autocast off for ``device_type`` (a no-op where autocast does not exist)."""
+    return torch.autocast(device_type, enabled=False) if device_type in _AUTOCAST_DEVICE_TYPES else nullcontext()
+
+
+def _same_dtype(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """``tensors`` in one dtype: autocast's where it is active for their device type (and they are floating
+    point), else their promoted type."""
+    device_type = tensors[0].device.type
+    autocast_on = device_type in _AUTOCAST_DEVICE_TYPES and torch.is_autocast_enabled(device_type)
+    if autocast_on and all(t.is_floating_point() for t in tensors):
+        dtype = torch.get_autocast_dtype(device_type)
+    else:
+        dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+    return tuple(t.to(dtype) for t in tensors)
 
 
 def _qe_chunk_output(q_c: Tensor, e_c: Tensor, values: Tensor, b: int, h: int) -> Tensor:

@@ -56,9 +56,12 @@ class ImplPolicy:
         dense_conv_speedup: the cost model divides the dense convolution's multiply-adds by this inside
             ``dense_conv_taps`` (its speed-up over the depthwise one and the row-chunked ``einsum_qe``: 1.5 on
             that CPU, training).
+        qe_chunk_fraction: ``einsum_qe`` forms ``q . E`` in query chunks of at most this fraction of the
+            position lambdas' ``b n k v`` elements (0.25 keeps its transient memory at half of ``lambda^p``);
+            larger chunks mean fewer, larger GEMMs (kernel launches dominate small maps on a GPU).
 
-    Every device type (CUDA too: not measured yet) uses these CPU values until :func:`set_impl_policy` registers a
-    policy for it.
+    The defaults are the CPU's; :data:`CUDA_IMPL_POLICY` is the one measured on an H100 (registered for
+    ``"cuda"``). Other device types use the defaults until :func:`set_impl_policy` registers a policy for them.
     """
 
     max_whole_positions: int = 852
@@ -67,6 +70,7 @@ class ImplPolicy:
     einsum_positions_per_tap: float = 2.0
     dense_conv_taps: tuple[int, int] = (196, 2304)
     dense_conv_speedup: float = 1.5
+    qe_chunk_fraction: float = 0.25
 
     def __post_init__(self):
         check_positive_int(self.max_whole_positions, "max_whole_positions")
@@ -75,6 +79,7 @@ class ImplPolicy:
             ("gemm_speedup", False),
             ("einsum_positions_per_tap", False),
             ("dense_conv_speedup", True),
+            ("qe_chunk_fraction", True),
         ):  # the cost model divides by dense_conv_speedup
             value = getattr(self, name)
             if (
@@ -96,7 +101,12 @@ class ImplPolicy:
 
 
 DEFAULT_IMPL_POLICY = ImplPolicy()
-_IMPL_POLICIES: dict[str, ImplPolicy] = {}  # device type -> policy measured there (none yet: all use the default)
+# fitted to `lambdanet bench impls --device cuda` on an H100 (BENCHMARKS.md, section 8): the dense lambda
+# convolution wins only at small scopes (7x7: 1.1-1.4x ahead of einsum_qe at 28x28, 2.4-20x behind at 23x23 and
+# global), einsum_qe everywhere else (within 1.05x of the fastest at batch 256; at batch 64 on 14x14 maps, where
+# launches dominate, einsum is 1.4x ahead); the depthwise convolution never wins
+CUDA_IMPL_POLICY = ImplPolicy(dense_conv_taps=(1, 100), qe_chunk_fraction=1.0)
+_IMPL_POLICIES: dict[str, ImplPolicy] = {"cuda": CUDA_IMPL_POLICY}  # device type -> policy measured there
 
 
 def impl_policy(device_type: str) -> ImplPolicy:
@@ -146,6 +156,7 @@ class LambdaPlan:
 
     impl: str
     position: str | None
+    qe_chunk_fraction: float = DEFAULT_IMPL_POLICY.qe_chunk_fraction
 
     @property
     def queries_first(self) -> bool:
@@ -447,9 +458,10 @@ class LambdaLayer(nn.Module):
             impl = "einsum"
         if isinstance(self.embedding, AbsolutePositionEmbedding):  # absolute: lambdas-first impls are the einsum
             impl = impl if impl == "einsum_qe" else "einsum"
-            return LambdaPlan(impl, "einsum_qe_absolute" if impl == "einsum_qe" else "einsum_absolute")
+            position = "einsum_qe_absolute" if impl == "einsum_qe" else "einsum_absolute"
+            return LambdaPlan(impl, position, policy.qe_chunk_fraction)
         if impl == "einsum_qe":
-            return LambdaPlan(impl, "einsum_qe_whole" if whole else "einsum_qe_chunked")
+            return LambdaPlan(impl, "einsum_qe_whole" if whole else "einsum_qe_chunked", policy.qe_chunk_fraction)
         return LambdaPlan(impl, "depthwise_conv_tokens" if impl == "depthwise_conv" else impl)
 
     def _auto_impl(self, spatial: tuple[int, ...], n: int, whole: bool, qe_ok: bool, policy: ImplPolicy) -> str:
@@ -558,12 +570,13 @@ class LambdaLayer(nn.Module):
         if plan.position is None:
             return None, None
         if plan.queries_first:
-            return self._position_output(plan.position, q, vals, spatial), None
+            return self._position_output(plan, q, vals, spatial), None
         return None, self._position_lambdas(plan.position, vals, spatial)
 
-    def _position_output(self, step: str, q: Tensor, vals: Tensor, spatial: tuple[int, ...]) -> Tensor:
+    def _position_output(self, plan: LambdaPlan, q: Tensor, vals: Tensor, spatial: tuple[int, ...]) -> Tensor:
         """Queries-first position output ``y^p = (q E) V``, ``[b, n, h, v]`` (multi-query; ``u = 1`` but for
         ``"triton"``)."""
+        step = plan.position
         emb, dtype = self.embedding, vals.dtype  # the compute dtype: half-precision tables are widened
         rel = cast(RelativePositionEmbedding, emb)  # what every step but "einsum_qe_absolute" runs on
         b, n = vals.shape[:2]
@@ -573,13 +586,17 @@ class LambdaLayer(nn.Module):
             vals = vals.view(b, n, self.dim_v, self.dim_u)  # b m v u
             return lambda_position_output(q, vals, rel.table[0].to(dtype), rel.center, spatial)  # b n h v
         vals = vals.view(b, n, self.dim_v)  # b m v
+        chunk = b * max(1, int(plan.qe_chunk_fraction * n * self.dim_k * self.dim_v))  # q . E elements per chunk
         if step == "einsum_qe_absolute":
             absolute = cast(AbsolutePositionEmbedding, emb)
-            y = LF.position_output_qe(q, absolute.embeddings()[0, :, 0].to(dtype), vals)  # b h n v
+            e = absolute.embeddings()[0, :, 0].to(dtype)  # k n m
+            y = LF.position_output_qe(q, e, vals, max_chunk_elements=chunk)  # b h n v
         elif step == "einsum_qe_whole":  # whole E, cached in eval
-            y = LF.position_output_qe(q, rel.embeddings(spatial, dtype)[0, :, 0], vals)  # b h n v
+            e = rel.embeddings(spatial, dtype)[0, :, 0]  # k n m
+            y = LF.position_output_qe(q, e, vals, max_chunk_elements=chunk)  # b h n v
         else:  # "einsum_qe_chunked": E row chunks built on the fly, no k n m tensor
-            y = LF.relative_position_output_qe(q, rel.table.to(dtype), rel.center, spatial, vals)  # b h n v
+            table = rel.table.to(dtype)
+            y = LF.relative_position_output_qe(q, table, rel.center, spatial, vals, max_chunk_elements=chunk)
         return y.transpose(1, 2)  # b n h v
 
     def _position_lambdas(self, step: str, vals: Tensor, spatial: tuple[int, ...]) -> Tensor:
