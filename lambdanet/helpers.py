@@ -6,6 +6,7 @@ import importlib
 import math
 import operator
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Callable, SupportsIndex, cast, overload
 
 import torch
@@ -16,6 +17,8 @@ __all__ = [
     "MissingExtraError",
     "require",
     "compute_dtype",
+    "autocast_active",
+    "no_autocast",
     "to_ntuple",
     "check_positive_int",
     "check_choice",
@@ -153,6 +156,21 @@ def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
     for d in dtypes:
         dtype = torch.promote_types(dtype, d)
     return dtype
+
+
+AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")  # the device types torch.autocast serves (meta tensors: none)
+
+
+def autocast_active(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type`` (never on a device type autocast does not serve)."""
+    return device_type in AUTOCAST_DEVICE_TYPES and torch.is_autocast_enabled(device_type)
+
+
+def no_autocast(device_type: str) -> AbstractContextManager:
+    """A context with autocast off for ``device_type`` (a no-op on device types autocast does not serve). Entered
+    also where autocast looks off: AOTAutograd traces a custom Function's backward with the forward's autocast
+    state, which ``torch.is_autocast_enabled`` does not report there."""
+    return torch.autocast(device_type, enabled=False) if device_type in AUTOCAST_DEVICE_TYPES else nullcontext()
 
 
 class MissingExtraError(ImportError):

@@ -41,10 +41,15 @@ def _axis_pairs(size: int, length: int, center: int) -> int:
     return sum(max(0, min(size, i - center + length) - max(0, i - center)) for i in range(size))
 
 
+def _table_side(side: int, r: int | None) -> int:
+    """The relative table's side: ``r``, or ``2 side - 1`` for a global context (``r = None``)."""
+    return 2 * side - 1 if r is None else r
+
+
 def scope_pairs(side: int, r: int | None) -> int:
     """``(n, m)`` pairs of a ``side x side`` map whose offset lies inside the table (``r x r``, centred; a
     global context's ``(2 side - 1)`` table covers all ``side^4``)."""
-    length = 2 * side - 1 if r is None else r
+    length = _table_side(side, r)
     per_axis = _axis_pairs(side, length, length // 2)
     return per_axis * per_axis
 
@@ -58,7 +63,7 @@ def position_counts(
     and ``bytes``; ``itemsize`` is the bytes per element of ``q``, ``V``, ``y`` and the table.
     """
     n = side * side
-    t = (2 * side - 1 if r is None else r) ** 2
+    t = _table_side(side, r) ** 2
     pairs = batch * scope_pairs(side, r)
     h_k_u, h_v_u = heads * dim_k * dim_u, heads * dim_v * dim_u
     q_el, v_el, y_el, r_el = (
@@ -112,7 +117,7 @@ def ceilings(device: str | torch.device = "cuda") -> dict[str, float]:
 
 def _inputs(batch: int, side: int, channels: int, r: int | None, heads: int, dim_k: int, dtype, device):
     """Random ``q [b n h k]``, ``V [b n v 1]`` (normalised-value scale), table ``[k 1 T T]`` and its centre."""
-    n, t = side * side, 2 * side - 1 if r is None else r
+    n, t = side * side, _table_side(side, r)
     q = torch.randn(batch, n, heads, dim_k, device=device, dtype=dtype)  # b n h k
     values = torch.randn(batch, n, channels // heads, 1, device=device, dtype=dtype) / n**0.5  # b n v u
     table = torch.randn(dim_k, 1, t, t, device=device, dtype=dtype) / dim_k**0.5  # k u T T

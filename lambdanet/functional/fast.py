@@ -5,8 +5,6 @@ reference path beside it: :mod:`lambdanet.functional.reference`."""
 from __future__ import annotations
 
 import functools
-from contextlib import AbstractContextManager, nullcontext
-
 import math
 from collections.abc import Sequence
 
@@ -15,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from lambdanet.helpers import check_choice, compute_dtype, conv_nd
+from lambdanet.helpers import autocast_active, check_choice, compute_dtype, conv_nd, no_autocast
 
 __all__ = [
     "POSITION_IMPLS",
@@ -303,7 +301,7 @@ class _QEPositionOutput(torch.autograd.Function):
         ctx.save_for_backward(q_n, e_n, values)
         ctx.b, ctx.h, ctx.chunk = b, h, chunk
         out = values.new_empty(b, h, n, v)
-        with _no_autocast(q_n.device.type):
+        with no_autocast(q_n.device.type):
             for i in range(0, n, chunk):
                 j = min(n, i + chunk)
                 out[:, :, i:j] = _qe_chunk_output(q_n[i:j], e_n[i:j], values, b, h)  # b h nc v
@@ -312,7 +310,7 @@ class _QEPositionOutput(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         q_n, e_n, values = ctx.saved_tensors
-        with _no_autocast(q_n.device.type):
+        with no_autocast(q_n.device.type):
             grads = _QEPositionOutput._backward(ctx, grad.to(q_n.dtype), q_n, e_n, values)
         return *(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)), None, None, None
 
@@ -337,20 +335,11 @@ class _QEPositionOutput(torch.autograd.Function):
         return grad_q, grad_e, grad_v
 
 
-_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")  # where torch.autocast exists (meta tensors have none)
-
-
-def _no_autocast(device_type: str) -> AbstractContextManager:
-    """Autocast off for ``device_type`` (a no-op where autocast does not exist)."""
-    return torch.autocast(device_type, enabled=False) if device_type in _AUTOCAST_DEVICE_TYPES else nullcontext()
-
-
 def _same_dtype(*tensors: Tensor) -> tuple[Tensor, ...]:
     """``tensors`` in one dtype: autocast's where it is active for their device type (and they are floating
     point), else their promoted type."""
     device_type = tensors[0].device.type
-    autocast_on = device_type in _AUTOCAST_DEVICE_TYPES and torch.is_autocast_enabled(device_type)
-    if autocast_on and all(t.is_floating_point() for t in tensors):
+    if autocast_active(device_type) and all(t.is_floating_point() for t in tensors):
         dtype = torch.get_autocast_dtype(device_type)
     else:
         dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))

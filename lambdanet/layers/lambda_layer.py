@@ -23,7 +23,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lambdanet import functional as LF
-from lambdanet.helpers import avg_pool_nd, check_choice, check_input, check_positive_int, compute_dtype, to_ntuple
+from lambdanet.helpers import (
+    autocast_active,
+    avg_pool_nd,
+    check_choice,
+    check_input,
+    check_positive_int,
+    compute_dtype,
+    no_autocast,
+    to_ntuple,
+)
 from lambdanet.layers.position_embedding import AbsolutePositionEmbedding, RelativePositionEmbedding
 
 __all__ = ["LambdaLayer", "LambdaPlan", "ImplPolicy", "DEFAULT_IMPL_POLICY", "impl_policy", "set_impl_policy"]
@@ -513,8 +522,8 @@ class LambdaLayer(nn.Module):
         channels_first = x.is_contiguous()
         q, keys, vals = self._project(x, channels_first)  # b n (h k), b n (g k u), b n (g v u)
         out_dtype = q.dtype
-        autocast_on = torch.is_autocast_enabled(x.device.type) if x.device.type in ("cuda", "cpu") else False
-        ctx = torch.autocast(device_type=x.device.type, enabled=False) if autocast_on else nullcontext()
+        # autocast switched off only where it is on: an autocast region nests the ops of a torch.export graph
+        ctx = no_autocast(x.device.type) if autocast_active(x.device.type) else nullcontext()
         cdtype = compute_dtype(out_dtype)
         with ctx:  # lambdas in fp32 (at least): key softmax and lambda accumulation never in half precision
             q = q.to(cdtype).view(b, math.prod(spatial), self.heads, self.dim_k)  # b n h k (explicit n: b may be 0)
