@@ -139,3 +139,37 @@ def test_no_function_body_is_longer_than_60_lines():
                 if node.end_lineno - start + 1 > 60:
                     long.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}")
     assert not long, long
+
+
+def test_options_the_tasks_share_are_declared_once():
+    """An option several tasks have means one thing: the same closed choices and the same rule for --resume
+    (issue 25); those in SHARED_OPTIONS take them from there, and every optimizer offered builds."""
+    import dataclasses
+
+    import torch
+
+    from lambdanet.detection.trainer import DetectConfig
+    from lambdanet.engine.config import SHARED_OPTIONS
+    from lambdanet.engine.optim import build_optimizer
+    from lambdanet.lm.task import LMConfig
+    from lambdanet.train.config import TrainConfig
+
+    seen: dict[str, tuple] = {}
+    for cls in (TrainConfig, DetectConfig, LMConfig):
+        for f in dataclasses.fields(cls):
+            rule = (f.metadata["choices"], f.metadata["resume_free"])
+            if f.name in SHARED_OPTIONS:
+                assert rule == SHARED_OPTIONS[f.name][1:], (cls.__name__, f.name)
+            assert seen.setdefault(f.name, rule) == rule, (cls.__name__, f.name, seen[f.name], rule)
+    for name in SHARED_OPTIONS["optimizer"][1]:
+        opt = build_optimizer(torch.nn.Linear(2, 2), name=name, lr=0.1, weight_decay=0.0)
+        assert opt.defaults["lr"] == 0.1, name
+
+
+def test_the_engine_knows_no_task_metric():
+    """The engine runs every task alike: a task's metrics (classification's top-k, a language model's bits per
+    byte, detection's AP) are named in the task's module, never in lambdanet/engine."""
+    pattern = re.compile(r"top[15]|bits_per_byte|box_ap|mask_ap|\bap\b", re.IGNORECASE)
+    found = [f"{path.relative_to(PACKAGE.parent)}:{i}" for path in sorted((PACKAGE / "engine").rglob("*.py"))
+             for i, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not found, found

@@ -36,11 +36,12 @@ from lambdanet.detection.glyphs import (
 from lambdanet.helpers import check_positive_int
 from lambdanet.models.pretrained import load_state
 from lambdanet.engine.checkpoint import CheckpointError, load_checkpoint
-from lambdanet.engine.distributed import DistContext, all_reduce_sum, barrier, data_parallel
+from lambdanet.engine.distributed import DistContext, barrier, data_parallel
 from lambdanet.engine.loop import progress_bar, train_epoch
 from lambdanet.engine.optim import build_optimizer, lr_at
 from lambdanet.engine.preempt import Preempted
 from lambdanet.engine.state import RunState
+from lambdanet.train.metrics import evaluate
 
 __all__ = [
     "PretrainConfig",
@@ -145,15 +146,12 @@ def batch_share(batch_size: int, rank: int, world: int) -> tuple[int, int]:
 def _accuracy(
     model: nn.Module, data: GlyphCrops, batch_size: int, mean: Tensor, std: Tensor, rank: int = 0, world: int = 1
 ) -> float:
-    """Top-1 on ``data``; in a process group each process classifies every ``world``-th crop."""
-    model.eval()
-    correct, mine = 0, list(range(rank, len(data), world))
-    with torch.no_grad():
-        for start in range(0, len(mine), batch_size):
-            images, labels = zip(*(data[i] for i in mine[start : start + batch_size]))
-            logits = model((torch.stack(images).to(mean.device) - mean) / std)  # b classes
-            correct += int((logits.argmax(1).cpu() == torch.tensor(labels)).sum())
-    return all_reduce_sum([correct], DistContext(rank, world, device=mean.device))[0] / len(data)  # no-op alone
+    """Top-1 on ``data`` (the classifier's :func:`lambdanet.train.metrics.evaluate` on the normalised crops); in
+    a process group each process classifies every ``world``-th crop and the counts are summed."""
+    mine = range(rank, len(data), world)  # batched by hand: a DataLoader's iterator would draw a seed from the RNG
+    crops = (zip(*(data[i] for i in mine[start : start + batch_size])) for start in range(0, len(mine), batch_size))
+    normalised = (((torch.stack(x).to(mean.device) - mean) / std, torch.tensor(y)) for x, y in crops)  # b c s s
+    return evaluate(model, normalised, device=mean.device, ctx=DistContext(rank, world, device=mean.device))["top1"]
 
 
 def _classifier_name_kwargs(backbone: str, model_kwargs: dict, img_size: int) -> tuple[str, dict]:

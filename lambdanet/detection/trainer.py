@@ -54,8 +54,7 @@ from lambdanet.engine.preempt import Preempted, StopSignals
 from lambdanet.engine.rundir import check_new_run
 from lambdanet.engine.state import RunState
 from lambdanet.engine.task import Task, check_extras, run
-from lambdanet.runtime import AMP_DTYPES
-from lambdanet.engine.config import RunConfig, option
+from lambdanet.engine.config import RunConfig, option, shared
 
 if TYPE_CHECKING:
     from torchvision.models.detection.transform import GeneralizedRCNNTransform
@@ -105,18 +104,18 @@ class DetectConfig(RunConfig):
         "with Fashion-MNIST where its Debian package is installed, else with mnist5k)",
         choices=GLYPH_SETS,
     )
-    recipe: str = option("quick", "named recipe whose values the other options override")
+    recipe: str = shared("recipe", "quick")
     img_size: int = option(256, "shorter image side in training and evaluation (the longer capped at 2x)")
     jitter_min: float = option(1.0, "multi-scale jitter: smallest scale of img_size in training")
     jitter_max: float = option(1.0, "multi-scale jitter: largest scale of img_size in training")
-    epochs: int = option(9, "training epochs (with --resume: more epochs extend the run)", resume_free=True)
-    batch_size: int = option(8, "global batch size (split across torchrun processes)")
-    eval_batch_size: int = option(8, "images per forward pass in evaluation")
-    optimizer: str = option("adamw", "optimizer", choices=("sgd", "adamw"))
-    lr: float = option(1e-3, "base learning rate (scaled by batch_size / lr_batch_scale when that is set)")
-    lr_batch_scale: int | None = option(None, "linear scaling rule: lr * batch_size / this (the paper's 256)")
-    momentum: float = option(0.9, "SGD momentum")
-    weight_decay: float = option(1e-4, "weight decay (not on norms and biases)")
+    epochs: int = shared("epochs", 9)
+    batch_size: int = shared("batch_size", 8)
+    eval_batch_size: int = shared("eval_batch_size", 8)
+    optimizer: str = shared("optimizer", "adamw")
+    lr: float = shared("lr", 1e-3)
+    lr_batch_scale: int | None = shared("lr_batch_scale", None)
+    momentum: float = shared("momentum", 0.9)
+    weight_decay: float = shared("weight_decay", 1e-4)
     warmup_steps: int = option(100, "linear warm-up steps from lr / 1000 (the paper: 1000)")
     lr_steps: list = option([0.75, 0.9], "fractions of the steps after which the rate is multiplied by 0.1")
     loss_weights: dict = option(
@@ -125,16 +124,16 @@ class DetectConfig(RunConfig):
         + ", ".join(DETECTOR_LOSSES)
         + "; 1 where not given); the logs show them unweighted",
     )
-    grad_clip: float | None = option(10.0, "clip the gradient norm (null: no clipping)")
-    amp: str = option("none", "autocast precision", choices=tuple(AMP_DTYPES))
-    sync_bn: bool = option(False, "synchronised BatchNorm across torchrun processes")
+    grad_clip: float | None = shared("grad_clip", 10.0)
+    amp: str = shared("amp", "none")
+    sync_bn: bool = shared("sync_bn", False)
     eval_every: int = option(
         0, "also evaluate (COCO AP) every this many epochs (0: after the last only)", resume_free=True
     )
-    max_train_batches: int | None = option(None, "stop each epoch after this many batches (smoke tests)")
+    max_train_batches: int | None = shared("max_train_batches", None)
     max_eval_images: int | None = option(None, "evaluate on the first this many test images (smoke tests)")
     seed: int = option(0, "random seed (data generation, initialisation, order)")
-    workers: int = option(0, "data-loading worker processes", resume_free=True)
+    workers: int = shared("workers", 0)
     procs: int = option(
         0,
         "local training processes when not started by torchrun (data parallel, the cores "
@@ -142,16 +141,12 @@ class DetectConfig(RunConfig):
         "on a GPU 1)",
         resume_free=True,
     )
-    device: str = option("auto", "device", choices=("auto", "cpu", "cuda"), resume_free=True)
-    progress: bool = option(
-        True, "progress bars (drawn only on a terminal: logs get one line per epoch)", resume_free=True
-    )
-    tensorboard: bool = option(True, "TensorBoard logs under <out>/tb", resume_free=True)
-    out: str = option("runs/detect", "run directory", resume_free=True)
-    resume: bool = option(
-        False,
-        "continue the run in --out from its last.pt (or, stopped in the pre-training, its pretrain.pt)",
-        resume_free=True,
+    device: str = shared("device", "auto")
+    progress: bool = shared("progress", True)
+    tensorboard: bool = shared("tensorboard", True)
+    out: str = shared("out", "runs/detect")
+    resume: bool = shared(
+        "resume", False, "continue the run in --out from its last.pt (or, stopped in the pre-training, its pretrain.pt)"
     )
 
     @classmethod
@@ -203,9 +198,7 @@ class DetectConfig(RunConfig):
             ("eval_every", 0, " (0: after the last epoch only)"),
             ("procs", 0, " (0: auto)"),
         ):
-            value, kind = getattr(self, name), "positive" if low else "non-negative"
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be a {kind} int{note}, got {value!r}")
+            self.check_int(name, low, note)
         world = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun (or local_processes' group)
         if self.batch_size % world:
             raise ValueError(
@@ -246,8 +239,7 @@ class DetectConfig(RunConfig):
 
     def _validate_pretrain(self) -> None:
         """The glyph-crop pre-training's options against the data, the backbone and pretrained weights."""
-        if isinstance(self.pretrain_steps, bool) or not isinstance(self.pretrain_steps, int) or self.pretrain_steps < 0:
-            raise ValueError(f"pretrain_steps must be a non-negative int, got {self.pretrain_steps!r}")
+        self.check_int("pretrain_steps", 0)
         if self.pretrain_steps and self.pretrained_backbone:
             raise ValueError(
                 "pretrain_steps and pretrained_backbone both initialise the backbone: choose one "

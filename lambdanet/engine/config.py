@@ -17,10 +17,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import yaml
 
+from lambdanet.engine.optim import OPTIMIZERS
 from lambdanet.engine.rundir import checkpoints_in
+from lambdanet.runtime import AMP_DTYPES
 
 __all__ = [
     "option",
+    "shared",
     "RunConfig",
     "ConfigSource",
     "load_yaml",
@@ -41,6 +44,41 @@ def option(default, help: str, choices: tuple | None = None, *, resume_free: boo
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: type(default)(default), metadata=meta, **kw)
     return field(default=default, metadata=meta, **kw)
+
+
+# The options every task's configuration declares: each one's help, closed choices and resume rule, once.
+# ``resume_free``: where and how a run is watched, never what it computes.
+SHARED_OPTIONS: dict[str, tuple[str, tuple | None, bool]] = {
+    "recipe": ("named recipe whose values the other options override", None, False),
+    "epochs": ("training epochs (with --resume: more epochs extend the finished schedule)", None, False),
+    "batch_size": ("global batch size (split across torchrun processes)", None, False),
+    "eval_batch_size": ("batch size of evaluation", None, False),
+    "optimizer": ("optimizer", OPTIMIZERS, False),
+    "lr": ("base learning rate (scaled by batch_size / lr_batch_scale when that is set)", None, False),
+    "lr_batch_scale": ("linear scaling rule: lr * batch_size / this (the paper's 256)", None, False),
+    "momentum": ("momentum of SGD and RMSProp", None, False),
+    "betas": ("Adam/AdamW betas", None, False),
+    "weight_decay": ("weight decay (not on norms, biases and other 1-d parameters)", None, False),
+    "grad_clip": ("clip the gradient norm to this (null: no clipping)", None, False),
+    "amp": ("autocast precision (fp16 needs CUDA)", tuple(AMP_DTYPES), False),
+    "compile": ("torch.compile the model", None, False),
+    "sync_bn": ("synchronised BatchNorm across torchrun processes", None, False),
+    "max_train_batches": ("stop each epoch after this many batches (smoke tests)", None, False),
+    "device": ("device (auto: CUDA when available)", ("auto", "cpu", "cuda"), True),
+    "workers": ("DataLoader worker processes", None, True),
+    "out": ("run directory (config, metrics, checkpoints, weights, plots, summary)", None, True),
+    "checkpoint_every": ("write last.pt every this many epochs (and at the end)", None, True),
+    "resume": ("continue the run in --out where it stopped", None, True),
+    "tensorboard": ("write TensorBoard event files to <out>/tb, beside metrics.csv", None, True),
+    "progress": ("progress bar on stderr (on a terminal; a log gets one line per epoch)", None, True),
+}
+
+
+def shared(name: str, default, help: str | None = None):
+    """The :func:`option` of the shared option ``name`` (:data:`SHARED_OPTIONS`) with this task's ``default``;
+    ``help`` replaces the shared text where the task means more by it (what its seed or --resume covers)."""
+    text, choices, resume_free = SHARED_OPTIONS[name]
+    return option(default, help or text, choices, resume_free=resume_free)
 
 
 class RunConfig:
@@ -105,6 +143,15 @@ class RunConfig:
         for name, valid in self.choices().items():
             if getattr(self, name) not in valid:
                 raise ValueError(f"{name} must be one of {list(valid)}, got {getattr(self, name)!r}")
+
+    def check_int(self, name: str, low: int = 1, note: str = "", *, optional: bool = False) -> None:
+        """Raise ``ValueError`` unless option ``name`` is an int >= ``low`` (1: positive, 0: non-negative), or
+        ``None`` where ``optional``; ``note`` (`` (0: auto)``) follows the kind in the message."""
+        value = getattr(self, name)
+        if (optional and value is None) or (not isinstance(value, bool) and isinstance(value, int) and value >= low):
+            return
+        kind = {1: "positive", 0: "non-negative"}.get(low, f">= {low}")
+        raise ValueError(f"{name} must be a {kind} int{note}{' or null' if optional else ''}, got {value!r}")
 
     @classmethod
     def choices(cls) -> dict[str, tuple]:

@@ -104,14 +104,7 @@ def truncate_history(path: Path, epochs: int) -> None:
     _write_rows(path, _header(path) or [], rows)
 
 
-# the classification run's plots: (file, metrics, y label)
-TRAIN_PANELS = (
-    ("loss.png", ("train_loss", "val_loss", "test_loss"), "cross-entropy"),
-    ("accuracy.png", ("train_top1", "val_top1", "test_top1", "test_top1_ema"), "top-1"),
-)
-
-
-def plot_history(history: list[dict], out: Path, panels=TRAIN_PANELS) -> list[Path]:
+def plot_history(history: list[dict], out: Path, panels: tuple) -> list[Path]:
     """One PNG per panel (``(file name, metric keys, y label)``), the metrics per epoch from the CSV rows;
     epochs where a metric is missing (not evaluated) are skipped."""
     import matplotlib

@@ -1,6 +1,6 @@
 """The one training loop of every task: :func:`train_epoch` (a pass over batches, resumable at any step) and
 :func:`fit` (the epochs of a run: evaluation, logs, checkpoints, early stopping, preemption), driven by a
-:class:`lambdanet.engine.task.Task`; and the classifier's :func:`evaluate`."""
+:class:`lambdanet.engine.task.Task`."""
 
 from __future__ import annotations
 
@@ -23,8 +23,6 @@ __all__ = [
     "TrainingDivergedError",
     "train_epoch",
     "fit",
-    "evaluate",
-    "topk_correct",
     "progress_bar",
     "to_device",
 ]
@@ -40,14 +38,6 @@ class NonFiniteLossError(RuntimeError):
 
 class TrainingDivergedError(RuntimeError):
     """The loss became NaN/inf; the run stopped and kept its last good checkpoint."""
-
-
-def topk_correct(logits: Tensor, target: Tensor, ks=(1, 5)) -> list[int]:
-    """Number of samples whose target is among the top-k predictions, for each k (k capped at #classes)."""
-    maxk = min(max(ks), logits.shape[1])
-    pred = logits.topk(maxk, dim=1).indices  # b maxk
-    hit = pred.eq(target[:, None])
-    return [int(hit[:, : min(k, maxk)].any(dim=1).sum()) for k in ks]
 
 
 def to_device(x: Tensor, device: torch.device, channels_last: bool = False) -> Tensor:
@@ -227,33 +217,3 @@ def fit(
             last_saved = state.epoch
         barrier(ctx)
     return row, stopped
-
-
-@torch.no_grad()
-def evaluate(
-    model: nn.Module,
-    loader,
-    *,
-    device: torch.device,
-    ctx: DistContext | None = None,
-    amp: str = "none",
-    channels_last: bool = False,
-    loss_fn: nn.Module | None = None,
-) -> dict:
-    """Top-1 / top-5 accuracy (fractions) and mean cross-entropy over ``loader`` (summed over ranks)."""
-    ctx = ctx or DistContext()
-    model.eval()
-    loss_fn = loss_fn or nn.CrossEntropyLoss()
-    c1: float  # counts: ints, floats after the reduction
-    c5: float
-    n: float
-    loss_sum, c1, c5, n = 0.0, 0, 0, 0
-    for x, y in loader:
-        x, y = to_device(x, device, channels_last), y.to(device, non_blocking=True)
-        with autocast_context(device, amp):
-            logits = model(x).float()
-        loss_sum += float(loss_fn(logits, y)) * y.shape[0]
-        k1, k5 = topk_correct(logits, y)
-        c1, c5, n = c1 + k1, c5 + k5, n + y.shape[0]
-    loss_sum, c1, c5, n = all_reduce_sum([loss_sum, c1, c5, n], ctx)
-    return {"loss": loss_sum / max(n, 1), "top1": c1 / max(n, 1), "top5": c5 / max(n, 1), "samples": int(n)}

@@ -10,7 +10,9 @@ import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-__all__ = ["param_groups", "build_optimizer", "build_scheduler", "build_ema", "set_bn_momentum", "lr_at"]
+__all__ = ["OPTIMIZERS", "param_groups", "build_optimizer", "build_scheduler", "build_ema", "set_bn_momentum", "lr_at"]
+
+OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop")  # build_optimizer's names
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -52,7 +54,7 @@ def build_optimizer(
         return (torch.optim.Adam if name == "adam" else torch.optim.AdamW)(groups, lr=cast(float, lr), betas=betas)
     if name == "rmsprop":
         return torch.optim.RMSprop(groups, lr=cast(float, lr), momentum=momentum, alpha=0.9, eps=1e-3)
-    raise ValueError(f"optimizer must be one of ['sgd', 'adam', 'adamw', 'rmsprop'], got {name!r}")
+    raise ValueError(f"optimizer must be one of {list(OPTIMIZERS)}, got {name!r}")
 
 
 def lr_at(

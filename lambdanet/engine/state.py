@@ -17,7 +17,7 @@ __all__ = ["RunState"]
 
 
 def _no_best() -> dict:
-    return {"score": -1.0, "test_top1": 0.0, "epoch": 0}
+    return {"score": -1.0, "epoch": 0}
 
 
 def _partial(partial: dict | None) -> dict | None:
@@ -100,10 +100,10 @@ class RunState:
         self.epoch_partial = _partial(state.get("epoch_partial"))  # absent at epoch ends (and from older runs)
         set_rng_state(state["rng"])
 
-    def record(self, row: dict, score: float) -> None:
-        """Count a finished epoch whose selection score is ``score`` (``row``: its logged metrics)."""
-        reported = row.get("test_top1_ema", row["test_top1"])
+    def record(self, score: float, **reported: float) -> None:
+        """Count a finished epoch whose selection score (higher is better) is ``score``; a new best keeps the
+        metrics the task reports for it (``reported``) in :attr:`best`."""
         if score > self.best["score"]:
-            self.best, self.bad_epochs = {"score": score, "test_top1": reported, "epoch": self.epoch}, 0
+            self.best, self.bad_epochs = {"score": score, **reported, "epoch": self.epoch}, 0
         else:
             self.bad_epochs += 1

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lambdanet.engine.checkpoint import CheckpointError, export_safetensors, load_checkpoint, unwrap
-from lambdanet.engine.config import RunConfig, option
+from lambdanet.engine.config import RunConfig, option, shared
 from lambdanet.engine.distributed import all_reduce_sum
 from lambdanet.engine.logger import plot_history, read_history, write_json
 from lambdanet.engine.optim import build_optimizer, lr_at
@@ -31,7 +31,7 @@ from lambdanet.files import encode_metadata, read_safetensors, run_metadata
 from lambdanet.lm.corpus import DATA_HELP, load_corpus, windows
 from lambdanet.models import create_model, list_models
 from lambdanet.models.lm import LanguageModel
-from lambdanet.runtime import AMP_DTYPES, autocast_context
+from lambdanet.runtime import autocast_context
 
 __all__ = ["LMConfig", "LanguageModelTask", "train_lm", "evaluate_bits_per_byte", "load_lm", "sample", "LM_PANELS"]
 
@@ -66,35 +66,31 @@ class LMConfig(RunConfig):
     data: str = option("stdlib", DATA_HELP)
     vocab_size: int = option(256, "vocabulary of the model (256: bytes); the corpus's bytes must be below it")
     context: int = option(256, "training sequence length in bytes")
-    recipe: str = option("quick", "named recipe whose values the other options override")
-    epochs: int = option(8, "training epochs (with --resume: more epochs extend the finished schedule)")
+    recipe: str = shared("recipe", "quick")
+    epochs: int = shared("epochs", 8)
     steps_per_epoch: int = option(150, "optimiser steps per epoch")
-    batch_size: int = option(16, "global batch of sequences per step (split across torchrun processes)")
-    optimizer: str = option("adamw", "optimizer", choices=("sgd", "adam", "adamw", "rmsprop"))
-    lr: float = option(3e-3, "peak learning rate (scaled by batch_size / lr_batch_scale when that is set)")
-    lr_batch_scale: int | None = option(None, "linear scaling rule: lr * batch_size / this")
-    betas: list = option([0.9, 0.95], "Adam/AdamW betas")
-    weight_decay: float = option(0.1, "weight decay (not on norms, biases and other 1-d parameters)")
+    batch_size: int = shared("batch_size", 16, "global batch of sequences per step (split across torchrun processes)")
+    optimizer: str = shared("optimizer", "adamw")
+    lr: float = shared("lr", 3e-3)
+    lr_batch_scale: int | None = shared("lr_batch_scale", None)
+    betas: list = shared("betas", [0.9, 0.95])
+    weight_decay: float = shared("weight_decay", 0.1)
     warmup_steps: int = option(100, "linear learning-rate warm-up, in steps")
     min_lr: float = option(3e-4, "final learning rate of the cosine schedule")
-    grad_clip: float | None = option(1.0, "clip the gradient norm to this (null: no clipping)")
-    amp: str = option("none", "autocast precision (fp16 needs CUDA)", choices=tuple(AMP_DTYPES))
-    compile: bool = option(False, "torch.compile the model")
-    device: str = option(
-        "auto", "device (auto: CUDA when available)", choices=("auto", "cpu", "cuda"), resume_free=True
-    )
+    grad_clip: float | None = shared("grad_clip", 1.0)
+    amp: str = shared("amp", "none")
+    compile: bool = shared("compile", False)
+    device: str = shared("device", "auto")
     seed: int = option(0, "seed of initialisation and of the training windows")
     eval_bytes: int | None = option(
         131072, "bytes of the validation split evaluated after each epoch (null: all; the end of the run evaluates all)"
     )
-    eval_batch_size: int = option(16, "sequences per evaluation batch")
-    out: str = option(
-        "runs/lm", "run directory (config, metrics, checkpoints, weights, plots, summary)", resume_free=True
-    )
-    checkpoint_every: int = option(1, "write last.pt every this many epochs (and at the end)", resume_free=True)
-    resume: bool = option(False, "continue the run in --out where it stopped", resume_free=True)
-    tensorboard: bool = option(True, "write TensorBoard event files beside metrics.csv", resume_free=True)
-    progress: bool = option(True, "progress bar on stderr", resume_free=True)
+    eval_batch_size: int = shared("eval_batch_size", 16, "sequences per evaluation batch")
+    out: str = shared("out", "runs/lm")
+    checkpoint_every: int = shared("checkpoint_every", 1)
+    resume: bool = shared("resume", False)
+    tensorboard: bool = shared("tensorboard", True)
+    progress: bool = shared("progress", True)
 
     def validate(self) -> None:
         super().validate()
@@ -107,9 +103,7 @@ class LMConfig(RunConfig):
             "eval_batch_size",
             "checkpoint_every",
         ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            self.check_int(name)
         if self.model not in list_models("*_lm_*"):
             raise ValueError(f"model must be a language model, one of {list_models('*_lm_*')}, got {self.model!r}")
         if not self.lr > 0 or not 0 <= self.min_lr <= self.lr:

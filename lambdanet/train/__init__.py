@@ -1,8 +1,9 @@
 """Image classification, a task of the engine: configs and recipes, ``train``, evaluation, loading runs."""
 
-from lambdanet.engine.loop import NonFiniteLossError, evaluate
+from lambdanet.engine.loop import NonFiniteLossError
 from lambdanet.train.config import RECIPES, TrainConfig, resolve_config
 from lambdanet.train.load import load_model
+from lambdanet.train.metrics import evaluate
 from lambdanet.train.trainer import TrainingDivergedError, evaluate_checkpoint, train
 
 __all__ = [

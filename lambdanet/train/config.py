@@ -26,10 +26,9 @@ from pathlib import Path
 from typing import cast
 
 from lambdanet.data import dataset_spec, list_datasets
-from lambdanet.engine.config import RunConfig, config_source_from_args, flag, option
+from lambdanet.engine.config import RunConfig, config_source_from_args, flag, option, shared
 from lambdanet.files import run_file
 from lambdanet.models import model_args, model_info
-from lambdanet.runtime import AMP_DTYPES
 from lambdanet.train.load import checkpoint_settings
 
 __all__ = [
@@ -76,17 +75,17 @@ class TrainConfig(RunConfig):
     )
     val_split: float = option(0.0, "fraction of the training set held out for validation and model selection")
     # recipe
-    recipe: str = option("quick", "named recipe whose values the other options override")
-    epochs: int = option(15, "training epochs (with --resume: more epochs extend the finished schedule)")
-    batch_size: int = option(64, "global batch size (split across torchrun processes)")
-    eval_batch_size: int = option(256, "batch size of evaluation")
-    optimizer: str = option("adamw", "optimizer", choices=("sgd", "adam", "adamw", "rmsprop"))
-    lr: float = option(2e-3, "base learning rate (scaled by batch_size / lr_batch_scale when that is set)")
-    lr_batch_scale: int | None = option(None, "linear scaling rule: lr * batch_size / this (the paper's 256)")
-    momentum: float = option(0.9, "momentum of SGD and RMSProp")
+    recipe: str = shared("recipe", "quick")
+    epochs: int = shared("epochs", 15)
+    batch_size: int = shared("batch_size", 64)
+    eval_batch_size: int = shared("eval_batch_size", 256)
+    optimizer: str = shared("optimizer", "adamw")
+    lr: float = shared("lr", 2e-3)
+    lr_batch_scale: int | None = shared("lr_batch_scale", None)
+    momentum: float = shared("momentum", 0.9)
     nesterov: bool = option(False, "Nesterov momentum for SGD")
-    betas: list = option([0.9, 0.999], "Adam/AdamW betas")
-    weight_decay: float = option(0.05, "weight decay (not on norms and biases)")
+    betas: list = shared("betas", [0.9, 0.999])
+    weight_decay: float = shared("weight_decay", 0.05)
     warmup_epochs: float = option(1.0, "linear learning-rate warm-up, in epochs")
     warmup_start_factor: float = option(0.0, "warm-up starts at lr times this")
     schedule: str = option("cosine", "learning-rate schedule after warm-up", choices=("cosine", "constant", "step"))
@@ -105,29 +104,25 @@ class TrainConfig(RunConfig):
         16, "base width given to ResNet-style models that do not set base_width (null: the paper's width)"
     )
     # system
-    amp: str = option("none", "autocast precision (fp16 needs CUDA)", choices=tuple(AMP_DTYPES))
+    amp: str = shared("amp", "none")
     channels_last: bool = option(False, "channels_last memory format for model and inputs")
-    compile: bool = option(False, "torch.compile the model")
-    device: str = option(
-        "auto", "device (auto: CUDA when available)", choices=("auto", "cpu", "cuda"), resume_free=True
-    )
-    workers: int = option(0, "DataLoader worker processes for file datasets", resume_free=True)
+    compile: bool = shared("compile", False)
+    device: str = shared("device", "auto")
+    workers: int = shared("workers", 0)
     seed: int = option(0, "seed of initialisation, data order and augmentation")
-    sync_bn: bool = option(False, "synchronised BatchNorm across torchrun processes")
+    sync_bn: bool = shared("sync_bn", False)
     # run
-    out: str = option(
-        "runs/lambdanet", "run directory (config, metrics, checkpoints, weights, plots, summary)", resume_free=True
-    )
-    checkpoint_every: int = option(1, "write last.pt every this many epochs (and at the end)", resume_free=True)
-    resume: bool = option(False, "continue the run in --out where it stopped", resume_free=True)
+    out: str = shared("out", "runs/lambdanet")
+    checkpoint_every: int = shared("checkpoint_every", 1)
+    resume: bool = shared("resume", False)
     early_stop_patience: int | None = option(
         None, "stop after this many epochs without validation improvement (needs --val-split)"
     )
-    tensorboard: bool = option(True, "write TensorBoard event files beside metrics.csv", resume_free=True)
-    progress: bool = option(True, "progress bar on stderr", resume_free=True)
+    tensorboard: bool = shared("tensorboard", True)
+    progress: bool = shared("progress", True)
     labeled_fraction: float = option(1.0, "semi-supervised: the seeded fraction of training labels kept")
     pseudo_labels: str | None = option(None, "semi-supervised: pseudo-label file from lambdanet pseudo-label")
-    max_train_batches: int | None = option(None, "stop each epoch after this many batches (smoke tests)")
+    max_train_batches: int | None = shared("max_train_batches", None)
 
     @classmethod
     def recipe_values(cls, name: str, explicit: dict) -> dict:
@@ -150,17 +145,11 @@ class TrainConfig(RunConfig):
         """Raise ``ValueError`` naming the field and the valid values for anything out of range."""
         super().validate()
         for name in ("epochs", "batch_size", "eval_batch_size", "checkpoint_every"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+            self.check_int(name)
         for name, what in _OPTIONAL_SIZES.items():
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
-                raise ValueError(f"{name} must be a positive int ({what}) or null, got {v!r}")
+            self.check_int(name, 1, f" ({what})", optional=True)
         for name in ("workers", "randaugment_layers", "randaugment_magnitude"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+            self.check_int(name, 0)
         if not self.warmup_epochs >= 0:
             raise ValueError(f"warmup_epochs must be >= 0, got {self.warmup_epochs}")
         if not self.lr_decay_epochs > 0:

@@ -18,7 +18,7 @@ from lambdanet.data import DatasetSpec, ImageLoader, Subset, TensorImages, build
 from lambdanet.engine.checkpoint import CheckpointError, export_safetensors, load_checkpoint, unwrap
 from lambdanet.engine.distributed import DistContext, convert_sync_batchnorm, uses_cuda
 from lambdanet.engine.logger import plot_history, read_history, write_json
-from lambdanet.engine.loop import TrainingDivergedError, evaluate, to_device
+from lambdanet.engine.loop import TrainingDivergedError, to_device
 from lambdanet.engine.optim import build_ema, build_optimizer, build_scheduler, set_bn_momentum
 from lambdanet.engine.state import RunState
 from lambdanet.engine.task import Task, run
@@ -26,6 +26,7 @@ from lambdanet.files import run_file, weights_metadata
 from lambdanet.models import create_model
 from lambdanet.train.config import TrainConfig, model_build_kwargs
 from lambdanet.train.load import restore_model
+from lambdanet.train.metrics import CLASSIFICATION_PANELS, evaluate
 
 if TYPE_CHECKING:
     from torch.utils.data import Dataset
@@ -201,7 +202,8 @@ class ClassificationTask(Task):
                 state.ema.module, data.test, device=ctx.device, ctx=ctx, amp=cfg.amp, channels_last=cfg.channels_last
             )
             row.update({"test_top1_ema": res["top1"], "test_top5_ema": res["top5"]})
-        state.record(row, row["val_top1"] if data.val is not None else row.get("test_top1_ema", row["test_top1"]))
+        test_top1 = row.get("test_top1_ema", row["test_top1"])
+        state.record(row["val_top1"] if data.val is not None else test_top1, test_top1=test_top1)
         return row
 
     def epoch_line(self, row: dict) -> str:
@@ -279,7 +281,7 @@ def _write_outputs(state: RunState, cfg: TrainConfig, data: RunData, history: li
     export_safetensors(state.model, out / "model.safetensors", meta)
     if state.ema is not None:
         export_safetensors(state.ema.module, out / "model_ema.safetensors", meta)
-    summary["plots"] = [p.name for p in plot_history(history, out)]
+    summary["plots"] = [p.name for p in plot_history(history, out, CLASSIFICATION_PANELS)]
     write_json(summary, out / "summary.json")
 
 
@@ -299,7 +301,7 @@ def _summary(
         "params": params,
         "epochs": state.epoch,
         "epochs_planned": cfg.epochs,
-        "best_acc": state.best["test_top1"],
+        "best_acc": state.best.get("test_top1", 0.0),
         "best_epoch": state.best["epoch"],
         "final_acc": final.get("test_top1_ema", final.get("test_top1")),
         "final_top5": final.get("test_top5_ema", final.get("test_top5")),
