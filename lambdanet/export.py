@@ -61,6 +61,7 @@ __all__ = [
     "check_dtype",
     "check_tolerance",
     "default_export_path",
+    "trace_batch",
     "export_model",
     "require_format",
 ]
@@ -333,13 +334,26 @@ def _check_arguments(
     check_positive_int(input_size, "input_size")
     check_positive_int(in_chans, "in_chans")
     check_choice(dynamic_batch, "dynamic_batch", (True, False))
+    return trace_batch(batch_size, dynamic_batch)
+
+
+def trace_batch(
+    batch_size: int | None,
+    dynamic_batch: bool,
+    name: str = "batch_size",
+    dynamic: str = "dynamic_batch=True",
+    hint: str = "",
+) -> int:
+    """The batch an export is traced at: ``batch_size``, by default 2 with a dynamic batch and 1 without. A
+    dynamic batch needs 2 or more (torch.export specialises a dimension of size 1); a one-line ``ValueError``
+    names the argument ``name``, the setting ``dynamic`` and ends with ``hint``."""
     if batch_size is None:
-        batch_size = _DYNAMIC_BATCH if dynamic_batch else 1
-    check_positive_int(batch_size, "batch_size")
+        return _DYNAMIC_BATCH if dynamic_batch else 1
+    check_positive_int(batch_size, name)
     if dynamic_batch and batch_size < 2:
         raise ValueError(
-            f"batch_size must be at least 2 with dynamic_batch=True (torch.export specialises a "
-            f"dimension of size 1 to the constant 1), got {batch_size}"
+            f"{name} must be at least 2 with {dynamic} (torch.export specialises a dimension of size 1 to the "
+            f"constant 1), got {batch_size}{hint}"
         )
     return batch_size
 

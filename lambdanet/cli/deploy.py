@@ -85,8 +85,8 @@ def _add_predict(sub) -> None:
 
 def _cmd_export(args: argparse.Namespace) -> int:
     """Export a model to ONNX, TorchScript or an ExportedProgram (library: ``lambdanet.export.export_model``)."""
-    from lambdanet.export import FORMATS, check_dtype, default_export_path, export_model, require_format
-    from lambdanet.helpers import check_choice, check_positive_int
+    from lambdanet.export import FORMATS, check_dtype, default_export_path, export_model, require_format, trace_batch
+    from lambdanet.helpers import check_choice
     from lambdanet.models import model_info
     from lambdanet.predict import load_for_inference, resolve_dtype
 
@@ -97,13 +97,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     check_choice(args.format, "--format", FORMATS)
     dtype = resolve_dtype(args.dtype, "--dtype")
     check_dtype(args.format, dtype, "--dtype")
-    if args.batch_size is not None:
-        check_positive_int(args.batch_size, "--batch-size")
-    if not args.static_batch and args.batch_size is not None and args.batch_size < 2:
-        raise ValueError(
-            f"--batch-size must be at least 2 with a dynamic batch (torch.export specialises a "
-            f"dimension of size 1), got {args.batch_size}; or add --static-batch"
-        )
+    trace_batch(args.batch_size, not args.static_batch, "--batch-size", "a dynamic batch", "; or add --static-batch")
     require_format(args.format, check=not args.no_check)  # missing packages: before loading the model
     model = load_for_inference(
         args.checkpoint,
