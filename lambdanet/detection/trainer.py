@@ -110,7 +110,7 @@ class DetectConfig(RunConfig):
     jitter_max: float = option(1.0, "multi-scale jitter: largest scale of img_size in training")
     epochs: int = shared("epochs", 9)
     batch_size: int = shared("batch_size", 8)
-    eval_batch_size: int = shared("eval_batch_size", 8)
+    eval_batch_size: int = shared("eval_batch_size", 8, "images per forward pass in evaluation (per process)")
     optimizer: str = shared("optimizer", "adamw")
     lr: float = shared("lr", 1e-3)
     lr_batch_scale: int | None = shared("lr_batch_scale", None)

@@ -46,16 +46,16 @@ def option(default, help: str, choices: tuple | None = None, *, resume_free: boo
     return field(default=default, metadata=meta, **kw)
 
 
-# The options every task's configuration declares: each one's help, closed choices and resume rule, once.
-# ``resume_free``: where and how a run is watched, never what it computes.
+# The options more than one task's configuration declares: each one's help, closed choices and resume rule, once
+# (a task declares those it has). ``resume_free``: where and how a run is watched, never what it computes.
 SHARED_OPTIONS: dict[str, tuple[str, tuple | None, bool]] = {
     "recipe": ("named recipe whose values the other options override", None, False),
-    "epochs": ("training epochs (with --resume: more epochs extend the finished schedule)", None, False),
+    "epochs": ("training epochs (with --resume: more extend the run, its schedule recomputed over them)", None, False),
     "batch_size": ("global batch size (split across torchrun processes)", None, False),
     "eval_batch_size": ("batch size of evaluation", None, False),
     "optimizer": ("optimizer", OPTIMIZERS, False),
     "lr": ("base learning rate (scaled by batch_size / lr_batch_scale when that is set)", None, False),
-    "lr_batch_scale": ("linear scaling rule: lr * batch_size / this (the paper's 256)", None, False),
+    "lr_batch_scale": ("linear scaling rule: lr * batch_size / this (the papers' recipes: 256)", None, False),
     "momentum": ("momentum of SGD and RMSProp", None, False),
     "betas": ("Adam/AdamW betas", None, False),
     "weight_decay": ("weight decay (not on norms, biases and other 1-d parameters)", None, False),
@@ -65,7 +65,7 @@ SHARED_OPTIONS: dict[str, tuple[str, tuple | None, bool]] = {
     "sync_bn": ("synchronised BatchNorm across torchrun processes", None, False),
     "max_train_batches": ("stop each epoch after this many batches (smoke tests)", None, False),
     "device": ("device (auto: CUDA when available)", ("auto", "cpu", "cuda"), True),
-    "workers": ("DataLoader worker processes", None, True),
+    "workers": ("data-loading worker processes", None, True),
     "out": ("run directory (config, metrics, checkpoints, weights, plots, summary)", None, True),
     "checkpoint_every": ("write last.pt every this many epochs (and at the end)", None, True),
     "resume": ("continue the run in --out where it stopped", None, True),
@@ -76,7 +76,8 @@ SHARED_OPTIONS: dict[str, tuple[str, tuple | None, bool]] = {
 
 def shared(name: str, default, help: str | None = None):
     """The :func:`option` of the shared option ``name`` (:data:`SHARED_OPTIONS`) with this task's ``default``;
-    ``help`` replaces the shared text where the task means more by it (what its seed or --resume covers)."""
+    ``help`` replaces the shared text where the task means more by it (what its --resume reads, a batch of
+    sequences)."""
     text, choices, resume_free = SHARED_OPTIONS[name]
     return option(default, help or text, choices, resume_free=resume_free)
 

@@ -71,7 +71,7 @@ class LMConfig(RunConfig):
     steps_per_epoch: int = option(150, "optimiser steps per epoch")
     batch_size: int = shared("batch_size", 16, "global batch of sequences per step (split across torchrun processes)")
     optimizer: str = shared("optimizer", "adamw")
-    lr: float = shared("lr", 3e-3)
+    lr: float = shared("lr", 3e-3, "peak learning rate (scaled by batch_size / lr_batch_scale when that is set)")
     lr_batch_scale: int | None = shared("lr_batch_scale", None)
     betas: list = shared("betas", [0.9, 0.95])
     weight_decay: float = shared("weight_decay", 0.1)

@@ -108,7 +108,7 @@ class TrainConfig(RunConfig):
     channels_last: bool = option(False, "channels_last memory format for model and inputs")
     compile: bool = shared("compile", False)
     device: str = shared("device", "auto")
-    workers: int = shared("workers", 0)
+    workers: int = shared("workers", 0, "DataLoader worker processes for file datasets")
     seed: int = option(0, "seed of initialisation, data order and augmentation")
     sync_bn: bool = shared("sync_bn", False)
     # run
