@@ -7,6 +7,7 @@ the issue's bound is ``1e-10``."""
 
 from __future__ import annotations
 
+import csv
 import json
 
 import pytest
@@ -192,6 +193,8 @@ def test_training_learns_and_sampling_continues_the_prompt(tmp_path, corpus_dir,
     saved = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert saved["val_bits_per_byte"] == pytest.approx(summary["val_bits_per_byte"])
     assert summary["val_bits_per_byte"] < 4.0  # from log2(256) = 8 bits for an untrained model
+    rows = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))  # the best epoch: the fewest bits
+    assert summary["best_epoch_val_bits_per_byte"] == min(float(r["val_bits_per_byte"]) for r in rows)
     model = load_lm(tmp_path / "run")
     again = evaluate_bits_per_byte(model, load_corpus(f"text:{corpus_dir}").val, 32)
     assert again["bits_per_byte"] == pytest.approx(summary["val_bits_per_byte"], rel=1e-5)

@@ -578,3 +578,27 @@ def test_size_options_out_of_range_fail_in_one_line(tmp_path, capsys, args, need
     assert needle in err and len(err.splitlines()) == 1, err
     if "lambda_resnet26t" in args:
         assert err.endswith("it downsamples by 32: use --img-size 32 or more")
+
+
+def test_run_state_records_the_best_epoch_and_counts_the_epochs_since():
+    """RunState.record keeps the highest score's reported metrics and counts the epochs without improvement
+    (early stopping); a run saved before any epoch by an earlier version (a placeholder best of epoch 0,
+    score -1) has no best yet, so even a score below -1 (a language model's negated bits per byte) is one."""
+    from lambdanet.engine.state import RunState
+
+    model = torch.nn.Linear(2, 2)
+    state = RunState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for epoch, score in enumerate([0.5, 0.7, 0.6, 0.7, 0.8], 1):
+        state.epoch = epoch
+        state.record(score, test_top1=score / 2)
+        expected_best = max([0.5, 0.7, 0.6, 0.7, 0.8][:epoch])
+        assert state.best["score"] == expected_best and state.best["test_top1"] == expected_best / 2
+    assert state.best["epoch"] == 5 and state.bad_epochs == 0
+    state.epoch = 6
+    state.record(0.1)
+    assert state.best["epoch"] == 5 and state.bad_epochs == 1
+    old = RunState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    old.best = {"score": -1.0, "test_top1": 0.0, "epoch": 0}  # what 0.1's checkpoints hold before epoch 1
+    old.epoch = 1
+    old.record(-3.2, val_bits_per_byte=3.2)
+    assert old.best == {"score": -3.2, "val_bits_per_byte": 3.2, "epoch": 1} and old.bad_epochs == 0

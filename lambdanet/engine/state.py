@@ -4,6 +4,7 @@ and whose ``load_state_dict`` is ``--resume``, one symmetric pair."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -17,7 +18,7 @@ __all__ = ["RunState"]
 
 
 def _no_best() -> dict:
-    return {"score": -1.0, "epoch": 0}
+    return {"score": -math.inf, "epoch": 0}
 
 
 def _partial(partial: dict | None) -> dict | None:
@@ -102,8 +103,9 @@ class RunState:
 
     def record(self, score: float, **reported: float) -> None:
         """Count a finished epoch whose selection score (higher is better) is ``score``; a new best keeps the
-        metrics the task reports for it (``reported``) in :attr:`best`."""
-        if score > self.best["score"]:
+        metrics the task reports for it (``reported``) in :attr:`best`. Before the first recorded epoch (``best``
+        of epoch 0, as earlier versions saved it with a placeholder score of -1) any score is the best."""
+        if score > self.best["score"] or not self.best["epoch"]:
             self.best, self.bad_epochs = {"score": score, **reported, "epoch": self.epoch}, 0
         else:
             self.bad_epochs += 1

@@ -224,12 +224,7 @@ class LanguageModelTask(Task):
             "val_bits_per_byte": res["bits_per_byte"],
             "bytes_per_s": seen / max(result["seconds"], 1e-9),
         }
-        if row["val_bits_per_byte"] < state.best.get("val_bits_per_byte", math.inf):
-            state.best = {
-                "score": -row["val_bits_per_byte"],
-                "val_bits_per_byte": row["val_bits_per_byte"],
-                "epoch": state.epoch,
-            }
+        state.record(-row["val_bits_per_byte"], val_bits_per_byte=row["val_bits_per_byte"])  # fewer bits is better
         return row
 
     def epoch_line(self, row: dict) -> str:
