@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lambdanet"
 # the stack, bottom first: a module may import its own level and the ones below it
 LEVELS = [
     ("lambdanet.constants", "lambdanet.files", "lambdanet.helpers", "lambdanet.runtime"),
-    ("lambdanet.functional", "lambdanet.kernels"),
+    ("lambdanet.functional", "lambdanet.kernels", "lambdanet.ops"),
     ("lambdanet.layers",),
     ("lambdanet.models",),
     ("lambdanet.engine",),

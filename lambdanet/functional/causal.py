@@ -171,7 +171,8 @@ def _chunks(
     Sz, last = _Scan.apply(shrink.unsqueeze(-1), grow.unsqueeze(-1) * local, carried)  # b u N k (v+1), b u k (v+1)
     Ss, zs, S, z = Sz[..., :v], Sz[..., v], last[..., :v], last[..., v]  # the states before each chunk; after all
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # C C
-    if (top.unsqueeze(3) - cm).amax().item() > MAX_SPREAD:  # exact: exp(a_i - cm[n]) could overflow
+    # exact where exp(a_i - cm[n]) could overflow, and always under torch.compile (no host read of the spread)
+    if torch.compiler.is_compiling() or (top.unsqueeze(3) - cm).amax().item() > MAX_SPREAD:
         a = torch.exp((keys.unsqueeze(3) - cm.unsqueeze(4)).masked_fill(~causal[..., None], float("-inf")))
         zn = decay * zs.unsqueeze(3) + a.sum(dim=4)  # b u N C k, >= 1 (the maximum's own term); a: b u N C C k
         qz = qc / zn.unsqueeze(3)  # b u N h C k
@@ -326,7 +327,11 @@ def causal_lambda(
             device=q.device,
         )
     state = {key: t.detach().to(q.dtype) for key, t in state.items()}
-    y, *final = _ChunkedCausalLambda.apply(q, keys, values, emb, chunk, state)
+    if torch.compiler.is_compiling():  # the graph's own autograd (the recomputing backward calls autograd.grad)
+        y, out = _run(q, keys, values, emb, state, chunk)
+        final = [out[key].detach() for key in _STATE_KEYS]
+    else:
+        y, *final = _ChunkedCausalLambda.apply(q, keys, values, emb, chunk, state)
     return (y, dict(zip(_STATE_KEYS, final))) if return_state else y
 
 

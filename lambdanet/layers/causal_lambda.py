@@ -20,6 +20,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from lambdanet.ops.causal_lambda import causal_lambda, resolve_mode
 from lambdanet.functional import causal as LC
 from lambdanet.helpers import check_positive_int
 
@@ -37,7 +38,9 @@ class CausalLambdaLayer(nn.Module):
             projected back to ``dim``.
         dim_u: intra-depth ``|u|``.
         r: causal local scope of the position lambdas (offsets ``0..r-1``); 0 for content lambdas only.
-        chunk: positions per chunk of the chunked training form.
+        chunk: positions per chunk of the PyTorch chunked form (``mode="chunk"``).
+        mode: the causal op's implementation (:func:`lambdanet.ops.causal_lambda`): ``"auto"`` (the Triton
+            ``"fused_chunk"`` kernels on CUDA, the PyTorch ``"chunk"`` form elsewhere), or one of its modes.
 
     The position embeddings are drawn from ``N(0, 1 / (r k))`` (the paper's ``N(0, 1)`` assumes batch-normalised
     queries and a batch norm after the layer; here the layer feeds a residual stream); the projections use
@@ -53,6 +56,7 @@ class CausalLambdaLayer(nn.Module):
         dim_u: int = 1,
         r: int = 64,
         chunk: int = LC.DEFAULT_CHUNK,
+        mode: str = "auto",
     ):
         super().__init__()
         for value, name in ((dim, "dim"), (heads, "heads"), (dim_k, "dim_k"), (dim_u, "dim_u"), (chunk, "chunk")):
@@ -63,6 +67,7 @@ class CausalLambdaLayer(nn.Module):
             raise ValueError(f"r must be a non-negative int (0: content lambdas only), got {r!r}")
         self.dim, self.heads, self.dim_k, self.dim_v = dim, heads, dim_k, dim_v
         self.dim_u, self.r, self.chunk = dim_u, r, chunk
+        self.mode = resolve_mode(mode, "cpu") and mode  # checked here, resolved per call
         self.qkv = nn.Linear(dim, heads * dim_k + dim_k * dim_u + dim_v * dim_u, bias=False)
         self.proj = nn.Linear(heads * dim_v, dim, bias=False)
         self.emb = nn.Parameter(torch.randn(r, dim_k, dim_u) / math.sqrt(max(r, 1) * dim_k)) if r else None
@@ -86,7 +91,17 @@ class CausalLambdaLayer(nn.Module):
         if x.dim() != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"x must be [batch, length, dim={self.dim}], got shape {tuple(x.shape)}")
         q, keys, values = self._split(x)  # b n h k, b n k u, b n v u
-        y, state = LC.causal_lambda(q, keys, values, self.emb, chunk=self.chunk, state=state, return_state=True)
+        mode = resolve_mode(self.mode, x.device)
+        y, state = causal_lambda(
+            q,
+            keys,
+            values,
+            self.emb,
+            mode=mode,
+            chunk_size=self.chunk if mode == "chunk" else None,
+            initial_state=state,
+            output_final_state=True,
+        )
         out = self.proj(y.flatten(2).to(x.dtype))  # b n d
         return (out, state) if return_state else out
 
@@ -99,5 +114,5 @@ class CausalLambdaLayer(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"dim={self.dim}, heads={self.heads}, dim_k={self.dim_k}, dim_v={self.dim_v}, dim_u={self.dim_u}, "
-            f"r={self.r}, chunk={self.chunk}"
+            f"r={self.r}, chunk={self.chunk}, mode={self.mode!r}"
         )

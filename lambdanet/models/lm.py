@@ -180,7 +180,12 @@ class LanguageModel(nn.Module):
         if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.dtype not in (torch.long, torch.int):
             got = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
             raise ValueError(f"tokens must be an integer tensor [batch, length], got {got}")
-        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size):
+        # the range check reads the tokens on the host: not inside a compiled graph (no graph break)
+        if (
+            tokens.numel()
+            and not torch.compiler.is_compiling()
+            and (int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size)
+        ):
             raise ValueError(
                 f"tokens must lie in [0, vocab_size={self.vocab_size}), got values from "
                 f"{int(tokens.min())} to {int(tokens.max())}"

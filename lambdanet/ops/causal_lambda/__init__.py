@@ -1,0 +1,104 @@
+"""Causal (masked, App. B.2) lambdas over sequences, in fla's calling convention.
+
+``causal_lambda(q, k, v, emb=None, *, mode="auto", chunk_size=None, initial_state=None, output_final_state=False)``
+with ``q [b, n, h, k]``, ``k [b, n, k, u]`` (raw keys: softmax over the prefix per channel), ``v [b, n, v, u]``,
+``emb [r, k, u]`` (``emb[j]``: offset ``n - m = j``), output ``[b, n, h, v]``; with ``output_final_state=True`` it
+returns ``(o, state)``, and ``initial_state=state`` continues that sequence. Modes:
+
+* ``"naive"``: the definition, position by position (:mod:`.naive`; tests, any dtype).
+* ``"chunk"``: the chunked form in PyTorch ops (:mod:`.chunk`; CPU default; float32 compute for half inputs).
+* ``"fused_chunk"``: the Triton kernels (:mod:`.fused_chunk`; CUDA default): six launches whatever ``n`` is, no
+  host synchronisation, products on the tensor cores with the inputs' dtype as operands.
+* ``"fused_recurrent"``: one position at a time with the constant-size state (generation; any length).
+* ``"auto"``: ``"fused_chunk"`` where the kernels run (CUDA with Triton), else ``"chunk"``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lambdanet.functional import causal as _causal
+from lambdanet.ops.causal_lambda import fused_chunk as _fused
+
+__all__ = ["causal_lambda", "MODES", "resolve_mode"]
+
+MODES = ("auto", "naive", "chunk", "fused_chunk", "fused_recurrent")
+
+
+def resolve_mode(mode: str, device: torch.device | str) -> str:
+    """The mode ``"auto"`` stands for on ``device``; any other mode is checked and returned."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
+    if mode != "auto":
+        return mode
+    return "fused_chunk" if torch.device(device).type == "cuda" and _fused.available(device)[0] else "chunk"
+
+
+def _recurrent(q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None, state: dict[str, Tensor]):
+    ys = []
+    for t in range(q.shape[1]):
+        y, state = _causal.causal_lambda_step(q[:, t], keys[:, t], values[:, t], emb, state)
+        ys.append(y)
+    dtype = _causal.compute_dtype(q.dtype, keys.dtype, values.dtype)
+    out = torch.stack(ys, dim=1) if ys else q.new_zeros(q.shape[0], 0, q.shape[2], values.shape[2], dtype=dtype)
+    return out, state
+
+
+def causal_lambda(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    emb: Tensor | None = None,
+    *,
+    mode: str = "auto",
+    chunk_size: int | None = None,
+    initial_state: dict[str, Tensor] | None = None,
+    output_final_state: bool = False,
+) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
+    """Causal lambdas ``o [b, n, h, v]`` (see the module docstring); ``(o, final_state)`` if ``output_final_state``.
+
+    Args:
+        q: ``[b, n, h, k]`` queries (``h`` heads share one lambda: multi-query).
+        k: ``[b, n, k, u]`` raw keys.
+        v: ``[b, n, v, u]`` values.
+        emb: ``[r, k, u]`` position embeddings of the causal scope ``r``, or ``None`` (content lambdas only).
+        mode: ``"auto"``, ``"naive"``, ``"chunk"``, ``"fused_chunk"`` or ``"fused_recurrent"``.
+        chunk_size: positions per chunk (``"chunk"``: any positive int, default 64; ``"fused_chunk"``: a power of
+            two >= 16, default 32 up to 4 heads, else 16).
+        initial_state: the state a previous call returned (the context before ``q[:, 0]``), or ``None``.
+        output_final_state: also return the state after the last position.
+    """
+    _causal._check(q, k, v, emb)
+    mode = resolve_mode(mode, q.device)
+    r = 0 if emb is None else emb.shape[0]
+    if initial_state is None:
+        (b, _, _, dk), u, dv = q.shape, k.shape[3], v.shape[2]
+        initial_state = _causal.init_causal_lambda_state(b, dk, dv, u, r, device=q.device)
+    state: dict[str, Tensor] = initial_state
+    if mode == "naive":
+        if float(initial_state["z"].abs().sum()) > 0:
+            raise ValueError("mode='naive' starts from an empty context: pass initial_state=None")
+        o = _causal.causal_lambda_reference(q, k, v, emb)
+        if output_final_state:
+            _, state = _recurrent(q, k, v, emb, initial_state)
+    elif mode == "chunk":
+        o, state = _causal.causal_lambda(
+            q, k, v, emb, chunk=chunk_size or _causal.DEFAULT_CHUNK, state=initial_state, return_state=True
+        )
+    elif mode == "fused_recurrent":
+        o, state = _recurrent(q, k, v, emb, initial_state)
+    else:
+        o, state = _fused_call(q, k, v, emb, initial_state, chunk_size or _fused.default_chunk(q.shape[2]))
+    return (o, state) if output_final_state else o
+
+
+def _fused_call(q, k, v, emb, state, chunk: int):
+    ok, why = _fused.available(q.device)
+    if not ok:
+        raise RuntimeError(f"mode='fused_chunk': {why}")
+    if chunk < 16 or chunk & (chunk - 1):
+        raise ValueError(f"chunk_size must be a power of two >= 16 with mode='fused_chunk', got {chunk!r}")
+    if q.shape[1] == 0:
+        return q.new_zeros(q.shape[0], 0, q.shape[2], v.shape[2]), state
+    return _fused.fused_chunk_causal_lambda(q, k, v, emb, state, chunk)

@@ -1,0 +1,239 @@
+"""The chunked causal lambda as six Triton launches (three forward, three backward) whatever ``n`` is, with no host
+synchronisation: ``torch.library`` custom ops with autograd and fake kernels, so eager mode, ``torch.compile``
+(``fullgraph=True``) and ``torch.export`` all go through them. The kernels are in
+:mod:`lambdanet.ops.causal_lambda.triton_chunk`; they run on CUDA tensors, or on CPU tensors under
+``TRITON_INTERPRET=1`` (the tests).
+
+Precision: operands of every product in the inputs' dtype (bf16/fp16 on the tensor cores; float32 inputs keep
+float32 products), float32 accumulation; states, maxima, normalisers and exponents in float32. The output and the
+gradients come back in the inputs' dtype.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["fused_chunk_causal_lambda", "available", "default_chunk"]
+
+DEFAULT_CHUNK = None  # positions per chunk: 32 up to 4 heads, else 16 (a tile of heads x chunk rows <= 128)
+
+
+def default_chunk(heads: int) -> int:
+    """The kernels' chunk for ``heads`` query heads: tiles of at most 128 rows (``heads x chunk``, heads rounded up to
+    a power of two) fit a Hopper multiprocessor's shared memory."""
+    return 32 if _pow2(heads) <= 4 else 16
+
+
+def available(device: torch.device | str) -> tuple[bool, str]:
+    """``(True, "")`` if the kernels can run on ``device``, else ``(False, why)``."""
+    device = torch.device(device)
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False, "Triton is not installed (pip install triton)"
+    if device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
+        return True, ""
+    return False, f"the Triton kernels run on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), got {device.type}"
+
+
+def _pow2(x: int, least: int = 1) -> int:
+    return max(least, 1 << max(x - 1, 0).bit_length())
+
+
+def _meta(q: Tensor, keys: Tensor, values: Tensor, r: int, chunk: int) -> dict:
+    import triton.language as tl
+
+    (B, n, H, K), U, V = q.shape, keys.shape[3], values.shape[2]
+    dt = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(q.dtype, tl.float32)
+    if dt == tl.bfloat16 and q.device.type == "cpu":  # Triton's interpreter multiplies bf16 operands wrongly
+        dt = tl.float32
+    return dict(
+        B=B, n=n, H=H, K=K, U=U, V=V, r=r, C=chunk, N=-(-n // chunk), HP=_pow2(H), KP=_pow2(K, 16), RP=_pow2(r, 16),
+        P=-(-(r - 1) // chunk) if r > 1 else 0, BV=min(64, _pow2(V, 16)), DT=dt,
+        PREC="ieee" if dt == tl.float32 else "tf32",
+    )  # fmt: skip
+
+
+def _consts(m: dict, *names: str) -> dict:
+    return {name: m[name] for name in names}
+
+
+def _warps(m: dict) -> int:
+    return 8 if m["HP"] * m["C"] >= 256 else 4
+
+
+STAGES = int(os.environ.get("LAMBDANET_CAUSAL_STAGES", "1"))  # software pipelining depth of the chunk kernels
+
+
+@torch.library.custom_op("lambdanet::causal_lambda_chunk_fwd", mutates_args=())
+def _forward(
+    q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None, S0: Tensor, z0: Tensor, c0: Tensor, win: Tensor,
+    chunk: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    from lambdanet.ops.causal_lambda import triton_chunk as T
+
+    r = 0 if emb is None else emb.shape[0]
+    m = _meta(q, keys, values, r, chunk)
+    BU, N1, dev = m["B"] * m["U"], m["N"] + 1, q.device
+    f32: dict[str, Any] = dict(device=dev, dtype=torch.float32)
+    amax, lsum = torch.empty(BU, N1, m["K"], **f32), torch.empty(BU, N1, m["K"], **f32)
+    cb, zb = torch.empty(BU, N1, m["K"], **f32), torch.empty(BU, N1, m["K"], **f32)
+    Sb = torch.empty(BU, N1, m["K"], m["V"], **f32)  # chunk sums, then the state before each chunk
+    grid = (m["N"], BU)
+    T._chunk_sums[grid](
+        keys, values, amax, lsum, Sb, m["n"], N1, **_consts(m, "K", "V", "U", "C", "KP", "BV", "DT", "PREC")
+    )
+    T._state_scan[(BU, -(-m["V"] // m["BV"]))](
+        amax, lsum, cb, zb, Sb, S0, z0, c0, m["N"], N1, **_consts(m, "K", "V", "KP", "BV")
+    )
+    y = torch.empty(m["B"], m["U"], m["n"], m["H"], m["V"], device=dev, dtype=q.dtype if m["U"] == 1 else torch.float32)
+    T._chunk_output[grid](
+        q, keys, values, q if emb is None else emb, win, cb, zb, Sb, y, m["n"], r, N1, HAS_EMB=emb is not None,
+        num_warps=_warps(m), num_stages=STAGES,
+        **_consts(m, "H", "HP", "K", "V", "U", "C", "KP", "RP", "P", "BV", "DT", "PREC"),
+    )  # fmt: skip
+    return y.sum(1).to(q.dtype) if m["U"] > 1 else y[:, 0], Sb, cb, zb
+
+
+@_forward.register_fake
+def _(q, keys, values, emb, S0, z0, c0, win, chunk):
+    (B, n, H, K), U, V = q.shape, keys.shape[3], values.shape[2]
+    N1 = -(-n // chunk) + 1
+    f32: dict[str, Any] = dict(device=q.device, dtype=torch.float32)
+    y = q.new_empty(B, n, H, V)
+    return y, torch.empty(B * U, N1, K, V, **f32), torch.empty(B * U, N1, K, **f32), torch.empty(B * U, N1, K, **f32)
+
+
+@torch.library.custom_op("lambdanet::causal_lambda_chunk_bwd", mutates_args=())
+def _backward(
+    dy: Tensor, q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None, win: Tensor, Sb: Tensor, cb: Tensor,
+    zb: Tensor, chunk: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    from lambdanet.ops.causal_lambda import triton_chunk as T
+
+    r = 0 if emb is None else emb.shape[0]
+    m = _meta(q, keys, values, r, chunk)
+    B, U, N, K = m["B"], m["U"], m["N"], m["K"]
+    BU, N1, dev, dy = B * U, N + 1, q.device, dy.contiguous()
+    f32: dict[str, Any] = dict(device=dev, dtype=torch.float32)
+    dq = torch.empty(B, U, m["n"], m["H"], K, device=dev, dtype=q.dtype if U == 1 else torch.float32)
+    rho = torch.empty(BU, m["n"], K, **f32)
+    G, g, dzb = torch.empty(BU, N1, K, m["V"], **f32), torch.empty(BU, N1, K, **f32), torch.empty(BU, N1, K, **f32)
+    demb = torch.zeros(BU, N, K, m["RP"], **f32) if emb is not None else q.new_zeros(0)
+    common = dict(HAS_EMB=emb is not None, num_warps=_warps(m), num_stages=STAGES)
+    common.update(_consts(m, "H", "HP", "K", "V", "U", "C", "KP", "RP", "P", "BV", "DT", "PREC"))
+    e = q if emb is None else emb
+    grid = (N, BU)
+    T._grad_local[grid](q, keys, values, e, win, cb, zb, Sb, dy, dq, rho, G, g, demb, m["n"], r, N, N1, **common)
+    T._grad_scan[(BU, -(-m["V"] // m["BV"]))](cb, G, g, dzb, N, N1, **_consts(m, "K", "V", "KP", "BV"))
+    dkeys, dvalues = torch.empty_like(keys), torch.empty_like(values)
+    T._grad_keys_values[grid](q, keys, values, e, win, cb, zb, dy, rho, G, dzb, dkeys, dvalues, m["n"], r, N1, **common)
+    dq = dq.sum(1).to(q.dtype) if U > 1 else dq[:, 0]
+    if emb is not None:
+        demb = demb.view(B, U, N, K, m["RP"])[..., :r].sum(dim=(0, 2)).permute(2, 1, 0).to(emb.dtype)  # r k u
+    return dq, dkeys, dvalues, demb
+
+
+@_backward.register_fake
+def _(dy, q, keys, values, emb, win, Sb, cb, zb, chunk):
+    demb = q.new_zeros(0) if emb is None else torch.empty_like(emb)
+    return torch.empty_like(q), torch.empty_like(keys), torch.empty_like(values), demb
+
+
+def _setup_context(ctx, inputs, output):
+    q, keys, values, emb, _, _, _, win, chunk = inputs
+    _, Sb, cb, zb = output
+    ctx.save_for_backward(q, keys, values, emb, win, Sb, cb, zb)
+    ctx.chunk, ctx.has_emb = chunk, emb is not None
+
+
+def _grad(ctx, dy, *_):
+    q, keys, values, emb, win, Sb, cb, zb = ctx.saved_tensors
+    dq, dkeys, dvalues, demb = _backward(dy, q, keys, values, emb if ctx.has_emb else None, win, Sb, cb, zb, ctx.chunk)
+    return dq, dkeys, dvalues, (demb if ctx.has_emb else None), None, None, None, None, None
+
+
+_forward.register_autograd(_grad, setup_context=_setup_context)
+
+
+def fused_chunk_causal_lambda(
+    q: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    emb: Tensor | None,
+    state: dict[str, Tensor],
+    chunk: int | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """``q [b, n, h, k]``, ``keys [b, n, k, u]``, ``values [b, n, v, u]``, ``emb [r, k, u]`` or ``None``, the state
+    before the sequence (``S [b, u, k, v]``, ``z``, ``c [b, u, k]``, ``window [b, u, r - 1, v]``, float32) ->
+    ``(y [b, n, h, v], state after)``; ``y`` in the inputs' dtype. The state receives no gradient."""
+    dtype, chunk = q.dtype, chunk or default_chunk(q.shape[2])
+    q, keys, values = q.contiguous(), keys.to(dtype).contiguous(), values.to(dtype).contiguous()
+    emb = None if emb is None else emb.to(dtype).contiguous()
+    S0, z0, c0 = (state[key].detach().float().contiguous() for key in ("S", "z", "c"))
+    win = state["window"].detach().to(dtype).contiguous()
+    y, Sb, cb, zb = _forward(q, keys, values, emb, S0, z0, c0, win if win.numel() else q.new_zeros(1), chunk)
+    (b, _, _, k), u, v = q.shape, keys.shape[3], values.shape[2]
+    full = torch.cat([win, values.permute(0, 3, 1, 2)], dim=2)  # b u (r - 1 + n) v
+    final = {
+        "S": Sb[:, -1].reshape(b, u, k, v),
+        "z": zb[:, -1].reshape(b, u, k),
+        "c": cb[:, -1].reshape(b, u, k),
+        "window": full[:, :, full.shape[2] - win.shape[2] :].float(),
+    }
+    return y, final
+
+
+def compile_report(
+    arch: int = 90,
+    *,
+    heads: int = 8,
+    dim_k: int = 16,
+    dim_v: int = 208,
+    r: int = 64,
+    chunk: int | None = None,
+    dtypes: tuple[str, ...] = ("fp32", "bf16"),
+) -> list[dict]:
+    """Compile the six kernels ahead of time for CUDA compute capability ``arch`` (no GPU needed: Triton's bundled
+    ``ptxas``) at one layer's sizes (default: ``lambda_lm_base``), in float32 and bf16: per kernel the matrix-unit
+    instructions in the PTX, local-memory (spill) accesses, shared memory and compile seconds. Run it without
+    ``TRITON_INTERPRET`` (the interpreter has no compiler)."""
+    import re
+    import time
+
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from lambdanet.ops.causal_lambda import triton_chunk as T
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("compile_report needs the compiler: unset TRITON_INTERPRET")
+    C = chunk or default_chunk(heads)
+    m = dict(K=dim_k, V=dim_v, U=1, C=C, H=heads, HP=_pow2(heads), KP=_pow2(dim_k, 16), RP=_pow2(r, 16),
+             P=-(-(r - 1) // C) if r > 1 else 0, BV=min(64, _pow2(dim_v, 16)), HAS_EMB=r > 0)  # fmt: skip
+    f32 = {"amax", "lsum", "cb", "zb", "Sb", "S0", "z0", "c0", "G", "g", "dzb", "rho", "demb"}
+    rows = []
+    for name in ("_chunk_sums", "_state_scan", "_chunk_output", "_grad_local", "_grad_scan", "_grad_keys_values"):
+        fn = getattr(T, name)
+        for label, dt in ((d, {"fp32": tl.float32, "bf16": tl.bfloat16}[d]) for d in dtypes):
+            consts = {k: v for k, v in {**m, "DT": dt, "PREC": "ieee" if label == "fp32" else "tf32"}.items()
+                      if k in fn.arg_names}  # fmt: skip
+            sig = {a: "constexpr" if a in consts else "i32" if a in ("n", "r", "N", "N1") else
+                   "*fp32" if a in f32 else f"*{label}" for a in fn.arg_names}  # fmt: skip
+            src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+            t0 = time.perf_counter()
+            opts = {"num_warps": _warps(m), "num_stages": STAGES}
+            kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
+            ptx = kernel.asm["ptx"]
+            rows.append({
+                "kernel": name.lstrip("_"), "dtype": label, "mma": len(re.findall(r"\bw?gmma|\bmma\.", ptx)),
+                "local_loads": ptx.count("ld.local"), "local_stores": ptx.count("st.local"),
+                "shared_bytes": kernel.metadata.shared, "compile_s": round(time.perf_counter() - t0, 2),
+            })  # fmt: skip
+    return rows

@@ -1,0 +1,348 @@
+"""Triton kernels of the chunked causal lambda (:mod:`lambdanet.ops.causal_lambda.fused_chunk`).
+
+Symbols as in :mod:`lambdanet.functional.causal`: ``b`` batch, ``n`` positions, ``h`` query heads, ``k`` key depth,
+``v`` value depth, ``u`` intra-depth, ``r`` causal scope, ``C`` positions per chunk, ``N = ceil(n / C)`` chunks.
+One program serves one chunk of one ``(b, u)`` stream; the ``h`` heads are stacked into the rows of its tiles
+(``row = head * C + position``), so the one ``k x v`` state of the stream serves every head without being expanded.
+
+Forward (three launches whatever ``n`` is):
+
+1. ``_chunk_sums`` (chunk-parallel): the chunk's key maximum ``a_i`` and its sums
+   ``L_i = sum_m exp(K[m] - a_i) V[m]^T``, ``l_i = sum_m exp(K[m] - a_i)``.
+2. ``_state_scan`` (a scan over chunks, parallel over ``(b, u)`` and value blocks): the states before each chunk,
+   ``S_i, z_i`` relative to the running maximum ``c_i`` (every exponent ``<= 0``), written over ``L_i``.
+3. ``_chunk_output`` (chunk-parallel): ``y = (q / Z) (delta S_i) + A V + B V_window``. The intra-chunk content
+   scores ``A[n, m] = sum_k q[n, k] exp(K[m, k] - cm[n, k]) / Z[n, k]`` are built exactly, channel by channel,
+   relative to each query's own running maximum ``cm[n]`` (no factorisation that could overflow); the position
+   scores ``B[n, m] = q[n] . E[n - m]`` come from one ``q E^T`` product gathered along the band.
+
+Backward (three launches): ``_grad_local`` (``dq``, the position table's gradient per chunk, each chunk's
+contribution to the state gradient, and ``rho[n, k] = sum_h q~ dq_content``, the normaliser's gradient),
+``_grad_scan`` (the state gradient, a reverse scan over chunks) and ``_grad_keys_values`` (``dK`` and ``dV``).
+Products run on the tensor cores with the inputs' dtype as operands (bf16/fp16) and float32 accumulation;
+float32 inputs keep float32 products (``input_precision="ieee"``); states, maxima, normalisers and every exponent
+are float32.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+NEG_INF = tl.constexpr(float("-inf"))
+
+
+@triton.jit
+def _rows(i, n, H: tl.constexpr, HP: tl.constexpr, C: tl.constexpr):
+    """Row indices of a chunk's tile: position in chunk ``nr``, head ``hh``, absolute position, validity."""
+    rows = tl.arange(0, HP * C)
+    nr = rows % C
+    hh = rows // C
+    pos = i * C + nr
+    return nr, hh, pos, (hh < H) & (pos < n)
+
+
+@triton.jit
+def _band(QE, nr, cols, p: tl.constexpr, C: tl.constexpr, r, RP: tl.constexpr):
+    """Position scores of rows against block ``p`` chunks back: ``QE[row, j]`` at ``j = n - m``, zero outside
+    ``0 <= j < r``; ``QE [R, RP]`` -> ``[R, C]``."""
+    j = nr[:, None] + p * C - cols[None, :]
+    ok = (j >= 0) & (j < r)
+    return tl.where(ok, tl.gather(QE, tl.minimum(tl.maximum(j, 0), RP - 1), axis=1), 0.0)
+
+
+@triton.jit
+def _block_values(values, win, b, u, start, cols, v0, vs, n, r, U: tl.constexpr, V: tl.constexpr):
+    """Values of positions ``start + cols`` (``[C, BV]``, value block at ``v0``); positions before the sequence
+    come from the window state ``win [b, u, r - 1, v]``, positions past its end are zero."""
+    m = start + cols
+    vok = (v0 + vs) < V
+    seq = (m >= 0) & (m < n)
+    x = tl.load(
+        values + ((b * n + m[:, None]) * V + v0 + vs[None, :]) * U + u, mask=seq[:, None] & vok[None, :], other=0.0
+    )
+    old = (m < 0) & (m >= 1 - r)
+    t = r - 1 + m
+    w = tl.load(
+        win + ((b * U + u) * (r - 1) + t[:, None]) * V + v0 + vs[None, :], mask=old[:, None] & vok[None, :], other=0.0
+    )
+    return x + w
+
+
+@triton.jit
+def _unband(D, nr, js, p: tl.constexpr, C: tl.constexpr, r):
+    """The transpose of :func:`_band`: ``D [R, C]`` over block ``p`` chunks back -> ``[R, RP]`` at ``j = n - m``."""
+    c = nr[:, None] + p * C - js[None, :]
+    ok = (c >= 0) & (c < C) & (js < r)[None, :]
+    return tl.where(ok, tl.gather(D, tl.minimum(tl.maximum(c, 0), C - 1), axis=1), 0.0)
+
+
+@triton.jit
+def _channel(q, keys, cb, zb, kk, b, u, base, i, n, hh, pos, ok, cols, causal, H: tl.constexpr,
+             K: tl.constexpr, U: tl.constexpr, C: tl.constexpr):  # fmt: skip
+    """Channel ``kk`` of the intra-chunk content weights: ``E[row, m] = exp(K[m] - cm[n])`` for ``m <= n`` (else 0),
+    ``delta[row] = exp(c_i - cm[n])``, ``Z[row] >= 1``, ``q~ = q / Z`` and the chunk's keys, all float32."""
+    m = i * C + cols
+    kcol = tl.load(keys + ((b * n + m) * K + kk) * U + u, mask=m < n, other=NEG_INF).to(tl.float32)  # C
+    c_i = tl.load(cb + base * K + kk)  # the running maximum before the chunk
+    z_i = tl.load(zb + base * K + kk)
+    km = tl.where(causal, kcol[None, :], NEG_INF)  # R C
+    cm = tl.maximum(tl.max(km, axis=1), c_i)  # R: the running maximum at each query
+    E = tl.exp(km - cm[:, None])  # R C, <= 1
+    delta = tl.exp(c_i - cm)  # R, <= 1
+    Z = delta * z_i + tl.sum(E, axis=1)  # R, >= 1 (the maximum's own term)
+    qk = tl.load(q + ((b * n + pos) * H + hh) * K + kk, mask=ok, other=0.0).to(tl.float32)  # R
+    return E, delta, Z, qk / Z, kcol
+
+
+@triton.jit
+def _pid(U: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    bu = tl.program_id(1).to(tl.int64)
+    return i, bu, bu // U, bu % U
+
+
+@triton.jit
+def _chunk_sums(keys, values, amax, lsum, Sb, n, N1, K: tl.constexpr, V: tl.constexpr, U: tl.constexpr,
+                C: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+    i, bu, b, u = _pid(U)
+    cols, ks, vr = tl.arange(0, C), tl.arange(0, KP), tl.arange(0, BV)
+    m = i * C + cols
+    mok, kok = m < n, ks < K
+    kt = tl.load(keys + ((b * n + m[:, None]) * K + ks[None, :]) * U + u, mask=mok[:, None] & kok[None, :],
+                 other=NEG_INF).to(tl.float32)  # fmt: skip
+    a = tl.where(kok, tl.max(kt, axis=0), 0.0)  # KP: the chunk's maximum a_i
+    e = tl.exp(kt - a[None, :])  # C KP, <= 1
+    base = bu * N1 + i
+    tl.store(amax + base * K + ks, a, mask=kok)
+    tl.store(lsum + base * K + ks, tl.sum(e, axis=0), mask=kok)
+    et = tl.trans(e.to(DT))  # KP C
+    for v0 in range(0, V, BV):
+        vok = (v0 + vr) < V
+        x = tl.load(values + ((b * n + m[:, None]) * V + v0 + vr[None, :]) * U + u, mask=mok[:, None] & vok[None, :],
+                    other=0.0)  # fmt: skip
+        L = tl.dot(et, x.to(DT), input_precision=PREC)  # KP BV
+        tl.store(Sb + (base * K + ks[:, None]) * V + v0 + vr[None, :], L, mask=kok[:, None] & vok[None, :])
+
+
+@triton.jit
+def _state_scan(amax, lsum, cb, zb, Sb, S0, z0, c0, N, N1, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,
+                BV: tl.constexpr):  # fmt: skip
+    """``S_{i+1} = exp(c_i - c_{i+1}) S_i + exp(a_i - c_{i+1}) L_i`` (``z`` likewise, ``c_{i+1} = max(c_i, a_i)``);
+    the state before chunk ``i`` overwrites ``L_i``, the final one goes to index ``N``."""
+    bu = tl.program_id(0).to(tl.int64)
+    pv = tl.program_id(1)
+    ks = tl.arange(0, KP)
+    vs = pv * BV + tl.arange(0, BV)
+    kok = ks < K
+    mask = kok[:, None] & (vs < V)[None, :]
+    first = kok & (pv == 0)
+    c = tl.load(c0 + bu * K + ks, mask=kok, other=0.0)
+    z = tl.load(z0 + bu * K + ks, mask=kok, other=0.0)
+    S = tl.load(S0 + (bu * K + ks[:, None]) * V + vs[None, :], mask=mask, other=0.0)
+    for i in range(N):
+        base = bu * N1 + i
+        a = tl.load(amax + base * K + ks, mask=kok, other=0.0)
+        l = tl.load(lsum + base * K + ks, mask=kok, other=0.0)  # noqa: E741
+        L = tl.load(Sb + (base * K + ks[:, None]) * V + vs[None, :], mask=mask, other=0.0)
+        tl.store(Sb + (base * K + ks[:, None]) * V + vs[None, :], S, mask=mask)
+        tl.store(cb + base * K + ks, c, mask=first)
+        tl.store(zb + base * K + ks, z, mask=first)
+        cn = tl.maximum(c, a)
+        shrink, grow = tl.exp(c - cn), tl.exp(a - cn)  # <= 1
+        S = shrink[:, None] * S + grow[:, None] * L
+        z = shrink * z + grow * l
+        c = cn
+    base = bu * N1 + N
+    tl.store(Sb + (base * K + ks[:, None]) * V + vs[None, :], S, mask=mask)
+    tl.store(cb + base * K + ks, c, mask=first)
+    tl.store(zb + base * K + ks, z, mask=first)
+
+
+@triton.jit
+def _chunk_output(q, keys, values, emb, win, cb, zb, Sb, y, n, r, N1, H: tl.constexpr, HP: tl.constexpr,
+                  K: tl.constexpr, V: tl.constexpr, U: tl.constexpr, C: tl.constexpr, KP: tl.constexpr,
+                  RP: tl.constexpr, P: tl.constexpr, BV: tl.constexpr, HAS_EMB: tl.constexpr, DT: tl.constexpr,
+                  PREC: tl.constexpr):  # fmt: skip
+    i, bu, b, u = _pid(U)
+    nr, hh, pos, ok = _rows(i, n, H, HP, C)
+    cols, ks, vr = tl.arange(0, C), tl.arange(0, KP), tl.arange(0, BV)
+    kok = ks < K
+    causal = (cols[None, :] <= nr[:, None]) & ((i * C + cols) < n)[None, :]  # R C
+    base = bu * N1 + i
+    A = tl.zeros([HP * C, C], tl.float32)  # the chunk's scores: content, then position
+    Qd = tl.zeros([HP * C, KP], tl.float32)  # q~ delta: the queries against the carried state
+    for kk in range(K):  # a loop, not unrolled: compile time
+        E, delta, Z, qt, _ = _channel(q, keys, cb, zb, kk, b, u, base, i, n, hh, pos, ok, cols, causal, H, K, U, C)
+        A += qt[:, None] * E
+        Qd += tl.where(ks[None, :] == kk, (qt * delta)[:, None], 0.0)
+    if HAS_EMB:
+        js = tl.arange(0, RP)
+        qtile = tl.load(q + ((b * n + pos[:, None]) * H + hh[:, None]) * K + ks[None, :],
+                        mask=ok[:, None] & kok[None, :], other=0.0)  # fmt: skip
+        et = tl.load(emb + (js[:, None] * K + ks[None, :]) * U + u, mask=(js < r)[:, None] & kok[None, :], other=0.0)
+        QE = tl.dot(qtile.to(DT), tl.trans(et.to(DT)), input_precision=PREC)  # R RP: q . E[j]
+        A += _band(QE, nr, cols, 0, C, r, RP)
+    Ad, Qdd = A.to(DT), Qd.to(DT)
+    for v0 in range(0, V, BV):
+        vok = (v0 + vr) < V
+        S = tl.load(Sb + (base * K + ks[:, None]) * V + v0 + vr[None, :], mask=kok[:, None] & vok[None, :], other=0.0)
+        acc = tl.dot(Qdd, S.to(DT), input_precision=PREC)  # R BV: the earlier chunks
+        x = _block_values(values, win, b, u, i * C, cols, v0, vr, n, r, U, V)
+        acc = tl.dot(Ad, x.to(DT), acc, input_precision=PREC)  # the chunk itself
+        if HAS_EMB:
+            for p in tl.static_range(1, P + 1):  # the position scope's earlier chunks
+                xp = _block_values(values, win, b, u, i * C - p * C, cols, v0, vr, n, r, U, V)
+                acc = tl.dot(_band(QE, nr, cols, p, C, r, RP).to(DT), xp.to(DT), acc, input_precision=PREC)
+        tl.store(y + ((bu * n + pos[:, None]) * H + hh[:, None]) * V + v0 + vr[None, :], acc,
+                 mask=ok[:, None] & vok[None, :])  # fmt: skip
+
+
+@triton.jit
+def _grad_local(q, keys, values, emb, win, cb, zb, Sb, dy, dq, rho, G, g, demb, n, r, N, N1, H: tl.constexpr,
+                HP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, U: tl.constexpr, C: tl.constexpr,
+                KP: tl.constexpr, RP: tl.constexpr, P: tl.constexpr, BV: tl.constexpr, HAS_EMB: tl.constexpr,
+                DT: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+    """``dq``, ``rho = sum_h q~ dq_content``, the chunk's contribution ``G_i`` (``g_i``) to the gradient of the state
+    before it, and the position table's gradient of the chunk's queries."""
+    i, bu, b, u = _pid(U)
+    nr, hh, pos, ok = _rows(i, n, H, HP, C)
+    cols, ks, vr, js = tl.arange(0, C), tl.arange(0, KP), tl.arange(0, BV), tl.arange(0, RP)
+    kok = ks < K
+    causal = (cols[None, :] <= nr[:, None]) & ((i * C + cols) < n)[None, :]
+    base = bu * N1 + i
+    D0 = tl.zeros([HP * C, C], tl.float32)  # dy . V[m] over the chunk
+    DS = tl.zeros([HP * C, KP], tl.float32)  # dy . S_i[k]
+    Dd = tl.zeros([HP * C, RP], tl.float32)  # dy . V[n - j] over the position scope
+    for v0 in range(0, V, BV):
+        vok = (v0 + vr) < V
+        dyt = tl.load(dy + ((b * n + pos[:, None]) * H + hh[:, None]) * V + v0 + vr[None, :],
+                      mask=ok[:, None] & vok[None, :], other=0.0).to(DT)  # fmt: skip
+        S = tl.load(Sb + (base * K + ks[:, None]) * V + v0 + vr[None, :], mask=kok[:, None] & vok[None, :], other=0.0)
+        DS = tl.dot(dyt, tl.trans(S.to(DT)), DS, input_precision=PREC)
+        x = _block_values(values, win, b, u, i * C, cols, v0, vr, n, r, U, V)
+        D = tl.dot(dyt, tl.trans(x.to(DT)), input_precision=PREC)  # R C
+        D0 += D
+        if HAS_EMB:
+            Dd += _unband(D, nr, js, 0, C, r)
+            for p in tl.static_range(1, P + 1):
+                xp = _block_values(values, win, b, u, i * C - p * C, cols, v0, vr, n, r, U, V)
+                Dd += _unband(tl.dot(dyt, tl.trans(xp.to(DT)), input_precision=PREC), nr, js, p, C, r)
+    dqt = tl.zeros([HP * C, KP], tl.float32)
+    if HAS_EMB:
+        qtile = tl.load(q + ((b * n + pos[:, None]) * H + hh[:, None]) * K + ks[None, :],
+                        mask=ok[:, None] & kok[None, :], other=0.0)  # fmt: skip
+        et = tl.load(emb + (js[:, None] * K + ks[None, :]) * U + u, mask=(js < r)[:, None] & kok[None, :], other=0.0)
+        dqt = tl.dot(Dd, et.to(tl.float32), input_precision="ieee")  # R KP
+        de = tl.dot(tl.trans(qtile.to(tl.float32)), Dd, input_precision="ieee")  # KP RP
+        tl.store(demb + ((bu * N + i) * K + ks[:, None]) * RP + js[None, :], de, mask=kok[:, None])
+    Qd = tl.zeros([HP * C, KP], tl.float32)
+    gsum = tl.zeros([KP], tl.float32)
+    m = i * C + cols
+    for kk in range(K):  # a loop, not unrolled: compile time
+        E, delta, Z, qt, _ = _channel(q, keys, cb, zb, kk, b, u, base, i, n, hh, pos, ok, cols, causal, H, K, U, C)
+        sel = ks[None, :] == kk
+        dqc = (delta * tl.sum(tl.where(sel, DS, 0.0), axis=1) + tl.sum(E * D0, axis=1)) / Z  # R
+        dqt += tl.where(sel, dqc[:, None], 0.0)
+        rr = qt * dqc  # R
+        tl.store(rho + (bu * n + m) * K + kk, tl.sum(tl.reshape(rr, [HP, C]), axis=0), mask=m < n)
+        gsum += tl.where(ks == kk, -tl.sum(delta * rr), 0.0)
+        Qd += tl.where(sel, (qt * delta)[:, None], 0.0)
+    tl.store(dq + ((bu * n + pos[:, None]) * H + hh[:, None]) * K + ks[None, :], dqt, mask=ok[:, None] & kok[None, :])
+    tl.store(g + base * K + ks, gsum, mask=kok)
+    Qdt = tl.trans(Qd.to(DT))  # KP R
+    for v0 in range(0, V, BV):
+        vok = (v0 + vr) < V
+        dyt = tl.load(dy + ((b * n + pos[:, None]) * H + hh[:, None]) * V + v0 + vr[None, :],
+                      mask=ok[:, None] & vok[None, :], other=0.0).to(DT)  # fmt: skip
+        Gb = tl.dot(Qdt, dyt, input_precision=PREC)  # KP BV
+        tl.store(G + (base * K + ks[:, None]) * V + v0 + vr[None, :], Gb, mask=kok[:, None] & vok[None, :])
+
+
+@triton.jit
+def _grad_scan(cb, G, g, dzb, N, N1, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr):
+    """The reverse scan ``dS_{i-1} = exp(c_{i-1} - c_i) dS_i + G_i``: the gradient of the state after chunk ``i``
+    overwrites ``G_i`` (``dz`` goes to ``dzb``); the final state receives no gradient."""
+    bu = tl.program_id(0).to(tl.int64)
+    pv = tl.program_id(1)
+    ks = tl.arange(0, KP)
+    vs = pv * BV + tl.arange(0, BV)
+    kok = ks < K
+    mask = kok[:, None] & (vs < V)[None, :]
+    first = kok & (pv == 0)
+    dS = tl.zeros([KP, BV], tl.float32)
+    dz = tl.zeros([KP], tl.float32)
+    for t in range(N):
+        base = bu * N1 + N - 1 - t
+        Gi = tl.load(G + (base * K + ks[:, None]) * V + vs[None, :], mask=mask, other=0.0)
+        gi = tl.load(g + base * K + ks, mask=kok, other=0.0)
+        tl.store(G + (base * K + ks[:, None]) * V + vs[None, :], dS, mask=mask)
+        tl.store(dzb + base * K + ks, dz, mask=first)
+        shrink = tl.exp(tl.load(cb + base * K + ks, mask=kok, other=0.0) - tl.load(cb + (base + 1) * K + ks, mask=kok,
+                                                                                      other=0.0))  # fmt: skip
+        dS = shrink[:, None] * dS + Gi
+        dz = shrink * dz + gi
+
+
+@triton.jit
+def _grad_keys_values(q, keys, values, emb, win, cb, zb, dy, rho, G, dzb, dkeys, dvalues, n, r, N1, H: tl.constexpr,
+                      HP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, U: tl.constexpr, C: tl.constexpr,
+                      KP: tl.constexpr, RP: tl.constexpr, P: tl.constexpr, BV: tl.constexpr, HAS_EMB: tl.constexpr,
+                      DT: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+    """``dK`` (intra-chunk softmax terms and the carried state's) and ``dV`` (content, position, state)."""
+    i, bu, b, u = _pid(U)
+    nr, hh, pos, ok = _rows(i, n, H, HP, C)
+    cols, ks, vr = tl.arange(0, C), tl.arange(0, KP), tl.arange(0, BV)
+    kok = ks < K
+    causal = (cols[None, :] <= nr[:, None]) & ((i * C + cols) < n)[None, :]
+    base = bu * N1 + i
+    m = i * C + cols
+    mok = m < n
+    D0 = tl.zeros([HP * C, C], tl.float32)
+    VdS = tl.zeros([C, KP], tl.float32)  # V[m] . dS_i[k]
+    for v0 in range(0, V, BV):
+        vok = (v0 + vr) < V
+        dyt = tl.load(dy + ((b * n + pos[:, None]) * H + hh[:, None]) * V + v0 + vr[None, :],
+                      mask=ok[:, None] & vok[None, :], other=0.0).to(DT)  # fmt: skip
+        x = _block_values(values, win, b, u, i * C, cols, v0, vr, n, r, U, V).to(DT)
+        dS = tl.load(G + (base * K + ks[:, None]) * V + v0 + vr[None, :], mask=kok[:, None] & vok[None, :], other=0.0)
+        D0 = tl.dot(dyt, tl.trans(x), D0, input_precision=PREC)
+        VdS = tl.dot(x, tl.trans(dS.to(DT)), VdS, input_precision=PREC)
+    A = tl.zeros([HP * C, C], tl.float32)
+    Kh = tl.zeros([C, KP], tl.float32)  # exp(K[m] - c_{i+1}): the chunk's keys in the state after it
+    for kk in range(K):  # a loop, not unrolled: compile time
+        E, delta, Z, qt, kcol = _channel(q, keys, cb, zb, kk, b, u, base, i, n, hh, pos, ok, cols, causal, H, K, U, C)
+        rr = tl.load(rho + (bu * n + pos) * K + kk, mask=pos < n, other=0.0)  # R (every head's row holds rho[n])
+        dk = tl.sum(E * (qt[:, None] * D0 - (rr / HP)[:, None]), axis=0)  # C
+        kh = tl.exp(kcol - tl.load(cb + (base + 1) * K + kk))  # C
+        sel = ks[None, :] == kk
+        dk += kh * (tl.sum(tl.where(sel, VdS, 0.0), axis=1) + tl.load(dzb + base * K + kk))
+        tl.store(dkeys + ((b * n + m) * K + kk) * U + u, dk, mask=mok)
+        Kh += tl.where(sel, kh[:, None], 0.0)
+        A += qt[:, None] * E
+    if HAS_EMB:
+        js = tl.arange(0, RP)
+        et = tl.load(emb + (js[:, None] * K + ks[None, :]) * U + u, mask=(js < r)[:, None] & kok[None, :], other=0.0)
+        ett = tl.trans(et.to(DT))  # KP RP
+        qtile = tl.load(q + ((b * n + pos[:, None]) * H + hh[:, None]) * K + ks[None, :],
+                        mask=ok[:, None] & kok[None, :], other=0.0)  # fmt: skip
+        A += _band(tl.dot(qtile.to(DT), ett, input_precision=PREC), nr, cols, 0, C, r, RP)
+    At, Khd = tl.trans(A.to(DT)), Kh.to(DT)  # C R, C KP
+    for v0 in range(0, V, BV):
+        vok = (v0 + vr) < V
+        dyt = tl.load(dy + ((b * n + pos[:, None]) * H + hh[:, None]) * V + v0 + vr[None, :],
+                      mask=ok[:, None] & vok[None, :], other=0.0).to(DT)  # fmt: skip
+        dS = tl.load(G + (base * K + ks[:, None]) * V + v0 + vr[None, :], mask=kok[:, None] & vok[None, :], other=0.0)
+        dv = tl.dot(At, dyt, input_precision=PREC)  # C BV
+        dv = tl.dot(Khd, dS.to(DT), dv, input_precision=PREC)
+        if HAS_EMB:
+            for p in tl.static_range(1, P + 1):  # later chunks' queries that see this chunk through their scope
+                pp = pos + p * C
+                okp = (hh < H) & (pp < n)
+                qp = tl.load(q + ((b * n + pp[:, None]) * H + hh[:, None]) * K + ks[None, :],
+                             mask=okp[:, None] & kok[None, :], other=0.0)  # fmt: skip
+                Bp = _band(tl.dot(qp.to(DT), ett, input_precision=PREC), nr, cols, p, C, r, RP)  # R C
+                dyp = tl.load(dy + ((b * n + pp[:, None]) * H + hh[:, None]) * V + v0 + vr[None, :],
+                              mask=okp[:, None] & vok[None, :], other=0.0).to(DT)  # fmt: skip
+                dv = tl.dot(tl.trans(Bp.to(DT)), dyp, dv, input_precision=PREC)
+        tl.store(dvalues + ((b * n + m[:, None]) * V + v0 + vr[None, :]) * U + u, dv, mask=mok[:, None] & vok[None, :])
