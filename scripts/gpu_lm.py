@@ -249,8 +249,37 @@ def part_profile(quick: bool) -> list[dict]:
     return rows
 
 
-PARTS = {"check": part_check, "op": part_op, "lm": part_lm, "gen": part_gen, "profile": part_profile}
-ORDER = "op,lm,check,profile"
+def part_opprof(quick: bool) -> list[dict]:
+    """Where the fused op's time goes: CUDA time per kernel of one forward + backward at each point."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rows = []
+    for n, b in ((2048, 32), (32768, 2)):
+        q = torch.randn(b, n, 8, 16, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        K = torch.randn(b, n, 16, 1, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        V = torch.randn(b, n, 208, 1, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        E = (torch.randn(64, 16, 1, device=DEV) / 32).requires_grad_()
+
+        def f():
+            causal_lambda(q, K, V, E, mode="fused_chunk").float().sum().backward()
+
+        f()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            f()
+            torch.cuda.synchronize()
+        per = {}
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                per[e.name[:40]] = per.get(e.name[:40], 0.0) + e.device_time / 1e3
+        rows.append({"n": n, "b": b, "kernels_ms": dict(sorted(per.items(), key=lambda kv: -kv[1]))})
+        print(rows[-1], flush=True)
+    return rows
+
+
+PARTS = {"opprof": part_opprof, "check": part_check, "op": part_op, "lm": part_lm, "gen": part_gen,
+         "profile": part_profile}  # fmt: skip
+ORDER = "opprof,op,lm,check,gen,profile"  # the next GPU session: what the kernels spend, then the study
 
 
 def main() -> None:

@@ -233,3 +233,41 @@ def test_fused_chunk_kernels_compile_for_hopper_within_its_shared_memory():
         assert row["shared_bytes"] <= 232448, row
         if row["kernel"] not in ("state_scan", "grad_scan"):
             assert row["mma"] > 0, row
+
+
+@needs_kernels
+@pytest.mark.parametrize("r", [0, 20])
+def test_half_operands_stay_within_the_precision_rules_bound(r):
+    """The precision rule (docs/language_models.md): the kernels' products take the inputs' dtype as operands and
+    accumulate in float32; maxima, exponents, normalisers and states are float32. So, against the float64 definition
+    of the same half-precision inputs, each output's error is at most three roundings to the operand format (the
+    score or query-times-decay operand, the state operand, the output) of the sum of its terms' magnitudes,
+    ``3 u sum |terms|`` with ``u = 2^-11`` (float16), plus float32 accumulation (``~(n + r) 2^-24``, far below).
+    ``sum |terms|`` is the definition itself run on ``|q|``, ``|V|``, ``|E|`` (the softmax weights are positive).
+    Float16 is used because Triton's interpreter multiplies bf16 operands wrongly (bf16 runs on the GPU's device
+    tests); a product in float32 or a lost rounding step would not show, an operand in a coarser format or a
+    dropped term would."""
+    q, keys, values, emb = inputs(90, u=1, r=r, scale=4.0)
+    q, keys, values = q.half(), keys.half(), values.half()
+    emb = None if emb is None else emb.half()
+    out = causal_lambda(q, keys, values, emb, mode="fused_chunk", chunk_size=16)
+    assert out.dtype == torch.float16
+    d = [None if t is None else t.double() for t in (q, keys, values, emb)]
+    ref = causal_lambda_reference(*d)
+    mags = causal_lambda_reference(d[0].abs(), d[1], d[2].abs(), None if emb is None else d[3].abs())
+    bound = 3 * 2.0**-11 * mags + 1e-6
+    assert ((out.double() - ref).abs() <= bound).all()
+    assert (out.double() - ref).abs().max() > 0  # rounded somewhere: the operands really were half precision
+
+
+def test_the_ops_doc_snippet_runs_verbatim_and_continues_its_sequence():
+    """The ``causal_lambda`` block of docs/language_models.md, run as written: the second call continues the first."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "language_models.md").read_text()
+    (code,) = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "from lambdanet.ops import" in b]
+    ns: dict = {}
+    exec(compile(code, "docs/language_models.md", "exec"), ns)
+    whole = causal_lambda_reference(*(ns[x].double() for x in ("q", "k", "v", "emb")))
+    assert rel(torch.cat([ns["o"], ns["o2"]], dim=1), whole) < 1e-5

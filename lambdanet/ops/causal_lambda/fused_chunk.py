@@ -53,7 +53,7 @@ def _meta(q: Tensor, keys: Tensor, values: Tensor, r: int, chunk: int) -> dict:
         dt = tl.float32
     return dict(
         B=B, n=n, H=H, K=K, U=U, V=V, r=r, C=chunk, N=-(-n // chunk), HP=_pow2(H), KP=_pow2(K, 16), RP=_pow2(r, 16),
-        P=-(-(r - 1) // chunk) if r > 1 else 0, BV=min(64, _pow2(V, 16)), DT=dt,
+        P=-(-(r - 1) // chunk) if r > 1 else 0, BV=min(BLOCK_V, _pow2(V, 16)), DT=dt,
         PREC="ieee" if dt == tl.float32 else "tf32",
     )  # fmt: skip
 
@@ -63,10 +63,13 @@ def _consts(m: dict, *names: str) -> dict:
 
 
 def _warps(m: dict) -> int:
-    return 8 if m["HP"] * m["C"] >= 256 else 4
+    return WARPS or (8 if m["HP"] * m["C"] >= 256 else 4)
 
 
-STAGES = int(os.environ.get("LAMBDANET_CAUSAL_STAGES", "1"))  # software pipelining depth of the chunk kernels
+# tuning knobs, read once (for measuring variants on a GPU): pipelining depth, value block, warps (0: by tile size)
+STAGES = int(os.environ.get("LAMBDANET_CAUSAL_STAGES", "1"))
+BLOCK_V = int(os.environ.get("LAMBDANET_CAUSAL_BLOCK_V", "64"))
+WARPS = int(os.environ.get("LAMBDANET_CAUSAL_WARPS", "0"))
 
 
 @torch.library.custom_op("lambdanet::causal_lambda_chunk_fwd", mutates_args=())
@@ -216,7 +219,7 @@ def compile_report(
         raise RuntimeError("compile_report needs the compiler: unset TRITON_INTERPRET")
     C = chunk or default_chunk(heads)
     m = dict(K=dim_k, V=dim_v, U=1, C=C, H=heads, HP=_pow2(heads), KP=_pow2(dim_k, 16), RP=_pow2(r, 16),
-             P=-(-(r - 1) // C) if r > 1 else 0, BV=min(64, _pow2(dim_v, 16)), HAS_EMB=r > 0)  # fmt: skip
+             P=-(-(r - 1) // C) if r > 1 else 0, BV=min(BLOCK_V, _pow2(dim_v, 16)), HAS_EMB=r > 0)  # fmt: skip
     f32 = {"amax", "lsum", "cb", "zb", "Sb", "S0", "z0", "c0", "G", "g", "dzb", "rho", "demb"}
     rows = []
     for name in ("_chunk_sums", "_state_scan", "_chunk_output", "_grad_local", "_grad_scan", "_grad_keys_values"):
