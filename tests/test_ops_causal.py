@@ -271,3 +271,46 @@ def test_the_ops_doc_snippet_runs_verbatim_and_continues_its_sequence():
     exec(compile(code, "docs/language_models.md", "exec"), ns)
     whole = causal_lambda_reference(*(ns[x].double() for x in ("q", "k", "v", "emb")))
     assert rel(torch.cat([ns["o"], ns["o2"]], dim=1), whole) < 1e-5
+
+
+@needs_kernels
+@pytest.mark.parametrize("r", [0, 1, 64])
+def test_the_recurrent_kernel_equals_the_definition_and_continues(r):
+    """Without gradients ``fused_recurrent`` is one Triton launch per call: 8 heads, v = 208 (seven value blocks,
+    which share the key maxima and normalisers they all read first), a call split at an awkward position."""
+    g = torch.Generator().manual_seed(3)
+    q, keys, values = torch.randn(2, 30, 8, 16, generator=g), 3 * torch.randn(2, 30, 16, 1, generator=g), None
+    values = torch.randn(2, 30, 208, 1, generator=g)
+    emb = torch.randn(r, 16, 1, generator=g) if r else None
+    ref = causal_lambda_reference(*(None if t is None else t.double() for t in (q, keys, values, emb)))
+    with torch.no_grad():
+        o1, s = causal_lambda(q[:, :17], keys[:, :17], values[:, :17], emb, mode="fused_recurrent",
+                              output_final_state=True)  # fmt: skip
+        o2, s2 = causal_lambda(q[:, 17:], keys[:, 17:], values[:, 17:], emb, mode="fused_recurrent",
+                               initial_state=s, output_final_state=True)  # fmt: skip
+        _, whole = causal_lambda(q, keys, values, emb, mode="chunk", output_final_state=True)
+    assert rel(torch.cat([o1, o2], dim=1), ref) < 1e-5
+    for key in ("S", "z", "c", "window"):
+        assert rel(s2[key], whole[key]) < 1e-5, key
+
+
+@needs_kernels
+def test_a_model_generates_alike_with_the_kernels_and_the_pytorch_step():
+    from lambdanet.models import create_model
+
+    torch.manual_seed(0)
+    model = create_model("lambda_lm_nano").eval()
+    prompt = torch.randint(0, 256, (2, 21))
+    with torch.no_grad():
+        logits, state = model(prompt, return_state=True)
+        outs = {}
+        for mode in ("chunk", "fused_chunk"):  # the step follows the layer's mode: PyTorch, or the recurrent kernel
+            for block in model.blocks:
+                block.mixer.mode = mode
+            s, tok, seq = state, logits[:, -1].argmax(-1), []
+            for _ in range(6):
+                step_logits, s = model.step(s, tok)
+                seq.append(step_logits)
+                tok = step_logits.argmax(-1)
+            outs[mode] = torch.stack(seq, dim=1)
+    assert rel(outs["fused_chunk"], outs["chunk"]) < 1e-5

@@ -108,7 +108,12 @@ class CausalLambdaLayer(nn.Module):
     def step(self, x: Tensor, state: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         """One position: ``x [b, dim]`` -> ``([b, dim], new state)``."""
         q, keys, values = self._split(x)  # b h k, b k u, b v u
-        y, state = LC.causal_lambda_step(q, keys, values, self.emb, state)  # b h v
+        if resolve_mode(self.mode, x.device) == "fused_chunk":  # the recurrent kernel: one launch per step
+            y, state = causal_lambda(q[:, None], keys[:, None], values[:, None], self.emb, mode="fused_recurrent",
+                                     initial_state=state, output_final_state=True)  # fmt: skip
+            y = y[:, 0]  # b h v
+        else:
+            y, state = LC.causal_lambda_step(q, keys, values, self.emb, state)  # b h v
         return self.proj(y.flatten(1).to(x.dtype)), state
 
     def extra_repr(self) -> str:

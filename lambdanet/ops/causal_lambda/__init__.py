@@ -9,7 +9,8 @@ returns ``(o, state)``, and ``initial_state=state`` continues that sequence. Mod
 * ``"chunk"``: the chunked form in PyTorch ops (:mod:`.chunk`; CPU default; float32 compute for half inputs).
 * ``"fused_chunk"``: the Triton kernels (:mod:`.fused_chunk`; CUDA default): six launches whatever ``n`` is, no
   host synchronisation, products on the tensor cores with the inputs' dtype as operands.
-* ``"fused_recurrent"``: one position at a time with the constant-size state (generation; any length).
+* ``"fused_recurrent"``: one position at a time with the constant-size state (generation; any length): one Triton
+  launch for the whole call where the kernels run and no gradient is needed, else the PyTorch step per position.
 * ``"auto"``: ``"fused_chunk"`` where the kernels run (CUDA with Triton), else ``"chunk"``.
 """
 
@@ -36,6 +37,14 @@ def resolve_mode(mode: str, device: torch.device | str) -> str:
 
 
 def _recurrent(q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None, state: dict[str, Tensor]):
+    """The recurrent form: the Triton kernel (one launch) where it runs and no gradient is needed, else the
+    PyTorch step per position."""
+    tensors = [t for t in (q, keys, values, emb) if t is not None]
+    if _fused.available(q.device)[0] and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        from lambdanet.ops.causal_lambda.fused_recurrent import fused_recurrent_causal_lambda
+
+        dtype = q.dtype
+        return fused_recurrent_causal_lambda(q, keys.to(dtype), values.to(dtype), emb, state)
     ys = []
     for t in range(q.shape[1]):
         y, state = _causal.causal_lambda_step(q[:, t], keys[:, t], values[:, t], emb, state)
