@@ -314,3 +314,26 @@ def test_a_model_generates_alike_with_the_kernels_and_the_pytorch_step():
                 tok = step_logits.argmax(-1)
             outs[mode] = torch.stack(seq, dim=1)
     assert rel(outs["fused_chunk"], outs["chunk"]) < 1e-5
+
+
+@needs_kernels
+def test_the_kernels_serve_the_decayed_layer_with_float32_keys():
+    """A decayed layer feeds the op float32 keys (``K + G``) beside half-precision queries and values: the kernels
+    take the keys in their own dtype, and agree with the PyTorch form."""
+    torch.manual_seed(0)
+    layer = CausalLambdaLayer(32, heads=2, dim_k=16, r=8, decay="gate", short_conv=3)
+    with torch.no_grad():
+        layer.gate.weight.normal_(0, 0.3)
+    x = torch.randn(2, 37, 32, requires_grad=True)
+    outs = {}
+    for mode in ("chunk", "fused_chunk"):
+        layer.mode = mode
+        y = layer(x)
+        outs[mode] = (y, torch.autograd.grad(y.square().sum(), x)[0])
+    assert rel(outs["fused_chunk"][0], outs["chunk"][0]) < 1e-4 and rel(outs["fused_chunk"][1], outs["chunk"][1]) < 1e-3
+    q = torch.randn(1, 20, 2, 16).half()
+    keys = torch.randn(1, 20, 16, 1) * 3 + torch.arange(20.0)[None, :, None, None]  # float32, growing offsets
+    values = torch.randn(1, 20, 24, 1).half()
+    out = causal_lambda(q, keys, values, None, mode="fused_chunk", chunk_size=16)
+    ref = causal_lambda_reference(q.double(), keys.double(), values.double())
+    assert out.dtype == torch.float16 and rel(out, ref) < 3 * 2.0**-11 * 4

@@ -16,15 +16,25 @@ keys (Efficient Attention, App. C.3), the linear-attention baseline.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lambdanet.ops.causal_lambda import causal_lambda, resolve_mode
 from lambdanet.functional import causal as LC
 from lambdanet.helpers import check_positive_int
+from lambdanet.ops.causal_lambda import causal_lambda, resolve_mode
 
 __all__ = ["CausalLambdaLayer"]
+
+
+DECAYS = (None, "fixed", "gate")
+_OP_KEYS = ("S", "z", "c", "window")
+
+
+def _inverse_softplus(x: Tensor) -> Tensor:
+    return x + torch.log(-torch.expm1(-x))
 
 
 class CausalLambdaLayer(nn.Module):
@@ -41,10 +51,23 @@ class CausalLambdaLayer(nn.Module):
         chunk: positions per chunk of the PyTorch chunked form (``mode="chunk"``).
         mode: the causal op's implementation (:func:`lambdanet.ops.causal_lambda`): ``"auto"`` (the Triton
             ``"fused_chunk"`` kernels on CUDA, the PyTorch ``"chunk"`` form elsewhere), or one of its modes.
+        decay: lets the content summary forget (not in the paper): ``None`` (the paper's prefix softmax),
+            ``"fixed"`` (a learnt rate ``g_k > 0`` per key channel: the weight of context ``m`` for query ``n`` is
+            multiplied by ``exp(-g (n - m))`` before the normalisation, RetNet's decay) or ``"gate"`` (a
+            data-dependent rate ``g_t = softplus(x_t W_g + b)``: the weight is multiplied by
+            ``exp(-sum_{m < t <= n} g_t)``, GLA's forget gate). Both keep the constant-size state.
+        short_conv: the width of a causal depthwise convolution over the ``q, K, V`` projections (0: none; Mamba's
+            and DeltaNet's short convolution); the state keeps the last ``short_conv - 1`` projections.
+
+    The decays are computed as offsets of the keys: ``exp(K[m]) prod_{m < t <= n} exp(-g_t)`` normalised over
+    ``m <= n`` equals a prefix softmax of ``K[m] + G[m]`` with ``G`` the running sum of the rates (the factor
+    ``exp(-G[n])`` cancels), so every mode of the causal op serves them unchanged; the offsets are float32 and
+    restart at 0 with each call (the carried maximum is shifted by the call's total instead).
 
     The position embeddings are drawn from ``N(0, 1 / (r k))`` (the paper's ``N(0, 1)`` assumes batch-normalised
     queries and a batch norm after the layer; here the layer feeds a residual stream); the projections use
-    PyTorch's default initialisation (a model may rescale ``proj`` with its depth).
+    PyTorch's default initialisation (a model may rescale ``proj`` with its depth). Decay rates start spread
+    log-uniformly over ``[2^-9, 2^-5]`` per channel (RetNet's range), the gate's weights at zero.
     """
 
     def __init__(
@@ -57,6 +80,8 @@ class CausalLambdaLayer(nn.Module):
         r: int = 64,
         chunk: int = LC.DEFAULT_CHUNK,
         mode: str = "auto",
+        decay: str | None = None,
+        short_conv: int = 0,
     ):
         super().__init__()
         for value, name in ((dim, "dim"), (heads, "heads"), (dim_k, "dim_k"), (dim_u, "dim_u"), (chunk, "chunk")):
@@ -65,59 +90,125 @@ class CausalLambdaLayer(nn.Module):
         check_positive_int(dim_v, "dim_v")
         if not isinstance(r, int) or r < 0:
             raise ValueError(f"r must be a non-negative int (0: content lambdas only), got {r!r}")
+        if decay not in DECAYS:
+            raise ValueError(f"decay must be one of {', '.join(map(repr, DECAYS))}, got {decay!r}")
+        if not isinstance(short_conv, int) or isinstance(short_conv, bool) or short_conv < 0:
+            raise ValueError(f"short_conv must be a non-negative int (0: no convolution), got {short_conv!r}")
         self.dim, self.heads, self.dim_k, self.dim_v = dim, heads, dim_k, dim_v
-        self.dim_u, self.r, self.chunk = dim_u, r, chunk
+        self.dim_u, self.r, self.chunk, self.decay, self.short_conv = dim_u, r, chunk, decay, short_conv
         self.mode = resolve_mode(mode, "cpu") and mode  # checked here, resolved per call
-        self.qkv = nn.Linear(dim, heads * dim_k + dim_k * dim_u + dim_v * dim_u, bias=False)
+        width = heads * dim_k + dim_k * dim_u + dim_v * dim_u
+        self.qkv = nn.Linear(dim, width, bias=False)
         self.proj = nn.Linear(heads * dim_v, dim, bias=False)
         self.emb = nn.Parameter(torch.randn(r, dim_k, dim_u) / math.sqrt(max(r, 1) * dim_k)) if r else None
+        self.conv = nn.Conv1d(width, width, short_conv, groups=width, bias=False) if short_conv else None
+        if self.conv is not None:  # starts as the identity (the last tap), so the option starts as the plain layer
+            nn.init.zeros_(self.conv.weight)
+            with torch.no_grad():
+                self.conv.weight[:, 0, -1] = 1.0
+        rates = torch.logspace(-9, -5, dim_k * dim_u, base=2.0).view(dim_k, dim_u)  # k u
+        self.decay_rate = nn.Parameter(_inverse_softplus(rates)) if decay == "fixed" else None
+        self.gate = nn.Linear(dim, dim_k * dim_u) if decay == "gate" else None
+        if self.gate is not None:
+            nn.init.zeros_(self.gate.weight)
+            with torch.no_grad():
+                self.gate.bias.copy_(_inverse_softplus(rates).flatten())
 
-    def _split(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _project(self, x: Tensor, state: dict[str, Tensor] | None) -> tuple[Tensor, Tensor | None]:
+        """``x [b, n, d]`` -> the projections ``[b, n, h k + k u + v u]`` (through the short convolution, which
+        continues from the state's last projections) and the convolution's new state."""
+        qkv = self.qkv(x)  # b n c
+        if self.conv is None:
+            return qkv, None
+        s = self.short_conv
+        prev = (
+            state["conv"] if state is not None and "conv" in state else qkv.new_zeros(x.shape[0], s - 1, qkv.shape[2])
+        )
+        full = torch.cat([prev.to(qkv.dtype), qkv], dim=1)  # b (s - 1 + n) c
+        out = self.conv(full.transpose(1, 2)).transpose(1, 2)  # b n c
+        return out, full[:, full.shape[1] - (s - 1) :].to(torch.promote_types(qkv.dtype, torch.float32))
+
+    def _split(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         h, k, v, u = self.heads, self.dim_k, self.dim_v, self.dim_u
-        q, keys, values = self.qkv(x).split([h * k, k * u, v * u], dim=-1)  # ... (h k), (k u), (v u)
+        q, keys, values = qkv.split([h * k, k * u, v * u], dim=-1)  # ... (h k), (k u), (v u)
         return q.unflatten(-1, (h, k)), keys.unflatten(-1, (k, u)), values.unflatten(-1, (v, u))
 
+    def _offsets(self, x: Tensor, keys: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The decayed keys ``K + G`` (float32; ``G`` the running sum of the rates from 0 in this call) and the
+        call's total ``G[n]`` per channel ``[b, k, u]``; the keys as they are without a decay."""
+        if self.decay is None:
+            return keys, None
+        dtype = torch.promote_types(keys.dtype, torch.float32)  # float32 at least: the offsets grow with n
+        if self.decay_rate is not None:
+            rate = F.softplus(self.decay_rate.to(dtype)).expand(x.shape[0], x.shape[1], -1, -1)  # b n k u
+        else:
+            rate = F.softplus(cast(nn.Linear, self.gate)(x).to(dtype)).unflatten(-1, (self.dim_k, self.dim_u))
+        G = rate.cumsum(dim=1)  # b n k u
+        total = G[:, -1] if G.shape[1] else G.new_zeros(G.shape[0], self.dim_k, self.dim_u)
+        return keys.to(dtype) + G, total.detach()
+
     def init_state(self, batch_size: int, dtype: torch.dtype | None = None, device=None) -> dict[str, Tensor]:
-        """The empty context's state (:func:`lambdanet.functional.causal.init_causal_lambda_state`)."""
+        """The empty context's state (:func:`lambdanet.functional.causal.init_causal_lambda_state`, and the last
+        ``short_conv - 1`` projections as zeros)."""
         p = self.qkv.weight
         dtype = torch.promote_types(dtype or p.dtype, torch.float32)
-        return LC.init_causal_lambda_state(
-            batch_size, self.dim_k, self.dim_v, self.dim_u, self.r, dtype=dtype, device=device or p.device
+        device = device or p.device
+        state = LC.init_causal_lambda_state(
+            batch_size, self.dim_k, self.dim_v, self.dim_u, self.r, dtype=dtype, device=device
         )
+        if self.conv is not None:
+            state["conv"] = torch.zeros(batch_size, self.short_conv - 1, self.qkv.out_features, dtype=dtype,
+                                        device=device)  # fmt: skip
+        return state
+
+    def _finish(self, state: dict[str, Tensor], total: Tensor | None, conv: Tensor | None) -> dict[str, Tensor]:
+        state = dict(state)
+        if total is not None:  # the next call's offsets restart at 0: shift the carried maximum to that frame
+            state["c"] = state["c"] - total.transpose(1, 2)  # b u k
+        if conv is not None:
+            state["conv"] = conv
+        return state
 
     def forward(self, x: Tensor, state: dict[str, Tensor] | None = None, return_state: bool = False):
         """``x [b, n, dim]`` -> ``[b, n, dim]`` (and the state after the last position if ``return_state``);
         ``state``: the context before ``x`` (default: none)."""
         if x.dim() != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"x must be [batch, length, dim={self.dim}], got shape {tuple(x.shape)}")
-        q, keys, values = self._split(x)  # b n h k, b n k u, b n v u
+        qkv, conv = self._project(x, state)
+        q, keys, values = self._split(qkv)  # b n h k, b n k u, b n v u
+        keys, total = self._offsets(x, keys)
         mode = resolve_mode(self.mode, x.device)
-        y, state = causal_lambda(
+        y, op_state = causal_lambda(
             q,
             keys,
             values,
             self.emb,
             mode=mode,
             chunk_size=self.chunk if mode == "chunk" else None,
-            initial_state=state,
+            initial_state=None if state is None else {key: state[key] for key in _OP_KEYS},
             output_final_state=True,
         )
         out = self.proj(y.flatten(2).to(x.dtype))  # b n d
-        return (out, state) if return_state else out
+        return (out, self._finish(op_state, total, conv)) if return_state else out
 
     def step(self, x: Tensor, state: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         """One position: ``x [b, dim]`` -> ``([b, dim], new state)``."""
-        q, keys, values = self._split(x)  # b h k, b k u, b v u
+        qkv, conv = self._project(x[:, None], state)
+        q, keys, values = self._split(qkv[:, 0])  # b h k, b k u, b v u
+        keys, total = self._offsets(x[:, None], keys[:, None])
+        keys = keys[:, 0]
+        op_state = {key: state[key] for key in _OP_KEYS}
         if resolve_mode(self.mode, x.device) == "fused_chunk":  # the recurrent kernel: one launch per step
-            y, state = causal_lambda(q[:, None], keys[:, None], values[:, None], self.emb, mode="fused_recurrent",
-                                     initial_state=state, output_final_state=True)  # fmt: skip
+            y, op_state = causal_lambda(q[:, None], keys[:, None], values[:, None], self.emb,
+                                        mode="fused_recurrent", initial_state=op_state,
+                                        output_final_state=True)  # fmt: skip
             y = y[:, 0]  # b h v
         else:
-            y, state = LC.causal_lambda_step(q, keys, values, self.emb, state)  # b h v
-        return self.proj(y.flatten(1).to(x.dtype)), state
+            y, op_state = LC.causal_lambda_step(q, keys, values, self.emb, op_state)  # b h v
+        return self.proj(y.flatten(1).to(x.dtype)), self._finish(op_state, total, conv)
 
     def extra_repr(self) -> str:
         return (
             f"dim={self.dim}, heads={self.heads}, dim_k={self.dim_k}, dim_v={self.dim_v}, dim_u={self.dim_u}, "
-            f"r={self.r}, chunk={self.chunk}, mode={self.mode!r}"
+            f"r={self.r}, chunk={self.chunk}, mode={self.mode!r}, decay={self.decay!r}, short_conv={self.short_conv}"
         )

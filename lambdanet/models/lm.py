@@ -39,7 +39,7 @@ from lambdanet.models.registry import ModelInfo, register_model
 
 __all__ = ["LanguageModel", "LMSize", "LM_SIZES", "MIXERS", "matched_dim_v", "sample_next"]
 
-MIXERS = ("lambda", "transformer", "linear")
+MIXERS = ("lambda", "transformer", "linear", "hybrid")
 POSITIONS = ("rotary", "learned")
 
 
@@ -102,7 +102,8 @@ class LanguageModel(nn.Module):
     """A decoder-only language model (see the module docstring).
 
     Args:
-        mixer: ``"lambda"``, ``"transformer"`` or ``"linear"``.
+        mixer: ``"lambda"``, ``"transformer"``, ``"linear"`` or ``"hybrid"`` (lambda blocks with causal attention
+            in every ``attention_every``-th block).
         dim: model width ``d`` (:class:`LMSize`, as the next five).
         depth: blocks.
         heads: query heads.
@@ -116,6 +117,11 @@ class LanguageModel(nn.Module):
         positions: the transformer's position signal, ``"rotary"`` or ``"learned"`` (needs ``max_len``).
         max_len: the longest sequence a model with learnt positions takes (``None``: unlimited otherwise).
         dropout: dropout on the residual branches.
+        decay: the lambda layers' content decay (:class:`~lambdanet.layers.causal_lambda.CausalLambdaLayer`:
+            ``None``, ``"fixed"`` or ``"gate"``).
+        short_conv: the lambda layers' short causal convolution width (0: none).
+        attention_every: the hybrid model's attention blocks: the ``attention_every``-th, ``2 attention_every``-th,
+            ... (the last of each group).
     """
 
     def __init__(
@@ -135,6 +141,9 @@ class LanguageModel(nn.Module):
         positions: str = "rotary",
         max_len: int | None = None,
         dropout: float = 0.0,
+        decay: str | None = None,
+        short_conv: int = 0,
+        attention_every: int = 4,
     ):
         super().__init__()
         check_choice(mixer, "mixer", MIXERS)
@@ -152,11 +161,15 @@ class LanguageModel(nn.Module):
         self.pos_embed = nn.Parameter(torch.zeros(cast(int, max_len), dim)) if learned else None  # checked above
         if mixer != "transformer":
             dim_v = matched_dim_v(dim, heads, dim_k) if dim_v is None else dim_v
+        check_positive_int(attention_every, "attention_every")
+        attention = [mixer == "transformer" or (mixer == "hybrid" and (i + 1) % attention_every == 0)
+                     for i in range(depth)]  # fmt: skip
+        lambda_r = 0 if mixer == "linear" else r
         mixers = [
             CausalSelfAttention(dim, heads, rotary=not learned)
-            if mixer == "transformer"
-            else CausalLambdaLayer(dim, heads, dim_k, dim_v, dim_u, r if mixer == "lambda" else 0, chunk)
-            for _ in range(depth)
+            if a
+            else CausalLambdaLayer(dim, heads, dim_k, dim_v, dim_u, lambda_r, chunk, decay=decay, short_conv=short_conv)
+            for a in attention
         ]
         self.blocks = nn.ModuleList(_Block(m, dim, mlp_ratio, dropout) for m in mixers)
         self.norm = nn.LayerNorm(dim)
@@ -301,7 +314,9 @@ def _lm(mixer: str, size: str, **kwargs) -> LanguageModel:
 
 
 _PAPER = "LambdaNetworks App. B.2 (masked lambdas) on sequences; baselines of the same size"
-LAMBDA_ARGS = {"vocab_size": 256, "dim_v": None, "dim_u": 1, "chunk": 64, "dropout": 0.0}
+LAMBDA_ARGS = {"vocab_size": 256, "dim_v": None, "dim_u": 1, "chunk": 64, "dropout": 0.0, "decay": None,
+               "short_conv": 0}  # fmt: skip
+HYBRID_ARGS = {**LAMBDA_ARGS, "attention_every": 4}
 TRANSFORMER_ARGS = {"vocab_size": 256, "positions": "rotary", "max_len": None, "dropout": 0.0}
 
 
@@ -348,6 +363,26 @@ def linear_lm_small(**kwargs) -> LanguageModel:
 @register_model(info=_info("linear_lm_base"), args=LAMBDA_ARGS)
 def linear_lm_base(**kwargs) -> LanguageModel:
     return _lm("linear", "base", **kwargs)
+
+
+@register_model(info=_info("hybrid_lm_nano"), args={**HYBRID_ARGS, "attention_every": 2})
+def hybrid_lm_nano(**kwargs) -> LanguageModel:
+    return _lm("hybrid", "nano", **{"attention_every": 2, **kwargs})
+
+
+@register_model(info=_info("hybrid_lm_tiny"), args=HYBRID_ARGS)
+def hybrid_lm_tiny(**kwargs) -> LanguageModel:
+    return _lm("hybrid", "tiny", **kwargs)
+
+
+@register_model(info=_info("hybrid_lm_small"), args=HYBRID_ARGS)
+def hybrid_lm_small(**kwargs) -> LanguageModel:
+    return _lm("hybrid", "small", **kwargs)
+
+
+@register_model(info=_info("hybrid_lm_base"), args=HYBRID_ARGS)
+def hybrid_lm_base(**kwargs) -> LanguageModel:
+    return _lm("hybrid", "base", **kwargs)
 
 
 @register_model(info=_info("transformer_lm_nano"), args=TRANSFORMER_ARGS)

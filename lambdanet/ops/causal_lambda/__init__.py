@@ -44,7 +44,7 @@ def _recurrent(q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None, stat
         from lambdanet.ops.causal_lambda.fused_recurrent import fused_recurrent_causal_lambda
 
         dtype = q.dtype
-        return fused_recurrent_causal_lambda(q, keys.to(dtype), values.to(dtype), emb, state)
+        return fused_recurrent_causal_lambda(q, keys, values.to(dtype), emb, state)
     ys = []
     for t in range(q.shape[1]):
         y, state = _causal.causal_lambda_step(q[:, t], keys[:, t], values[:, t], emb, state)

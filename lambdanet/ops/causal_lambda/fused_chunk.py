@@ -175,7 +175,8 @@ def fused_chunk_causal_lambda(
     before the sequence (``S [b, u, k, v]``, ``z``, ``c [b, u, k]``, ``window [b, u, r - 1, v]``, float32) ->
     ``(y [b, n, h, v], state after)``; ``y`` in the inputs' dtype. The state receives no gradient."""
     dtype, chunk = q.dtype, chunk or default_chunk(q.shape[2])
-    q, keys, values = q.contiguous(), keys.to(dtype).contiguous(), values.to(dtype).contiguous()
+    # keys keep their dtype (float32 keys, e.g. with decay offsets, enter the exponent unrounded)
+    q, keys, values = q.contiguous(), keys.contiguous(), values.to(dtype).contiguous()
     emb = None if emb is None else emb.to(dtype).contiguous()
     S0, z0, c0 = (state[key].detach().float().contiguous() for key in ("S", "z", "c"))
     win = state["window"].detach().to(dtype).contiguous()

@@ -1,0 +1,146 @@
+"""The causal lambda layer's options beyond the paper (issue 37): a fixed or data-dependent decay of the content
+summary, a short causal convolution, and the hybrid language models, each against a naive float64 definition
+written out here position by position, with causality, state-continuation and one-line-error checks.
+
+Tolerances: float64 throughout; the layer and the definitions differ only in summation order (chunks, running
+maxima, offsets accumulated as running sums), ``~(n + r) eps ~ 1e-14`` relative; the tests allow ``1e-10``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lambdanet.functional.causal import causal_lambda_reference
+from lambdanet.layers.causal_lambda import CausalLambdaLayer
+from lambdanet.models import create_model
+from lambdanet.models.lm import LM_SIZES
+
+OPTIONS = [{"decay": "fixed"}, {"decay": "gate"}, {"short_conv": 4}, {"decay": "gate", "short_conv": 3}]
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def layer(seed=0, **kw):
+    torch.manual_seed(seed)
+    m = CausalLambdaLayer(24, heads=2, dim_k=4, dim_v=6, dim_u=2, r=5, chunk=8, **kw).double()
+    with torch.no_grad():  # away from the identity / constant initialisations, so every term matters
+        if m.gate is not None:
+            m.gate.weight.normal_(0, 0.5)
+        if m.decay_rate is not None:
+            m.decay_rate.normal_(0, 1)
+        if m.conv is not None:
+            m.conv.weight.normal_(0, 0.5)
+    return m
+
+
+def definition(m: CausalLambdaLayer, x: torch.Tensor) -> torch.Tensor:
+    """The layer's output written out: projections (through the short convolution as a sum over taps), then for
+    each query ``n`` the content weights ``softmax_{m <= n}(K[m] - sum_{m < t <= n} g_t)`` per channel, the
+    position lambdas, the queries applied, the output projection."""
+    b, n, _ = x.shape
+    qkv = m.qkv(x)  # b n c
+    if m.conv is not None:
+        s, w = m.short_conv, m.conv.weight[:, 0]  # c s
+        padded = F.pad(qkv, (0, 0, s - 1, 0))
+        qkv = sum(w[:, j] * padded[:, j : j + n] for j in range(s))
+    h, k, v, u = m.heads, m.dim_k, m.dim_v, m.dim_u
+    q, keys, values = qkv.split([h * k, k * u, v * u], dim=-1)
+    q, keys, values = q.unflatten(-1, (h, k)), keys.unflatten(-1, (k, u)), values.unflatten(-1, (v, u))
+    if m.decay is None:
+        return m.proj(causal_lambda_reference(q, keys, values, m.emb).flatten(2))
+    if m.decay == "fixed":
+        g = F.softplus(m.decay_rate).expand(b, n, k, u)
+    else:
+        g = F.softplus(m.gate(x)).unflatten(-1, (k, u))  # b n k u
+    out = []
+    for i in range(n):
+        forget = torch.stack([g[:, j + 1 : i + 1].sum(dim=1) for j in range(i + 1)], dim=1)  # b m k u
+        w = torch.softmax(keys[:, : i + 1] - forget, dim=1)  # b m k u
+        lam = torch.einsum("bmku,bmvu->bkv", w, values[:, : i + 1])
+        for j in range(min(m.r, i + 1)):
+            lam = lam + torch.einsum("ku,bvu->bkv", m.emb[j], values[:, i - j])
+        out.append(torch.einsum("bhk,bkv->bhv", q[:, i], lam))
+    return m.proj(torch.stack(out, dim=1).flatten(2))
+
+
+@pytest.mark.parametrize("kw", OPTIONS)
+def test_each_option_equals_its_definition(kw):
+    m = layer(**kw)
+    x = torch.randn(2, 21, 24, dtype=torch.float64)
+    assert rel(m(x), definition(m, x)) < 1e-10
+
+
+@pytest.mark.parametrize("kw", OPTIONS)
+def test_each_option_is_causal_and_continues_its_state(kw):
+    m = layer(**kw)
+    x = torch.randn(2, 21, 24, dtype=torch.float64)
+    y = m(x)
+    x2 = x.clone()
+    x2[:, 15:] += 1.0
+    y2 = m(x2)
+    # nothing before position 15 sees it (up to rounding: a chunk's shared maximum may change), everything after does
+    assert rel(y2[:, :15], y[:, :15]) < 1e-12 and (y2[:, 15:] - y[:, 15:]).abs().amax(dim=-1).min() > 1e-6
+    y1, s = m(x[:, :9], return_state=True)
+    y2, s2 = m(x[:, 9:], s, return_state=True)
+    assert rel(torch.cat([y1, y2], dim=1), y) < 1e-10
+    state, steps = m.init_state(2, dtype=torch.float64), []
+    for t in range(21):
+        out, state = m.step(x[:, t], state)
+        steps.append(out)
+    assert rel(torch.stack(steps, dim=1), y) < 1e-10
+    # the state's size does not depend on the context's length
+    assert {key: t.shape for key, t in state.items()} == {key: t.shape for key, t in s.items()}
+
+
+def test_a_decay_forgets_and_the_gate_follows_the_input():
+    """With a fast fixed decay the content weights concentrate on the last positions (a token 10 back weighs
+    ``exp(-10 g)`` relative), so an early input stops mattering; the gate's rates depend on ``x``."""
+    m = CausalLambdaLayer(24, heads=2, dim_k=4, r=0, decay="fixed").double()
+    with torch.no_grad():
+        m.decay_rate.fill_(5.0)  # softplus(5) ~ 5: exp(-50) after 10 positions
+    x = torch.randn(1, 30, 24, dtype=torch.float64)
+    x2 = x.clone()
+    x2[:, 0] += 3.0
+    assert (m(x2) - m(x))[:, 15:].abs().max() < 1e-12 < (m(x2) - m(x))[:, 0].abs().max()
+    g = layer(decay="gate")
+    rates = F.softplus(g.gate(x))
+    assert rates.std(dim=1).min() > 0
+
+
+def test_bad_options_are_one_line_errors():
+    for kw, match in (({"decay": "exp"}, "decay must be one of None, 'fixed', 'gate'"),
+                      ({"short_conv": -1}, "short_conv must be a non-negative int"),
+                      ({"short_conv": True}, "short_conv must be a non-negative int")):  # fmt: skip
+        with pytest.raises(ValueError, match=match) as err:
+            CausalLambdaLayer(24, **kw)
+        assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="attention_every must be a positive int"):
+        create_model("hybrid_lm_nano", attention_every=0)
+
+
+@pytest.mark.parametrize("size", sorted(LM_SIZES))
+def test_hybrid_models_match_the_families_size_and_place_attention_last_in_each_group(size):
+    counts = {m: sum(p.numel() for p in create_model(f"{m}_lm_{size}").parameters()) for m in ("hybrid", "transformer")}
+    assert abs(counts["hybrid"] / counts["transformer"] - 1) < 0.02
+    model = create_model(f"hybrid_lm_{size}")
+    kinds = [type(b.mixer).__name__ for b in model.blocks]
+    every = 2 if size == "nano" else 4
+    assert kinds == ["CausalSelfAttention" if (i + 1) % every == 0 else "CausalLambdaLayer" for i in range(len(kinds))]
+
+
+@pytest.mark.parametrize("name,kw", [("hybrid_lm_nano", {}), ("lambda_lm_nano", {"decay": "gate", "short_conv": 3})])
+def test_a_models_steps_equal_its_parallel_forward(name, kw):
+    torch.manual_seed(0)
+    model = create_model(name, **kw).double().eval()
+    tokens = torch.randint(0, 256, (2, 20))
+    full = model(tokens)
+    _, state = model(tokens[:, :12], return_state=True)
+    steps = []
+    for t in range(12, 20):
+        logits, state = model.step(state, tokens[:, t])
+        steps.append(logits)
+    assert rel(torch.stack(steps, dim=1), full[:, 12:]) < 1e-10
