@@ -7,6 +7,9 @@ Formats (:data:`FORMATS`):
   (:data:`ONNX_INSTALL`), imported only here. The file is self-contained (weights included, one ``.onnx``
   file) unless the weights exceed :data:`ONNX_SINGLE_FILE_MAX_BYTES` (protobuf caps a file at 2 GB): then
   they go to ``<path>.data`` next to it, which must stay there, and the result's ``external_data`` names it.
+  The exporter's graph optimiser runs without onnxscript's reshape-matmul-reshape rewrites
+  (:func:`_without_reshape_matmul_rewrites`), which broke static-batch files whose batch equals the lambda
+  layers' heads.
 * ``"torchscript"``: ``torch.jit.trace`` in eval mode, saved with ``.save``; reload with ``torch.jit.load``
   (PyTorch deprecates TorchScript in favour of ``torch.export``; its deprecation warnings are silenced here).
 * ``"exported-program"``: ``torch.export.export`` saved with ``torch.export.save`` (``.pt2``); reload with
@@ -24,20 +27,25 @@ dynamic batch in all three formats; one that cannot gets an error saying to use 
 
 Precision. The export computes in the dtype of the model's floating-point parameters
 (:func:`lambdanet.predict.floating_dtype`; convert the model with ``.half()`` / ``.to(torch.bfloat16)``, or
-``lambdanet export --dtype``), and its input is in that dtype. TorchScript and ExportedProgram take float32,
+``lambdanet export --dtype``), also when called under ``torch.autocast`` (switched off for the export and
+the check), and its input is in that dtype. TorchScript and ExportedProgram take float32,
 float16 and bfloat16; ONNX takes float32 and float16 (:data:`FORMAT_DTYPES`: ONNX Runtime's CPU provider has
 no bfloat16 convolution, so a bfloat16 ONNX file could not be checked or run there).
 
 With ``check`` the written file is loaded back, run on the check inputs and compared with the eager model:
-the largest absolute difference must stay within :func:`check_tolerance`."""
+the largest absolute difference must stay within :func:`check_tolerance`. The file is written in a temporary
+folder beside ``path`` and moved to ``path`` only once exported and checked: a failed export leaves no file,
+and a file already at ``path`` stays as it was."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import logging
 import math
 import os
+import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,7 +53,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from lambdanet.helpers import MissingExtraError, check_choice, check_positive_int
+from lambdanet.helpers import MissingExtraError, check_choice, check_positive_int, no_autocast
 from lambdanet.predict import DTYPES, floating_dtype
 
 __all__ = [
@@ -202,6 +210,42 @@ def _load(path: Path, format: str, device: torch.device):
     return lambda x: _tensors(module(x))
 
 
+# onnxscript's rewrite rules that replace Reshape -> MatMul -> Reshape by one broadcasting MatMul whenever the
+# shapes line up, also where the first Reshape folds a batch dim into the rows: the lambda layers' queries-first
+# GEMM [b, h n, m] x [b, m, v] (every head of an image against that image's values) became
+# [b, h, n, m] x [b, m, v], which pairs head i with image i's values once a static batch b equals the heads h
+# (with a symbolic batch the rules never apply). Pairs (module of the rules, module holding the optimiser's
+# default rule list) for onnxscript's current and earlier layouts.
+_UNSOUND_ONNX_RULES = (
+    ("onnxscript.rewriter.rules.common._broadcast_to_matmul", "onnxscript.rewriter"),
+    ("onnxscript.rewriter.broadcast_to_matmul", "onnxscript.rewriter"),
+    ("onnxscript.rewriter.broadcast_to_matmul", "onnxscript.optimizer._optimizer"),
+)
+
+
+@contextlib.contextmanager
+def _without_reshape_matmul_rewrites() -> Iterator[None]:
+    """The ONNX exporter's optimiser (constant folding, onnxscript's default rewrite rules) without the rules
+    of :data:`_UNSOUND_ONNX_RULES`, restored afterwards; a no-op on an onnxscript without them (the check
+    would catch a wrong file; tests/test_export.py exports a static batch equal to the heads)."""
+    saved = []
+    for rules_module, holder_module in _UNSOUND_ONNX_RULES:
+        try:
+            rules, holder = (importlib.import_module(m) for m in (rules_module, holder_module))
+        except ImportError:
+            continue
+        unsound = {id(r) for r in getattr(getattr(rules, "rules", None), "rules", ())}
+        default = getattr(holder, "_DEFAULT_REWRITE_RULES", None)
+        if unsound and default is not None and any(id(r) in unsound for r in default):
+            saved.append((holder, default))
+            setattr(holder, "_DEFAULT_REWRITE_RULES", type(default)(r for r in default if id(r) not in unsound))
+    try:
+        yield
+    finally:
+        for holder, default in reversed(saved):
+            setattr(holder, "_DEFAULT_REWRITE_RULES", default)
+
+
 def _onnx_export(model: nn.Module, x: Tensor, path: Path, dynamic_shapes) -> str | None:
     """Write ``model`` to ``path`` with the dynamo exporter, in one file when its weights allow it (see the
     module docstring); the external data file it wrote next to ``path``, or ``None``."""
@@ -213,7 +257,7 @@ def _onnx_export(model: nn.Module, x: Tensor, path: Path, dynamic_shapes) -> str
     single_file_flag = "external_data" in inspect.signature(torch.onnx.export).parameters
     if single_file_flag:
         kwargs["external_data"] = external
-    with _quiet_onnx():
+    with _quiet_onnx(), _without_reshape_matmul_rewrites():
         torch.onnx.export(model, (x,), str(path), **kwargs)
     locations = _external_locations(path)
     if locations and not external and not single_file_flag:  # an exporter that always writes .data: merge it
@@ -257,7 +301,7 @@ def export_model(
     Args:
         model: the model; exported in eval mode (its training flag is restored afterwards), on its device, in
             the dtype of its floating-point parameters (one of ``FORMAT_DTYPES[format]``).
-        path: the output file (its folder is created).
+        path: the output file (its folder is created), replaced only by an export that succeeds.
         format: one of :data:`FORMATS`.
         input_size: height and width of the example input the export is specialised to.
         in_chans: channels of the example input.
@@ -293,29 +337,43 @@ def export_model(
     inputs = [draw(b) for b in check_batches] if dynamic_batch else [x]
     was_training = model.training
     model.eval()
-    try:
-        with torch.no_grad():
-            expected = [_tensors(model(xi)) for xi in inputs] if check else []
-        external_data = _write(model, x, path, format, dynamic_batch)
-        result = {
-            "path": str(path),
-            "format": format,
-            "dtype": str(dtype).removeprefix("torch."),
-            "input_shape": list(x.shape),
-            "dynamic_batch": dynamic_batch,
-            "check_batches": check_batches,
-            "external_data": external_data,
-            "checked": check,
-            "max_abs_error": None,
-            "tolerance": None,
-        }
-        if not check:
-            return result
-        actual = _run_export(path, format, device, check_batches, inputs)
-    finally:
-        model.train(was_training)
-    error, tolerance = _compare(path, format, check_batches, actual, expected, dtype)
-    return result | {"max_abs_error": error, "tolerance": tolerance}
+    # written into a private folder beside path and moved there once checked: a failed export leaves no file
+    with tempfile.TemporaryDirectory(prefix=f".{path.name}.", dir=path.parent) as staging:
+        staged = Path(staging) / path.name  # the same name: ONNX's external data file is found by it
+        try:
+            with no_autocast(device.type):  # in the model's dtype, also when called under torch.autocast
+                with torch.no_grad():
+                    expected = [_tensors(model(xi)) for xi in inputs] if check else []
+                external_data = _write(model, x, staged, format, dynamic_batch)
+                actual = _run_export(staged, path, format, device, check_batches, inputs) if check else []
+        finally:
+            model.train(was_training)
+        error, tolerance = _compare(path, format, check_batches, actual, expected, dtype) if check else (None, None)
+        external_data = _publish(staged, path, external_data)
+    return {
+        "path": str(path),
+        "format": format,
+        "dtype": str(dtype).removeprefix("torch."),
+        "input_shape": list(x.shape),
+        "dynamic_batch": dynamic_batch,
+        "check_batches": check_batches,
+        "external_data": external_data,
+        "checked": check,
+        "max_abs_error": error,
+        "tolerance": tolerance,
+    }
+
+
+def _publish(staged: Path, path: Path, external_data: str | None) -> str | None:
+    """Move the checked export ``staged`` to ``path``, its external weights file (if any) first, beside it under
+    the name the file refers to it by; returns that file's new path."""
+    if external_data is None:
+        os.replace(staged, path)
+        return None
+    moved = path.parent / Path(external_data).name
+    os.replace(external_data, moved)
+    os.replace(staged, path)
+    return str(moved)
 
 
 def _check_arguments(
@@ -385,10 +443,17 @@ def _write(model: nn.Module, x: Tensor, path: Path, format: str, dynamic_batch: 
 
 
 def _run_export(
-    path: Path, format: str, device: torch.device, check_batches: list[int], inputs: list[Tensor]
+    staged: Path, path: Path, format: str, device: torch.device, check_batches: list[int], inputs: list[Tensor]
 ) -> list[list[Tensor]]:
-    """The exported file loaded back and run on the check inputs."""
-    run = _load(path, format, device)
+    """The exported file ``staged`` (to be moved to ``path``, which the errors name) loaded back and run on the
+    check inputs."""
+    try:
+        run = _load(staged, format, device)
+    except Exception as err:  # e.g. an ExportedProgram that torch.export's verifier rejects
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise ExportCheckError(
+            f"{path}: the {format} export does not load back ({type(err).__name__}: {first})"
+        ) from err
     actual = []
     with torch.no_grad():
         for b, xi in zip(check_batches, inputs):

@@ -23,6 +23,11 @@ __all__ = [
     "encode_metadata",
     "run_metadata",
     "is_run_weights",
+    "RUN_TASKS",
+    "task_of_config",
+    "run_task",
+    "check_run_task",
+    "error_reason",
 ]
 
 METADATA_FORMAT = "lambdanet.weights.v1"  # the header of the weights lambdanet train writes
@@ -63,7 +68,7 @@ def read_safetensors(path: Path, tensors: bool = True) -> tuple[dict[str, Tensor
     except SafetensorError as err:
         raise WeightsMismatchError(
             f"weights file {path} is corrupted or truncated and cannot be loaded "
-            f"({type(err).__name__}: {str(err)[:200]}); delete it or restore a copy"
+            f"({type(err).__name__}: {error_reason(err)}); delete it or restore a copy"
         ) from None
     except OSError as err:
         raise WeightsMismatchError(f"weights file {path} cannot be read ({err})") from None
@@ -152,3 +157,81 @@ def is_run_weights(path: str | os.PathLike) -> bool:
         return run_metadata(path) is not None
     except WeightsMismatchError:  # not readable as safetensors: left for the weight loader to report
         return False
+
+
+def error_reason(err: BaseException, limit: int = 200) -> str:
+    """The message of ``err`` for a one-line error: its first line, or, where that is longer than ``limit``
+    characters, its whole sentences that fit (a single sentence too long is cut at a word, ending ``...``);
+    the exception's type name when it has no message."""
+    text = str(err).strip()
+    line = text.splitlines()[0].strip() if text else type(err).__name__
+    if len(line) <= limit:
+        return line
+    head = line[:limit]
+    ends = [i + 1 for i in range(len(head)) if head[i] in ".!?" and (i + 1 == len(head) or head[i + 1] == " ")]
+    if ends:
+        return head[: ends[-1]]
+    return head[: limit - 3].rsplit(" ", 1)[0] + "..."
+
+
+# ------------------------------------------------------------------------------ which task wrote a run
+# task -> (what its runs are, the command that writes them, what to do with one instead; {path}: the run)
+RUN_TASKS = {
+    "classify": ("an image-classification run", "lambdanet train", "classify images with lambdanet predict"),
+    "lm": (
+        "a language-model run",
+        "lambdanet lm train",
+        "continue a prompt with lambdanet lm sample --checkpoint {path}",
+    ),
+    "detect": ("a detection run", "lambdanet detect", "its box and mask AP are in {path}/summary.json"),
+}
+
+
+def task_of_config(cfg: dict) -> str | None:
+    """The task (a key of :data:`RUN_TASKS`) whose configuration or weights header ``cfg`` is, told by the keys
+    only that task has; ``None`` when it is none of them."""
+    if "backbone" in cfg:
+        return "detect"
+    if "vocab_size" in cfg and "num_classes" not in cfg:
+        return "lm"
+    if "model" in cfg:
+        return "classify"
+    return None
+
+
+def run_task(path: str | os.PathLike) -> str | None:
+    """Which task (:data:`RUN_TASKS`) wrote ``path``: a run directory or a file in one (its ``config.yaml``), or
+    safetensors weights (their header); ``None`` when it cannot be told (the file's loader then says what is
+    wrong). Reads no tensors."""
+    import yaml
+
+    path = Path(path).expanduser()
+    if path.suffix == ".safetensors" and path.is_file():
+        try:
+            meta = read_safetensors(path, tensors=False)[1]
+        except WeightsMismatchError:  # damaged: left for the loader to report
+            return None
+        if meta.get("format") == METADATA_FORMAT or "backbone" in meta:  # the detector's header: {"backbone"}
+            return task_of_config(meta)
+        return None
+    config = (path if path.is_dir() else path.parent) / "config.yaml"
+    if not config.is_file():
+        return None
+    try:
+        saved = yaml.safe_load(config.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    return task_of_config(saved) if isinstance(saved, dict) else None
+
+
+def check_run_task(path: str | os.PathLike, task: str) -> None:
+    """A one-line ``ValueError`` when ``path`` was written by another task than ``task`` (a key of
+    :data:`RUN_TASKS`), naming both and what the run is for instead."""
+    found = run_task(path)
+    if found is not None and found != task:
+        kind, writer, advice = RUN_TASKS[found]
+        folder, is_dir = (Path(path), True) if Path(path).is_dir() else (Path(path).parent, False)
+        raise ValueError(
+            f"{path} is {'' if is_dir else 'from '}{kind} ({writer}), not {RUN_TASKS[task][0]} ({RUN_TASKS[task][1]}); "
+            f"{advice.format(path=folder)}"
+        )

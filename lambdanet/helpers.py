@@ -19,6 +19,7 @@ __all__ = [
     "compute_dtype",
     "autocast_active",
     "no_autocast",
+    "leave_autocast",
     "to_ntuple",
     "check_positive_int",
     "check_choice",
@@ -169,8 +170,16 @@ def autocast_active(device_type: str) -> bool:
 def no_autocast(device_type: str) -> AbstractContextManager:
     """A context with autocast off for ``device_type`` (a no-op on device types autocast does not serve). Entered
     also where autocast looks off: AOTAutograd traces a custom Function's backward with the forward's autocast
-    state, which ``torch.is_autocast_enabled`` does not report there."""
+    state, which ``torch.is_autocast_enabled`` does not report there. A forward uses :func:`leave_autocast`."""
     return torch.autocast(device_type, enabled=False) if device_type in AUTOCAST_DEVICE_TYPES else nullcontext()
+
+
+def leave_autocast(device_type: str) -> AbstractContextManager:
+    """:func:`no_autocast` where autocast is on for ``device_type``, else no autocast context at all. For forward
+    passes: ``torch.export`` records every autocast context it enters, a disabled one too, as a
+    ``wrap_with_autocast`` node without the ``val`` metadata its verifier requires, so the saved ExportedProgram
+    of a forward that entered one fails ``torch.export.load`` with a ``SpecViolationError``."""
+    return no_autocast(device_type) if autocast_active(device_type) else nullcontext()
 
 
 class MissingExtraError(ImportError):

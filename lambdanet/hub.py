@@ -25,8 +25,8 @@ from typing import cast
 
 from torch import nn
 
-from lambdanet.files import run_file, run_metadata, weights_metadata
-from lambdanet.models.hub import CONFIG_FILE, WEIGHTS_FILE
+from lambdanet.files import error_reason, run_file, run_metadata, weights_metadata
+from lambdanet.models.hub import CONFIG_FILE, WEIGHTS_FILE, hub_unreachable
 from lambdanet.models.registry import run_image_cfg
 
 __all__ = ["save_for_hub", "push_to_hub", "model_card"]
@@ -170,8 +170,10 @@ def push_to_hub(
 ) -> str:
     """Upload ``source`` (see :func:`save_for_hub`) to the hub repository ``repo_id`` (created when missing) in
     one commit; returns the commit's URL. Needs a token with write access (``huggingface-cli login`` or
-    ``token``)."""
+    ``token``). Offline (:func:`lambdanet.models.hub.hub_unreachable`) or refused by the hub: a one-line
+    ``ValueError``."""
     from huggingface_hub import HfApi
+    from huggingface_hub.utils import HfHubHTTPError  # (huggingface_hub.errors only from 0.23)
 
     if not isinstance(repo_id, str) or repo_id.count("/") != 1:
         raise ValueError(f"repo_id must be 'owner/name', got {repo_id!r}")
@@ -180,11 +182,21 @@ def push_to_hub(
         folder = save_for_hub(source, tmp)
         card = (folder / "README.md").read_text().replace("OWNER/NAME", repo_id)
         (folder / "README.md").write_text(card)
-        api.create_repo(repo_id, private=private, exist_ok=True)
-        info = api.upload_folder(
-            repo_id=repo_id,
-            folder_path=str(folder),
-            revision=revision,
-            commit_message=commit_message or "Upload lambdanet model",
-        )
+        try:
+            api.create_repo(repo_id, private=private, exist_ok=True)
+            info = api.upload_folder(
+                repo_id=repo_id,
+                folder_path=str(folder),
+                revision=revision,
+                commit_message=commit_message or "Upload lambdanet model",
+            )
+        except Exception as err:  # offline (connection errors of several libraries), refused (no token, ...)
+            if (why := hub_unreachable()) is not None:
+                raise ValueError(
+                    f"cannot upload to {repo_id}: offline ({why}); write the repository's files with "
+                    "save_for_hub (CLI: --folder DIR) and upload them when online"
+                ) from None
+            if isinstance(err, HfHubHTTPError):  # no token, no write access, ...
+                raise ValueError(f"the Hugging Face hub refused the upload to {repo_id}: {error_reason(err)}") from None
+            raise
     return str(getattr(info, "commit_url", info))

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from lambdanet.helpers import check_choice, check_positive_int
 from lambdanet.models import create_model, model_args
-from lambdanet.files import is_run_weights
+from lambdanet.files import check_run_task, is_run_weights
 from lambdanet.train.load import load_model
 
 __all__ = [
@@ -112,7 +112,7 @@ def load_for_inference(
         raise ValueError("pretrained and checkpoint exclude each other: the weights come from one of them")
     kwargs: dict = {}
     if model is not None:
-        accepted = model_args(model)  # also rejects unknown names, listing the registered ones
+        accepted = model_args(model)  # also rejects unknown names, naming the closest registered ones
         if num_classes is not None:
             kwargs["num_classes"] = num_classes
         if img_size is not None and "img_size" in accepted:
@@ -125,6 +125,7 @@ def load_for_inference(
                 "weights or its last.pt"
             )
         if model is None or _is_run_output(path):
+            check_run_task(path, "classify")  # a language-model or detection run: say so, not a KeyError
             net = load_model(path, ema=ema)
             pretrained_cfg = cast("dict[str, Any]", net.pretrained_cfg)
             trained = pretrained_cfg["architecture"]

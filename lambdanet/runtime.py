@@ -14,15 +14,17 @@ Below ``models``, ``train`` and ``bench``, which all use it; it imports only tor
   call creates (through a dispatch mode) and when it is freed (through a weak reference on the storage,
   which fires exactly when the storage is deallocated): the peak of the live bytes. Tensors that existed
   before the call (parameters, inputs) are not counted; workspace inside a kernel is not visible.
-* FLOPs: ``torch.utils.flop_counter.FlopCounterMode`` (a multiply-add counts as 2 FLOPs)."""
+* FLOPs: ``torch.utils.flop_counter.FlopCounterMode`` (a multiply-add counts as 2 FLOPs).
+* Threads: :func:`intra_op_threads` runs a block with a chosen number of CPU threads (``--threads``): on a busy
+  machine fewer threads than cores can be several times faster, as each step waits for its slowest thread."""
 
 from __future__ import annotations
 
 import statistics
 import time
 import weakref
-from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +36,7 @@ __all__ = [
     "AMP_DTYPES",
     "check_amp",
     "autocast_context",
+    "intra_op_threads",
     "PeakMemory",
     "Timing",
     "sync",
@@ -62,6 +65,24 @@ def autocast_context(device: torch.device | str, amp: str) -> AbstractContextMan
     check_amp(amp, device)
     dtype = AMP_DTYPES[amp]
     return nullcontext() if dtype is None else torch.autocast(torch.device(device).type, dtype=dtype)
+
+
+# ------------------------------------------------------------------------------------------------- threads
+@contextmanager
+def intra_op_threads(threads: int | None, name: str = "threads") -> Iterator[None]:
+    """Inside, ``torch.set_num_threads(threads)`` (``None``: the count as it is); the previous count again on
+    leaving. A one-line ``ValueError`` naming ``name`` unless ``threads`` is a positive int or ``None``."""
+    if threads is None:
+        yield
+        return
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"{name} must be a positive int (CPU threads), got {threads!r}")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 # -------------------------------------------------------------------------------------------------- memory

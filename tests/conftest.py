@@ -7,6 +7,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 # keep the default suite deterministic and quick on 2 cores
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# LambdaLayer(impl="auto") follows its static cost model here (and in the CLI runs the tests start): no timing of
+# the implementations on first calls; the tests of the measuring tuner switch it on themselves
+os.environ.setdefault("LAMBDANET_AUTOTUNE", "0")
 
 # without a GPU the Triton kernels (lambdanet.kernels) run on CPU tensors in Triton's interpreter; the variable
 # must be set before the kernels are first imported (triton.jit reads it when it decorates them)

@@ -296,3 +296,58 @@ def test_channels_last_conversion_takes_models_with_5d_weights():
     assert weights and all(p.is_contiguous(memory_format=torch.channels_last) for p in weights)
     assert any(p.dim() == 5 for p in model.parameters())
     torch.testing.assert_close(after, before, atol=1e-10 * before.abs().max().item(), rtol=0)
+
+
+def test_bench_impls_reports_auto_against_the_fastest_implementation(tmp_path):
+    """The impls part times impl="auto" beside every implementation at each point (the grid and the five target
+    points; tiny ones here) and reports what it ran and its time over the fastest's, in its rows and bench.md."""
+    from lambdanet.bench.layer_bench import IMPL_POINTS, IMPLS_PART_POINTS, TARGET_POINTS
+    from lambdanet.layers import LambdaLayer, set_impl_tuning
+
+    assert set(IMPL_POINTS) | set(TARGET_POINTS) == set(IMPLS_PART_POINTS)
+    previous = set_impl_tuning("measure")
+    try:
+        rows = run_benchmarks(["impls"], quick=True, out=tmp_path, log=lambda s: None)["impls"]
+    finally:
+        set_impl_tuning(previous)
+    points = {(r["batch"], r["channels"], r["side"], r["scope"]) for r in rows}
+    assert len(points) == 2
+    for point in points:
+        here = [r for r in rows if (r["batch"], r["channels"], r["side"], r["scope"]) == point]
+        explicit = [r for r in here if r["impl"] != "auto"]
+        (auto,) = [r for r in here if r["impl"] == "auto"]
+        fastest = min(explicit, key=lambda r: r["median_ms"])
+        assert auto["fastest_impl"] == fastest["impl"] and [r["impl"] for r in explicit if r["fastest"]] == [
+            fastest["impl"]
+        ]
+        assert auto["auto_over_fastest"] == pytest.approx(auto["median_ms"] / fastest["median_ms"])
+        assert [r["impl"] for r in explicit if r["auto"]] == [auto["auto_impl"]]
+        b, c, side, scope = point
+        r = None if scope == "global" else int(scope.split("x")[0])
+        assert auto["static_impl"] == LambdaLayer(c, r=r, feat_size=side).choose_impl((side, side))
+    report = (tmp_path / "bench.md").read_text()
+    assert "### `auto` against the fastest implementation (tuning mode: measure)" in report
+    assert "| auto/fastest |" in report and "points; worst " in report
+
+
+def test_recall_batches_ask_for_values_seen_and_the_part_runs(tmp_path):
+    """Every query repeats a key of the context and its target is that key's value; keys are distinct within a
+    sequence; only the queried values are scored. The part runs end to end (quick)."""
+    from lambdanet.bench.recall_bench import KEYS, recall_batch
+
+    tokens, target = recall_batch(8, 10, 12, torch.Generator().manual_seed(0))
+    assert tokens.shape == (8, 44) and target.shape == (8, 43)
+    for t, tg in zip(tokens.tolist(), target.tolist()):
+        pairs = dict(zip(t[0:20:2], t[1:20:2]))
+        assert len(pairs) == 10 and all(k < KEYS <= v for k, v in pairs.items())
+        queries = list(zip(t[20::2], t[21::2]))
+        assert all(pairs[k] == v for k, v in queries)
+        assert [x for x in tg if x != -100] == [v for _, v in queries]
+        assert all(tg[i] == -100 for i in range(19))
+    with pytest.raises(ValueError, match="pairs must be in"):
+        recall_batch(1, 200, 1, torch.Generator())
+    results = run_benchmarks(["lm_recall"], quick=True, out=tmp_path, log=lambda s: None)
+    rows = results["lm_recall"]
+    assert {r["family"] for r in rows} == {"lambda", "linear", "hybrid", "transformer"}
+    assert all(0.0 <= r["accuracy"] <= 1.0 for r in rows)
+    assert "associative recall" in (tmp_path / "bench.md").read_text()

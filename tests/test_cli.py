@@ -1,6 +1,10 @@
 """The command-line interface, run in-process through ``lambdanet.cli.main``."""
 
+import shutil
+from pathlib import Path
+
 import pytest
+import torch
 
 from lambdanet.cli import main
 
@@ -28,3 +32,178 @@ def test_demo_runs(capsys):
 def test_no_command_prints_help(capsys):
     assert main([]) == 2
     assert "usage: lambdanet" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------- what a new user hit in the CLI (issue 40, 4-6)
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "runs_v1"
+
+
+def one_line_error(capsys, argv) -> str:
+    """``lambdanet ARGV`` exits with status 2 and one line on stderr (no traceback); that line."""
+    assert main(argv) == 2, argv
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err.strip()
+
+
+@pytest.fixture(scope="module")
+def lm_run(tmp_path_factory):
+    """A byte-level language-model run (lambdanet lm train), one optimiser step."""
+    from lambdanet.lm.task import LMConfig, train_lm
+
+    root = tmp_path_factory.mktemp("lm_run")
+    (root / "corpus").mkdir()
+    for i in range(3):
+        (root / "corpus" / f"f{i}.txt").write_text("def add(a, b):\n    return a + b\n" * 30)
+    cfg = LMConfig.resolve(overrides={"data": f"text:{root / 'corpus'}", "model": "lambda_lm_nano", "context": 16,
+                                      "epochs": 1, "steps_per_epoch": 1, "batch_size": 2, "warmup_steps": 1,
+                                      "out": str(root / "run"), "tensorboard": False, "progress": False})
+    train_lm(cfg, log=lambda _: None)
+    return root / "run"
+
+
+@pytest.fixture(scope="module")
+def detect_run(tmp_path_factory):
+    """A detection run (lambdanet detect; its config.yaml and last.pt) with the model.safetensors a finished run
+    writes (the detector's weights, the header naming its backbone), and that weights file alone elsewhere."""
+    from lambdanet.engine.checkpoint import export_safetensors
+
+    root = tmp_path_factory.mktemp("detect_run")
+    run = shutil.copytree(FIXTURES / "detect", root / "run")
+    export_safetensors(torch.nn.Linear(2, 2), run / "model.safetensors", {"backbone": "resnet26"})
+    (root / "loose").mkdir()
+    shutil.copy(run / "model.safetensors", root / "loose" / "model.safetensors")
+    return run
+
+
+@pytest.fixture(scope="module")
+def grey_image(tmp_path_factory):
+    from PIL import Image
+
+    path = tmp_path_factory.mktemp("img") / "grey.png"
+    Image.new("L", (8, 8), 128).save(path)
+    return path
+
+
+@pytest.mark.parametrize("command", ["predict", "export", "eval", "pseudo-label"])
+@pytest.mark.parametrize("kind", ["lm", "detect"])
+def test_image_commands_given_another_tasks_run_say_what_it_is(command, kind, lm_run, detect_run, grey_image,
+                                                               tmp_path, capsys):
+    runs = {"lm": [lm_run, lm_run / "model.safetensors", lm_run / "last.pt"],
+            "detect": [detect_run, detect_run / "last.pt", detect_run.parent / "loose" / "model.safetensors"]}
+    what = {"lm": "a language-model run (lambdanet lm train)", "detect": "a detection run (lambdanet detect)"}
+    for path in runs[kind]:
+        argv = {"predict": ["predict", str(grey_image), "--checkpoint", str(path)],
+                "export": ["export", "--checkpoint", str(path), "--format", "torchscript", "--out",
+                           str(tmp_path / "m.pt")],
+                "eval": ["eval", "--checkpoint", str(path)],
+                "pseudo-label": ["pseudo-label", "--checkpoint", str(path), "--out", str(tmp_path / "p.pt")]}
+        if command == "pseudo-label" and path.suffix == ".safetensors":
+            continue  # it takes a last.pt
+        err = one_line_error(capsys, argv[command])
+        assert what[kind] in err and "not an image-classification run (lambdanet train)" in err, err
+        assert "older lambdanet" not in err
+        assert ("lambdanet lm sample" if kind == "lm" else "summary.json") in err, err
+
+
+@pytest.mark.parametrize("kind", ["classify", "detect"])
+def test_lm_sample_given_another_tasks_run_says_what_it_is(kind, tiny_digits_run, detect_run, capsys):
+    run = tiny_digits_run if kind == "classify" else detect_run
+    err = one_line_error(capsys, ["lm", "sample", "--checkpoint", str(run), "--prompt", "x"])
+    assert err.startswith(f"lambdanet lm sample: error: {run} is a")
+    assert "not a language-model run (lambdanet lm train)" in err, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_a_gpu_is_one_line(tiny_digits_run, lm_run, grey_image, capsys):
+    for argv in (["eval", "--checkpoint", str(tiny_digits_run), "--device", "cuda"],
+                 ["lm", "sample", "--checkpoint", str(lm_run), "--prompt", "x", "--device", "cuda"],
+                 ["predict", str(grey_image), "--checkpoint", str(tiny_digits_run), "--device", "cuda"]):
+        assert "--device cuda but no CUDA device is available; use --device cpu" in one_line_error(capsys, argv)
+
+
+@pytest.mark.parametrize("batch", ["-1", "0"])
+def test_eval_batch_size_must_be_positive(batch, tiny_digits_run, capsys):
+    err = one_line_error(capsys, ["eval", "--checkpoint", str(tiny_digits_run), "--batch-size", batch])
+    assert f"--batch-size must be a positive int, got {batch}" in err
+
+
+@pytest.mark.parametrize("command", [["train"], ["lm", "train"], ["detect", "--procs", "2"], ["sweep", "--lrs", "0.1"]])
+def test_out_that_is_a_file_is_one_line_and_the_file_is_kept(command, tmp_path, capsys):
+    file = tmp_path / "notes.txt"
+    file.write_text("mine")
+    err = one_line_error(capsys, [*command, "--out", str(file), "--no-progress"])
+    assert f"--out {file} is a file, not a directory" in err
+    err = one_line_error(capsys, [*command, "--out", str(file / "run"), "--no-progress"])
+    assert f"--out {file / 'run'}: {file} is a file, not a directory" in err
+    assert file.read_text() == "mine"
+
+
+def test_unknown_model_names_the_close_ones_on_one_short_line(grey_image, capsys):
+    from lambdanet.models import list_models
+
+    err = one_line_error(capsys, ["predict", str(grey_image), "--model", "lambda_resnet26x", "--pretrained"])
+    assert "unknown model 'lambda_resnet26x'; did you mean lambda_resnet26," in err, err
+    assert f"lists all {len(list_models())}" in err
+    assert len(err) < 200 and "botnet26t_256" not in err  # not every registered name
+    err = one_line_error(capsys, ["export", "--model", "zzzz", "--format", "torchscript"])
+    assert "unknown model 'zzzz'; no registered name is close to it" in err and len(err) < 200
+
+
+@pytest.mark.parametrize("argv", [["train", "--epochs", "1"], ["lm", "train"], ["detect", "--procs", "1"],
+                                  ["eval"], ["predict"], ["lm", "sample"]])
+def test_threads_runs_the_command_with_that_many_threads_and_restores_them(argv, monkeypatch, tiny_digits_run,
+                                                                           lm_run, grey_image, tmp_path, capsys):
+    """``--threads N``: the library call behind each command runs with N intra-op threads, the count before
+    comes back afterwards, and 0 is a one-line error."""
+    import lambdanet.lm.task as lm_task
+    import lambdanet.predict as predict_module
+    import lambdanet.train.trainer as trainer
+
+    before = torch.get_num_threads()
+    want = 1 if before != 1 else 2
+    seen = []
+
+    def record(result):
+        def fn(*args, **kwargs):
+            seen.append(torch.get_num_threads())
+            return result
+        return fn
+
+    res = {"model": "m", "weights": "ema", "epoch": 1, "data": "digits", "split": "test", "top1": 1.0, "top5": 1.0,
+           "loss": 0.0, "samples": 1}
+    monkeypatch.setattr(trainer, "train", record({}))
+    monkeypatch.setattr(trainer, "evaluate_checkpoint", record(res))
+    monkeypatch.setattr(lm_task, "train_lm", record({}))
+    monkeypatch.setattr(lm_task, "sample", record(b"x"))
+    monkeypatch.setattr(predict_module, "predict", record([]))
+    if argv[0] == "detect":
+        pytest.importorskip("pycocotools")
+        import lambdanet.detection.trainer as detect_trainer
+
+        monkeypatch.setattr(detect_trainer, "train_detector", record({}))
+    extra = {"eval": ["--checkpoint", str(tiny_digits_run)],
+             "predict": [str(grey_image), "--checkpoint", str(tiny_digits_run)],
+             "sample": ["--checkpoint", str(lm_run), "--prompt", "x"]}.get(argv[-1], ["--out", str(tmp_path / "r")])
+    assert main([*argv, *extra, "--threads", str(want)]) == 0
+    assert seen == [want] and torch.get_num_threads() == before
+    assert "--threads must be a positive int (CPU threads), got 0" in one_line_error(capsys, [*argv, *extra,
+                                                                                               "--threads", "0"])
+    assert seen == [want]  # nothing ran
+
+
+def test_detect_threads_with_several_local_processes_is_refused(tmp_path, capsys):
+    err = one_line_error(capsys, ["detect", "--procs", "2", "--threads", "1", "--out", str(tmp_path / "r")])
+    assert "--threads sets the threads of one process" in err and "--procs 1" in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_the_threads_flag_is_not_part_of_the_run_configuration(tmp_path):
+    """--threads is how this process runs, not what the run computes: config.yaml does not hold it, so a
+    resumed run is free to use another count."""
+    import yaml
+
+    out = tmp_path / "run"
+    assert main(["train", "--epochs", "1", "--max-train-batches", "1", "--batch-size", "32", "--no-progress",
+                 "--no-tensorboard", "--out", str(out), "--threads", "1"]) == 0
+    assert "threads" not in yaml.safe_load((out / "config.yaml").read_text())

@@ -31,6 +31,7 @@ import lambdanet
 from lambdanet.cli import main
 from lambdanet.export import (
     CHECK_RTOL,
+    FORMATS,
     SUFFIXES,
     ExportCheckError,
     MissingDependencyError,
@@ -95,18 +96,25 @@ def small_model(name: str) -> tuple[torch.nn.Module, int]:
 
 def calibrated(model: torch.nn.Module, x: torch.Tensor) -> torch.nn.Module:
     """``model`` in eval mode with every BatchNorm's statistics set to those of its input on a batch of ``x`` and
-    three more random images (per channel; the biased variance, which training-mode BatchNorm divides by).
+    three more random images (per channel; the biased variance, which training-mode BatchNorm divides by, raised
+    to at least its mean over the layer's channels).
 
-    With the initial statistics (mean 0, variance 1) eval-mode BatchNorm normalises nothing, and the lambda
-    layers of a 200-layer LambdaResNet (a gain of ~50 each at random initialisation) overflow to inf. Statistics
-    of ``x`` alone are not enough either: at batch 1 a channel after attention barely varies over a 4x4 map, its
-    BatchNorm multiplies any difference by hundreds, and a deep HaloNet's eval output (which, unlike training
-    mode, does not renormalise) blows up; across four images the channels vary."""
+    With the initial statistics (mean 0, variance 1) eval-mode BatchNorm normalises nothing: a HaloNet's output
+    then hardly depends on its input. Statistics of ``x`` alone are not enough: at batch 1 a channel after
+    attention barely varies over a 4x4 map. Even across a few images some channels after attention over a 2x2
+    map barely vary; divided by their tiny deviation, any difference is multiplied by thousands, and a deep
+    HaloNet's eval output (which, unlike training mode, does not renormalise) reached 1e5 to 1e14 on other
+    images, its float32 rounding amplified to 1e-3 to 3e-3 of it (against float64), above an export's check. The
+    variance floor keeps any BatchNorm from amplifying more than a typical channel of its layer; the export tests
+    also put every image they run into ``x``: so calibrated, every registered model's float32 output agrees with
+    float64 to under 1e-5 of its size (on images outside ``x`` a deep HaloNet may still amplify: halonet_h2,
+    3e-3; a trace, which replays the eager kernels, does not mind)."""
 
     def set_stats(bn, inputs, output):
         dims = [d for d in range(inputs[0].dim()) if d != 1]  # all but the channels
+        var = inputs[0].var(dim=dims, unbiased=False)
         bn.running_mean.copy_(inputs[0].mean(dim=dims))
-        bn.running_var.copy_(inputs[0].var(dim=dims, unbiased=False))
+        bn.running_var.copy_(var.clamp_min(var.mean().item()))
 
     hooks = [m.register_forward_hook(set_stats) for m in model.modules()
              if isinstance(m, (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d)) and m.track_running_stats]
@@ -527,22 +535,132 @@ def test_half_precision_exports_store_and_compute_in_that_dtype(run, tmp_path, c
         torch.testing.assert_close(got, eager, rtol=0, atol=tolerance(fmt, out, scale, half))
 
 
-# one model per attention family beyond the digits run's LambdaResNet, which the default suite exports at any
-# batch above (halo, bottleneck self-attention, lambda layers in inverted residuals), each in another format;
-# 5-20 s each on 2 cores
+# ------------------------------------------------------------------------------------------- issue 40
+def qe_lambda_layer() -> torch.nn.Module:
+    """A global lambda layer (8x8 context) on the queries-first path that autograd Function
+    ``functional.fast._QEPositionOutput`` computes (the digits model's c4 and c5 layers take it too), with
+    BatchNorm statistics of its own input, so every head's output matters."""
+    layer = LambdaLayer(32, dim_k=16, heads=4, r=None, feat_size=8)
+    assert layer.plan((8, 8)).position == "einsum_qe_whole"
+    x = torch.randn(4, 32, 8, 8)
+    return calibrated(torch.nn.Sequential(torch.nn.Conv2d(32, 32, 1), layer), x)
+
+
+def test_a_lambda_model_exports_as_an_exported_program_that_loads_and_runs(tmp_path):
+    """The lambda layer's float32 region entered an autocast context even with autocast off, which torch.export
+    records as a ``wrap_with_autocast`` node that its verifier rejects: ``torch.export.load`` of the file failed
+    with a SpecViolationError. Loaded back here, the program replays the eager kernels (tolerance: the module
+    docstring) at batches other than the traced one."""
+    model = qe_lambda_layer()
+    path = tmp_path / "m.pt2"
+    res = export_model(model, path, "exported-program", input_size=8, in_chans=32)
+    assert res["max_abs_error"] <= res["tolerance"]
+    program = torch.export.load(str(path))
+    assert not [n for n in program.graph.nodes if "autocast" in str(n.target)]
+    for b in (1, 5):
+        x = torch.randn(b, 32, 8, 8)
+        with torch.no_grad():
+            eager, got = model(x), program.module()(x)
+        atol = tolerance("exported-program", path, eager.abs().max().item())
+        torch.testing.assert_close(got, eager, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("fmt", ["exported-program", "onnx"])
+def test_an_export_under_autocast_computes_in_the_models_dtype(fmt, tmp_path):
+    """Called under ``torch.autocast``, ``export_model`` still exports what the float32 model computes (the
+    documented precision): no bfloat16 casts recorded, no autocast node, a file ONNX Runtime runs."""
+    model = qe_lambda_layer()
+    path = tmp_path / f"m{SUFFIXES[fmt]}"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        export_model(model, path, fmt, input_size=8, in_chans=32)
+    x = torch.randn(3, 32, 8, 8)
+    with torch.no_grad():
+        eager, got = model(x), reload(path, fmt)(x)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, eager, rtol=0, atol=tolerance(fmt, path, eager.abs().max().item()))
+
+
+def test_a_static_onnx_export_at_a_batch_equal_to_the_heads_equals_eager(tmp_path):
+    """ONNX at a static batch 4, the lambda layer's 4 heads: the exporter's optimiser used to turn the
+    queries-first GEMM ``[b, h n, m] x [b, m, v]`` (every head of an image against that image's values) into a
+    broadcasting ``[b, h, n, m] x [b, m, v]``, which pairs head i with image i's values once b == h: off by
+    O(max|eager|) at batch 4 (1.34 on the digits model), right at 1, 2, 3 and 8. The file now computes what the
+    eager layer computes within the ONNX bound of the module docstring, ``4 * N * eps32 * max|eager|`` for its
+    N nodes, far below an error of the output's own size."""
+    import onnxscript.rewriter
+
+    rules = getattr(onnxscript.rewriter, "_DEFAULT_REWRITE_RULES", None)
+    model = qe_lambda_layer()
+    path = tmp_path / "b4.onnx"
+    res = export_model(model, path, "onnx", input_size=8, in_chans=32, dynamic_batch=False, batch_size=4)
+    assert getattr(onnxscript.rewriter, "_DEFAULT_REWRITE_RULES", None) is rules  # left as it was
+    assert res["input_shape"] == [4, 32, 8, 8] and res["check_batches"] == [4]
+    session = onnx_session(path)
+    assert session.get_inputs()[0].shape == [4, 32, 8, 8]
+    x = torch.randn(4, 32, 8, 8)
+    with torch.no_grad():
+        eager = model(x)
+    got = torch.from_numpy(session.run(None, {session.get_inputs()[0].name: x.numpy()})[0])
+    scale = eager.abs().max().item()
+    assert scale > 0
+    torch.testing.assert_close(got, eager, rtol=0, atol=tolerance("onnx", path, scale))
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:FutureWarning")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_failed_export_leaves_no_file_and_keeps_the_previous_one(fmt, tmp_path, monkeypatch):
+    """An export that fails its check writes nothing (ONNX: neither the file nor its external weights, the limit
+    lowered to 0 to have them) and leaves a file already at the path as it was; a passing one replaces it."""
+    import lambdanet.export
+
+    monkeypatch.setattr(lambdanet.export, "ONNX_SINGLE_FILE_MAX_BYTES", 0)
+    path = tmp_path / f"c{SUFFIXES[fmt]}"
+    with pytest.raises(ExportCheckError, match=r"differs from the eager model by up to 1 \(max abs\)"):
+        export_model(_Counter(), path, fmt, input_size=4, in_chans=3, dynamic_batch=False)
+    assert list(tmp_path.iterdir()) == []
+    path.write_bytes(b"previous")
+    with pytest.raises(ExportCheckError):
+        export_model(_Counter(), path, fmt, input_size=4, in_chans=3, dynamic_batch=False)
+    assert list(tmp_path.iterdir()) == [path] and path.read_bytes() == b"previous"
+    res = export_model(tiny_convnet(), path, fmt, input_size=6, in_chans=2)
+    assert path.read_bytes() != b"previous" and res["path"] == str(path)
+    expected = [path] + ([tmp_path / "c.onnx.data"] if fmt == "onnx" else [])
+    assert sorted(tmp_path.iterdir()) == expected and res["external_data"] == (str(expected[1]) if fmt == "onnx"
+                                                                               else None)
+
+
+def export_inputs(chans: int, size: int, dynamic: bool, static_batch: int = 4) -> list[torch.Tensor]:
+    """All the inputs ``export_model`` draws, rebuilt (its docstring: from a generator seeded with 0, the example,
+    then with a dynamic batch one check input per check batch, 1 and 3)."""
+    g = torch.Generator().manual_seed(0)
+    example = torch.randn(2 if dynamic else static_batch, chans, size, size, generator=g)
+    return [example] + ([torch.randn(b, chans, size, size, generator=g) for b in (1, 3)] if dynamic else [])
+
+
+# every registered image model in every format with a dynamic batch (traced at 2, checked here at 1 and 5) and a
+# static one (batch 4, the lambda models' heads: the coincidence that broke ONNX), loaded back independently;
+# 10 s to a few minutes each on 2 cores (the 400-layer models). BatchNorm is calibrated on every image the
+# export's check and this test run, so each of them is in the statistics: without that a deep HaloNet's eval
+# output amplifies float32 rounding beyond the check (see calibrated)
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:FutureWarning")
-@pytest.mark.parametrize("name,fmt", [("halonet26t", "onnx"), ("botnet26t_256", "exported-program"),
-                                      ("mobilenet_v2_lambda", "torchscript")])
-def test_attention_families_export_with_a_dynamic_batch(name, fmt, tmp_path):
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "static"])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("name", list_models(task="image"))
+def test_every_registered_model_exports_in_every_format_and_batch_mode(name, fmt, dynamic, tmp_path):
     model, size = small_model(name)
+    size = min(size, SMALL_SIZE)  # models without img_size take any size
+    ours = [torch.randn(b, 3, size, size) for b in ((1, 5) if dynamic else (4,))]
+    model = calibrated(model, torch.cat(export_inputs(3, size, dynamic) + ours))
     path = tmp_path / f"m{SUFFIXES[fmt]}"
-    res = export_model(model, path, fmt, input_size=size, in_chans=3)
-    assert res["dynamic_batch"] and res["input_shape"] == [2, 3, size, size]
+    res = export_model(model, path, fmt, input_size=size, in_chans=3, dynamic_batch=dynamic,
+                       batch_size=None if dynamic else 4)
+    assert res["input_shape"] == [2 if dynamic else 4, 3, size, size] and res["max_abs_error"] <= res["tolerance"]
     exported = reload(path, fmt)
-    for b in (1, 8):
-        x = torch.randn(b, 3, size, size)
+    for x in ours:
         with torch.no_grad():
             eager, got = model(x), exported(x)
-        assert got.shape == eager.shape == (b, 10)
-        torch.testing.assert_close(got, eager, rtol=0, atol=tolerance(fmt, path, eager.abs().max().item()))
+        assert got.shape == eager.shape == (x.shape[0], 10) and torch.isfinite(eager).all()
+        scale = eager.abs().max().item()
+        assert scale > 0
+        torch.testing.assert_close(got, eager, rtol=0, atol=tolerance(fmt, path, scale))

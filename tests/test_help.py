@@ -50,3 +50,17 @@ def test_train_help_shows_each_recipes_value():
             assert f"{recipe}: the model's" in helps[name], (recipe, name)
     assert helps["lr"].startswith(TrainConfig.__dataclass_fields__["lr"].metadata["help"])
     assert f"default: {TrainConfig.lr} (quick recipe)" in helps["lr"]
+
+
+@pytest.mark.parametrize("command", ["train", "sweep", "eval", "predict", "detect", "lm train", "lm sample"])
+def test_the_commands_that_compute_take_threads(command):
+    """--threads N (issue 40): on the training commands and on eval, predict and lm sample, documented."""
+    import argparse
+
+    parser = build_parser().commands[command.split()[0]]
+    for name in command.split()[1:]:  # lm's own commands
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[name]
+    action = next((a for a in parser._actions if "--threads" in a.option_strings), None)
+    assert action is not None and action.type is int and action.default is None, command
+    assert "torch.set_num_threads" in action.help and "default: PyTorch's choice" in action.help

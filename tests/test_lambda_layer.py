@@ -675,3 +675,259 @@ def test_compiled_layer_under_bf16_autocast_trains_like_eager():
     for eager, compiled in zip(*grads):
         assert torch.isfinite(compiled).all()
         assert (compiled - eager).norm() <= 1e-2 * eager.norm()
+
+
+# ------------------------------------------------------------------------------------------ measured auto (issue 39)
+# r=5 on a 6x6 map, k=2, h=2, v=4: n = 36, 25 taps; multiply-adds per query and context position: einsum_qe
+# n h (k + v) = 432, einsum n k v = 288, both convolutions 25 k v = 200; all within the tuner's factor 4 of the
+# cheapest, so all four are timed. The static policy picks einsum_qe (432 <= 2.5 * 200).
+TUNED_IMPLS = ("einsum_qe", "einsum", "conv", "depthwise_conv")
+
+
+def tuned_layer(**kwargs):
+    return LambdaLayer(8, dim_k=2, heads=2, r=5, **kwargs)
+
+
+def fake_timer(fastest, calls=None, seconds=1.0, others=2.0):
+    """A timer that runs each call (the candidates really execute) and reports ``seconds`` for ``fastest``,
+    ``others`` for the rest; the implementations it was asked to time go to ``calls``."""
+
+    def timer(impl, run):
+        run()
+        if calls is not None:
+            calls.append(impl)
+        return seconds if impl == fastest else others
+
+    return timer
+
+
+def refuse_timing(impl, run):
+    raise AssertionError(f"{impl} was timed where nothing may be timed")
+
+
+@pytest.mark.parametrize("fastest", TUNED_IMPLS)
+def test_auto_runs_the_implementation_the_timer_finds_fastest(fastest, monkeypatch):
+    from lambdanet.layers.impl_tuning import auto_choice, isolated_tuning
+
+    layer = tuned_layer()
+    assert layer.choose_impl((6, 6)) == "einsum_qe"
+    ran = _record_position_functions(monkeypatch)
+    calls = []
+    with isolated_tuning("measure", timer=fake_timer(fastest, calls)):
+        x = torch.randn(2, 8, 6, 6, requires_grad=True)
+        layer(x).sum().backward()
+        assert calls[0] == "einsum_qe" and set(calls) == set(TUNED_IMPLS)  # the static pick first, then the rest
+        assert auto_choice(layer, x) == fastest
+    assert ran[-1] == fastest  # the call itself ran the winner, after the timed candidates
+
+
+def test_auto_keeps_the_static_pick_unless_another_is_clearly_faster():
+    """A candidate at 0.97x the static pick's time is noise on a busy machine: the static pick stays; at 0.9x
+    the other one wins."""
+    from lambdanet.layers.impl_tuning import auto_choice, isolated_tuning
+
+    x = torch.randn(2, 8, 6, 6)
+    for seconds, want in ((0.97, "einsum_qe"), (0.9, "conv")):
+        with isolated_tuning("measure", timer=fake_timer("conv", seconds=seconds, others=1.0)):
+            layer = tuned_layer()
+            layer(x)
+            assert auto_choice(layer, x) == want, seconds
+
+
+def test_auto_times_once_per_key_and_forward_only_without_autograd(monkeypatch):
+    from lambdanet.layers.impl_tuning import isolated_tuning, tuned_impls
+
+    grads = []
+    original = torch.autograd.grad
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **kw: grads.append(1) or original(*a, **kw))
+    calls = []
+    layer = tuned_layer()
+    with isolated_tuning("measure", timer=fake_timer("conv", calls)):
+        layer(torch.randn(2, 8, 6, 6)).sum().backward()
+        timed, backwards = len(calls), len(grads)
+        assert timed >= len(TUNED_IMPLS) and backwards == timed  # training: every timed call runs its backward
+        layer(torch.randn(2, 8, 6, 6)).sum().backward()
+        tuned_layer()(torch.randn(2, 8, 6, 6)).sum().backward()  # another layer of the same shape: same key
+        assert len(calls) == timed and len(tuned_impls()) == 1
+        for shape in ((3, 8, 6, 6), (2, 8, 7, 7)):  # another batch, another map: timed again
+            layer(torch.randn(*shape)).sum().backward()
+            assert len(calls) > timed, shape
+            timed = len(calls)
+        grads.clear()
+        with torch.no_grad():  # its own key, timed forward only
+            layer(torch.randn(2, 8, 6, 6))
+        assert len(calls) > timed and grads == [] and len(tuned_impls()) == 4
+
+
+def test_auto_times_nothing_under_compile_export_tracing_or_a_dispatch_mode():
+    """Where a compiler, exporter, tracer or dispatch mode (a FLOP counter) sees the call, or deterministic
+    algorithms are asked for, nothing is timed (the timer raises) and the static plan runs, with no graph break;
+    a winner measured in eager mode before is what torch.compile and torch.export then take."""
+    import torch._dynamo
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lambdanet.layers.impl_tuning import isolated_tuning, set_impl_timer, tuned_impls
+
+    layer = tuned_layer().eval()
+    x = torch.randn(2, 8, 6, 6)
+
+    def has_conv(graph_module):  # a convolution anywhere in the graph or its subgraphs (autograd Functions)
+        graphs = [m.graph for m in graph_module.modules() if isinstance(m, torch.fx.GraphModule)]
+        return any("conv" in str(node.target) for graph in graphs for node in graph.nodes)
+
+    with isolated_tuning("measure", timer=refuse_timing):
+        torch._dynamo.reset()
+        explanation = torch._dynamo.explain(layer)(x)
+        assert explanation.graph_break_count == 0 and not has_conv(explanation.graphs[0])  # einsum_qe: GEMMs
+        assert not has_conv(torch.export.export(layer, (x,)).graph_module)
+        with pytest.warns(FutureWarning):  # torch.jit.trace is deprecated
+            torch.jit.trace(layer, (x,), check_trace=False)
+        with FlopCounterMode(display=False):
+            layer(x)
+        torch.use_deterministic_algorithms(True)
+        try:
+            layer(x)
+        finally:
+            torch.use_deterministic_algorithms(False)
+        assert tuned_impls() == {}
+        set_impl_timer(fake_timer("conv"))
+        layer(x)  # eager: measured, the dense convolution wins
+        set_impl_timer(refuse_timing)
+        torch._dynamo.reset()
+        explanation = torch._dynamo.explain(layer)(x)
+        assert explanation.graph_break_count == 0 and has_conv(explanation.graphs[0])
+        assert has_conv(torch.export.export(layer, (x,)).graph_module)
+
+
+def test_static_mode_and_the_environment_switch_timing_off(monkeypatch):
+    from lambdanet.layers import impl_tuning_mode, set_impl_tuning
+    from lambdanet.layers.impl_tuning import isolated_tuning, tuned_impls
+
+    with isolated_tuning("static", timer=refuse_timing):
+        layer = tuned_layer()
+        layer(torch.randn(2, 8, 6, 6)).sum().backward()
+        assert tuned_impls() == {}
+    previous = impl_tuning_mode()
+    try:
+        for value, mode in (("0", "static"), ("off", "static"), ("1", "measure"), ("", "measure")):
+            monkeypatch.setenv("LAMBDANET_AUTOTUNE", value)
+            set_impl_tuning(None)  # back to the environment's choice
+            assert impl_tuning_mode() == mode, value
+    finally:
+        set_impl_tuning(previous)
+    with pytest.raises(ValueError, match=r"^mode must be one of \['measure', 'static'\], got 'fast'$"):
+        set_impl_tuning("fast")
+
+
+@pytest.mark.parametrize("winner", TUNED_IMPLS)
+def test_measured_auto_trains_exactly_like_the_implementation_it_picked(winner):
+    """The same function as impl=winner, bit for bit (same ops on the same inputs), gradients included; timing
+    the candidates consumed no random numbers, wrote no parameter gradient and left the BatchNorm statistics
+    with the one update of the call itself."""
+    from lambdanet.layers.impl_tuning import isolated_tuning
+
+    torch.manual_seed(0)
+    auto = tuned_layer()
+    explicit = tuned_layer(impl=winner)
+    explicit.load_state_dict(auto.state_dict())
+    x = torch.randn(2, 8, 6, 6)
+    xa, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with isolated_tuning("measure", timer=fake_timer(winner)):
+        rng = torch.get_rng_state()
+        ya = auto(xa)
+        assert torch.equal(torch.get_rng_state(), rng)
+        assert all(p.grad is None for p in auto.parameters())
+        ya.square().sum().backward()
+    ye = explicit(xe)
+    ye.square().sum().backward()
+    assert torch.equal(ya, ye) and torch.equal(xa.grad, xe.grad)
+    for (name, pa), pe in zip(auto.named_parameters(), explicit.parameters()):
+        assert torch.equal(pa.grad, pe.grad), name
+    for (name, ba), be in zip(auto.named_buffers(), explicit.buffers()):
+        assert torch.equal(ba, be), name  # running statistics, num_batches_tracked == 1
+
+
+def test_measured_auto_in_eval_leaves_the_embedding_cache_as_it_was():
+    """Timing einsum_qe in inference fills the eval cache of E; with another winner the cache is restored."""
+    from lambdanet.layers.impl_tuning import isolated_tuning
+
+    layer = tuned_layer().eval()
+    with isolated_tuning("measure", timer=fake_timer("conv")), torch.no_grad():
+        layer(torch.randn(2, 8, 6, 6))
+    assert not layer.embedding.__dict__.get("_cache")
+
+
+def test_measured_winners_survive_in_the_cache_file_and_a_corrupt_file_is_ignored(tmp_path, monkeypatch):
+    import json
+    from pathlib import Path
+
+    from lambdanet.layers.impl_tuning import _Tuner, auto_choice, isolated_tuning
+
+    path = tmp_path / "tuning" / "impls.json"
+    layer, x = tuned_layer(), torch.randn(2, 8, 6, 6)
+    with isolated_tuning("measure", timer=fake_timer("conv"), cache_file=path):
+        layer(x)
+    assert list(json.loads(path.read_text())["winners"].values()) == ["conv"]
+    with isolated_tuning("measure", timer=refuse_timing, cache_file=path):  # as a new process: read, not timed
+        layer(x)
+        assert auto_choice(layer, x) == "conv"
+    path.write_text('{"version": 1, "winners": ')  # a write cut short
+    with isolated_tuning("measure", timer=fake_timer("depthwise_conv"), cache_file=path):
+        with pytest.warns(RuntimeWarning, match="ignoring the impl tuning cache .*impls.json"):
+            layer(x)
+        assert auto_choice(layer, x) == "depthwise_conv"
+    assert list(json.loads(path.read_text())["winners"].values()) == ["depthwise_conv"]  # rewritten whole
+    monkeypatch.setenv("LAMBDANET_AUTOTUNE_CACHE", str(path))
+    assert _Tuner().file == path
+    monkeypatch.setenv("LAMBDANET_AUTOTUNE_CACHE", "1")
+    assert _Tuner().file == (Path("~") / ".cache/lambdanet/impl_tuning.json").expanduser()
+
+
+def test_static_cpu_policy_takes_einsum_qe_at_issue_39s_point():
+    """B=8 C=256 16x16 r=9 (issue 39; BENCHMARKS.md section 1): einsum_qe trained in 19 ms there against 368 ms
+    for the depthwise convolution, so the static fallback must not pick the latter; and the tuner times all four
+    implementations there (n h (k + v) = 81920, taps k v = 82944, n k v = 262144: within its factor 4)."""
+    from lambdanet.layers.impl_tuning import candidate_plans, impl_policy
+
+    layer = LambdaLayer(256, dim_k=16, heads=4, r=9)
+    assert layer.choose_impl((16, 16), "cpu") == "einsum_qe"
+    assert layer.plan((16, 16), "cpu").position == "einsum_qe_whole"
+    assert set(candidate_plans(layer, (16, 16), impl_policy("cpu"), "einsum_qe")) == set(TUNED_IMPLS)
+
+
+def test_measured_auto_trains_under_activation_checkpointing():
+    """The first call's timing saves tensors of its own: they must not reach the saved-tensor hooks of activation
+    checkpointing (which recomputes the forward and checks that it saves the same tensors)."""
+    from lambdanet.layers.impl_tuning import isolated_tuning
+    from lambdanet.models import create_model
+
+    torch.manual_seed(0)
+    model = create_model("lambda_resnet26", stem="cifar", img_size=16, num_classes=10)
+    plain = create_model("lambda_resnet26", stem="cifar", img_size=16, num_classes=10)
+    plain.load_state_dict(model.state_dict())
+    model.set_grad_checkpointing(True)
+    x = torch.randn(2, 3, 16, 16)
+    with isolated_tuning("measure"):
+        model(x).sum().backward()
+    with isolated_tuning("static"):
+        plain(x).sum().backward()
+    for (name, a), b in zip(model.named_parameters(), plain.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-6), name
+
+
+def test_training_runs_choose_implementations_by_the_static_policy(monkeypatch, tmp_path):
+    """A run's ranks and its resumption must compute the same function: the engine pins the static policy for the
+    run (a measured winner depends on the machine's load) and gives the caller's mode back afterwards."""
+    from lambdanet.layers.impl_tuning import isolated_tuning
+    import types
+
+    import lambdanet.engine.task as engine_task
+    from lambdanet.layers.impl_tuning import impl_tuning_mode
+
+    seen = []
+    monkeypatch.setattr(engine_task, "_run", lambda task: seen.append(impl_tuning_mode()) or {})
+    cfg = types.SimpleNamespace(device="cpu", out=tmp_path / "run")
+    with isolated_tuning("measure"):
+        engine_task.run(lambda *args: None, cfg)
+        assert impl_tuning_mode() == "measure"
+    assert seen == ["static"]

@@ -19,7 +19,7 @@ from lambdanet.lm.corpus import VAL_PERCENT, is_validation_file, load_corpus
 from lambdanet.lm.task import LMConfig, evaluate_bits_per_byte, load_lm, sample, train_lm
 from lambdanet.models.lm import LM_SIZES, matched_dim_v
 
-FAMILIES = ("lambda_lm", "transformer_lm", "linear_lm")
+FAMILIES = ("lambda_lm", "transformer_lm", "linear_lm", "hybrid_lm")
 
 
 def rel(a, b):

@@ -12,6 +12,7 @@ data position changes the batch altogether. ``RTOL`` = 1e-4 sits between the two
 """
 
 import csv
+import json
 import importlib.util
 import shutil
 from pathlib import Path
@@ -69,6 +70,15 @@ def test_a_stopped_v1_train_run_resumes_to_the_weights_of_this_version(tmp_path,
     saved = metrics_rows(RUNS / "train" / "metrics.csv")
     rows = metrics_rows(old / "metrics.csv")
     assert [r["epoch"] for r in rows] == ["1", "2"] and rows[0] == saved[0]  # epoch 1's row kept as written
+    # best-epoch weights: the stopped checkpoint is mid-epoch 2, so it does not hold epoch 1's weights; the run ends
+    # with the best epoch's own weights (epoch 2: the final ones) or none, never epoch 2's labelled epoch 1
+    best = json.loads((old / "summary.json").read_text())["best_epoch"]
+    for name in ("model_best.safetensors", "model_best_ema.safetensors"):
+        if best == 2:
+            final = "model.safetensors" if name == "model_best.safetensors" else "model_ema.safetensors"
+            assert relative_difference(load_file(old / name), load_file(old / final)) == 0, name
+        else:
+            assert not (old / name).exists(), name
 
 
 def test_a_finished_v1_train_run_loads_and_fine_tunes(tmp_path, capsys):

@@ -4,6 +4,7 @@
 import contextlib
 import json
 import os
+import random
 import signal
 
 import pytest
@@ -181,6 +182,132 @@ def test_sigterm_to_a_two_process_detect_run_reaches_its_workers(tmp_path):
     assert saved["epoch_partial"] is not None or saved["epoch"] >= 1
     assert main(["detect", "--out", str(out), "--resume"]) == 0
     assert json.loads((out / "summary.json").read_text())["epochs"] == 40
+
+
+def _draws() -> tuple[torch.Tensor, float]:
+    return torch.rand(4), random.random()
+
+
+def _rng_round_trip(path: str) -> None:
+    """One process of a group of two: draws a number of values that depends on its rank (as a detector's
+    proposal sampling depends on its images), every process gathers its generators, the main one saves; the
+    next draws are expected. Then, the generators scrambled, it restores that checkpoint, and one without the
+    per-process states (as earlier versions wrote them), drawing after each."""
+    from lambdanet.engine.distributed import barrier, cleanup, init_distributed
+    from lambdanet.engine.state import RunState
+
+    ctx = init_distributed("cpu")
+    torch.manual_seed(0)  # every process seeded alike, as a run seeds them
+    random.seed(0)
+    model = torch.nn.Linear(2, 2)
+    state = RunState(model, torch.optim.SGD(model.parameters(), lr=0.1), step=3)
+    torch.rand(5 + 7 * ctx.rank)  # the processes draw differently many numbers
+    [random.random() for _ in range(1 + ctx.rank)]
+    state.gather_rng(ctx)
+    if ctx.is_main:
+        state.save(f"{path}/last.pt")
+        old = {k: v for k, v in load_checkpoint(f"{path}/last.pt").items() if k != "rng_ranks"}
+        torch.save(old, f"{path}/old.pt")
+    barrier(ctx)
+    expected = _draws()
+    state.step += 1  # a later save without a gather keeps no stale per-process states
+    stale = "rng_ranks" in state.state_dict()
+    restored = {}
+    for name in ("last", "old"):
+        torch.manual_seed(123)
+        random.seed(123)
+        state.load_state_dict(load_checkpoint(f"{path}/{name}.pt"))
+        restored[name] = _draws()
+    torch.save({"expected": expected, "restored": restored, "stale": stale}, f"{path}/rank{ctx.rank}.pt")
+    cleanup(ctx, synchronize=True)
+
+
+def test_every_process_of_a_group_gets_its_own_generators_back(tmp_path):
+    """A checkpoint of a process group keeps every process's RNG states and each process restores its own:
+    a resumed group draws what it would have drawn (resuming with the main process's generators everywhere,
+    a detector's other processes sampled other proposals: issue 40). A checkpoint without them (earlier
+    versions), or resumed by one process, gives the main process's generators, as before."""
+    from lambdanet.engine.distributed import launch_local
+    from lambdanet.engine.state import RunState
+
+    launch_local(_rng_round_trip, (str(tmp_path),), 2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    main_draws = ranks[0]["expected"]
+    assert not torch.equal(main_draws[0], ranks[1]["expected"][0])  # the processes' generators had drifted apart
+    assert main_draws[1] != ranks[1]["expected"][1]
+    for rank in ranks:
+        got = rank["restored"]["last"]
+        assert torch.equal(got[0], rank["expected"][0]) and got[1] == rank["expected"][1]  # its own, exactly
+        old = rank["restored"]["old"]
+        assert torch.equal(old[0], main_draws[0]) and old[1] == main_draws[1]  # the main process's
+        assert not rank["stale"]
+    saved = load_checkpoint(tmp_path / "last.pt")
+    assert len(saved["rng_ranks"]) == 2
+    model = torch.nn.Linear(2, 2)
+    RunState(model, torch.optim.SGD(model.parameters(), lr=0.1)).load_state_dict(saved)  # one process resumes it
+    got = _draws()
+    assert torch.equal(got[0], main_draws[0]) and got[1] == main_draws[1]
+
+
+def _group_member(args: list[str], status: int, stop_after: int = 0) -> None:
+    """One of launch_local's processes (as torchrun starts them): ``lambdanet ARGS`` in its place in the group,
+    sending itself SIGINT after its ``stop_after``-th optimiser step (a terminal's Ctrl-C reaches every process
+    of the group), ending with exit status ``status``."""
+    with signal_after_step(stop_after, signal.SIGINT):
+        got = main(args)
+    assert got == status, (args, got)
+
+
+# 2 processes, 2 epochs of 3 batches: stopped after step 5, epoch 2 after its batch 2
+TWO_PROCESS_RUNS = {
+    "detect": ["detect", "--backbone", "resnet26", "--epochs", "2", "--batch-size", "4", "--max-train-batches", "3",
+               "--max-eval-images", "2", "--eval-batch-size", "2", "--img-size", "96", "--no-progress",
+               "--no-tensorboard", "--pretrain-steps", "0", "--backbone-kwargs", "base_width=8", "--procs", "2",
+               "--device", "cpu", "--detector",
+               "{box_batch_size_per_image: 32, rpn_batch_size_per_image: 32, box_detections_per_img: 20}"],
+    "train": ["train", "--model", "resnet26", "--epochs", "2", "--max-train-batches", "3", "--batch-size", "16",
+              "--no-progress", "--no-tensorboard", "--optimizer", "sgd", "--lr", "0.05", "--ema-decay", "0.9",
+              "--drop-path-rate", "0.1", "--device", "cpu"],  # stochastic depth: draws on every step
+}
+
+
+@pytest.mark.slow  # about a minute each on 2 cores
+@pytest.mark.parametrize("command", ["detect", "train"])
+def test_a_two_process_run_stopped_in_epoch_2_resumes_to_the_uninterrupted_weights(tmp_path, capfd, command):
+    """Two processes (``detect --procs 2``; ``train`` as under torchrun), SIGINT in epoch 2, ``--resume``: every
+    tensor of the final weights equals the uninterrupted two-process run's (issue 40: a detector's processes
+    sample proposals from their own images, so each needs its own generators back; 36 of 254 tensors agreed)."""
+    from safetensors.torch import load_file
+
+    from lambdanet.engine.distributed import launch_local
+
+    if command == "detect":
+        pytest.importorskip("pycocotools")
+    args, whole, out = TWO_PROCESS_RUNS[command], tmp_path / "whole", tmp_path / "stopped"
+    if command == "detect":  # the launcher of --procs 2
+        assert main([*args, "--out", str(whole)]) == 0
+    else:
+        launch_local(_group_member, ([*args, "--out", str(whole)], 0), 2)
+    launch_local(_group_member, ([*args, "--out", str(out)], 130, 5), 2)
+    saved = load_checkpoint(out / "last.pt")
+    assert saved["epoch"] == 1 and saved["epoch_partial"]["batches"] == 2 and len(saved["rng_ranks"]) == 2
+    capfd.readouterr()
+    resume = [command, "--out", str(out), "--resume"]
+    if command == "detect":
+        assert main(resume) == 0
+    else:
+        launch_local(_group_member, (resume, 0), 2)
+    printed = capfd.readouterr().out
+    assert "epoch 2 from batch 3" in printed and (command == "train" or "2 local processes" in printed)
+    names = ["model.safetensors"] + (["model_ema.safetensors"] if command == "train" else [])
+    for name in names:
+        a, b = load_file(whole / name), load_file(out / name)
+        assert a.keys() == b.keys()
+        for key in a:  # the same operations in the same order on each process: bit for bit
+            assert torch.equal(a[key], b[key]), (name, key)
+    rows = [(d / "metrics.csv").read_text().splitlines() for d in (out, whole)]
+    i = rows[1][0].split(",").index("train_loss")  # epoch 2's sums carried over the stop
+    assert [r.split(",")[i] for r in rows[0][1:]] == [r.split(",")[i] for r in rows[1][1:]]
 
 
 def test_processes_agree_on_what_they_knew_when_they_entered_the_reduce(monkeypatch):

@@ -240,3 +240,139 @@ def test_one_epoch_inside_the_warmup_is_flagged(tmp_path, capsys):
     assert "warning" not in capsys.readouterr().out
     train(resolve_config(overrides={**FAST, "epochs": 2, "out": str(tmp_path / "run2")}))
     assert "warm-up" not in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- offline hub (issue 40, item 5)
+
+
+@pytest.fixture
+def no_network(monkeypatch, tmp_path):
+    """No route to any host (a socket connection fails at once, as without DNS), an empty weights cache, and a
+    stand-in for huggingface_hub's download that records each call: offline, only its cache answers (empty)."""
+    import socket
+
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    calls = {"connect": 0, "download": []}
+
+    def connect(*args, **kwargs):
+        calls["connect"] += 1
+        raise OSError("[Errno -2] Name or service not known")
+
+    def download(repo_id, filename, revision=None, local_files_only=False, **kwargs):
+        calls["download"].append("cache" if local_files_only else "network")
+        if local_files_only:
+            raise LocalEntryNotFoundError("not in the cache")
+        time.sleep(3)  # what huggingface_hub's retries of a failing connection stand for (~25 s)
+        raise OSError("An error happened while trying to locate the file on the Hub")
+
+    monkeypatch.setattr(socket, "create_connection", connect)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    monkeypatch.setenv("LAMBDANET_CACHE", str(tmp_path / "weights"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    for proxy in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(proxy, raising=False)
+    return calls
+
+
+@pytest.mark.parametrize("offline_env", [False, True])
+def test_pretrained_weights_offline_fail_at_once_on_one_line(no_network, monkeypatch, offline_env, tmp_path,
+                                                            capsys):
+    from PIL import Image
+
+    from lambdanet.models import create_model
+    from lambdanet.models.pretrained import PretrainedUnavailableError
+
+    if offline_env:
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    start = time.perf_counter()
+    with pytest.raises(PretrainedUnavailableError) as err:
+        create_model("lambda_resnet26t", pretrained=True)
+    assert time.perf_counter() - start < 2.5  # no download attempted: no retries to wait for
+    msg = str(err.value)
+    assert "\n" not in msg and "offline (" in msg and "checkpoint_path=FILE" in msg, msg
+    assert ("HF_HUB_OFFLINE is set" if offline_env else "huggingface.co cannot be reached") in msg, msg
+    assert no_network["download"] == ["cache"]  # huggingface_hub's cache asked, the network never
+    assert no_network["connect"] == (0 if offline_env else 1)  # one quick try, none when told offline
+    Image.new("RGB", (8, 8)).save(tmp_path / "img.png")
+    assert main(["predict", str(tmp_path / "img.png"), "--model", "lambda_resnet26t", "--pretrained"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_hub_models_offline_fail_at_once_and_pushing_offline_is_one_line(no_network, monkeypatch, tmp_path, capsys):
+    import huggingface_hub
+
+    from lambdanet.models import create_model
+
+    with pytest.raises(ValueError, match="offline \\(huggingface.co cannot be reached"):
+        create_model("hf-hub:someone/model")
+    assert no_network["download"] == ["cache"]
+
+    class OfflineApi:  # huggingface_hub's client when the connection fails (an httpx error, not an OSError)
+        def __init__(self, token=None):
+            pass
+
+        def create_repo(self, *args, **kwargs):
+            raise RuntimeError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", OfflineApi)
+    run = tmp_path / "run"
+    train(resolve_config(overrides={**FAST, "epochs": 1, "out": str(run)}))
+    capsys.readouterr()
+    assert main(["push-to-hub", str(run), "someone/digits"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot upload to someone/digits: offline (" in err and "--folder" in err, err
+
+
+# ------------------------------------------------------------------------- whole sentences (issue 40, item 5)
+
+
+def test_error_reason_keeps_whole_sentences():
+    from lambdanet.files import error_reason
+
+    first = "Reading failed: no central directory."
+    second = "This is an internal error."
+    long = f"{first} {second} If you see this error, there is a high likelihood that the file is damaged " * 3
+    assert error_reason(RuntimeError(long), 80) == f"{first} {second}"
+    assert error_reason(RuntimeError(long), 50) == first
+    assert error_reason(RuntimeError("short\nsecond line"), 80) == "short"
+    word = error_reason(RuntimeError("a" * 10 + " b" * 100), 40)  # one sentence too long: whole words, then ...
+    assert word.endswith("...") and len(word) <= 40 and not word.removesuffix("...").endswith(" ")
+    assert error_reason(KeyError()) == "KeyError"
+
+
+def test_corrupted_checkpoint_message_ends_at_a_sentence(tmp_path, capsys):
+    import re
+
+    import torch
+
+    good = tmp_path / "good.pt"
+    torch.save({"model": {"w": torch.zeros(1000)}}, good)
+    bad = tmp_path / "run" / "last.pt"
+    bad.parent.mkdir()
+    bad.write_bytes(good.read_bytes()[:3000])
+    with pytest.raises(Exception) as torch_err:  # torch's own words for the damage
+        torch.load(bad, weights_only=True)
+    torchs = str(torch_err.value).strip().splitlines()[0]
+    assert main(["eval", "--checkpoint", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is corrupted or truncated" in err and err.rstrip().endswith("restore a copy")
+    reason = re.search(rf"\({type(torch_err.value).__name__}: (.*)\); delete it", err).group(1)
+    sentences = re.split(r"(?<=[.!?]) ", torchs)
+    assert reason in [" ".join(sentences[:k]) for k in range(1, len(sentences) + 1)], (reason, torchs)
+
+
+# ----------------------------------------------------------------------------------- docs (issue 40, item 6)
+
+
+def test_language_models_doc_snippet_runs_verbatim():
+    """The first Python block of docs/language_models.md, run as it is written."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "language_models.md").read_text()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(compile(code, "docs/language_models.md", "exec"), namespace)
+    prompt, out = namespace["prompt"], namespace["out"]
+    assert out.shape == (1, prompt.shape[1] + 200) and out[0, : prompt.shape[1]].tolist() == list(b"def main(")

@@ -1,5 +1,6 @@
 """Training and evaluation: recipes, runs, resume after SIGKILL, failures, distributed, sweep, pseudo-labels."""
 
+import csv
 import json
 import math
 import os
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from lambdanet.cli import main
@@ -253,7 +254,7 @@ def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(
 @pytest.mark.parametrize(
     "args,needle",
     [
-        (["--model", "resnet51"], "unknown model 'resnet51'; registered models: botnet26t_256"),
+        (["--model", "resnet51"], "unknown model 'resnet51'; did you mean resnet50"),
         (["--data", "svhn"], "unknown dataset 'svhn'; valid: cifar10, cifar100, digits"),
         (["--data", "imagefolder:/nonexistent/imagenet"], "needs the folders /nonexistent/imagenet/train"),
         (["--model", "resnet26", "--model-kwargs", "stage_layers=CCLL,spatial_layer=lambda,img_size=8",
@@ -602,3 +603,74 @@ def test_run_state_records_the_best_epoch_and_counts_the_epochs_since():
     old.epoch = 1
     old.record(-3.2, val_bits_per_byte=3.2)
     assert old.best == {"score": -3.2, "val_bits_per_byte": 3.2, "epoch": 1} and old.bad_epochs == 0
+
+
+# ------------------------------------------------------------------------------------------ best-epoch weights
+
+
+def scripted_evaluation(monkeypatch, top1: dict, snapshots: dict) -> None:
+    """Every evaluation of epoch e reports top-1 ``top1[e]`` (so the best epoch is known in advance), and
+    ``snapshots[e]`` keeps the raw and EMA weights at the end of epoch e, as the run has them."""
+    from lambdanet.train import trainer
+
+    current, original = {}, trainer.ClassificationTask.epoch_row
+
+    def epoch_row(self, state, model, result):
+        ema = state.ema.module.state_dict() if state.ema is not None else {}
+        snapshots[state.epoch] = ({k: v.clone() for k, v in state.model.state_dict().items()},
+                                  {k: v.clone() for k, v in ema.items()})
+        current["epoch"] = state.epoch
+        return original(self, state, model, result)
+
+    monkeypatch.setattr(trainer.ClassificationTask, "epoch_row", epoch_row)
+    monkeypatch.setattr(trainer, "evaluate",
+                        lambda *a, **kw: {"loss": 1.0, "top1": top1[current["epoch"]], "top5": 1.0})
+
+
+def same_weights(path: Path, weights: dict) -> bool:
+    stored = load_file(path)
+    return stored.keys() == weights.keys() and all(torch.equal(stored[k], weights[k]) for k in stored)
+
+
+def test_best_epoch_weights_are_that_epochs_and_resumed_runs_keep_them(tmp_path, monkeypatch, capsys):
+    """model_best(_ema).safetensors hold the weights at the end of summary.json's best epoch (the maximum of
+    metrics.csv's selection column), also after a resumed run finds a new best, after a crash left best weights
+    of an epoch the resumed run trains again, and never weights of another epoch (then none)."""
+    from safetensors import safe_open
+
+    from lambdanet import load_model
+
+    out, snaps = tmp_path / "run", {}
+    scripted_evaluation(monkeypatch, {1: 0.3, 2: 0.9, 3: 0.5, 4: 0.95, 5: 0.2, 6: 0.1}, snaps)
+    summary = train(resolve_config(overrides={**FAST, "epochs": 3, "max_train_batches": 2, "batch_size": 16,
+                                              "ema_decay": 0.9, "mixup": 0.2, "cutmix": 1.0, "out": str(out)}))
+    rows = list(csv.DictReader(open(out / "metrics.csv")))
+    best_row = max(rows, key=lambda r: float(r["test_top1_ema"]))
+    assert summary["best_epoch"] == int(best_row["epoch"]) == 2 and math.isfinite(float(rows[0]["train_loss"]))
+    assert same_weights(out / "model_best.safetensors", snaps[2][0])
+    assert same_weights(out / "model_best_ema.safetensors", snaps[2][1])
+    assert same_weights(out / "model.safetensors", snaps[3][0]) and not same_weights(out / "model.safetensors",
+                                                                                      snaps[2][0])
+    with safe_open(str(out / "model_best.safetensors"), "pt") as f:
+        assert json.loads(f.metadata()["epoch"]) == 2
+    assert load_model(out / "model_best.safetensors").pretrained_cfg["architecture"] == "lambda_resnet26"
+
+    def resume(epochs):
+        return train(resolve_config(overrides={"out": str(out), "resume": True, "epochs": epochs, "progress": False}))
+
+    assert resume(4)["best_epoch"] == 4  # a new best after resuming
+    assert same_weights(out / "model_best.safetensors", snaps[4][0])
+    # a crash after epoch 5 wrote its (here: wrong) best weights and before last.pt: the resumed run restores epoch
+    # 4's, which last.pt holds, and epoch 5 is no new best
+    save_file({k: torch.zeros_like(v) for k, v in snaps[4][0].items()}, str(out / "model_best.safetensors"),
+              {"epoch": "5"})
+    assert resume(5)["best_epoch"] == 4
+    assert same_weights(out / "model_best.safetensors", snaps[4][0])
+    assert same_weights(out / "model_best_ema.safetensors", snaps[4][1])
+    # the same with the best epoch's weights no longer at hand (last.pt is of epoch 5): removed, with a note
+    save_file({k: torch.zeros_like(v) for k, v in snaps[4][0].items()}, str(out / "model_best.safetensors"),
+              {"epoch": "6"})
+    capsys.readouterr()
+    assert resume(6)["best_epoch"] == 4
+    assert not (out / "model_best.safetensors").exists() and not (out / "model_best_ema.safetensors").exists()
+    assert "note: no model_best.safetensors for the best epoch 4" in capsys.readouterr().out

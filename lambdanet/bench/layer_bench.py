@@ -20,6 +20,7 @@ from torch import nn
 
 from lambdanet.bench.peers import peer_attention_layers, peer_lambda_layers
 from lambdanet.layers import LambdaLayer, RelativePositionEmbedding, create_spatial_layer
+from lambdanet.layers.impl_tuning import auto_choice, impl_tuning_mode, isolated_tuning
 from lambdanet.runtime import autocast_context, count_flops, peak_memory, time_round_robin
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "TARGET_POINTS",
     "ATTENTION_POINTS",
     "IMPL_POINTS",
+    "IMPLS_PART_POINTS",
     "lambda_impls",
     "triton_runs",
     "build_layer",
@@ -280,6 +282,8 @@ def triton_runs(device: str | torch.device) -> bool:
 
 
 IMPL_POINTS = [(b, 256, side, r) for b in (64, 256) for side in (14, 28) for r in (7, 23, None)]
+# what `lambdanet bench impls` measures: the grid above and the five speed-target points of section 1
+IMPLS_PART_POINTS = IMPL_POINTS + [p for p in TARGET_POINTS if p not in IMPL_POINTS]
 
 
 def lambda_impls(
@@ -294,8 +298,12 @@ def lambda_impls(
     log=print,
 ) -> list[dict]:
     """Forward+backward time and peak memory of every position implementation of our ``LambdaLayer`` at each
-    point (``(batch, channels, side, r)``; ``r=None`` global), timed round-robin, with the one ``auto`` picks and
-    the fastest: the measurement an :class:`~lambdanet.layers.ImplPolicy` for the device is fitted to."""
+    point (``(batch, channels, side, r)``; ``r=None`` global) and of ``impl="auto"`` itself, timed round-robin:
+    the measurement an :class:`~lambdanet.layers.ImplPolicy` for the device is fitted to, and the guard of
+    ``auto``. Its tuner starts afresh at every point (no winners, no cache file; the mode is the process's,
+    :func:`~lambdanet.layers.impl_tuning.impl_tuning_mode`), and its first call, where it times the candidates,
+    is in the untimed warm-up. The ``"auto"`` row carries ``auto_impl`` (what it ran), ``static_impl`` (the
+    static cost model's pick) and ``auto_over_fastest`` (its time over the fastest implementation's)."""
     impls = ["einsum_qe", "einsum", "depthwise_conv", "conv"] + (["triton"] if triton_runs(device) else [])
     rows = []
     for b, c, side, r in points:
@@ -303,34 +311,46 @@ def lambda_impls(
         x = torch.randn(b, c, side, side, device=device)
         kwargs = dict(dim_k=dim_k, heads=heads, dim_u=dim_u, r=r, feat_size=side)
         layers: dict[str, nn.Module] = {impl: LambdaLayer(c, **kwargs, impl=impl).to(device) for impl in impls}
-        auto = LambdaLayer(c, **kwargs).to(device)
+        auto = layers["auto"] = LambdaLayer(c, **kwargs).to(device)
         try:
-            results = interleaved_fwd_bwd(layers, x, repeats=repeats, amp=amp, log=log)
+            with isolated_tuning(impl_tuning_mode()):
+                results = interleaved_fwd_bwd(layers, x, repeats=repeats, amp=amp, log=log)
+                picked = auto_choice(auto, x, grad=True)
         except torch.OutOfMemoryError:
             log(f"  out of memory at {(b, c, side, r)}: skipped")
             continue
-        fastest = min(results, key=lambda k: results[k]["median_ms"])
-        picked = auto.choose_impl((side, side), torch.device(device).type)
-        for impl, res in results.items():
-            rows.append(
-                {
-                    "batch": b,
-                    "channels": c,
-                    "side": side,
-                    "scope": "global" if r is None else f"{r}x{r}",
-                    "dim_u": dim_u,
-                    "amp": amp,
-                    "impl": impl,
-                    **res,
-                    "fastest": impl == fastest,
-                    "auto": impl == picked,
-                    "slowdown_vs_fastest": res["median_ms"] / results[fastest]["median_ms"],
-                }
+        point = {"batch": b, "channels": c, "side": side, "scope": "global" if r is None else f"{r}x{r}"}
+        static = auto.choose_impl((side, side), torch.device(device).type)
+        rows += _impl_rows({**point, "dim_u": dim_u, "amp": amp}, results, picked, static)
+        auto_row = next((row for row in rows[-len(results) :] if row["impl"] == "auto"), None)
+        if auto_row is not None and "auto_over_fastest" in auto_row:
+            log(
+                f"  {(b, c, side, r)}: fastest {auto_row['fastest_impl']}, auto ran {picked} (static pick {static}): "
+                f"{auto_row['auto_over_fastest']:.2f}x the fastest's time"
             )
-        log(
-            f"  {(b, c, side, r)}: fastest {fastest}, auto {picked} "
-            f"({results[picked]['median_ms'] / results[fastest]['median_ms']:.2f}x the fastest's time)"
-        )
+    return rows
+
+
+def _impl_rows(point: dict, results: dict[str, dict], picked: str, static: str) -> list[dict]:
+    """One row per timed implementation of a :func:`lambda_impls` point, ``"auto"`` included."""
+    explicit = {impl: res for impl, res in results.items() if impl != "auto"}
+    if not explicit:
+        return []
+    fastest = min(explicit, key=lambda k: explicit[k]["median_ms"])
+    rows = []
+    for impl, res in results.items():
+        row = {
+            **point,
+            "impl": impl,
+            **res,
+            "fastest": impl == fastest,
+            "auto": impl == picked,
+            "slowdown_vs_fastest": res["median_ms"] / explicit[fastest]["median_ms"],
+        }
+        if impl == "auto":
+            row.update(fastest_impl=fastest, auto_impl=picked, static_impl=static)
+            row["auto_over_fastest"] = row["slowdown_vs_fastest"]
+        rows.append(row)
     return rows
 
 

@@ -5,6 +5,9 @@ of ``bench.md``):
 
 * ``targets``: our ``LambdaLayer`` against timm's and lucidrains' at the points of ``layer_bench.TARGET_POINTS``
   (forward+backward time, peak memory, ratio to the fastest peer, geometric mean).
+* ``impls``: every position implementation of ``LambdaLayer`` and ``impl="auto"`` at the grid of
+  ``layer_bench.IMPL_POINTS`` and the five target points (forward+backward time, peak memory, the fastest, what
+  ``auto`` ran and its time over the fastest's: the guard of the measuring tuner, target within 1.2x).
 * ``attention``: our HaloNet and global relative attention against timm's HaloAttn and BottleneckAttn.
 * ``scaling``: every Table 4 layer (and HaloNet's) across resolutions and batches: forward and
   forward+backward time, peak memory and FLOPs, log-log slopes and plots against the number of positions.
@@ -16,6 +19,8 @@ of ``bench.md``):
 * ``table4``: Table 4's memory column from the complexity formulas on each variant's layer shapes.
 * ``lm``: the language models (``lambda_lm_tiny`` against the same-size transformer and linear-attention LMs):
   training tokens/s and peak memory at contexts 256 to 8192, generation latency and state size at 1k to 16k.
+* ``lm_recall``: associative recall (key-value pairs, then queries) of the four LM families of one size against
+  the number of pairs: where a constant-size state stops being enough (:mod:`lambdanet.bench.recall_bench`).
 * ``lm_quality``: the same three trained at context 512 on the standard library for equal time and for equal
   steps, three seeds each (about 35 minutes on 2 CPU cores): validation bits per byte, mean and spread.
 
@@ -31,10 +36,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from lambdanet.bench import detection_bench, kernel_bench, layer_bench, lm_bench, model_bench
+from lambdanet.bench import detection_bench, kernel_bench, layer_bench, lm_bench, model_bench, recall_bench
 from lambdanet.bench.peers import missing_peers_warning
 from lambdanet.bench.report import environment, markdown, plot_scaling, write_rows
 from lambdanet.helpers import require
+from lambdanet.layers.impl_tuning import impl_tuning_mode
 from lambdanet.runtime import check_amp
 
 __all__ = ["BenchSettings", "Part", "PARTS", "DEFAULT_PARTS", "DEFAULT_SUITES", "run_benchmarks"]
@@ -103,16 +109,18 @@ def _targets(s: BenchSettings, out: Path, log: Log) -> PartResult:
     return {"targets": rows}, report
 
 
+AUTO_TARGET = 1.2  # impl="auto" within this factor of the fastest implementation at every point (issue 39)
+
+
 def _impls(s: BenchSettings, out: Path, log: Log) -> PartResult:
-    log("== impls: every LambdaLayer position implementation (forward+backward)")
-    points = [(2, 32, 8, 5), (2, 32, 8, None)] if s.quick else layer_bench.IMPL_POINTS
+    log("== impls: every LambdaLayer position implementation and auto (forward+backward)")
+    points = [(2, 32, 8, 5), (2, 32, 8, None)] if s.quick else layer_bench.IMPLS_PART_POINTS
     rows = layer_bench.lambda_impls(points, device=s.device, repeats=2 if s.quick else s.repeats, amp=s.amp, log=log)
-    missed = [r for r in rows if r["auto"] and not r["fastest"]]
     return {"impls": rows}, [
         "## LambdaLayer implementations (forward+backward)",
         "",
         markdown(
-            rows,
+            [r for r in rows if r["impl"] != "auto"],
             [
                 ("batch", "B"),
                 ("channels", "C"),
@@ -127,9 +135,37 @@ def _impls(s: BenchSettings, out: Path, log: Log) -> PartResult:
             ],
         ),
         "",
-        f"`auto` picks the fastest implementation at {sum(r['auto'] and r['fastest'] for r in rows)} of "
-        f"{sum(r['auto'] for r in rows)} points"
-        + (f"; worst miss {max(r['slowdown_vs_fastest'] for r in missed):.2f}x." if missed else "."),
+        *_auto_report([r for r in rows if r["impl"] == "auto"]),
+    ]
+
+
+def _auto_report(autos: list[dict]) -> list[str]:
+    """The ``impls`` part's guard of ``impl="auto"``: its time over the fastest implementation's at every point."""
+    if not autos:
+        return []
+    within = [r for r in autos if r["auto_over_fastest"] <= AUTO_TARGET]
+    worst = max(autos, key=lambda r: r["auto_over_fastest"])
+    return [
+        f"### `auto` against the fastest implementation (tuning mode: {impl_tuning_mode()})",
+        "",
+        markdown(
+            autos,
+            [
+                ("batch", "B"),
+                ("channels", "C"),
+                ("side", "size"),
+                ("scope", "scope"),
+                ("fastest_impl", "fastest"),
+                ("auto_impl", "auto ran"),
+                ("static_impl", "static pick"),
+                ("median_ms", "auto ms"),
+                ("auto_over_fastest", "auto/fastest"),
+            ],
+        ),
+        "",
+        f"`auto` within {AUTO_TARGET}x of the fastest implementation at {len(within)} of {len(autos)} points; "
+        f"worst {worst['auto_over_fastest']:.2f}x (B={worst['batch']} C={worst['channels']} "
+        f"{worst['side']}x{worst['side']} {worst['scope']}).",
         "",
     ]
 
@@ -457,6 +493,24 @@ def _lm_quality(s: BenchSettings, out: Path, log: Log) -> PartResult:
     ] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
 
 
+def _lm_recall(s: BenchSettings, out: Path, log: Log) -> PartResult:
+    log("== lm_recall: associative recall against the number of key-value pairs")
+    rows = (
+        recall_bench.recall(pairs=(2,), steps=2, batch=4, eval_batches=1, device=s.device, log=log)
+        if s.quick
+        else recall_bench.recall(device=s.device, log=log)
+    )
+    cols = [("model", "model"), ("pairs", "pairs"), ("sequence", "tokens"), ("accuracy", "accuracy"),
+            ("steps", "steps"), ("train_s", "train s")]  # fmt: skip
+    size = rows[0]["model"].rsplit("_", 1)[1]
+    return {"lm_recall": rows}, [
+        f"## Language models: associative recall ({size}, chance {rows[0]['chance']:.3f})",
+        "",
+        markdown(rows, cols),
+        "",
+    ]
+
+
 class Part(NamedTuple):
     """A benchmark part: its function and the peer packages (import names) it compares against."""
 
@@ -474,6 +528,7 @@ PARTS: dict[str, Part] = {
     "detection": Part(_detection, lambda s: ()),
     "lm": Part(_lm, lambda s: ()),
     "lm_quality": Part(_lm_quality, lambda s: ()),
+    "lm_recall": Part(_lm_recall, lambda s: ()),
     "kernels": Part(_kernels, lambda s: ()),
 }
 

@@ -60,12 +60,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     from lambdanet.engine.preempt import Preempted, exit_status
+    from lambdanet.runtime import intra_op_threads
 
+    command = " ".join(c for c in (args.command, getattr(args, "lm_command", None)) if c)  # 'lm sample'
     try:
-        return int(args.func(args) or 0)
+        with intra_op_threads(getattr(args, "threads", None), "--threads"):  # the commands with --threads N
+            return int(args.func(args) or 0)
     except Preempted as err:  # a checkpoint was saved: one line, and the signal's conventional exit status
-        print(f"lambdanet {args.command}: {err}", file=sys.stderr)
+        print(f"lambdanet {command}: {err}", file=sys.stderr)
         return exit_status(err)
     except _user_errors() as err:
-        print(f"lambdanet {args.command}: error: {err}", file=sys.stderr)
+        print(f"lambdanet {command}: error: {err}", file=sys.stderr)
         return 2

@@ -10,12 +10,9 @@ __all__ = ["register"]
 def _cmd_bench(args: argparse.Namespace) -> int:
     """Benchmarks (library: ``lambdanet.bench.runner.run_benchmarks``)."""
     from lambdanet.bench.runner import DEFAULT_PARTS, run_benchmarks
+    from lambdanet.cli.common import check_device
 
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ValueError("--device cuda but no CUDA device is available")
+    check_device(args.device)
     run_benchmarks(
         args.parts or DEFAULT_PARTS,
         device=args.device,
@@ -44,14 +41,16 @@ def _add_bench(sub) -> None:
         help="speed / memory / FLOPs benchmarks against the baselines and peers",
         description=f"Parts: targets (LambdaLayer, k=16 h=4, forward+backward against timm and lucidrains "
         f"lambda-networks at {points}; with the Triton kernels as their own row on CUDA), impls (every "
-        "LambdaLayer position implementation at batch 64-256, 14x14 and 28x28, scopes 7, 23 and global: "
-        "the fastest and auto's pick), attention (HaloNet and global relative attention against "
+        "LambdaLayer position implementation and impl='auto' at batch 64-256, 14x14 and 28x28, scopes 7, 23 "
+        "and global, and at the five target points: the fastest, what auto ran and auto/fastest), attention "
+        "(HaloNet and global relative attention against "
         "timm's HaloAttn and BottleneckAttn), scaling (Table 4 layers across resolutions: time, memory, "
         "FLOPs, log-log slopes and plots), models (Table 13/14 suites, HaloNet, MobileNet, the 26-layer "
         "hybrid: img/s, memory, params, FLOPs), table4 (Table 4's memory column from the complexity "
         "formulas), detection (backbones at detection sizes), lm (language models: training tokens/s "
         "and memory at contexts 256-8192, generation latency and state at 1k-16k), lm_quality (bits "
-        "per byte at equal time and equal steps, 3 seeds, about 35 minutes), kernels (the Triton position "
+        "per byte at equal time and equal steps, 3 seeds, about 35 minutes), lm_recall (associative recall of "
+        "the four LM families against the number of key-value pairs), kernels (the Triton position "
         "kernels' roofline on a CUDA device, against its copy and matrix ceilings measured in the same run). "
         "Writes CSV, JSON, PNG plots "
         "and bench.md into --out. The peers come with the bench "
@@ -106,7 +105,7 @@ def _add_part_options(bench) -> None:
         "--repeats",
         type=int,
         default=5,
-        help="targets and attention parts: timed rounds per implementation (default: %(default)s)",
+        help="targets, impls and attention parts: timed rounds per implementation (default: %(default)s)",
     )
     bench.add_argument(
         "--layers",

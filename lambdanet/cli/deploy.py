@@ -13,6 +13,7 @@ def _cmd_predict(args: argparse.Namespace) -> int:
 
     import torch
 
+    from lambdanet.cli.common import check_device
     from lambdanet.helpers import check_positive_int
     from lambdanet.predict import find_images, load_for_inference, predict, resolve_dtype
 
@@ -27,8 +28,7 @@ def _cmd_predict(args: argparse.Namespace) -> int:
             "give the weights: --checkpoint PATH (a run directory, .safetensors or last.pt) or "
             "--model NAME --pretrained"
         )
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda but no CUDA device is available")
+    check_device(args.device)
     device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
     images = find_images(args.images)  # before loading the model: a wrong path fails fast
     model = load_for_inference(args.checkpoint, model=args.model, pretrained=args.pretrained, dtype=dtype).to(device)
@@ -45,6 +45,7 @@ def _cmd_predict(args: argparse.Namespace) -> int:
 
 
 def _add_predict(sub) -> None:
+    from lambdanet.engine.config import add_threads_argument
     from lambdanet.predict import DTYPES, IMAGE_SUFFIXES
 
     pr = sub.add_parser(
@@ -80,6 +81,7 @@ def _add_predict(sub) -> None:
         help=f"precision the model runs in, one of {', '.join(DTYPES)} (default: %(default)s; float16 "
         "is slow on a CPU)",
     )
+    add_threads_argument(pr)
     pr.set_defaults(func=_cmd_predict)
 
 

@@ -9,10 +9,16 @@ __all__ = ["register"]
 
 def _cmd_detect(args: argparse.Namespace) -> int:
     """Train and evaluate a detector (library: ``lambdanet.detection.trainer.train_detector``)."""
-    from lambdanet.detection.trainer import DetectConfig, train_detector
+    from lambdanet.detection.trainer import DetectConfig, local_processes, train_detector
     from lambdanet.engine.config import config_source_from_args
 
-    train_detector(config_source_from_args(args, DetectConfig).resolve())
+    cfg = config_source_from_args(args, DetectConfig).resolve()
+    if args.threads is not None and (procs := local_processes(cfg)) > 1:  # each worker gets its share of the cores
+        raise ValueError(
+            f"--threads sets the threads of one process, and this run trains in {procs} local processes "
+            "that share the cores out among them: add --procs 1 to choose the threads"
+        )
+    train_detector(cfg)
     return 0
 
 

@@ -19,8 +19,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_sample(args: argparse.Namespace) -> int:
     """Continue a prompt with a trained model (library: ``lambdanet.lm.sample``)."""
+    from lambdanet.cli.common import check_device
+    from lambdanet.files import check_run_task
     from lambdanet.lm.task import sample
 
+    check_device(args.device)
+    check_run_task(args.checkpoint, "lm")  # an image-classification or detection run: say so
     out = sample(
         args.checkpoint,
         args.prompt,
@@ -35,7 +39,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    from lambdanet.engine.config import add_config_arguments
+    from lambdanet.engine.config import add_config_arguments, add_threads_argument
     from lambdanet.lm.task import LMConfig
 
     lm = sub.add_parser(
@@ -71,4 +75,5 @@ def register(sub) -> None:
     smp.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest bytes (1: greedy)")
     smp.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     smp.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="device (default: cpu)")
+    add_threads_argument(smp)
     smp.set_defaults(func=_cmd_sample)

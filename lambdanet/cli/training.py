@@ -40,8 +40,14 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     """Top-1 / top-5 of a checkpoint on a dataset (library: ``lambdanet.train.evaluate_checkpoint``)."""
     import json
 
+    from lambdanet.cli.common import check_device
+    from lambdanet.files import check_run_task
+    from lambdanet.helpers import check_positive_int
     from lambdanet.train.trainer import evaluate_checkpoint
 
+    check_positive_int(args.batch_size, "--batch-size")
+    check_device(args.device)
+    check_run_task(args.checkpoint, "classify")  # a language-model or detection run: say so
     res = evaluate_checkpoint(
         args.checkpoint,
         data=args.data,
@@ -62,6 +68,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _add_eval(sub) -> None:
+    from lambdanet.engine.config import add_threads_argument
+
     ev = sub.add_parser(
         "eval",
         help="evaluate a checkpoint",
@@ -82,6 +90,7 @@ def _add_eval(sub) -> None:
     )
     ev.add_argument("--no-ema", action="store_true", help="use the raw weights even if an EMA exists")
     ev.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_threads_argument(ev)
     ev.set_defaults(func=_cmd_eval)
 
 
@@ -116,8 +125,10 @@ def _add_sweep(sub) -> None:
 
 def _cmd_pseudo(args: argparse.Namespace) -> int:
     """Pseudo-label a teacher's unlabelled images (library: ``lambdanet.train.pseudo.make_pseudo_labels``)."""
+    from lambdanet.files import check_run_task
     from lambdanet.train.pseudo import make_pseudo_labels
 
+    check_run_task(args.checkpoint, "classify")
     res = make_pseudo_labels(args.checkpoint, args.out, threshold=args.threshold)
     print(
         f"{len(res['labels'])} pseudo-labels for {res['data']} (labeled_fraction {res['labeled_fraction']}, "

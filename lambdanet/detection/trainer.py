@@ -564,6 +564,7 @@ class DetectionTask(Task):
                 info = _pretrain(unwrap(state.model), cfg, self.ctx, self.log, self.stop)
             except Preempted as err:
                 raise Preempted(f"{err}; continue with --resume --out {out}") from None
+            state.gather_rng(self.ctx)  # each process's generators, as the pre-training left them
             if self.ctx.is_main:
                 write_json(info, out / "pretrain.json")
                 self.save(state)

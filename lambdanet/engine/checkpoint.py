@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lambdanet.files import error_reason
+
 __all__ = [
     "CheckpointError",
     "save_checkpoint",
@@ -69,7 +71,7 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
     except Exception as err:  # torch raises many types for a damaged zip / pickle
         raise CheckpointError(
             f"checkpoint {path} is corrupted or truncated and cannot be loaded "
-            f"({type(err).__name__}: {str(err)[:200]}); delete it or restore a copy"
+            f"({type(err).__name__}: {error_reason(err)}); delete it or restore a copy"
         ) from None
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"checkpoint {path} is not a lambdanet checkpoint (no 'model' entry)")
@@ -125,7 +127,11 @@ def _to_tuple(x):
 
 def export_safetensors(model: nn.Module, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
     """Model weights (and buffers) as safetensors; shared tensors are stored once. ``metadata`` (strings)
-    goes into the file's header: :func:`lambdanet.train.load.load_model` rebuilds the model from it."""
+    goes into the file's header: :func:`lambdanet.train.load.load_model` rebuilds the model from it. Written
+    to ``<name>.tmp`` and renamed over ``path``: a crash leaves the previous file or the new one."""
     from safetensors.torch import save_model
 
-    save_model(unwrap(model), str(path), metadata=metadata, force_contiguous=True)  # channels-last weights too
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    save_model(unwrap(model), str(tmp), metadata=metadata, force_contiguous=True)  # channels-last weights too
+    os.replace(tmp, path)

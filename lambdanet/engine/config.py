@@ -32,6 +32,7 @@ __all__ = [
     "flag",
     "describe_differences",
     "add_config_arguments",
+    "add_threads_argument",
     "config_source_from_args",
 ]
 
@@ -128,6 +129,7 @@ class RunConfig:
                 raise ValueError(f"unknown recipe {name!r}; valid recipes: {', '.join(cls.RECIPES)}")
             cfg = cls(**cls.recipe_values(name, explicit))
         cfg.validate()
+        _check_out(cfg.out)
         cfg.complete(explicit)
         return cfg
 
@@ -190,6 +192,16 @@ class RunConfig:
                 f"change: drop the others, or start a new run with another --out"
             )
         return int(saved["epochs"])
+
+
+def _check_out(out) -> None:
+    """A one-line ``ValueError`` when the run directory ``out`` cannot be one: it, or the nearest of its parents
+    that exists, is a file (before any process starts: a detection run's workers would each fail)."""
+    path = Path(str(out)).expanduser()
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        what = f"--out {out}" if existing == path else f"--out {out}: {existing}"
+        raise ValueError(f"{what} is a file, not a directory; choose another --out (a folder for the run)")
 
 
 def _check_keys(cls: type, values: dict, source: str) -> None:
@@ -289,7 +301,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type[RunCo
     """``--config FILE`` (YAML) and one ``--flag`` per field of ``config_cls`` with its one-line help
     (:func:`option` metadata), choices and default as the recipes set it (:func:`describe_default`; booleans:
     ``--flag`` / ``--no-flag``); the parsed default is ``None`` = "not given", so recipe and YAML values
-    survive (:func:`config_source_from_args` reads them back)."""
+    survive (:func:`config_source_from_args` reads them back); and ``--threads N`` (:func:`add_threads_argument`)."""
     parser.add_argument("--config", help="YAML file of options")
     hints = typing.get_type_hints(config_cls)
     choices, recipes = config_cls.choices(), config_cls.recipe_table()
@@ -313,6 +325,21 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type[RunCo
                 "metavar": "{" + ",".join(choices[f.name]) + "}" if f.name in choices else None,
             }
         parser.add_argument(flag(f.name), dest=f.name, default=None, help=help_text, **kind)
+    if "threads" not in hints:
+        add_threads_argument(parser)
+
+
+THREADS_HELP = (
+    "CPU threads of this process (torch.set_num_threads); on a busy machine fewer than the cores can be "
+    "several times faster (default: PyTorch's choice, one per core)"
+)
+
+
+def add_threads_argument(parser: argparse.ArgumentParser, help: str = THREADS_HELP) -> None:
+    """``--threads N`` (``args.threads``, ``None`` when not given): the CPU threads the command runs with, a
+    setting of the process, not of the run (not saved, free to change on ``--resume``); ``lambdanet.cli.main``
+    applies it with :func:`lambdanet.runtime.intra_op_threads`."""
+    parser.add_argument("--threads", type=int, default=None, metavar="N", help=help)
 
 
 def config_source_from_args(args: argparse.Namespace, config_cls: type) -> ConfigSource:

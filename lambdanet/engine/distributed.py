@@ -26,6 +26,7 @@ __all__ = [
     "DistContext",
     "init_distributed",
     "all_reduce_sum",
+    "all_gather_objects",
     "all_gather_with_grad",
     "AllReduceBatchNorm",
     "convert_sync_batchnorm",
@@ -201,6 +202,15 @@ def all_reduce_sum(values: list[float], ctx: DistContext) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=ctx.device)
     dist.all_reduce(t)
     return t.tolist()
+
+
+def all_gather_objects(obj: object, ctx: DistContext) -> list:
+    """``[obj of rank 0, obj of rank 1, ...]`` on every rank (picklable objects; ``[obj]`` in one process)."""
+    if not ctx.enabled:
+        return [obj]
+    gathered: list = [None] * ctx.world
+    dist.all_gather_object(gathered, obj)
+    return gathered
 
 
 def barrier(ctx: DistContext) -> None:

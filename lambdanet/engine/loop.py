@@ -108,10 +108,11 @@ def train_epoch(
     epoch and the ranks. Each step: learning rate ``lr(state.step)`` (else ``state.scheduler`` steps after it), the
     non-finite guard (:class:`NonFiniteLossError` before the step would spoil the weights), the step
     (:func:`optimizer_step`, ``clip`` the gradient norm), the EMA update, ``state.step + 1``. Every ``save_every``
-    steps the main process calls ``save(state)`` with ``state.epoch_partial`` saying where the epoch stands.
-    ``stop`` (:class:`lambdanet.engine.preempt.StopSignals`) is asked after every step: on a signal the pass ends
-    there and returns ``None``, ``state.epoch_partial`` set. Returns ``{"sums", "seconds"}`` of the whole epoch,
-    ``state.epoch_partial`` cleared."""
+    steps the main process calls ``save(state)`` with ``state.epoch_partial`` saying where the epoch stands (and
+    every process's generators gathered: :meth:`RunState.gather_rng`). ``stop``
+    (:class:`lambdanet.engine.preempt.StopSignals`) is asked after every step: on a signal the pass ends there and
+    returns ``None``, ``state.epoch_partial`` set (the generators gathered). Returns ``{"sums", "seconds"}`` of
+    the whole epoch, ``state.epoch_partial`` cleared."""
     partial = state.epoch_partial or {}
     done = int(partial.get("batches", 0))
     saved = {k: float(v) for k, v in partial.get("sums", {}).items()}
@@ -145,6 +146,7 @@ def train_epoch(
         if signalled or (save is not None and save_every and (i + 1) % save_every == 0 and i + 1 < total):
             total_sums, sums = _carried(sums, ctx)
             state.epoch_partial = {"batches": i + 1, "sums": total_sums, "seconds": time.perf_counter() - start}
+            state.gather_rng(ctx)  # every process's generators for the checkpoint of this step (a collective)
             if signalled:
                 return None
             if ctx.is_main:
@@ -212,8 +214,10 @@ def fit(
         stopped = task.stops_early(state)
         logger.log_epoch(row)
         log(task.epoch_line(row))
-        if ctx.is_main and (task.save_due(state.epoch) or state.epoch == cfg.epochs or stopped):
-            task.save(state)
+        if task.save_due(state.epoch) or state.epoch == cfg.epochs or stopped:  # the same on every process
+            state.gather_rng(ctx)
+            if ctx.is_main:
+                task.save(state)
             last_saved = state.epoch
         barrier(ctx)
     return row, stopped

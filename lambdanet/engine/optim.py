@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from collections.abc import Sequence
 from typing import cast
@@ -10,19 +11,74 @@ import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-__all__ = ["OPTIMIZERS", "param_groups", "build_optimizer", "build_scheduler", "build_ema", "set_bn_momentum", "lr_at"]
+__all__ = [
+    "OPTIMIZERS",
+    "no_weight_decay_names",
+    "param_groups",
+    "load_optimizer_state",
+    "build_optimizer",
+    "build_scheduler",
+    "build_ema",
+    "set_bn_momentum",
+    "lr_at",
+]
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop")  # build_optimizer's names
 
 
+def no_weight_decay_names(model: nn.Module) -> set[str]:
+    """The parameter names (``fnmatch`` patterns, as timm reads them) that ``model`` and its submodules exclude
+    from weight decay through timm's ``no_weight_decay()`` method (position embeddings and relative-position
+    tables of lambdanet's backbones), prefixed with where the submodule sits."""
+    names: set[str] = set()
+    for prefix, module in model.named_modules():
+        method = getattr(module, "no_weight_decay", None)
+        if callable(method):
+            names |= {f"{prefix}.{n}" if prefix else n for n in method()}
+    return names
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """No weight decay on normalisation parameters and biases (1-d tensors)."""
+    """Two groups, with weight decay and without: none on normalisation parameters and biases (1-d tensors) and
+    on the parameters the model names in ``no_weight_decay()`` (:func:`no_weight_decay_names`), as timm's
+    ``param_groups_weight_decay``."""
+    excluded = no_weight_decay_names(model)
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         if p.requires_grad:
-            (no_decay if p.ndim <= 1 else decay).append(p)
+            skip = p.ndim <= 1 or any(fnmatch.fnmatchcase(name, pattern) for pattern in excluded)
+            (no_decay if skip else decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict, model: nn.Module) -> None:
+    """``optimizer.load_state_dict(saved)``, also for a checkpoint of lambdanet <= 0.1, whose two groups split
+    the parameters by dimension alone (:func:`param_groups` now also keeps position embeddings from decay): its
+    per-parameter state is then moved to where each parameter is now. Another mismatch is a one-line
+    ``ValueError``."""
+    sizes = [len(g["params"]) for g in saved["param_groups"]]
+    if sizes == [len(g["params"]) for g in optimizer.param_groups]:
+        optimizer.load_state_dict(saved)
+        return
+    params = [p for p in model.parameters() if p.requires_grad]
+    old_order = [p for p in params if p.ndim > 1] + [p for p in params if p.ndim <= 1]
+    if sizes != [len(old_order) - sum(p.ndim <= 1 for p in params), sum(p.ndim <= 1 for p in params)]:
+        raise ValueError(
+            f"the checkpoint's optimiser has parameter groups of {sizes} parameters, this model's has "
+            f"{[len(g['params']) for g in optimizer.param_groups]}: it was saved for another model or version"
+        )
+    old_index = {id(p): i for i, p in enumerate(old_order)}
+    new_params = [p for g in optimizer.param_groups for p in g["params"]]
+    state = {
+        k: saved["state"][old_index[id(p)]] for k, p in enumerate(new_params) if old_index[id(p)] in saved["state"]
+    }
+    groups, start = [], 0
+    for old, group in zip(saved["param_groups"], optimizer.param_groups):
+        n = len(group["params"])
+        groups.append({**old, "weight_decay": group["weight_decay"], "params": list(range(start, start + n))})
+        start += n
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
 def build_optimizer(

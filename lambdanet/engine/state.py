@@ -9,10 +9,13 @@ import os
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
 from lambdanet.engine.checkpoint import rng_state, save_checkpoint, set_rng_state, unwrap
+from lambdanet.engine.distributed import DistContext, all_gather_objects
+from lambdanet.engine.optim import load_optimizer_state
 
 __all__ = ["RunState"]
 
@@ -36,12 +39,23 @@ def _partial(partial: dict | None) -> dict | None:
     return {**partial, "sums": {"n": partial["batches"], **partial.get("sums", {})}}  # detection's lacked "n"
 
 
+def _own_rng(state: dict) -> dict:
+    """This process's RNG states in a checkpoint: its own entry of ``rng_ranks`` when a process group of this
+    size saved it, else the main process's ``rng`` (a run of one process, of another number of processes, or
+    of an earlier version, which kept the main process's only)."""
+    ranks = state.get("rng_ranks")
+    grouped = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if grouped else (0, 1)
+    return ranks[rank] if ranks and len(ranks) == world else state["rng"]
+
+
 @dataclass
 class RunState:
     """Everything a run carries from one step to the next: the weights, optimiser, schedule, EMA and loss
     scaler (``None`` where a task has none), the counters, the best score so far and, through ``state_dict``,
-    the random generators. ``load_state_dict`` restores it exactly; counters a checkpoint lacks (written by
-    another task, or by an earlier version) keep their defaults."""
+    the random generators (every process's, after :meth:`gather_rng`). ``load_state_dict`` restores it
+    exactly; counters a checkpoint lacks (written by another task, or by an earlier version) keep their
+    defaults."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
@@ -55,6 +69,15 @@ class RunState:
     best: dict = field(default_factory=_no_best)
     bad_epochs: int = 0  # epochs since the best score (early stopping)
     epoch_partial: dict | None = None  # a preempted epoch: its batches done and running sums
+    # (step, every process's RNG states) gathered by gather_rng for a save at that step
+    _rng_ranks: tuple[int, list[dict]] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def gather_rng(self, ctx: DistContext) -> None:
+        """Every process of a group calls this (a collective) right before the main one saves: the checkpoint
+        of this step then keeps each process's RNG states, not the main one's alone, and a resumed group draws
+        what it would have drawn (each process's draws can depend on its data, as a detector's proposal
+        sampling does, so the processes' generators drift apart). One process: nothing to gather."""
+        self._rng_ranks = (self.step, all_gather_objects(rng_state(), ctx)) if ctx.enabled else None
 
     def state_dict(self, **extra) -> dict:
         """The checkpoint: every component's state, the counters, the RNG states, and ``extra`` (the run's
@@ -77,6 +100,7 @@ class RunState:
             "bad_epochs": self.bad_epochs,
             "epoch_partial": self.epoch_partial,
             "rng": rng_state(),
+            **({"rng_ranks": self._rng_ranks[1]} if self._rng_ranks and self._rng_ranks[0] == self.step else {}),
             **extra,
         }
 
@@ -88,7 +112,7 @@ class RunState:
 
     def load_state_dict(self, state: dict) -> None:
         unwrap(self.model).load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.optimizer, state["optimizer"], unwrap(self.model))  # 0.1's groups regrouped
         for name in ("scheduler", "ema", "scaler"):
             component = getattr(self, name)
             if component is not None and state.get(name):
@@ -99,13 +123,15 @@ class RunState:
         self.samples_seen = int(state.get("samples_seen", 0))
         self.best, self.bad_epochs = dict(state.get("best") or _no_best()), int(state.get("bad_epochs", 0))
         self.epoch_partial = _partial(state.get("epoch_partial"))  # absent at epoch ends (and from older runs)
-        set_rng_state(state["rng"])
+        set_rng_state(_own_rng(state))  # this process's, where the checkpoint has every process's
 
-    def record(self, score: float, **reported: float) -> None:
+    def record(self, score: float, **reported: float) -> bool:
         """Count a finished epoch whose selection score (higher is better) is ``score``; a new best keeps the
         metrics the task reports for it (``reported``) in :attr:`best`. Before the first recorded epoch (``best``
-        of epoch 0, as earlier versions saved it with a placeholder score of -1) any score is the best."""
+        of epoch 0, as earlier versions saved it with a placeholder score of -1) any score is the best. Returns
+        whether this epoch is the new best (the task then keeps its weights)."""
         if score > self.best["score"] or not self.best["epoch"]:
             self.best, self.bad_epochs = {"score": score, **reported, "epoch": self.epoch}, 0
-        else:
-            self.bad_epochs += 1
+            return True
+        self.bad_epochs += 1
+        return False

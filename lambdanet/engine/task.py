@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from lambdanet.layers.impl_tuning import set_impl_tuning
 from lambdanet.engine.checkpoint import load_checkpoint
 from lambdanet.engine.distributed import DistContext, all_reduce_sum, barrier, cleanup, data_parallel, init_distributed
 from lambdanet.engine.logger import RunLogger, truncate_history
@@ -97,8 +98,14 @@ def run(task_cls: type[Task], cfg, log: Callable[[str], None] = print) -> dict:
                 busy = err
         if all_reduce_sum([float(busy is not None)], ctx)[0]:  # every rank stops when rank 0 could not lock
             raise busy or RunDirBusyError(f"run directory {cfg.out} is in use by another process")
-        with StopSignals() as stop:
-            summary = _run(task_cls(cfg, ctx, log if ctx.is_main else (lambda _: None), stop))
+        # implementations by the static policy, not measured: every rank and a resumed run then compute the same
+        # function (a measured winner depends on the machine's load at the first call)
+        previous = set_impl_tuning("static")
+        try:
+            with StopSignals() as stop:
+                summary = _run(task_cls(cfg, ctx, log if ctx.is_main else (lambda _: None), stop))
+        finally:
+            set_impl_tuning(previous)
         finished = True
         return summary
     finally:

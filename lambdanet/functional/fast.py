@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from lambdanet.helpers import autocast_active, check_choice, compute_dtype, conv_nd, no_autocast
+from lambdanet.helpers import autocast_active, check_choice, compute_dtype, conv_nd, leave_autocast, no_autocast
 
 __all__ = [
     "POSITION_IMPLS",
@@ -301,7 +301,7 @@ class _QEPositionOutput(torch.autograd.Function):
         ctx.save_for_backward(q_n, e_n, values)
         ctx.b, ctx.h, ctx.chunk = b, h, chunk
         out = values.new_empty(b, h, n, v)
-        with no_autocast(q_n.device.type):
+        with leave_autocast(q_n.device.type):  # none entered where autocast is off: torch.export records it
             for i in range(0, n, chunk):
                 j = min(n, i + chunk)
                 out[:, :, i:j] = _qe_chunk_output(q_n[i:j], e_n[i:j], values, b, h)  # b h nc v

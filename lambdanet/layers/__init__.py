@@ -9,6 +9,7 @@ from lambdanet.layers.causal_attention import CausalSelfAttention
 from lambdanet.layers.causal_lambda import CausalLambdaLayer
 from lambdanet.layers.conv import ConvLayer, ConvSE
 from lambdanet.layers.eca import EfficientChannelAttention
+from lambdanet.layers.impl_tuning import clear_impl_cache, impl_tuning_mode, set_impl_cache_file, set_impl_tuning
 from lambdanet.layers.lambda_layer import ImplPolicy, LambdaLayer, LambdaPlan, impl_policy, set_impl_policy
 from lambdanet.layers.linear_attention import DoubleAttention, EfficientAttention
 from lambdanet.layers.local_attention import BlockedLocalAttention, HaloAttention, LocalSelfAttention
@@ -24,6 +25,10 @@ __all__ = [
     "ImplPolicy",
     "impl_policy",
     "set_impl_policy",
+    "set_impl_tuning",
+    "impl_tuning_mode",
+    "set_impl_cache_file",
+    "clear_impl_cache",
     "RelativePositionEmbedding",
     "AbsolutePositionEmbedding",
     "ConvLayer",

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import cast
 
@@ -24,118 +23,37 @@ from torch import Tensor, nn
 
 from lambdanet import functional as LF
 from lambdanet.helpers import (
-    autocast_active,
     avg_pool_nd,
     check_choice,
     check_input,
     check_positive_int,
     compute_dtype,
-    no_autocast,
+    leave_autocast,
     to_ntuple,
 )
 from lambdanet.layers.position_embedding import AbsolutePositionEmbedding, RelativePositionEmbedding
+from lambdanet.layers.impl_tuning import tuned_plan
+from lambdanet.layers.lambda_policy import (  # the policy is re-exported from its historical home
+    CUDA_IMPL_POLICY,
+    DEFAULT_IMPL_POLICY,
+    ImplPolicy,
+    impl_policy,
+    set_impl_policy,
+)
 
-__all__ = ["LambdaLayer", "LambdaPlan", "ImplPolicy", "DEFAULT_IMPL_POLICY", "impl_policy", "set_impl_policy"]
+__all__ = [
+    "LambdaLayer",
+    "LambdaPlan",
+    "ImplPolicy",
+    "DEFAULT_IMPL_POLICY",
+    "CUDA_IMPL_POLICY",
+    "impl_policy",
+    "set_impl_policy",
+]
 
 _IMPLS = ("auto",) + LF.POSITION_OUTPUT_IMPLS + ("triton",)
 _QV_NORMS = ("auto", "batch", "layer", None)
 _POS_EMBS = ("relative", "absolute")
-
-
-@dataclass(frozen=True)
-class ImplPolicy:
-    """The tuning constants of ``impl="auto"`` (:meth:`LambdaLayer.choose_impl`), in one place.
-
-    Args:
-        max_whole_positions: the most positions ``n`` for which the whole ``E[n, m]`` may be materialised
-            (App. E.1: "convolution implementation only for input length |n| > 852").
-        max_whole_elements: the most elements of a materialised ``E`` (``1 << 24``: 64 MiB of fp32 embeddings
-            per layer).
-        gemm_speedup: how much faster per multiply-add the whole-``E`` GEMMs run than the lambda convolution:
-            ``einsum_qe`` is taken while its multiply-adds stay below ``gemm_speedup`` times the convolution's.
-            2.5 is a CPU measurement (BENCHMARKS.md, section 1); with ``E`` built chunk by chunk the factor is 1.
-        einsum_positions_per_tap: the lambdas-first ``einsum`` serves maps of at most this many positions per
-            kernel tap (small maps that their scope covers), when ``E`` may be materialised.
-        dense_conv_taps: the scopes (``(fewest, most)`` kernel taps after cropping to the map) whose lambda
-            convolution runs as the batch-folded dense ``"conv"`` (``v`` in the batch, one input channel, ``k``
-            output channels) rather than the depthwise one; both do ``taps k v`` multiply-adds per position.
-            On the CPU of BENCHMARKS.md (section 1) the dense form trained 1.2-1.9x faster from 15x15 to 31x31
-            scopes and 1.1x at 47x47, the depthwise one was as fast at 13x13 and faster below, and the dense
-            backward collapsed at 111x111 (12x slower).
-        dense_conv_speedup: the cost model divides the dense convolution's multiply-adds by this inside
-            ``dense_conv_taps`` (its speed-up over the depthwise one and the row-chunked ``einsum_qe``: 1.5 on
-            that CPU, training).
-        qe_chunk_fraction: ``einsum_qe`` forms ``q . E`` in query chunks of at most this fraction of the
-            position lambdas' ``b n k v`` elements (0.25 keeps its transient memory at half of ``lambda^p``);
-            larger chunks mean fewer, larger GEMMs (kernel launches dominate small maps on a GPU).
-
-    The defaults are the CPU's; :data:`CUDA_IMPL_POLICY` is the one measured on an H100 (registered for
-    ``"cuda"``). Other device types use the defaults until :func:`set_impl_policy` registers a policy for them.
-    """
-
-    max_whole_positions: int = 852
-    max_whole_elements: int = 1 << 24
-    gemm_speedup: float = 2.5
-    einsum_positions_per_tap: float = 2.0
-    dense_conv_taps: tuple[int, int] = (196, 2304)
-    dense_conv_speedup: float = 1.5
-    qe_chunk_fraction: float = 0.25
-
-    def __post_init__(self):
-        check_positive_int(self.max_whole_positions, "max_whole_positions")
-        check_positive_int(self.max_whole_elements, "max_whole_elements")
-        for name, positive in (
-            ("gemm_speedup", False),
-            ("einsum_positions_per_tap", False),
-            ("dense_conv_speedup", True),
-            ("qe_chunk_fraction", True),
-        ):  # the cost model divides by dense_conv_speedup
-            value = getattr(self, name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not (value > 0 if positive else value >= 0)
-            ):
-                raise ValueError(f"{name} must be a {'positive' if positive else 'non-negative'} number, got {value!r}")
-        taps = self.dense_conv_taps
-        if (
-            not isinstance(taps, (tuple, list))
-            or len(taps) != 2
-            or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in taps)
-            or taps[0] > taps[1]
-        ):
-            raise ValueError(
-                f"dense_conv_taps must be (fewest, most) non-negative int taps with fewest <= most, got {taps!r}"
-            )
-
-
-DEFAULT_IMPL_POLICY = ImplPolicy()
-# fitted to `lambdanet bench impls --device cuda` on an H100 (BENCHMARKS.md, section 8): the dense lambda
-# convolution wins only at small scopes (7x7: 1.1-1.4x ahead of einsum_qe at 28x28, 2.4-20x behind at 23x23 and
-# global), einsum_qe everywhere else (within 1.05x of the fastest at batch 256; at batch 64 on 14x14 maps, where
-# launches dominate, einsum is 1.4x ahead); the depthwise convolution never wins
-CUDA_IMPL_POLICY = ImplPolicy(dense_conv_taps=(1, 100), qe_chunk_fraction=1.0)
-_IMPL_POLICIES: dict[str, ImplPolicy] = {"cuda": CUDA_IMPL_POLICY}  # device type -> policy measured there
-
-
-def impl_policy(device_type: str) -> ImplPolicy:
-    """The :class:`ImplPolicy` that ``impl="auto"`` follows on ``device_type`` (``"cpu"``, ``"cuda"``, ...)."""
-    return _IMPL_POLICIES.get(device_type, DEFAULT_IMPL_POLICY)
-
-
-def set_impl_policy(device_type: str, policy: ImplPolicy | None) -> ImplPolicy | None:
-    """Register the policy measured on ``device_type`` (``None``: back to :data:`DEFAULT_IMPL_POLICY`).
-
-    Returns the policy registered before (``None`` if there was none), so a caller can restore it.
-    """
-    if not isinstance(device_type, str) or not device_type:
-        raise ValueError(f"device_type must be a device type string such as 'cpu' or 'cuda', got {device_type!r}")
-    if policy is not None and not isinstance(policy, ImplPolicy):
-        raise ValueError(f"policy must be an ImplPolicy or None, got {type(policy).__name__}")
-    previous = _IMPL_POLICIES.pop(device_type, None)
-    if policy is not None:
-        _IMPL_POLICIES[device_type] = policy
-    return previous
 
 
 # position steps of a plan: queries-first steps give y^p [b n h v], lambdas-first steps give lambda^p [b n g v k]
@@ -217,8 +135,9 @@ class LambdaLayer(nn.Module):
             ``u = 1``, non-causal), ``"triton"`` (the same contraction in fused Triton kernels, forward and
             backward, with ``E`` read from the relative table inside the kernel: multi-query, relative
             embeddings, 1-d or 2-d, any ``u``; CUDA, or CPU under ``TRITON_INTERPRET=1``; fp32 accumulation)
-            or ``"auto"`` (see :meth:`choose_impl`; it does not pick ``"triton"`` until the kernels have been
-            measured on a GPU).
+            or ``"auto"``: the fastest of the others, timed on the first call of each input size
+            (:mod:`~lambdanet.layers.impl_tuning`), or the static cost model of :meth:`choose_impl` where nothing
+            is timed; it does not pick ``"triton"`` until the kernels have been measured on a GPU.
 
     Complexity (Table 2, ``d = dim_out``): global ``Theta(b n m k d / h)`` time and ``Theta(k n m + b n k d / h)``
     space; lambda convolution ``Theta(b n r k d / h)`` time and ``Theta(k r + b n k d / h)`` space, linear in
@@ -452,17 +371,24 @@ class LambdaLayer(nn.Module):
 
     def plan(self, spatial: Sequence[int], device_type: str | None = None) -> LambdaPlan:
         """The :class:`LambdaPlan` for an input of this spatial size on ``device_type`` (default: the device
-        of the layer's weights), under that device's :func:`impl_policy`. ``forward`` calls it once."""
+        of the layer's weights), under that device's :func:`impl_policy` (``impl="auto"``: the static cost
+        model; ``forward`` may then run its measured winner, :mod:`~lambdanet.layers.impl_tuning`). ``forward``
+        calls it once."""
         spatial = tuple(spatial)
         if self.embedding is None:
             return LambdaPlan("none", None)
+        if self.impl == "triton":
+            return LambdaPlan("triton", "triton")
         policy = impl_policy(device_type if device_type is not None else self.qkv.weight.device.type)
+        return self.plan_for(self.impl, spatial, policy)
+
+    def plan_for(self, impl: str, spatial: tuple[int, ...], policy: ImplPolicy) -> LambdaPlan:
+        """The plan of implementation ``impl`` (``"auto"``: the cost model's pick) for ``spatial`` under
+        ``policy``, on a layer with position lambdas (the candidates that ``impl="auto"`` measures)."""
         n = math.prod(spatial)
         whole = self._whole_embeddings_fit(n, policy)  # E[n, m] may be materialised
         qe_ok = self.dim_u == 1 and self.groups == 1 and not self.causal  # queries-first: multi-query, u = 1
-        if self.impl == "triton":
-            return LambdaPlan("triton", "triton")
-        impl = self.impl if self.impl != "auto" else self._auto_impl(spatial, n, whole, qe_ok, policy)
+        impl = impl if impl != "auto" else self._auto_impl(spatial, n, whole, qe_ok, policy)
         if impl == "einsum_qe" and not qe_ok:
             impl = "einsum"
         if isinstance(self.embedding, AbsolutePositionEmbedding):  # absolute: lambdas-first impls are the einsum
@@ -497,7 +423,9 @@ class LambdaLayer(nn.Module):
         return n <= policy.max_whole_positions and elements <= policy.max_whole_elements
 
     def choose_impl(self, spatial: Sequence[int], device_type: str | None = None) -> str:
-        """The position implementation used for an input of this spatial size (``plan(spatial).impl``).
+        """The position implementation the static policy plans for an input of this spatial size
+        (``plan(spatial).impl``); an ``impl="auto"`` forward call may run the winner measured for its input
+        instead (:func:`~lambdanet.layers.impl_tuning.auto_choice` says which).
 
         ``"auto"`` follows the device's :class:`ImplPolicy`: the queries-first ``einsum_qe`` when its
         ``n h (k + v)`` multiply-adds per context position stay below ``gemm_speedup`` times the lambda
@@ -522,14 +450,16 @@ class LambdaLayer(nn.Module):
         channels_first = x.is_contiguous()
         q, keys, vals = self._project(x, channels_first)  # b n (h k), b n (g k u), b n (g v u)
         out_dtype = q.dtype
-        # autocast switched off only where it is on: an autocast region nests the ops of a torch.export graph
-        ctx = no_autocast(x.device.type) if autocast_active(x.device.type) else nullcontext()
         cdtype = compute_dtype(out_dtype)
-        with ctx:  # lambdas in fp32 (at least): key softmax and lambda accumulation never in half precision
+        # lambdas in fp32 (at least): key softmax and lambda accumulation never in half precision, also under
+        # autocast, which is switched off only where it is on (an export records any autocast context entered)
+        with leave_autocast(x.device.type):
             q = q.to(cdtype).view(b, math.prod(spatial), self.heads, self.dim_k)  # b n h k (explicit n: b may be 0)
             if self.query_softmax:
                 q = q.softmax(dim=-1)
             vals = vals.to(cdtype)  # b n (g v u)
+            if self.impl == "auto":  # the winner measured for this call's key (impl_tuning), else the static plan
+                plan = tuned_plan(self, plan, q, vals, spatial)
             y_c, lam_c = self._content(q, keys.to(cdtype), vals)  # b n h v | b n g v k (causal)
             y_p, lam_p = self._position(plan, q, vals, spatial)  # b n h v (queries-first) | b n g v k
             lam = _add(lam_p, lam_c)  # b n g v k: every per-query lambda, applied in one GEMM

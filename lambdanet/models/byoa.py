@@ -30,7 +30,7 @@ checkpoints (``create_model(name, pretrained=True)``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -332,11 +332,11 @@ def self_attention_layer(kind: str, kwargs: Mapping, dim: int, stride: int, feat
     return layer
 
 
-def _stem(spec: ByoaSpec, in_chans: int, act: type[nn.Module]) -> tuple[nn.Module, int, int]:
-    """(stem, channels, reduction)."""
+def _stem(spec: ByoaSpec, in_chans: int, act: type[nn.Module]) -> tuple[nn.Module, int, int, dict]:
+    """(stem, channels, reduction, its map at stride 2 as timm's feature_info lists it)."""
     c = spec.stem_chs
     if spec.stem == "3x3":
-        return ConvNormAct(in_chans, c, 3, stride=2, act=act), c, 2
+        return ConvNormAct(in_chans, c, 3, stride=2, act=act), c, 2, {"module": "stem", "num_chs": c}
     chs, strides = (3 * c // 8, c // 2, c), (2, 1, 1 if spec.stem_pool else 2)
     stem, prev = nn.Sequential(), in_chans
     for i, (ch, s) in enumerate(zip(chs, strides)):
@@ -344,7 +344,8 @@ def _stem(spec: ByoaSpec, in_chans: int, act: type[nn.Module]) -> tuple[nn.Modul
         prev = ch
     if spec.stem_pool:
         stem.add_module("pool", nn.MaxPool2d(3, 2, 1))
-    return stem, c, 4
+    tap = "conv3" if spec.stem_pool else "conv2"  # the last map before the second stride 2
+    return stem, c, 4, {"module": f"stem.{tap}", "num_chs": c if spec.stem_pool else c // 2}
 
 
 class ByoaNet(Backbone):
@@ -357,9 +358,12 @@ class ByoaNet(Backbone):
             (default: the checkpoint's); smaller inputs also run.
         drop_rate: dropout before the classifier.
         drop_path_rate: stochastic depth, increasing linearly over the blocks.
-        features_only: no head; ``forward`` returns the four stages' feature maps.
+        features_only: no head; ``forward`` returns the feature maps ``out_indices`` (timm's numbering and maps: 0
+            the stem's at stride 2, 1..4 the stages', the last one through ``final_conv``); default 1..4.
         zero_init_last: zero the last BN gamma of every residual block.
     """
+
+    final_conv_in_features = True  # timm's last feature map of these networks: through final_conv
 
     def __init__(
         self,
@@ -371,6 +375,7 @@ class ByoaNet(Backbone):
         drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
         features_only: bool = False,
+        out_indices: int | Sequence[int] | None = None,
         zero_init_last: bool = True,
     ):
         super().__init__()
@@ -381,9 +386,11 @@ class ByoaNet(Backbone):
             raise ValueError(f"img_size must be a positive int, got {img_size!r}")
         self.spec, self.img_size = spec, (img, img)
         act = cast("type[nn.Module]", get_act(spec.act, "act"))  # a name: never None
-        self.stem, ch, reduction = _stem(spec, in_chans, act)
+        self.stem, ch, reduction, stem_map = _stem(spec, in_chans, act)
+        self.stem_split = 0 if spec.stem == "3x3" else int(stem_map["module"][-1])
+        info = [{**stem_map, "stage": "stem", "reduction": 2}]
         feat, total = (img // reduction, img // reduction), sum(len(s.blocks) for s in spec.stages)
-        k, stages, self.feature_info = 0, [], []
+        k, stages = 0, []
         for i, stage in enumerate(spec.stages):
             blocks = []
             for j, letter in enumerate(stage.blocks):
@@ -418,13 +425,12 @@ class ByoaNet(Backbone):
                 if stride > 1:
                     feat, reduction = (feat[0] // stride, feat[1] // stride), reduction * stride
             stages.append(nn.Sequential(*blocks))
-            self.feature_info.append(
-                {"module": f"stages.{i}", "stage": f"c{i + 2}", "num_chs": ch, "reduction": reduction}
-            )
+            info.append({"module": f"stages.{i}", "stage": f"c{i + 2}", "num_chs": ch, "reduction": reduction})
         self.stages = nn.Sequential(*stages)
         self.final_conv = ConvNormAct(ch, spec.num_features, 1, act=act) if spec.num_features else nn.Identity()
         ch = spec.num_features or ch
-        self._init_head(ch, num_classes, drop_rate, features_only)
+        info[-1].update(module="final_conv", num_chs=ch)  # timm's last map: through final_conv
+        self._init_head(ch, num_classes, drop_rate, features_only, info=info, out_indices=out_indices)
         self._init_weights(zero_init_last)
 
     @staticmethod
@@ -448,6 +454,7 @@ BYOA_ARGS: dict[str, object] = {
     "drop_rate": 0.0,
     "drop_path_rate": 0.0,
     "features_only": False,
+    "out_indices": None,
     "zero_init_last": True,
 }
 

@@ -58,7 +58,15 @@ HEADS = (4, 8, 8, 8)  # per stage c2..c5 (Table A2 caption)
 # the ResNet keyword arguments a HaloNet takes (its blocks, stem and widths are the table's)
 HALONET_ARGS = {
     k: RESNET_ARGS[k]
-    for k in ("img_size", "drop_rate", "drop_path_rate", "features_only", "layer_kwargs", "zero_init_last")
+    for k in (
+        "img_size",
+        "drop_rate",
+        "drop_path_rate",
+        "features_only",
+        "out_indices",
+        "layer_kwargs",
+        "zero_init_last",
+    )
 }
 # HaloNet Sec. 4.1 and App. C.3 (the RandAugment magnitude and image size are per model)
 RECIPE = {

@@ -4,15 +4,29 @@ A repository written by :func:`lambdanet.hub.push_to_hub` holds ``model.safetens
 ``lambdanet train`` writes: architecture, its arguments, classes, preprocessing), ``config.json`` (the same as JSON,
 with a timm-style ``pretrained_cfg``) and a model card. Files come through ``huggingface_hub``'s own cache: the
 first call downloads, later ones read the cache, also offline (``HF_HUB_OFFLINE=1`` or no network).
+
+Offline, every download fails at once (:func:`hub_download`): huggingface_hub alone would retry a connection that
+cannot succeed for about 25 s before saying so.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 from pathlib import Path
+from urllib.parse import urlparse
 
-from lambdanet.files import run_metadata
+from lambdanet.files import error_reason, run_metadata
 
-__all__ = ["HF_PREFIX", "WEIGHTS_FILE", "CONFIG_FILE", "hub_repo", "download_hub_weights"]
+__all__ = [
+    "HF_PREFIX",
+    "WEIGHTS_FILE",
+    "CONFIG_FILE",
+    "hub_repo",
+    "hub_unreachable",
+    "hub_download",
+    "download_hub_weights",
+]
 
 HF_PREFIX = "hf-hub:"
 WEIGHTS_FILE, CONFIG_FILE = "model.safetensors", "config.json"
@@ -28,19 +42,57 @@ def hub_repo(name) -> str | None:
     return repo
 
 
+_TRUE = ("1", "ON", "YES", "TRUE")
+_PROXIES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+
+
+def hub_unreachable(timeout: float = 3.0) -> str | None:
+    """Why the Hugging Face hub cannot be reached now, or ``None`` when it may be: ``HF_HUB_OFFLINE`` set, or no
+    TCP connection to its host (``HF_ENDPOINT``'s) within ``timeout`` seconds, tried once. Behind a proxy
+    (``HTTPS_PROXY``, ``ALL_PROXY``) the host is not tried: huggingface_hub goes through the proxy."""
+    from huggingface_hub import constants
+
+    # is_offline_mode() is huggingface_hub >= 1.2; older releases keep the flag as HF_HUB_OFFLINE
+    offline = getattr(constants, "is_offline_mode", lambda: bool(getattr(constants, "HF_HUB_OFFLINE", False)))()
+    if offline or os.environ.get("HF_HUB_OFFLINE", "").upper() in _TRUE:
+        return "HF_HUB_OFFLINE is set"
+    if any(os.environ.get(k) for k in _PROXIES):
+        return None
+    url = urlparse(constants.ENDPOINT)
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as err:
+        return f"{host} cannot be reached: {error_reason(err, 120)}"
+    return None
+
+
+def hub_download(repo_id: str, filename: str, revision: str | None = None) -> str:
+    """``huggingface_hub.hf_hub_download`` (its cache, refreshed when online) that fails at once offline
+    (:func:`hub_unreachable`): then the cached copy, or an ``OSError`` saying the hub is offline and the file
+    is not in the cache."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.utils import LocalEntryNotFoundError  # (huggingface_hub.errors only from 0.23)
+
+    why = hub_unreachable()
+    if why is None:
+        return hf_hub_download(repo_id=repo_id, filename=filename, revision=revision)
+    try:
+        return hf_hub_download(repo_id=repo_id, filename=filename, revision=revision, local_files_only=True)
+    except LocalEntryNotFoundError:
+        raise OSError(f"offline ({why}) and not in huggingface_hub's cache") from None
+
+
 def download_hub_weights(repo: str) -> tuple[Path, dict]:
     """``repo``'s :data:`WEIGHTS_FILE` (downloaded once into huggingface_hub's cache) and its lambdanet header;
     a one-line ``ValueError`` when it cannot be had or is not lambdanet's."""
-    from huggingface_hub import hf_hub_download
-
     repo_id, _, revision = repo.partition("@")
     try:
-        path = Path(hf_hub_download(repo_id=repo_id, filename=WEIGHTS_FILE, revision=revision or None))
+        path = Path(hub_download(repo_id, WEIGHTS_FILE, revision or None))
     except Exception as err:  # offline and not cached, no such repository or file, hub errors
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(
             f"hf-hub:{repo}: {WEIGHTS_FILE} could not be had from the Hugging Face hub or its cache "
-            f"({type(err).__name__}: {reason})"
+            f"({type(err).__name__}: {error_reason(err)})"
         ) from None
     meta = run_metadata(path)
     if not meta or "model" not in meta:

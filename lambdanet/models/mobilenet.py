@@ -78,7 +78,9 @@ class LambdaBlock(nn.Module):
 
 
 class MobileNetV2(Backbone):
-    """MobileNet-v2 with optional lambda blocks at ``lambda_blocks`` (1-indexed inverted bottlenecks)."""
+    """MobileNet-v2 with optional lambda blocks at ``lambda_blocks`` (1-indexed inverted bottlenecks). Its feature
+    maps, as timm's ``mobilenetv2_100`` has them: 0 the first inverted bottleneck's (stride 2), 1..4 the last
+    block of each stride (c2..c5); ``features_only`` returns ``out_indices`` of them (default 1..4)."""
 
     def __init__(
         self,
@@ -88,6 +90,7 @@ class MobileNetV2(Backbone):
         lambda_blocks: Sequence[int] = (),
         drop_rate: float = 0.2,
         features_only: bool = False,
+        out_indices: int | Sequence[int] | None = None,
         img_size: int = 224,
     ):
         super().__init__()
@@ -96,7 +99,7 @@ class MobileNetV2(Backbone):
             raise ValueError(f"lambda_blocks must be 1-indexed inverted bottlenecks in 1..{total}, got {lambda_blocks}")
         self.img_size = (img_size, img_size)
         blocks: list[nn.Module] = [nn.Sequential(*conv_norm_act(in_chans, 32, 3, stride=2, act="relu6"))]  # stem
-        self.feature_info, self._taps = [], []
+        info, self._taps = [{"module": "features.1", "stage": "stem", "num_chs": 16, "reduction": 2}], [1]
         stage_of_row = {row: stage for stage, row in FEATURE_ROWS.items()}
         cin, idx, reduction = 32, 0, 2
         for row, (t, c, n, s) in enumerate(INVERTED_RESIDUAL_SETTING):
@@ -107,7 +110,7 @@ class MobileNetV2(Backbone):
                 cin, reduction = c, reduction * stride
             if row in stage_of_row:
                 self._taps.append(len(blocks) - 1)
-                self.feature_info.append(
+                info.append(
                     {
                         "module": f"features.{len(blocks) - 1}",
                         "stage": stage_of_row[row],
@@ -117,7 +120,7 @@ class MobileNetV2(Backbone):
                 )
         self.features = nn.Sequential(*blocks)
         self.final_conv = nn.Sequential(*conv_norm_act(cin, 1280, act="relu6"))
-        self._init_head(1280, num_classes, drop_rate, features_only)
+        self._init_head(1280, num_classes, drop_rate, features_only, info=info, out_indices=out_indices)
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out")
@@ -128,16 +131,37 @@ class MobileNetV2(Backbone):
             nn.init.normal_(self.fc.weight, 0, 0.01)
             nn.init.zeros_(self.fc.bias)
 
-    def forward_stages(self, x: Tensor) -> list[Tensor]:
-        feats = []
-        for i, block in enumerate(self.features):
-            x = block(x)
-            if i in self._taps:
-                feats.append(x)
-        return feats
+    def _trunk(self) -> tuple[list[list[nn.Module]], list[nn.Module]]:
+        blocks, segments, start = list(self.features), [], 0
+        for tap in self._taps:
+            if tap >= len(blocks):  # pruned
+                break
+            segments.append(blocks[start : tap + 1])
+            start = tap + 1
+        return segments, blocks[start:] + [self.final_conv]
+
+    def _blocks(self) -> list[nn.Module]:
+        return list(self.features)[1:]
 
     def forward_features(self, x: Tensor) -> Tensor:
-        return self.final_conv(self.features(x))
+        return self._run([self.features, self.final_conv], x, self._checkpointed())
+
+    def _prune_trunk(self, last: int) -> None:
+        self.features = self.features[: self._taps[last] + 1]
+        if last < len(self._taps) - 1:
+            self.final_conv = nn.Identity()
+
+    def group_matcher(self, coarse: bool = False) -> dict:
+        """timm's format, and timm's groups of MobileNet-v2: the stem convolution, one group per inverted bottleneck
+        (``coarse``: per row of :data:`INVERTED_RESIDUAL_SETTING`), ``final_conv`` joined to the last; the
+        classifier last."""
+        if not coarse:
+            return {"stem": r"^features\.0\.", "blocks": [(r"^features\.(\d+)", None), (r"^final_conv", (99999,))]}
+        first, rows = 1, []
+        for row, (_, _, n, _) in enumerate(INVERTED_RESIDUAL_SETTING):
+            rows.append((rf"^features\.(?:{'|'.join(str(i) for i in range(first, first + n))})\.", (row,)))
+            first += n
+        return {"stem": r"^features\.0\.", "blocks": [*rows, (r"^final_conv", (99999,))]}
 
 
 class MobileNetVariant(NamedTuple):
@@ -153,7 +177,7 @@ model_cfgs: dict[str, MobileNetVariant] = {
     "mobilenet_v2_lambda": MobileNetVariant((10, 16), "LambdaNetworks App. D.3.2, Table 17 (3.21M)"),
 }
 # the keyword arguments of the MobileNet entry points (mobilenet_v2_lambda also takes lambda_blocks)
-MOBILENET_ARGS = {"drop_rate": 0.2, "features_only": False, "img_size": 224}
+MOBILENET_ARGS = {"drop_rate": 0.2, "features_only": False, "out_indices": None, "img_size": 224}
 # LambdaNetworks App. E.2, MobileNet training setup (the hyperparameters of Howard et al. 2019)
 RECIPE = {
     "epochs": 350,

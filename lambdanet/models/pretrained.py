@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import Tensor, nn
 
-from lambdanet.files import WeightsMismatchError, read_state_dict, run_file, run_metadata
+from lambdanet.files import WeightsMismatchError, error_reason, read_state_dict, run_file, run_metadata
 from lambdanet.layers import HaloAttention, LambdaLayer, RelativeSelfAttention
+from lambdanet.models.hub import hub_download
 from lambdanet.models.registry import published_models, run_image_cfg
 
 if TYPE_CHECKING:
@@ -259,10 +260,9 @@ def _shape_hint(model: nn.Module, path, key: str) -> str:
 
 
 def download_weights(repo_id: str) -> str:
-    """Download ``repo_id``'s :data:`HUB_FILENAME` with ``huggingface_hub`` (its own cache); the local path."""
-    from huggingface_hub import hf_hub_download
-
-    return hf_hub_download(repo_id=repo_id, filename=HUB_FILENAME)
+    """Download ``repo_id``'s :data:`HUB_FILENAME` with ``huggingface_hub`` (its own cache); the local path.
+    Offline it fails at once unless the file is cached (:func:`lambdanet.models.hub.hub_download`)."""
+    return hub_download(repo_id, HUB_FILENAME)
 
 
 def load_pretrained(model: nn.Module, name: str) -> list[str]:
@@ -275,7 +275,7 @@ def load_pretrained(model: nn.Module, name: str) -> list[str]:
         try:
             path = download_weights(repo)
         except Exception as err:  # offline, hub errors, missing huggingface_hub
-            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            reason = error_reason(err)
             raise PretrainedUnavailableError(
                 f"pretrained weights of {name} could not be downloaded from the Hugging Face hub "
                 f"({repo}: {reason}); download {HUB_FILENAME} from https://huggingface.co/{repo} and pass "

@@ -8,6 +8,7 @@ paper's training recipe) and the architecture keyword arguments it accepts, decl
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import inspect
 from collections.abc import Callable, Mapping
@@ -180,7 +181,7 @@ def list_models(pattern: str | None = None, *, task: str | None = None) -> list[
 
 
 def model_info(name: str) -> ModelInfo:
-    """Metadata of ``name`` (``ValueError`` listing the registered names if unknown)."""
+    """Metadata of ``name`` (``ValueError`` naming the closest registered names if unknown)."""
     _check_name(name)
     return _INFO[name]
 
@@ -194,8 +195,15 @@ def model_args(name: str) -> dict[str, object]:
 
 
 def _check_name(name: str) -> None:
+    """A one-line ``ValueError`` for a name that is not registered: the registered names closest to it (not all
+    of them: there are dozens) and where the full list is."""
     if name not in _MODELS:
-        raise ValueError(f"unknown model {name!r}; registered models: {', '.join(list_models())}")
+        names = {n.lower(): n for n in list_models()}
+        close = [names[n] for n in difflib.get_close_matches(str(name).lower(), names, n=3, cutoff=0.6)]
+        guess = f"did you mean {', '.join(close)}?" if close else "no registered name is close to it;"
+        raise ValueError(
+            f"unknown model {name!r}; {guess} lambdanet.list_models() or 'lambdanet models' lists all {len(_MODELS)}"
+        )
 
 
 def entry_point(name: str, kwargs: Mapping[str, object] | None = None) -> Callable[..., nn.Module]:

@@ -111,7 +111,8 @@ class ResNetArgs:
         stem: ``"resnet"``, ``"rs"`` or ``"cifar"`` (:class:`ResNetConfig`).
         base_width: bottleneck width ``w`` of c2; c3..c5 double it stage by stage (default 64).
         nonlocal_blocks: ``{stage: (block, ...)}``: residual double-attention modules (:class:`ResNetConfig`).
-        img_size, drop_rate, drop_path_rate, features_only, zero_init_last, share_embeddings: as in :class:`ResNet`.
+        img_size, drop_rate, drop_path_rate, features_only, out_indices, zero_init_last, share_embeddings: as in
+            :class:`ResNet`.
     """
 
     stage_layers: str | None = None
@@ -125,6 +126,7 @@ class ResNetArgs:
     drop_rate: float = 0.0
     drop_path_rate: float = 0.0
     features_only: bool = False
+    out_indices: int | Sequence[int] | None = None
     zero_init_last: bool = True
     share_embeddings: bool = False
 
@@ -140,6 +142,10 @@ def stage_pattern(layers: Sequence[int], stage_layers: str) -> tuple[str, str, s
             f"c2..c5, e.g. 'CCLL'; got {stage_layers!r}"
         )
     return cast("tuple[str, str, str, str]", tuple(letter * n for letter, n in zip(stage_layers.upper(), layers)))
+
+
+# per stem: how many of its modules end at its feature map (timm's index 0) and that map's reduction
+_STEM_MAP = {"resnet": (3, 2), "rs": (9, 2), "cifar": (3, 1)}
 
 
 def _stem(kind: str, in_chans: int, act: type[nn.Module]) -> tuple[nn.Sequential, int, int]:
@@ -238,7 +244,10 @@ class ResNet(Backbone):
         drop_rate: dropout before the classifier.
         drop_path_rate: stochastic depth, linearly increasing from 0 to this rate over the blocks.
         layer_kwargs: keyword arguments for every ``L`` spatial layer (override ``cfg.stage_kwargs``).
-        features_only: build no head; ``forward`` returns the c2..c5 feature maps.
+        features_only: build no head; ``forward`` returns the feature maps ``out_indices``.
+        out_indices: with ``features_only``, the maps ``forward`` returns in timm's numbering
+            (:mod:`lambdanet.models.features`: 0 the stem's last map before its stride-2 pool or convolution,
+            1..4 the stages c2..c5; an int ``n``: the last ``n``); default c2..c5.
         zero_init_last: zero the last BN gamma of every block (App. A).
         share_embeddings: lambda layers with the same scope share one position embedding (Table 4 "shared
             embeddings", App. A): one per (scope, depth) for local scopes, one per input size for global contexts.
@@ -255,6 +264,7 @@ class ResNet(Backbone):
         drop_path_rate: float = 0.0,
         layer_kwargs: Mapping | None = None,
         features_only: bool = False,
+        out_indices: int | Sequence[int] | None = None,
         zero_init_last: bool = True,
         share_embeddings: bool = False,
     ):
@@ -263,10 +273,12 @@ class ResNet(Backbone):
         self.cfg, self.img_size = cfg, img
         act = cast("type[nn.Module]", get_act(cfg.act))  # a name (validated): never None
         self.stem, ch, reduction = _stem(cfg.stem, in_chans, act)
+        self.stem_split, stem_reduction = _STEM_MAP[cfg.stem]
+        info = [{"module": f"stem.{self.stem_split - 1}", "stage": "stem", "num_chs": ch, "reduction": stem_reduction}]
         size, total = tuple(math.ceil(s / reduction) for s in img), sum(cfg.layers)
         dpr = [drop_path_rate * i / max(1, total - 1) for i in range(total)]
         shared: dict[tuple, RelativePositionEmbedding] = {}
-        stages, self.feature_info, k = [], [], 0
+        stages, k = [], 0
         for i, (n, w, letters) in enumerate(zip(cfg.layers, cfg.widths, cfg.block_pattern())):
             out_ch, spatial_ch = int(w * cfg.expansion), int(w * cfg.spatial_mult)
             blocks: list[nn.Module] = []
@@ -304,9 +316,7 @@ class ResNet(Backbone):
                 if stride == 2:
                     size, reduction = tuple(math.ceil(s / 2) for s in size), reduction * 2
             stages.append(nn.Sequential(*blocks))
-            self.feature_info.append(
-                {"module": f"stages.{i}", "stage": STAGE_NAMES[i], "num_chs": ch, "reduction": reduction}
-            )
+            info.append({"module": f"stages.{i}", "stage": STAGE_NAMES[i], "num_chs": ch, "reduction": reduction})
         self.stages = nn.Sequential(*stages)
         self.final_conv: nn.Module = nn.Identity()
         if cfg.final_conv:
@@ -314,7 +324,7 @@ class ResNet(Backbone):
                 nn.Conv2d(ch, cfg.final_conv, 1, bias=False), nn.BatchNorm2d(cfg.final_conv), act(inplace=True)
             )
             ch = cfg.final_conv
-        self._init_head(ch, num_classes, drop_rate, features_only)
+        self._init_head(ch, num_classes, drop_rate, features_only, info=info, out_indices=out_indices)
         self._init_weights(zero_init_last)
 
     def _init_weights(self, zero_init_last: bool) -> None:
@@ -398,6 +408,7 @@ def build_resnet(
         drop_path_rate=args.drop_path_rate,
         layer_kwargs=args.layer_kwargs,
         features_only=args.features_only,
+        out_indices=args.out_indices,
         zero_init_last=args.zero_init_last,
         share_embeddings=args.share_embeddings,
     )

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -93,6 +94,14 @@ class TrainConfig(RunConfig):
     lr_decay_rate: float = option(0.97, "step schedule: multiply the learning rate by this ...")
     lr_decay_epochs: float = option(2.4, "... every this many epochs")
     label_smoothing: float = option(0.1, "label smoothing of the cross-entropy")
+    mixup: float = option(
+        0.0, "Mixup: each batch blended with itself reversed, weight ~ Beta(alpha, alpha); this is alpha (0: off)"
+    )
+    cutmix: float = option(
+        0.0,
+        "CutMix: a box of each image pasted from the reversed batch, area ~ Beta(alpha, alpha); this is alpha "
+        "(0: off; with --mixup, each batch takes one of the two at random)",
+    )
     ema_decay: float | None = option(None, "exponential moving average of the weights (e.g. 0.9999); null: none")
     bn_momentum: float | None = option(None, "BatchNorm running-statistics momentum (TF decay 0.9999 = 1e-4)")
     augment: bool = option(True, "random crops and flips during training")
@@ -160,6 +169,12 @@ class TrainConfig(RunConfig):
             raise ValueError(f"lr must be positive, got {self.lr}")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
+        for name in ("mixup", "cutmix"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < math.inf:
+                raise ValueError(
+                    f"{name} must be a non-negative number (the alpha of Beta(alpha, alpha); 0: off), got {value!r}"
+                )
         if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
             raise ValueError(f"ema_decay must be in (0, 1) or null, got {self.ema_decay}")
         if self.early_stop_patience is not None and self.val_split == 0.0:

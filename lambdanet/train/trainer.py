@@ -22,11 +22,12 @@ from lambdanet.engine.loop import TrainingDivergedError, to_device
 from lambdanet.engine.optim import build_ema, build_optimizer, build_scheduler, set_bn_momentum
 from lambdanet.engine.state import RunState
 from lambdanet.engine.task import Task, run
-from lambdanet.files import run_file, weights_metadata
+from lambdanet.files import WeightsMismatchError, read_safetensors, run_file, weights_metadata
 from lambdanet.models import create_model
 from lambdanet.train.config import TrainConfig, model_build_kwargs
 from lambdanet.train.load import restore_model
 from lambdanet.train.metrics import CLASSIFICATION_PANELS, evaluate
+from lambdanet.train.mix import BatchMix, soft_target_cross_entropy
 
 if TYPE_CHECKING:
     from torch.utils.data import Dataset
@@ -39,7 +40,11 @@ __all__ = [
     "build_model_for",
     "hardware_string",
     "load_pseudo_labels",
+    "BEST_WEIGHTS",
 ]
+
+# the weights of the best epoch (summary.json's best_epoch), raw and EMA, beside model(_ema).safetensors
+BEST_WEIGHTS = ("model_best.safetensors", "model_best_ema.safetensors")
 
 
 def hardware_string(device: torch.device) -> str:
@@ -133,9 +138,10 @@ def _prepare_data(cfg: TrainConfig, ctx: DistContext) -> RunData:
 
 
 class ClassificationTask(Task):
-    """Image classification (:class:`TrainConfig`): cross-entropy with label smoothing, the recipe's optimiser
-    and per-step schedule, EMA, top-1 / top-5 on the test (and validation) split after every epoch, the best
-    epoch by validation top-1 (else test top-1, EMA when kept) and early stopping on it."""
+    """Image classification (:class:`TrainConfig`): cross-entropy with label smoothing (soft targets under
+    Mixup / CutMix: :mod:`lambdanet.train.mix`), the recipe's optimiser and per-step schedule, EMA, top-1 / top-5
+    on the test (and validation) split after every epoch, the best epoch by validation top-1 (else test top-1, EMA
+    when kept), its weights (:data:`BEST_WEIGHTS`) and early stopping on it."""
 
     def build_state(self) -> RunState:
         """The data, and the model (checked on two test images), optimiser, schedule, EMA and loss scaler."""
@@ -157,6 +163,18 @@ class ClassificationTask(Task):
             len(data.train) if cfg.max_train_batches is None else min(len(data.train), cfg.max_train_batches)
         )
         self.loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+        self.mix = (
+            BatchMix(
+                cfg.mixup,
+                cfg.cutmix,
+                num_classes=data.spec.num_classes,
+                smoothing=cfg.label_smoothing,
+                seed=cfg.seed,
+                rank=ctx.rank,
+            )
+            if cfg.mixup or cfg.cutmix
+            else None
+        )
         return RunState(
             model,
             optimizer,
@@ -169,16 +187,29 @@ class ClassificationTask(Task):
         """``last.pt`` with the model's build arguments."""
         state.save(self.checkpoint_path, self.cfg, model_kwargs=model_build_kwargs(self.cfg))
 
+    def initialize(self, state: RunState, resumed: bool) -> None:
+        if resumed and self.ctx.is_main:
+            self._sync_best(state, final=False)
+
     def batches(self, state: RunState):
-        partial = state.epoch_partial or {}
-        self.data.train.set_epoch(state.epoch, start_batch=int(partial.get("batches", 0)))
-        return self.data.train
+        """The epoch's batches from the first not trained; with mixing, each with its (epoch, index)."""
+        start = int((state.epoch_partial or {}).get("batches", 0))
+        self.data.train.set_epoch(state.epoch, start_batch=start)
+        if self.mix is None:
+            return self.data.train
+        return ((x, y, (state.epoch, i)) for i, (x, y) in enumerate(self.data.train, start=start))
 
     def step_loss(self, model: nn.Module, batch) -> tuple[torch.Tensor, dict]:
-        x, y = batch
+        x, y, *where = batch
         x, y = to_device(x, self.ctx.device, self.cfg.channels_last), y.to(self.ctx.device, non_blocking=True)
-        logits = model(x)  # b classes
-        loss = self.loss_fn(logits.float(), y)
+        if self.mix is not None and where:
+            epoch, index = where[0]
+            x, targets = self.mix(x, y, self.mix.draw(epoch, index, x.shape[-2], x.shape[-1]))
+            logits = model(x)  # b classes
+            loss = soft_target_cross_entropy(logits.float(), targets)
+        else:
+            logits = model(x)  # b classes
+            loss = self.loss_fn(logits.float(), y)
         n = y.shape[0]
         return loss, {"loss": float(loss.detach()) * n, "correct": int((logits.argmax(dim=1) == y).sum()), "n": n}
 
@@ -203,8 +234,42 @@ class ClassificationTask(Task):
             )
             row.update({"test_top1_ema": res["top1"], "test_top5_ema": res["top5"]})
         test_top1 = row.get("test_top1_ema", row["test_top1"])
-        state.record(row["val_top1"] if data.val is not None else test_top1, test_top1=test_top1)
+        if state.record(row["val_top1"] if data.val is not None else test_top1, test_top1=test_top1) and ctx.is_main:
+            self._save_best(state)
         return row
+
+    def _save_best(self, state: RunState) -> None:
+        """:data:`BEST_WEIGHTS` of this epoch, the new best, with its number in their header."""
+        meta = {**_weights_meta(self.cfg, self.data.spec), "epoch": str(state.epoch)}
+        export_safetensors(state.model, self.out / BEST_WEIGHTS[0], meta)
+        if state.ema is not None:
+            export_safetensors(state.ema.module, self.out / BEST_WEIGHTS[1], meta)
+
+    @staticmethod
+    def _best_epoch_of(path: Path) -> int | None:
+        """The epoch a best-weights file says it holds (``None``: no file, or a damaged one, written again)."""
+        try:
+            return int(read_safetensors(path, tensors=False)[1].get("epoch", -1)) if path.is_file() else None
+        except WeightsMismatchError:
+            return None
+
+    def _sync_best(self, state: RunState, *, final: bool) -> None:
+        """Resuming (or at the end): best weights that are not of the best epoch were written by an epoch after the
+        checkpoint, which the run trains again. They are rewritten from the weights in hand when those are the best
+        epoch's; at the end, weights that still are not the best epoch's are removed, with a note."""
+        best = state.best["epoch"]
+        names = BEST_WEIGHTS if state.ema is not None else BEST_WEIGHTS[:1]
+        if not best or all(self._best_epoch_of(self.out / name) == best for name in names):
+            return
+        if best == state.epoch and state.epoch_partial is None:  # a mid-epoch checkpoint holds later weights
+            self._save_best(state)
+        elif final:
+            for name in BEST_WEIGHTS:
+                (self.out / name).unlink(missing_ok=True)
+            self.log(
+                f"note: no {BEST_WEIGHTS[0]} for the best epoch {best}: the run was resumed from a checkpoint "
+                "after it, which does not hold them"
+            )
 
     def epoch_line(self, row: dict) -> str:
         return (
@@ -239,6 +304,7 @@ class ClassificationTask(Task):
         final = row or (history[-1] if history else {})  # a resumed, already finished run trains no epoch
         summary = _summary(state, self.cfg, self.ctx, self.data, self.params, final, stopped)
         if self.ctx.is_main:
+            self._sync_best(state, final=True)
             _write_outputs(state, self.cfg, self.data, history, summary)
         self.log(
             f"done: final test top-1 {summary['final_acc']:.4f}, best {summary['best_acc']:.4f} (epoch "
@@ -264,10 +330,9 @@ def _start_note(cfg: TrainConfig, model: nn.Module) -> str:
     return f"starting from {source}" + (f" ({notes})" if notes else "")
 
 
-def _write_outputs(state: RunState, cfg: TrainConfig, data: RunData, history: list[dict], summary: dict) -> None:
-    """The run's weights (raw and EMA, with the header that rebuilds the model), plots and ``summary.json``."""
-    out, spec = Path(cfg.out), data.spec
-    meta = weights_metadata(
+def _weights_meta(cfg: TrainConfig, spec: DatasetSpec) -> dict[str, str]:
+    """The header of the run's weights, which rebuilds the model (:func:`lambdanet.load_model`)."""
+    return weights_metadata(
         model=cfg.model,
         model_kwargs=model_build_kwargs(cfg),
         num_classes=spec.num_classes,
@@ -278,6 +343,11 @@ def _write_outputs(state: RunState, cfg: TrainConfig, data: RunData, history: li
         mean=spec.mean,
         std=spec.std,
     )
+
+
+def _write_outputs(state: RunState, cfg: TrainConfig, data: RunData, history: list[dict], summary: dict) -> None:
+    """The run's weights (raw and EMA, with the header that rebuilds the model), plots and ``summary.json``."""
+    out, meta = Path(cfg.out), _weights_meta(cfg, data.spec)
     export_safetensors(state.model, out / "model.safetensors", meta)
     if state.ema is not None:
         export_safetensors(state.ema.module, out / "model_ema.safetensors", meta)

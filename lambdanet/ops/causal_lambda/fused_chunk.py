@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lambdanet.kernels.ops import kernels_available as available  # CUDA, or CPU tensors under the interpreter
+
 __all__ = ["fused_chunk_causal_lambda", "available", "default_chunk"]
 
 DEFAULT_CHUNK = None  # positions per chunk: 32 up to 4 heads, else 16 (a tile of heads x chunk rows <= 128)
@@ -26,18 +28,6 @@ def default_chunk(heads: int) -> int:
     """The kernels' chunk for ``heads`` query heads: tiles of at most 128 rows (``heads x chunk``, heads rounded up to
     a power of two) fit a Hopper multiprocessor's shared memory."""
     return 32 if _pow2(heads) <= 4 else 16
-
-
-def available(device: torch.device | str) -> tuple[bool, str]:
-    """``(True, "")`` if the kernels can run on ``device``, else ``(False, why)``."""
-    device = torch.device(device)
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False, "Triton is not installed (pip install triton)"
-    if device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
-        return True, ""
-    return False, f"the Triton kernels run on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), got {device.type}"
 
 
 def _pow2(x: int, least: int = 1) -> int:

@@ -126,17 +126,23 @@ def _chunk_sums(keys, values, amax, lsum, Sb, n, N1, K: tl.constexpr, V: tl.cons
 
 
 @triton.jit
-def _state_scan(amax, lsum, cb, zb, Sb, S0, z0, c0, N, N1, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,
-                BV: tl.constexpr):  # fmt: skip
-    """``S_{i+1} = exp(c_i - c_{i+1}) S_i + exp(a_i - c_{i+1}) L_i`` (``z`` likewise, ``c_{i+1} = max(c_i, a_i)``);
-    the state before chunk ``i`` overwrites ``L_i``, the final one goes to index ``N``."""
+def _scan_tile(K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr):
+    """A scan program's ``k x v`` tile: its stream ``bu``, channel and value indices, their masks, and whether it
+    is the first value block (the one that writes the per-channel maxima and normalisers)."""
     bu = tl.program_id(0).to(tl.int64)
     pv = tl.program_id(1)
     ks = tl.arange(0, KP)
     vs = pv * BV + tl.arange(0, BV)
     kok = ks < K
-    mask = kok[:, None] & (vs < V)[None, :]
-    first = kok & (pv == 0)
+    return bu, ks, vs, kok, kok[:, None] & (vs < V)[None, :], kok & (pv == 0)
+
+
+@triton.jit
+def _state_scan(amax, lsum, cb, zb, Sb, S0, z0, c0, N, N1, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,
+                BV: tl.constexpr):  # fmt: skip
+    """``S_{i+1} = exp(c_i - c_{i+1}) S_i + exp(a_i - c_{i+1}) L_i`` (``z`` likewise, ``c_{i+1} = max(c_i, a_i)``);
+    the state before chunk ``i`` overwrites ``L_i``, the final one goes to index ``N``."""
+    bu, ks, vs, kok, mask, first = _scan_tile(K, V, KP, BV)
     c = tl.load(c0 + bu * K + ks, mask=kok, other=0.0)
     z = tl.load(z0 + bu * K + ks, mask=kok, other=0.0)
     S = tl.load(S0 + (bu * K + ks[:, None]) * V + vs[None, :], mask=mask, other=0.0)
@@ -263,13 +269,7 @@ def _grad_local(q, keys, values, emb, win, cb, zb, Sb, dy, dq, rho, G, g, demb, 
 def _grad_scan(cb, G, g, dzb, N, N1, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr):
     """The reverse scan ``dS_{i-1} = exp(c_{i-1} - c_i) dS_i + G_i``: the gradient of the state after chunk ``i``
     overwrites ``G_i`` (``dz`` goes to ``dzb``); the final state receives no gradient."""
-    bu = tl.program_id(0).to(tl.int64)
-    pv = tl.program_id(1)
-    ks = tl.arange(0, KP)
-    vs = pv * BV + tl.arange(0, BV)
-    kok = ks < K
-    mask = kok[:, None] & (vs < V)[None, :]
-    first = kok & (pv == 0)
+    bu, ks, vs, kok, mask, first = _scan_tile(K, V, KP, BV)
     dS = tl.zeros([KP, BV], tl.float32)
     dz = tl.zeros([KP], tl.float32)
     for t in range(N):

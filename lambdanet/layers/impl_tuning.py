@@ -1,0 +1,453 @@
+"""How ``LambdaLayer(impl="auto")`` picks its position implementation: the measuring tuner on top of the static
+cost model (:class:`~lambdanet.layers.lambda_policy.ImplPolicy`, one per device type).
+
+**Measured** (the default, as cuDNN's benchmark mode or Triton's autotuner): the first forward call of a key
+(batch and spatial size, compute dtype, device and its threads, torch version, the layer's shape, whether the
+call records autograd, train or eval) times the eligible implementations on that call's own queries and values
+and keeps the fastest; every later call of the key runs it. Only the position step is timed, forward and, when
+the call records autograd, its backward through ``torch.autograd.grad`` (no parameter gradient is written, no
+BatchNorm statistic or random number is touched; the eval cache of ``E`` is restored). Candidates that the cost
+model puts beyond :data:`PRUNE_FACTOR` times the cheapest are not run; the others get one warm-up call each,
+then up to :data:`REPEATS` round-robin rounds while the calls stay within :data:`BUDGET_S`, and the static pick
+is kept unless another takes under :data:`SWITCH_MARGIN` of its median time.
+
+**Static** (``set_impl_tuning("static")``, environment ``LAMBDANET_AUTOTUNE=0``, or
+``torch.use_deterministic_algorithms(True)``): the :class:`ImplPolicy` cost model alone, deterministic.
+Where nothing can be timed (``torch.compile``, ``torch.export``, ``torch.jit`` and FX tracing, functorch
+transforms, a Python dispatch mode such as a FLOP counter, fake or meta tensors, inside a backward pass) a
+winner already measured for the key is used, else the static pick.
+
+Winners live in the process; ``set_impl_cache_file(path)`` (or ``LAMBDANET_AUTOTUNE_CACHE=path``, ``=1`` for
+``~/.cache/lambdanet/impl_tuning.json``) also keeps them on disk across processes; an unreadable file is
+ignored with a warning and rewritten.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import platform
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from lambdanet import functional as LF
+from lambdanet.helpers import check_choice, compute_dtype
+from lambdanet.layers.lambda_policy import ImplPolicy, impl_policy
+from lambdanet.layers.position_embedding import RelativePositionEmbedding
+
+__all__ = [
+    "TUNING_MODES",
+    "set_impl_tuning",
+    "impl_tuning_mode",
+    "set_impl_cache_file",
+    "impl_cache_file",
+    "clear_impl_cache",
+    "tuned_impls",
+    "set_impl_timer",
+    "isolated_tuning",
+    "can_measure",
+    "tuned_plan",
+    "auto_choice",
+]
+
+
+# ------------------------------------------------------------------------------------------ the measuring tuner
+TUNING_MODES = ("measure", "static")
+ENV_MODE = "LAMBDANET_AUTOTUNE"  # 0 / off / false / no / static: the static policy; else measured
+ENV_CACHE = "LAMBDANET_AUTOTUNE_CACHE"  # a file for the winners; 1 / true / yes / on: DEFAULT_CACHE_FILE
+DEFAULT_CACHE_FILE = Path("~/.cache/lambdanet/impl_tuning.json")
+CACHE_VERSION = 1
+PRUNE_FACTOR = 4.0  # candidates the cost model puts beyond this many times the cheapest are not run
+BUDGET_S = 2.0  # seconds of calls per key (warm-ups included) after which no further round starts
+REPEATS = 3  # timed rounds at most (one call of every candidate each; the median is kept)
+DROP_FACTOR = 3.0  # a candidate this many times slower than a round's fastest leaves the later rounds
+SWITCH_MARGIN = 0.95  # another implementation replaces the static pick only below this fraction of its time
+_CANDIDATES = ("einsum_qe", "einsum", "conv", "depthwise_conv")
+
+Timer = Callable[[str, Callable[[], None]], float]
+"""``timer(impl, run) -> seconds``: one call of candidate ``impl``'s ``run`` and the time it took (tests inject
+a fake clock through :func:`set_impl_timer`)."""
+
+
+def time_call(impl: str, run: Callable[[], None]) -> float:
+    """The default :data:`Timer`: wall-clock seconds of one ``run()`` (which synchronises a CUDA device)."""
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def _env_mode() -> str:
+    value = os.environ.get(ENV_MODE, "").strip().lower()
+    return "static" if value in ("0", "off", "false", "no", "static") else "measure"
+
+
+def _env_cache_file() -> Path | None:
+    value = os.environ.get(ENV_CACHE, "").strip()
+    if not value or value.lower() in ("0", "off", "false", "no"):
+        return None
+    return (DEFAULT_CACHE_FILE if value.lower() in ("1", "on", "true", "yes") else Path(value)).expanduser()
+
+
+@dataclass
+class _Tuner:
+    """The process's tuning state: mode, winners by key, the optional cache file, the timer."""
+
+    mode: str = field(default_factory=_env_mode)
+    winners: dict[str, str] = field(default_factory=dict)
+    file: Path | None = field(default_factory=_env_cache_file)
+    file_read: bool = False
+    timer: Timer = time_call
+
+
+_TUNER = _Tuner()
+
+
+def set_impl_tuning(mode: str | None) -> str:
+    """``"measure"`` (time the candidates once per key) or ``"static"`` (the :class:`ImplPolicy` cost model only,
+    deterministic); ``None``: back to the environment's choice (``LAMBDANET_AUTOTUNE=0``: static). Returns the
+    mode before."""
+    if mode is not None:
+        check_choice(mode, "mode", TUNING_MODES)
+    previous, _TUNER.mode = _TUNER.mode, _env_mode() if mode is None else mode
+    return previous
+
+
+def impl_tuning_mode() -> str:
+    """The tuning mode now: ``"measure"`` or ``"static"``."""
+    return _TUNER.mode
+
+
+def set_impl_cache_file(path: str | os.PathLike | None) -> Path | None:
+    """Keep measured winners in ``path`` (JSON; read on first use, written after every new winner) too, or only
+    in the process (``None``). Returns the file before."""
+    previous, _TUNER.file, _TUNER.file_read = _TUNER.file, None if path is None else Path(path).expanduser(), False
+    return previous
+
+
+def impl_cache_file() -> Path | None:
+    """The file measured winners are kept in, or ``None``."""
+    return _TUNER.file
+
+
+def clear_impl_cache() -> None:
+    """Forget the winners measured in this process (the cache file is left alone and read again)."""
+    _TUNER.winners.clear()
+    _TUNER.file_read = False
+
+
+def tuned_impls() -> dict[str, str]:
+    """A copy of the winners known to this process: ``{key: impl}``."""
+    return dict(_TUNER.winners)
+
+
+def set_impl_timer(timer: Timer | None) -> Timer:
+    """Replace the function that times a candidate (``None``: :func:`time_call`); returns the one before.
+    Tests inject a fake clock through it."""
+    previous, _TUNER.timer = _TUNER.timer, time_call if timer is None else timer
+    return previous
+
+
+@contextlib.contextmanager
+def isolated_tuning(mode: str = "measure", timer: Timer | None = None, cache_file=None) -> Iterator[None]:
+    """A fresh tuner for a block (no winners, ``mode``, ``timer``, ``cache_file``); the process's is restored
+    afterwards. What a benchmark or a test measures is then its own."""
+    global _TUNER
+    check_choice(mode, "mode", TUNING_MODES)
+    saved = _TUNER
+    _TUNER = _Tuner(mode=mode, file=None if cache_file is None else Path(cache_file).expanduser())
+    _TUNER.timer = time_call if timer is None else timer
+    try:
+        yield
+    finally:
+        _TUNER = saved
+
+
+# ------------------------------------------------------------------------------------------ the cache file
+def _read_file() -> None:
+    """Merge the cache file's winners into the process's (once per file); a file that cannot be read as this
+    module wrote it is ignored with a warning."""
+    path, _TUNER.file_read = _TUNER.file, True
+    if path is None or not path.exists():
+        return
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
+            raise ValueError(f"not a version-{CACHE_VERSION} impl tuning cache")
+        entries = data["winners"]
+        if not isinstance(entries, dict):
+            raise ValueError("'winners' is not a mapping")
+    except (OSError, ValueError, KeyError) as err:  # json.JSONDecodeError is a ValueError
+        warnings.warn(f"ignoring the impl tuning cache {path}: {err}", RuntimeWarning, stacklevel=4)
+        return
+    valid = {k: v for k, v in entries.items() if isinstance(k, str) and v in _CANDIDATES}
+    _TUNER.winners.update({k: v for k, v in valid.items() if k not in _TUNER.winners})
+
+
+def _write_file() -> None:
+    """Write the process's winners (over the file's, read first) atomically; a failure is a warning."""
+    path = _TUNER.file
+    if path is None:
+        return
+    _read_file()  # what other processes added meanwhile
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"version": CACHE_VERSION, "winners": _TUNER.winners}, indent=0, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as err:
+        warnings.warn(f"could not write the impl tuning cache {path}: {err}", RuntimeWarning, stacklevel=4)
+
+
+# ------------------------------------------------------------------------------------------ when to time
+def _tracing() -> bool:
+    """Whether a compiler, exporter or tracer is running this code (then nothing is timed)."""
+    compiler = torch.compiler
+    if compiler.is_compiling() or getattr(compiler, "is_exporting", lambda: False)():
+        return True
+    if torch.jit.is_tracing() or torch.jit.is_scripting():
+        return True
+    from torch.fx import _symbolic_trace as fx
+
+    return (getattr(fx, "is_fx_symbolic_tracing", None) or fx.is_fx_tracing)()
+
+
+def can_measure(*tensors: Tensor) -> bool:
+    """Whether a forward call on ``tensors`` may time candidates now: the mode is ``"measure"``, deterministic
+    algorithms are off, nothing traces or compiles it, no functorch transform or Python dispatch mode (FLOP
+    counters, fake tensor modes) is active, it does not run inside a backward pass, and the tensors are plain
+    ones on a real device."""
+    if _TUNER.mode != "measure" or torch.are_deterministic_algorithms_enabled() or _tracing():
+        return False
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    if _get_current_dispatch_mode() is not None or torch._C._current_graph_task_id() != -1:
+        return False
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
+    return all(type(t) is torch.Tensor and t.device.type != "meta" for t in tensors)
+
+
+# ------------------------------------------------------------------------------------------ the layer's side
+class TunedLayer(Protocol):
+    """What the tuner reads of a :class:`~lambdanet.layers.LambdaLayer`."""
+
+    embedding: Any
+    impl: str
+    heads: int
+    dim_k: int
+    dim_v: int
+    dim_u: int
+    groups: int
+    causal: bool
+    training: bool
+
+    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]: ...
+
+    def choose_impl(self, spatial: Sequence[int], device_type: str | None = None) -> str: ...
+
+    def plan_for(self, impl: str, spatial: tuple[int, ...], policy: ImplPolicy) -> Any: ...
+
+    def _whole_embeddings_fit(self, n: int, policy: ImplPolicy) -> bool: ...
+
+    def _position(self, plan: Any, q: Tensor, vals: Tensor, spatial: tuple[int, ...]) -> tuple[Any, Any]: ...
+
+
+def candidate_plans(layer: TunedLayer, spatial: tuple[int, ...], policy: ImplPolicy, static: str) -> dict[str, Any]:
+    """The implementations worth timing for ``spatial``, ``{impl: plan}``, cheapest by multiply-adds first: those
+    the layer can run (the lambdas-first einsum only where the policy lets ``E`` be materialised, the dense
+    convolution up to ``policy.dense_conv_taps`` taps) within :data:`PRUNE_FACTOR` times the cheapest, and the
+    ``static`` pick."""
+    n, emb = math.prod(spatial), layer.embedding
+    relative = isinstance(emb, RelativePositionEmbedding)
+    taps = math.prod(LF.cropped_kernel_size(emb.kernel_size, emb.center, spatial)) if relative else n
+    plans: dict[str, Any] = {}
+    for impl in _CANDIDATES:
+        plan = layer.plan_for(impl, spatial, policy)
+        plans.setdefault(plan.impl, plan)  # einsum_qe runs as einsum where queries-first does not apply
+    if relative and not layer._whole_embeddings_fit(n, policy):
+        plans.pop("einsum", None)  # it would materialise an E that the policy does not allow
+    if relative and taps > policy.dense_conv_taps[1]:
+        plans.pop("conv", None)  # the dense backward collapses on large kernels
+    k, kv = layer.dim_k, layer.dim_k * layer.dim_v * layer.dim_u * layer.groups  # multiply-adds per (n, m) pair
+    macs = {"einsum_qe": n * layer.heads * (k + layer.dim_v), "einsum": n * kv}
+    cost = {impl: macs.get(impl, taps * kv) for impl in plans}
+    cheapest = min(cost.values())
+    keep = [i for i in sorted(plans, key=lambda i: cost[i]) if cost[i] <= PRUNE_FACTOR * cheapest or i == static]
+    return {impl: plans[impl] for impl in keep}
+
+
+def _descriptor(device: torch.device) -> str:
+    """The hardware a timing holds for: the GPU's name, else the device type, machine and thread count."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return f"{device.type}:{platform.machine()}:{torch.get_num_threads()} threads"
+
+
+def _base_key(layer: TunedLayer, dtype, device, grad: bool) -> str:
+    """What a winner depends on besides the input's size: torch, the hardware, the compute dtype, autograd and
+    train or eval, the layer's shape. Keys (the JSON file's too): ``"<base>; n<spatial>; <candidates>; b<batch>"``."""
+    emb = layer.embedding
+    table = f"relative {emb.kernel_size} at {emb.center}" if isinstance(emb, RelativePositionEmbedding) else "absolute"
+    shape = f"h{layer.heads} k{layer.dim_k} v{layer.dim_v} u{layer.dim_u} g{layer.groups}"
+    parts = [f"v{CACHE_VERSION}", f"torch {torch.__version__}", _descriptor(torch.device(device)), str(dtype)]
+    parts += [f"grad {int(grad)} train {int(layer.training)}", shape + (" causal" if layer.causal else ""), table]
+    return "; ".join(parts)
+
+
+def _size_key(spatial: tuple[int, ...], plans: dict[str, Any]) -> str:
+    """The input size and the candidates' steps (which the policy picks for that size) of a key."""
+    steps = ",".join(sorted(f"{p.position}/{p.qe_chunk_fraction!r}" for p in plans.values()))
+    return f"n{'x'.join(map(str, spatial))}; {steps}"
+
+
+def _plans(layer: TunedLayer, spatial: tuple[int, ...], device) -> dict[str, Any]:
+    """The candidates of a call (:func:`candidate_plans` under the device's policy); the cache file is read on
+    first use."""
+    policy = impl_policy(torch.device(device).type)
+    static = layer.plan_for("auto", spatial, policy).impl
+    if _TUNER.file is not None and not _TUNER.file_read:
+        _read_file()
+    return candidate_plans(layer, spatial, policy, static)
+
+
+def _records_grad(layer: TunedLayer, inputs_grad: bool) -> bool:
+    """Whether a call records autograd through the position step: grad mode on and its inputs or the position
+    table requiring gradients."""
+    params = inputs_grad or any(p.requires_grad for p in layer.embedding.parameters())
+    return torch.is_grad_enabled() and params
+
+
+def _assume_constant(fn):
+    marker = getattr(torch.compiler, "assume_constant_result", None)
+    return fn if marker is None else marker(fn)
+
+
+@_assume_constant
+def _measured_winners(layer: TunedLayer, dtype, device, inputs_grad: bool) -> tuple[tuple[tuple[int, ...], str], ...]:
+    """What traced, compiled and exported calls run: ``(spatial size, winner)`` for the sizes measured for the
+    layer's configuration on which every batch size measured agrees (the batch and spatial sizes may be symbolic
+    there, so they are compared by the caller). ``torch.compile`` calls this once while tracing and keeps the
+    result as a constant."""
+    base = _base_key(layer, dtype, device, _records_grad(layer, inputs_grad))
+    found: dict[str, set[str]] = {}
+    for key, impl in _TUNER.winners.items():
+        if key.startswith(base + "; "):
+            found.setdefault(key[len(base) + 2 :].rpartition("; b")[0], set()).add(impl)
+    pairs = []
+    for size_key, impls in found.items():
+        spatial = tuple(int(s) for s in size_key.partition(";")[0][1:].split("x"))
+        if len(impls) == 1 and size_key == _size_key(spatial, _plans(layer, spatial, device)):
+            pairs.append((spatial, impls.pop()))
+    return tuple(pairs)
+
+
+def tuned_plan(layer: TunedLayer, plan: Any, q: Tensor, vals: Tensor, spatial: tuple[int, ...]) -> Any:
+    """The plan an ``impl="auto"`` forward call runs, given the static ``plan`` and the call's queries and values
+    (compute dtype): its key's measured winner, measured now if it has none and :func:`can_measure` (traced
+    calls: :func:`_measured_winners`); the static plan in ``"static"`` mode or with a single candidate."""
+    if _TUNER.mode != "measure" or plan.position is None:
+        return plan
+    inputs_grad = q.requires_grad or vals.requires_grad
+    if _tracing():  # compile, export, jit or FX tracing: what eager calls measured, else the static plan
+        winner = plan.impl
+        for size, impl in _measured_winners(layer, q.dtype, q.device, inputs_grad):
+            if size == spatial:
+                winner = impl
+        return plan if winner == plan.impl else layer.plan_for(winner, spatial, impl_policy(q.device.type))
+    grad = _records_grad(layer, inputs_grad)
+    plans = _plans(layer, spatial, q.device)
+    if len(plans) < 2 or q.numel() == 0:
+        return plan
+    key = f"{_base_key(layer, q.dtype, q.device, grad)}; {_size_key(spatial, plans)}; b{q.shape[0]}"
+    winner = _TUNER.winners.get(key)
+    if winner is None and can_measure(q, vals):
+        winner = _TUNER.winners[key] = _measure(layer, plans, plan.impl, q, vals, spatial, grad)
+        _write_file()
+    return plan if winner in (None, plan.impl) else plans.get(winner, plan)
+
+
+def _measure(layer: TunedLayer, plans: dict[str, Any], static: str, q: Tensor, vals: Tensor, spatial, grad) -> str:
+    """Time the candidates' position steps round-robin (one call of each per round, so that a drifting machine
+    speed affects them alike) after one warm-up call each, and return the fastest by median; the static pick
+    unless another took under :data:`SWITCH_MARGIN` of its time. The eval cache of ``E`` is left as it was."""
+    params = [p for p in layer.embedding.parameters() if p.requires_grad] if grad else []
+    cache = layer.embedding.__dict__.get("_cache")
+    saved = dict(cache) if cache is not None else None
+    order = [static] + [impl for impl in plans if impl != static]
+    runs = {impl: _runner(layer, plans[impl], q, vals, spatial, grad, params) for impl in order}
+    times: dict[str, list[float]] = {impl: [] for impl in order}
+    # the timing saves tensors of its own: past any saved-tensor hooks of the caller (activation checkpointing,
+    # offloading), which would otherwise record them as the forward's and fail on the recomputation
+    hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    try:
+        hooks.__enter__()
+        spent, live = 0.0, []
+        for impl in order:  # warm-up: one-time costs (E, the kernels' set-up) are not timed
+            try:
+                spent += _TUNER.timer(impl, runs[impl])
+                live.append(impl)
+            except torch.OutOfMemoryError:  # too large on this device: not a candidate
+                continue
+        for r in range(REPEATS):
+            if not live or (r and spent > BUDGET_S):
+                break
+            for impl in live[r % len(live) :] + live[: r % len(live)]:
+                times[impl].append(_TUNER.timer(impl, runs[impl]))
+                spent += times[impl][-1]
+            fastest = min(times[impl][-1] for impl in live)
+            live = [impl for impl in live if times[impl][-1] <= DROP_FACTOR * fastest]
+    finally:
+        hooks.__exit__(None, None, None)
+        after = layer.embedding.__dict__.get("_cache")
+        if after is not None:
+            after.clear()
+            after.update(saved or {})
+    medians = {impl: statistics.median(t) for impl, t in times.items() if t}
+    if not medians:
+        return static
+    best = min(medians, key=lambda i: medians[i])
+    return static if static in medians and medians[best] > SWITCH_MARGIN * medians[static] else best
+
+
+def _runner(layer: TunedLayer, plan, q: Tensor, vals: Tensor, spatial, grad: bool, params) -> Callable[[], None]:
+    """One call of ``plan``'s position step on detached copies of the queries and values (plus its backward to
+    them and to ``params`` through ``torch.autograd.grad`` when ``grad``), through to the position output."""
+    q_grad, v_grad = grad and q.requires_grad, grad and vals.requires_grad
+
+    def run() -> None:
+        qd, vd = q.detach().requires_grad_(q_grad), vals.detach().requires_grad_(v_grad)
+        with torch.set_grad_enabled(grad):
+            y, lam = layer._position(plan, qd, vd, spatial)
+            out = y if lam is None else LF.apply_lambdas(qd, lam)  # b n h v
+            inputs = [t for t in (qd, vd, *params) if t.requires_grad]
+            if inputs:
+                torch.autograd.grad(out, inputs, torch.ones_like(out), allow_unused=True)
+        if q.device.type == "cuda":
+            torch.cuda.synchronize(q.device)
+
+    return run
+
+
+def auto_choice(layer: TunedLayer, x: Tensor, *, grad: bool | None = None) -> str:
+    """The implementation an ``impl="auto"`` forward call of ``layer`` on ``x`` runs now: its key's measured
+    winner (after a first call has measured it), else the static pick. ``grad``: whether the call records
+    autograd (default: grad mode on and ``x`` or a parameter of the layer requiring gradients)."""
+    spatial, device = tuple(x.shape[2:]), x.device
+    static = layer.choose_impl(spatial, device.type)
+    if layer.impl != "auto" or static == "none" or _TUNER.mode != "measure":
+        return static
+    if grad is None:
+        grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in layer.parameters()))
+    plans = _plans(layer, spatial, device)
+    key = f"{_base_key(layer, compute_dtype(x.dtype), device, grad)}; {_size_key(spatial, plans)}; b{x.shape[0]}"
+    return _TUNER.winners.get(key, static) if len(plans) > 1 else static
