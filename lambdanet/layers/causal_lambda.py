@@ -96,7 +96,8 @@ class CausalLambdaLayer(nn.Module):
             raise ValueError(f"short_conv must be a non-negative int (0: no convolution), got {short_conv!r}")
         self.dim, self.heads, self.dim_k, self.dim_v = dim, heads, dim_k, dim_v
         self.dim_u, self.r, self.chunk, self.decay, self.short_conv = dim_u, r, chunk, decay, short_conv
-        self.mode = resolve_mode(mode, "cpu") and mode  # checked here, resolved per call
+        resolve_mode(mode, "cpu")  # checked here; resolved on each call's device
+        self.mode = mode
         width = heads * dim_k + dim_k * dim_u + dim_v * dim_u
         self.qkv = nn.Linear(dim, width, bias=False)
         self.proj = nn.Linear(heads * dim_v, dim, bias=False)

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from lambdanet.functional import causal as _causal
+from lambdanet.helpers import check_choice
 from lambdanet.ops.causal_lambda import fused_chunk as _fused
 
 __all__ = ["causal_lambda", "MODES", "resolve_mode"]
@@ -29,8 +30,7 @@ MODES = ("auto", "naive", "chunk", "fused_chunk", "fused_recurrent")
 
 def resolve_mode(mode: str, device: torch.device | str) -> str:
     """The mode ``"auto"`` stands for on ``device``; any other mode is checked and returned."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
+    check_choice(mode, "mode", MODES)
     if mode != "auto":
         return mode
     return "fused_chunk" if torch.device(device).type == "cuda" and _fused.available(device)[0] else "chunk"
