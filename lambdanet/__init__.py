@@ -16,8 +16,8 @@ __version__ = "0.2.0.dev0"
 
 def load_model(path, *, ema: bool = True):
     """The trained model of a ``lambdanet train`` run directory, its safetensors weights, its ``last.pt`` or
-    ``"hf-hub:owner/name"`` (see :func:`lambdanet.train.load.load_model`)."""
-    from lambdanet.train.load import load_model as _load
+    ``"hf-hub:owner/name"`` (see :func:`lambdanet.tasks.classification.load.load_model`)."""
+    from lambdanet.tasks.classification.load import load_model as _load
 
     return _load(path, ema=ema)
 

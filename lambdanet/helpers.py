@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import math
+import sys
+import warnings
 import operator
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -27,6 +29,7 @@ __all__ = [
     "avg_pool_nd",
     "check_input",
     "check_real",
+    "moved_module",
 ]
 
 
@@ -196,3 +199,27 @@ def require(module: str, extra: str, what: str):
         raise MissingExtraError(
             f'{what} needs {module.split(".")[0]}, which is not installed ({err}): pip install "lambdanet[{extra}]"'
         ) from None
+
+
+def moved_module(old: str, new: str, namespace: dict | None = None, removed_in: str = "0.4") -> None:
+    """Keep the import path ``old`` (the caller's ``__name__``) of a module that moved to ``new`` for one release:
+    a ``DeprecationWarning`` naming the new path, then ``sys.modules[old]`` is the new module itself, so that its
+    every name (private ones included), ``isinstance`` checks and pickled references to the old path keep
+    working. Called as the whole body of a module that moved::
+
+        from lambdanet.helpers import moved_module
+
+        moved_module(__name__, "lambdanet.tasks.classification.config")
+
+    A package that moved passes its ``globals()`` as ``namespace`` instead: it stays a package of its own (its
+    submodules, shims like the above, import from its folder) and receives the new package's names."""
+    warnings.warn(
+        f"{old} moved to {new}; the old import path is removed in lambdanet {removed_in}",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    module = importlib.import_module(new)
+    if namespace is None:
+        sys.modules[old] = module
+    else:
+        namespace.update({k: v for k, v in vars(module).items() if not k.startswith("__") or k == "__all__"})

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from lambdanet.helpers import check_choice, check_positive_int
 from lambdanet.models import create_model, model_args
 from lambdanet.files import check_run_task, is_run_weights
-from lambdanet.train.load import load_model
+from lambdanet.tasks.classification.load import load_model
 
 __all__ = [
     "DTYPES",

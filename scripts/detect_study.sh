@@ -24,4 +24,4 @@ done
 if [[ ! -f "$OUT/bench/detection.json" ]]; then
   $LAMBDANET bench detection --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log"
 fi
-$PY -m lambdanet.detection.study "$OUT" "$OUT/bench/detection.json" | tee "$OUT/table.md"
+$PY -m lambdanet.tasks.detection.study "$OUT" "$OUT/bench/detection.json" | tee "$OUT/table.md"

@@ -5,8 +5,9 @@ import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-# keep the default suite deterministic and quick on 2 cores
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# keep the default suite deterministic and quick on 2 cores; OMP_NUM_THREADS, where set, wins (one thread per
+# process when several test processes share the cores: OpenMP's threads then stop waiting on each other)
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or min(2, os.cpu_count() or 1))
 # LambdaLayer(impl="auto") follows its static cost model here (and in the CLI runs the tests start): no timing of
 # the implementations on first calls; the tests of the measuring tuner switch it on themselves
 os.environ.setdefault("LAMBDANET_AUTOTUNE", "0")
@@ -44,7 +45,7 @@ def image_folder(tmp_path_factory):
 def tiny_digits_run(tmp_path_factory):
     """A digits run (lambda_resnet26 with the small-image stem, 1 channel, 16x16, classes unnamed) trained for
     two steps; tests only read it."""
-    from lambdanet.train import resolve_config, train
+    from lambdanet.tasks.classification import resolve_config, train
 
     out = tmp_path_factory.mktemp("tiny_digits") / "run"
     train(resolve_config(overrides={"epochs": 1, "max_train_batches": 2, "batch_size": 32, "progress": False,

@@ -49,7 +49,7 @@ def one_line_error(capsys, argv) -> str:
 @pytest.fixture(scope="module")
 def lm_run(tmp_path_factory):
     """A byte-level language-model run (lambdanet lm train), one optimiser step."""
-    from lambdanet.lm.task import LMConfig, train_lm
+    from lambdanet.tasks.lm.task import LMConfig, train_lm
 
     root = tmp_path_factory.mktemp("lm_run")
     (root / "corpus").mkdir()
@@ -156,9 +156,9 @@ def test_threads_runs_the_command_with_that_many_threads_and_restores_them(argv,
                                                                            lm_run, grey_image, tmp_path, capsys):
     """``--threads N``: the library call behind each command runs with N intra-op threads, the count before
     comes back afterwards, and 0 is a one-line error."""
-    import lambdanet.lm.task as lm_task
+    import lambdanet.tasks.lm.task as lm_task
     import lambdanet.predict as predict_module
-    import lambdanet.train.trainer as trainer
+    import lambdanet.tasks.classification.task as trainer
 
     before = torch.get_num_threads()
     want = 1 if before != 1 else 2
@@ -179,7 +179,7 @@ def test_threads_runs_the_command_with_that_many_threads_and_restores_them(argv,
     monkeypatch.setattr(predict_module, "predict", record([]))
     if argv[0] == "detect":
         pytest.importorskip("pycocotools")
-        import lambdanet.detection.trainer as detect_trainer
+        import lambdanet.tasks.detection.task as detect_trainer
 
         monkeypatch.setattr(detect_trainer, "train_detector", record({}))
     extra = {"eval": ["--checkpoint", str(tiny_digits_run)],

@@ -1,4 +1,4 @@
-"""``lambdanet detect`` (lambdanet.detection.trainer): a run end to end on the built-in glyph scenes, resume,
+"""``lambdanet detect`` (lambdanet.tasks.detection.task): a run end to end on the built-in glyph scenes, resume,
 the recipes and the learning-rate schedule of LambdaNetworks App. E.3."""
 
 import json
@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("pycocotools")
 
 from lambdanet.cli import main  # noqa: E402
-from lambdanet.detection.trainer import DETECT_RECIPES, lr_factor, resolve_detect_config  # noqa: E402
+from lambdanet.tasks.detection.config import DETECT_RECIPES, lr_factor, resolve_detect_config  # noqa: E402
 
 # one step of batch 2 at 96 px, two test images, light heads: a smoke run of the whole pipeline
 TINY = ["--epochs", "1", "--batch-size", "2", "--max-train-batches", "1", "--max-eval-images", "2",
@@ -60,7 +60,7 @@ def test_crashes_in_and_after_pretraining_resume_to_the_uninterrupted_weights(tm
     that never stopped."""
     from safetensors.torch import load_file
 
-    from lambdanet.detection import trainer
+    from lambdanet.tasks.detection import task as trainer
 
     args = ["detect", "--backbone", "resnet26", *TINY, "--pretrain-steps", "2", "--epochs", "2", "--procs", "1",
             "--device", "cpu"]  # 2 pre-training steps, then 1 step per epoch
@@ -106,7 +106,7 @@ def test_torchrun_batch_must_divide_among_the_processes(tmp_path, monkeypatch):
 
 
 def test_a_diverging_detector_stops_with_a_one_line_error(tmp_path, monkeypatch, capsys):
-    from lambdanet.detection import trainer
+    from lambdanet.tasks.detection import task as trainer
 
     build = trainer.build_detector
 
@@ -187,7 +187,7 @@ def test_metrics_csv_takes_rows_with_new_columns(tmp_path):
 
 
 def test_local_processes_rule(monkeypatch):
-    from lambdanet.detection import trainer
+    from lambdanet.tasks.detection import task as trainer
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setattr(trainer, "usable_cores", lambda: 2)
@@ -235,8 +235,8 @@ def test_loss_weights_scale_the_losses_trained_on(tmp_path):
     the mask bias moves too."""
     from safetensors.torch import load_file
 
-    from lambdanet.detection.data import GlyphSceneConfig, build_detection_datasets
-    from lambdanet.detection.trainer import build_detector
+    from lambdanet.tasks.detection.data import GlyphSceneConfig, build_detection_datasets
+    from lambdanet.tasks.detection.task import build_detector
 
     args = ["detect", "--backbone", "resnet26", *TINY, "--procs", "1", "--device", "cpu"]
     cfg = resolve_detect_config(overrides={"backbone": "resnet26", "pretrain_steps": 0, "img_size": 96,

@@ -1,4 +1,4 @@
-"""Detection and instance segmentation (lambdanet.detection): the glyph dataset, COCO folders and conversion,
+"""Detection and instance segmentation (lambdanet.tasks.detection): the glyph dataset, COCO folders and conversion,
 COCO evaluation against independent expectations, and Mask R-CNN over lambda / halo backbones."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from lambdanet.detection import glyphs as det_glyphs
-from lambdanet.detection.data import (
+from lambdanet.tasks.detection import glyphs as det_glyphs
+from lambdanet.tasks.detection.data import (
     GlyphInstances,
     GlyphSceneConfig,
     build_detection_datasets,
@@ -23,8 +23,8 @@ from lambdanet.detection.data import (
     size_class,
     size_statistics,
 )
-from lambdanet.detection.evaluate import METRICS, evaluate_detector, evaluate_predictions
-from lambdanet.detection.model import (
+from lambdanet.tasks.detection.evaluate import METRICS, evaluate_detector, evaluate_predictions
+from lambdanet.tasks.detection.model import (
     BACKBONE_PRESETS,
     DetectorOptions,
     create_detector,
@@ -261,7 +261,7 @@ def test_mask_roi_size_sets_the_mask_heads_resolution(scenes):
 
 
 def test_the_glyph_note_names_the_sets_and_the_missing_package(monkeypatch, tmp_path):
-    from lambdanet.detection import trainer
+    from lambdanet.tasks.detection import task as trainer
 
     assert trainer.glyph_note("digits+mnist5k") == "glyphs: digits+mnist5k"
     monkeypatch.setattr(det_glyphs, "FASHION_MNIST_DIR", tmp_path)  # not installed
@@ -274,8 +274,8 @@ def test_the_default_glyphs_do_not_depend_on_what_the_machine_has_installed(monk
     Debian package (the cause of a default whose mask AP moved by 0.08 between machines)."""
     import inspect
 
-    from lambdanet.detection.pretrain import GlyphCrops, crop_scene_config, pretrain_backbone
-    from lambdanet.detection.trainer import resolve_detect_config
+    from lambdanet.tasks.detection.pretrain import GlyphCrops, crop_scene_config, pretrain_backbone
+    from lambdanet.tasks.detection.config import resolve_detect_config
 
     fake = tmp_path / "fashion"
     fake.mkdir()

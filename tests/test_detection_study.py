@@ -1,5 +1,5 @@
 """The detection study's pieces: its four backbones, backbone-only cost (lambdanet.bench.detection_bench),
-the RPN's proposal budget, and glyph-crop pre-training of the backbone (lambdanet.detection.pretrain)."""
+the RPN's proposal budget, and glyph-crop pre-training of the backbone (lambdanet.tasks.detection.pretrain)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from lambdanet.bench.detection_bench import backbone_costs, memory_slopes
-from lambdanet.detection.model import (
+from lambdanet.tasks.detection.model import (
     STUDY_BACKBONES,
     DetectorOptions,
     create_detector,
     create_feature_backbone,
 )
-from lambdanet.detection.pretrain import (
+from lambdanet.tasks.detection.pretrain import (
     GlyphCrops,
     PretrainConfig,
     batch_share,
@@ -24,7 +24,7 @@ from lambdanet.detection.pretrain import (
     pretrain_backbone,
     transfer_mismatch,
 )
-from lambdanet.detection.trainer import quick_backbone_kwargs, resolve_detect_config
+from lambdanet.tasks.detection.config import quick_backbone_kwargs, resolve_detect_config
 from lambdanet.layers import ConvLayer, HaloAttention, LambdaLayer, SqueezeExcite
 from lambdanet.runtime import peak_memory
 
@@ -265,7 +265,7 @@ def test_bench_detection_part_writes_rows_slopes_and_its_section(tmp_path):
 
 
 def test_quick_recipe_pretrains_on_glyphs_only():
-    from lambdanet.detection.trainer import QUICK_PRETRAIN_STEPS
+    from lambdanet.tasks.detection.config import QUICK_PRETRAIN_STEPS
 
     assert resolve_detect_config().pretrain_steps == QUICK_PRETRAIN_STEPS > 0
     assert resolve_detect_config(overrides={"data": "coco:/data/coco"}).pretrain_steps == 0
@@ -275,7 +275,7 @@ def test_quick_recipe_pretrains_on_glyphs_only():
 
 
 def test_study_table_has_table6_columns_in_percent(tmp_path, capsys):
-    from lambdanet.detection.study import main, study_table
+    from lambdanet.tasks.detection.study import main, study_table
 
     summary = {"backbone_params": 592832, "train_time_s": 900.0, "bbox_AP": 0.3, "bbox_AP_small": 0.1,
                "bbox_AP_medium": 0.35, "bbox_AP_large": float("nan"), "segm_AP": 0.25, "segm_AP_small": 0.05,

@@ -18,7 +18,7 @@ from lambdanet.bench.runner import run_benchmarks
 from lambdanet.layers import LambdaLayer, create_spatial_layer, list_spatial_layers, spatial_layer_info
 from lambdanet.models import create_model, list_models
 from lambdanet.runtime import peak_memory, time_fn, timed_call
-from lambdanet.train import resolve_config, train
+from lambdanet.tasks.classification import resolve_config, train
 
 DEVICE = torch.device(os.environ.get("LAMBDANET_TEST_DEVICE", "cuda"))
 

@@ -61,7 +61,7 @@ def test_a_command_missing_its_extra_names_it_in_one_line(missing, argv, extra, 
     monkeypatch.setitem(sys.modules, missing, None)
     if missing == "sklearn":
         monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
-        from lambdanet import data
+        from lambdanet.tasks.classification import datasets as data
 
         data._digits.cache_clear()
     assert main(argv + ["--out", str(tmp_path / "run")]) == 2

@@ -174,7 +174,7 @@ def test_fine_tune_a_grey_run_directory_on_rgb_images(tiny_digits_run, folder, t
     assert (saved["model"], saved["img_size"], saved["model_kwargs"]) == (source["model"], 16, source["model_kwargs"])
     assert source["model_kwargs"]["stem"] == "cifar"  # the setting that the imagefolder's default (224 px) would lose
     # resuming re-resolves the saved configuration to itself (what --resume compares against)
-    from lambdanet.train import resolve_config
+    from lambdanet.tasks.classification import resolve_config
 
     again = dataclasses.asdict(resolve_config(overrides={"out": str(out), "resume": True}))
     assert {k: v for k, v in again.items() if k != "resume"} == {k: v for k, v in saved.items() if k != "resume"}
@@ -195,11 +195,11 @@ def test_fine_tuning_takes_a_run_s_settings_unless_given(tiny_digits_run, folder
     --img-size builds the model at that size with the run's stem; explicit model_kwargs override one option;
     another --model is refused. A run whose header has no stem / width keeps the model's own (not the
     small-image stem and compact width the resolved config would otherwise add at 32 px)."""
-    from lambdanet.data import dataset_spec
-    from lambdanet.train import resolve_config
+    from lambdanet.tasks.classification.data import dataset_spec
+    from lambdanet.tasks.classification import resolve_config
     from lambdanet.engine.checkpoint import export_safetensors
     from lambdanet.files import weights_metadata
-    from lambdanet.train.trainer import build_model_for
+    from lambdanet.tasks.classification.task import build_model_for
 
     source = _header_kwargs(tiny_digits_run / "model.safetensors")
     data = f"imagefolder:{folder}"

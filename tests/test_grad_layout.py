@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lambdanet import LambdaLayer
-from lambdanet.data import ImageLoader, TensorImages, dataset_spec
+from lambdanet.tasks.classification.data import ImageLoader, TensorImages, dataset_spec
 from lambdanet.models import create_model, list_models, model_info
 
 

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from lambdanet.cli import build_parser
-from lambdanet.train.config import RECIPE_MODEL_KEYS, RECIPES, TrainConfig
+from lambdanet.tasks.classification.config import RECIPE_MODEL_KEYS, RECIPES, TrainConfig
 
 
 def option_help(command: str) -> dict[str, str]:
@@ -21,7 +21,7 @@ def shown(value) -> str:
 @pytest.mark.parametrize("recipe", ["quick", "paper"])
 def test_detect_help_shows_what_each_recipe_resolves_to(recipe):
     pytest.importorskip("pycocotools")
-    from lambdanet.detection.trainer import DetectConfig, recipe_values, resolve_detect_config
+    from lambdanet.tasks.detection.config import DetectConfig, recipe_values, resolve_detect_config
 
     resolved = dataclasses.asdict(resolve_detect_config(recipe))
     assert recipe_values()[recipe] == resolved  # the values --help shows are those a run resolves to

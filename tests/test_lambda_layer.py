@@ -799,6 +799,33 @@ def test_auto_times_nothing_under_compile_export_tracing_or_a_dispatch_mode():
         assert has_conv(torch.export.export(layer, (x,)).graph_module)
 
 
+def test_auto_resolves_a_known_key_without_rebuilding_it_until_the_winners_change(monkeypatch):
+    """The winner of a key is resolved once per generation of the winners (the key's Python costs a few percent of
+    a small layer's call): later calls of the key take the memo, a new batch size is a new key, and
+    ``clear_impl_cache`` makes the next call measure again and run the new winner."""
+    from lambdanet.layers import clear_impl_cache, impl_tuning
+    from lambdanet.layers.impl_tuning import isolated_tuning, set_impl_timer
+
+    built = []
+    real = impl_tuning._plans
+    monkeypatch.setattr(impl_tuning, "_plans", lambda *a: built.append(a[1]) or real(*a))
+    layer, x = tuned_layer().eval(), torch.randn(2, 8, 6, 6)
+    ran = _record_position_functions(monkeypatch)
+    with isolated_tuning("measure", timer=fake_timer("conv")):
+        with torch.no_grad():
+            layer(x)
+            assert len(built) == 1 and ran[-1] == "conv"
+            for _ in range(3):
+                layer(x)
+            assert len(built) == 1 and ran[-1] == "conv"  # the memo: no key rebuilt, the same winner
+            layer(x[:1])
+            assert len(built) == 2  # another batch size: another key
+            clear_impl_cache()
+            set_impl_timer(fake_timer("depthwise_conv"))
+            layer(x)
+            assert len(built) == 3 and ran[-1] == "depthwise_conv"
+
+
 def test_static_mode_and_the_environment_switch_timing_off(monkeypatch):
     from lambdanet.layers import impl_tuning_mode, set_impl_tuning
     from lambdanet.layers.impl_tuning import isolated_tuning, tuned_impls

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from lambdanet import create_model, list_models
+from lambdanet.models import model_args
 from lambdanet.cli import main
-from lambdanet.lm.corpus import VAL_PERCENT, is_validation_file, load_corpus
-from lambdanet.lm.task import LMConfig, evaluate_bits_per_byte, load_lm, sample, train_lm
+from lambdanet.tasks.lm.data import VAL_PERCENT, is_validation_file, load_corpus
+from lambdanet.tasks.lm.task import LMConfig, evaluate_bits_per_byte, load_lm, sample, train_lm
 from lambdanet.models.lm import LM_SIZES, matched_dim_v
 
 FAMILIES = ("lambda_lm", "transformer_lm", "linear_lm", "hybrid_lm")
@@ -45,6 +46,24 @@ def test_same_size_families_have_parameter_counts_within_2_percent(size):
     counts = {f: sum(p.numel() for p in create_model(f"{f}_{size}").parameters()) for f in FAMILIES}
     for family, count in counts.items():
         assert abs(count / counts["transformer_lm"] - 1) < 0.02, (family, counts)
+
+
+@pytest.mark.parametrize("kwargs", [{"dim_k": 32}, {"heads": 2}, {"heads": 8, "dim_k": 8}, {"r": 128}])
+def test_the_registered_lambda_models_take_the_layer_shape_and_keep_the_budget(kwargs):
+    """``heads``, ``dim_k``, ``r`` and ``mlp_ratio`` are architecture options of the registered models (the
+    ablations vary them), with the size's values by default; the value depth follows ``heads`` and ``dim_k``
+    (matched_dim_v), so the parameter count stays within 2% of the transformer's of the same size."""
+    model = create_model("lambda_lm_tiny", **kwargs)
+    layer, s = model.blocks[0].mixer, LM_SIZES["tiny"]
+    expected = {"heads": s.heads, "dim_k": s.dim_k, "r": s.r, **kwargs}
+    assert (layer.heads, layer.dim_k, layer.r) == (expected["heads"], expected["dim_k"], expected["r"])
+    assert layer.dim_v == matched_dim_v(s.dim, expected["heads"], expected["dim_k"])
+    params = sum(p.numel() for p in model.parameters())
+    transformer = sum(p.numel() for p in create_model("transformer_lm_tiny").parameters())
+    assert abs(params / transformer - 1) < 0.02 + (kwargs.get("r", s.r) - s.r) * s.dim_k * s.depth / transformer
+    assert model_args("lambda_lm_tiny")["dim_k"] == s.dim_k and model_args("lambda_lm_nano")["r"] == 16
+    wider = create_model("transformer_lm_tiny", mlp_ratio=2.0)
+    assert wider.blocks[0].mlp[0].out_features == 2 * s.dim
 
 
 def test_matched_value_depth_gives_attention_parameters():

@@ -17,7 +17,8 @@ from lambdanet.layers.causal_lambda import CausalLambdaLayer
 from lambdanet.models import create_model
 from lambdanet.models.lm import LM_SIZES
 
-OPTIONS = [{"decay": "fixed"}, {"decay": "gate"}, {"short_conv": 4}, {"decay": "gate", "short_conv": 3}]
+OPTIONS = [{"decay": "fixed"}, {"decay": "gate"}, {"short_conv": 4}, {"decay": "gate", "short_conv": 3},
+           {"lambdas": 2}, {"lambdas": 2, "decay": "gate", "short_conv": 3}]
 
 
 def rel(a, b):
@@ -47,11 +48,21 @@ def definition(m: CausalLambdaLayer, x: torch.Tensor) -> torch.Tensor:
         s, w = m.short_conv, m.conv.weight[:, 0]  # c s
         padded = F.pad(qkv, (0, 0, s - 1, 0))
         qkv = sum(w[:, j] * padded[:, j : j + n] for j in range(s))
-    h, k, v, u = m.heads, m.dim_k, m.dim_v, m.dim_u
-    q, keys, values = qkv.split([h * k, k * u, v * u], dim=-1)
-    q, keys, values = q.unflatten(-1, (h, k)), keys.unflatten(-1, (k, u)), values.unflatten(-1, (v, u))
+    h, k, v, u, L = m.heads, m.dim_k, m.dim_v, m.dim_u, m.lambdas
+    q, keys, values = qkv.split([h * k, L * k * u, L * v * u], dim=-1)
+    q, keys, values = q.unflatten(-1, (h, k)), keys.unflatten(-1, (L, k, u)), values.unflatten(-1, (L, v, u))
+    # lambda l serves the queries' heads l h / L .. (l + 1) h / L - 1 with its own keys and values
+    per = h // L
+    heads = [lambda_outputs(m, x, q[:, :, i * per : (i + 1) * per], keys[:, :, i], values[:, :, i]) for i in range(L)]
+    return m.proj(torch.cat(heads, dim=2).flatten(2))
+
+
+def lambda_outputs(m: CausalLambdaLayer, x, q, keys, values) -> torch.Tensor:
+    """One lambda's outputs ``[b, n, h', v]`` for its queries ``q [b, n, h', k]``, keys ``[b, n, k, u]`` and values
+    ``[b, n, v, u]``, written out per position."""
+    b, n, k, u = keys.shape
     if m.decay is None:
-        return m.proj(causal_lambda_reference(q, keys, values, m.emb).flatten(2))
+        return causal_lambda_reference(q, keys, values, m.emb)
     if m.decay == "fixed":
         g = F.softplus(m.decay_rate).expand(b, n, k, u)
     else:
@@ -64,7 +75,7 @@ def definition(m: CausalLambdaLayer, x: torch.Tensor) -> torch.Tensor:
         for j in range(min(m.r, i + 1)):
             lam = lam + torch.einsum("ku,bvu->bkv", m.emb[j], values[:, i - j])
         out.append(torch.einsum("bhk,bkv->bhv", q[:, i], lam))
-    return m.proj(torch.stack(out, dim=1).flatten(2))
+    return torch.stack(out, dim=1)
 
 
 @pytest.mark.parametrize("kw", OPTIONS)
@@ -89,7 +100,7 @@ def test_each_option_is_causal_and_continues_its_state(kw):
     assert rel(torch.cat([y1, y2], dim=1), y) < 1e-10
     state, steps = m.init_state(2, dtype=torch.float64), []
     for t in range(21):
-        out, state = m.step(x[:, t], state)
+        out, state = m.step(state, x[:, t])
         steps.append(out)
     assert rel(torch.stack(steps, dim=1), y) < 1e-10
     # the state's size does not depend on the context's length
@@ -113,6 +124,8 @@ def test_a_decay_forgets_and_the_gate_follows_the_input():
 
 def test_bad_options_are_one_line_errors():
     for kw, match in (({"decay": "exp"}, "decay must be one of None, 'fixed', 'gate'"),
+                      ({"lambdas": 3}, r"lambdas must divide heads=4 \(the queries are split among them\), got 3"),
+                      ({"lambdas": 0}, "lambdas must be a positive int"),
                       ({"short_conv": -1}, "short_conv must be a non-negative int"),
                       ({"short_conv": True}, "short_conv must be a non-negative int")):  # fmt: skip
         with pytest.raises(ValueError, match=match) as err:

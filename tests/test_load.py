@@ -6,9 +6,9 @@ import torch
 from safetensors.torch import save_model
 
 import lambdanet
-from lambdanet.data import ImageLoader, build_datasets
+from lambdanet.tasks.classification.data import ImageLoader, build_datasets
 from lambdanet.models import create_model
-from lambdanet.train import resolve_config, train
+from lambdanet.tasks.classification import resolve_config, train
 
 FAST = dict(epochs=2, max_train_batches=3, batch_size=32, progress=False, tensorboard=False)
 

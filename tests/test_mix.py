@@ -1,5 +1,6 @@
-"""Mixup and CutMix of classification batches (lambdanet.train.mix): the mixed batch and its soft targets against
-their definitions written out per sample, against timm's ``Mixup`` on the same draw, and the options' checks."""
+"""Mixup and CutMix of classification batches (lambdanet.tasks.classification.mix): the mixed batch and its soft
+targets against their definitions written out per sample, against timm's ``Mixup`` on the same draw, and the
+options' checks."""
 
 import math
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from lambdanet.cli import main
-from lambdanet.train.mix import BatchMix, MixDraw, cutmix_box, mix_targets, soft_target_cross_entropy
+from lambdanet.tasks.classification.mix import BatchMix, MixDraw, cutmix_box, mix_targets, soft_target_cross_entropy
 
 
 def smoothed(label: int, classes: int, smoothing: float) -> torch.Tensor:

@@ -23,7 +23,7 @@ from lambdanet.models.paper_tables import PAPER_ROWS
 from lambdanet.models.resnet import ResNetConfig, build_resnet
 from lambdanet.models.zoo_resnet import LAMBDA_C4_BLOCKS, RESNET_RS_LAYERS, TABLE20_REGULARIZATION, Table20Row
 from lambdanet.runtime import count_flops
-from lambdanet.train.config import TrainConfig
+from lambdanet.tasks.classification.config import TrainConfig
 
 FAMILIES = (zoo_resnet, halonet, mobilenet, byoa)
 

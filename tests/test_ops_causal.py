@@ -149,9 +149,10 @@ def test_fused_chunk_launches_and_torch_ops_do_not_grow_with_n(monkeypatch):
 
 
 @needs_kernels
-def test_the_layer_runs_every_mode_alike_and_checks_it():
+@pytest.mark.parametrize("lambdas", [1, 2])  # 2: one lambda per head, each its own stream of the op
+def test_the_layer_runs_every_mode_alike_and_checks_it(lambdas):
     torch.manual_seed(0)
-    layer = CausalLambdaLayer(32, heads=2, dim_k=16, r=8)
+    layer = CausalLambdaLayer(32, heads=2, dim_k=16, r=8, lambdas=lambdas)
     x = torch.randn(2, 37, 32, requires_grad=True)
     outs = {}
     for mode in ("chunk", "fused_chunk", "fused_recurrent"):
@@ -173,6 +174,18 @@ def test_fused_chunk_argument_errors_are_one_line():
         causal_lambda(q, keys, values, emb, mode="fused_chunk", chunk_size=24)
     with pytest.raises(ValueError, match="mode must be one of"):
         causal_lambda(q, keys, values, emb, mode="flash")
+
+
+def test_naive_mode_refuses_a_state_without_reading_it():
+    """The definition starts from an empty context: any ``initial_state`` is refused by its presence, so that the
+    check never reads a device tensor back (an all-zero state is refused too)."""
+    q, keys, values, emb = inputs(6)
+    _, state = causal_lambda(q, keys, values, emb, mode="chunk", output_final_state=True)
+    empty = {k: torch.zeros_like(v) for k, v in state.items()}
+    for given in (state, empty):
+        with pytest.raises(ValueError, match="initial_state must be None with mode='naive'") as err:
+            causal_lambda(q, keys, values, emb, mode="naive", initial_state=given)
+        assert "\n" not in str(err.value)
 
 
 def test_auto_is_the_pytorch_chunk_form_on_the_cpu_and_the_kernels_on_cuda():

@@ -24,7 +24,7 @@ from torch import nn
 
 import lambdanet
 from lambdanet.cli import main
-from lambdanet.data import build_datasets
+from lambdanet.tasks.classification.data import build_datasets
 from lambdanet.predict import find_images, predict
 
 EPS32 = torch.finfo(torch.float32).eps
@@ -54,7 +54,7 @@ def digits(tmp_path_factory):
 def by_hand(files, model):
     """Probabilities of ``model`` (in float64) on ``files`` preprocessed as the digits run was trained: 8-bit
     grayscale scaled to [0, 1], bilinear antialiased resize to 16x16, normalised with the digits mean 0.30 and
-    std 0.38 (lambdanet.data)."""
+    std 0.38 (lambdanet.tasks.classification.datasets)."""
     pixels = np.stack([np.asarray(Image.open(f), dtype=np.float64) / 255.0 for f in files])  # n 8 8
     x = F.interpolate(torch.from_numpy(pixels)[:, None], size=(16, 16), mode="bilinear", antialias=True,
                       align_corners=False)  # n 1 16 16

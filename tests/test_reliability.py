@@ -11,11 +11,11 @@ import urllib.error
 import pytest
 import yaml
 
-from lambdanet import data as D
+from lambdanet.tasks.classification import datasets as D
 from lambdanet.cli import build_parser, main
-from lambdanet.train import resolve_config, train
+from lambdanet.tasks.classification import resolve_config, train
 from lambdanet.engine.checkpoint import CheckpointError, load_checkpoint
-from lambdanet.train.config import TrainConfig
+from lambdanet.tasks.classification.config import TrainConfig
 from lambdanet.engine.rundir import RunDirBusyError, RunDirLock
 
 FAST = dict(epochs=2, max_train_batches=2, batch_size=32, progress=False, tensorboard=False)
@@ -40,7 +40,7 @@ def test_config_yaml_is_the_configuration_that_ran(tmp_path):
     assert saved["model_kwargs"] == {"stem": "cifar", "base_width": 16, "img_size": 16}
     # the model rebuilt from config.yaml alone has the run's parameter count and loads its weights strictly
     cfg = TrainConfig(**saved)
-    from lambdanet.train.trainer import build_model_for
+    from lambdanet.tasks.classification.task import build_model_for
 
     model = build_model_for(cfg, D.dataset_spec(cfg.data))
     assert sum(p.numel() for p in model.parameters()) == summary["params"]

@@ -17,13 +17,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from lambdanet.cli import main
-from lambdanet.data import ImageLoader, build_datasets, epoch_indices
+from lambdanet.tasks.classification.data import ImageLoader, build_datasets, epoch_indices
 from lambdanet.models import create_model
 from lambdanet.models import ModelInfo, register_model, unregister_model
-from lambdanet.train import TrainingDivergedError, evaluate_checkpoint, resolve_config, train
+from lambdanet.tasks.classification import TrainingDivergedError, evaluate_checkpoint, resolve_config, train
 from lambdanet.engine.checkpoint import CheckpointError, load_checkpoint
 from lambdanet.engine.optim import lr_at
-from lambdanet.train.trainer import build_model_for
+from lambdanet.tasks.classification.task import build_model_for
 
 FAST = dict(epochs=2, max_train_batches=3, batch_size=32, progress=False, tensorboard=False)
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
@@ -335,14 +335,14 @@ def _user_error(message):
 
 
 def _diverge(message):
-    from lambdanet.train.trainer import TrainingDivergedError
+    from lambdanet.tasks.classification.task import TrainingDivergedError
 
     raise TrainingDivergedError(message)
 
 
 def test_launch_local_starts_a_process_group_and_relays_user_errors(tmp_path):
     from lambdanet.engine.distributed import DistContext, all_threads_on_main, launch_local, usable_cores
-    from lambdanet.train.trainer import TrainingDivergedError
+    from lambdanet.tasks.classification.task import TrainingDivergedError
 
     launch_local(_report_group, (str(tmp_path),), 2)
     seen = [json.loads((tmp_path / r).read_text()) for r in ("0", "1")]
@@ -542,7 +542,7 @@ def test_eval_takes_a_run_directory_as_its_last_pt(tiny_digits_run, tmp_path, ca
 def test_randaugment_reaches_the_papers_largest_magnitude():
     """HaloNet H7's recipe takes RandAugment magnitude 31, one past torchvision's default 31 bins (0-30), where
     its RandAugment fails with an IndexError: the bins are widened to reach it."""
-    from lambdanet.data import rand_augment
+    from lambdanet.tasks.classification.data import rand_augment
     from lambdanet.models import model_info
 
     assert model_info("halonet_h7").recipe["randaugment_magnitude"] == 31
@@ -611,7 +611,7 @@ def test_run_state_records_the_best_epoch_and_counts_the_epochs_since():
 def scripted_evaluation(monkeypatch, top1: dict, snapshots: dict) -> None:
     """Every evaluation of epoch e reports top-1 ``top1[e]`` (so the best epoch is known in advance), and
     ``snapshots[e]`` keeps the raw and EMA weights at the end of epoch e, as the run has them."""
-    from lambdanet.train import trainer
+    from lambdanet.tasks.classification import task as trainer
 
     current, original = {}, trainer.ClassificationTask.epoch_row
 

@@ -2,7 +2,7 @@
 
 LambdaNetworks Table 6 and HaloNet Table 5 compare detection backbones by accuracy and by the backbone's
 own cost (HaloNet: "backbone-only time"). :func:`backbone_costs` measures each backbone of the side-by-side
-study (:data:`lambdanet.detection.model.STUDY_BACKBONES`, at the quick recipe's width) as the detector runs
+study (:data:`lambdanet.tasks.detection.model.STUDY_BACKBONES`, at the quick recipe's width) as the detector runs
 it: ``create_feature_backbone`` (``features_only``, relative tables sized for the input), square inputs of
 ``size x size``, the c2..c5 maps out. Per backbone, size and batch: parameters, forward time (inference,
 no autograd), forward+backward time (training: the loss is the sum of every map's mean), and the peak
@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from lambdanet.bench.layer_bench import loglog_slope
-from lambdanet.detection.model import STUDY_BACKBONES, create_feature_backbone
-from lambdanet.detection.trainer import quick_backbone_kwargs
+from lambdanet.tasks.detection.model import STUDY_BACKBONES, create_feature_backbone
+from lambdanet.tasks.detection.config import quick_backbone_kwargs
 from lambdanet.runtime import peak_memory, time_round_robin
 
 __all__ = ["DETECTION_SIZES", "DETECTION_BATCHES", "backbone_costs", "memory_slopes"]

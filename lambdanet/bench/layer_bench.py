@@ -6,22 +6,28 @@ peak memory and FLOPs across sizes and batches; :func:`scaling_slopes` fits the 
 rows against the number of positions (the complexity classes of Tables 2 and 4: 2 for global attention, 1
 for local attention and the lambda convolution, and a per-example slope of at most 1 for the global lambda layer,
 whose ``k n m`` term is shared by the batch). :func:`lambda_vs_peers` and :func:`attention_vs_peers`
-time several implementations on one input round-robin (:func:`interleaved_fwd_bwd`).
+time several implementations on one input round-robin (:func:`interleaved_fwd_bwd`, from
+:mod:`lambdanet.bench.timing`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from lambdanet.bench.peers import peer_attention_layers, peer_lambda_layers
+from lambdanet.bench.timing import (  # re-exported: their old home
+    MAX_TIMING_SPREAD,
+    bench_layer,
+    interleaved_fwd_bwd,
+    timing_flags,
+)
 from lambdanet.layers import LambdaLayer, RelativePositionEmbedding, create_spatial_layer
 from lambdanet.layers.impl_tuning import auto_choice, impl_tuning_mode, isolated_tuning
-from lambdanet.runtime import autocast_context, count_flops, peak_memory, time_round_robin
 
 __all__ = [
     "LayerConfig",
@@ -37,6 +43,8 @@ __all__ = [
     "geomean",
     "bench_layer",
     "interleaved_fwd_bwd",
+    "MAX_TIMING_SPREAD",
+    "timing_flags",
     "layer_sweep",
     "scaling_slopes",
     "lambda_vs_peers",
@@ -131,94 +139,6 @@ def loglog_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
     return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
 
 
-def _step(layer: nn.Module, x: torch.Tensor, backward: bool, amp: str = "none") -> Callable[[], None]:
-    """One forward (``backward=False``) or forward+backward (``layer(x).sum().backward()``) pass, the forward
-    under ``amp`` autocast (:func:`~lambdanet.runtime.autocast_context`)."""
-
-    def step():
-        with autocast_context(x.device, amp):
-            y = layer(x)
-        if backward:
-            y.float().sum().backward()
-
-    return step
-
-
-def _measure(
-    layers: dict[str, nn.Module],
-    steps: dict[str, Callable[[], None]],
-    device: torch.device,
-    *,
-    repeats: int,
-    warmup: int,
-    max_seconds: float | None = None,
-) -> dict[str, dict]:
-    """Round-robin time, then peak memory and FLOPs of each step. The memory is that of a step that starts
-    without parameter gradients (like a training step after ``zero_grad(set_to_none=True)``), so the
-    gradients it creates are counted; they are dropped again afterwards."""
-    timings = time_round_robin(steps, device, warmup=warmup, repeats=repeats, max_seconds=max_seconds)
-    out = {}
-    for name, step in steps.items():
-        layers[name].zero_grad(set_to_none=True)
-        out[name] = {
-            "median_ms": timings[name].median_s * 1e3,
-            "iqr_ms": timings[name].iqr_s * 1e3,
-            "repeats": timings[name].repeats,
-            "peak_bytes": peak_memory(step, device),
-            "flops": count_flops(step),
-        }
-        layers[name].zero_grad(set_to_none=True)
-    return out
-
-
-def bench_layer(
-    layer: nn.Module,
-    x: torch.Tensor,
-    *,
-    backward: bool = True,
-    repeats: int = 7,
-    warmup: int = 2,
-    max_seconds: float | None = 20.0,
-) -> dict:
-    """Median time, peak memory and FLOPs of one forward (or forward+backward) pass of ``layer`` on ``x``."""
-    x = x.detach().requires_grad_(backward)
-    return _measure(
-        {"layer": layer},
-        {"layer": _step(layer, x, backward)},
-        x.device,
-        repeats=repeats,
-        warmup=warmup,
-        max_seconds=max_seconds,
-    )["layer"]
-
-
-def interleaved_fwd_bwd(
-    impls: dict[str, nn.Module],
-    x: torch.Tensor,
-    *,
-    repeats: int = 5,
-    warmup: int = 2,
-    amp: str = "none",
-    log=print,
-) -> dict[str, dict]:
-    """Forward+backward of several layers on the same input, timed round-robin (one call of each per round,
-    the order rotating) so that drifting machine speed affects them alike; then peak memory and FLOPs.
-    ``amp`` autocasts the forwards. A layer whose warm-up fails (out of memory, unsupported input) is logged
-    and left out."""
-    xs = x.detach().requires_grad_(True)
-    steps = {}
-    for name, layer in impls.items():
-        step = _step(layer, xs, backward=True, amp=amp)
-        try:
-            for _ in range(warmup):
-                step()
-        except RuntimeError as err:
-            log(f"  {name}: failed ({str(err)[:80]})")
-            continue
-        steps[name] = step
-    return _measure(impls, steps, x.device, repeats=repeats, warmup=0) if steps else {}
-
-
 def geomean(values: Sequence[float]) -> float:
     """Geometric mean of the positive entries of ``values`` (``nan`` when there are none)."""
     vals = [v for v in values if v and v > 0]
@@ -265,12 +185,14 @@ def lambda_vs_peers(
                     row["fastest_peer"] = fastest
                     row["ratio_vs_fastest_peer"] = peers[fastest]["median_ms"] / mine["median_ms"]
                     row["memory_ratio"] = mine["peak_bytes"] / max(peers[fastest]["peak_bytes"], 1)
-        log(
-            "  "
-            + ", ".join(f"{k} {v['median_ms']:.1f} ms / {v['peak_bytes'] / 2**20:.0f} MiB" for k, v in results.items())
-            + f"  @ {point}"
-        )
+        log(_results_line(results, point))
     return rows
+
+
+def _results_line(results: dict[str, dict], point: dict) -> str:
+    """The log line of one comparison point: each implementation's time and peak memory."""
+    timings = ", ".join(f"{k} {v['median_ms']:.1f} ms / {v['peak_bytes'] / 2**20:.0f} MiB" for k, v in results.items())
+    return f"  {timings}  @ {point}"
 
 
 def triton_runs(device: str | torch.device) -> bool:
@@ -352,26 +274,6 @@ def _impl_rows(point: dict, results: dict[str, dict], picked: str, static: str) 
             row["auto_over_fastest"] = row["slowdown_vs_fastest"]
         rows.append(row)
     return rows
-
-
-# a timing whose rounds spread (interquartile range) by more than this fraction of its median is not a clean
-# number: on a 2-core VM, steal and other jobs easily move single rounds by 2x
-MAX_TIMING_SPREAD = 0.25
-
-
-def timing_flags(fwd: dict, fwd_bwd: dict, spread: float = MAX_TIMING_SPREAD) -> list[str]:
-    """Why a (forward, forward+backward) pair of :func:`bench_layer` results cannot be trusted: rounds that
-    disagree (``iqr / median > spread``, or a single round, which states no spread) or a forward+backward pass
-    faster than the forward it contains. Empty when the pair is clean."""
-    flags = []
-    for name, res in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
-        if res.get("repeats", 0) < 3:
-            flags.append(f"{name}: {res.get('repeats', 0)} round(s), no spread")
-        elif res["iqr_ms"] > spread * res["median_ms"]:
-            flags.append(f"{name}: rounds spread {res['iqr_ms'] / res['median_ms']:.0%} > {spread:.0%}")
-    if fwd_bwd["median_ms"] < fwd["median_ms"]:
-        flags.append("fwd+bwd faster than fwd")
-    return flags
 
 
 def layer_sweep(
@@ -507,9 +409,5 @@ def attention_vs_peers(
                     row["ratio_vs_peer"] = res[peer_name]["median_ms"] / r["median_ms"]
                     row["memory_ratio"] = r["peak_bytes"] / max(res[peer_name]["peak_bytes"], 1)
                 rows.append(row)
-            log(
-                "  "
-                + ", ".join(f"{k} {v['median_ms']:.1f} ms / {v['peak_bytes'] / 2**20:.0f} MiB" for k, v in res.items())
-                + f"  @ {point}"
-            )
+            log(_results_line(res, point))
     return rows

@@ -6,8 +6,9 @@
 * :func:`generation`: per-token latency of ``model.step`` after a context of ``n`` tokens (the prompt run by the
   parallel forward with ``return_state``), the bytes of the state it carries and the peak memory of one step.
 * :func:`quality`: validation bits per byte after equal training time and after equal optimiser steps, per seed
-  (a plain AdamW loop with the ``lambdanet lm train`` defaults; warm-up and cosine decay over the steps, or over
-  the time budget for the equal-time runs), and :func:`quality_summary` (mean and spread over seeds).
+  (the engine's training step, :func:`lambdanet.engine.loop.train_epoch` on the loss of ``lambdanet lm train``
+  with its defaults: AdamW, gradient clipping; warm-up and cosine decay over the steps, or over the time budget
+  for the equal-time runs), and :func:`quality_summary` (mean and spread over seeds).
 
 Every model of one study has the same size (``<mixer>_lm_<size>``: width, depth, heads, MLP; parameters within
 2%).
@@ -27,12 +28,16 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from lambdanet.bench.layer_bench import loglog_slope
+from lambdanet.engine.distributed import DistContext
+from lambdanet.engine.loop import NonFiniteLossError, train_epoch
 from lambdanet.engine.optim import build_optimizer, lr_at
-from lambdanet.lm.corpus import Corpus, windows
-from lambdanet.lm.task import LMConfig, evaluate_bits_per_byte
+from lambdanet.engine.state import RunState
 from lambdanet.models import create_model
 from lambdanet.models.lm import LanguageModel
 from lambdanet.runtime import peak_memory, sync, time_round_robin
+from lambdanet.tasks.lm.config import LMConfig
+from lambdanet.tasks.lm.data import Corpus, windows
+from lambdanet.tasks.lm.task import evaluate_bits_per_byte, next_byte_loss
 
 __all__ = ["LM_MIXERS", "throughput", "memory_slopes", "generation", "quality", "quality_summary", "plot_lm_study"]
 
@@ -179,7 +184,7 @@ def generation(
     return rows
 
 
-def _train(
+def train_run(
     name: str,
     corpus: Corpus,
     context: int,
@@ -190,32 +195,31 @@ def _train(
     seconds: float | None,
     device: torch.device,
     eval_bytes: int,
+    model_kwargs: dict | None = None,
 ) -> dict:
-    """One run: ``steps`` optimiser steps (schedule over the steps) or ``seconds`` of training (schedule over the
-    time spent); returns its validation bits per byte, steps and training seconds."""
+    """One run of model ``name`` (built with ``model_kwargs``): ``steps`` optimiser steps (schedule over the steps)
+    or ``seconds`` of training (schedule over the time spent), each the engine's training step on ``lambdanet lm
+    train``'s loss and recipe (a diverged run scores NaN); returns its validation bits per byte (the first
+    ``eval_bytes`` of the split), steps and training seconds."""
     cfg = LMConfig()
     torch.manual_seed(seed)
-    model = create_model(name).to(device)
-    opt = build_optimizer(model, cfg)
+    model = create_model(name, **(model_kwargs or {})).to(device)
+    state, ctx = RunState(model, build_optimizer(model, cfg)), DistContext(device=device)
     g = torch.Generator().manual_seed(seed)
     high = corpus.train.numel() - context - 1
     warmup = cfg.warmup_steps / (cfg.epochs * cfg.steps_per_epoch)  # the default run's warm-up fraction
     floor, spent, done = cfg.min_lr / cfg.lr, 0.0, 0
     while (steps is not None and done < steps) or (seconds is not None and spent < seconds):
         fraction = done / steps if steps is not None else spent / cast(float, seconds)  # not None without steps
-        for group in opt.param_groups:
-            group["lr"] = cfg.lr * lr_at(round(1000 * fraction), 1000, round(1000 * warmup), min_factor=floor)
+        rate = cfg.lr * lr_at(round(1000 * fraction), 1000, round(1000 * warmup), min_factor=floor)
         starts = torch.randint(0, high + 1, (batch,), generator=g)
         tokens = windows(corpus.train, starts, context + 1).to(device)  # b (n + 1)
         sync(device)
         start = time.perf_counter()
-        model.train()
-        logits = model(tokens[:, :-1])  # b n vocab
-        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cast(float, cfg.grad_clip))  # LMConfig's default: 1.0
-        opt.step()
+        try:  # one step: the rate, the loss, the optimiser step with LMConfig's gradient clipping (1.0)
+            train_epoch(state, model, [tokens], next_byte_loss, ctx=ctx, total=1, clip=cfg.grad_clip, lr=lambda _: rate)
+        except NonFiniteLossError:
+            return {"val_bits_per_byte": math.nan, "steps": done, "train_s": spent}
         sync(device)
         spent += time.perf_counter() - start
         done += 1
@@ -243,7 +247,7 @@ def quality(
     for budget in ("time", "steps"):
         for seed in seeds:
             for m in LM_MIXERS:
-                res = _train(
+                res = train_run(
                     f"{m}_lm_{size}",
                     corpus,
                     context,

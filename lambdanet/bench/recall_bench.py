@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from lambdanet.engine.loop import optimizer_step
 from lambdanet.engine.optim import lr_at
 from lambdanet.models import create_model
 
@@ -80,10 +81,7 @@ def recall(
                 tokens, target = recall_batch(batch, p, p, g)
                 logits = model(tokens[:, :-1].to(dev))  # b n vocab
                 loss = F.cross_entropy(logits.flatten(0, 1), target.flatten().to(dev), ignore_index=-100)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
+                optimizer_step(loss, opt, clip=(model, 1.0))  # the engine's step, the gradient norm clipped to 1
             model.eval()
             eg = torch.Generator().manual_seed(seed + 10_000)
             with torch.no_grad():

@@ -23,6 +23,8 @@ of ``bench.md``):
   the number of pairs: where a constant-size state stops being enough (:mod:`lambdanet.bench.recall_bench`).
 * ``lm_quality``: the same three trained at context 512 on the standard library for equal time and for equal
   steps, three seeds each (about 35 minutes on 2 CPU cores): validation bits per byte, mean and spread.
+* ``lm_ablation``: the lambda layer's knobs and options at the transformer's parameter budget, 1,200 steps at
+  context 256, three seeds (:mod:`lambdanet.bench.lm_ablation`: hours on 2 CPU cores; resumable in ``--out``).
 
 A missing peer package leaves out its rows; a line on stderr and in ``bench.md`` says so and how to install it.
 """
@@ -31,230 +33,20 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
-from typing import NamedTuple
 
-from lambdanet.bench import detection_bench, kernel_bench, layer_bench, lm_bench, model_bench, recall_bench
+from lambdanet.bench import detection_bench, kernel_bench, layer_bench, lm_ablation, lm_bench, model_bench, recall_bench
+from lambdanet.bench.layer_parts import attention, impls, scaling, targets
+from lambdanet.bench.part import DEFAULT_SUITES, BenchSettings, Log, Part, PartResult
 from lambdanet.bench.peers import missing_peers_warning
-from lambdanet.bench.report import environment, markdown, plot_scaling, write_rows
+from lambdanet.bench.report import environment, markdown, write_rows
 from lambdanet.helpers import require
-from lambdanet.layers.impl_tuning import impl_tuning_mode
 from lambdanet.runtime import check_amp
 
 __all__ = ["BenchSettings", "Part", "PARTS", "DEFAULT_PARTS", "DEFAULT_SUITES", "run_benchmarks"]
 
 DEFAULT_PARTS = ("targets", "scaling", "table4")  # what ``lambdanet bench`` runs without part names
-DEFAULT_SUITES = ("table13", "hybrid26", "mobilenet", "halonet")
-
-
-@dataclass(frozen=True)
-class BenchSettings:
-    """The options of a bench run that the parts read (``quick``: tiny sizes, a smoke test)."""
-
-    device: str = "cpu"
-    quick: bool = False
-    suites: tuple[str, ...] = DEFAULT_SUITES
-    img_size: int = 224
-    batch_size: int = 8
-    repeats: int = 5
-    amp: str = "none"
-    channels_last: bool = False
-    compile: bool = False
-    layers: tuple[str, ...] | None = None
-
-    @property
-    def model_suites(self) -> tuple[str, ...]:
-        return ("hybrid26",) if self.quick else self.suites
-
-
-Log = Callable[[str], None]
-PartResult = tuple[dict[str, list[dict]], list[str]]  # rows per output file, lines of bench.md
-
-
-def _targets(s: BenchSettings, out: Path, log: Log) -> PartResult:
-    log("== targets: LambdaLayer against the peers (forward+backward)")
-    points = [(2, 32, 8, 5), (2, 32, 8, None)] if s.quick else layer_bench.TARGET_POINTS
-    rows = layer_bench.lambda_vs_peers(points, device=s.device, repeats=2 if s.quick else s.repeats, amp=s.amp, log=log)
-    report = [
-        "## LambdaLayer against the peers (forward+backward)",
-        "",
-        markdown(
-            rows,
-            [
-                ("batch", "B"),
-                ("channels", "C"),
-                ("side", "size"),
-                ("scope", "scope"),
-                ("impl", "implementation"),
-                ("median_ms", "ms"),
-                ("iqr_ms", "IQR ms"),
-                ("peak_bytes", "peak bytes"),
-                ("ratio_vs_fastest_peer", "speed-up vs fastest peer"),
-                ("memory_ratio", "memory vs that peer"),
-            ],
-        ),
-        "",
-    ]
-    ours = [r for r in rows if r["impl"] == "lambdanet" and "ratio_vs_fastest_peer" in r]
-    if ours:
-        gm = layer_bench.geomean([r["ratio_vs_fastest_peer"] for r in ours])
-        report += [
-            f"Geometric-mean speed-up against the fastest peer: {gm:.2f}x; slowest point "
-            f"{min(r['ratio_vs_fastest_peer'] for r in ours):.2f}x; largest memory "
-            f"ratio {max(r['memory_ratio'] for r in ours):.2f}.",
-            "",
-        ]
-    return {"targets": rows}, report
-
-
-AUTO_TARGET = 1.2  # impl="auto" within this factor of the fastest implementation at every point (issue 39)
-
-
-def _impls(s: BenchSettings, out: Path, log: Log) -> PartResult:
-    log("== impls: every LambdaLayer position implementation and auto (forward+backward)")
-    points = [(2, 32, 8, 5), (2, 32, 8, None)] if s.quick else layer_bench.IMPLS_PART_POINTS
-    rows = layer_bench.lambda_impls(points, device=s.device, repeats=2 if s.quick else s.repeats, amp=s.amp, log=log)
-    return {"impls": rows}, [
-        "## LambdaLayer implementations (forward+backward)",
-        "",
-        markdown(
-            [r for r in rows if r["impl"] != "auto"],
-            [
-                ("batch", "B"),
-                ("channels", "C"),
-                ("side", "size"),
-                ("scope", "scope"),
-                ("impl", "impl"),
-                ("median_ms", "ms"),
-                ("peak_bytes", "peak bytes"),
-                ("slowdown_vs_fastest", "x fastest"),
-                ("auto", "auto's pick"),
-                ("fastest", "fastest"),
-            ],
-        ),
-        "",
-        *_auto_report([r for r in rows if r["impl"] == "auto"]),
-    ]
-
-
-def _auto_report(autos: list[dict]) -> list[str]:
-    """The ``impls`` part's guard of ``impl="auto"``: its time over the fastest implementation's at every point."""
-    if not autos:
-        return []
-    within = [r for r in autos if r["auto_over_fastest"] <= AUTO_TARGET]
-    worst = max(autos, key=lambda r: r["auto_over_fastest"])
-    return [
-        f"### `auto` against the fastest implementation (tuning mode: {impl_tuning_mode()})",
-        "",
-        markdown(
-            autos,
-            [
-                ("batch", "B"),
-                ("channels", "C"),
-                ("side", "size"),
-                ("scope", "scope"),
-                ("fastest_impl", "fastest"),
-                ("auto_impl", "auto ran"),
-                ("static_impl", "static pick"),
-                ("median_ms", "auto ms"),
-                ("auto_over_fastest", "auto/fastest"),
-            ],
-        ),
-        "",
-        f"`auto` within {AUTO_TARGET}x of the fastest implementation at {len(within)} of {len(autos)} points; "
-        f"worst {worst['auto_over_fastest']:.2f}x (B={worst['batch']} C={worst['channels']} "
-        f"{worst['side']}x{worst['side']} {worst['scope']}).",
-        "",
-    ]
-
-
-def _attention(s: BenchSettings, out: Path, log: Log) -> PartResult:
-    log("== attention: halo and global relative attention against timm")
-    points = [(2, 32, 16)] if s.quick else layer_bench.ATTENTION_POINTS
-    rows = layer_bench.attention_vs_peers(
-        points, device=s.device, repeats=2 if s.quick else s.repeats, amp=s.amp, log=log
-    )
-    return {"attention": rows}, [
-        "## Attention layers against timm (forward+backward)",
-        "",
-        markdown(
-            rows,
-            [
-                ("kind", "layer"),
-                ("batch", "B"),
-                ("channels", "C"),
-                ("side", "size"),
-                ("impl", "implementation"),
-                ("median_ms", "ms"),
-                ("peak_bytes", "peak bytes"),
-                ("ratio_vs_peer", "speed-up vs timm"),
-                ("memory_ratio", "memory vs timm"),
-            ],
-        ),
-        "",
-    ]
-
-
-def _scaling(s: BenchSettings, out: Path, log: Log) -> PartResult:
-    log("== scaling: spatial layers across resolutions and batches")
-    quick_layers = ["global_attention", "local_attention_7x7", "lambda_conv_7x7", "lambda"]
-    names = list(s.layers) if s.layers else (quick_layers if s.quick else list(layer_bench.LAYER_SUITE))
-    sides = [8, 12] if s.quick else [14, 16, 24, 32, 48, 64, 96, 128]
-    batches = [1] if s.quick else [1, 4]
-    rows = layer_bench.layer_sweep(
-        names, sides, batches, dim=16 if s.quick else 64, device=s.device, repeats=3, log=log
-    )
-    slopes = layer_bench.scaling_slopes(rows)
-    plots = plot_scaling(rows, out)
-    flagged = [r for r in rows + slopes if r.get("flags")]
-    warning = (
-        [
-            f"**Warning: {len(flagged)} row(s) below are flagged unreliable** (timing rounds spreading by more "
-            f"than {layer_bench.MAX_TIMING_SPREAD:.0%} of the median after a re-measurement, fwd+bwd faster than "
-            "fwd, or a negative time slope): rerun on a quiet machine before quoting them.",
-            "",
-        ]
-        if flagged
-        else []
-    )
-    if flagged:
-        log(f"warning: {len(flagged)} scaling row(s) flagged unreliable (see 'flags' in the report)")
-    report = [
-        "## Spatial layers across resolutions",
-        "",
-        *warning,
-        markdown(
-            rows,
-            [
-                ("layer", "layer"),
-                ("side", "size"),
-                ("batch", "B"),
-                ("forward_ms", "fwd ms"),
-                ("fwd_bwd_ms", "fwd+bwd ms"),
-                ("peak_bytes", "peak bytes"),
-                ("gflops_fwd_bwd", "GFLOPs"),
-                ("flags", "flags"),
-            ],
-        ),
-        "",
-        "Log-log slopes against the number of positions (per example: growth of the peak with the batch).",
-        "",
-        markdown(
-            slopes,
-            [
-                ("layer", "layer"),
-                ("time_slope", "time slope"),
-                ("memory_slope", "memory slope"),
-                ("per_example_slope", "per-example memory slope"),
-                ("flags", "flags"),
-            ],
-        ),
-        "",
-    ]
-    report += [f"![{p.stem}]({p.name})" for p in plots] + [""]
-    return {"scaling": rows, "scaling_slopes": slopes}, report
 
 
 def _models(s: BenchSettings, out: Path, log: Log) -> PartResult:
@@ -457,7 +249,7 @@ def _lm(s: BenchSettings, out: Path, log: Log) -> PartResult:
 
 
 def _lm_quality(s: BenchSettings, out: Path, log: Log) -> PartResult:
-    from lambdanet.lm.corpus import load_corpus
+    from lambdanet.tasks.lm.data import load_corpus
 
     log("== lm_quality: validation bits per byte at equal time and equal steps")
     kw = (
@@ -511,24 +303,35 @@ def _lm_recall(s: BenchSettings, out: Path, log: Log) -> PartResult:
     ]
 
 
-class Part(NamedTuple):
-    """A benchmark part: its function and the peer packages (import names) it compares against."""
-
-    run: Callable[[BenchSettings, Path, Log], PartResult]
-    peers: Callable[[BenchSettings], tuple[str, ...]]
+def _lm_ablation(s: BenchSettings, out: Path, log: Log) -> PartResult:
+    log("== lm_ablation: the lambda layer's knobs and options at one parameter budget (resumable in --out)")
+    quick = dict(configs=("transformer", "lambda"), size="nano", seeds=(0,), steps=2, context=32, batch=2)
+    rows = lm_ablation.study(
+        **(quick if s.quick else {}), out=out, eval_bytes=256 if s.quick else 262144, device=s.device, log=log
+    )
+    cols = [("config", "config"), ("seeds", "seeds"), ("mean_bits_per_byte", "mean bits/byte"),
+            ("std_bits_per_byte", "std"), ("vs_transformer", "/ transformer"),
+            ("params_vs_transformer", "params / transformer")]  # fmt: skip
+    return {"lm_ablation_summary": lm_ablation.summarize(rows)}, [
+        f"## Language models: ablations ({rows[0]['size']}, {rows[0]['steps']} steps, context {rows[0]['context']})",
+        "",
+        markdown(lm_ablation.summarize(rows), cols),
+        "",
+    ]
 
 
 PARTS: dict[str, Part] = {
-    "targets": Part(_targets, lambda s: ("timm", "lambda_networks")),
-    "impls": Part(_impls, lambda s: ()),
-    "attention": Part(_attention, lambda s: ("timm",)),
-    "scaling": Part(_scaling, lambda s: ()),
+    "targets": Part(targets, lambda s: ("timm", "lambda_networks")),
+    "impls": Part(impls, lambda s: ()),
+    "attention": Part(attention, lambda s: ("timm",)),
+    "scaling": Part(scaling, lambda s: ()),
     "models": Part(_models, lambda s: model_bench.suite_peers(s.model_suites)),
     "table4": Part(_table4, lambda s: ()),
     "detection": Part(_detection, lambda s: ()),
     "lm": Part(_lm, lambda s: ()),
     "lm_quality": Part(_lm_quality, lambda s: ()),
     "lm_recall": Part(_lm_recall, lambda s: ()),
+    "lm_ablation": Part(_lm_ablation, lambda s: ()),
     "kernels": Part(_kernels, lambda s: ()),
 }
 

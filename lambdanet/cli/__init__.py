@@ -23,7 +23,7 @@ DESCRIPTION = (
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from lambdanet.helpers import MissingExtraError
-    from lambdanet.train.trainer import TrainingDivergedError
+    from lambdanet.tasks.classification.task import TrainingDivergedError
 
     return (ValueError, TrainingDivergedError, FileNotFoundError, MissingExtraError)
 

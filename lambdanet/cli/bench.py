@@ -50,9 +50,10 @@ def _add_bench(sub) -> None:
         "formulas), detection (backbones at detection sizes), lm (language models: training tokens/s "
         "and memory at contexts 256-8192, generation latency and state at 1k-16k), lm_quality (bits "
         "per byte at equal time and equal steps, 3 seeds, about 35 minutes), lm_recall (associative recall of "
-        "the four LM families against the number of key-value pairs), kernels (the Triton position "
-        "kernels' roofline on a CUDA device, against its copy and matrix ceilings measured in the same run). "
-        "Writes CSV, JSON, PNG plots "
+        "the four LM families against the number of key-value pairs), lm_ablation (the lambda layer's knobs and "
+        "options at the transformer's parameter budget, three seeds: hours, resumable in --out), kernels (the "
+        "Triton position kernels' roofline on a CUDA device, against its copy and matrix ceilings measured in the "
+        "same run). Writes CSV, JSON, PNG plots "
         "and bench.md into --out. The peers come with the bench "
         f"extra ({INSTALL_HINT}); without it their rows are left out, with a warning.",
     )

@@ -8,8 +8,8 @@ __all__ = ["register"]
 
 
 def _cmd_detect(args: argparse.Namespace) -> int:
-    """Train and evaluate a detector (library: ``lambdanet.detection.trainer.train_detector``)."""
-    from lambdanet.detection.trainer import DetectConfig, local_processes, train_detector
+    """Train and evaluate a detector (library: ``lambdanet.tasks.detection.task.train_detector``)."""
+    from lambdanet.tasks.detection.task import DetectConfig, local_processes, train_detector
     from lambdanet.engine.config import config_source_from_args
 
     cfg = config_source_from_args(args, DetectConfig).resolve()
@@ -23,7 +23,7 @@ def _cmd_detect(args: argparse.Namespace) -> int:
 
 
 def _add_detect(sub) -> None:
-    from lambdanet.detection.trainer import DETECT_RECIPES, DetectConfig
+    from lambdanet.tasks.detection.config import DETECT_RECIPES, DetectConfig
     from lambdanet.engine.config import add_config_arguments
 
     detect = sub.add_parser(

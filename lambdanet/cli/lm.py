@@ -9,19 +9,20 @@ __all__ = ["register"]
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    """Train a language model (library: ``lambdanet.lm.train_lm``)."""
+    """Train a language model (library: ``lambdanet.tasks.lm.train_lm``)."""
     from lambdanet.engine.config import config_source_from_args
-    from lambdanet.lm.task import LMConfig, train_lm
+    from lambdanet.tasks.lm.config import LMConfig
+    from lambdanet.tasks.lm.task import train_lm
 
     train_lm(config_source_from_args(args, LMConfig).resolve())
     return 0
 
 
 def _cmd_sample(args: argparse.Namespace) -> int:
-    """Continue a prompt with a trained model (library: ``lambdanet.lm.sample``)."""
+    """Continue a prompt with a trained model (library: ``lambdanet.tasks.lm.sample``)."""
     from lambdanet.cli.common import check_device
     from lambdanet.files import check_run_task
-    from lambdanet.lm.task import sample
+    from lambdanet.tasks.lm.task import sample
 
     check_device(args.device)
     check_run_task(args.checkpoint, "lm")  # an image-classification or detection run: say so
@@ -40,7 +41,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     from lambdanet.engine.config import add_config_arguments, add_threads_argument
-    from lambdanet.lm.task import LMConfig
+    from lambdanet.tasks.lm.config import LMConfig
 
     lm = sub.add_parser(
         "lm",

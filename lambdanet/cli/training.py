@@ -8,18 +8,18 @@ __all__ = ["register"]
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    """Train and evaluate a model (library: ``lambdanet.train.train``)."""
-    from lambdanet.train.config import config_from_args
-    from lambdanet.train.trainer import train
+    """Train and evaluate a model (library: ``lambdanet.tasks.classification.train``)."""
+    from lambdanet.tasks.classification.config import config_from_args
+    from lambdanet.tasks.classification.task import train
 
     train(config_from_args(args))
     return 0
 
 
 def _add_train(sub) -> None:
-    from lambdanet.data import list_datasets
+    from lambdanet.tasks.classification.datasets import list_datasets
     from lambdanet.engine.config import add_config_arguments
-    from lambdanet.train.config import RECIPES, TrainConfig
+    from lambdanet.tasks.classification.config import RECIPES, TrainConfig
 
     recipes = ", ".join(RECIPES)
     train = sub.add_parser(
@@ -37,13 +37,13 @@ def _add_train(sub) -> None:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    """Top-1 / top-5 of a checkpoint on a dataset (library: ``lambdanet.train.evaluate_checkpoint``)."""
+    """Top-1 / top-5 of a checkpoint on a dataset (library: ``lambdanet.tasks.classification.evaluate_checkpoint``)."""
     import json
 
     from lambdanet.cli.common import check_device
     from lambdanet.files import check_run_task
     from lambdanet.helpers import check_positive_int
-    from lambdanet.train.trainer import evaluate_checkpoint
+    from lambdanet.tasks.classification.task import evaluate_checkpoint
 
     check_positive_int(args.batch_size, "--batch-size")
     check_device(args.device)
@@ -95,10 +95,10 @@ def _add_eval(sub) -> None:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    """Learning-rate sensitivity study (library: ``lambdanet.train.sweep.lr_sweep``)."""
+    """Learning-rate sensitivity study (library: ``lambdanet.tasks.classification.sweep.lr_sweep``)."""
     from lambdanet.engine.config import config_source_from_args
-    from lambdanet.train.config import TrainConfig
-    from lambdanet.train.sweep import lr_sweep, sweep_markdown
+    from lambdanet.tasks.classification.config import TrainConfig
+    from lambdanet.tasks.classification.sweep import lr_sweep, sweep_markdown
 
     print(sweep_markdown(lr_sweep(config_source_from_args(args, TrainConfig), args.lrs, args.models)))
     return 0
@@ -106,7 +106,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 def _add_sweep(sub) -> None:
     from lambdanet.engine.config import add_config_arguments
-    from lambdanet.train.config import TrainConfig
+    from lambdanet.tasks.classification.config import TrainConfig
 
     sw = sub.add_parser(
         "sweep",
@@ -124,9 +124,9 @@ def _add_sweep(sub) -> None:
 
 
 def _cmd_pseudo(args: argparse.Namespace) -> int:
-    """Pseudo-label a teacher's unlabelled images (library: ``lambdanet.train.pseudo.make_pseudo_labels``)."""
+    """Pseudo-label a teacher's unlabelled images (``lambdanet.tasks.classification.pseudo.make_pseudo_labels``)."""
     from lambdanet.files import check_run_task
-    from lambdanet.train.pseudo import make_pseudo_labels
+    from lambdanet.tasks.classification.pseudo import make_pseudo_labels
 
     check_run_task(args.checkpoint, "classify")
     res = make_pseudo_labels(args.checkpoint, args.out, threshold=args.threshold)

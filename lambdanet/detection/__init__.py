@@ -1,35 +1,5 @@
-"""Detection and instance segmentation with lambda and halo backbones (LambdaNetworks Table 6, HaloNet
-Table 5): Mask R-CNN / Faster R-CNN on an FPN over any registered backbone (:mod:`.model`), an offline
-glyph instance-segmentation dataset and COCO folders (:mod:`.data`), COCO evaluation (:mod:`.evaluate`,
-needs pycocotools)."""
+"""Moved to :mod:`lambdanet.tasks.detection` (this path and its modules are removed in lambdanet 0.4)."""
 
-from lambdanet.detection.data import (
-    CocoInstances,
-    GlyphInstances,
-    GlyphSceneConfig,
-    build_detection_datasets,
-    coco_ground_truth,
-    collate_detection,
-    dataset_to_coco,
-    list_detection_datasets,
-    size_statistics,
-)
-from lambdanet.detection.evaluate import evaluate_detector, evaluate_predictions
-from lambdanet.detection.model import BACKBONE_PRESETS, DetectorOptions, create_detector
+from lambdanet.helpers import moved_module
 
-__all__ = [
-    "create_detector",
-    "DetectorOptions",
-    "BACKBONE_PRESETS",
-    "GlyphInstances",
-    "GlyphSceneConfig",
-    "CocoInstances",
-    "build_detection_datasets",
-    "list_detection_datasets",
-    "coco_ground_truth",
-    "dataset_to_coco",
-    "collate_detection",
-    "size_statistics",
-    "evaluate_detector",
-    "evaluate_predictions",
-]
+moved_module(__name__, "lambdanet.tasks.detection", globals())

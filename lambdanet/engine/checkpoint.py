@@ -127,7 +127,7 @@ def _to_tuple(x):
 
 def export_safetensors(model: nn.Module, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
     """Model weights (and buffers) as safetensors; shared tensors are stored once. ``metadata`` (strings)
-    goes into the file's header: :func:`lambdanet.train.load.load_model` rebuilds the model from it. Written
+    goes into the file's header, from which a task rebuilds the model. Written
     to ``<name>.tmp`` and renamed over ``path``: a crash leaves the previous file or the new one."""
     from safetensors.torch import save_model
 

@@ -84,13 +84,23 @@ def shared(name: str, default, help: str | None = None):
 
 
 class RunConfig:
-    """The base of every task's configuration dataclass (``TrainConfig``, ``DetectConfig``): recipes, the one
+    """The base of every task's configuration dataclass (the ``config.py`` of a task): recipes, the one
     resolution, the resume rule, the learning-rate scaling rule. A subclass sets :attr:`RECIPES` and may
     override :meth:`recipe_values` (what a recipe runs with) and :meth:`complete` (what the data and model
     imply); it has the fields ``recipe``, ``epochs``, ``out`` and ``resume``."""
 
     RECIPES: ClassVar[dict[str, dict]] = {"quick": {}}
     CHECKPOINTS: ClassVar[tuple[str, ...]] = ("last.pt",)  # what a run continues from
+
+    # Options the engine reads that not every task offers, with what a task without them runs as: a task that
+    # offers one declares it as a dataclass field (``shared(name, default)``), which takes the place of this.
+    checkpoint_every: int = 1
+    compile: bool = False
+    tensorboard: bool = False
+    grad_clip: float | None = None
+    momentum: float = 0.9
+    nesterov: bool = False
+    betas: tuple[float, float] | list[float] = (0.9, 0.999)
 
     if TYPE_CHECKING:  # what every subclass, a dataclass, declares (not fields of this class)
         __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
@@ -99,6 +109,12 @@ class RunConfig:
         batch_size: int
         lr: float
         lr_batch_scale: int | None
+        optimizer: str
+        weight_decay: float
+        amp: str
+        device: str
+        seed: int
+        progress: bool
         out: str
         resume: bool
 
@@ -196,7 +212,7 @@ class RunConfig:
 
 def _check_out(out) -> None:
     """A one-line ``ValueError`` when the run directory ``out`` cannot be one: it, or the nearest of its parents
-    that exists, is a file (before any process starts: a detection run's workers would each fail)."""
+    that exists, is a file (before any process starts: every worker process of a run would fail)."""
     path = Path(str(out)).expanduser()
     existing = next((p for p in (path, *path.parents) if p.exists()), None)
     if existing is not None and not existing.is_dir():

@@ -107,7 +107,7 @@ def launch_local(fn: Callable[..., object], args: tuple, nprocs: int, relay: tup
     threads. A ``ValueError`` (a user error) in a worker is raised here as the same one-line error, and so is an
     exception of a ``relay`` type (constructed from its message), with its own type. On a CPU, data parallelism
     over processes uses the cores better than one process's intra-op threads when the operations are small
-    (detection heads, RoI ops, lambda layers on small maps)."""
+    (small heads, RoI ops, lambda layers on small maps)."""
     import torch.multiprocessing as mp
 
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:

@@ -22,7 +22,7 @@ def read_json(path: str | Path) -> dict:
 
 class RunLogger:
     """Appends epoch rows to ``metrics.csv`` and scalars to TensorBoard (``tb/``). Rows may differ in their keys
-    (``lambdanet detect`` evaluates every few epochs): a row with a key the file's header lacks rewrites the file
+    (a task may evaluate every few epochs only): a row with a key the file's header lacks rewrites the file
     (atomically) under the union of the keys; a missing key is an empty cell, which :func:`read_history` leaves out
     of its row."""
 

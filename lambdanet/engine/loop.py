@@ -1,19 +1,22 @@
 """The one training loop of every task: :func:`train_epoch` (a pass over batches, resumable at any step) and
 :func:`fit` (the epochs of a run: evaluation, logs, checkpoints, early stopping, preemption), driven by a
-:class:`lambdanet.engine.task.Task`."""
+:class:`lambdanet.engine.contract.Task`."""
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterable
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
+from lambdanet.engine.contract import Task
 from lambdanet.engine.distributed import DistContext, all_reduce_sum, barrier
-from lambdanet.engine.preempt import Preempted
+from lambdanet.engine.logger import RunLogger
+from lambdanet.engine.preempt import Preempted, StopSignals
 from lambdanet.engine.state import RunState
 from lambdanet.runtime import autocast_context  # the loops' autocast, validated in one place
 
@@ -90,14 +93,14 @@ def train_epoch(
     state: RunState,
     model: nn.Module,
     batches: Iterable,
-    step_loss: Callable,
+    step_loss: Callable[[nn.Module, Any], tuple[Tensor, dict[str, float]]],
     *,
     ctx: DistContext,
     total: int,
     amp: str = "none",
     clip: float | None = None,
     lr: Callable[[int], float] | None = None,
-    stop=None,
+    stop: StopSignals | None = None,
     bar=None,
     save: Callable[[RunState], None] | None = None,
     save_every: int = 0,
@@ -157,9 +160,16 @@ def train_epoch(
 
 
 def fit(
-    task, state: RunState, model: nn.Module, *, ctx: DistContext, logger, log: Callable[[str], None], stop=None
+    task: Task,
+    state: RunState,
+    model: nn.Module,
+    *,
+    ctx: DistContext,
+    logger: RunLogger,
+    log: Callable[[str], None],
+    stop: StopSignals | None = None,
 ) -> tuple[dict, bool]:
-    """The epochs left of ``task``'s run (:class:`lambdanet.engine.task.Task`): each trained
+    """The epochs left of ``task``'s run (:class:`lambdanet.engine.contract.Task`): each trained
     (:func:`train_epoch`), turned into a metrics row (``task.epoch_row``: its evaluation included), logged
     and checkpointed when ``task.save_due`` (and at the end or an early stop). A signal saves the step and
     raises :class:`Preempted`; a non-finite loss raises :class:`TrainingDivergedError` naming the last good
@@ -182,7 +192,7 @@ def fit(
                 ctx=ctx,
                 total=task.steps_per_epoch,
                 amp=cfg.amp,
-                clip=getattr(cfg, "grad_clip", None),
+                clip=cfg.grad_clip,
                 lr=task.lr,
                 stop=stop,
                 bar=bar,
@@ -202,7 +212,7 @@ def fit(
                 task.save(state)
             barrier(ctx)  # the others wait for the save: a process that ends first gets the rest stopped
             raise Preempted.at(
-                stop.received,
+                cast(signal.Signals, cast(StopSignals, stop).received),
                 f"in epoch {state.epoch + 1}/{cfg.epochs} after batch "
                 f"{cast(dict, state.epoch_partial)['batches']}/{task.steps_per_epoch}",
                 path,

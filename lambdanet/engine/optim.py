@@ -100,8 +100,7 @@ def build_optimizer(
         name = name or cfg.optimizer
         lr = lr if lr is not None else cfg.effective_lr()
         weight_decay = weight_decay if weight_decay is not None else cfg.weight_decay
-        momentum, nesterov = getattr(cfg, "momentum", momentum), getattr(cfg, "nesterov", nesterov)
-        betas = tuple(getattr(cfg, "betas", betas))
+        momentum, nesterov, betas = cfg.momentum, cfg.nesterov, (cfg.betas[0], cfg.betas[1])
     # lr and weight_decay come from cfg or the keywords: float from here on
     groups = param_groups(model, cast(float, weight_decay))
     if name == "sgd":

@@ -24,21 +24,6 @@ def _no_best() -> dict:
     return {"score": -math.inf, "epoch": 0}
 
 
-def _partial(partial: dict | None) -> dict | None:
-    """A preempted epoch's position as the loop keeps it (``batches``, ``sums``, ``seconds``), also from the
-    checkpoints of lambdanet <= 0.1: classification's ``loss_sum`` / ``correct`` / ``seen``, and detection's
-    per-batch loss sums without a count."""
-    if not partial:
-        return partial
-    if "loss_sum" in partial:  # classification's of lambdanet <= 0.1
-        return {
-            "batches": partial["batches"],
-            "seconds": partial.get("seconds", 0.0),
-            "sums": {"loss": partial["loss_sum"], "correct": partial["correct"], "n": partial["seen"]},
-        }
-    return {**partial, "sums": {"n": partial["batches"], **partial.get("sums", {})}}  # detection's lacked "n"
-
-
 def _own_rng(state: dict) -> dict:
     """This process's RNG states in a checkpoint: its own entry of ``rng_ranks`` when a process group of this
     size saved it, else the main process's ``rng`` (a run of one process, of another number of processes, or
@@ -75,8 +60,9 @@ class RunState:
     def gather_rng(self, ctx: DistContext) -> None:
         """Every process of a group calls this (a collective) right before the main one saves: the checkpoint
         of this step then keeps each process's RNG states, not the main one's alone, and a resumed group draws
-        what it would have drawn (each process's draws can depend on its data, as a detector's proposal
-        sampling does, so the processes' generators drift apart). One process: nothing to gather."""
+        what it would have drawn (each process's draws can depend on its data, as a sampling of training
+        targets from the model's own outputs does, so the processes' generators drift apart). One process:
+        nothing to gather."""
         self._rng_ranks = (self.step, all_gather_objects(rng_state(), ctx)) if ctx.enabled else None
 
     def state_dict(self, **extra) -> dict:
@@ -118,11 +104,10 @@ class RunState:
             if component is not None and state.get(name):
                 component.load_state_dict(state[name])
         self.epoch, self.step = int(state.get("epoch", 0)), int(state.get("step", 0))
-        # "time_s": the glyph pre-training's checkpoints before the one state (pretrain.pt of lambdanet <= 0.1)
-        self.train_time_s = float(state.get("train_time_s", state.get("time_s", 0.0)))
+        self.train_time_s = float(state.get("train_time_s", 0.0))
         self.samples_seen = int(state.get("samples_seen", 0))
         self.best, self.bad_epochs = dict(state.get("best") or _no_best()), int(state.get("bad_epochs", 0))
-        self.epoch_partial = _partial(state.get("epoch_partial"))  # absent at epoch ends (and from older runs)
+        self.epoch_partial = state.get("epoch_partial")  # absent at epoch ends (and from older runs)
         set_rng_state(_own_rng(state))  # this process's, where the checkpoint has every process's
 
     def record(self, score: float, **reported: float) -> bool:

@@ -1,34 +1,27 @@
-"""How a task plugs into the engine: a :class:`Task` subclass (one module: classification in
-``lambdanet/train/trainer.py``, detection in ``lambdanet/detection/trainer.py``) and :func:`run`, which does the
-rest the same for every task: the process group, the run-directory lock, signals, the resume and new-run rules,
-seeding, ``config.yaml``, restoring ``last.pt``, DDP, the loop (:func:`lambdanet.engine.loop.fit`) and the logs.
+"""How a task plugs into the engine: a :class:`Task` subclass (the ``task.py`` of a folder of
+``lambdanet/tasks/``) and :func:`run`, which does the rest the same for every task: the process group, the
+run-directory lock, signals, the resume and new-run rules, seeding, ``config.yaml``, restoring ``last.pt``, DDP,
+the loop (:func:`lambdanet.engine.loop.fit`) and the logs.
 
-A task implements:
-
-* ``build_state()``: its data and model, and the :class:`RunState` of a new run (``steps_per_epoch`` set);
-* ``batches(state)``: an epoch's batches from the first not yet trained, and ``step_loss(model, batch) -> (loss,
-  {name: amount summed over the epoch})``; ``lr`` (step -> rate) or a scheduler in the state;
-* ``epoch_row(state, model, result)``: the epoch's metrics (training sums, evaluation), ``epoch_line(row)``;
-* ``describe(state)``: the run's first line, and ``finish(state, row, stopped)``: weights, plots and the summary
-  (every rank calls it; outputs are the main process's);
-
-and may override ``initialize(state, resumed)`` (work before the epochs, such as a pre-training),
-``save_due(epoch)``, ``stops_early(state)``, ``wrap(model)`` and ``diverged_hint``."""
+:class:`Task` declares every hook the engine calls, in the order of a run: the abstract ones a task implements
+(:meth:`~Task.build_state`, :meth:`~Task.describe`, :meth:`~Task.batches`, :meth:`~Task.step_loss`,
+:meth:`~Task.epoch_row`, :meth:`~Task.epoch_line`, :meth:`~Task.finish`) and those with a default it may
+override (:meth:`~Task.initialize`, :meth:`~Task.wrap`, :meth:`~Task.save_due`, :meth:`~Task.stops_early`,
+:meth:`~Task.save`, ``lr``, ``diverged_hint``)."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from pathlib import Path
-from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
-from torch import nn
 
 from lambdanet.layers.impl_tuning import set_impl_tuning
 from lambdanet.engine.checkpoint import load_checkpoint
-from lambdanet.engine.distributed import DistContext, all_reduce_sum, barrier, cleanup, data_parallel, init_distributed
+from lambdanet.engine.config import RunConfig
+from lambdanet.engine.contract import Task
+from lambdanet.engine.distributed import all_reduce_sum, barrier, cleanup, data_parallel, init_distributed
 from lambdanet.engine.logger import RunLogger, truncate_history
 from lambdanet.engine.loop import fit
 from lambdanet.engine.preempt import StopSignals, resume_point
@@ -36,54 +29,10 @@ from lambdanet.engine.rundir import RunDirBusyError, RunDirLock, check_new_run
 from lambdanet.engine.state import RunState
 from lambdanet.helpers import require
 
-__all__ = ["Task", "run", "check_extras"]
+__all__ = ["Task", "run", "check_extras", "preflight"]
 
 
-class Task:
-    """A task of the engine (see the module's docstring for what a subclass implements)."""
-
-    diverged_hint = "Lower --lr or check the data."
-    command = "train"  # the command that runs the task, for messages
-    extras: tuple[tuple[str, str], ...] = (("matplotlib", "train"),)  # (module, extra) the task needs: the plots
-    lr: Callable[[int], float] | None = None  # the rate of each step (None: the state's scheduler)
-    steps_per_epoch: int = 0
-
-    if TYPE_CHECKING:  # every subclass implements these (the module's docstring)
-
-        def build_state(self) -> RunState: ...
-
-        def describe(self, state: RunState) -> str: ...
-
-        def finish(self, state: RunState, row: dict, stopped: bool) -> dict: ...
-
-    def __init__(self, cfg, ctx: DistContext, log: Callable[[str], None], stop: StopSignals | None = None):
-        self.cfg, self.ctx, self.log, self.stop = cfg, ctx, log, stop
-        self.out = Path(cfg.out)
-
-    @property
-    def checkpoint_path(self) -> Path:
-        return self.out / "last.pt"
-
-    def save(self, state: RunState) -> None:
-        """``last.pt``: the run's state with its configuration."""
-        state.save(self.checkpoint_path, self.cfg)
-
-    def initialize(self, state: RunState, resumed: bool) -> None:
-        """Work before the epochs, after ``config.yaml`` is written and (``resumed``) ``last.pt`` restored: a
-        new run's preparation such as a pre-training; none by default."""
-
-    def save_due(self, epoch: int) -> bool:
-        return epoch % getattr(self.cfg, "checkpoint_every", 1) == 0
-
-    def stops_early(self, state: RunState) -> bool:
-        return False
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        """The model the loop trains, before the DDP wrap: compiled when the configuration has ``compile`` set."""
-        return cast(nn.Module, torch.compile(model)) if getattr(self.cfg, "compile", False) else model
-
-
-def run(task_cls: type[Task], cfg, log: Callable[[str], None] = print) -> dict:
+def run(task_cls: type[Task], cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
     """Run ``task_cls`` on the resolved configuration ``cfg`` in this process (one rank under torchrun):
     the run directory locked by the main process (every rank stops when it is busy), SIGTERM / SIGINT turned
     into a step-level checkpoint and :class:`lambdanet.engine.preempt.Preempted`. Returns the summary."""
@@ -113,21 +62,30 @@ def run(task_cls: type[Task], cfg, log: Callable[[str], None] = print) -> dict:
         cleanup(ctx, synchronize=finished)
 
 
-def check_extras(task_cls: type[Task], cfg) -> None:
+def preflight(task_cls: type[Task], cfg: RunConfig) -> int:
+    """The checks before anything of a run is written, the same for every task, in every process of
+    :func:`run` (a launcher of local processes calls it once first, so that a user error is one line, not one
+    per process): the configuration's ranges, the extras, the resume rule, the new-run rule. Returns the
+    epochs the run was planned with (``--resume``: its saved ``config.yaml``'s)."""
+    cfg.validate()
+    check_extras(task_cls, cfg)
+    saved_epochs = cfg.check_resume() if cfg.resume else cfg.epochs
+    check_new_run(cfg.out, cfg.resume, cfg.CHECKPOINTS)
+    return saved_epochs
+
+
+def check_extras(task_cls: type[Task], cfg: RunConfig) -> None:
     """The optional packages a run of ``task_cls`` needs are installed, else a one-line error naming the extra
     (before anything is trained or written)."""
     for module, extra in task_cls.extras:
         require(module, extra, f"lambdanet {task_cls.command}")
-    if getattr(cfg, "tensorboard", False):
+    if cfg.tensorboard:
         require("tensorboard", "train", "--tensorboard (the default; --no-tensorboard turns it off)")
 
 
 def _run(task: Task) -> dict:
     cfg, ctx, out = task.cfg, task.ctx, task.out
-    cfg.validate()
-    check_extras(type(task), cfg)
-    saved_epochs = cfg.check_resume() if cfg.resume else cfg.epochs
-    check_new_run(out, cfg.resume, cfg.CHECKPOINTS)
+    saved_epochs = preflight(type(task), cfg)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -153,7 +111,7 @@ def _run(task: Task) -> dict:
 def _restore(task: Task, state: RunState, saved_epochs: int) -> None:
     """``--resume``: ``last.pt`` into ``state``; more ``epochs`` than the run was planned with extend it."""
     cfg, out = task.cfg, task.out
-    state.load_state_dict(load_checkpoint(task.checkpoint_path, map_location=task.ctx.device))
+    state.load_state_dict(task.upgrade_checkpoint(load_checkpoint(task.checkpoint_path, map_location=task.ctx.device)))
     if cfg.epochs < state.epoch:
         raise ValueError(f"--epochs {cfg.epochs} is fewer than the {state.epoch} epochs {out} has done")
     if task.ctx.is_main:

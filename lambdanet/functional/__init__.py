@@ -14,8 +14,9 @@ Two families live here, one module each (both importable from ``lambdanet.functi
 * :mod:`~lambdanet.functional.fast`: the N-d building blocks of :class:`lambdanet.layers.LambdaLayer` (the
   fast path): relative embeddings as a kernel ``R[g, k, u, *K]`` re-indexed into ``E[g, k, u, n, m]``
   (paper Sec. 3.3), position lambdas through the lambda convolution (three interchangeable implementations,
-  App. B.1), content lambdas (global or causal through cumulative sums, App. B.2) and the application of
-  lambdas to queries as GEMMs.
+  App. B.1), content lambdas (global or causal through cumulative sums, App. B.2; in
+  :mod:`~lambdanet.functional.content`, re-exported by ``fast``) and the application of lambdas to queries as
+  GEMMs.
 
 Layouts of the intra-depth axis ``u`` (Fig. 8 orders it ``[k, n, m, u]`` / ``[r, 1, u, k]``):
 

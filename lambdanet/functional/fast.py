@@ -13,7 +13,14 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from lambdanet.helpers import autocast_active, check_choice, compute_dtype, conv_nd, leave_autocast, no_autocast
+from lambdanet.functional.content import (  # re-exported: the fast path's content part
+    KEY_NORMS,
+    apply_content_lambda,
+    causal_content_lambdas,
+    content_lambda,
+    normalize_keys,
+)
+from lambdanet.helpers import autocast_active, check_choice, conv_nd, leave_autocast, no_autocast
 
 __all__ = [
     "POSITION_IMPLS",
@@ -37,7 +44,6 @@ __all__ = [
 
 POSITION_IMPLS = ("conv", "depthwise_conv", "einsum")
 POSITION_OUTPUT_IMPLS = POSITION_IMPLS + ("einsum_qe",)
-KEY_NORMS = ("softmax", "l2", "none")
 
 
 def crop_relative_kernel(
@@ -196,69 +202,6 @@ def token_position_lambdas(values: Tensor, kernel: Tensor, center: Sequence[int]
     x = values.view(b, *spatial, c).movedim(-1, 1)  # b (g v u) *S with channels-last strides
     weight = kernel.unsqueeze(1).expand(g, v, k, u, *ksize).reshape(g * v * k, u, *ksize)  # (g v k) u *K
     return _lambda_conv(x, weight, center, g * v).movedim(1, -1).reshape(b, n, g, v, k)  # b n g v k
-
-
-def normalize_keys(keys: Tensor, method: str, dim: int = 1) -> Tensor:
-    """Normalise keys along the context axis ``dim`` (Table 12): ``"softmax"`` (default), ``"l2"``
-    (unit L2 norm over the context) or ``"none"``."""
-    check_choice(method, "key_norm", KEY_NORMS)
-    if method == "softmax":
-        return keys.softmax(dim=dim)
-    if method == "l2":
-        return F.normalize(keys, dim=dim)
-    return keys
-
-
-def content_lambda(normalized_keys: Tensor, values: Tensor) -> Tensor:
-    """Content lambda shared by every query: ``lambda^c = sum_{m,u} Kbar[m] V[m]^T``.
-
-    Args:
-        normalized_keys: ``[b, m, g, k, u]``.
-        values: ``[b, m, g, v, u]``.
-
-    Returns:
-        ``[b, g, k, v]``.
-    """
-    b, m, g, k, u = normalized_keys.shape
-    v = values.shape[3]
-    if g == 1 and u == 1:
-        lam = normalized_keys.reshape(b, m, k).transpose(1, 2) @ values.reshape(b, m, v)  # b k v
-        return lam.unsqueeze(1)  # b g k v
-    return torch.einsum("bmgku,bmgvu->bgkv", normalized_keys, values)  # b g k v
-
-
-def causal_content_lambdas(keys: Tensor, values: Tensor, method: str = "softmax") -> Tensor:
-    """Per-query content lambdas of a causal (masked, App. B.2) layer with cumulative sums.
-
-    Query ``n`` sees context ``m <= n``; its keys are normalised over that context only:
-    ``lambda^c_n = sum_u (sum_{m<=n} w[m] V[m]^T) / Z_n`` with ``w = exp(K - max K)`` and
-    ``Z_n = sum_{m<=n} w[m]`` for the softmax (``w = K``, ``Z_n = ||K[:n+1]||_2`` for L2). No ``n x m``
-    tensor is formed: memory ``Theta(b n g k v u)``, computed in float32 or wider.
-
-    Args:
-        keys: ``[b, n, g, k, u]`` raw keys.
-        values: ``[b, n, g, v, u]``.
-        method: key normalisation, one of :data:`KEY_NORMS`.
-
-    Returns:
-        ``[b, n, g, k, v]``.
-    """
-    check_choice(method, "key_norm", KEY_NORMS)
-    dtype = compute_dtype(keys.dtype, values.dtype)
-    keys, values = keys.to(dtype), values.to(dtype)
-    tiny = torch.finfo(dtype).tiny
-    if method == "softmax":
-        # the shift cancels between numerator and denominator; detached so no gradient reaches the future
-        w = torch.exp(keys - keys.amax(dim=1, keepdim=True).detach())  # b n g k u
-        z = w.cumsum(dim=1).clamp_min(tiny)  # b n g k u
-    elif method == "l2":
-        w, z = keys, keys.square().cumsum(dim=1).sqrt().clamp_min(1e-12)  # b n g k u
-    else:
-        w, z = keys, None
-    num = torch.einsum("bngku,bngvu->bngkuv", w, values).cumsum(dim=1)  # b n g k u v
-    if z is not None:
-        num = num / z.unsqueeze(-1)
-    return num.sum(dim=4)  # b n g k v
 
 
 class _PermuteCopy(torch.autograd.Function):
@@ -482,20 +425,3 @@ def apply_lambdas(queries: Tensor, lambdas: Tensor) -> Tensor:
         return out.view(b, n, h, v)
     out = torch.bmm(lambdas.reshape(b * n * h, v, k), queries.reshape(b * n * h, k, 1))  # (b n h) v 1
     return out.view(b, n, h, v)
-
-
-def apply_content_lambda(queries: Tensor, lam: Tensor) -> Tensor:
-    """Apply the shared content lambda: ``y^c[b, n, h] = (lambda^c)^T q^h_n``.
-
-    Args:
-        queries: ``[b, n, h, k]``.
-        lam: ``[b, g, k, v]`` (``g`` = 1 or ``h``).
-
-    Returns:
-        ``[b, n, h, v]``.
-    """
-    b, n, h, k = queries.shape
-    g, v = lam.shape[1], lam.shape[3]
-    if g == 1:
-        return (queries.reshape(b, n * h, k) @ lam[:, 0]).view(b, n, h, v)  # b n h v
-    return torch.einsum("bnhk,bhkv->bnhv", queries, lam)  # b n h v

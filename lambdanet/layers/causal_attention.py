@@ -8,13 +8,31 @@ On ``x [b, n, d]``: ``q, k, v = x Wqkv`` (``heads`` heads of depth ``d / heads``
 
 from __future__ import annotations
 
+import warnings
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lambdanet.helpers import check_positive_int
 
-__all__ = ["CausalSelfAttention", "rotary"]
+__all__ = ["CausalSelfAttention", "rotary", "step_arguments"]
+
+
+def step_arguments(state, x, where: str) -> tuple[dict, Tensor]:
+    """``(state, x)`` of a streaming ``step(state, x)`` (the causal mixers', a language-model block's), the order of
+    :meth:`lambdanet.models.lm.LanguageModel.step`. The earlier order, ``step(x, state)`` (a tensor first, a
+    dict second), works for one release: a ``DeprecationWarning`` naming ``where``, then the two swapped."""
+    if isinstance(state, Tensor) and isinstance(x, dict):
+        warnings.warn(
+            f"{where}(x, state) is deprecated: call {where}(state, x), the order of LanguageModel.step; the old "
+            "order is removed in lambdanet 0.4",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return cast(dict, x), state
+    return cast(dict, state), cast(Tensor, x)
 
 
 def rotary(x: Tensor, start: int | Tensor = 0, base: float = 10000.0) -> Tensor:
@@ -81,8 +99,10 @@ class CausalSelfAttention(nn.Module):
         out = self.proj(y.transpose(1, 2).flatten(2))  # b n d
         return (out, {"k": k, "v": v}) if return_state else out
 
-    def step(self, x: Tensor, state: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
-        """One position: ``x [b, dim]`` -> ``([b, dim], the cache one position longer)``."""
+    def step(self, state: dict[str, Tensor], x: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """One position: ``x [b, dim]`` after the cache ``state`` -> ``([b, dim], the cache one position longer)``
+        (the earlier order ``step(x, state)`` still works for one release, with a warning)."""
+        state, x = step_arguments(state, x, "CausalSelfAttention.step")
         out, state = self.forward(x.unsqueeze(1), state, return_state=True)
         return out[:, 0], state
 

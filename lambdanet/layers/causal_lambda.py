@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from lambdanet.functional import causal as LC
 from lambdanet.helpers import check_positive_int
+from lambdanet.layers.causal_attention import step_arguments
 from lambdanet.ops.causal_lambda import causal_lambda, resolve_mode
 
 __all__ = ["CausalLambdaLayer"]
@@ -58,6 +59,9 @@ class CausalLambdaLayer(nn.Module):
             ``exp(-sum_{m < t <= n} g_t)``, GLA's forget gate). Both keep the constant-size state.
         short_conv: the width of a causal depthwise convolution over the ``q, K, V`` projections (0: none; Mamba's
             and DeltaNet's short convolution); the state keeps the last ``short_conv - 1`` projections.
+        lambdas: the number of lambdas, each with its own keys and values, among which the ``heads`` queries are
+            split evenly (1: the paper's multi-query lambda; ``heads``: one lambda per head, App. B.3's
+            multi-head lambdas); the state holds ``lambdas`` of them.
 
     The decays are computed as offsets of the keys: ``exp(K[m]) prod_{m < t <= n} exp(-g_t)`` normalised over
     ``m <= n`` equals a prefix softmax of ``K[m] + G[m]`` with ``G`` the running sum of the rates (the factor
@@ -82,10 +86,14 @@ class CausalLambdaLayer(nn.Module):
         mode: str = "auto",
         decay: str | None = None,
         short_conv: int = 0,
+        lambdas: int = 1,
     ):
         super().__init__()
         for value, name in ((dim, "dim"), (heads, "heads"), (dim_k, "dim_k"), (dim_u, "dim_u"), (chunk, "chunk")):
             check_positive_int(value, name)
+        check_positive_int(lambdas, "lambdas")
+        if heads % lambdas:
+            raise ValueError(f"lambdas must divide heads={heads} (the queries are split among them), got {lambdas}")
         dim_v = dim // heads if dim_v is None else dim_v
         check_positive_int(dim_v, "dim_v")
         if not isinstance(r, int) or r < 0:
@@ -96,9 +104,10 @@ class CausalLambdaLayer(nn.Module):
             raise ValueError(f"short_conv must be a non-negative int (0: no convolution), got {short_conv!r}")
         self.dim, self.heads, self.dim_k, self.dim_v = dim, heads, dim_k, dim_v
         self.dim_u, self.r, self.chunk, self.decay, self.short_conv = dim_u, r, chunk, decay, short_conv
+        self.lambdas = lambdas
         resolve_mode(mode, "cpu")  # checked here; resolved on each call's device
         self.mode = mode
-        width = heads * dim_k + dim_k * dim_u + dim_v * dim_u
+        width = heads * dim_k + lambdas * (dim_k * dim_u + dim_v * dim_u)
         self.qkv = nn.Linear(dim, width, bias=False)
         self.proj = nn.Linear(heads * dim_v, dim, bias=False)
         self.emb = nn.Parameter(torch.randn(r, dim_k, dim_u) / math.sqrt(max(r, 1) * dim_k)) if r else None
@@ -130,9 +139,19 @@ class CausalLambdaLayer(nn.Module):
         return out, full[:, full.shape[1] - (s - 1) :].to(torch.promote_types(qkv.dtype, torch.float32))
 
     def _split(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        h, k, v, u = self.heads, self.dim_k, self.dim_v, self.dim_u
-        q, keys, values = qkv.split([h * k, k * u, v * u], dim=-1)  # ... (h k), (k u), (v u)
-        return q.unflatten(-1, (h, k)), keys.unflatten(-1, (k, u)), values.unflatten(-1, (v, u))
+        """``[b, n, c]`` -> ``q [b, n, h, k]``, ``K [b, n, L, k, u]``, ``V [b, n, L, v, u]`` (``L`` lambdas)."""
+        h, k, v, u, L = self.heads, self.dim_k, self.dim_v, self.dim_u, self.lambdas
+        q, keys, values = qkv.split([h * k, L * k * u, L * v * u], dim=-1)  # b n (h k), (L k u), (L v u)
+        return q.unflatten(-1, (h, k)), keys.unflatten(-1, (L, k, u)), values.unflatten(-1, (L, v, u))
+
+    def _fold(self, q: Tensor, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Each lambda as a stream of its own for the op: ``(b L) n (h / L) k``, ``(b L) n k u``, ``(b L) n v u``."""
+        q = q.unflatten(2, (self.lambdas, -1)).transpose(1, 2).flatten(0, 1)  # (b L) n (h/L) k
+        return q, keys.transpose(1, 2).flatten(0, 1), values.transpose(1, 2).flatten(0, 1)
+
+    def _unfold(self, y: Tensor) -> Tensor:
+        """The op's ``(b L) n (h / L) v`` -> ``b n (h v)``."""
+        return y.unflatten(0, (-1, self.lambdas)).transpose(1, 2).flatten(2)  # b n (h v)
 
     def _offsets(self, x: Tensor, keys: Tensor) -> tuple[Tensor, Tensor | None]:
         """The decayed keys ``K + G`` (float32; ``G`` the running sum of the rates from 0 in this call) and the
@@ -144,9 +163,9 @@ class CausalLambdaLayer(nn.Module):
             rate = F.softplus(self.decay_rate.to(dtype)).expand(x.shape[0], x.shape[1], -1, -1)  # b n k u
         else:
             rate = F.softplus(cast(nn.Linear, self.gate)(x).to(dtype)).unflatten(-1, (self.dim_k, self.dim_u))
-        G = rate.cumsum(dim=1)  # b n k u
-        total = G[:, -1] if G.shape[1] else G.new_zeros(G.shape[0], self.dim_k, self.dim_u)
-        return keys.to(dtype) + G, total.detach()
+        G = rate.cumsum(dim=1)[:, :, None]  # b n 1 k u: every lambda's keys alike
+        total = G[:, -1] if G.shape[1] else G.new_zeros(G.shape[0], 1, self.dim_k, self.dim_u)  # b 1 k u
+        return keys.to(dtype) + G, total.expand(-1, self.lambdas, -1, -1).flatten(0, 1).detach()  # (b L) k u
 
     def init_state(self, batch_size: int, dtype: torch.dtype | None = None, device=None) -> dict[str, Tensor]:
         """The empty context's state (:func:`lambdanet.functional.causal.init_causal_lambda_state`, and the last
@@ -155,7 +174,7 @@ class CausalLambdaLayer(nn.Module):
         dtype = torch.promote_types(dtype or p.dtype, torch.float32)
         device = device or p.device
         state = LC.init_causal_lambda_state(
-            batch_size, self.dim_k, self.dim_v, self.dim_u, self.r, dtype=dtype, device=device
+            batch_size * self.lambdas, self.dim_k, self.dim_v, self.dim_u, self.r, dtype=dtype, device=device
         )
         if self.conv is not None:
             state["conv"] = torch.zeros(batch_size, self.short_conv - 1, self.qkv.out_features, dtype=dtype,
@@ -176,8 +195,9 @@ class CausalLambdaLayer(nn.Module):
         if x.dim() != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"x must be [batch, length, dim={self.dim}], got shape {tuple(x.shape)}")
         qkv, conv = self._project(x, state)
-        q, keys, values = self._split(qkv)  # b n h k, b n k u, b n v u
+        q, keys, values = self._split(qkv)  # b n h k, b n L k u, b n L v u
         keys, total = self._offsets(x, keys)
+        q, keys, values = self._fold(q, keys, values)  # (b L) n (h/L) k, (b L) n k u, (b L) n v u
         mode = resolve_mode(self.mode, x.device)
         y, op_state = causal_lambda(
             q,
@@ -189,27 +209,29 @@ class CausalLambdaLayer(nn.Module):
             initial_state=None if state is None else {key: state[key] for key in _OP_KEYS},
             output_final_state=True,
         )
-        out = self.proj(y.flatten(2).to(x.dtype))  # b n d
+        out = self.proj(self._unfold(y).to(x.dtype))  # b n d
         return (out, self._finish(op_state, total, conv)) if return_state else out
 
-    def step(self, x: Tensor, state: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
-        """One position: ``x [b, dim]`` -> ``([b, dim], new state)``."""
+    def step(self, state: dict[str, Tensor], x: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """One position: ``x [b, dim]`` after the context ``state`` -> ``([b, dim], new state)`` (the earlier order
+        ``step(x, state)`` still works for one release, with a warning)."""
+        state, x = step_arguments(state, x, "CausalLambdaLayer.step")
         qkv, conv = self._project(x[:, None], state)
-        q, keys, values = self._split(qkv[:, 0])  # b h k, b k u, b v u
-        keys, total = self._offsets(x[:, None], keys[:, None])
-        keys = keys[:, 0]
+        q, keys, values = self._split(qkv)  # b 1 h k, b 1 L k u, b 1 L v u
+        keys, total = self._offsets(x[:, None], keys)
+        q, keys, values = self._fold(q, keys, values)  # (b L) 1 (h/L) k, (b L) 1 k u, (b L) 1 v u
         op_state = {key: state[key] for key in _OP_KEYS}
         if resolve_mode(self.mode, x.device) == "fused_chunk":  # the recurrent kernel: one launch per step
-            y, op_state = causal_lambda(q[:, None], keys[:, None], values[:, None], self.emb,
-                                        mode="fused_recurrent", initial_state=op_state,
+            y, op_state = causal_lambda(q, keys, values, self.emb, mode="fused_recurrent", initial_state=op_state,
                                         output_final_state=True)  # fmt: skip
-            y = y[:, 0]  # b h v
         else:
-            y, op_state = LC.causal_lambda_step(q, keys, values, self.emb, op_state)  # b h v
-        return self.proj(y.flatten(1).to(x.dtype)), self._finish(op_state, total, conv)
+            y, op_state = LC.causal_lambda_step(q[:, 0], keys[:, 0], values[:, 0], self.emb, op_state)
+            y = y[:, None]  # (b L) 1 (h/L) v
+        return self.proj(self._unfold(y)[:, 0].to(x.dtype)), self._finish(op_state, total, conv)
 
     def extra_repr(self) -> str:
         return (
             f"dim={self.dim}, heads={self.heads}, dim_k={self.dim_k}, dim_v={self.dim_v}, dim_u={self.dim_u}, "
-            f"r={self.r}, chunk={self.chunk}, mode={self.mode!r}, decay={self.decay!r}, short_conv={self.short_conv}"
+            f"r={self.r}, chunk={self.chunk}, mode={self.mode!r}, decay={self.decay!r}, short_conv={self.short_conv}, "
+            f"lambdas={self.lambdas}"
         )

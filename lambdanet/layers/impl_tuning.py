@@ -25,13 +25,12 @@ ignored with a warning and rewritten.
 from __future__ import annotations
 
 import contextlib
-import json
+import itertools
 import math
 import os
 import platform
 import statistics
 import time
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +41,12 @@ from torch import Tensor
 
 from lambdanet import functional as LF
 from lambdanet.helpers import check_choice, compute_dtype
+from lambdanet.layers.impl_cache import CACHE_VERSION, read_winners, write_winners
+from lambdanet.layers.impl_cache import DEFAULT_CACHE_FILE as DEFAULT_CACHE_FILE  # re-exported: its old home
+from lambdanet.layers.impl_cache import ENV_CACHE as ENV_CACHE
+from lambdanet.layers.impl_cache import env_cache_file as _env_cache_file
+from lambdanet.layers.impl_guard import timing_allowed
+from lambdanet.layers.impl_guard import tracing as _tracing
 from lambdanet.layers.lambda_policy import ImplPolicy, impl_policy
 from lambdanet.layers.position_embedding import RelativePositionEmbedding
 
@@ -64,9 +69,6 @@ __all__ = [
 # ------------------------------------------------------------------------------------------ the measuring tuner
 TUNING_MODES = ("measure", "static")
 ENV_MODE = "LAMBDANET_AUTOTUNE"  # 0 / off / false / no / static: the static policy; else measured
-ENV_CACHE = "LAMBDANET_AUTOTUNE_CACHE"  # a file for the winners; 1 / true / yes / on: DEFAULT_CACHE_FILE
-DEFAULT_CACHE_FILE = Path("~/.cache/lambdanet/impl_tuning.json")
-CACHE_VERSION = 1
 PRUNE_FACTOR = 4.0  # candidates the cost model puts beyond this many times the cheapest are not run
 BUDGET_S = 2.0  # seconds of calls per key (warm-ups included) after which no further round starts
 REPEATS = 3  # timed rounds at most (one call of every candidate each; the median is kept)
@@ -91,22 +93,25 @@ def _env_mode() -> str:
     return "static" if value in ("0", "off", "false", "no", "static") else "measure"
 
 
-def _env_cache_file() -> Path | None:
-    value = os.environ.get(ENV_CACHE, "").strip()
-    if not value or value.lower() in ("0", "off", "false", "no"):
-        return None
-    return (DEFAULT_CACHE_FILE if value.lower() in ("1", "on", "true", "yes") else Path(value)).expanduser()
+_GENERATIONS = itertools.count()  # one number per state of the winners, unique in the process
 
 
 @dataclass
 class _Tuner:
-    """The process's tuning state: mode, winners by key, the optional cache file, the timer."""
+    """The process's tuning state: mode, winners by key, the optional cache file, the timer, and the generation
+    of the winners (a fresh number whenever they may have changed: what the layers' memos of their resolved plans
+    are valid for, :func:`tuned_plan`)."""
 
     mode: str = field(default_factory=_env_mode)
     winners: dict[str, str] = field(default_factory=dict)
     file: Path | None = field(default_factory=_env_cache_file)
     file_read: bool = False
     timer: Timer = time_call
+    generation: int = field(default_factory=lambda: next(_GENERATIONS))
+
+    def changed(self) -> None:
+        """The winners may have changed: every memo of a resolved plan is stale."""
+        self.generation = next(_GENERATIONS)
 
 
 _TUNER = _Tuner()
@@ -131,6 +136,7 @@ def set_impl_cache_file(path: str | os.PathLike | None) -> Path | None:
     """Keep measured winners in ``path`` (JSON; read on first use, written after every new winner) too, or only
     in the process (``None``). Returns the file before."""
     previous, _TUNER.file, _TUNER.file_read = _TUNER.file, None if path is None else Path(path).expanduser(), False
+    _TUNER.changed()
     return previous
 
 
@@ -143,6 +149,7 @@ def clear_impl_cache() -> None:
     """Forget the winners measured in this process (the cache file is left alone and read again)."""
     _TUNER.winners.clear()
     _TUNER.file_read = False
+    _TUNER.changed()
 
 
 def tuned_impls() -> dict[str, str]:
@@ -174,23 +181,13 @@ def isolated_tuning(mode: str = "measure", timer: Timer | None = None, cache_fil
 
 # ------------------------------------------------------------------------------------------ the cache file
 def _read_file() -> None:
-    """Merge the cache file's winners into the process's (once per file); a file that cannot be read as this
-    module wrote it is ignored with a warning."""
+    """Merge the cache file's winners into the process's (once per file; :mod:`~lambdanet.layers.impl_cache`)."""
     path, _TUNER.file_read = _TUNER.file, True
-    if path is None or not path.exists():
+    if path is None:
         return
-    try:
-        data = json.loads(path.read_text())
-        if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
-            raise ValueError(f"not a version-{CACHE_VERSION} impl tuning cache")
-        entries = data["winners"]
-        if not isinstance(entries, dict):
-            raise ValueError("'winners' is not a mapping")
-    except (OSError, ValueError, KeyError) as err:  # json.JSONDecodeError is a ValueError
-        warnings.warn(f"ignoring the impl tuning cache {path}: {err}", RuntimeWarning, stacklevel=4)
-        return
-    valid = {k: v for k, v in entries.items() if isinstance(k, str) and v in _CANDIDATES}
-    _TUNER.winners.update({k: v for k, v in valid.items() if k not in _TUNER.winners})
+    found = read_winners(path, _CANDIDATES, stacklevel=4)
+    _TUNER.winners.update({k: v for k, v in found.items() if k not in _TUNER.winners})
+    _TUNER.changed()
 
 
 def _write_file() -> None:
@@ -199,42 +196,15 @@ def _write_file() -> None:
     if path is None:
         return
     _read_file()  # what other processes added meanwhile
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"version": CACHE_VERSION, "winners": _TUNER.winners}, indent=0, sort_keys=True))
-        os.replace(tmp, path)
-    except OSError as err:
-        warnings.warn(f"could not write the impl tuning cache {path}: {err}", RuntimeWarning, stacklevel=4)
+    write_winners(path, _TUNER.winners, stacklevel=4)
 
 
 # ------------------------------------------------------------------------------------------ when to time
-def _tracing() -> bool:
-    """Whether a compiler, exporter or tracer is running this code (then nothing is timed)."""
-    compiler = torch.compiler
-    if compiler.is_compiling() or getattr(compiler, "is_exporting", lambda: False)():
-        return True
-    if torch.jit.is_tracing() or torch.jit.is_scripting():
-        return True
-    from torch.fx import _symbolic_trace as fx
-
-    return (getattr(fx, "is_fx_symbolic_tracing", None) or fx.is_fx_tracing)()
-
-
 def can_measure(*tensors: Tensor) -> bool:
-    """Whether a forward call on ``tensors`` may time candidates now: the mode is ``"measure"``, deterministic
-    algorithms are off, nothing traces or compiles it, no functorch transform or Python dispatch mode (FLOP
-    counters, fake tensor modes) is active, it does not run inside a backward pass, and the tensors are plain
-    ones on a real device."""
-    if _TUNER.mode != "measure" or torch.are_deterministic_algorithms_enabled() or _tracing():
-        return False
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-    if _get_current_dispatch_mode() is not None or torch._C._current_graph_task_id() != -1:
-        return False
-    if torch._C._functorch.peek_interpreter_stack() is not None:
-        return False
-    return all(type(t) is torch.Tensor and t.device.type != "meta" for t in tensors)
+    """Whether a forward call on ``tensors`` may time candidates now: the mode is ``"measure"`` and
+    :func:`~lambdanet.layers.impl_guard.timing_allowed` (nothing traces or compiles it, no functorch transform or
+    Python dispatch mode, not inside a backward pass, plain tensors on a real device)."""
+    return _TUNER.mode == "measure" and timing_allowed(*tensors)
 
 
 # ------------------------------------------------------------------------------------------ the layer's side
@@ -365,15 +335,34 @@ def tuned_plan(layer: TunedLayer, plan: Any, q: Tensor, vals: Tensor, spatial: t
                 winner = impl
         return plan if winner == plan.impl else layer.plan_for(winner, spatial, impl_policy(q.device.type))
     grad = _records_grad(layer, inputs_grad)
+    # what the key's winner resolves to, memoised on the layer: building the key and the candidates is ~0.2 ms of
+    # Python, a few percent of a small layer's call; the memo holds for one generation of the winners
+    memo_key = (_TUNER.generation, plan.impl, spatial, q.dtype, q.device, grad, layer.training, q.shape[0],
+                torch.get_num_threads(), id(impl_policy(q.device.type)))  # fmt: skip
+    memo: dict = layer.__dict__.setdefault("_tuned_plans", {})
+    if (known := memo.get(memo_key)) is not None:
+        return known
     plans = _plans(layer, spatial, q.device)
     if len(plans) < 2 or q.numel() == 0:
-        return plan
+        return _remember(memo, memo_key, plan)
     key = f"{_base_key(layer, q.dtype, q.device, grad)}; {_size_key(spatial, plans)}; b{q.shape[0]}"
     winner = _TUNER.winners.get(key)
     if winner is None and can_measure(q, vals):
         winner = _TUNER.winners[key] = _measure(layer, plans, plan.impl, q, vals, spatial, grad)
         _write_file()
-    return plan if winner in (None, plan.impl) else plans.get(winner, plan)
+        _TUNER.changed()
+        memo_key = (_TUNER.generation, *memo_key[1:])
+    if winner is None:  # not measurable now (inside a backward pass, deterministic mode): asked again next call
+        return plan
+    return _remember(memo, memo_key, plan if winner == plan.impl else plans.get(winner, plan))
+
+
+def _remember(memo: dict, key: tuple, plan: Any, limit: int = 64) -> Any:
+    """``memo[key] = plan`` (a memo past ``limit`` entries, of older generations mostly, starts afresh)."""
+    if len(memo) >= limit:
+        memo.clear()
+    memo[key] = plan
+    return plan
 
 
 def _measure(layer: TunedLayer, plans: dict[str, Any], static: str, q: Tensor, vals: Tensor, spatial, grad) -> str:

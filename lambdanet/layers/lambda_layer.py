@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -31,8 +30,13 @@ from lambdanet.helpers import (
     leave_autocast,
     to_ntuple,
 )
-from lambdanet.layers.position_embedding import AbsolutePositionEmbedding, RelativePositionEmbedding
 from lambdanet.layers.impl_tuning import tuned_plan
+from lambdanet.layers.lambda_plan import (  # the plan is re-exported from its historical home
+    LAMBDAS_FIRST_STEPS,
+    QUERIES_FIRST_STEPS,
+    LambdaPlan,
+    LambdaPositionMixin,
+)
 from lambdanet.layers.lambda_policy import (  # the policy is re-exported from its historical home
     CUDA_IMPL_POLICY,
     DEFAULT_IMPL_POLICY,
@@ -40,10 +44,13 @@ from lambdanet.layers.lambda_policy import (  # the policy is re-exported from i
     impl_policy,
     set_impl_policy,
 )
+from lambdanet.layers.position_embedding import AbsolutePositionEmbedding, RelativePositionEmbedding
 
 __all__ = [
     "LambdaLayer",
     "LambdaPlan",
+    "QUERIES_FIRST_STEPS",
+    "LAMBDAS_FIRST_STEPS",
     "ImplPolicy",
     "DEFAULT_IMPL_POLICY",
     "CUDA_IMPL_POLICY",
@@ -56,41 +63,7 @@ _QV_NORMS = ("auto", "batch", "layer", None)
 _POS_EMBS = ("relative", "absolute")
 
 
-# position steps of a plan: queries-first steps give y^p [b n h v], lambdas-first steps give lambda^p [b n g v k]
-QUERIES_FIRST_STEPS = ("einsum_qe_absolute", "einsum_qe_whole", "einsum_qe_chunked", "triton")
-LAMBDAS_FIRST_STEPS = ("depthwise_conv_tokens", "conv", "einsum", "einsum_absolute")
-
-
-@dataclass(frozen=True)
-class LambdaPlan:
-    """How one forward call computes its position part, decided once per call by :meth:`LambdaLayer.plan`.
-
-    Attributes:
-        impl: the implementation, as :meth:`LambdaLayer.choose_impl` reports it (``"einsum_qe"``,
-            ``"einsum"``, ``"conv"``, ``"depthwise_conv"``; ``"none"`` without position lambdas).
-        position: the step that runs it, or ``None`` (``position=False``). Queries-first steps
-            (:data:`QUERIES_FIRST_STEPS`) return the position output ``y^p``: ``"einsum_qe_absolute"``,
-            ``"einsum_qe_whole"`` (the whole ``E``, cached in eval), ``"einsum_qe_chunked"`` (rows of ``E``
-            rebuilt per query chunk), ``"triton"`` (the fused kernels of :mod:`lambdanet.kernels`).
-            Lambdas-first steps (:data:`LAMBDAS_FIRST_STEPS`) return the position lambdas ``lambda^p``:
-            ``"depthwise_conv_tokens"`` (depthwise lambda convolution on the value tokens), ``"conv"``,
-            ``"einsum"``, ``"einsum_absolute"``.
-
-    A new implementation is one more step: its name here, the condition that picks it in :meth:`LambdaLayer.plan`
-    and a branch of ``LambdaLayer._position_output`` (returning ``y^p``, as ``"triton"``) or ``_position_lambdas``
-    (returning ``lambda^p``).
-    """
-
-    impl: str
-    position: str | None
-    qe_chunk_fraction: float = DEFAULT_IMPL_POLICY.qe_chunk_fraction
-
-    @property
-    def queries_first(self) -> bool:
-        return self.position in QUERIES_FIRST_STEPS
-
-
-class LambdaLayer(nn.Module):
+class LambdaLayer(LambdaPositionMixin, nn.Module):
     """Multi-query lambda layer on ``[B, dim, *spatial]`` inputs -> ``[B, dim_out, *spatial / stride]``.
 
     Args:
@@ -348,99 +321,6 @@ class LambdaLayer(nn.Module):
             parts.append("position_bias=True")
         return ", ".join(parts)
 
-    # ------------------------------------------------------------------------------------------ planning
-    def _check_spatial(self, spatial: tuple[int, ...]) -> None:
-        if self.stride > 1 and self.stride_pool == 2 and min(spatial) < 2:
-            raise ValueError(
-                f"stride_pool=2 pools non-overlapping 2-wide windows: every spatial side must be at "
-                f"least 2, got an input of spatial size {spatial} (stride_pool=3 pools any size)"
-            )
-        emb = self.embedding
-        if isinstance(emb, AbsolutePositionEmbedding):
-            if spatial != emb.feat_size:
-                raise ValueError(
-                    f"absolute position embeddings were built for feat_size={emb.feat_size}, "
-                    f"got an input of spatial size {spatial}"
-                )
-        elif isinstance(emb, RelativePositionEmbedding) and emb.feat_size is not None:
-            if any(s > f for s, f in zip(spatial, emb.feat_size)):
-                raise ValueError(
-                    f"input spatial size {spatial} is larger than feat_size={emb.feat_size} of the global "
-                    "relative embeddings; build the layer with a larger feat_size or use a local scope r"
-                )
-
-    def plan(self, spatial: Sequence[int], device_type: str | None = None) -> LambdaPlan:
-        """The :class:`LambdaPlan` for an input of this spatial size on ``device_type`` (default: the device
-        of the layer's weights), under that device's :func:`impl_policy` (``impl="auto"``: the static cost
-        model; ``forward`` may then run its measured winner, :mod:`~lambdanet.layers.impl_tuning`). ``forward``
-        calls it once."""
-        spatial = tuple(spatial)
-        if self.embedding is None:
-            return LambdaPlan("none", None)
-        if self.impl == "triton":
-            return LambdaPlan("triton", "triton")
-        policy = impl_policy(device_type if device_type is not None else self.qkv.weight.device.type)
-        return self.plan_for(self.impl, spatial, policy)
-
-    def plan_for(self, impl: str, spatial: tuple[int, ...], policy: ImplPolicy) -> LambdaPlan:
-        """The plan of implementation ``impl`` (``"auto"``: the cost model's pick) for ``spatial`` under
-        ``policy``, on a layer with position lambdas (the candidates that ``impl="auto"`` measures)."""
-        n = math.prod(spatial)
-        whole = self._whole_embeddings_fit(n, policy)  # E[n, m] may be materialised
-        qe_ok = self.dim_u == 1 and self.groups == 1 and not self.causal  # queries-first: multi-query, u = 1
-        impl = impl if impl != "auto" else self._auto_impl(spatial, n, whole, qe_ok, policy)
-        if impl == "einsum_qe" and not qe_ok:
-            impl = "einsum"
-        if isinstance(self.embedding, AbsolutePositionEmbedding):  # absolute: lambdas-first impls are the einsum
-            impl = impl if impl == "einsum_qe" else "einsum"
-            position = "einsum_qe_absolute" if impl == "einsum_qe" else "einsum_absolute"
-            return LambdaPlan(impl, position, policy.qe_chunk_fraction)
-        if impl == "einsum_qe":
-            return LambdaPlan(impl, "einsum_qe_whole" if whole else "einsum_qe_chunked", policy.qe_chunk_fraction)
-        return LambdaPlan(impl, "depthwise_conv_tokens" if impl == "depthwise_conv" else impl)
-
-    def _auto_impl(self, spatial: tuple[int, ...], n: int, whole: bool, qe_ok: bool, policy: ImplPolicy) -> str:
-        """``impl="auto"``: see :meth:`choose_impl`."""
-        if isinstance(self.embedding, AbsolutePositionEmbedding):
-            return "einsum_qe"  # "einsum" where queries-first does not apply: plan's one fallback
-        emb = cast(RelativePositionEmbedding, self.embedding)  # plan() returned already without embeddings
-        taps = math.prod(LF.cropped_kernel_size(emb.kernel_size, emb.center, spatial))
-        h, k, v = self.heads, self.dim_k, self.dim_v
-        fewest, most = policy.dense_conv_taps
-        dense = fewest <= taps <= most  # the dense lambda convolution beats the depthwise one at this scope
-        conv_speedup = policy.dense_conv_speedup if dense else 1.0
-        qe_speedup = (policy.gemm_speedup if whole else 1.0) / conv_speedup  # einsum_qe's per multiply-add edge
-        if qe_ok and n * h * (k + v) <= qe_speedup * taps * k * v:
-            return "einsum_qe"
-        if whole and n <= policy.einsum_positions_per_tap * taps:
-            return "einsum"
-        return "conv" if dense else "depthwise_conv"
-
-    def _whole_embeddings_fit(self, n: int, policy: ImplPolicy) -> bool:
-        """Whether the gathered ``E[n, m]`` may be materialised (``policy.max_whole_positions`` positions and
-        ``policy.max_whole_elements`` elements at most)."""
-        elements = n * n * self.dim_k * self.dim_u * self.groups
-        return n <= policy.max_whole_positions and elements <= policy.max_whole_elements
-
-    def choose_impl(self, spatial: Sequence[int], device_type: str | None = None) -> str:
-        """The position implementation the static policy plans for an input of this spatial size
-        (``plan(spatial).impl``); an ``impl="auto"`` forward call may run the winner measured for its input
-        instead (:func:`~lambdanet.layers.impl_tuning.auto_choice` says which).
-
-        ``"auto"`` follows the device's :class:`ImplPolicy`: the queries-first ``einsum_qe`` when its
-        ``n h (k + v)`` multiply-adds per context position stay below ``gemm_speedup`` times the lambda
-        convolution's ``taps k v`` while the whole ``E[n, m]`` may be materialised (``max_whole_positions``,
-        App. E.1's 852, and ``max_whole_elements``), and below the convolution's outright beyond, where ``E``
-        rows are rebuilt per chunk in every pass (:func:`~lambdanet.functional.relative_position_output_qe`):
-        global scopes keep it, local scopes on large maps take the convolution. Else the lambdas-first
-        ``einsum`` for small maps (at most ``einsum_positions_per_tap`` positions per tap, ``E``
-        materialisable), else the dense ``"conv"`` for scopes of ``dense_conv_taps`` taps (multiply-adds
-        counted ``dense_conv_speedup`` times cheaper above) or the ``"depthwise_conv"``. Intra-depth,
-        multi-head and causal layers use the lambdas-first forms (an explicit ``impl="einsum_qe"`` runs as
-        ``"einsum"``), absolute embeddings the einsums; ``"none"`` without position lambdas.
-        """
-        return self.plan(spatial, device_type).impl
-
     # ------------------------------------------------------------------------------------------ forward steps
     def forward(self, x: Tensor) -> Tensor:
         check_input(x, self.dim, self.spatial_dims, "LambdaLayer")
@@ -500,59 +380,6 @@ class LambdaLayer(nn.Module):
             return None, LF.causal_content_lambdas(keys, vals, self.key_norm).transpose(-1, -2)  # b n g v k
         lam = LF.content_lambda(LF.normalize_keys(keys, self.key_norm, dim=1), vals)  # b g k v
         return LF.apply_content_lambda(q, lam), None  # b n h v
-
-    def _position(
-        self, plan: LambdaPlan, q: Tensor, vals: Tensor, spatial: tuple[int, ...]
-    ) -> tuple[Tensor | None, Tensor | None]:
-        """Position part by ``plan.position``: ``(y^p [b, n, h, v], None)`` queries-first, ``(None, lambda^p
-        [b, n, g, v, k])`` lambdas-first, ``(None, None)`` without position lambdas."""
-        if plan.position is None:
-            return None, None
-        if plan.queries_first:
-            return self._position_output(plan, q, vals, spatial), None
-        return None, self._position_lambdas(plan.position, vals, spatial)
-
-    def _position_output(self, plan: LambdaPlan, q: Tensor, vals: Tensor, spatial: tuple[int, ...]) -> Tensor:
-        """Queries-first position output ``y^p = (q E) V``, ``[b, n, h, v]`` (multi-query; ``u = 1`` but for
-        ``"triton"``)."""
-        step = plan.position
-        emb, dtype = self.embedding, vals.dtype  # the compute dtype: half-precision tables are widened
-        rel = cast(RelativePositionEmbedding, emb)  # what every step but "einsum_qe_absolute" runs on
-        b, n = vals.shape[:2]
-        if step == "triton":  # fused kernels, any u: q [b n h k], V [b m v u], R [k u *K]
-            from lambdanet.kernels import lambda_position_output
-
-            vals = vals.view(b, n, self.dim_v, self.dim_u)  # b m v u
-            return lambda_position_output(q, vals, rel.table[0].to(dtype), rel.center, spatial)  # b n h v
-        vals = vals.view(b, n, self.dim_v)  # b m v
-        chunk = b * max(1, int(plan.qe_chunk_fraction * n * self.dim_k * self.dim_v))  # q . E elements per chunk
-        if step == "einsum_qe_absolute":
-            absolute = cast(AbsolutePositionEmbedding, emb)
-            e = absolute.embeddings()[0, :, 0].to(dtype)  # k n m
-            y = LF.position_output_qe(q, e, vals, max_chunk_elements=chunk)  # b h n v
-        elif step == "einsum_qe_whole":  # whole E, cached in eval
-            e = rel.embeddings(spatial, dtype)[0, :, 0]  # k n m
-            y = LF.position_output_qe(q, e, vals, max_chunk_elements=chunk)  # b h n v
-        else:  # "einsum_qe_chunked": E row chunks built on the fly, no k n m tensor
-            table = rel.table.to(dtype)
-            y = LF.relative_position_output_qe(q, table, rel.center, spatial, vals, max_chunk_elements=chunk)
-        return y.transpose(1, 2)  # b n h v
-
-    def _position_lambdas(self, step: str, vals: Tensor, spatial: tuple[int, ...]) -> Tensor:
-        """Lambdas-first position lambdas ``[b, n, g, v, k]`` from normalised values ``[b, n, (g v u)]``."""
-        emb, dtype = self.embedding, vals.dtype  # the compute dtype: half-precision tables are widened
-        rel = cast(RelativePositionEmbedding, emb)  # what every step but "einsum_absolute" runs on
-        b, n = vals.shape[:2]
-        g, v, u, k = self.groups, self.dim_v, self.dim_u, self.dim_k
-        if step == "depthwise_conv_tokens":  # channels-last in and out: no layout copies
-            return LF.token_position_lambdas(vals, rel.table.to(dtype), rel.center, spatial)  # b n g v k
-        vals_cf = LF.permute_copy(vals, (0, 2, 1)).view(b, g, v, u, *spatial)  # b g v u *S
-        if step == "einsum_absolute":
-            e = cast(AbsolutePositionEmbedding, emb).embeddings(self.causal).to(dtype)  # g k u n m
-            lam = LF.einsum_position_lambdas(vals_cf.reshape(b, g, v, u, n), e)  # b g v k n
-        else:  # "conv" | "einsum"
-            lam = LF.position_lambdas(vals_cf, rel.table.to(dtype), rel.center, step)  # b g v k *S
-        return LF.permute_copy(lam.reshape(b, g, v, k, n), (0, 4, 1, 2, 3))  # b n g v k
 
     def _output(self, out: Tensor, spatial: tuple[int, ...], channels_first: bool) -> Tensor:
         """``[b, n, h, v]`` -> ``[b, d_out, *S]`` in the input's memory format, then the stride-2 pool."""

@@ -1,8 +1,5 @@
-"""Byte-level language models as a task of the engine: corpora (:mod:`~lambdanet.lm.corpus`), training,
-evaluation in bits per byte and sampling (:mod:`~lambdanet.lm.task`). The models are registered in
-:mod:`lambdanet.models.lm` (``list_models(task="lm")``)."""
+"""Moved to :mod:`lambdanet.tasks.lm`; this import path is kept for one release."""
 
-from lambdanet.lm.corpus import Corpus, load_corpus
-from lambdanet.lm.task import LMConfig, evaluate_bits_per_byte, load_lm, sample, train_lm
+from lambdanet.helpers import moved_module
 
-__all__ = ["Corpus", "load_corpus", "LMConfig", "train_lm", "evaluate_bits_per_byte", "load_lm", "sample"]
+moved_module(__name__, "lambdanet.tasks.lm", globals())

@@ -1,7 +1,7 @@
 """Architectures and their registry: ``create_model(name, num_classes=..., **kwargs)``, ``list_models()``,
 ``model_info(name)``, ``model_args(name)``."""
 
-from lambdanet.models import byoa, halonet, lm, mobilenet, zoo_resnet  # noqa: F401  (register the families)
+from lambdanet.models import byoa, halonet, lm_zoo, mobilenet, zoo_resnet  # noqa: F401  (register the families)
 from lambdanet.models.factory import create_model
 from lambdanet.models.registry import (
     ModelInfo,

@@ -1,7 +1,9 @@
 """``create_model``: a registered model built, described (``pretrained_cfg``) and given its weights.
 
 Separate from the registry (which imports no family and no weights code) as timm keeps ``_factory.py``
-beside ``_registry.py``: factory -> {registry, pretrained}, families -> registry, no cycle.
+beside ``_registry.py``: factory -> {registry, pretrained}, families -> registry, no cycle. An image model is
+built here (:class:`ImageAdapter`); a family with other build arguments (the language models) registers its own
+:class:`~lambdanet.models.registry.ModelAdapter` with its models, which the factory calls without knowing it.
 """
 
 from __future__ import annotations
@@ -13,12 +15,12 @@ from torch import nn
 
 from lambdanet.models import pretrained as weights
 from lambdanet.models.hub import download_hub_weights, hub_repo
-from lambdanet.models.registry import entry_point, model_info, pretrained_cfg
+from lambdanet.models.registry import ModelAdapter, entry_point, model_info, pretrained_cfg
 
 if TYPE_CHECKING:
     from lambdanet.models.registry import CreatedModel
 
-__all__ = ["create_model"]
+__all__ = ["create_model", "ImageAdapter"]
 
 
 def create_model(
@@ -37,7 +39,7 @@ def create_model(
             :func:`lambdanet.hub.push_to_hub` (its architecture, arguments, weights, classes and preprocessing;
             downloaded once into huggingface_hub's cache, then read offline).
         num_classes: classifier outputs (default 1000; 0 for no classifier: ``forward`` returns pooled features).
-            Language models (``model_info(name).task == "lm"``) take ``vocab_size`` instead.
+            Language models (``list_models(task="lm")``) take ``vocab_size`` instead.
         in_chans: input image channels (default 3).
         pretrained: load the published ImageNet checkpoint (the timm-architecture models of
             :mod:`lambdanet.models.byoa`): downloaded from the Hugging Face hub once, converted and cached
@@ -64,58 +66,80 @@ def create_model(
             **kwargs,
         )
     build = entry_point(name, kwargs)
-    if model_info(name).task == "lm":
-        if num_classes is not None or in_chans is not None or pretrained or checkpoint_path is not None:
-            raise ValueError(
-                f"{name} is a language model: it takes vocab_size=..., not num_classes, in_chans or "
-                "weights (load a trained one with lambdanet.lm.load_lm)"
-            )
-        model = cast("CreatedModel", build(**kwargs))  # given its attributes below
+    return adapter(name).create(
+        name,
+        build,
+        kwargs,
+        num_classes=num_classes,
+        in_chans=in_chans,
+        pretrained=pretrained,
+        checkpoint_path=checkpoint_path,
+    )
+
+
+class ImageAdapter(ModelAdapter):
+    """The image models' building (every model registered without an adapter): ``num_classes``, ``in_chans``,
+    published or local weights, timm's ``pretrained_cfg``."""
+
+    build_args = {"num_classes": 1000, "in_chans": 3}
+
+    def create(self, name, build, kwargs, *, num_classes, in_chans, pretrained, checkpoint_path) -> nn.Module:
+        num_classes, in_chans = 1000 if num_classes is None else num_classes, 3 if in_chans is None else in_chans
+        if not isinstance(num_classes, int) or num_classes < 0:
+            raise ValueError(f"num_classes must be a non-negative int, got {num_classes!r}")
+        if not isinstance(in_chans, int) or in_chans <= 0:
+            raise ValueError(f"in_chans must be a positive int, got {in_chans!r}")
+        if pretrained and checkpoint_path is not None:
+            raise ValueError("pass pretrained=True (the published checkpoint) or checkpoint_path=FILE, not both")
+        if pretrained:
+            weights.hub_id(name)  # fail before building when there are no weights
+        model = cast("CreatedModel", build(num_classes=num_classes, in_chans=in_chans, **kwargs))
         model.model_name, model.model_kwargs = name, dict(kwargs)
-        model.pretrained_cfg = {"architecture": name, "vocab_size": model.vocab_size}
+        first_conv = next((n for n, m in model.named_modules() if isinstance(m, nn.Conv2d)), None)
+        model.pretrained_cfg = pretrained_cfg(name, num_classes, in_chans) | {
+            "first_conv": first_conv,
+            "classifier": "fc",
+        }
+        model.default_cfg = model.pretrained_cfg  # timm's older name for the same dict
+        if pretrained or checkpoint_path is not None:
+            weights.load_into(model, name, pretrained=pretrained, checkpoint_path=checkpoint_path)
         return model
-    num_classes, in_chans = 1000 if num_classes is None else num_classes, 3 if in_chans is None else in_chans
-    if not isinstance(num_classes, int) or num_classes < 0:
-        raise ValueError(f"num_classes must be a non-negative int, got {num_classes!r}")
-    if not isinstance(in_chans, int) or in_chans <= 0:
-        raise ValueError(f"in_chans must be a positive int, got {in_chans!r}")
-    if pretrained and checkpoint_path is not None:
-        raise ValueError("pass pretrained=True (the published checkpoint) or checkpoint_path=FILE, not both")
-    if pretrained:
-        weights.hub_id(name)  # fail before building when there are no weights
-    model = cast("CreatedModel", build(num_classes=num_classes, in_chans=in_chans, **kwargs))
-    model.model_name, model.model_kwargs = name, dict(kwargs)
-    first_conv = next((n for n, m in model.named_modules() if isinstance(m, nn.Conv2d)), None)
-    model.pretrained_cfg = pretrained_cfg(name, num_classes, in_chans) | {"first_conv": first_conv, "classifier": "fc"}
-    model.default_cfg = model.pretrained_cfg  # timm's older name for the same dict
-    if pretrained or checkpoint_path is not None:
-        weights.load_into(model, name, pretrained=pretrained, checkpoint_path=checkpoint_path)
-    return model
+
+    def from_hub(self, repo, name, path, meta, kwargs, *, num_classes, in_chans) -> nn.Module:
+        """Another ``num_classes`` / ``in_chans`` adapts the weights as ``checkpoint_path`` does."""
+        model = cast(
+            "CreatedModel",
+            create_model(
+                name,
+                num_classes=meta["num_classes"] if num_classes is None else num_classes,
+                in_chans=meta["in_chans"] if in_chans is None else in_chans,
+                checkpoint_path=path,
+                **kwargs,
+            ),
+        )
+        model.pretrained_cfg.update(weights=f"hf-hub:{repo}", hf_hub_id=repo.partition("@")[0])
+        return model
+
+
+IMAGE = ImageAdapter()
+
+
+def adapter(name: str) -> ModelAdapter:
+    """How :func:`create_model` builds the registered model ``name``: its family's
+    :class:`~lambdanet.models.registry.ModelAdapter`, else :class:`ImageAdapter`."""
+    return model_info(name).adapter or IMAGE
 
 
 def _from_hub(repo: str, *, num_classes, in_chans, pretrained, checkpoint_path, **kwargs) -> nn.Module:
     """``create_model("hf-hub:...")``: the repository's architecture and arguments (``kwargs`` override them)
-    with its weights; another ``num_classes`` / ``in_chans`` adapts them as ``checkpoint_path`` does."""
+    with its weights, built by the architecture's adapter."""
     if pretrained or checkpoint_path is not None:
         raise ValueError(f"hf-hub:{repo} brings its own weights: pass neither pretrained nor checkpoint_path")
     path, meta = download_hub_weights(repo)
     arch, arch_kwargs = meta["model"], {**meta.get("model_kwargs", {}), **kwargs}
-    if model_info(arch).task == "lm":
-        from safetensors.torch import load_model
-
-        model = cast("CreatedModel", create_model(arch, vocab_size=meta["vocab_size"], **arch_kwargs))
-        load_model(model, str(path))
-    else:
-        model = cast(
-            "CreatedModel",
-            create_model(
-                arch,
-                num_classes=meta["num_classes"] if num_classes is None else num_classes,
-                in_chans=meta["in_chans"] if in_chans is None else in_chans,
-                checkpoint_path=path,
-                **arch_kwargs,
-            ),
-        )
-        model.pretrained_cfg.update(weights=f"hf-hub:{repo}", hf_hub_id=repo.partition("@")[0])
+    model = cast(
+        "CreatedModel",
+        adapter(arch).from_hub(repo, arch, path, meta, arch_kwargs, num_classes=num_classes, in_chans=in_chans),
+    )
     model.model_kwargs = arch_kwargs
     return model

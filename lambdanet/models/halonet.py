@@ -19,10 +19,10 @@ Each :data:`model_cfgs` row (:class:`HaloNetSpec`) has an entry point of its nam
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple, cast
 
-from lambdanet.models.registry import ModelInfo, register_model
+from lambdanet.models.family import family_registrar
+from lambdanet.models.registry import ModelInfo
 from lambdanet.models.resnet import RESNET_ARGS, ResNet, ResNetArgs, ResNetConfig, build_resnet
 
 __all__ = ["HaloNetSpec", "model_cfgs", "halonet_config", "HALONET_ARGS"]
@@ -118,14 +118,18 @@ def _create(variant: str, *, num_classes: int = 1000, in_chans: int = 3, **kwarg
     return build_resnet(halonet_config(variant), ResNetArgs(**kwargs), num_classes=num_classes, in_chans=in_chans)
 
 
-def _register(fn: Callable[..., ResNet]) -> Callable[..., ResNet]:
-    """``register_model`` with the metadata of the ``model_cfgs`` entry named like ``fn``."""
-    name = fn.__name__
+def _info(name: str) -> ModelInfo:
+    """The metadata of the ``model_cfgs`` entry ``name``."""
     spec = model_cfgs[name]
-    fn.__doc__ = halonet_config(name).paper
     recipe = {**RECIPE, "randaugment_magnitude": spec.randaugment_magnitude, "img_size": spec.s}
-    info = ModelInfo(name, spec.s, "HaloNet Table A2", recipe, recipe_source="HaloNet Sec. 4.1 and App. C.3")
-    return register_model(fn, info=info, args=HALONET_ARGS)
+    return ModelInfo(name, spec.s, "HaloNet Table A2", recipe, recipe_source="HaloNet Sec. 4.1 and App. C.3")
+
+
+def _doc(name: str) -> str:
+    return halonet_config(name).paper
+
+
+_register = family_registrar(_info, HALONET_ARGS, doc=_doc)
 
 
 @_register

@@ -13,7 +13,7 @@ token mixer:
 
 The lambda layer's value depth is chosen so that its parameters match multi-head attention's ``4 d^2``
 (:func:`matched_dim_v`): the three families of one size have the same width, depth and MLP, and parameter
-counts within 2%.
+counts within 2%. The registered names are in :mod:`lambdanet.models.lm_zoo`.
 
 Interface: ``model(tokens [b, n])`` -> logits ``[b, n, vocab]``; ``state = model.init_state(b)``,
 ``logits, state = model.step(state, tokens [b])``; ``model.generate(tokens, max_new_tokens, temperature,
@@ -33,9 +33,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lambdanet.helpers import check_choice, check_positive_int
-from lambdanet.layers.causal_attention import CausalSelfAttention
+from lambdanet.layers.causal_attention import CausalSelfAttention, step_arguments
 from lambdanet.layers.causal_lambda import CausalLambdaLayer
-from lambdanet.models.registry import ModelInfo, register_model
 
 __all__ = ["LanguageModel", "LMSize", "LM_SIZES", "MIXERS", "matched_dim_v", "sample_next"]
 
@@ -91,9 +90,11 @@ class _Block(nn.Module):
         x = x + self.drop(y)
         return x + self.drop(self.mlp(self.norm2(x))), state  # b n d
 
-    def step(self, x: Tensor, state: dict) -> tuple[Tensor, dict]:
-        """One position, ``x [b, d]``, with the mixer's streaming step."""
-        y, state = self.mixer.step(self.norm1(x), state)  # b d
+    def step(self, state: dict, x: Tensor) -> tuple[Tensor, dict]:
+        """One position, ``x [b, d]`` after the mixer's ``state``, with the mixer's streaming step (the earlier
+        order ``step(x, state)`` still works for one release, with a warning)."""
+        state, x = step_arguments(state, x, f"{type(self).__name__}.step")
+        y, state = self.mixer.step(state, self.norm1(x))  # b d
         x = x + self.drop(y)
         return x + self.drop(self.mlp(self.norm2(x))), state  # b d
 
@@ -122,6 +123,7 @@ class LanguageModel(nn.Module):
         short_conv: the lambda layers' short causal convolution width (0: none).
         attention_every: the hybrid model's attention blocks: the ``attention_every``-th, ``2 attention_every``-th,
             ... (the last of each group).
+        lambdas: the lambda layers' number of lambdas (1: multi-query; ``heads``: one per head).
     """
 
     def __init__(
@@ -144,6 +146,7 @@ class LanguageModel(nn.Module):
         decay: str | None = None,
         short_conv: int = 0,
         attention_every: int = 4,
+        lambdas: int = 1,
     ):
         super().__init__()
         check_choice(mixer, "mixer", MIXERS)
@@ -168,7 +171,9 @@ class LanguageModel(nn.Module):
         mixers = [
             CausalSelfAttention(dim, heads, rotary=not learned)
             if a
-            else CausalLambdaLayer(dim, heads, dim_k, dim_v, dim_u, lambda_r, chunk, decay=decay, short_conv=short_conv)
+            else CausalLambdaLayer(
+                dim, heads, dim_k, dim_v, dim_u, lambda_r, chunk, decay=decay, short_conv=short_conv, lambdas=lambdas
+            )
             for a in attention
         ]
         self.blocks = nn.ModuleList(_Block(m, dim, mlp_ratio, dropout) for m in mixers)
@@ -250,7 +255,7 @@ class LanguageModel(nn.Module):
             x = x + self.pos_embed[position]  # b d
         new = []
         for block, s in zip(cast("Iterable[_Block]", self.blocks), state["layers"]):
-            x, s = block.step(x, s)  # b d
+            x, s = block.step(s, x)  # b d
             new.append(s)
         logits = self.norm(x) @ self.embed.weight.t()  # b vocab
         return logits, {"position": state["position"] + 1, "layers": new}
@@ -306,100 +311,3 @@ def sample_next(
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = F.softmax(logits.float() / temperature, dim=-1)  # b vocab
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
-
-
-def _lm(mixer: str, size: str, **kwargs) -> LanguageModel:
-    s = LM_SIZES[size]
-    return LanguageModel(mixer, s.dim, s.depth, s.heads, dim_k=s.dim_k, r=s.r, mlp_ratio=s.mlp_ratio, **kwargs)
-
-
-_PAPER = "LambdaNetworks App. B.2 (masked lambdas) on sequences; baselines of the same size"
-LAMBDA_ARGS = {"vocab_size": 256, "dim_v": None, "dim_u": 1, "chunk": 64, "dropout": 0.0, "decay": None,
-               "short_conv": 0}  # fmt: skip
-HYBRID_ARGS = {**LAMBDA_ARGS, "attention_every": 4}
-TRANSFORMER_ARGS = {"vocab_size": 256, "positions": "rotary", "max_len": None, "dropout": 0.0}
-
-
-def _info(name: str) -> ModelInfo:
-    return ModelInfo(name, input_size=0, paper=_PAPER, small=name.endswith("_nano"), task="lm")
-
-
-# one entry per name: <mixer>_lm_<size>, the size from LM_SIZES
-@register_model(info=_info("lambda_lm_nano"), args=LAMBDA_ARGS)
-def lambda_lm_nano(**kwargs) -> LanguageModel:
-    return _lm("lambda", "nano", **kwargs)
-
-
-@register_model(info=_info("lambda_lm_tiny"), args=LAMBDA_ARGS)
-def lambda_lm_tiny(**kwargs) -> LanguageModel:
-    return _lm("lambda", "tiny", **kwargs)
-
-
-@register_model(info=_info("lambda_lm_small"), args=LAMBDA_ARGS)
-def lambda_lm_small(**kwargs) -> LanguageModel:
-    return _lm("lambda", "small", **kwargs)
-
-
-@register_model(info=_info("lambda_lm_base"), args=LAMBDA_ARGS)
-def lambda_lm_base(**kwargs) -> LanguageModel:
-    return _lm("lambda", "base", **kwargs)
-
-
-@register_model(info=_info("linear_lm_nano"), args=LAMBDA_ARGS)
-def linear_lm_nano(**kwargs) -> LanguageModel:
-    return _lm("linear", "nano", **kwargs)
-
-
-@register_model(info=_info("linear_lm_tiny"), args=LAMBDA_ARGS)
-def linear_lm_tiny(**kwargs) -> LanguageModel:
-    return _lm("linear", "tiny", **kwargs)
-
-
-@register_model(info=_info("linear_lm_small"), args=LAMBDA_ARGS)
-def linear_lm_small(**kwargs) -> LanguageModel:
-    return _lm("linear", "small", **kwargs)
-
-
-@register_model(info=_info("linear_lm_base"), args=LAMBDA_ARGS)
-def linear_lm_base(**kwargs) -> LanguageModel:
-    return _lm("linear", "base", **kwargs)
-
-
-@register_model(info=_info("hybrid_lm_nano"), args={**HYBRID_ARGS, "attention_every": 2})
-def hybrid_lm_nano(**kwargs) -> LanguageModel:
-    return _lm("hybrid", "nano", **{"attention_every": 2, **kwargs})
-
-
-@register_model(info=_info("hybrid_lm_tiny"), args=HYBRID_ARGS)
-def hybrid_lm_tiny(**kwargs) -> LanguageModel:
-    return _lm("hybrid", "tiny", **kwargs)
-
-
-@register_model(info=_info("hybrid_lm_small"), args=HYBRID_ARGS)
-def hybrid_lm_small(**kwargs) -> LanguageModel:
-    return _lm("hybrid", "small", **kwargs)
-
-
-@register_model(info=_info("hybrid_lm_base"), args=HYBRID_ARGS)
-def hybrid_lm_base(**kwargs) -> LanguageModel:
-    return _lm("hybrid", "base", **kwargs)
-
-
-@register_model(info=_info("transformer_lm_nano"), args=TRANSFORMER_ARGS)
-def transformer_lm_nano(**kwargs) -> LanguageModel:
-    return _lm("transformer", "nano", **kwargs)
-
-
-@register_model(info=_info("transformer_lm_tiny"), args=TRANSFORMER_ARGS)
-def transformer_lm_tiny(**kwargs) -> LanguageModel:
-    return _lm("transformer", "tiny", **kwargs)
-
-
-@register_model(info=_info("transformer_lm_small"), args=TRANSFORMER_ARGS)
-def transformer_lm_small(**kwargs) -> LanguageModel:
-    return _lm("transformer", "small", **kwargs)
-
-
-@register_model(info=_info("transformer_lm_base"), args=TRANSFORMER_ARGS)
-def transformer_lm_base(**kwargs) -> LanguageModel:
-    return _lm("transformer", "base", **kwargs)

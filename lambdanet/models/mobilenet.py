@@ -16,7 +16,8 @@ from torch import Tensor, nn
 from lambdanet.layers import LambdaLayer
 from lambdanet.layers.conv_norm_act import conv_norm_act
 from lambdanet.models.base import Backbone
-from lambdanet.models.registry import ModelInfo, register_model
+from lambdanet.models.family import family_registrar
+from lambdanet.models.registry import ModelInfo
 
 __all__ = [
     "MobileNetV2",
@@ -210,16 +211,13 @@ def _info(name: str) -> ModelInfo:
     )
 
 
-@register_model(info=_info("mobilenet_v2"), args=MOBILENET_ARGS)
+@family_registrar(_info, MOBILENET_ARGS)
 def mobilenet_v2(**kwargs) -> MobileNetV2:
     """MobileNet-v2 (3.50M parameters, Table 17)."""
     return _create("mobilenet_v2", **kwargs)
 
 
-@register_model(
-    info=_info("mobilenet_v2_lambda"),
-    args={**MOBILENET_ARGS, "lambda_blocks": model_cfgs["mobilenet_v2_lambda"].lambda_blocks},
-)
+@family_registrar(_info, {**MOBILENET_ARGS, "lambda_blocks": model_cfgs["mobilenet_v2_lambda"].lambda_blocks})
 def mobilenet_v2_lambda(**kwargs) -> MobileNetV2:
     """MobileNet-v2 with the 10th and 16th inverted bottlenecks replaced by lightweight lambda blocks."""
     return _create("mobilenet_v2_lambda", **kwargs)

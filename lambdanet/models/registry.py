@@ -31,6 +31,7 @@ __all__ = [
     "model_info",
     "model_args",
     "ModelInfo",
+    "ModelAdapter",
     "PretrainedCfg",
 ]
 
@@ -57,19 +58,65 @@ class PretrainedCfg:
     top1: float | None = None
 
 
+class ModelAdapter:
+    """How :func:`lambdanet.models.create_model` builds the models of a family whose entry points take other build
+    arguments than an image model's ``num_classes`` and ``in_chans``. The family registers it with its models,
+    ``ModelInfo(adapter=...)``, as :mod:`lambdanet.models.lm` does; a model without one is an image model, built
+    by :class:`lambdanet.models.factory.ImageAdapter`. The factory calls an adapter without knowing its family."""
+
+    build_args: Mapping[str, object] = {}
+    """The keyword arguments every entry point of the family takes besides its architecture arguments, with their
+    defaults (the first parameters of the entry points' ``inspect.signature``)."""
+
+    def create(
+        self,
+        name: str,
+        build: Callable[..., nn.Module],
+        kwargs: dict[str, Any],
+        *,
+        num_classes: int | None,
+        in_chans: int | None,
+        pretrained: bool,
+        checkpoint_path: object,
+    ) -> nn.Module:
+        """``create_model(name, num_classes=..., in_chans=..., pretrained=..., checkpoint_path=..., **kwargs)``:
+        the model ``build`` (the entry point, ``kwargs`` checked against its arguments) makes, with
+        ``model_name``, ``model_kwargs`` and ``pretrained_cfg`` set; a ``ValueError`` for what the family does
+        not take."""
+        raise NotImplementedError
+
+    def from_hub(
+        self,
+        repo: str,
+        name: str,
+        path: object,
+        meta: dict[str, Any],
+        kwargs: dict[str, Any],
+        *,
+        num_classes: int | None,
+        in_chans: int | None,
+    ) -> nn.Module:
+        """``create_model("hf-hub:REPO", ...)`` of the family's architecture ``name``: the model ``meta`` (the
+        downloaded weights' metadata) describes, with the architecture options ``kwargs`` and the weights of
+        the downloaded file ``path``."""
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """Metadata of a registered model.
 
     Attributes:
         name: the registered name.
-        input_size: default (square) input size.
+        input_size: default (square) input size (0: the model takes no images, as the language models).
         paper: the paper tables the model reproduces.
-        recipe: the paper's training recipe for this model, as ``lambdanet.train.TrainConfig`` fields
+        recipe: the paper's training recipe for this model, as ``lambdanet.tasks.classification.TrainConfig`` fields
             (``{"img_size": 160, "randaugment_magnitude": 10, "drop_rate": 0.2, ...}``).
         small: fast enough to build and train at its full width in CPU tests.
         recipe_source: where in the papers ``recipe`` comes from.
         pretrained: the published weights and their preprocessing (``None``: none; see :attr:`preprocessing`).
+        adapter: how :func:`~lambdanet.models.create_model` builds it (:class:`ModelAdapter`; ``None``: an image
+            model, ``num_classes`` and ``in_chans``).
         task: ``"image"`` (classifiers and backbones: ``num_classes``, ``in_chans``, images in) or ``"lm"``
             (language models: ``vocab_size``, tokens in; :mod:`lambdanet.models.lm`).
     """
@@ -82,6 +129,7 @@ class ModelInfo:
     recipe_source: str = ""
     pretrained: PretrainedCfg | None = None
     task: str = "image"
+    adapter: ModelAdapter | None = field(default=None, compare=False, repr=False)
 
     @property
     def preprocessing(self) -> PretrainedCfg:
@@ -105,7 +153,7 @@ if TYPE_CHECKING:
 _MODELS: dict[str, Callable[..., nn.Module]] = {}
 _INFO: dict[str, ModelInfo] = {}
 _ARGS: dict[str, dict[str, object]] = {}
-_BUILD_ARGS = ("num_classes", "in_chans")  # taken by every entry point, not architecture arguments
+_BUILD_ARGS = {"num_classes": 1000, "in_chans": 3}  # every image model takes them: not architecture arguments
 
 
 def register_model(
@@ -130,14 +178,13 @@ def register_model(
         if name in _MODELS:
             raise ValueError(f"model {name!r} is already registered")
         declared = _keyword_parameters(f) if args is None else dict(args)
+        build_args = _BUILD_ARGS if info is None or info.adapter is None else info.adapter.build_args
         if args is not None:
-            bad = sorted(set(args) & set(_BUILD_ARGS))
+            bad = sorted(set(args) & set(build_args))
             if bad:
                 raise ValueError(f"args of model {name!r} must not contain {bad}: every model takes them")
             # declared is dict(args) here; inspect.signature reads a function's __signature__ (unknown to Callable)
-            cast(Any, f).__signature__ = _signature(
-                cast("dict[str, object]", declared), image=info is None or info.task == "image"
-            )
+            cast(Any, f).__signature__ = _signature(build_args, cast("dict[str, object]", declared))
         if declared is not None:
             _ARGS[name] = declared
         _MODELS[name], _INFO[name] = f, info if info is not None else ModelInfo(name)
@@ -146,11 +193,10 @@ def register_model(
     return deco(fn) if fn is not None else deco
 
 
-def _signature(args: Mapping[str, object], image: bool = True) -> inspect.Signature:
+def _signature(build_args: Mapping[str, object], args: Mapping[str, object]) -> inspect.Signature:
+    """Keyword-only parameters: the build arguments of the model's family, then its architecture arguments."""
     kw = inspect.Parameter.KEYWORD_ONLY
-    params = [inspect.Parameter("num_classes", kw, default=1000), inspect.Parameter("in_chans", kw, default=3)]
-    params = params if image else []
-    return inspect.Signature(params + [inspect.Parameter(k, kw, default=v) for k, v in args.items()])
+    return inspect.Signature([inspect.Parameter(k, kw, default=v) for k, v in {**build_args, **args}.items()])
 
 
 def _keyword_parameters(fn: Callable) -> dict[str, object] | None:

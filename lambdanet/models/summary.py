@@ -19,15 +19,16 @@ __all__ = ["model_summary", "summarize_models", "paper_comparison", "markdown_ta
 
 
 def model_summary(name: str, img_size: int | None = None, *, flops: bool = True, **kwargs) -> dict:
-    """``{"model", "params", "flops", "input_size"}`` of ``create_model(name, **kwargs)`` (a language model:
-    parameters only, ``flops`` and ``input_size`` ``None``)."""
-    lm = model_info(name).task == "lm"
-    size = None if lm else img_size or model_info(name).input_size
+    """``{"model", "params", "flops", "input_size"}`` of ``create_model(name, **kwargs)`` (a model that takes no
+    image, ``ModelInfo.input_size`` 0 such as a language model: parameters only, ``flops`` and ``input_size``
+    ``None``)."""
+    image = model_info(name).input_size > 0
+    size = img_size or model_info(name).input_size if image else None
     with torch.device("meta"):
         model = create_model(name, **kwargs).eval()
         params = sum(p.numel() for p in model.parameters())
         side = cast(int, size)  # an image model's (the only ones whose FLOPs are counted)
-        total = count_flops(lambda: model(torch.empty(1, 3, side, side))) if flops and not lm else None
+        total = count_flops(lambda: model(torch.empty(1, 3, side, side))) if flops and image else None
     return {"model": name, "params": params, "flops": total, "input_size": size}
 
 

@@ -19,10 +19,11 @@ App. E.1 rules it out for lambda blocks, and Table 14's counts leave no room for
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
-from lambdanet.models.registry import ModelInfo, register_model
+from lambdanet.models.family import family_registrar
+from lambdanet.models.registry import ModelInfo
 from lambdanet.models.resnet import RESNET_ARGS, ResNet, ResNetArgs, ResNetConfig, build_resnet, stage_pattern
 
 __all__ = [
@@ -263,13 +264,17 @@ def _create(variant: str, *, num_classes: int = 1000, in_chans: int = 3, **kwarg
     return build_resnet(model_cfgs[variant].cfg, ResNetArgs(**kwargs), num_classes=num_classes, in_chans=in_chans)
 
 
-def _register(fn: Callable[..., ResNet]) -> Callable[..., ResNet]:
-    """``register_model`` with the metadata of the ``model_cfgs`` entry named like ``fn`` (:class:`ResNetArgs`)."""
-    name = fn.__name__
+def _info(name: str) -> ModelInfo:
+    """The metadata of the ``model_cfgs`` entry ``name``."""
     entry = model_cfgs[name]
-    fn.__doc__ = f"{name}: {entry.cfg.paper}\n\nKeyword arguments: see lambdanet.models.ResNetArgs."
-    info = ModelInfo(name, entry.cfg.input_size, entry.paper, dict(entry.recipe), entry.small, entry.recipe_source)
-    return register_model(fn, info=info, args=RESNET_ARGS)
+    return ModelInfo(name, entry.cfg.input_size, entry.paper, dict(entry.recipe), entry.small, entry.recipe_source)
+
+
+def _doc(name: str) -> str:
+    return f"{name}: {model_cfgs[name].cfg.paper}\n\nKeyword arguments: see lambdanet.models.ResNetArgs."
+
+
+_register = family_registrar(_info, RESNET_ARGS, doc=_doc)  # the keyword arguments of ResNetArgs
 
 
 @_register

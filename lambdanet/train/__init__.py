@@ -1,19 +1,5 @@
-"""Image classification, a task of the engine: configs and recipes, ``train``, evaluation, loading runs."""
+"""Moved to :mod:`lambdanet.tasks.classification`; this import path is kept for one release."""
 
-from lambdanet.engine.loop import NonFiniteLossError
-from lambdanet.train.config import RECIPES, TrainConfig, resolve_config
-from lambdanet.train.load import load_model
-from lambdanet.train.metrics import evaluate
-from lambdanet.train.trainer import TrainingDivergedError, evaluate_checkpoint, train
+from lambdanet.helpers import moved_module
 
-__all__ = [
-    "TrainConfig",
-    "RECIPES",
-    "resolve_config",
-    "train",
-    "evaluate_checkpoint",
-    "evaluate",
-    "NonFiniteLossError",
-    "TrainingDivergedError",
-    "load_model",
-]
+moved_module(__name__, "lambdanet.tasks.classification", globals())

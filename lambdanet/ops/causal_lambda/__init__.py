@@ -81,13 +81,13 @@ def causal_lambda(
     _causal._check(q, k, v, emb)
     mode = resolve_mode(mode, q.device)
     r = 0 if emb is None else emb.shape[0]
+    if mode == "naive" and initial_state is not None:  # checked without reading the state back from the device
+        raise ValueError("initial_state must be None with mode='naive' (the definition starts from an empty context)")
     if initial_state is None:
         (b, _, _, dk), u, dv = q.shape, k.shape[3], v.shape[2]
         initial_state = _causal.init_causal_lambda_state(b, dk, dv, u, r, device=q.device)
     state: dict[str, Tensor] = initial_state
     if mode == "naive":
-        if float(initial_state["z"].abs().sum()) > 0:
-            raise ValueError("mode='naive' starts from an empty context: pass initial_state=None")
         o = _causal.causal_lambda_reference(q, k, v, emb)
         if output_final_state:
             _, state = _recurrent(q, k, v, emb, initial_state)

@@ -8,8 +8,8 @@ Formats (:data:`FORMATS`):
   file) unless the weights exceed :data:`ONNX_SINGLE_FILE_MAX_BYTES` (protobuf caps a file at 2 GB): then
   they go to ``<path>.data`` next to it, which must stay there, and the result's ``external_data`` names it.
   The exporter's graph optimiser runs without onnxscript's reshape-matmul-reshape rewrites
-  (:func:`_without_reshape_matmul_rewrites`), which broke static-batch files whose batch equals the lambda
-  layers' heads.
+  (:func:`~lambdanet.export.onnx_format.without_reshape_matmul_rewrites`), which broke static-batch files
+  whose batch equals the lambda layers' heads.
 * ``"torchscript"``: ``torch.jit.trace`` in eval mode, saved with ``.save``; reload with ``torch.jit.load``
   (PyTorch deprecates TorchScript in favour of ``torch.export``; its deprecation warnings are silenced here).
 * ``"exported-program"``: ``torch.export.export`` saved with ``torch.export.save`` (``.pt2``); reload with
@@ -40,9 +40,6 @@ and a file already at ``path`` stays as it was."""
 from __future__ import annotations
 
 import contextlib
-import importlib
-import inspect
-import logging
 import math
 import os
 import tempfile
@@ -53,6 +50,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from lambdanet.export.onnx_format import onnx_export
 from lambdanet.helpers import MissingExtraError, check_choice, check_positive_int, no_autocast
 from lambdanet.predict import DTYPES, floating_dtype
 
@@ -170,18 +168,6 @@ def _tensors(out) -> list[Tensor]:
 
 
 @contextlib.contextmanager
-def _quiet_onnx() -> Iterator[None]:
-    """Silence the ONNX optimiser's per-node log lines ("Skipping constant folding ...") during an export."""
-    logger = logging.getLogger("onnxscript")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
-@contextlib.contextmanager
 def _quiet_torchscript() -> Iterator[None]:
     """Without TorchScript's deprecation warnings and the tracer's shape warnings (the trace is specialised to
     the example's shape, which the module docstring states once)."""
@@ -208,81 +194,6 @@ def _load(path: Path, format: str, device: torch.device):
     else:
         module = torch.export.load(str(path)).module()
     return lambda x: _tensors(module(x))
-
-
-# onnxscript's rewrite rules that replace Reshape -> MatMul -> Reshape by one broadcasting MatMul whenever the
-# shapes line up, also where the first Reshape folds a batch dim into the rows: the lambda layers' queries-first
-# GEMM [b, h n, m] x [b, m, v] (every head of an image against that image's values) became
-# [b, h, n, m] x [b, m, v], which pairs head i with image i's values once a static batch b equals the heads h
-# (with a symbolic batch the rules never apply). Pairs (module of the rules, module holding the optimiser's
-# default rule list) for onnxscript's current and earlier layouts.
-_UNSOUND_ONNX_RULES = (
-    ("onnxscript.rewriter.rules.common._broadcast_to_matmul", "onnxscript.rewriter"),
-    ("onnxscript.rewriter.broadcast_to_matmul", "onnxscript.rewriter"),
-    ("onnxscript.rewriter.broadcast_to_matmul", "onnxscript.optimizer._optimizer"),
-)
-
-
-@contextlib.contextmanager
-def _without_reshape_matmul_rewrites() -> Iterator[None]:
-    """The ONNX exporter's optimiser (constant folding, onnxscript's default rewrite rules) without the rules
-    of :data:`_UNSOUND_ONNX_RULES`, restored afterwards; a no-op on an onnxscript without them (the check
-    would catch a wrong file; tests/test_export.py exports a static batch equal to the heads)."""
-    saved = []
-    for rules_module, holder_module in _UNSOUND_ONNX_RULES:
-        try:
-            rules, holder = (importlib.import_module(m) for m in (rules_module, holder_module))
-        except ImportError:
-            continue
-        unsound = {id(r) for r in getattr(getattr(rules, "rules", None), "rules", ())}
-        default = getattr(holder, "_DEFAULT_REWRITE_RULES", None)
-        if unsound and default is not None and any(id(r) in unsound for r in default):
-            saved.append((holder, default))
-            setattr(holder, "_DEFAULT_REWRITE_RULES", type(default)(r for r in default if id(r) not in unsound))
-    try:
-        yield
-    finally:
-        for holder, default in reversed(saved):
-            setattr(holder, "_DEFAULT_REWRITE_RULES", default)
-
-
-def _onnx_export(model: nn.Module, x: Tensor, path: Path, dynamic_shapes) -> str | None:
-    """Write ``model`` to ``path`` with the dynamo exporter, in one file when its weights allow it (see the
-    module docstring); the external data file it wrote next to ``path``, or ``None``."""
-    import onnx
-
-    weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-    external = weight_bytes > ONNX_SINGLE_FILE_MAX_BYTES
-    kwargs = {"dynamo": True, "verbose": False, "input_names": ["image"], "dynamic_shapes": dynamic_shapes}
-    single_file_flag = "external_data" in inspect.signature(torch.onnx.export).parameters
-    if single_file_flag:
-        kwargs["external_data"] = external
-    with _quiet_onnx(), _without_reshape_matmul_rewrites():
-        torch.onnx.export(model, (x,), str(path), **kwargs)
-    locations = _external_locations(path)
-    if locations and not external and not single_file_flag:  # an exporter that always writes .data: merge it
-        proto = onnx.load(str(path))  # with its external data
-        onnx.save_model(proto, str(path), save_as_external_data=False)
-        for location in locations:
-            (path.parent / location).unlink(missing_ok=True)
-        locations = _external_locations(path)
-    if len(locations) > 1:
-        raise ValueError(f"{path}: the ONNX exporter wrote its weights to {len(locations)} files, expected one")
-    return str(path.parent / locations[0]) if locations else None
-
-
-def _external_locations(path: Path) -> list[str]:
-    """The external data files the ONNX model at ``path`` refers to (relative to its folder)."""
-    import onnx
-
-    proto = onnx.load(str(path), load_external_data=False)
-    tensors = [*proto.graph.initializer, *(a.t for n in proto.graph.node for a in n.attribute if a.HasField("t"))]
-    found = [
-        next(e.value for e in t.external_data if e.key == "location")
-        for t in tensors
-        if t.data_location == onnx.TensorProto.EXTERNAL
-    ]
-    return list(dict.fromkeys(found))
 
 
 def export_model(
@@ -422,7 +333,7 @@ def _write(model: nn.Module, x: Tensor, path: Path, format: str, dynamic_batch: 
     dynamic_shapes = ({0: torch.export.Dim("batch")},) if dynamic_batch else None
     try:
         if format == "onnx":
-            return _onnx_export(model, x, path, dynamic_shapes)
+            return onnx_export(model, x, path, dynamic_shapes, ONNX_SINGLE_FILE_MAX_BYTES)
         if format == "torchscript":
             with torch.no_grad(), _quiet_torchscript():
                 torch.jit.trace(model, x, check_trace=False).save(str(path))
@@ -434,12 +345,17 @@ def _write(model: nn.Module, x: Tensor, path: Path, format: str, dynamic_batch: 
     except Exception as err:
         if not dynamic_batch:
             raise
-        first = (str(err).strip().splitlines() or [""])[0]
         raise ValueError(
-            f"the {format} export with a dynamic batch failed ({type(err).__name__}: {first}); "
+            f"the {format} export with a dynamic batch failed ({_summary(err)}); "
             f"dynamic_batch=False (lambdanet export --static-batch) exports for batch "
             f"{x.shape[0]} only"
         ) from err
+
+
+def _summary(err: BaseException) -> str:
+    """``"<type>: <first line of the message>"`` of an exporter's or loader's error, for a one-line message."""
+    first = (str(err).strip().splitlines() or [""])[0]
+    return f"{type(err).__name__}: {first}"
 
 
 def _run_export(
@@ -450,20 +366,14 @@ def _run_export(
     try:
         run = _load(staged, format, device)
     except Exception as err:  # e.g. an ExportedProgram that torch.export's verifier rejects
-        first = (str(err).strip().splitlines() or [""])[0]
-        raise ExportCheckError(
-            f"{path}: the {format} export does not load back ({type(err).__name__}: {first})"
-        ) from err
+        raise ExportCheckError(f"{path}: the {format} export does not load back ({_summary(err)})") from err
     actual = []
     with torch.no_grad():
         for b, xi in zip(check_batches, inputs):
             try:
                 actual.append(run(xi))
             except Exception as err:  # e.g. a trace whose reshapes froze the traced batch
-                first = (str(err).strip().splitlines() or [""])[0]
-                raise ExportCheckError(
-                    f"{path}: the {format} export fails at batch {b} ({type(err).__name__}: {first})"
-                ) from err
+                raise ExportCheckError(f"{path}: the {format} export fails at batch {b} ({_summary(err)})") from err
     return actual
 
 

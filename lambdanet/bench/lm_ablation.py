@@ -1,0 +1,191 @@
+"""The language-model ablation study (issue 37, docs/language_models.md): the causal lambda layer's own knobs (the
+paper's Tables 10-12 and App. B, for sequences) and the options beyond the paper, each trained with one recipe at
+one parameter budget over several seeds, against the transformer and the other families of the same size.
+
+Every configuration is a registered family with architecture options (:data:`ABLATIONS`): where its options
+move the parameter count more than :data:`BUDGET_TOLERANCE` off the transformer's, the lambda layer's value
+depth ``dim_v`` is set to bring it back (:func:`matched_kwargs`). A run is :func:`lambdanet.bench.lm_bench.train_run`
+(``lambdanet lm train``'s loss, optimiser, clipping and warm-up + cosine schedule over ``steps``), scored by
+validation bits per byte on the first ``eval_bytes`` of the split.
+
+Each finished run is appended to ``<out>/lm_ablation.jsonl`` at once; a study started again with the same
+``out`` skips the runs already there (a crash or a stop loses at most the run in progress)::
+
+    python -m lambdanet.bench.lm_ablation --out bench_results/lm_ablation             # tiny, 1,200 steps, 3 seeds
+    python -m lambdanet.bench.lm_ablation --configs lambda transformer decay_gate --seeds 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from lambdanet.bench.lm_bench import train_run
+from lambdanet.models import create_model
+
+__all__ = ["ABLATIONS", "BUDGET_TOLERANCE", "matched_kwargs", "study", "summarize", "main"]
+
+Log = Callable[[str], None]
+
+# name -> (family, architecture options); "lambda" is the registered default, the reference of the knobs
+ABLATIONS: dict[str, tuple[str, dict]] = {
+    "transformer": ("transformer", {}),
+    "lambda": ("lambda", {}),
+    "content_only": ("linear", {}),  # r = 0: no position lambdas (causal linear attention, softmax keys)
+    "k8": ("lambda", {"dim_k": 8}),
+    "k32": ("lambda", {"dim_k": 32}),
+    "heads2": ("lambda", {"heads": 2}),
+    "heads8": ("lambda", {"heads": 8}),
+    "u2": ("lambda", {"dim_u": 2}),
+    "u4": ("lambda", {"dim_u": 4}),
+    "lambdas2": ("lambda", {"lambdas": 2}),  # two lambdas, two query heads each
+    "lambdas4": ("lambda", {"lambdas": 4}),  # App. B.3's multi-head lambdas: one per head
+    "r16": ("lambda", {"r": 16}),
+    "r256": ("lambda", {"r": 256}),
+    "decay_fixed": ("lambda", {"decay": "fixed"}),
+    "decay_gate": ("lambda", {"decay": "gate"}),
+    "short_conv4": ("lambda", {"short_conv": 4}),
+    "gate_conv4": ("lambda", {"decay": "gate", "short_conv": 4}),
+    "hybrid": ("hybrid", {}),
+}
+BUDGET_TOLERANCE = 0.02  # parameters within 2% of the transformer's of the same size
+
+
+def _params(name: str, kwargs: dict) -> int:
+    return sum(p.numel() for p in create_model(name, **kwargs).parameters())
+
+
+def matched_kwargs(family: str, size: str, kwargs: dict) -> tuple[dict, int, int]:
+    """``(options, parameters, the transformer's)``: ``kwargs`` as given where the model is within
+    :data:`BUDGET_TOLERANCE` of ``transformer_lm_<size>``'s parameters, else with the lambda layer's ``dim_v`` (a
+    multiple of 8) that comes closest; a ``ValueError`` when none brings it within the tolerance."""
+    name, reference = f"{family}_lm_{size}", _params(f"transformer_lm_{size}", {})
+    params = _params(name, kwargs)
+    if abs(params / reference - 1) <= BUDGET_TOLERANCE or family == "transformer" or "dim_v" in kwargs:
+        return dict(kwargs), params, reference
+    dim = create_model(name, **kwargs).dim
+    best = min(range(8, 4 * dim + 1, 8), key=lambda v: abs(_params(name, {**kwargs, "dim_v": v}) - reference))
+    params = _params(name, {**kwargs, "dim_v": best})
+    if abs(params / reference - 1) > BUDGET_TOLERANCE:
+        raise ValueError(f"{name} with {kwargs} cannot be brought within 2% of {reference} parameters by dim_v")
+    return {**kwargs, "dim_v": best}, params, reference
+
+
+def _done(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def study(
+    configs: Sequence[str] = tuple(ABLATIONS),
+    *,
+    out: str | Path,
+    size: str = "tiny",
+    seeds: Sequence[int] = (0, 1, 2),
+    steps: int = 1200,
+    context: int = 256,
+    batch: int = 16,
+    eval_bytes: int = 262144,
+    device: str = "cpu",
+    log: Log = print,
+) -> list[dict]:
+    """Train every configuration of ``configs`` (names of :data:`ABLATIONS`) once per seed, seeds outermost (a
+    partial study has every configuration at its first seeds); rows already in ``<out>/lm_ablation.jsonl`` for
+    the same settings are kept, not rerun. Returns every row of the study's settings."""
+    unknown = [c for c in configs if c not in ABLATIONS]
+    if unknown:
+        raise ValueError(f"configs must be among {list(ABLATIONS)}, got {unknown}")
+    path = Path(out) / "lm_ablation.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    from lambdanet.tasks.lm.data import load_corpus
+
+    corpus, settings = load_corpus("stdlib"), {"size": size, "steps": steps, "context": context, "batch": batch,
+                                               "eval_bytes": eval_bytes}  # fmt: skip
+    rows = [r for r in _done(path) if all(r.get(k) == v for k, v in settings.items())]
+    for seed in seeds:
+        for config in configs:
+            if any(r["config"] == config and r["seed"] == seed for r in rows):
+                continue
+            family, kwargs = ABLATIONS[config]
+            kwargs, params, reference = matched_kwargs(family, size, kwargs)
+            started = time.perf_counter()
+            res = train_run(f"{family}_lm_{size}", corpus, context, batch, seed, steps=steps, seconds=None,
+                            device=torch.device(device), eval_bytes=eval_bytes, model_kwargs=kwargs)  # fmt: skip
+            row = {"config": config, "family": family, "model_kwargs": kwargs, "seed": seed, **settings,
+                   "params": params, "params_vs_transformer": params / reference, **res,
+                   "wall_s": time.perf_counter() - started}  # fmt: skip
+            with path.open("a") as f:  # at once: a stopped study keeps every finished run
+                f.write(json.dumps(row) + "\n")
+            rows.append(row)
+            log(f"  seed {seed} {config}: {res['val_bits_per_byte']:.4f} bits/byte, {params / 1e3:.0f}k params, "
+                f"{row['wall_s']:.0f}s")  # fmt: skip
+    return rows
+
+
+def summarize(rows: Sequence[dict]) -> list[dict]:
+    """Per configuration: seeds, mean, sample standard deviation and range of the bits per byte, the mean over the
+    transformer's (seeds both have), parameters against the transformer's."""
+    by: dict[str, list[dict]] = {}
+    for r in rows:
+        by.setdefault(r["config"], []).append(r)
+    base = {r["seed"]: r["val_bits_per_byte"] for r in by.get("transformer", [])}
+    out = []
+    for config, mine in by.items():
+        bpb = [r["val_bits_per_byte"] for r in mine]
+        paired = [r["val_bits_per_byte"] / base[r["seed"]] for r in mine if r["seed"] in base]
+        out.append({
+            "config": config, "model_kwargs": mine[0]["model_kwargs"], "seeds": len(bpb),
+            "mean_bits_per_byte": statistics.fmean(bpb), "std_bits_per_byte": statistics.stdev(bpb) if len(bpb) > 1
+            else 0.0, "min_bits_per_byte": min(bpb), "max_bits_per_byte": max(bpb),
+            "vs_transformer": statistics.fmean(paired) if paired else float("nan"),
+            "params_vs_transformer": mine[0]["params_vs_transformer"],
+        })  # fmt: skip
+    return sorted(out, key=lambda r: r["mean_bits_per_byte"])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lambdanet.bench.lm_ablation", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", nargs="+", default=list(ABLATIONS), metavar="CONFIG",
+                        help=f"among {', '.join(ABLATIONS)} (default: all)")  # fmt: skip
+    parser.add_argument("--size", default="tiny", help="model size: nano, tiny, small, base (default: %(default)s)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="(default: 0 1 2)")
+    parser.add_argument("--steps", type=int, default=1200, help="optimiser steps per run (default: %(default)s)")
+    parser.add_argument("--context", type=int, default=256, help="bytes per sequence (default: %(default)s)")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per step (default: %(default)s)")
+    parser.add_argument("--eval-bytes", type=int, default=262144, help="validation bytes (default: %(default)s)")
+    parser.add_argument("--device", default="cpu", help="(default: %(default)s)")
+    parser.add_argument("--out", default="bench_results/lm_ablation", help="folder of lm_ablation.jsonl/.md")
+    args = parser.parse_args(argv)
+    try:
+        rows = study(
+            args.configs,
+            out=args.out,
+            size=args.size,
+            seeds=args.seeds,
+            steps=args.steps,
+            context=args.context,
+            batch=args.batch,
+            eval_bytes=args.eval_bytes,
+            device=args.device,
+        )
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    table = ["| config | options | seeds | mean bits/byte | std | / transformer | params / transformer |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    table += [f"| {r['config']} | {r['model_kwargs'] or ''} | {r['seeds']} | {r['mean_bits_per_byte']:.4f} | "
+              f"{r['std_bits_per_byte']:.4f} | {r['vs_transformer']:.3f} | {r['params_vs_transformer']:.3f} |"
+              for r in summarize(rows)]  # fmt: skip
+    (Path(args.out) / "lm_ablation.md").write_text("\n".join(table) + "\n")
+    print("\n".join(table))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

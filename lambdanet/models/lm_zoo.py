@@ -1,0 +1,160 @@
+"""The registered language models, ``<mixer>_lm_<size>`` (:class:`~lambdanet.models.lm.LanguageModel` of a size
+of :data:`~lambdanet.models.lm.LM_SIZES`), and how :func:`~lambdanet.models.create_model` builds them
+(:class:`LanguageModelAdapter`). Each takes its architecture options as keywords: ``vocab_size``, ``heads`` and
+``mlp_ratio``; the lambda families also ``dim_k``, ``r``, ``dim_v``, ``dim_u``, ``chunk``, ``decay``,
+``short_conv``, ``lambdas`` (the hybrid ``attention_every``); the transformer ``positions`` and ``max_len``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, cast
+
+from torch import nn
+
+from lambdanet.models.lm import LM_SIZES, LanguageModel
+from lambdanet.models.registry import ModelAdapter, ModelInfo, entry_point, register_model
+
+if TYPE_CHECKING:
+    from lambdanet.models.registry import CreatedModel
+
+__all__ = ["LanguageModelAdapter", "LM_ADAPTER"]
+
+
+def _lm(mixer: str, size: str, **kwargs) -> LanguageModel:
+    s = LM_SIZES[size]
+    kwargs = {"heads": s.heads, "mlp_ratio": s.mlp_ratio, **kwargs}
+    if mixer != "transformer":
+        kwargs = {"dim_k": s.dim_k, "r": s.r, **kwargs}
+    return LanguageModel(mixer, s.dim, s.depth, **kwargs)
+
+
+def _size_args(args: dict, size: str, mixer: str = "lambda") -> dict:
+    """A family's architecture arguments with the size's own defaults: ``heads`` and ``mlp_ratio``, and for the
+    lambda mixers ``dim_k`` and ``r`` (the ablations of docs/language_models.md vary them)."""
+    s = LM_SIZES[size]
+    own = {"heads": s.heads, "mlp_ratio": s.mlp_ratio}
+    return {**args, **own, **({} if mixer == "transformer" else {"dim_k": s.dim_k, "r": s.r})}
+
+
+_PAPER = "LambdaNetworks App. B.2 (masked lambdas) on sequences; baselines of the same size"
+LAMBDA_ARGS = {"vocab_size": 256, "dim_v": None, "dim_u": 1, "chunk": 64, "dropout": 0.0, "decay": None,
+               "short_conv": 0, "lambdas": 1}  # fmt: skip
+HYBRID_ARGS = {**LAMBDA_ARGS, "attention_every": 4}
+TRANSFORMER_ARGS = {"vocab_size": 256, "positions": "rotary", "max_len": None, "dropout": 0.0}
+
+
+class LanguageModelAdapter(ModelAdapter):
+    """How :func:`lambdanet.models.create_model` builds the language models: ``vocab_size`` (an architecture
+    argument) instead of ``num_classes`` and ``in_chans``, no published or local weights (a trained model loads
+    with :func:`lambdanet.tasks.lm.load_lm`), ``pretrained_cfg`` ``{"architecture", "vocab_size"}``."""
+
+    def create(self, name, build, kwargs, *, num_classes, in_chans, pretrained, checkpoint_path) -> nn.Module:
+        if num_classes is not None or in_chans is not None or pretrained or checkpoint_path is not None:
+            raise ValueError(
+                f"{name} is a language model: it takes vocab_size=..., not num_classes, in_chans or "
+                "weights (load a trained one with lambdanet.tasks.lm.load_lm)"
+            )
+        return self._build(name, build, kwargs)
+
+    def from_hub(self, repo, name, path, meta, kwargs, *, num_classes, in_chans) -> nn.Module:
+        """The hub's ``vocab_size`` (``num_classes`` and ``in_chans`` do not apply)."""
+        from safetensors.torch import load_model
+
+        kwargs = {"vocab_size": meta["vocab_size"], **kwargs}
+        model = self._build(name, entry_point(name, kwargs), kwargs)
+        load_model(model, str(path))
+        return model
+
+    @staticmethod
+    def _build(name: str, build, kwargs: dict) -> nn.Module:
+        model = cast("CreatedModel", build(**kwargs))  # given its attributes below
+        model.model_name, model.model_kwargs = name, dict(kwargs)
+        model.pretrained_cfg = {"architecture": name, "vocab_size": cast(LanguageModel, model).vocab_size}
+        return model
+
+
+LM_ADAPTER = LanguageModelAdapter()
+
+
+def _info(name: str) -> ModelInfo:
+    return ModelInfo(name, input_size=0, paper=_PAPER, small=name.endswith("_nano"), task="lm", adapter=LM_ADAPTER)
+
+
+# one entry per name: <mixer>_lm_<size>, the size from LM_SIZES
+@register_model(info=_info("lambda_lm_nano"), args=_size_args(LAMBDA_ARGS, "nano"))
+def lambda_lm_nano(**kwargs) -> LanguageModel:
+    return _lm("lambda", "nano", **kwargs)
+
+
+@register_model(info=_info("lambda_lm_tiny"), args=_size_args(LAMBDA_ARGS, "tiny"))
+def lambda_lm_tiny(**kwargs) -> LanguageModel:
+    return _lm("lambda", "tiny", **kwargs)
+
+
+@register_model(info=_info("lambda_lm_small"), args=_size_args(LAMBDA_ARGS, "small"))
+def lambda_lm_small(**kwargs) -> LanguageModel:
+    return _lm("lambda", "small", **kwargs)
+
+
+@register_model(info=_info("lambda_lm_base"), args=_size_args(LAMBDA_ARGS, "base"))
+def lambda_lm_base(**kwargs) -> LanguageModel:
+    return _lm("lambda", "base", **kwargs)
+
+
+@register_model(info=_info("linear_lm_nano"), args=_size_args(LAMBDA_ARGS, "nano"))
+def linear_lm_nano(**kwargs) -> LanguageModel:
+    return _lm("linear", "nano", **kwargs)
+
+
+@register_model(info=_info("linear_lm_tiny"), args=_size_args(LAMBDA_ARGS, "tiny"))
+def linear_lm_tiny(**kwargs) -> LanguageModel:
+    return _lm("linear", "tiny", **kwargs)
+
+
+@register_model(info=_info("linear_lm_small"), args=_size_args(LAMBDA_ARGS, "small"))
+def linear_lm_small(**kwargs) -> LanguageModel:
+    return _lm("linear", "small", **kwargs)
+
+
+@register_model(info=_info("linear_lm_base"), args=_size_args(LAMBDA_ARGS, "base"))
+def linear_lm_base(**kwargs) -> LanguageModel:
+    return _lm("linear", "base", **kwargs)
+
+
+@register_model(info=_info("hybrid_lm_nano"), args=_size_args({**HYBRID_ARGS, "attention_every": 2}, "nano"))
+def hybrid_lm_nano(**kwargs) -> LanguageModel:
+    return _lm("hybrid", "nano", **{"attention_every": 2, **kwargs})
+
+
+@register_model(info=_info("hybrid_lm_tiny"), args=_size_args(HYBRID_ARGS, "tiny"))
+def hybrid_lm_tiny(**kwargs) -> LanguageModel:
+    return _lm("hybrid", "tiny", **kwargs)
+
+
+@register_model(info=_info("hybrid_lm_small"), args=_size_args(HYBRID_ARGS, "small"))
+def hybrid_lm_small(**kwargs) -> LanguageModel:
+    return _lm("hybrid", "small", **kwargs)
+
+
+@register_model(info=_info("hybrid_lm_base"), args=_size_args(HYBRID_ARGS, "base"))
+def hybrid_lm_base(**kwargs) -> LanguageModel:
+    return _lm("hybrid", "base", **kwargs)
+
+
+@register_model(info=_info("transformer_lm_nano"), args=_size_args(TRANSFORMER_ARGS, "nano", "transformer"))
+def transformer_lm_nano(**kwargs) -> LanguageModel:
+    return _lm("transformer", "nano", **kwargs)
+
+
+@register_model(info=_info("transformer_lm_tiny"), args=_size_args(TRANSFORMER_ARGS, "tiny", "transformer"))
+def transformer_lm_tiny(**kwargs) -> LanguageModel:
+    return _lm("transformer", "tiny", **kwargs)
+
+
+@register_model(info=_info("transformer_lm_small"), args=_size_args(TRANSFORMER_ARGS, "small", "transformer"))
+def transformer_lm_small(**kwargs) -> LanguageModel:
+    return _lm("transformer", "small", **kwargs)
+
+
+@register_model(info=_info("transformer_lm_base"), args=_size_args(TRANSFORMER_ARGS, "base", "transformer"))
+def transformer_lm_base(**kwargs) -> LanguageModel:
+    return _lm("transformer", "base", **kwargs)

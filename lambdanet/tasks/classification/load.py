@@ -1,0 +1,132 @@
+"""Use a trained model: ``load_model(RUN_DIR | FILE)`` rebuilds what ``lambdanet train`` trained.
+
+The safetensors weights a run writes (``model.safetensors``, ``model_ema.safetensors``) carry their model in
+the file's header (:func:`lambdanet.files.weights_metadata`): the registered name and keyword arguments, the
+number of classes and input channels, the class names and the preprocessing (image size, mean, std).
+``load_model`` reads that header, builds the model with ``create_model`` and loads the weights strictly; it
+also takes a run directory (the EMA weights when the run kept them; :func:`lambdanet.files.run_file`, the rule
+every command uses for a run directory) or a ``last.pt`` checkpoint. :func:`checkpoint_settings` is what
+fine-tuning (``lambdanet train --checkpoint RUN_OR_FILE``) takes from the same header."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, cast
+
+from torch import nn
+
+from lambdanet.files import read_state_dict, run_file, run_metadata
+from lambdanet.models import create_model
+from lambdanet.models.hub import hub_repo
+from lambdanet.models.registry import run_image_cfg
+from lambdanet.models.pretrained import load_state
+from lambdanet.engine.checkpoint import CheckpointError, load_checkpoint, trained_weights
+from lambdanet.tasks.classification.datasets import dataset_spec
+
+__all__ = ["load_model", "restore_model", "checkpoint_settings"]
+
+
+def restore_model(state: dict, spec, *, ema: bool = True) -> tuple[nn.Module, str]:
+    """The model of a checkpoint (``load_checkpoint``) for a dataset ``spec``, rebuilt and loaded (EMA weights
+    when present and ``ema``); returns ``(model, "ema" | "raw")``."""
+    saved = dict(state.get("config") or {})
+    kwargs = dict(state.get("model_kwargs") or {})
+    model = create_model(saved["model"], num_classes=spec.num_classes, in_chans=spec.in_chans, **kwargs)
+    weights, kind = trained_weights(state, ema)
+    load_state(model, weights, source="the checkpoint's weights", name=f"{saved['model']}{kwargs}")
+    return model, kind
+
+
+def _read_metadata(path: Path) -> dict:
+    meta = run_metadata(path)
+    if meta is None:
+        raise ValueError(
+            f"{path} holds weights without lambdanet's model description (written by an older "
+            "lambdanet or another tool); load it into create_model(...) yourself with "
+            "safetensors.torch.load_model, or pass the run's last.pt"
+        )
+    return meta
+
+
+def load_model(path: str | os.PathLike, *, ema: bool = True) -> nn.Module:
+    """The trained model of a run directory, its safetensors weights or its ``last.pt``, in eval mode.
+
+    Args:
+        path: a run directory (``model_ema.safetensors`` when present and ``ema``, else
+            ``model.safetensors``), a ``.safetensors`` file written by ``lambdanet train``, a ``last.pt``, or
+            ``"hf-hub:owner/name"``: a run shared with :func:`lambdanet.hub.push_to_hub` (downloaded once into
+            huggingface_hub's cache).
+        ema: prefer the EMA weights where a run has both.
+
+    The returned model has ``pretrained_cfg`` in timm's keys (:func:`lambdanet.models.registry.image_cfg`):
+    ``architecture``, ``num_classes``, ``input_size`` ``(in_chans, size, size)``, ``mean``, ``std``, ``crop_pct``
+    1 (resized straight, as the run evaluated), ``classes`` and ``data`` (what its inputs must look like and what
+    its outputs mean).
+    """
+    if hub_repo(path) is not None:  # create_model reads a shared run (and records where it came from)
+        return create_model(str(path)).eval()
+    path = run_file(path, ema=ema)
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist; pass a run directory, its model.safetensors or its last.pt")
+    if path.suffix == ".safetensors":
+        meta = _read_metadata(path)
+        model = create_model(
+            meta["model"], num_classes=meta["num_classes"], in_chans=meta["in_chans"], **meta["model_kwargs"]
+        )
+        load_state(
+            model,
+            read_state_dict(path),
+            source=f"{path} (its header: {meta['model']}{meta['model_kwargs']})",
+            name=meta["model"],
+            path=path,
+        )
+    else:
+        state = load_checkpoint(path)
+        cfg = dict(state.get("config") or {})
+        if not cfg:
+            raise ValueError(f"checkpoint {path} has no training configuration")
+        spec = dataset_spec(cfg["data"])
+        model, _ = restore_model(state, spec, ema=ema)
+        meta = {
+            "model": cfg["model"],
+            "num_classes": spec.num_classes,
+            "in_chans": spec.in_chans,
+            "classes": spec.classes,
+            "data": cfg["data"],
+            "image_size": cfg.get("img_size") or spec.image_size,
+            "mean": list(spec.mean),
+            "std": list(spec.std),
+        }
+    cast("dict[str, Any]", model.pretrained_cfg).update(run_image_cfg(meta))
+    return model.eval()
+
+
+def checkpoint_settings(path: str | os.PathLike) -> dict | None:
+    """The model settings of what ``lambdanet train`` wrote (a run directory, its safetensors weights or a
+    ``last.pt``): ``{"model", "model_kwargs", "image_size", "file"}`` (``file``: what
+    :func:`lambdanet.files.run_file` picked), ``None`` for weights of another origin (timm's) or a file that
+    cannot be read (its loader reports why)."""
+    file = run_file(path)
+    if file.suffix == ".safetensors" and file.is_file():
+        meta = run_metadata(file)
+        if meta is None:
+            return None
+        return {
+            "model": meta["model"],
+            "model_kwargs": dict(meta["model_kwargs"]),
+            "image_size": meta["image_size"],
+            "file": file,
+        }
+    if file.suffix == ".pt" and file.is_file():
+        try:
+            state = load_checkpoint(file)
+        except CheckpointError:  # not a run's checkpoint, or damaged: create_model's loader says which
+            return None
+        cfg = state.get("config") or {}
+        if "model" not in cfg:
+            return None
+        kwargs = state.get("model_kwargs")  # create_model's keywords (the configuration's model_kwargs and more)
+        kwargs = (cfg.get("model_kwargs") or {}) if kwargs is None else kwargs
+        return {"model": cfg["model"], "model_kwargs": dict(kwargs), "image_size": cfg.get("img_size"), "file": file}
+    return None

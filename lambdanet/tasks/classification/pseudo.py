@@ -1,0 +1,58 @@
+"""Semi-supervised pseudo-labels (App. E.2): a teacher checkpoint labels the unlabelled part of the training set; a
+student then trains on the labelled part plus the pseudo-labelled images (``--pseudo-labels``). The labelled part
+is a seeded ``labeled_fraction`` of the training split (``--labeled-fraction``); the rest is treated as unlabelled.
+The pseudo-label file records the dataset, fraction and seed it belongs to."""
+
+from __future__ import annotations
+
+from collections.abc import Sized
+from pathlib import Path
+from typing import cast
+
+import torch
+
+from lambdanet.engine.checkpoint import load_checkpoint
+from lambdanet.tasks.classification.data import ImageLoader, Subset, build_datasets, labeled_split
+from lambdanet.tasks.classification.config import TrainConfig
+from lambdanet.tasks.classification.load import restore_model
+
+__all__ = ["make_pseudo_labels"]
+
+
+@torch.no_grad()
+def make_pseudo_labels(
+    checkpoint: str | Path, out: str | Path, *, threshold: float = 0.0, batch_size: int = 256
+) -> dict:
+    """Label the teacher run's unlabelled training images (with its EMA weights when it has them); keep those
+    with confidence >= ``threshold``."""
+    state = load_checkpoint(checkpoint)
+    cfg = TrainConfig(**state["config"])
+    if cfg.labeled_fraction >= 1.0:
+        raise ValueError(
+            f"the teacher {checkpoint} was trained on all labels (labeled_fraction=1.0): there are no "
+            "unlabelled images; train the teacher with --labeled-fraction < 1"
+        )
+    spec, train_ds, _ = build_datasets(cfg.data, data_dir=cfg.data_dir, download=cfg.download)
+    _, unlabeled = labeled_split(len(cast(Sized, train_ds)), cfg.labeled_fraction, cfg.seed)
+    model, _ = restore_model(state, spec)
+    model.eval()
+    loader = ImageLoader(
+        Subset(train_ds, unlabeled), spec, cfg.img_size or spec.image_size, train=False, batch_size=batch_size
+    )
+    probs = torch.cat([model(x).softmax(dim=1) for x, _ in loader])
+    conf, labels = probs.max(dim=1)
+    keep = conf >= threshold
+    truth = torch.as_tensor([train_ds[int(i)][1] for i in unlabeled])
+    result = {
+        "indices": torch.as_tensor(unlabeled)[keep],
+        "labels": labels[keep],
+        "confidence": conf[keep],
+        "data": cfg.data,
+        "labeled_fraction": cfg.labeled_fraction,
+        "seed": cfg.seed,
+        "teacher": str(checkpoint),
+        "agreement_with_true_labels": float((labels == truth).float().mean()),
+    }
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    torch.save(result, out)
+    return result

@@ -1,0 +1,255 @@
+"""COCO-format data: reading and checking a COCO folder (:class:`CocoInstances`), converting any detection
+dataset to a COCO ground truth (:func:`dataset_to_coco`) for :mod:`lambdanet.tasks.detection.evaluate`."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import json
+import os
+from collections.abc import Sequence, Sized
+from pathlib import Path
+from typing import cast
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset
+
+from lambdanet.tasks.detection.targets import empty_target
+
+__all__ = [
+    "CocoInstances",
+    "coco_ground_truth",
+    "dataset_to_coco",
+    "read_coco_annotations",
+    "coco_split_files",
+    "encode_masks",
+    "BOX_TOLERANCE",
+]
+
+# a COCO box may overrun its image by this many pixels (rounding in real annotation files) before it is an error
+BOX_TOLERANCE = 1.0
+
+
+def encode_masks(masks: Tensor) -> list[dict]:
+    """Binary masks ``[N, H, W]`` as COCO compressed RLEs (``counts`` a str: JSON-ready)."""
+    from pycocotools import mask as mask_utils
+
+    if len(masks) == 0:
+        return []
+    rles = mask_utils.encode(np.asfortranarray(masks.to(torch.uint8).permute(1, 2, 0).numpy()))  # H W N
+    for rle in rles:
+        rle["counts"] = rle["counts"].decode("ascii")
+    return rles
+
+
+def dataset_to_coco(dataset: Dataset) -> dict:
+    """A COCO-format ground truth (``images``, ``annotations`` with RLE ``segmentation``, ``bbox`` xywh,
+    ``area`` = mask pixels, ``iscrowd``; ``categories`` with ``id`` = label) of any dataset returning
+    torchvision detection targets and naming its ``categories``. Image ids are the targets' ``image_id``;
+    annotation ids count from 1 (COCOeval treats id 0 as unmatched)."""
+    names = getattr(dataset, "categories", None)
+    if not isinstance(names, Sequence) or isinstance(names, str):
+        raise ValueError(
+            f"dataset must name its categories (a 'categories' list, label k is categories[k - 1]); "
+            f"{type(dataset).__name__} has none"
+        )
+    images: list[dict] = []
+    annotations: list[dict] = []
+    for i in range(len(cast(Sized, dataset))):
+        image, target = dataset[i]
+        height, width = image.shape[-2:]
+        image_id = int(target["image_id"])
+        images.append({"id": image_id, "width": int(width), "height": int(height), "file_name": f"{image_id}.png"})
+        for rle, (x0, y0, x1, y1), label, area, crowd in zip(
+            encode_masks(target["masks"]),
+            target["boxes"].tolist(),
+            target["labels"].tolist(),
+            target["area"].tolist(),
+            target["iscrowd"].tolist(),
+        ):
+            annotations.append(
+                {
+                    "id": len(annotations) + 1,
+                    "image_id": image_id,
+                    "category_id": int(label),
+                    "segmentation": rle,
+                    "area": float(area),
+                    "bbox": [x0, y0, x1 - x0, y1 - y0],
+                    "iscrowd": int(crowd),
+                }
+            )
+    categories = [{"id": k + 1, "name": name, "supercategory": "object"} for k, name in enumerate(names)]
+    return {
+        "info": {"description": "lambdanet detection ground truth"},
+        "images": images,
+        "annotations": annotations,
+        "categories": categories,
+    }
+
+
+def coco_ground_truth(dataset: Dataset) -> dict:
+    """The COCO ground truth to evaluate ``dataset`` against: its own ``to_coco()`` when it has one (a COCO
+    folder keeps its crowd regions), else :func:`dataset_to_coco`."""
+    to_coco = getattr(dataset, "to_coco", None)
+    return to_coco() if callable(to_coco) else dataset_to_coco(dataset)
+
+
+def read_coco_annotations(ann_file: Path, image_dir: Path) -> dict:
+    """Read and check a COCO instances file: one ``ValueError`` line for a missing or unparsable file,
+    missing sections, no annotations at all (an image without any is fine), an annotation of an unknown
+    image or category id, a box outside its image (by more than :data:`BOX_TOLERANCE` px), an annotation
+    without ``segmentation`` or ``iscrowd``, or image files missing under ``image_dir``."""
+    if not ann_file.is_file():
+        raise ValueError(f"COCO annotation file {ann_file} does not exist")
+    try:
+        data = json.loads(ann_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"COCO annotation file {ann_file} is not readable JSON ({err})") from None
+    if missing := [k for k in ("images", "annotations", "categories") if not isinstance(data.get(k), list)]:
+        raise ValueError(f"COCO annotation file {ann_file} needs the lists {missing} (COCO instances format)")
+    if not data["annotations"]:
+        raise ValueError(
+            f"COCO annotation file {ann_file} has no annotations (images without any are fine, but "
+            "the file must annotate at least one object)"
+        )
+    if not data["categories"]:
+        raise ValueError(f"COCO annotation file {ann_file} has no categories")
+    images = {img["id"]: img for img in data["images"]}
+    category_ids = {c["id"] for c in data["categories"]}
+    for ann in data["annotations"]:
+        aid = ann.get("id")
+        if ann.get("category_id") not in category_ids:
+            raise ValueError(
+                f"COCO annotation file {ann_file}: annotation {aid} has category_id "
+                f"{ann.get('category_id')!r}, not among the categories {sorted(category_ids)}"
+            )
+        img = images.get(ann.get("image_id"))
+        if img is None:
+            raise ValueError(
+                f"COCO annotation file {ann_file}: annotation {aid} refers to image_id "
+                f"{ann.get('image_id')!r}, which is not in 'images'"
+            )
+        box = ann.get("bbox")
+        if not (isinstance(box, list) and len(box) == 4):
+            raise ValueError(f"COCO annotation file {ann_file}: annotation {aid} needs bbox [x, y, w, h], got {box!r}")
+        x, y, w, h = box
+        width, height = img["width"], img["height"]
+        t = BOX_TOLERANCE
+        if x < -t or y < -t or w < 0 or h < 0 or x + w > width + t or y + h > height + t:
+            raise ValueError(
+                f"COCO annotation file {ann_file}: annotation {aid} has bbox {box} (x, y, w, h) outside "
+                f"its image {img.get('file_name')!r} of {width}x{height} (tolerance {t} px)"
+            )
+        for key in ("segmentation", "iscrowd"):
+            if key not in ann:
+                raise ValueError(
+                    f"COCO annotation file {ann_file}: annotation {aid} has no {key!r} (the COCO "
+                    "instances format gives every annotation a segmentation, polygons or RLE, and "
+                    "iscrowd)"
+                )
+    if absent := [img["file_name"] for img in data["images"] if not (image_dir / img["file_name"]).is_file()]:
+        raise ValueError(
+            f"COCO annotation file {ann_file}: {len(absent)} of {len(data['images'])} image files are "
+            f"missing under {image_dir} (first: {absent[0]})"
+        )
+    return data
+
+
+class CocoInstances(Dataset):
+    """A COCO-format split (``torchvision.datasets.CocoDetection`` wrapped by
+    ``wrap_dataset_for_transforms_v2``) in the detection format of this module.
+
+    Category ids become contiguous labels ``1..K`` in the order of their ids (``categories[k - 1]`` is
+    label ``k``, ``category_ids[k - 1]`` its COCO id). Targets leave out crowd regions and boxes under one
+    pixel wide or high (Mask R-CNN cannot train on them); :meth:`to_coco` keeps them, so evaluation
+    ignores detections of crowds as COCO does.
+
+    Args:
+        image_dir: folder of the images (``file_name`` is relative to it).
+        ann_file: the instances JSON, checked by :func:`read_coco_annotations`.
+    """
+
+    def __init__(self, image_dir: str | os.PathLike, ann_file: str | os.PathLike):
+        from torchvision.datasets import CocoDetection, wrap_dataset_for_transforms_v2
+
+        self.image_dir, self.ann_file = Path(image_dir), Path(ann_file)
+        self.data = read_coco_annotations(self.ann_file, self.image_dir)
+        cats = sorted(self.data["categories"], key=lambda c: c["id"])
+        self.categories = [c["name"] for c in cats]
+        self.category_ids = [c["id"] for c in cats]
+        self.label_of = {cid: k + 1 for k, cid in enumerate(self.category_ids)}
+        with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints its loading progress
+            base = CocoDetection(str(self.image_dir), str(self.ann_file))
+        self.base = wrap_dataset_for_transforms_v2(
+            base, target_keys={"image_id", "boxes", "masks", "labels", "iscrowd"}
+        )
+        self.ids = list(base.ids)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.categories)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, dict]:
+        from torchvision.transforms.v2.functional import pil_to_tensor
+
+        pil, raw = self.base[i]
+        image = pil_to_tensor(pil).float() / 255  # 3 H W
+        height, width = image.shape[-2:]
+        if "boxes" not in raw:  # an image without annotations
+            return image, empty_target(height, width, raw["image_id"])
+        boxes = raw["boxes"].as_subclass(Tensor).float().clamp(min=0)  # n 4
+        boxes[:, 0::2] = boxes[:, 0::2].clamp(max=width)
+        boxes[:, 1::2] = boxes[:, 1::2].clamp(max=height)
+        crowd = torch.as_tensor(raw["iscrowd"], dtype=torch.int64)  # n
+        keep = (crowd == 0) & (boxes[:, 2] - boxes[:, 0] >= 1) & (boxes[:, 3] - boxes[:, 1] >= 1)  # n
+        masks = raw["masks"].as_subclass(Tensor)[keep].to(torch.uint8)  # k H W
+        labels = torch.tensor([self.label_of[int(c)] for c in raw["labels"][keep].tolist()], dtype=torch.int64)
+        return image, {
+            "boxes": boxes[keep],
+            "labels": labels,
+            "masks": masks,
+            "image_id": int(raw["image_id"]),
+            "area": masks.flatten(1).sum(dim=1).float() if len(masks) else torch.zeros(0),
+            "iscrowd": torch.zeros(len(labels), dtype=torch.int64),
+        }
+
+    def to_coco(self) -> dict:
+        """The annotation file with category ids replaced by the labels (crowd regions kept)."""
+        data = copy.deepcopy(self.data)
+        for ann in data["annotations"]:
+            ann["category_id"] = self.label_of[ann["category_id"]]
+            ann.setdefault("area", float(ann["bbox"][2] * ann["bbox"][3]))  # COCOeval's size classes read it
+        for cat in data["categories"]:
+            cat["id"] = self.label_of[cat["id"]]
+        return data
+
+
+def coco_split_files(root: Path) -> dict[str, tuple[Path, Path]]:
+    """``{"train": (image_dir, ann_file), "test": ...}`` of a COCO folder: ``annotations/instances_<name>.json``
+    with images in ``<name>/``; the test split is the ``val`` (else ``test``) file."""
+    ann_dir = root / "annotations"
+    files = sorted(ann_dir.glob("instances_*.json")) if ann_dir.is_dir() else []
+    found: dict[str, tuple[Path, Path]] = {}
+    for split, prefixes in (("train", ("train",)), ("test", ("val", "test"))):
+        for prefix in prefixes:
+            matches = [f for f in files if f.stem.removeprefix("instances_").startswith(prefix)]
+            if len(matches) > 1:
+                raise ValueError(
+                    f"coco:{root} has several {prefix} annotation files {[m.name for m in matches]}; keep one"
+                )
+            if matches:
+                found[split] = (root / matches[0].stem.removeprefix("instances_"), matches[0])
+                break
+    if missing := [s for s in ("train", "test") if s not in found]:
+        raise ValueError(
+            f"coco:{root} needs {' and '.join(missing)} annotation files: "
+            f"{ann_dir}/instances_train*.json and instances_val*.json (COCO layout, images in "
+            f"{root}/<train2017|val2017>/)"
+        )
+    return found

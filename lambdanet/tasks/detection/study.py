@@ -1,0 +1,103 @@
+"""The side-by-side detection study in LambdaNetworks Table 6's layout.
+
+Per backbone, Table 6 lists box and mask AP on COCO with AP_s/m/l; HaloNet Table 5 adds the backbone-only
+time. :func:`study_table` builds that table from the ``summary.json`` of one ``lambdanet detect`` run per
+backbone (the same recipe) and, optionally, the rows of ``lambdanet bench detection`` (backbone-only
+forward+backward time and peak memory at 1024 x 1024)::
+
+    python -m lambdanet.tasks.detection.study runs/study [bench_results/detection.json]
+
+reads ``runs/study/<backbone>/summary.json`` for each of :data:`lambdanet.tasks.detection.model.STUDY_BACKBONES`
+and prints the Markdown table (``scripts/detect_study.sh`` runs the whole study).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from lambdanet.tasks.detection.model import STUDY_BACKBONES
+
+__all__ = ["study_rows", "study_table"]
+
+SIZE = 1024  # LambdaNetworks Table 6 and HaloNet Table 5 detect at 1024 x 1024
+
+
+def _ap(value) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{100 * value:.1f}"
+
+
+def study_rows(summaries: Mapping[str, dict], bench: Sequence[dict] = ()) -> list[dict]:
+    """One row per backbone: its label, parameters (the backbone's), AP columns as fractions, and the
+    backbone-only forward+backward time (ms) and peak memory (MiB) at 1024 px for batches 1 and 2."""
+    rows = []
+    for name, summary in summaries.items():
+        row = {
+            "backbone": name,
+            "label": STUDY_BACKBONES.get(name, name),
+            "backbone_params": summary.get("backbone_params"),
+            "train_time_s": summary.get("train_time_s"),
+        }
+        row |= {
+            k: summary.get(k)
+            for k in (
+                f"{kind}_{metric}"
+                for kind in ("bbox", "segm")
+                for metric in ("AP", "AP_small", "AP_medium", "AP_large")
+            )
+        }
+        for r in bench:
+            if r["backbone"] == name and r["size"] == SIZE:
+                row[f"train_ms_b{r['batch']}"] = r["train_ms"]
+                row[f"train_peak_mib_b{r['batch']}"] = r["train_peak_bytes"] / 2**20
+        rows.append(row)
+    return rows
+
+
+def study_table(summaries: Mapping[str, dict], bench: Sequence[dict] = ()) -> str:
+    """:func:`study_rows` as a Markdown table in Table 6's layout (AP in percent, as the paper prints it)."""
+    rows = study_rows(summaries, bench)
+    batches = sorted({int(k.rsplit("_b", 1)[1]) for r in rows for k in r if k.startswith("train_ms_b")})
+    head = ["Backbone", "Params (M)", "AP bb", "AP bb s/m/l", "AP mask", "AP mask s/m/l"]
+    head += [f"{SIZE} px B={b}: ms / MiB" for b in batches]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["label"], "-" if r["backbone_params"] is None else f"{r['backbone_params'] / 1e6:.2f}"]
+        for kind in ("bbox", "segm"):
+            cells += [_ap(r[f"{kind}_AP"]), "/".join(_ap(r[f"{kind}_AP_{s}"]) for s in ("small", "medium", "large"))]
+        for b in batches:
+            ms, mib = r.get(f"train_ms_b{b}"), r.get(f"train_peak_mib_b{b}")
+            cells.append("-" if ms is None else f"{ms:.0f} / {mib:.0f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not 1 <= len(args) <= 2:
+        print("usage: python -m lambdanet.tasks.detection.study RUNS_DIR [BENCH_DETECTION_JSON]", file=sys.stderr)
+        return 2
+    runs = Path(args[0])
+    summaries = {
+        name: json.loads((runs / name / "summary.json").read_text())
+        for name in STUDY_BACKBONES
+        if (runs / name / "summary.json").is_file()
+    }
+    if not summaries:
+        print(f"error: no {runs}/<backbone>/summary.json for any of {', '.join(STUDY_BACKBONES)}", file=sys.stderr)
+        return 2
+    if len(args) == 2 and not Path(args[1]).is_file():
+        print(
+            f"error: no benchmark rows at {args[1]} (lambdanet bench detection --out DIR writes DIR/detection.json)",
+            file=sys.stderr,
+        )
+        return 2
+    print(study_table(summaries, json.loads(Path(args[1]).read_text()) if len(args) == 2 else []))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,83 @@
+"""The configuration of ``lambdanet lm train``: :class:`LMConfig` (every option, also a ``--flag`` and a YAML key)
+and its recipes (:attr:`LMConfig.RECIPES`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lambdanet.engine.config import RunConfig, option, shared
+from lambdanet.models import list_models
+from lambdanet.tasks.lm.data import DATA_HELP
+
+__all__ = ["LMConfig"]
+
+
+@dataclass
+class LMConfig(RunConfig):
+    """Every option of ``lambdanet lm train`` (each is also a ``--flag`` and a YAML key; ``null`` = unset).
+
+    Recipes: ``quick`` (the default: ``lambda_lm_tiny`` at context 256, about 10 minutes on 2 CPU cores) and
+    ``long`` (``lambda_lm_small``, context 512, 10x the steps: aims below gzip -9 on the standard library)."""
+
+    RECIPES = {
+        "quick": {},
+        "long": {
+            "model": "lambda_lm_small",
+            "context": 512,
+            "epochs": 30,
+            "steps_per_epoch": 500,
+            "batch_size": 32,
+            "lr": 1e-3,
+            "warmup_steps": 500,
+        },
+    }
+
+    model: str = option("lambda_lm_tiny", "registered language model (lambdanet models '*_lm_*' lists them)")
+    model_kwargs: dict = option({}, "architecture options of the model, 'key=value,...' or a YAML mapping")
+    data: str = option("stdlib", DATA_HELP)
+    vocab_size: int = option(256, "vocabulary of the model (256: bytes); the corpus's bytes must be below it")
+    context: int = option(256, "training sequence length in bytes")
+    recipe: str = shared("recipe", "quick")
+    epochs: int = shared("epochs", 8)
+    steps_per_epoch: int = option(150, "optimiser steps per epoch")
+    batch_size: int = shared("batch_size", 16, "global batch of sequences per step (split across torchrun processes)")
+    optimizer: str = shared("optimizer", "adamw")
+    lr: float = shared("lr", 3e-3, "peak learning rate (scaled by batch_size / lr_batch_scale when that is set)")
+    lr_batch_scale: int | None = shared("lr_batch_scale", None)
+    betas: list = shared("betas", [0.9, 0.95])
+    weight_decay: float = shared("weight_decay", 0.1)
+    warmup_steps: int = option(100, "linear learning-rate warm-up, in steps")
+    min_lr: float = option(3e-4, "final learning rate of the cosine schedule")
+    grad_clip: float | None = shared("grad_clip", 1.0)
+    amp: str = shared("amp", "none")
+    compile: bool = shared("compile", False)
+    device: str = shared("device", "auto")
+    seed: int = option(0, "seed of initialisation and of the training windows")
+    eval_bytes: int | None = option(
+        131072, "bytes of the validation split evaluated after each epoch (null: all; the end of the run evaluates all)"
+    )
+    eval_batch_size: int = shared("eval_batch_size", 16, "sequences per evaluation batch")
+    out: str = shared("out", "runs/lm")
+    checkpoint_every: int = shared("checkpoint_every", 1)
+    resume: bool = shared("resume", False)
+    tensorboard: bool = shared("tensorboard", True)
+    progress: bool = shared("progress", True)
+
+    def validate(self) -> None:
+        super().validate()
+        for name in (
+            "vocab_size",
+            "context",
+            "epochs",
+            "steps_per_epoch",
+            "batch_size",
+            "eval_batch_size",
+            "checkpoint_every",
+        ):
+            self.check_int(name)
+        if self.model not in list_models("*_lm_*"):
+            raise ValueError(f"model must be a language model, one of {list_models('*_lm_*')}, got {self.model!r}")
+        if not self.lr > 0 or not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"lr must be > 0 and min_lr in [0, lr], got lr={self.lr}, min_lr={self.min_lr}")
+        if self.eval_bytes is not None and self.eval_bytes < 2:
+            raise ValueError(f"eval_bytes must be >= 2 or null (all), got {self.eval_bytes!r}")

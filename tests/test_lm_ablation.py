@@ -1,0 +1,52 @@
+"""The language-model ablation study's harness (lambdanet/bench/lm_ablation.py, issue 37): every configuration at
+the transformer's parameter budget, a study that resumes where it stopped, and its summary."""
+
+import json
+
+import pytest
+
+from lambdanet.bench import lm_ablation
+from lambdanet.bench.lm_ablation import ABLATIONS, BUDGET_TOLERANCE, matched_kwargs, study, summarize
+from lambdanet.models import create_model
+
+
+@pytest.mark.parametrize("config", list(ABLATIONS))
+def test_every_configuration_is_within_the_budget_and_keeps_its_options(config):
+    family, kwargs = ABLATIONS[config]
+    options, params, reference = matched_kwargs(family, "tiny", kwargs)
+    assert abs(params / reference - 1) <= BUDGET_TOLERANCE, (config, params, reference)
+    assert {k: v for k, v in options.items() if k != "dim_v"} == kwargs  # dim_v is the only knob it turns
+    model = create_model(f"{family}_lm_tiny", **options)
+    assert sum(p.numel() for p in model.parameters()) == params  # counted on the model that trains
+
+
+def test_the_study_writes_each_run_at_once_and_resumes_without_rerunning(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_run(name, corpus, context, batch, seed, **kw):  # the training itself is lm_bench's (tested there)
+        calls.append((name, seed, kw["model_kwargs"]))
+        return {"val_bits_per_byte": 2.0 + seed + (name.startswith("lambda") * 0.1), "steps": kw["steps"],
+                "train_s": 0.0}
+
+    monkeypatch.setattr(lm_ablation, "train_run", fake_run)
+    settings = dict(out=tmp_path, size="nano", seeds=(0, 1), steps=3, context=32, batch=2, eval_bytes=64,
+                    log=lambda _: None)
+    rows = study(["transformer", "lambda"], **settings)
+    assert [(c[0], c[1]) for c in calls] == [("transformer_lm_nano", 0), ("lambda_lm_nano", 0),
+                                             ("transformer_lm_nano", 1), ("lambda_lm_nano", 1)]
+    saved = [json.loads(line) for line in (tmp_path / "lm_ablation.jsonl").read_text().splitlines()]
+    assert saved == rows and len(rows) == 4
+    calls.clear()
+    again = study(["transformer", "lambda", "u2"], **settings)  # the two finished configurations are not rerun
+    assert [c[0] for c in calls] == ["lambda_lm_nano", "lambda_lm_nano"] and "dim_v" in calls[0][2]
+    assert len(again) == 6
+    summary = {r["config"]: r for r in summarize(again)}
+    assert summary["lambda"]["seeds"] == 2 and summary["lambda"]["mean_bits_per_byte"] == pytest.approx(2.6)
+    assert summary["lambda"]["vs_transformer"] == pytest.approx((2.1 / 2.0 + 3.1 / 3.0) / 2)
+    assert summary["transformer"]["std_bits_per_byte"] == pytest.approx(0.5**0.5)  # sample deviation of {2, 3}
+
+
+def test_an_unknown_configuration_is_a_one_line_error(tmp_path, capsys):
+    assert lm_ablation.main(["--configs", "lambda", "wide", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "configs must be among" in err and "'wide'" in err

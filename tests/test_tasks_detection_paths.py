@@ -1,0 +1,67 @@
+"""The detection task moved to lambdanet/tasks/detection/ (issue 38): for one release its old import paths
+(lambdanet.detection and its modules) still import, warn with a DeprecationWarning naming the new path and give
+the new modules' very objects."""
+
+import importlib
+import re
+import sys
+
+import pytest
+
+import lambdanet.tasks.detection as detection
+from lambdanet.tasks.detection import config, glyphs, pretrain, task
+
+MOVED = {
+    "lambdanet.detection.trainer": "lambdanet.tasks.detection.task",
+    **{
+        f"lambdanet.detection.{name}": f"lambdanet.tasks.detection.{name}"
+        for name in ("coco", "data", "evaluate", "glyphs", "model", "pretrain", "study", "targets")
+    },
+}
+
+
+def _forget_old_paths(monkeypatch) -> None:
+    """A fresh interpreter's state for the old paths: imported again, their shims run (and warn) again."""
+    for name in [n for n in sys.modules if n == "lambdanet.detection" or n.startswith("lambdanet.detection.")]:
+        monkeypatch.delitem(sys.modules, name)
+
+
+@pytest.mark.parametrize("old, new", MOVED.items())
+def test_detection_old_paths_warn_and_alias(old, new, monkeypatch):
+    _forget_old_paths(monkeypatch)
+    with pytest.warns(DeprecationWarning, match=re.escape(f"{old} moved to {new}")):
+        module = importlib.import_module(old)
+    assert module is importlib.import_module(new) and sys.modules[old] is module
+    assert module.__all__ and all(getattr(module, name) is getattr(sys.modules[new], name) for name in module.__all__)
+
+
+def test_detection_old_objects_are_the_new_ones(monkeypatch):
+    _forget_old_paths(monkeypatch)
+    with pytest.warns(DeprecationWarning, match=re.escape("lambdanet.detection moved to lambdanet.tasks.detection")):
+        import lambdanet.detection as old_package
+    assert old_package.__all__ == detection.__all__
+    assert all(getattr(old_package, name) is getattr(detection, name) for name in detection.__all__)
+    with pytest.warns(DeprecationWarning, match="lambdanet.tasks.detection"):
+        from lambdanet.detection.pretrain import upgrade_detection_checkpoint
+        from lambdanet.detection.trainer import (
+            DETECT_RECIPES,
+            QUICK_PRETRAIN_STEPS,
+            DetectConfig,
+            DetectionTask,
+            _pretrain,
+            build_detector,
+            recipe_values,
+            resolve_detect_config,
+            train_detector,
+        )
+    # the names lambdanet.detection.trainer had, wherever they live now (config.py for the configuration)
+    assert DetectConfig is config.DetectConfig and DETECT_RECIPES is config.DETECT_RECIPES
+    assert resolve_detect_config is config.resolve_detect_config and recipe_values is config.recipe_values
+    assert QUICK_PRETRAIN_STEPS == config.QUICK_PRETRAIN_STEPS
+    assert train_detector is task.train_detector and DetectionTask is task.DetectionTask
+    assert build_detector is task.build_detector and _pretrain is task._pretrain  # private names too
+    assert upgrade_detection_checkpoint is pretrain.upgrade_detection_checkpoint
+    from lambdanet.detection import glyphs as old_glyphs, trainer  # the forms tests and scripts of earlier releases use
+
+    assert trainer is task and old_glyphs is glyphs
+    assert old_glyphs.GlyphPool is glyphs.GlyphPool  # the rendering moved to glyph_render.py, still importable here
