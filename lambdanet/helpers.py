@@ -201,7 +201,9 @@ def require(module: str, extra: str, what: str):
         ) from None
 
 
-def moved_module(old: str, new: str, namespace: dict | None = None, removed_in: str = "0.4") -> None:
+def moved_module(
+    old: str, new: str, namespace: dict | None = None, renamed: dict[str, str] | None = None, removed_in: str = "0.4"
+) -> None:
     """Keep the import path ``old`` (the caller's ``__name__``) of a module that moved to ``new`` for one release:
     a ``DeprecationWarning`` naming the new path, then ``sys.modules[old]`` is the new module itself, so that its
     every name (private ones included), ``isinstance`` checks and pickled references to the old path keep
@@ -212,14 +214,22 @@ def moved_module(old: str, new: str, namespace: dict | None = None, removed_in: 
         moved_module(__name__, "lambdanet.tasks.classification.config")
 
     A package that moved passes its ``globals()`` as ``namespace`` instead: it stays a package of its own (its
-    submodules, shims like the above, import from its folder) and receives the new package's names."""
+    submodules, shims like the above, import from its folder) and receives the new package's names, and
+    ``renamed`` (``{old submodule name: new module}``) binds its submodules that moved under another name.
+    Run as a script (``python -m old``), the new module runs as ``__main__``."""
     warnings.warn(
         f"{old} moved to {new}; the old import path is removed in lambdanet {removed_in}",
         DeprecationWarning,
         stacklevel=3,
     )
+    if old == "__main__":
+        import runpy
+
+        runpy.run_module(new, run_name="__main__", alter_sys=True)
+        return
     module = importlib.import_module(new)
     if namespace is None:
         sys.modules[old] = module
-    else:
-        namespace.update({k: v for k, v in vars(module).items() if not k.startswith("__") or k == "__all__"})
+        return
+    namespace.update({k: v for k, v in vars(module).items() if not k.startswith("__") or k == "__all__"})
+    namespace.update({name: importlib.import_module(path) for name, path in (renamed or {}).items()})

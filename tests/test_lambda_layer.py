@@ -799,12 +799,15 @@ def test_auto_times_nothing_under_compile_export_tracing_or_a_dispatch_mode():
         assert has_conv(torch.export.export(layer, (x,)).graph_module)
 
 
-def test_auto_resolves_a_known_key_without_rebuilding_it_until_the_winners_change(monkeypatch):
+def test_auto_resolves_a_known_key_without_rebuilding_it_until_the_winners_change(monkeypatch, set_policy):
     """The winner of a key is resolved once per generation of the winners (the key's Python costs a few percent of
     a small layer's call): later calls of the key take the memo, a new batch size is a new key, and
     ``clear_impl_cache`` makes the next call measure again and run the new winner."""
+    import copy
+    import dataclasses
+
     from lambdanet.layers import clear_impl_cache, impl_tuning
-    from lambdanet.layers.impl_tuning import isolated_tuning, set_impl_timer
+    from lambdanet.layers.impl_tuning import impl_policy, isolated_tuning, set_impl_timer
 
     built = []
     real = impl_tuning._plans
@@ -824,6 +827,10 @@ def test_auto_resolves_a_known_key_without_rebuilding_it_until_the_winners_chang
             set_impl_timer(fake_timer("depthwise_conv"))
             layer(x)
             assert len(built) == 3 and ran[-1] == "depthwise_conv"
+            set_policy("cpu", dataclasses.replace(impl_policy("cpu")))  # an equal policy, but another one
+            layer(x)
+            assert len(built) == 4  # resolved again under the policy now in force
+            assert impl_tuning._MEMOS.get(layer) and copy.deepcopy(layer) not in impl_tuning._MEMOS  # not copied
 
 
 def test_static_mode_and_the_environment_switch_timing_off(monkeypatch):

@@ -50,3 +50,20 @@ def test_an_unknown_configuration_is_a_one_line_error(tmp_path, capsys):
     assert lm_ablation.main(["--configs", "lambda", "wide", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "configs must be among" in err and "'wide'" in err
+
+
+def test_a_bad_configuration_fails_before_any_run_and_a_cut_line_reruns(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(lm_ablation, "train_run", lambda name, *a, **kw: calls.append(name) or
+                        {"val_bits_per_byte": 2.0, "steps": 1, "train_s": 0.0})
+    settings = dict(out=tmp_path, size="nano", seeds=(0,), steps=1, context=16, batch=1, eval_bytes=32,
+                    log=lambda _: None)
+    with pytest.raises(ValueError, match="lambdas must divide heads=2"):  # nano has 2 heads: before any training
+        study(["lambda", "lambdas4"], **settings)
+    assert calls == []
+    study(["lambda"], **settings)
+    path = tmp_path / "lm_ablation.jsonl"
+    path.write_text(path.read_text() + '{"config": "transformer", "se')  # a crash mid-write
+    study(["lambda", "transformer"], **settings)
+    assert calls == ["lambda_lm_nano", "transformer_lm_nano"]  # the cut run reruns, the finished one does not
+    assert study(["lambda"], **{**settings, "device": "meta"}) and calls[-1] == "lambda_lm_nano"  # another device

@@ -65,3 +65,21 @@ def test_detection_old_objects_are_the_new_ones(monkeypatch):
 
     assert trainer is task and old_glyphs is glyphs
     assert old_glyphs.GlyphPool is glyphs.GlyphPool  # the rendering moved to glyph_render.py, still importable here
+
+
+def test_the_old_packages_keep_their_renamed_submodules_and_run_as_scripts(tmp_path):
+    """``lambdanet.train.trainer``, ``lambdanet.lm.corpus`` and ``lambdanet.detection.trainer`` stay attributes of
+    their old packages (the new modules under their old names), and ``python -m`` of an old path runs the new
+    module (it did nothing and exited 0 when the alias replaced ``__main__``)."""
+    import subprocess
+    import sys
+
+    code = ("import warnings; warnings.simplefilter('ignore')\n"
+            "import lambdanet.train as t, lambdanet.lm as l, lambdanet.detection as d\n"
+            "import lambdanet.tasks.classification.task as ct, lambdanet.tasks.lm.data as ld\n"
+            "import lambdanet.tasks.detection.task as dt\n"
+            "assert t.trainer is ct and l.corpus is ld and d.trainer is dt\n")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+    run = subprocess.run([sys.executable, "-m", "lambdanet.detection.study", str(tmp_path / "none")],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "summary.json" in run.stderr and run.stderr.count("\n") == 1, run.stderr

@@ -24,11 +24,13 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import cast
 
 import torch
 
 from lambdanet.bench.lm_bench import train_run
 from lambdanet.models import create_model
+from lambdanet.models.lm import LanguageModel
 
 __all__ = ["ABLATIONS", "BUDGET_TOLERANCE", "matched_kwargs", "study", "summarize", "main"]
 
@@ -70,7 +72,7 @@ def matched_kwargs(family: str, size: str, kwargs: dict) -> tuple[dict, int, int
     params = _params(name, kwargs)
     if abs(params / reference - 1) <= BUDGET_TOLERANCE or family == "transformer" or "dim_v" in kwargs:
         return dict(kwargs), params, reference
-    dim = create_model(name, **kwargs).dim
+    dim = int(cast(LanguageModel, create_model(name, **kwargs)).dim)
     best = min(range(8, 4 * dim + 1, 8), key=lambda v: abs(_params(name, {**kwargs, "dim_v": v}) - reference))
     params = _params(name, {**kwargs, "dim_v": best})
     if abs(params / reference - 1) > BUDGET_TOLERANCE:
@@ -79,7 +81,14 @@ def matched_kwargs(family: str, size: str, kwargs: dict) -> tuple[dict, int, int
 
 
 def _done(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    """The rows of a study's file; a last line cut short by a crash mid-write is left out (its run reruns)."""
+    rows = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
 
 
 def study(
@@ -97,23 +106,26 @@ def study(
 ) -> list[dict]:
     """Train every configuration of ``configs`` (names of :data:`ABLATIONS`) once per seed, seeds outermost (a
     partial study has every configuration at its first seeds); rows already in ``<out>/lm_ablation.jsonl`` for
-    the same settings are kept, not rerun. Returns every row of the study's settings."""
+    the same settings, device and options are kept, not rerun. Every configuration is built and matched to the
+    budget before the first run (a bad one is an error at once). Returns every row of the study's settings."""
     unknown = [c for c in configs if c not in ABLATIONS]
     if unknown:
         raise ValueError(f"configs must be among {list(ABLATIONS)}, got {unknown}")
+    matched = {c: matched_kwargs(ABLATIONS[c][0], size, ABLATIONS[c][1]) for c in configs}
     path = Path(out) / "lm_ablation.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     from lambdanet.tasks.lm.data import load_corpus
 
     corpus, settings = load_corpus("stdlib"), {"size": size, "steps": steps, "context": context, "batch": batch,
-                                               "eval_bytes": eval_bytes}  # fmt: skip
-    rows = [r for r in _done(path) if all(r.get(k) == v for k, v in settings.items())]
+                                               "eval_bytes": eval_bytes, "device": device}  # fmt: skip
+    rows = [r for r in _done(path) if all(r.get(k, "cpu" if k == "device" else None) == v for k, v in settings.items())
+            and r.get("config") in matched and r["model_kwargs"] == matched[r["config"]][0]]  # fmt: skip
     for seed in seeds:
         for config in configs:
             if any(r["config"] == config and r["seed"] == seed for r in rows):
                 continue
-            family, kwargs = ABLATIONS[config]
-            kwargs, params, reference = matched_kwargs(family, size, kwargs)
+            family = ABLATIONS[config][0]
+            kwargs, params, reference = matched[config]
             started = time.perf_counter()
             res = train_run(f"{family}_lm_{size}", corpus, context, batch, seed, steps=steps, seconds=None,
                             device=torch.device(device), eval_bytes=eval_bytes, model_kwargs=kwargs)  # fmt: skip

@@ -305,10 +305,11 @@ def _lm_recall(s: BenchSettings, out: Path, log: Log) -> PartResult:
 
 def _lm_ablation(s: BenchSettings, out: Path, log: Log) -> PartResult:
     log("== lm_ablation: the lambda layer's knobs and options at one parameter budget (resumable in --out)")
-    quick = dict(configs=("transformer", "lambda"), size="nano", seeds=(0,), steps=2, context=32, batch=2)
-    rows = lm_ablation.study(
-        **(quick if s.quick else {}), out=out, eval_bytes=256 if s.quick else 262144, device=s.device, log=log
-    )
+    if s.quick:
+        rows = lm_ablation.study(("transformer", "lambda"), size="nano", seeds=(0,), steps=2, context=32, batch=2,
+                                 out=out, eval_bytes=256, device=s.device, log=log)  # fmt: skip
+    else:
+        rows = lm_ablation.study(out=out, device=s.device, log=log)
     cols = [("config", "config"), ("seeds", "seeds"), ("mean_bits_per_byte", "mean bits/byte"),
             ("std_bits_per_byte", "std"), ("vs_transformer", "/ transformer"),
             ("params_vs_transformer", "params / transformer")]  # fmt: skip

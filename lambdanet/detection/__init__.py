@@ -2,4 +2,4 @@
 
 from lambdanet.helpers import moved_module
 
-moved_module(__name__, "lambdanet.tasks.detection", globals())
+moved_module(__name__, "lambdanet.tasks.detection", globals(), renamed={"trainer": "lambdanet.tasks.detection.task"})

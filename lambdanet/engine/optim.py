@@ -88,19 +88,21 @@ def build_optimizer(
     name: str | None = None,
     lr: float | None = None,
     weight_decay: float | None = None,
-    momentum: float = 0.9,
-    nesterov: bool = False,
-    betas: tuple[float, float] = (0.9, 0.999),
+    momentum: float | None = None,
+    nesterov: bool | None = None,
+    betas: tuple[float, float] | None = None,
 ) -> torch.optim.Optimizer:
     """The optimiser of every task, over :func:`param_groups`: SGD (momentum), Adam (L2 weight decay, as the
     reproduction report), AdamW or RMSProp. Its settings come from a run configuration ``cfg`` (its
-    ``optimizer``, ``effective_lr()``, ``weight_decay`` and, where it has them, ``momentum``, ``nesterov``,
-    ``betas``) or from the keywords, which override it."""
+    ``optimizer``, ``effective_lr()``, ``weight_decay``, ``momentum``, ``nesterov``, ``betas``) or from the
+    keywords, which override it (without either: momentum 0.9, no Nesterov, betas (0.9, 0.999))."""
     if cfg is not None:
         name = name or cfg.optimizer
         lr = lr if lr is not None else cfg.effective_lr()
         weight_decay = weight_decay if weight_decay is not None else cfg.weight_decay
-        momentum, nesterov, betas = cfg.momentum, cfg.nesterov, (cfg.betas[0], cfg.betas[1])
+    momentum = momentum if momentum is not None else cfg.momentum if cfg is not None else 0.9
+    nesterov = nesterov if nesterov is not None else bool(cfg is not None and cfg.nesterov)
+    betas = betas if betas is not None else (cfg.betas[0], cfg.betas[1]) if cfg is not None else (0.9, 0.999)
     # lr and weight_decay come from cfg or the keywords: float from here on
     groups = param_groups(model, cast(float, weight_decay))
     if name == "sgd":

@@ -31,6 +31,7 @@ import os
 import platform
 import statistics
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,6 +95,7 @@ def _env_mode() -> str:
 
 
 _GENERATIONS = itertools.count()  # one number per state of the winners, unique in the process
+_MEMOS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> {call key: (policy, resolved plan)}
 
 
 @dataclass
@@ -335,16 +337,19 @@ def tuned_plan(layer: TunedLayer, plan: Any, q: Tensor, vals: Tensor, spatial: t
                 winner = impl
         return plan if winner == plan.impl else layer.plan_for(winner, spatial, impl_policy(q.device.type))
     grad = _records_grad(layer, inputs_grad)
-    # what the key's winner resolves to, memoised on the layer: building the key and the candidates is ~0.2 ms of
-    # Python, a few percent of a small layer's call; the memo holds for one generation of the winners
-    memo_key = (_TUNER.generation, plan.impl, spatial, q.dtype, q.device, grad, layer.training, q.shape[0],
-                torch.get_num_threads(), id(impl_policy(q.device.type)))  # fmt: skip
-    memo: dict = layer.__dict__.setdefault("_tuned_plans", {})
-    if (known := memo.get(memo_key)) is not None:
-        return known
+    # what the key's winner resolves to, memoised per layer (weakly: nothing is pickled or copied with it): building
+    # the key and the candidates is ~0.2 ms of Python, a few percent of a small layer's call; an entry holds for one
+    # generation of the winners and the policy object it was resolved under
+    policy = impl_policy(q.device.type)
+    memo_key = (_TUNER.generation, plan, spatial, q.dtype, q.device, grad, layer.training, q.shape[0],
+                torch.get_num_threads())  # fmt: skip
+    memo = _MEMOS.setdefault(layer, {})
+    known = memo.get(memo_key)
+    if known is not None and known[0] is policy:
+        return known[1]
     plans = _plans(layer, spatial, q.device)
     if len(plans) < 2 or q.numel() == 0:
-        return _remember(memo, memo_key, plan)
+        return _remember(memo, memo_key, policy, plan)
     key = f"{_base_key(layer, q.dtype, q.device, grad)}; {_size_key(spatial, plans)}; b{q.shape[0]}"
     winner = _TUNER.winners.get(key)
     if winner is None and can_measure(q, vals):
@@ -354,14 +359,15 @@ def tuned_plan(layer: TunedLayer, plan: Any, q: Tensor, vals: Tensor, spatial: t
         memo_key = (_TUNER.generation, *memo_key[1:])
     if winner is None:  # not measurable now (inside a backward pass, deterministic mode): asked again next call
         return plan
-    return _remember(memo, memo_key, plan if winner == plan.impl else plans.get(winner, plan))
+    return _remember(memo, memo_key, policy, plan if winner == plan.impl else plans.get(winner, plan))
 
 
-def _remember(memo: dict, key: tuple, plan: Any, limit: int = 64) -> Any:
-    """``memo[key] = plan`` (a memo past ``limit`` entries, of older generations mostly, starts afresh)."""
+def _remember(memo: dict, key: tuple, policy: ImplPolicy, plan: Any, limit: int = 64) -> Any:
+    """``memo[key] = (policy, plan)`` (a memo past ``limit`` entries, of older generations mostly, starts
+    afresh); returns ``plan``."""
     if len(memo) >= limit:
         memo.clear()
-    memo[key] = plan
+    memo[key] = (policy, plan)
     return plan
 
 

@@ -2,4 +2,4 @@
 
 from lambdanet.helpers import moved_module
 
-moved_module(__name__, "lambdanet.tasks.lm", globals())
+moved_module(__name__, "lambdanet.tasks.lm", globals(), renamed={"corpus": "lambdanet.tasks.lm.data"})

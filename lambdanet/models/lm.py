@@ -311,3 +311,14 @@ def sample_next(
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = F.softmax(logits.float() / temperature, dim=-1)  # b vocab
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def __getattr__(name: str):
+    """The registered models and their argument tables, which lived here before :mod:`lambdanet.models.lm_zoo`
+    (``from lambdanet.models.lm import lambda_lm_tiny`` keeps working)."""
+    import sys
+
+    zoo = vars(sys.modules.get("lambdanet.models.lm_zoo", object()))  # imported with lambdanet.models, above this
+    if name in zoo and not name.startswith("__"):
+        return zoo[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

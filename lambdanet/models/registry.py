@@ -61,7 +61,7 @@ class PretrainedCfg:
 class ModelAdapter:
     """How :func:`lambdanet.models.create_model` builds the models of a family whose entry points take other build
     arguments than an image model's ``num_classes`` and ``in_chans``. The family registers it with its models,
-    ``ModelInfo(adapter=...)``, as :mod:`lambdanet.models.lm` does; a model without one is an image model, built
+    ``ModelInfo(adapter=...)``, as :mod:`lambdanet.models.lm_zoo` does; a model without one is an image model, built
     by :class:`lambdanet.models.factory.ImageAdapter`. The factory calls an adapter without knowing its family."""
 
     build_args: Mapping[str, object] = {}
@@ -118,7 +118,7 @@ class ModelInfo:
         adapter: how :func:`~lambdanet.models.create_model` builds it (:class:`ModelAdapter`; ``None``: an image
             model, ``num_classes`` and ``in_chans``).
         task: ``"image"`` (classifiers and backbones: ``num_classes``, ``in_chans``, images in) or ``"lm"``
-            (language models: ``vocab_size``, tokens in; :mod:`lambdanet.models.lm`).
+            (language models: ``vocab_size``, tokens in; :mod:`lambdanet.models.lm_zoo`).
     """
 
     name: str

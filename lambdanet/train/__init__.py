@@ -2,4 +2,6 @@
 
 from lambdanet.helpers import moved_module
 
-moved_module(__name__, "lambdanet.tasks.classification", globals())
+moved_module(
+    __name__, "lambdanet.tasks.classification", globals(), renamed={"trainer": "lambdanet.tasks.classification.task"}
+)

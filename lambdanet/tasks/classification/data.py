@@ -24,6 +24,7 @@ from torch.utils.data import Dataset
 
 from lambdanet.engine.distributed import DistContext
 from lambdanet.tasks.classification.config import TrainConfig
+from lambdanet.constants import IMAGENET_MEAN, IMAGENET_STD  # noqa: F401  (lambdanet.data had them)
 from lambdanet.tasks.classification.datasets import (
     FASHION_MNIST_DIR,
     DatasetSpec,

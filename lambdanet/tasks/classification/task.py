@@ -36,6 +36,9 @@ from lambdanet.tasks.classification.load import restore_model
 from lambdanet.tasks.classification.metrics import CLASSIFICATION_PANELS, evaluate
 from lambdanet.tasks.classification.mix import BatchMix, soft_target_cross_entropy
 
+# the rest of what lambdanet.train.trainer had (its old path is this module), for one release
+from lambdanet.tasks.classification.datasets import Subset, TensorImages, labeled_split, split_indices  # noqa: E402, F401
+
 __all__ = [
     "train",
     "evaluate_checkpoint",

@@ -35,6 +35,8 @@ from lambdanet.tasks.detection.glyph_render import (
     glyph_categories,
     glyph_colour,
     luminance,
+    render_glyph,  # noqa: F401  (lambdanet.detection.glyphs had it; kept for one release)
+    resize,  # noqa: F401
 )
 from lambdanet.tasks.detection.coco import dataset_to_coco
 from lambdanet.tasks.detection.targets import SPLITS, instance_target

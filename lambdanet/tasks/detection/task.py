@@ -61,6 +61,12 @@ from lambdanet.tasks.detection.config import (
 from lambdanet.tasks.detection.data import GlyphSceneConfig, build_detection_datasets, detection_loader
 from lambdanet.tasks.detection.draw import draw_predictions, plot_detection_history
 from lambdanet.tasks.detection.glyphs import resolve_glyph_sources
+
+# the rest of what lambdanet.detection.trainer had (its old path is this module), for one release
+from lambdanet.engine.logger import plot_history  # noqa: E402, F401
+from lambdanet.engine.optim import lr_at  # noqa: E402, F401
+from lambdanet.engine.rundir import check_new_run  # noqa: E402, F401
+from lambdanet.tasks.detection.glyphs import DEFAULT_GLYPHS, GLYPH_SETS  # noqa: E402, F401
 from lambdanet.tasks.detection.pretrain import (
     PretrainConfig,
     load_backbone_weights,

@@ -1,6 +1,6 @@
 """Byte-level language models as a task of the engine: options and recipes (:mod:`~lambdanet.tasks.lm.config`),
 corpora (:mod:`~lambdanet.tasks.lm.data`), training, evaluation in bits per byte and sampling
-(:mod:`~lambdanet.tasks.lm.task`). The models are registered in :mod:`lambdanet.models.lm`
+(:mod:`~lambdanet.tasks.lm.task`). The models are registered in :mod:`lambdanet.models.lm_zoo`
 (``list_models(task="lm")``)."""
 
 from lambdanet.tasks.lm.config import LMConfig
