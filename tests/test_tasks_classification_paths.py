@@ -2,14 +2,13 @@
 (lambdanet.train, its modules, lambdanet.data) still import, warn with a DeprecationWarning naming the new path and
 give the new modules' very objects."""
 
-import importlib
 import re
-import sys
 
 import pytest
 
 import lambdanet.tasks.classification as classification
 from lambdanet.tasks.classification import config, data, task
+from moved_paths import assert_moved, forget_old_paths
 
 MOVED = {
     "lambdanet.train.config": "lambdanet.tasks.classification.config",
@@ -24,22 +23,13 @@ MOVED = {
 
 
 def _forget_old_paths(monkeypatch) -> None:
-    """A fresh interpreter's state for the old paths: imported again, their shims run (and warn) again."""
-    old = [n for n in sys.modules if n in ("lambdanet.data", "lambdanet.train") or n.startswith("lambdanet.train.")]
-    for name in old:
-        monkeypatch.delitem(sys.modules, name)
+    forget_old_paths(monkeypatch, "lambdanet.data", "lambdanet.train")
 
 
 @pytest.mark.parametrize("old, new", MOVED.items())
 def test_classification_old_paths_warn_and_alias(old, new, monkeypatch):
-    _forget_old_paths(monkeypatch)
-    if old.startswith("lambdanet.train."):  # the old package first, which warns of its own move
-        with pytest.warns(DeprecationWarning, match="lambdanet.train moved to lambdanet.tasks.classification;"):
-            importlib.import_module("lambdanet.train")
-    with pytest.warns(DeprecationWarning, match=re.escape(f"{old} moved to {new}")):
-        module = importlib.import_module(old)
-    assert module is importlib.import_module(new) and sys.modules[old] is module
-    assert module.__all__ and all(getattr(module, name) is getattr(sys.modules[new], name) for name in module.__all__)
+    forget_old_paths(monkeypatch, "lambdanet.data")
+    assert_moved(old, new, monkeypatch, "lambdanet.train", "lambdanet.tasks.classification")
 
 
 def test_classification_old_objects_are_the_new_ones(monkeypatch):

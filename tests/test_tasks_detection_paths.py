@@ -2,7 +2,6 @@
 (lambdanet.detection and its modules) still import, warn with a DeprecationWarning naming the new path and give
 the new modules' very objects."""
 
-import importlib
 import re
 import sys
 
@@ -10,6 +9,7 @@ import pytest
 
 import lambdanet.tasks.detection as detection
 from lambdanet.tasks.detection import config, glyphs, pretrain, task
+from moved_paths import assert_moved, forget_old_paths
 
 MOVED = {
     "lambdanet.detection.trainer": "lambdanet.tasks.detection.task",
@@ -21,18 +21,12 @@ MOVED = {
 
 
 def _forget_old_paths(monkeypatch) -> None:
-    """A fresh interpreter's state for the old paths: imported again, their shims run (and warn) again."""
-    for name in [n for n in sys.modules if n == "lambdanet.detection" or n.startswith("lambdanet.detection.")]:
-        monkeypatch.delitem(sys.modules, name)
+    forget_old_paths(monkeypatch, "lambdanet.detection")
 
 
 @pytest.mark.parametrize("old, new", MOVED.items())
 def test_detection_old_paths_warn_and_alias(old, new, monkeypatch):
-    _forget_old_paths(monkeypatch)
-    with pytest.warns(DeprecationWarning, match=re.escape(f"{old} moved to {new}")):
-        module = importlib.import_module(old)
-    assert module is importlib.import_module(new) and sys.modules[old] is module
-    assert module.__all__ and all(getattr(module, name) is getattr(sys.modules[new], name) for name in module.__all__)
+    assert_moved(old, new, monkeypatch, "lambdanet.detection", "lambdanet.tasks.detection")
 
 
 def test_detection_old_objects_are_the_new_ones(monkeypatch):
@@ -72,7 +66,6 @@ def test_the_old_packages_keep_their_renamed_submodules_and_run_as_scripts(tmp_p
     their old packages (the new modules under their old names), and ``python -m`` of an old path runs the new
     module (it did nothing and exited 0 when the alias replaced ``__main__``)."""
     import subprocess
-    import sys
 
     code = ("import warnings; warnings.simplefilter('ignore')\n"
             "import lambdanet.train as t, lambdanet.lm as l, lambdanet.detection as d\n"

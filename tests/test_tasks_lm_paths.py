@@ -4,9 +4,7 @@ path and give the new modules' very objects. The streaming ``step`` of the causa
 block now takes ``(state, x)``, as ``LanguageModel.step(state, tokens)`` does; the earlier ``(x, state)`` still
 works for one release, with a DeprecationWarning, and gives the same result."""
 
-import importlib
 import re
-import sys
 import warnings
 
 import pytest
@@ -17,6 +15,7 @@ from lambdanet.layers.causal_attention import CausalSelfAttention
 from lambdanet.layers.causal_lambda import CausalLambdaLayer
 from lambdanet.models import create_model
 from lambdanet.tasks.lm import config, data, task
+from moved_paths import assert_moved, forget_old_paths
 
 MOVED = {
     "lambdanet.lm.corpus": "lambdanet.tasks.lm.data",
@@ -29,20 +28,12 @@ OLD_TASK_NAMES = ["LMConfig", "LanguageModelTask", "train_lm", "evaluate_bits_pe
 
 
 def _forget_old_paths(monkeypatch) -> None:
-    """A fresh interpreter's state for the old paths: imported again, their shims run (and warn) again."""
-    for name in [n for n in sys.modules if n == "lambdanet.lm" or n.startswith("lambdanet.lm.")]:
-        monkeypatch.delitem(sys.modules, name)
+    forget_old_paths(monkeypatch, "lambdanet.lm")
 
 
 @pytest.mark.parametrize("old, new", MOVED.items())
 def test_lm_old_paths_warn_and_alias(old, new, monkeypatch):
-    _forget_old_paths(monkeypatch)
-    with pytest.warns(DeprecationWarning, match=re.escape("lambdanet.lm moved to lambdanet.tasks.lm")):
-        importlib.import_module("lambdanet.lm")  # the old package first: it warns of itself
-    with pytest.warns(DeprecationWarning, match=re.escape(f"{old} moved to {new}")):
-        module = importlib.import_module(old)
-    assert module is importlib.import_module(new) and sys.modules[old] is module
-    assert module.__all__ and all(getattr(module, name) is getattr(sys.modules[new], name) for name in module.__all__)
+    assert_moved(old, new, monkeypatch, "lambdanet.lm", "lambdanet.tasks.lm")
 
 
 def test_lm_old_objects_are_the_new_ones(monkeypatch):
