@@ -163,6 +163,42 @@ def test_causal_layer_ignores_the_future(kwargs, train):
         torch.testing.assert_close(layer(x2)[..., : t + 1], y[..., : t + 1].detach(), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kwargs", [dict(r=5), dict(r=None, feat_size=12), dict(r=3, dim_u=2),
+                                    dict(r=4, position=False), dict(r=5, query_softmax=True)])
+def test_causal_auto_runs_the_causal_op_and_equals_the_per_query_lambdas(kwargs, monkeypatch, set_policy):
+    """``impl="auto"`` runs a causal layer's masked lambda in lambdanet.ops.causal_lambda (linear in ``n``, nothing
+    per query stored) from the policy's ``causal_op_positions`` on; an explicit impl runs the layer's own
+    per-query lambdas: the same function (float64, sums in another order: ~n eps), gradients included."""
+    from lambdanet.layers import lambda_layer
+    import dataclasses
+
+    from lambdanet.layers.lambda_policy import DEFAULT_IMPL_POLICY, ImplPolicy
+
+    assert LambdaLayer(8, dim_k=4, heads=2, causal=True, **kwargs).choose_impl((11,)) != "causal_op"  # CPU: 1024
+    assert LambdaLayer(8, dim_k=4, heads=2, causal=True, **kwargs).choose_impl((1024,)) == "causal_op"
+    set_policy("cpu", dataclasses.replace(DEFAULT_IMPL_POLICY, causal_op_positions=0))
+
+    calls = []
+    real = lambda_layer.causal_lambda
+    monkeypatch.setattr(lambda_layer, "causal_lambda", lambda *a, **kw: calls.append(a[3]) or real(*a, **kw))
+    torch.manual_seed(0)
+    auto = LambdaLayer(8, dim_k=4, heads=2, causal=True, **kwargs).double()
+    own = LambdaLayer(8, dim_k=4, heads=2, causal=True, impl="einsum", **kwargs).double()
+    own.load_state_dict(auto.state_dict())
+    assert auto.choose_impl((11,)) == "causal_op"
+    assert own.choose_impl((11,)) == ("none" if kwargs.get("position") is False else "einsum")
+    x = torch.randn(2, 8, 11, dtype=torch.float64, requires_grad=True)
+    y, y_own = auto(x), own(x)
+    with pytest.raises(ValueError, match="^causal_op_positions must be a non-negative int, got -1$"):
+        ImplPolicy(causal_op_positions=-1)
+    assert len(calls) == 1 and (calls[0] is None) == (kwargs.get("position") is False)
+    torch.testing.assert_close(y, y_own, rtol=1e-10, atol=1e-12)
+    g = torch.autograd.grad(y.square().sum(), [x, *auto.parameters()])
+    g_own = torch.autograd.grad(y_own.square().sum(), [x, *own.parameters()])
+    for a, b in zip(g, g_own):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
 def test_causal_layer_equals_masked_reference():
     """Causal softmax keys normalised per query and position lambdas over the r positions ending at t."""
     layer = LambdaLayer(6, dim_k=3, heads=2, r=4, causal=True, qv_norm=None).eval()
@@ -483,7 +519,8 @@ def test_forward_plans_once_and_runs_what_choose_impl_reports(kwargs, shape, mon
         ran.clear()
         layer(torch.randn(*shape)).sum().backward()
         assert len(plans) == 1, (impl, plans)
-        assert ran == ([] if expected == "none" else [expected]), (impl, expected, ran)
+        # "causal_op": the masked lambda in lambdanet.ops.causal_lambda, none of the position functions
+        assert ran == ([] if expected in ("none", "causal_op") else [expected]), (impl, expected, ran)
 
 
 @pytest.fixture

@@ -32,6 +32,7 @@ from lambdanet.helpers import (
 )
 from lambdanet.layers.impl_tuning import tuned_plan
 from lambdanet.layers.lambda_plan import (  # the plan is re-exported from its historical home
+    CAUSAL_OP,
     LAMBDAS_FIRST_STEPS,
     QUERIES_FIRST_STEPS,
     LambdaPlan,
@@ -45,6 +46,7 @@ from lambdanet.layers.lambda_policy import (  # the policy is re-exported from i
     set_impl_policy,
 )
 from lambdanet.layers.position_embedding import AbsolutePositionEmbedding, RelativePositionEmbedding
+from lambdanet.ops.causal_lambda import causal_lambda
 
 __all__ = [
     "LambdaLayer",
@@ -338,6 +340,11 @@ class LambdaLayer(LambdaPositionMixin, nn.Module):
             if self.query_softmax:
                 q = q.softmax(dim=-1)
             vals = vals.to(cdtype)  # b n (g v u)
+            if plan.position == CAUSAL_OP:  # the causal op: content and position lambdas at once
+                out = self._causal_op(q, keys.to(cdtype), vals)  # b n h v
+                if self.position_bias is not None:
+                    out = out + (q @ self.position_bias.to(cdtype)).unsqueeze(-1)  # b n h v
+                return self._output(out.to(out_dtype), spatial, channels_first)  # b d_out n
             if self.impl == "auto":  # the winner measured for this call's key (impl_tuning), else the static plan
                 plan = tuned_plan(self, plan, q, vals, spatial)
             y_c, lam_c = self._content(q, keys.to(cdtype), vals)  # b n h v | b n g v k (causal)
@@ -347,6 +354,15 @@ class LambdaLayer(LambdaPositionMixin, nn.Module):
             if self.position_bias is not None:  # q_n . b on every value channel
                 out = out + (q @ self.position_bias.to(cdtype)).unsqueeze(-1)  # b n h v
         return self._output(out.to(out_dtype), spatial, channels_first)  # b d_out *S / stride
+
+    def _causal_op(self, q: Tensor, keys: Tensor, vals: Tensor) -> Tensor:
+        """``q [b, n, h, k]``, keys ``[b, n, (k u)]``, values ``[b, n, (v u)]`` -> ``y [b, n, h, v]`` through the
+        causal op; the table's offsets ``-(r - 1) .. 0`` become its ``emb[j]`` for offset ``-j``."""
+        b, n = q.shape[:2]
+        emb = None if self.embedding is None else self.embedding.table[0].to(q.dtype)  # k u r (last: offset 0)
+        emb = None if emb is None else emb.flip(-1).permute(2, 0, 1)  # r k u
+        keys, vals = keys.view(b, n, self.dim_k, self.dim_u), vals.view(b, n, self.dim_v, self.dim_u)
+        return cast(Tensor, causal_lambda(q, keys, vals, emb))  # b n h v
 
     def _project(self, x: Tensor, channels_first: bool) -> tuple[Tensor, Tensor, Tensor]:
         """Tokens ``[b, n, d]`` of ``x`` -> normalised queries, raw keys, normalised values."""

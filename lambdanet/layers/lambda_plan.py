@@ -10,17 +10,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
+import torch
 from torch import Tensor, nn
 
 from lambdanet import functional as LF
 from lambdanet.layers.lambda_policy import DEFAULT_IMPL_POLICY, ImplPolicy, impl_policy
 from lambdanet.layers.position_embedding import AbsolutePositionEmbedding, RelativePositionEmbedding
 
-__all__ = ["LambdaPlan", "LambdaPositionMixin", "QUERIES_FIRST_STEPS", "LAMBDAS_FIRST_STEPS"]
+__all__ = ["LambdaPlan", "LambdaPositionMixin", "QUERIES_FIRST_STEPS", "LAMBDAS_FIRST_STEPS", "CAUSAL_OP"]
 
 # position steps of a plan: queries-first steps give y^p [b n h v], lambdas-first steps give lambda^p [b n g v k]
 QUERIES_FIRST_STEPS = ("einsum_qe_absolute", "einsum_qe_whole", "einsum_qe_chunked", "triton")
 LAMBDAS_FIRST_STEPS = ("depthwise_conv_tokens", "conv", "einsum", "einsum_absolute")
+CAUSAL_OP = "causal_op"  # the whole masked lambda (content and position) in lambdanet.ops.causal_lambda
 
 
 @dataclass(frozen=True)
@@ -29,7 +31,8 @@ class LambdaPlan:
 
     Attributes:
         impl: the implementation, as :meth:`LambdaLayer.choose_impl` reports it (``"einsum_qe"``,
-            ``"einsum"``, ``"conv"``, ``"depthwise_conv"``; ``"none"`` without position lambdas).
+            ``"einsum"``, ``"conv"``, ``"depthwise_conv"``; ``"none"`` without position lambdas; ``"causal_op"``
+            where the whole masked lambda is :func:`lambdanet.ops.causal_lambda`'s, :data:`CAUSAL_OP`).
         position: the step that runs it, or ``None`` (``position=False``). Queries-first steps
             (:data:`QUERIES_FIRST_STEPS`) return the position output ``y^p``: ``"einsum_qe_absolute"``,
             ``"einsum_qe_whole"`` (the whole ``E``, cached in eval), ``"einsum_qe_chunked"`` (rows of ``E``
@@ -65,6 +68,8 @@ class LambdaPositionMixin:
         dim_u: int
         groups: int
         causal: bool
+        content: bool
+        key_norm: str
         stride: int
         stride_pool: int
         qkv: nn.Linear
@@ -96,12 +101,26 @@ class LambdaPositionMixin:
         model; ``forward`` may then run its measured winner, :mod:`~lambdanet.layers.impl_tuning`). ``forward``
         calls it once."""
         spatial = tuple(spatial)
+        policy = impl_policy(device_type if device_type is not None else self.qkv.weight.device.type)
+        if self._runs_causal_op() and math.prod(spatial) >= policy.causal_op_positions:
+            return LambdaPlan(CAUSAL_OP, CAUSAL_OP)
         if self.embedding is None:
             return LambdaPlan("none", None)
         if self.impl == "triton":
             return LambdaPlan("triton", "triton")
-        policy = impl_policy(device_type if device_type is not None else self.qkv.weight.device.type)
         return self.plan_for(self.impl, spatial, policy)
+
+    def _runs_causal_op(self) -> bool:
+        """Whether this layer's masked lambdas are :func:`lambdanet.ops.causal_lambda`'s (the op the causal language
+        models run, chunked: linear in ``n``, no per-query lambda stored): ``impl="auto"``, causal, content lambdas
+        over softmax-normalised keys, one group, and a relative (translation-invariant) position table or none.
+        Other causal layers, an explicit ``impl`` and TorchScript (tracing or scripting, which the op's autograd
+        Function does not serve) run the per-query lambdas of the layer's own steps."""
+        if not (self.causal and self.impl == "auto" and self.content and self.groups == 1):
+            return False
+        if self.key_norm != "softmax" or isinstance(self.embedding, AbsolutePositionEmbedding):
+            return False
+        return not (torch.jit.is_tracing() or torch.jit.is_scripting())
 
     def plan_for(self, impl: str, spatial: tuple[int, ...], policy: ImplPolicy) -> LambdaPlan:
         """The plan of implementation ``impl`` (``"auto"``: the cost model's pick) for ``spatial`` under
@@ -158,7 +177,10 @@ class LambdaPositionMixin:
         materialisable), else the dense ``"conv"`` for scopes of ``dense_conv_taps`` taps (multiply-adds
         counted ``dense_conv_speedup`` times cheaper above) or the ``"depthwise_conv"``. Intra-depth,
         multi-head and causal layers use the lambdas-first forms (an explicit ``impl="einsum_qe"`` runs as
-        ``"einsum"``), absolute embeddings the einsums; ``"none"`` without position lambdas.
+        ``"einsum"``), absolute embeddings the einsums; ``"none"`` without position lambdas. A causal layer with
+        softmax keys, one group and a relative table (or none) runs ``"causal_op"`` from the policy's
+        ``causal_op_positions`` on: content and position lambdas at once in :func:`lambdanet.ops.causal_lambda`,
+        chunked (linear in ``n``).
         """
         return self.plan(spatial, device_type).impl
 

@@ -37,6 +37,12 @@ class ImplPolicy:
         qe_chunk_fraction: ``einsum_qe`` forms ``q . E`` in query chunks of at most this fraction of the
             position lambdas' ``b n k v`` elements (0.25 keeps its transient memory at half of ``lambda^p``);
             larger chunks mean fewer, larger GEMMs (kernel launches dominate small maps on a GPU).
+        causal_op_positions: a causal layer with softmax keys, one group and a relative table runs its masked
+            lambda in :func:`lambdanet.ops.causal_lambda` (chunked, linear in ``n``, no per-query lambda stored;
+            the fused kernels on CUDA) from this many positions on, below it the per-query lambdas of the layer's
+            own steps. On the CPU of BENCHMARKS.md the two trained about as fast at 64 and 1,024 positions and the
+            op 1.3x slower at 256 (one contended measurement, 1 thread): 1024 keeps the per-query form below;
+            on CUDA the kernels (0: always).
 
     The defaults are the CPU's; :data:`CUDA_IMPL_POLICY` is the one measured on an H100 (registered for
     ``"cuda"``). Other device types use the defaults until :func:`set_impl_policy` registers a policy for them.
@@ -49,9 +55,13 @@ class ImplPolicy:
     dense_conv_taps: tuple[int, int] = (196, 2304)
     dense_conv_speedup: float = 1.5
     qe_chunk_fraction: float = 0.25
+    causal_op_positions: int = 1024
 
     def __post_init__(self):
         check_positive_int(self.max_whole_positions, "max_whole_positions")
+        n = self.causal_op_positions
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"causal_op_positions must be a non-negative int, got {n!r}")
         check_positive_int(self.max_whole_elements, "max_whole_elements")
         for name, positive in (
             ("gemm_speedup", False),
@@ -83,7 +93,7 @@ DEFAULT_IMPL_POLICY = ImplPolicy()
 # convolution wins only at small scopes (7x7: 1.1-1.4x ahead of einsum_qe at 28x28, 2.4-20x behind at 23x23 and
 # global), einsum_qe everywhere else (within 1.05x of the fastest at batch 256; at batch 64 on 14x14 maps, where
 # launches dominate, einsum is 1.4x ahead); the depthwise convolution never wins
-CUDA_IMPL_POLICY = ImplPolicy(dense_conv_taps=(1, 100), qe_chunk_fraction=1.0)
+CUDA_IMPL_POLICY = ImplPolicy(dense_conv_taps=(1, 100), qe_chunk_fraction=1.0, causal_op_positions=0)
 _IMPL_POLICIES: dict[str, ImplPolicy] = {"cuda": CUDA_IMPL_POLICY}  # device type -> policy measured there
 
 
