@@ -674,3 +674,26 @@ def test_best_epoch_weights_are_that_epochs_and_resumed_runs_keep_them(tmp_path,
     assert resume(6)["best_epoch"] == 4
     assert not (out / "model_best.safetensors").exists() and not (out / "model_best_ema.safetensors").exists()
     assert "note: no model_best.safetensors for the best epoch 4" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mode, expected", [("default", None), ("reduce-overhead", "reduce-overhead"),
+                                            ("max-autotune", "max-autotune")])
+def test_compile_mode_reaches_torch_compile(mode, expected, monkeypatch, tmp_path):
+    """``--compile --compile-mode reduce-overhead`` (CUDA graphs) compiles the trained model in that mode, for every
+    task (the engine's ``Task.wrap``); without ``--compile`` nothing is compiled; a bad mode is a one-line error."""
+    from lambdanet.engine.distributed import DistContext
+    from lambdanet.tasks.classification.config import TrainConfig
+    from lambdanet.tasks.classification.task import ClassificationTask
+    from lambdanet.tasks.lm.config import LMConfig
+    from lambdanet.tasks.lm.task import LanguageModelTask
+
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: seen.append(kw) or model)
+    model = nn.Linear(2, 2)
+    for task_cls, cfg_cls in ((ClassificationTask, TrainConfig), (LanguageModelTask, LMConfig)):
+        for compile_ in (False, True):
+            cfg = cfg_cls(compile=compile_, compile_mode=mode, out=str(tmp_path))
+            assert task_cls(cfg, DistContext(), lambda _: None).wrap(model) is model
+    assert seen == [{"mode": expected}] * 2
+    with pytest.raises(ValueError, match=r"^compile_mode must be one of \['default', 'reduce-overhead', 'max-autot"):
+        TrainConfig(compile_mode="graphs").validate()

@@ -63,6 +63,12 @@ SHARED_OPTIONS: dict[str, tuple[str, tuple | None, bool]] = {
     "grad_clip": ("clip the gradient norm to this (null: no clipping)", None, False),
     "amp": ("autocast precision (fp16 needs CUDA)", tuple(AMP_DTYPES), False),
     "compile": ("torch.compile the model", None, False),
+    "compile_mode": (
+        "torch.compile's mode with --compile: default, reduce-overhead (CUDA graphs: fewer launches for small "
+        "steps) or max-autotune",
+        ("default", "reduce-overhead", "max-autotune"),
+        False,
+    ),
     "sync_bn": ("synchronised BatchNorm across torchrun processes", None, False),
     "max_train_batches": ("stop each epoch after this many batches (smoke tests)", None, False),
     "device": ("device (auto: CUDA when available)", ("auto", "cpu", "cuda"), True),
@@ -96,6 +102,7 @@ class RunConfig:
     # offers one declares it as a dataclass field (``shared(name, default)``), which takes the place of this.
     checkpoint_every: int = 1
     compile: bool = False
+    compile_mode: str = "default"
     tensorboard: bool = False
     grad_clip: float | None = None
     momentum: float = 0.9

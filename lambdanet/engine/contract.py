@@ -101,5 +101,8 @@ class Task(ABC):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """Called once before the loop: the model it trains, before the DDP wrap (compiled when the configuration
-        has ``compile`` set)."""
-        return cast(nn.Module, torch.compile(model)) if self.cfg.compile else model
+        has ``compile`` set, in its ``compile_mode``: ``"reduce-overhead"`` captures CUDA graphs)."""
+        if not self.cfg.compile:
+            return model
+        mode = None if self.cfg.compile_mode == "default" else self.cfg.compile_mode
+        return cast(nn.Module, torch.compile(model, mode=mode))

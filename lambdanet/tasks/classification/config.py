@@ -116,6 +116,7 @@ class TrainConfig(RunConfig):
     amp: str = shared("amp", "none")
     channels_last: bool = option(False, "channels_last memory format for model and inputs")
     compile: bool = shared("compile", False)
+    compile_mode: str = shared("compile_mode", "default")
     device: str = shared("device", "auto")
     workers: int = shared("workers", 0, "DataLoader worker processes for file datasets")
     seed: int = option(0, "seed of initialisation, data order and augmentation")

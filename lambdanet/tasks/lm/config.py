@@ -51,6 +51,7 @@ class LMConfig(RunConfig):
     grad_clip: float | None = shared("grad_clip", 1.0)
     amp: str = shared("amp", "none")
     compile: bool = shared("compile", False)
+    compile_mode: str = shared("compile_mode", "default")
     device: str = shared("device", "auto")
     seed: int = option(0, "seed of initialisation and of the training windows")
     eval_bytes: int | None = option(
