@@ -20,6 +20,8 @@ Below ``models``, ``train`` and ``bench``, which all use it; it imports only tor
 
 from __future__ import annotations
 
+import random
+
 import statistics
 import time
 import weakref
@@ -180,8 +182,10 @@ def time_round_robin(
     max_seconds: float | None = None,
 ) -> dict[str, Timing]:
     """:class:`Timing` of each callable over ``repeats`` rounds after ``warmup`` calls of each. Each round calls
-    every callable once, starting one further along each round, so that slow drifts of the machine's speed fall
-    on all of them alike. Fewer rounds (at least 3) are run when ``max_seconds`` would be exceeded."""
+    every callable once, the first round in the given order and every later one in a seeded shuffle of it, so
+    that slow drifts of the machine's speed fall on all of them alike and none always follows the same one (a
+    callable run right after one that sweeps the caches, round after round, measured up to 15% slow). Fewer
+    rounds (at least 3) are run when ``max_seconds`` would be exceeded."""
     names = list(fns)
     if not names:
         return {}
@@ -191,10 +195,11 @@ def time_round_robin(
     sync(device)
     times: dict[str, list[float]] = {name: [] for name in names}
     start = time.perf_counter()
+    order, shuffle = list(names), random.Random(0).shuffle
     for i in range(repeats):
-        shift = i % len(names)
-        for name in names[shift:] + names[:shift]:
+        for name in order:
             times[name].append(timed_call(fns[name], device))
+        shuffle(order)
         if max_seconds is not None and i >= 2 and time.perf_counter() - start > max_seconds:
             break
     return {name: Timing.of(times[name]) for name in names}

@@ -41,12 +41,21 @@ def test_flop_counter_matches_the_closed_form_of_a_convolution():
     assert count_flops(lambda: conv(x).sum().backward()) == 3 * forward
 
 
-def test_round_robin_timing_rotates_the_order_each_round():
+def test_round_robin_timing_shuffles_the_order_each_round():
+    """Every round calls each callable once; after the first round (the given order) the order is a seeded
+    shuffle, the same in every run, so that no callable always follows the same one."""
     calls = []
-    fns = {name: (lambda name=name: calls.append(name)) for name in "abc"}
-    timings = time_round_robin(fns, warmup=1, repeats=4)
-    assert calls == list("abc") + list("abc") + list("bca") + list("cab") + list("abc")  # warm-up, then rounds
-    assert all(t.repeats == 4 and t.q1_s <= t.median_s <= t.q3_s for t in timings.values())
+    fns = {name: (lambda name=name: calls.append(name)) for name in "abcd"}
+    timings = time_round_robin(fns, warmup=1, repeats=12)
+    assert calls[:8] == list("abcd") * 2  # warm-up, then the first round in the given order
+    rounds = [calls[i : i + 4] for i in range(4, len(calls), 4)]
+    assert len(rounds) == 12 and all(sorted(r) == list("abcd") for r in rounds)
+    before = {name: {r[r.index(name) - 1] for r in rounds if r.index(name)} for name in "abcd"}
+    assert all(len(v) >= 2 for v in before.values()), before  # each preceded by more than one other
+    again = []
+    time_round_robin({name: (lambda name=name: again.append(name)) for name in "abcd"}, warmup=1, repeats=12)
+    assert again == calls  # seeded: the same order in every run
+    assert all(t.repeats == 12 and t.q1_s <= t.median_s <= t.q3_s for t in timings.values())
 
 
 def test_one_amp_validation_for_every_user(tmp_path, capsys):

@@ -86,7 +86,7 @@ def interleaved_fwd_bwd(
     log=print,
 ) -> dict[str, dict]:
     """Forward+backward of several layers on the same input, timed round-robin (one call of each per round,
-    the order rotating) so that drifting machine speed affects them alike; then peak memory and FLOPs.
+    the order shuffled) so that drifting machine speed affects them alike; then peak memory and FLOPs.
     ``amp`` autocasts the forwards. A layer whose warm-up fails (out of memory, unsupported input) is logged
     and left out."""
     xs = x.detach().requires_grad_(True)
