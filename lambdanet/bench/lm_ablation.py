@@ -24,15 +24,14 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import cast
 
 import torch
 
 from lambdanet.bench.lm_bench import train_run
 from lambdanet.models import create_model
-from lambdanet.models.lm import LanguageModel
+from lambdanet.models.lm import LM_SIZES
 
-__all__ = ["ABLATIONS", "BUDGET_TOLERANCE", "matched_kwargs", "study", "summarize", "main"]
+__all__ = ["ABLATIONS", "BUDGET_TOLERANCE", "matched_kwargs", "study", "summarize", "summary_table", "main"]
 
 Log = Callable[[str], None]
 
@@ -72,7 +71,7 @@ def matched_kwargs(family: str, size: str, kwargs: dict) -> tuple[dict, int, int
     params = _params(name, kwargs)
     if abs(params / reference - 1) <= BUDGET_TOLERANCE or family == "transformer" or "dim_v" in kwargs:
         return dict(kwargs), params, reference
-    dim = int(cast(LanguageModel, create_model(name, **kwargs)).dim)
+    dim = LM_SIZES[size].dim
     best = min(range(8, 4 * dim + 1, 8), key=lambda v: abs(_params(name, {**kwargs, "dim_v": v}) - reference))
     params = _params(name, {**kwargs, "dim_v": best})
     if abs(params / reference - 1) > BUDGET_TOLERANCE:
@@ -161,6 +160,16 @@ def summarize(rows: Sequence[dict]) -> list[dict]:
     return sorted(out, key=lambda r: r["mean_bits_per_byte"])
 
 
+def summary_table(rows: Sequence[dict]) -> str:
+    """:func:`summarize` as a Markdown table (bits per byte to 4 decimals: the targets are differences of 3%)."""
+    table = ["| config | options | seeds | mean bits/byte | std | / transformer | params / transformer |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    table += [f"| {r['config']} | {r['model_kwargs'] or ''} | {r['seeds']} | {r['mean_bits_per_byte']:.4f} | "
+              f"{r['std_bits_per_byte']:.4f} | {r['vs_transformer']:.3f} | {r['params_vs_transformer']:.3f} |"
+              for r in summarize(rows)]  # fmt: skip
+    return "\n".join(table)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lambdanet.bench.lm_ablation", description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", nargs="+", default=list(ABLATIONS), metavar="CONFIG",
@@ -189,13 +198,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    table = ["| config | options | seeds | mean bits/byte | std | / transformer | params / transformer |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
-    table += [f"| {r['config']} | {r['model_kwargs'] or ''} | {r['seeds']} | {r['mean_bits_per_byte']:.4f} | "
-              f"{r['std_bits_per_byte']:.4f} | {r['vs_transformer']:.3f} | {r['params_vs_transformer']:.3f} |"
-              for r in summarize(rows)]  # fmt: skip
-    (Path(args.out) / "lm_ablation.md").write_text("\n".join(table) + "\n")
-    print("\n".join(table))
+    table = summary_table(rows)
+    (Path(args.out) / "lm_ablation.md").write_text(table + "\n")
+    print(table)
     return 0
 
 

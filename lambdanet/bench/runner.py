@@ -310,13 +310,10 @@ def _lm_ablation(s: BenchSettings, out: Path, log: Log) -> PartResult:
                                  out=out, eval_bytes=256, device=s.device, log=log)  # fmt: skip
     else:
         rows = lm_ablation.study(out=out, device=s.device, log=log)
-    cols = [("config", "config"), ("seeds", "seeds"), ("mean_bits_per_byte", "mean bits/byte"),
-            ("std_bits_per_byte", "std"), ("vs_transformer", "/ transformer"),
-            ("params_vs_transformer", "params / transformer")]  # fmt: skip
     return {"lm_ablation_summary": lm_ablation.summarize(rows)}, [
         f"## Language models: ablations ({rows[0]['size']}, {rows[0]['steps']} steps, context {rows[0]['context']})",
         "",
-        markdown(lm_ablation.summarize(rows), cols),
+        lm_ablation.summary_table(rows),
         "",
     ]
 

@@ -342,15 +342,13 @@ class LambdaLayer(LambdaPositionMixin, nn.Module):
             vals = vals.to(cdtype)  # b n (g v u)
             if plan.position == CAUSAL_OP:  # the causal op: content and position lambdas at once
                 out = self._causal_op(q, keys.to(cdtype), vals)  # b n h v
-                if self.position_bias is not None:
-                    out = out + (q @ self.position_bias.to(cdtype)).unsqueeze(-1)  # b n h v
-                return self._output(out.to(out_dtype), spatial, channels_first)  # b d_out n
-            if self.impl == "auto":  # the winner measured for this call's key (impl_tuning), else the static plan
-                plan = tuned_plan(self, plan, q, vals, spatial)
-            y_c, lam_c = self._content(q, keys.to(cdtype), vals)  # b n h v | b n g v k (causal)
-            y_p, lam_p = self._position(plan, q, vals, spatial)  # b n h v (queries-first) | b n g v k
-            lam = _add(lam_p, lam_c)  # b n g v k: every per-query lambda, applied in one GEMM
-            out = cast(Tensor, _add(y_c, y_p, None if lam is None else LF.apply_lambdas(q, lam)))  # b n h v
+            else:
+                if self.impl == "auto":  # the winner measured for this call's key (impl_tuning), else the static plan
+                    plan = tuned_plan(self, plan, q, vals, spatial)
+                y_c, lam_c = self._content(q, keys.to(cdtype), vals)  # b n h v | b n g v k (causal)
+                y_p, lam_p = self._position(plan, q, vals, spatial)  # b n h v (queries-first) | b n g v k
+                lam = _add(lam_p, lam_c)  # b n g v k: every per-query lambda, applied in one GEMM
+                out = cast(Tensor, _add(y_c, y_p, None if lam is None else LF.apply_lambdas(q, lam)))  # b n h v
             if self.position_bias is not None:  # q_n . b on every value channel
                 out = out + (q @ self.position_bias.to(cdtype)).unsqueeze(-1)  # b n h v
         return self._output(out.to(out_dtype), spatial, channels_first)  # b d_out *S / stride

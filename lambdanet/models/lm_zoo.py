@@ -21,10 +21,7 @@ __all__ = ["LanguageModelAdapter", "LM_ADAPTER"]
 
 def _lm(mixer: str, size: str, **kwargs) -> LanguageModel:
     s = LM_SIZES[size]
-    kwargs = {"heads": s.heads, "mlp_ratio": s.mlp_ratio, **kwargs}
-    if mixer != "transformer":
-        kwargs = {"dim_k": s.dim_k, "r": s.r, **kwargs}
-    return LanguageModel(mixer, s.dim, s.depth, **kwargs)
+    return LanguageModel(mixer, s.dim, s.depth, **{**_size_args({}, size, mixer), **kwargs})
 
 
 def _size_args(args: dict, size: str, mixer: str = "lambda") -> dict:
