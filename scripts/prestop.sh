@@ -18,7 +18,8 @@ BASE=${1:-$(git rev-parse --verify -q origin/main || git rev-parse HEAD~1)}
 duplicates --change --base "$BASE" || true
 
 # the code that decides which implementation `auto` runs: the policy, the tuner, the implementations it times
-DISPATCH=('lambdanet/layers/lambda_*' 'lambdanet/layers/impl_*' lambdanet/functional lambdanet/kernels pyproject.toml)
+DISPATCH=('lambdanet/layers/lambda_*' 'lambdanet/layers/impl_*' lambdanet/functional lambdanet/kernels
+          lambdanet/ops/position_lambda pyproject.toml)
 changed=$(git diff --name-only "$BASE" -- "${DISPATCH[@]}" 2>/dev/null || true)
 if [ -z "$changed" ]; then
   echo "prestop: no dispatch code changed since $BASE: the auto guard is not needed"

@@ -12,7 +12,7 @@ torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or min(2, os.c
 # the implementations on first calls; the tests of the measuring tuner switch it on themselves
 os.environ.setdefault("LAMBDANET_AUTOTUNE", "0")
 
-# without a GPU the Triton kernels (lambdanet.kernels) run on CPU tensors in Triton's interpreter; the variable
+# without a GPU the Triton kernels (lambdanet.ops) run on CPU tensors in Triton's interpreter; the variable
 # must be set before the kernels are first imported (triton.jit reads it when it decorates them)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -246,7 +246,7 @@ def test_kernel_roofline_counts_the_pairs_inside_the_scope(side, r):
     """The roofline's pair count against the reference position output with every input one: y[n] is then
     the number of context positions m whose offset lies in the table, so the sum is the pair count."""
     from lambdanet.bench.kernel_bench import position_counts, scope_pairs
-    from lambdanet.kernels import lambda_position_output_reference
+    from lambdanet.ops.position_lambda import lambda_position_output_reference
 
     t = 2 * side - 1 if r is None else r
     ones = torch.ones(1, side * side, 1, 1, dtype=torch.float64)

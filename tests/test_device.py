@@ -190,7 +190,7 @@ def test_triton_kernels_at_the_paper_shapes(name, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_triton_op_in_half_precision_against_float64(dtype):
     """The op itself on bf16/fp16 operands (fp32 accumulation) at 14x14, k=16, h=4, v=64, r=23."""
-    from lambdanet.kernels import lambda_position_output, lambda_position_output_reference
+    from lambdanet.ops.position_lambda import lambda_position_output, lambda_position_output_reference
 
     g = torch.Generator().manual_seed(0)
     q, v, t = (torch.randn(*s, generator=g) for s in ((8, 196, 4, 16), (8, 196, 64, 1), (16, 1, 23, 23)))

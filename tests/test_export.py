@@ -538,7 +538,7 @@ def test_half_precision_exports_store_and_compute_in_that_dtype(run, tmp_path, c
 # ------------------------------------------------------------------------------------------- issue 40
 def qe_lambda_layer() -> torch.nn.Module:
     """A global lambda layer (8x8 context) on the queries-first path that autograd Function
-    ``functional.fast._QEPositionOutput`` computes (the digits model's c4 and c5 layers take it too), with
+    ``ops.position_lambda.fast._QEPositionOutput`` computes (the digits model's c4 and c5 layers take it too), with
     BatchNorm statistics of its own input, so every head's output matters."""
     layer = LambdaLayer(32, dim_k=16, heads=4, r=None, feat_size=8)
     assert layer.plan((8, 8)).position == "einsum_qe_whole"

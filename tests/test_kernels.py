@@ -1,4 +1,4 @@
-"""The fused Triton kernels of the lambda layer (lambdanet.kernels), run without a GPU in Triton's
+"""The fused Triton kernels of the lambda layer (lambdanet.ops.position_lambda), run without a GPU in Triton's
 interpreter (tests/conftest.py sets TRITON_INTERPRET=1 when CUDA is absent), against the plain PyTorch
 computation of the same function in float64.
 
@@ -11,8 +11,8 @@ ref(|q|, |V|, |R|)``, with ``terms`` the length of the longest dot product behin
 import pytest
 import torch
 
-from lambdanet.kernels import kernels_available, lambda_position_output, lambda_position_output_reference
 from lambdanet.layers import LambdaLayer
+from lambdanet.ops.position_lambda import kernels_available, lambda_position_output, lambda_position_output_reference
 
 pytestmark = pytest.mark.skipif(not kernels_available("cpu")[0] and not torch.cuda.is_available(),
                                 reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
@@ -153,7 +153,7 @@ def test_kernels_compile_for_hopper_without_spills():
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json; from lambdanet.kernels.lambda_position import compile_report; "
+    code = ("import json; from lambdanet.ops.position_lambda.triton_position import compile_report; "
             "print(json.dumps(compile_report()))")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     if proc.returncode and "ptxas" in proc.stderr and "not found" in proc.stderr:

@@ -172,7 +172,7 @@ def test_causal_auto_runs_the_causal_op_and_equals_the_per_query_lambdas(kwargs,
     from lambdanet.layers import lambda_layer
     import dataclasses
 
-    from lambdanet.layers.lambda_policy import DEFAULT_IMPL_POLICY, ImplPolicy
+    from lambdanet.ops.position_lambda.policy import DEFAULT_IMPL_POLICY, ImplPolicy
 
     assert LambdaLayer(8, dim_k=4, heads=2, causal=True, **kwargs).choose_impl((11,)) != "causal_op"  # CPU: 1024
     assert LambdaLayer(8, dim_k=4, heads=2, causal=True, **kwargs).choose_impl((1024,)) == "causal_op"
@@ -366,7 +366,7 @@ def test_no_batch_by_positions_by_context_tensor(impl):
 def test_global_scope_beyond_852_positions_builds_embedding_rows_per_chunk(monkeypatch):
     """Past App. E.1's 852 positions the queries-first path never holds a k x n x m embedding tensor and
     still equals the lambda convolution (values and input gradients)."""
-    from lambdanet import functional as LF
+    from lambdanet.ops.position_lambda import fast as LF
 
     calls = []
     original = LF.relative_position_output_qe
@@ -483,7 +483,7 @@ PLAN_CASES = [(dict(r=5), (2, 8, 8, 8)), (dict(r=23), (2, 8, 20, 20)), (dict(r=N
 def _record_position_functions(monkeypatch):
     """Which functional position implementation each forward call ran, in choose_impl's vocabulary (the
     outermost call only: ``position_lambdas(..., "einsum")`` calls ``einsum_position_lambdas`` in turn)."""
-    from lambdanet import functional as LF
+    from lambdanet.ops.position_lambda import fast as LF
 
     ran, depth = [], [0]
 
@@ -656,7 +656,7 @@ def test_qe_chunk_fraction_sets_the_query_chunks_not_the_values(set_policy, monk
     """A global 14x14 layer (n = 196, h = 4, k = 16, v = 16): chunks of q . E hold at most ``fraction`` of
     lambda^p's b n k v elements, i.e. ``fraction n k v / (h m)`` queries: 16 at the CPU's 0.25, 64 at 1.0
     (four times fewer GEMMs); the output is the same function (float64 rounding only)."""
-    from lambdanet.functional import fast
+    from lambdanet.ops.position_lambda import fast
     from lambdanet.layers.lambda_layer import ImplPolicy
 
     layer = randomize_norms(LambdaLayer(64, dim_k=16, heads=4, r=None, feat_size=14)).eval().double()
@@ -744,7 +744,7 @@ def refuse_timing(impl, run):
 
 @pytest.mark.parametrize("fastest", TUNED_IMPLS)
 def test_auto_runs_the_implementation_the_timer_finds_fastest(fastest, monkeypatch):
-    from lambdanet.layers.impl_tuning import auto_choice, isolated_tuning
+    from lambdanet.ops.position_lambda.tuning import auto_choice, isolated_tuning
 
     layer = tuned_layer()
     assert layer.choose_impl((6, 6)) == "einsum_qe"
@@ -761,7 +761,7 @@ def test_auto_runs_the_implementation_the_timer_finds_fastest(fastest, monkeypat
 def test_auto_keeps_the_static_pick_unless_another_is_clearly_faster():
     """A candidate at 0.97x the static pick's time is noise on a busy machine: the static pick stays; at 0.9x
     the other one wins."""
-    from lambdanet.layers.impl_tuning import auto_choice, isolated_tuning
+    from lambdanet.ops.position_lambda.tuning import auto_choice, isolated_tuning
 
     x = torch.randn(2, 8, 6, 6)
     for seconds, want in ((0.97, "einsum_qe"), (0.9, "conv")):
@@ -772,7 +772,7 @@ def test_auto_keeps_the_static_pick_unless_another_is_clearly_faster():
 
 
 def test_auto_times_once_per_key_and_forward_only_without_autograd(monkeypatch):
-    from lambdanet.layers.impl_tuning import isolated_tuning, tuned_impls
+    from lambdanet.ops.position_lambda.tuning import isolated_tuning, tuned_impls
 
     grads = []
     original = torch.autograd.grad
@@ -803,7 +803,7 @@ def test_auto_times_nothing_under_compile_export_tracing_or_a_dispatch_mode():
     import torch._dynamo
     from torch.utils.flop_counter import FlopCounterMode
 
-    from lambdanet.layers.impl_tuning import isolated_tuning, set_impl_timer, tuned_impls
+    from lambdanet.ops.position_lambda.tuning import isolated_tuning, set_impl_timer, tuned_impls
 
     layer = tuned_layer().eval()
     x = torch.randn(2, 8, 6, 6)
@@ -843,8 +843,9 @@ def test_auto_resolves_a_known_key_without_rebuilding_it_until_the_winners_chang
     import copy
     import dataclasses
 
-    from lambdanet.layers import clear_impl_cache, impl_tuning
-    from lambdanet.layers.impl_tuning import impl_policy, isolated_tuning, set_impl_timer
+    from lambdanet.layers import clear_impl_cache
+    from lambdanet.ops.position_lambda import tuning as impl_tuning
+    from lambdanet.ops.position_lambda.tuning import impl_policy, isolated_tuning, set_impl_timer
 
     built = []
     real = impl_tuning._plans
@@ -872,7 +873,7 @@ def test_auto_resolves_a_known_key_without_rebuilding_it_until_the_winners_chang
 
 def test_static_mode_and_the_environment_switch_timing_off(monkeypatch):
     from lambdanet.layers import impl_tuning_mode, set_impl_tuning
-    from lambdanet.layers.impl_tuning import isolated_tuning, tuned_impls
+    from lambdanet.ops.position_lambda.tuning import isolated_tuning, tuned_impls
 
     with isolated_tuning("static", timer=refuse_timing):
         layer = tuned_layer()
@@ -895,7 +896,7 @@ def test_measured_auto_trains_exactly_like_the_implementation_it_picked(winner):
     """The same function as impl=winner, bit for bit (same ops on the same inputs), gradients included; timing
     the candidates consumed no random numbers, wrote no parameter gradient and left the BatchNorm statistics
     with the one update of the call itself."""
-    from lambdanet.layers.impl_tuning import isolated_tuning
+    from lambdanet.ops.position_lambda.tuning import isolated_tuning
 
     torch.manual_seed(0)
     auto = tuned_layer()
@@ -920,7 +921,7 @@ def test_measured_auto_trains_exactly_like_the_implementation_it_picked(winner):
 
 def test_measured_auto_in_eval_leaves_the_embedding_cache_as_it_was():
     """Timing einsum_qe in inference fills the eval cache of E; with another winner the cache is restored."""
-    from lambdanet.layers.impl_tuning import isolated_tuning
+    from lambdanet.ops.position_lambda.tuning import isolated_tuning
 
     layer = tuned_layer().eval()
     with isolated_tuning("measure", timer=fake_timer("conv")), torch.no_grad():
@@ -932,7 +933,7 @@ def test_measured_winners_survive_in_the_cache_file_and_a_corrupt_file_is_ignore
     import json
     from pathlib import Path
 
-    from lambdanet.layers.impl_tuning import _Tuner, auto_choice, isolated_tuning
+    from lambdanet.ops.position_lambda.tuning import _Tuner, auto_choice, isolated_tuning
 
     path = tmp_path / "tuning" / "impls.json"
     layer, x = tuned_layer(), torch.randn(2, 8, 6, 6)
@@ -958,7 +959,7 @@ def test_static_cpu_policy_takes_einsum_qe_at_issue_39s_point():
     """B=8 C=256 16x16 r=9 (issue 39; BENCHMARKS.md section 1): einsum_qe trained in 19 ms there against 368 ms
     for the depthwise convolution, so the static fallback must not pick the latter; and the tuner times all four
     implementations there (n h (k + v) = 81920, taps k v = 82944, n k v = 262144: within its factor 4)."""
-    from lambdanet.layers.impl_tuning import candidate_plans, impl_policy
+    from lambdanet.ops.position_lambda.tuning import candidate_plans, impl_policy
 
     layer = LambdaLayer(256, dim_k=16, heads=4, r=9)
     assert layer.choose_impl((16, 16), "cpu") == "einsum_qe"
@@ -969,7 +970,7 @@ def test_static_cpu_policy_takes_einsum_qe_at_issue_39s_point():
 def test_measured_auto_trains_under_activation_checkpointing():
     """The first call's timing saves tensors of its own: they must not reach the saved-tensor hooks of activation
     checkpointing (which recomputes the forward and checks that it saves the same tensors)."""
-    from lambdanet.layers.impl_tuning import isolated_tuning
+    from lambdanet.ops.position_lambda.tuning import isolated_tuning
     from lambdanet.models import create_model
 
     torch.manual_seed(0)
@@ -989,11 +990,11 @@ def test_measured_auto_trains_under_activation_checkpointing():
 def test_training_runs_choose_implementations_by_the_static_policy(monkeypatch, tmp_path):
     """A run's ranks and its resumption must compute the same function: the engine pins the static policy for the
     run (a measured winner depends on the machine's load) and gives the caller's mode back afterwards."""
-    from lambdanet.layers.impl_tuning import isolated_tuning
+    from lambdanet.ops.position_lambda.tuning import isolated_tuning
     import types
 
     import lambdanet.engine.task as engine_task
-    from lambdanet.layers.impl_tuning import impl_tuning_mode
+    from lambdanet.ops.position_lambda.tuning import impl_tuning_mode
 
     seen = []
     monkeypatch.setattr(engine_task, "_run", lambda task: seen.append(impl_tuning_mode()) or {})

@@ -559,7 +559,7 @@ def test_lambda_layer_every_impl_equals_the_reference_in_float64_large(config, s
 @given(config=lambda_configs(triton=True), seed=st.integers(0, 2 ** 16))
 def test_lambda_layer_triton_equals_the_reference(config, seed):
     """``impl="triton"`` under Triton's interpreter (about a second per example on CPU, hence slow only)."""
-    from lambdanet.kernels import kernels_available
+    from lambdanet.ops.position_lambda import kernels_available
 
     if not kernels_available("cpu")[0] and not torch.cuda.is_available():
         pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")

@@ -1,11 +1,11 @@
-"""The roofline of the fused position kernels (:mod:`lambdanet.kernels`): how close each call comes to what the
-GPU it runs on allows.
+"""The roofline of the fused position kernels (:mod:`lambdanet.ops.position_lambda.fused`): how close each call comes
+to what the GPU it runs on allows.
 
 For one call the work is counted exactly and the fewest bytes it must move are counted (each input read once,
 each output written once), then set against the device's ceilings measured in the same run
 (:func:`ceilings`): device-to-device copy bandwidth, and matrix-product rates in bf16 (tensor cores), TF32 and
 plain fp32 (CUDA-core FMAs). Per ``(query n, context m)`` pair inside the scope (``P`` pairs per example) the
-kernels do (see :mod:`lambdanet.kernels.lambda_position`):
+kernels do (see :mod:`lambdanet.ops.position_lambda.triton_position`):
 
 * forward: ``h k u`` multiply-adds for the scores ``S = q . R`` (CUDA cores, fp32) and ``h v u`` for ``S V``
   (matrix units; fp32 FMAs for fp32 values unless TF32 is allowed);
@@ -136,7 +136,7 @@ def position_roofline(
 ) -> list[dict]:
     """Time the forward and backward ops at each ``(batch, side, channels, r)`` point and dtype and set them
     against ``ceiling`` (measured by :func:`ceilings` when not given). One row per (point, dtype, pass)."""
-    from lambdanet.kernels.ops import _position_output, _position_output_backward
+    from lambdanet.ops.position_lambda.fused import _position_output, _position_output_backward
 
     ceiling = ceiling or ceilings(device)
     rows = []

@@ -27,7 +27,7 @@ from lambdanet.bench.timing import (  # re-exported: their old home
     timing_flags,
 )
 from lambdanet.layers import LambdaLayer, RelativePositionEmbedding, create_spatial_layer
-from lambdanet.layers.impl_tuning import auto_choice, impl_tuning_mode, isolated_tuning
+from lambdanet.ops.position_lambda.tuning import auto_choice, impl_tuning_mode, isolated_tuning
 
 __all__ = [
     "LayerConfig",
@@ -198,7 +198,7 @@ def _results_line(results: dict[str, dict], point: dict) -> str:
 def triton_runs(device: str | torch.device) -> bool:
     """Whether ``impl="triton"`` is benchmarked on ``device``: on CUDA only (Triton's CPU interpreter runs the
     kernels for tests; its timings mean nothing)."""
-    from lambdanet.kernels import kernels_available
+    from lambdanet.ops.position_lambda import kernels_available
 
     return torch.device(device).type == "cuda" and kernels_available(device)[0]
 
@@ -223,8 +223,8 @@ def lambda_impls(
     point (``(batch, channels, side, r)``; ``r=None`` global) and of ``impl="auto"`` itself, timed round-robin:
     the measurement an :class:`~lambdanet.layers.ImplPolicy` for the device is fitted to, and the guard of
     ``auto``. Its tuner starts afresh at every point (no winners, no cache file; the mode is the process's,
-    :func:`~lambdanet.layers.impl_tuning.impl_tuning_mode`), and its first call, where it times the candidates,
-    is in the untimed warm-up. The ``"auto"`` row carries ``auto_impl`` (what it ran), ``static_impl`` (the
+    :func:`~lambdanet.ops.position_lambda.tuning.impl_tuning_mode`), and its first call, where it times the
+    candidates, is in the untimed warm-up. The ``"auto"`` row carries ``auto_impl`` (what it ran), ``static_impl`` (the
     static cost model's pick) and ``auto_over_fastest`` (its time over the fastest implementation's)."""
     impls = ["einsum_qe", "einsum", "depthwise_conv", "conv"] + (["triton"] if triton_runs(device) else [])
     rows = []

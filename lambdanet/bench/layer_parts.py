@@ -10,7 +10,7 @@ from pathlib import Path
 from lambdanet.bench import layer_bench
 from lambdanet.bench.part import BenchSettings, Log, PartResult
 from lambdanet.bench.report import markdown, plot_scaling
-from lambdanet.layers.impl_tuning import impl_tuning_mode
+from lambdanet.ops.position_lambda.tuning import impl_tuning_mode
 
 __all__ = ["AUTO_TARGET", "targets", "impls", "attention", "scaling"]
 

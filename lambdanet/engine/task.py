@@ -17,7 +17,6 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from lambdanet.layers.impl_tuning import set_impl_tuning
 from lambdanet.engine.checkpoint import load_checkpoint
 from lambdanet.engine.config import RunConfig
 from lambdanet.engine.contract import Task
@@ -28,6 +27,7 @@ from lambdanet.engine.preempt import StopSignals, resume_point
 from lambdanet.engine.rundir import RunDirBusyError, RunDirLock, check_new_run
 from lambdanet.engine.state import RunState
 from lambdanet.helpers import require
+from lambdanet.ops.position_lambda.tuning import set_impl_tuning
 
 __all__ = ["Task", "run", "check_extras", "preflight"]
 

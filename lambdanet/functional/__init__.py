@@ -5,17 +5,19 @@ positions, ``k`` query/key depth, ``v`` value depth, ``h`` heads (queries per la
 ``r`` local scope size, ``d = h * v`` output dimension, ``g`` lambda groups (1 for the multi-query
 layer, ``h`` for the multi-head layer of Fig. 7).
 
-Two families live here, one module each (both importable from ``lambdanet.functional``):
+Two families live here, one module each (both importable from ``lambdanet.functional``; the fast one is the
+position-lambda op's, :mod:`lambdanet.ops.position_lambda`, where the layer's implementations, kernels and
+dispatch live):
 
 * :mod:`~lambdanet.functional.reference`: the readable reference path, paper-shaped functions with the
   figures' argument order and shapes, plain einsums exactly as printed: :func:`lambda_layer` (Fig. 3, with
   the optional intra-depth of Fig. 8), :func:`compute_position_lambdas` (Fig. 5), :func:`masked_lambda_layer`
   (Fig. 6) and :func:`multihead_lambda_layer` (Fig. 7).
-* :mod:`~lambdanet.functional.fast`: the N-d building blocks of :class:`lambdanet.layers.LambdaLayer` (the
-  fast path): relative embeddings as a kernel ``R[g, k, u, *K]`` re-indexed into ``E[g, k, u, n, m]``
-  (paper Sec. 3.3), position lambdas through the lambda convolution (three interchangeable implementations,
-  App. B.1), content lambdas (global or causal through cumulative sums, App. B.2; in
-  :mod:`~lambdanet.functional.content`, re-exported by ``fast``) and the application of lambdas to queries as
+* :mod:`~lambdanet.ops.position_lambda.fast` (formerly ``lambdanet.functional.fast``): the N-d building blocks of
+  :class:`lambdanet.layers.LambdaLayer` (the fast path): relative embeddings as a kernel ``R[g, k, u, *K]``
+  re-indexed into ``E[g, k, u, n, m]`` (paper Sec. 3.3), position lambdas through the lambda convolution (three
+  interchangeable implementations, App. B.1), content lambdas (global or causal through cumulative sums, App. B.2;
+  in :mod:`~lambdanet.functional.content`, re-exported by ``fast``) and the application of lambdas to queries as
   GEMMs.
 
 Layouts of the intra-depth axis ``u`` (Fig. 8 orders it ``[k, n, m, u]`` / ``[r, 1, u, k]``):
@@ -36,9 +38,9 @@ contraction must be ``'bhnk,bnhkv->bnhv'``.
 Speed measurements of these implementations are in BENCHMARKS.md, not here.
 """
 
-from lambdanet.functional.fast import *  # noqa: F403
-from lambdanet.functional.fast import __all__ as _fast
 from lambdanet.functional.reference import *  # noqa: F403
 from lambdanet.functional.reference import __all__ as _reference
+from lambdanet.ops.position_lambda.fast import *  # noqa: F403
+from lambdanet.ops.position_lambda.fast import __all__ as _fast
 
 __all__ = [*_reference, *_fast]

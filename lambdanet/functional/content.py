@@ -1,4 +1,4 @@
-"""The content part of the lambda layer's fast path (:mod:`lambdanet.functional.fast` re-exports it): key
+"""The content part of the lambda layer's fast path (:mod:`lambdanet.ops.position_lambda.fast` re-exports it): key
 normalisation (Table 12), the content lambda shared by every query, the per-query content lambdas of a causal
 layer through cumulative sums (App. B.2), and the content lambda's application to the queries."""
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lambdanet.functional.fast import POSITION_IMPLS, position_lambdas
 from lambdanet.helpers import check_choice
+from lambdanet.ops.position_lambda.fast import POSITION_IMPLS, position_lambdas
 
 __all__ = ["lambda_layer", "compute_position_lambdas", "masked_lambda_layer", "multihead_lambda_layer"]
 

@@ -1,11 +1,7 @@
-"""Fused kernels (Triton) for the lambda layer, registered as ``torch.library`` custom ops.
+"""The fused Triton position kernels moved to :mod:`lambdanet.ops.position_lambda` (the op:
+:mod:`~lambdanet.ops.position_lambda.fused`; the kernels: :mod:`~lambdanet.ops.position_lambda.triton_position`):
+this path and its modules work for one release, with a DeprecationWarning."""
 
-``lambda_position_output(q, values, table, center, spatial)`` is the op ``LambdaLayer(impl="triton")`` runs
-(:mod:`lambdanet.kernels.ops`); the kernels themselves are in :mod:`lambdanet.kernels.lambda_position`.
-Triton is imported only when an op runs: on a CUDA device, or on CPU tensors under ``TRITON_INTERPRET=1``
-(Triton's interpreter; set it before the first run in the process).
-"""
+from lambdanet.helpers import moved_module
 
-from lambdanet.kernels.ops import kernels_available, lambda_position_output, lambda_position_output_reference
-
-__all__ = ["lambda_position_output", "lambda_position_output_reference", "kernels_available"]
+moved_module(__name__, "lambdanet.ops.position_lambda", globals())

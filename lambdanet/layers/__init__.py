@@ -9,7 +9,6 @@ from lambdanet.layers.causal_attention import CausalSelfAttention
 from lambdanet.layers.causal_lambda import CausalLambdaLayer
 from lambdanet.layers.conv import ConvLayer, ConvSE
 from lambdanet.layers.eca import EfficientChannelAttention
-from lambdanet.layers.impl_tuning import clear_impl_cache, impl_tuning_mode, set_impl_cache_file, set_impl_tuning
 from lambdanet.layers.lambda_layer import ImplPolicy, LambdaLayer, LambdaPlan, impl_policy, set_impl_policy
 from lambdanet.layers.linear_attention import DoubleAttention, EfficientAttention
 from lambdanet.layers.local_attention import BlockedLocalAttention, HaloAttention, LocalSelfAttention
@@ -18,6 +17,12 @@ from lambdanet.layers.registry import create_spatial_layer, list_spatial_layers,
 from lambdanet.layers.relative_attention import AttentionAugmentedConv, RelativeSelfAttention
 from lambdanet.layers.relative_position import attend, auto_attention_impl, use_attention_impl
 from lambdanet.layers.squeeze_excite import SqueezeExcite
+from lambdanet.ops.position_lambda.tuning import (
+    clear_impl_cache,
+    impl_tuning_mode,
+    set_impl_cache_file,
+    set_impl_tuning,
+)
 
 __all__ = [
     "LambdaLayer",

@@ -30,7 +30,6 @@ from lambdanet.helpers import (
     leave_autocast,
     to_ntuple,
 )
-from lambdanet.layers.impl_tuning import tuned_plan
 from lambdanet.layers.lambda_plan import (  # the plan is re-exported from its historical home
     CAUSAL_OP,
     LAMBDAS_FIRST_STEPS,
@@ -38,15 +37,16 @@ from lambdanet.layers.lambda_plan import (  # the plan is re-exported from its h
     LambdaPlan,
     LambdaPositionMixin,
 )
-from lambdanet.layers.lambda_policy import (  # the policy is re-exported from its historical home
+from lambdanet.layers.position_embedding import AbsolutePositionEmbedding, RelativePositionEmbedding
+from lambdanet.ops.causal_lambda import causal_lambda
+from lambdanet.ops.position_lambda.policy import (  # the policy is re-exported from its historical home
     CUDA_IMPL_POLICY,
     DEFAULT_IMPL_POLICY,
     ImplPolicy,
     impl_policy,
     set_impl_policy,
 )
-from lambdanet.layers.position_embedding import AbsolutePositionEmbedding, RelativePositionEmbedding
-from lambdanet.ops.causal_lambda import causal_lambda
+from lambdanet.ops.position_lambda.tuning import tuned_plan
 
 __all__ = [
     "LambdaLayer",
@@ -111,8 +111,8 @@ class LambdaLayer(LambdaPositionMixin, nn.Module):
             backward, with ``E`` read from the relative table inside the kernel: multi-query, relative
             embeddings, 1-d or 2-d, any ``u``; CUDA, or CPU under ``TRITON_INTERPRET=1``; fp32 accumulation)
             or ``"auto"``: the fastest of the others, timed on the first call of each input size
-            (:mod:`~lambdanet.layers.impl_tuning`), or the static cost model of :meth:`choose_impl` where nothing
-            is timed; it does not pick ``"triton"`` until the kernels have been measured on a GPU.
+            (:mod:`~lambdanet.ops.position_lambda.tuning`), or the static cost model of :meth:`choose_impl` where
+            nothing is timed; it does not pick ``"triton"`` until the kernels have been measured on a GPU.
 
     Complexity (Table 2, ``d = dim_out``): global ``Theta(b n m k d / h)`` time and ``Theta(k n m + b n k d / h)``
     space; lambda convolution ``Theta(b n r k d / h)`` time and ``Theta(k r + b n k d / h)`` space, linear in
@@ -343,7 +343,7 @@ class LambdaLayer(LambdaPositionMixin, nn.Module):
             if plan.position == CAUSAL_OP:  # the causal op: content and position lambdas at once
                 out = self._causal_op(q, keys.to(cdtype), vals)  # b n h v
             else:
-                if self.impl == "auto":  # the winner measured for this call's key (impl_tuning), else the static plan
+                if self.impl == "auto":  # the winner measured for this call's key (tuning.py), else the static plan
                     plan = tuned_plan(self, plan, q, vals, spatial)
                 y_c, lam_c = self._content(q, keys.to(cdtype), vals)  # b n h v | b n g v k (causal)
                 y_p, lam_p = self._position(plan, q, vals, spatial)  # b n h v (queries-first) | b n g v k

@@ -1,58 +1,31 @@
 """The position part of :class:`~lambdanet.layers.LambdaLayer`: how one forward call computes it
-(:class:`LambdaPlan`, picked by the static cost model of the device's
-:class:`~lambdanet.layers.lambda_policy.ImplPolicy`) and the steps that run each plan, queries-first (the
-position output ``y^p``) or lambdas-first (the position lambdas ``lambda^p``)."""
+(:class:`~lambdanet.ops.position_lambda.dispatch.LambdaPlan`, picked by the static cost model of
+:mod:`lambdanet.ops.position_lambda.dispatch` under the device's
+:class:`~lambdanet.ops.position_lambda.policy.ImplPolicy`, from the layer's position embedding) and the steps that
+run each plan, queries-first (the position output ``y^p``) or lambdas-first (the position lambdas ``lambda^p``)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor, nn
 
-from lambdanet import functional as LF
-from lambdanet.layers.lambda_policy import DEFAULT_IMPL_POLICY, ImplPolicy, impl_policy
 from lambdanet.layers.position_embedding import AbsolutePositionEmbedding, RelativePositionEmbedding
+from lambdanet.ops.position_lambda import fast as LF
+from lambdanet.ops.position_lambda.dispatch import (  # re-exported: their historical home
+    CAUSAL_OP,
+    LAMBDAS_FIRST_STEPS,
+    QUERIES_FIRST_STEPS,
+    LambdaPlan,
+    static_impl,
+    whole_embeddings_fit,
+)
+from lambdanet.ops.position_lambda.policy import ImplPolicy, impl_policy
 
 __all__ = ["LambdaPlan", "LambdaPositionMixin", "QUERIES_FIRST_STEPS", "LAMBDAS_FIRST_STEPS", "CAUSAL_OP"]
-
-# position steps of a plan: queries-first steps give y^p [b n h v], lambdas-first steps give lambda^p [b n g v k]
-QUERIES_FIRST_STEPS = ("einsum_qe_absolute", "einsum_qe_whole", "einsum_qe_chunked", "triton")
-LAMBDAS_FIRST_STEPS = ("depthwise_conv_tokens", "conv", "einsum", "einsum_absolute")
-CAUSAL_OP = "causal_op"  # the whole masked lambda (content and position) in lambdanet.ops.causal_lambda
-
-
-@dataclass(frozen=True)
-class LambdaPlan:
-    """How one forward call computes its position part, decided once per call by :meth:`LambdaLayer.plan`.
-
-    Attributes:
-        impl: the implementation, as :meth:`LambdaLayer.choose_impl` reports it (``"einsum_qe"``,
-            ``"einsum"``, ``"conv"``, ``"depthwise_conv"``; ``"none"`` without position lambdas; ``"causal_op"``
-            where the whole masked lambda is :func:`lambdanet.ops.causal_lambda`'s, :data:`CAUSAL_OP`).
-        position: the step that runs it, or ``None`` (``position=False``). Queries-first steps
-            (:data:`QUERIES_FIRST_STEPS`) return the position output ``y^p``: ``"einsum_qe_absolute"``,
-            ``"einsum_qe_whole"`` (the whole ``E``, cached in eval), ``"einsum_qe_chunked"`` (rows of ``E``
-            rebuilt per query chunk), ``"triton"`` (the fused kernels of :mod:`lambdanet.kernels`).
-            Lambdas-first steps (:data:`LAMBDAS_FIRST_STEPS`) return the position lambdas ``lambda^p``:
-            ``"depthwise_conv_tokens"`` (depthwise lambda convolution on the value tokens), ``"conv"``,
-            ``"einsum"``, ``"einsum_absolute"``.
-
-    A new implementation is one more step: its name here, the condition that picks it in :meth:`LambdaLayer.plan`
-    and a branch of ``LambdaLayer._position_output`` (returning ``y^p``, as ``"triton"``) or ``_position_lambdas``
-    (returning ``lambda^p``).
-    """
-
-    impl: str
-    position: str | None
-    qe_chunk_fraction: float = DEFAULT_IMPL_POLICY.qe_chunk_fraction
-
-    @property
-    def queries_first(self) -> bool:
-        return self.position in QUERIES_FIRST_STEPS
 
 
 class LambdaPositionMixin:
@@ -98,8 +71,8 @@ class LambdaPositionMixin:
     def plan(self, spatial: Sequence[int], device_type: str | None = None) -> LambdaPlan:
         """The :class:`LambdaPlan` for an input of this spatial size on ``device_type`` (default: the device
         of the layer's weights), under that device's :func:`impl_policy` (``impl="auto"``: the static cost
-        model; ``forward`` may then run its measured winner, :mod:`~lambdanet.layers.impl_tuning`). ``forward``
-        calls it once."""
+        model; ``forward`` may then run its measured winner, :mod:`~lambdanet.ops.position_lambda.tuning`).
+        ``forward`` calls it once."""
         spatial = tuple(spatial)
         policy = impl_policy(device_type if device_type is not None else self.qkv.weight.device.type)
         if self._runs_causal_op() and math.prod(spatial) >= policy.causal_op_positions:
@@ -140,32 +113,28 @@ class LambdaPositionMixin:
         return LambdaPlan(impl, "depthwise_conv_tokens" if impl == "depthwise_conv" else impl)
 
     def _auto_impl(self, spatial: tuple[int, ...], n: int, whole: bool, qe_ok: bool, policy: ImplPolicy) -> str:
-        """``impl="auto"``: see :meth:`choose_impl`."""
-        if isinstance(self.embedding, AbsolutePositionEmbedding):
+        """``impl="auto"``: see :meth:`choose_impl` (the cost model: :func:`static_impl`)."""
+        scope = self._relative_scope()
+        if scope is None:  # absolute (plan() returned already without embeddings)
             return "einsum_qe"  # "einsum" where queries-first does not apply: plan's one fallback
-        emb = cast(RelativePositionEmbedding, self.embedding)  # plan() returned already without embeddings
-        taps = math.prod(LF.cropped_kernel_size(emb.kernel_size, emb.center, spatial))
+        taps = math.prod(LF.cropped_kernel_size(*scope, spatial))
         h, k, v = self.heads, self.dim_k, self.dim_v
-        fewest, most = policy.dense_conv_taps
-        dense = fewest <= taps <= most  # the dense lambda convolution beats the depthwise one at this scope
-        conv_speedup = policy.dense_conv_speedup if dense else 1.0
-        qe_speedup = (policy.gemm_speedup if whole else 1.0) / conv_speedup  # einsum_qe's per multiply-add edge
-        if qe_ok and n * h * (k + v) <= qe_speedup * taps * k * v:
-            return "einsum_qe"
-        if whole and n <= policy.einsum_positions_per_tap * taps:
-            return "einsum"
-        return "conv" if dense else "depthwise_conv"
+        return static_impl(policy, n=n, taps=taps, heads=h, dim_k=k, dim_v=v, whole=whole, qe_ok=qe_ok)
 
     def _whole_embeddings_fit(self, n: int, policy: ImplPolicy) -> bool:
         """Whether the gathered ``E[n, m]`` may be materialised (``policy.max_whole_positions`` positions and
         ``policy.max_whole_elements`` elements at most)."""
-        elements = n * n * self.dim_k * self.dim_u * self.groups
-        return n <= policy.max_whole_positions and elements <= policy.max_whole_elements
+        return whole_embeddings_fit(n, self.dim_k * self.dim_u * self.groups, policy)
+
+    def _relative_scope(self) -> tuple[Sequence[int], Sequence[int]] | None:
+        """``(kernel_size, center)`` of the relative position table, ``None`` for absolute embeddings or none."""
+        emb = self.embedding
+        return (emb.kernel_size, emb.center) if isinstance(emb, RelativePositionEmbedding) else None
 
     def choose_impl(self, spatial: Sequence[int], device_type: str | None = None) -> str:
         """The position implementation the static policy plans for an input of this spatial size
         (``plan(spatial).impl``); an ``impl="auto"`` forward call may run the winner measured for its input
-        instead (:func:`~lambdanet.layers.impl_tuning.auto_choice` says which).
+        instead (:func:`~lambdanet.ops.position_lambda.tuning.auto_choice` says which).
 
         ``"auto"`` follows the device's :class:`ImplPolicy`: the queries-first ``einsum_qe`` when its
         ``n h (k + v)`` multiply-adds per context position stay below ``gemm_speedup`` times the lambda
@@ -205,7 +174,7 @@ class LambdaPositionMixin:
         rel = cast(RelativePositionEmbedding, emb)  # what every step but "einsum_qe_absolute" runs on
         b, n = vals.shape[:2]
         if step == "triton":  # fused kernels, any u: q [b n h k], V [b m v u], R [k u *K]
-            from lambdanet.kernels import lambda_position_output
+            from lambdanet.ops.position_lambda.fused import lambda_position_output
 
             vals = vals.view(b, n, self.dim_v, self.dim_u)  # b m v u
             return lambda_position_output(q, vals, rel.table[0].to(dtype), rel.center, spatial)  # b n h v

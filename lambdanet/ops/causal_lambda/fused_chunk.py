@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lambdanet.kernels.ops import kernels_available as available  # CUDA, or CPU tensors under the interpreter
+from lambdanet.ops.position_lambda.fused import kernels_available as available  # CUDA, or the interpreter
 
 __all__ = ["fused_chunk_causal_lambda", "available", "default_chunk"]
 

@@ -1,0 +1,133 @@
+"""``torch.library`` custom ops around the Triton position kernels (:mod:`.triton_position`), with autograd and
+fake (meta) kernels, so that eager mode, ``torch.compile`` and ``torch.export`` all go through them:
+``lambda_position_output(q, values, table, center, spatial)`` is what ``LambdaLayer(impl="triton")`` runs.
+Triton is imported only when an op runs: on a CUDA device, or on CPU tensors under ``TRITON_INTERPRET=1``
+(Triton's interpreter; set it before the first run in the process).
+
+Op ``lambdanet::lambda_position_output(q, values, table, center0, center1, height, width) -> y``:
+``q [b, n, h, k]``, ``values [b, n, v, u]``, ``table [k, u, T0, T1]`` (offset zero at ``(center0, center1)``)
+-> ``y [b, n, h, v]`` in ``q``'s dtype (fp32 accumulation). 1-d inputs are maps of height 1.
+Op ``lambdanet::lambda_position_output_backward(grad, q, values, table, ...) -> (dq, dvalues, dtable)``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["lambda_position_output", "lambda_position_output_reference", "kernels_available"]
+
+
+def kernels_available(device: torch.device | str) -> tuple[bool, str]:
+    """``(True, "")`` if the Triton kernels can run on ``device``, else ``(False, why)``."""
+    device = torch.device(device)
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False, "Triton is not installed (pip install triton)"
+    if device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
+        return True, ""
+    return False, (
+        f"the Triton kernels run on CUDA devices (or on CPU tensors under TRITON_INTERPRET=1), got {device.type}"
+    )
+
+
+def _check(device: torch.device) -> None:
+    ok, why = kernels_available(device)
+    if not ok:
+        raise RuntimeError(f"impl='triton': {why}")
+
+
+@torch.library.custom_op("lambdanet::lambda_position_output", mutates_args=())
+def _position_output(
+    q: Tensor, values: Tensor, table: Tensor, center0: int, center1: int, height: int, width: int
+) -> Tensor:
+    from lambdanet.ops.position_lambda.triton_position import launch_forward
+
+    _check(q.device)
+    q, values, table = q.contiguous(), values.contiguous(), table.contiguous()
+    out = q.new_empty(*q.shape[:3], values.shape[2])  # b n h v
+    return launch_forward(q, values, table, (center0, center1), (height, width), out)
+
+
+@_position_output.register_fake
+def _(q, values, table, center0, center1, height, width):
+    return q.new_empty(*q.shape[:3], values.shape[2])  # b n h v
+
+
+@torch.library.custom_op("lambdanet::lambda_position_output_backward", mutates_args=())
+def _position_output_backward(
+    grad: Tensor, q: Tensor, values: Tensor, table: Tensor, center0: int, center1: int, height: int, width: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    from lambdanet.ops.position_lambda.triton_position import launch_backward
+
+    _check(q.device)
+    grad, q, values, table = grad.contiguous(), q.contiguous(), values.contiguous(), table.contiguous()
+    f32: dict[str, Any] = dict(device=q.device, dtype=torch.float32)
+    dq, dvalues, dtable = torch.zeros(q.shape, **f32), torch.zeros(values.shape, **f32), torch.zeros(table.shape, **f32)
+    launch_backward(grad, q, values, table, (center0, center1), (height, width), dq, dvalues, dtable)
+    return dq.to(q.dtype), dvalues.to(values.dtype), dtable.to(table.dtype)
+
+
+@_position_output_backward.register_fake
+def _(grad, q, values, table, center0, center1, height, width):
+    return torch.empty_like(q), torch.empty_like(values), torch.empty_like(table)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:3])  # q, values, table
+    ctx.geometry = inputs[3:]
+
+
+def _backward(ctx, grad):
+    q, values, table = ctx.saved_tensors
+    dq, dvalues, dtable = _position_output_backward(grad, q, values, table, *ctx.geometry)
+    return dq, dvalues, dtable, None, None, None, None
+
+
+_position_output.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _geometry(center: Sequence[int], spatial: Sequence[int]) -> tuple[int, int, int, int]:
+    if len(spatial) == 1:
+        return 0, int(center[0]), 1, int(spatial[0])
+    if len(spatial) == 2:
+        return int(center[0]), int(center[1]), int(spatial[0]), int(spatial[1])
+    raise ValueError(f"impl='triton' serves 1-d and 2-d inputs, got {len(spatial)} spatial dims")
+
+
+def lambda_position_output(
+    q: Tensor, values: Tensor, table: Tensor, center: Sequence[int], spatial: Sequence[int]
+) -> Tensor:
+    """Position output ``y[b, n, h, v] = sum_{m, u} (q[b, n, h] . R[:, u, off(n, m)]) V[b, m, v, u]``.
+
+    Args:
+        q: queries ``[b, n, h, k]`` (``n = prod(spatial)``, row-major).
+        values: normalised values ``[b, n, v, u]``.
+        table: relative embeddings ``[k, u, *T]`` (1-d: ``[k, u, T]``; 2-d: ``[k, u, T0, T1]``); entries
+            outside the table are zero (a local scope), a ``2 s - 1`` table covers a global context.
+        center: per axis, the table index of offset zero (``T // 2``; ``T - 1`` for causal tables).
+        spatial: the input's spatial size (1 or 2 dims).
+    """
+    c0, c1, height, width = _geometry(center, spatial)
+    table = table.unsqueeze(2) if len(spatial) == 1 else table  # k u T0 T1 (1-d: k u 1 T)
+    return _position_output(q, values, table, c0, c1, height, width)
+
+
+def lambda_position_output_reference(
+    q: Tensor, values: Tensor, table: Tensor, center: Sequence[int], spatial: Sequence[int]
+) -> Tensor:
+    """The same function computed plainly in PyTorch (materialises ``E[n, m]``; for tests)."""
+    c0, c1, height, width = _geometry(center, spatial)
+    t = table.unsqueeze(2) if len(spatial) == 1 else table  # k u T0 T1
+    ii, jj = torch.meshgrid(torch.arange(height, device=q.device), torch.arange(width, device=q.device), indexing="ij")
+    ii, jj = ii.reshape(-1), jj.reshape(-1)
+    di = ii[None, :] - ii[:, None] + c0  # n m
+    dj = jj[None, :] - jj[:, None] + c1
+    valid = (di >= 0) & (di < t.shape[2]) & (dj >= 0) & (dj < t.shape[3])
+    e = t[:, :, di.clamp(0, t.shape[2] - 1), dj.clamp(0, t.shape[3] - 1)] * valid  # k u n m
+    return torch.einsum("bnhk,kunm,bmvu->bnhv", q, e.to(q.dtype), values)

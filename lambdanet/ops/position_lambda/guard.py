@@ -1,0 +1,37 @@
+"""When :mod:`~lambdanet.ops.position_lambda.tuning` may time candidate implementations: never while a compiler,
+exporter or tracer runs the code, under deterministic algorithms, a functorch transform, a Python dispatch mode (FLOP
+counters, fake tensors), inside a backward pass or on meta tensors."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["tracing", "timing_allowed"]
+
+
+def tracing() -> bool:
+    """Whether a compiler, exporter or tracer is running this code (then nothing is timed)."""
+    compiler = torch.compiler
+    if compiler.is_compiling() or getattr(compiler, "is_exporting", lambda: False)():
+        return True
+    if torch.jit.is_tracing() or torch.jit.is_scripting():
+        return True
+    from torch.fx import _symbolic_trace as fx
+
+    return (getattr(fx, "is_fx_symbolic_tracing", None) or fx.is_fx_tracing)()
+
+
+def timing_allowed(*tensors: Tensor) -> bool:
+    """Whether a forward call on ``tensors`` may be timed now: deterministic algorithms are off, nothing traces or
+    compiles it, no functorch transform or Python dispatch mode is active, it does not run inside a backward pass,
+    and the tensors are plain ones on a real device."""
+    if torch.are_deterministic_algorithms_enabled() or tracing():
+        return False
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    if _get_current_dispatch_mode() is not None or torch._C._current_graph_task_id() != -1:
+        return False
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
+    return all(type(t) is torch.Tensor and t.device.type != "meta" for t in tensors)
