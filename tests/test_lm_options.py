@@ -1,6 +1,8 @@
-"""The causal lambda layer's options beyond the paper (issue 37): a fixed or data-dependent decay of the content
-summary, a short causal convolution, and the hybrid language models, each against a naive float64 definition
-written out here position by position, with causality, state-continuation and one-line-error checks.
+"""The causal lambda layer's options (issue 37): beyond the paper a fixed or data-dependent decay of the content
+summary, a short causal convolution, multi-head lambdas and the hybrid language models; from the paper's ablations
+position-only lambdas (Table 10), L2 or no key normalisation and softmax queries (Table 12). Each against a naive
+float64 definition written out here position by position, with causality, state-continuation and one-line-error
+checks.
 
 Tolerances: float64 throughout; the layer and the definitions differ only in summation order (chunks, running
 maxima, offsets accumulated as running sums), ``~(n + r) eps ~ 1e-14`` relative; the tests allow ``1e-10``.
@@ -18,7 +20,10 @@ from lambdanet.models import create_model
 from lambdanet.models.lm import LM_SIZES
 
 OPTIONS = [{"decay": "fixed"}, {"decay": "gate"}, {"short_conv": 4}, {"decay": "gate", "short_conv": 3},
-           {"lambdas": 2}, {"lambdas": 2, "decay": "gate", "short_conv": 3}]
+           {"lambdas": 2}, {"lambdas": 2, "decay": "gate", "short_conv": 3}, {"content": False},
+           {"key_norm": "l2"}, {"key_norm": "none"}, {"query_softmax": True},
+           {"key_norm": "l2", "lambdas": 2, "short_conv": 3, "query_softmax": True},
+           {"content": False, "lambdas": 2}]  # fmt: skip
 
 
 def rel(a, b):
@@ -49,8 +54,11 @@ def definition(m: CausalLambdaLayer, x: torch.Tensor) -> torch.Tensor:
         padded = F.pad(qkv, (0, 0, s - 1, 0))
         qkv = sum(w[:, j] * padded[:, j : j + n] for j in range(s))
     h, k, v, u, L = m.heads, m.dim_k, m.dim_v, m.dim_u, m.lambdas
-    q, keys, values = qkv.split([h * k, L * k * u, L * v * u], dim=-1)
-    q, keys, values = q.unflatten(-1, (h, k)), keys.unflatten(-1, (L, k, u)), values.unflatten(-1, (L, v, u))
+    kc = k if m.content else 0  # position-only lambdas have no keys
+    q, keys, values = qkv.split([h * k, L * kc * u, L * v * u], dim=-1)
+    q, keys, values = q.unflatten(-1, (h, k)), keys.unflatten(-1, (L, kc, u)), values.unflatten(-1, (L, v, u))
+    if m.query_softmax:
+        q = torch.exp(q) / torch.exp(q).sum(dim=-1, keepdim=True)
     # lambda l serves the queries' heads l h / L .. (l + 1) h / L - 1 with its own keys and values
     per = h // L
     heads = [lambda_outputs(m, x, q[:, :, i * per : (i + 1) * per], keys[:, :, i], values[:, :, i]) for i in range(L)]
@@ -61,17 +69,27 @@ def lambda_outputs(m: CausalLambdaLayer, x, q, keys, values) -> torch.Tensor:
     """One lambda's outputs ``[b, n, h', v]`` for its queries ``q [b, n, h', k]``, keys ``[b, n, k, u]`` and values
     ``[b, n, v, u]``, written out per position."""
     b, n, k, u = keys.shape
-    if m.decay is None:
+    if m.decay is None and m.content and m.key_norm == "softmax":
         return causal_lambda_reference(q, keys, values, m.emb)
     if m.decay == "fixed":
         g = F.softplus(m.decay_rate).expand(b, n, k, u)
-    else:
+    elif m.decay == "gate":
         g = F.softplus(m.gate(x)).unflatten(-1, (k, u))  # b n k u
+    else:
+        g = keys.new_zeros(b, n, k, u)
     out = []
     for i in range(n):
         forget = torch.stack([g[:, j + 1 : i + 1].sum(dim=1) for j in range(i + 1)], dim=1)  # b m k u
-        w = torch.softmax(keys[:, : i + 1] - forget, dim=1)  # b m k u
+        K = keys[:, : i + 1] - forget  # b m k u
+        if m.key_norm == "softmax":
+            w = torch.softmax(K, dim=1)
+        elif m.key_norm == "l2":  # each channel divided by its norm over the prefix
+            w = K / (K * K).sum(dim=1, keepdim=True).sqrt()
+        else:
+            w = K
         lam = torch.einsum("bmku,bmvu->bkv", w, values[:, : i + 1])
+        if not m.content:
+            lam = q.new_zeros(b, q.shape[3], values.shape[2])  # b k v
         for j in range(min(m.r, i + 1)):
             lam = lam + torch.einsum("ku,bvu->bkv", m.emb[j], values[:, i - j])
         out.append(torch.einsum("bhk,bkv->bhv", q[:, i], lam))
@@ -127,7 +145,13 @@ def test_bad_options_are_one_line_errors():
                       ({"lambdas": 3}, r"lambdas must divide heads=4 \(the queries are split among them\), got 3"),
                       ({"lambdas": 0}, "lambdas must be a positive int"),
                       ({"short_conv": -1}, "short_conv must be a non-negative int"),
-                      ({"short_conv": True}, "short_conv must be a non-negative int")):  # fmt: skip
+                      ({"short_conv": True}, "short_conv must be a non-negative int"),
+                      ({"content": False, "r": 0}, "content=False needs position lambdas: r must be >= 1"),
+                      ({"content": 0}, "content must be True or False, got 0"),
+                      ({"query_softmax": "yes"}, "query_softmax must be True or False"),
+                      ({"key_norm": "layer"}, r"key_norm must be one of \['softmax', 'l2', 'none'\], got 'layer'"),
+                      ({"decay": "gate", "key_norm": "l2"}, "decay='gate' needs the content lambdas' prefix softmax"),
+                      ({"decay": "fixed", "content": False}, "decay='fixed' needs")):  # fmt: skip
         with pytest.raises(ValueError, match=match) as err:
             CausalLambdaLayer(24, **kw)
         assert "\n" not in str(err.value)
@@ -145,7 +169,9 @@ def test_hybrid_models_match_the_families_size_and_place_attention_last_in_each_
     assert kinds == ["CausalSelfAttention" if (i + 1) % every == 0 else "CausalLambdaLayer" for i in range(len(kinds))]
 
 
-@pytest.mark.parametrize("name,kw", [("hybrid_lm_nano", {}), ("lambda_lm_nano", {"decay": "gate", "short_conv": 3})])
+@pytest.mark.parametrize("name,kw", [("hybrid_lm_nano", {}), ("lambda_lm_nano", {"decay": "gate", "short_conv": 3}),
+                                     ("lambda_lm_nano", {"content": False}),
+                                     ("lambda_lm_nano", {"key_norm": "l2", "query_softmax": True})])
 def test_a_models_steps_equal_its_parallel_forward(name, kw):
     torch.manual_seed(0)
     model = create_model(name, **kw).double().eval()

@@ -48,6 +48,10 @@ ABLATIONS: dict[str, tuple[str, dict]] = {
     "u4": ("lambda", {"dim_u": 4}),
     "lambdas2": ("lambda", {"lambdas": 2}),  # two lambdas, two query heads each
     "lambdas4": ("lambda", {"lambdas": 4}),  # App. B.3's multi-head lambdas: one per head
+    "position_only": ("lambda", {"content": False}),  # Table 10's position-only lambdas
+    "query_softmax": ("lambda", {"query_softmax": True}),  # Table 12: + softmax on the queries
+    "key_l2": ("lambda", {"key_norm": "l2"}),  # Table 12: L2 on the keys (over the prefix)
+    "key_none": ("lambda", {"key_norm": "none"}),  # Table 12: no key normalisation
     "r16": ("lambda", {"r": 16}),
     "r256": ("lambda", {"r": 256}),
     "decay_fixed": ("lambda", {"decay": "fixed"}),

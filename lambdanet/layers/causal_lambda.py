@@ -23,14 +23,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lambdanet.functional import causal as LC
-from lambdanet.helpers import check_positive_int
+from lambdanet.helpers import check_choice, check_positive_int
 from lambdanet.layers.causal_attention import step_arguments
+from lambdanet.ops import lambda_terms as terms
 from lambdanet.ops.causal_lambda import causal_lambda, resolve_mode
 
 __all__ = ["CausalLambdaLayer"]
 
 
 DECAYS = (None, "fixed", "gate")
+KEY_NORMS = terms.KEY_NORMS  # "softmax": the paper's (the fused op); "l2", "none": Table 12's other rows
 _OP_KEYS = ("S", "z", "c", "window")
 
 
@@ -62,6 +64,17 @@ class CausalLambdaLayer(nn.Module):
         lambdas: the number of lambdas, each with its own keys and values, among which the ``heads`` queries are
             split evenly (1: the paper's multi-query lambda; ``heads``: one lambda per head, App. B.3's
             multi-head lambdas); the state holds ``lambdas`` of them.
+        content: the content lambdas (``False``: the position lambdas alone, Table 10's position-only row; needs
+            ``r >= 1``; the layer then has no keys).
+        key_norm: how the keys are normalised over the prefix ``m <= n``, per channel (Table 12 for sequences):
+            ``"softmax"`` (the paper's), ``"l2"`` (``K[m] / ||K[:n+1]||_2``) or ``"none"`` (the raw keys: the
+            content lambda is a running sum that grows with the context).
+        query_softmax: the queries softmax-normalised over ``k`` per head as well (Table 12's "+ softmax on
+            queries").
+
+    ``content=False`` and ``key_norm`` other than ``"softmax"`` run the two terms apart
+    (:mod:`lambdanet.ops.lambda_terms`, PyTorch chunked forms whatever ``mode`` says); ``decay`` needs the
+    prefix softmax. Every option keeps the constant-size state.
 
     The decays are computed as offsets of the keys: ``exp(K[m]) prod_{m < t <= n} exp(-g_t)`` normalised over
     ``m <= n`` equals a prefix softmax of ``K[m] + G[m]`` with ``G`` the running sum of the rates (the factor
@@ -87,6 +100,9 @@ class CausalLambdaLayer(nn.Module):
         decay: str | None = None,
         short_conv: int = 0,
         lambdas: int = 1,
+        content: bool = True,
+        key_norm: str = "softmax",
+        query_softmax: bool = False,
     ):
         super().__init__()
         for value, name in ((dim, "dim"), (heads, "heads"), (dim_k, "dim_k"), (dim_u, "dim_u"), (chunk, "chunk")):
@@ -104,10 +120,20 @@ class CausalLambdaLayer(nn.Module):
             raise ValueError(f"short_conv must be a non-negative int (0: no convolution), got {short_conv!r}")
         self.dim, self.heads, self.dim_k, self.dim_v = dim, heads, dim_k, dim_v
         self.dim_u, self.r, self.chunk, self.decay, self.short_conv = dim_u, r, chunk, decay, short_conv
-        self.lambdas = lambdas
+        for value, name in ((content, "content"), (query_softmax, "query_softmax")):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
+        check_choice(key_norm, "key_norm", KEY_NORMS)
+        if not content and not r:
+            raise ValueError("content=False needs position lambdas: r must be >= 1 with it, got r=0")
+        if decay is not None and (not content or key_norm != "softmax"):
+            raise ValueError(f"decay={decay!r} needs the content lambdas' prefix softmax (content=True, "
+                             f"key_norm='softmax'), got content={content}, key_norm={key_norm!r}")  # fmt: skip
+        self.lambdas, self.content, self.key_norm, self.query_softmax = lambdas, content, key_norm, query_softmax
+        self.fused = content and key_norm == "softmax"  # the one causal op serves both terms
         resolve_mode(mode, "cpu")  # checked here; resolved on each call's device
         self.mode = mode
-        width = heads * dim_k + lambdas * (dim_k * dim_u + dim_v * dim_u)
+        width = heads * dim_k + lambdas * (dim_k * dim_u * content + dim_v * dim_u)
         self.qkv = nn.Linear(dim, width, bias=False)
         self.proj = nn.Linear(heads * dim_v, dim, bias=False)
         self.emb = nn.Parameter(torch.randn(r, dim_k, dim_u) / math.sqrt(max(r, 1) * dim_k)) if r else None
@@ -139,10 +165,14 @@ class CausalLambdaLayer(nn.Module):
         return out, full[:, full.shape[1] - (s - 1) :].to(torch.promote_types(qkv.dtype, torch.float32))
 
     def _split(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``[b, n, c]`` -> ``q [b, n, h, k]``, ``K [b, n, L, k, u]``, ``V [b, n, L, v, u]`` (``L`` lambdas)."""
+        """``[b, n, c]`` -> ``q [b, n, h, k]``, ``K [b, n, L, k, u]``, ``V [b, n, L, v, u]`` (``L`` lambdas; without
+        content lambdas the keys are an empty ``[b, n, L, 0, u]``)."""
         h, k, v, u, L = self.heads, self.dim_k, self.dim_v, self.dim_u, self.lambdas
-        q, keys, values = qkv.split([h * k, L * k * u, L * v * u], dim=-1)  # b n (h k), (L k u), (L v u)
-        return q.unflatten(-1, (h, k)), keys.unflatten(-1, (L, k, u)), values.unflatten(-1, (L, v, u))
+        kc = k * self.content
+        q, keys, values = qkv.split([h * k, L * kc * u, L * v * u], dim=-1)  # b n (h k), (L k u), (L v u)
+        q = q.unflatten(-1, (h, k))  # b n h k
+        q = q.softmax(dim=-1) if self.query_softmax else q
+        return q, keys.unflatten(-1, (L, kc, u)), values.unflatten(-1, (L, v, u))
 
     def _fold(self, q: Tensor, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Each lambda as a stream of its own for the op: ``(b L) n (h / L) k``, ``(b L) n k u``, ``(b L) n v u``."""
@@ -167,15 +197,36 @@ class CausalLambdaLayer(nn.Module):
         total = G[:, -1] if G.shape[1] else G.new_zeros(G.shape[0], 1, self.dim_k, self.dim_u)  # b 1 k u
         return keys.to(dtype) + G, total.expand(-1, self.lambdas, -1, -1).flatten(0, 1).detach()  # (b L) k u
 
+    def _terms(self, q: Tensor, keys: Tensor, values: Tensor, state: dict[str, Tensor] | None):
+        """The content and position terms apart (``content=False`` or ``key_norm`` other than the softmax):
+        ``(y (b L) n (h/L) v, the terms' state)``."""
+        y: Tensor | None = None
+        new: dict[str, Tensor] = {}
+        if self.content:
+            before = None if state is None else {key: state[key] for key in ("S", "ss")}
+            y, mine = terms.content_lambda(q, keys, values, key_norm=self.key_norm, chunk_size=self.chunk,
+                                           initial_state=before, output_final_state=True)  # fmt: skip
+            new.update(mine)
+        if self.emb is not None:
+            before = None if state is None else {"window": state["window"]}
+            p, mine = terms.position_lambda(q, values, self.emb, chunk_size=self.chunk, initial_state=before,
+                                            output_final_state=True)  # fmt: skip
+            y = p if y is None else y + p
+            new.update(mine)
+        return cast(Tensor, y), new
+
     def init_state(self, batch_size: int, dtype: torch.dtype | None = None, device=None) -> dict[str, Tensor]:
         """The empty context's state (:func:`lambdanet.functional.causal.init_causal_lambda_state`, and the last
         ``short_conv - 1`` projections as zeros)."""
         p = self.qkv.weight
         dtype = torch.promote_types(dtype or p.dtype, torch.float32)
         device = device or p.device
-        state = LC.init_causal_lambda_state(
-            batch_size * self.lambdas, self.dim_k, self.dim_v, self.dim_u, self.r, dtype=dtype, device=device
-        )
+        B, k, v, u, r = batch_size * self.lambdas, self.dim_k, self.dim_v, self.dim_u, self.r
+        if self.fused:
+            state = LC.init_causal_lambda_state(B, k, v, u, r, dtype=dtype, device=device)
+        else:
+            state = terms.init_position_state(B, v, u, r, dtype=dtype, device=device) if r else {}
+            state.update(terms.init_content_state(B, k, v, u, dtype=dtype, device=device) if self.content else {})
         if self.conv is not None:
             state["conv"] = torch.zeros(batch_size, self.short_conv - 1, self.qkv.out_features, dtype=dtype,
                                         device=device)  # fmt: skip
@@ -198,17 +249,14 @@ class CausalLambdaLayer(nn.Module):
         q, keys, values = self._split(qkv)  # b n h k, b n L k u, b n L v u
         keys, total = self._offsets(x, keys)
         q, keys, values = self._fold(q, keys, values)  # (b L) n (h/L) k, (b L) n k u, (b L) n v u
-        mode = resolve_mode(self.mode, x.device)
-        y, op_state = causal_lambda(
-            q,
-            keys,
-            values,
-            self.emb,
-            mode=mode,
-            chunk_size=self.chunk if mode == "chunk" else None,
-            initial_state=None if state is None else {key: state[key] for key in _OP_KEYS},
-            output_final_state=True,
-        )
+        if not self.fused:
+            y, op_state = self._terms(q, keys, values, state)
+        else:
+            mode = resolve_mode(self.mode, x.device)
+            y, op_state = causal_lambda(q, keys, values, self.emb, mode=mode,
+                                        chunk_size=self.chunk if mode == "chunk" else None,
+                                        initial_state=None if state is None else {key: state[key] for key in _OP_KEYS},
+                                        output_final_state=True)  # fmt: skip
         out = self.proj(self._unfold(y).to(x.dtype))  # b n d
         return (out, self._finish(op_state, total, conv)) if return_state else out
 
@@ -220,11 +268,14 @@ class CausalLambdaLayer(nn.Module):
         q, keys, values = self._split(qkv)  # b 1 h k, b 1 L k u, b 1 L v u
         keys, total = self._offsets(x[:, None], keys)
         q, keys, values = self._fold(q, keys, values)  # (b L) 1 (h/L) k, (b L) 1 k u, (b L) 1 v u
-        op_state = {key: state[key] for key in _OP_KEYS}
-        if resolve_mode(self.mode, x.device) == "fused_chunk":  # the recurrent kernel: one launch per step
-            y, op_state = causal_lambda(q, keys, values, self.emb, mode="fused_recurrent", initial_state=op_state,
+        if not self.fused:
+            y, op_state = self._terms(q, keys, values, state)
+        elif resolve_mode(self.mode, x.device) == "fused_chunk":  # the recurrent kernel: one launch per step
+            y, op_state = causal_lambda(q, keys, values, self.emb, mode="fused_recurrent",
+                                        initial_state={key: state[key] for key in _OP_KEYS},
                                         output_final_state=True)  # fmt: skip
         else:
+            op_state = {key: state[key] for key in _OP_KEYS}
             y, op_state = LC.causal_lambda_step(q[:, 0], keys[:, 0], values[:, 0], self.emb, op_state)
             y = y[:, None]  # (b L) 1 (h/L) v
         return self.proj(self._unfold(y)[:, 0].to(x.dtype)), self._finish(op_state, total, conv)
@@ -234,4 +285,7 @@ class CausalLambdaLayer(nn.Module):
             f"dim={self.dim}, heads={self.heads}, dim_k={self.dim_k}, dim_v={self.dim_v}, dim_u={self.dim_u}, "
             f"r={self.r}, chunk={self.chunk}, mode={self.mode!r}, decay={self.decay!r}, short_conv={self.short_conv}, "
             f"lambdas={self.lambdas}"
+            + (", content=False" if not self.content else "")
+            + (f", key_norm={self.key_norm!r}" if self.key_norm != "softmax" else "")
+            + (", query_softmax=True" if self.query_softmax else "")
         )

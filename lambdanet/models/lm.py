@@ -124,6 +124,9 @@ class LanguageModel(nn.Module):
         attention_every: the hybrid model's attention blocks: the ``attention_every``-th, ``2 attention_every``-th,
             ... (the last of each group).
         lambdas: the lambda layers' number of lambdas (1: multi-query; ``heads``: one per head).
+        content: the lambda layers' content lambdas (``False``: position lambdas alone).
+        key_norm: the lambda layers' key normalisation over the prefix, ``"softmax"``, ``"l2"`` or ``"none"``.
+        query_softmax: the lambda layers' queries softmax-normalised over ``k`` too.
     """
 
     def __init__(
@@ -147,6 +150,9 @@ class LanguageModel(nn.Module):
         short_conv: int = 0,
         attention_every: int = 4,
         lambdas: int = 1,
+        content: bool = True,
+        key_norm: str = "softmax",
+        query_softmax: bool = False,
     ):
         super().__init__()
         check_choice(mixer, "mixer", MIXERS)
@@ -172,8 +178,20 @@ class LanguageModel(nn.Module):
             CausalSelfAttention(dim, heads, rotary=not learned)
             if a
             else CausalLambdaLayer(
-                dim, heads, dim_k, dim_v, dim_u, lambda_r, chunk, decay=decay, short_conv=short_conv, lambdas=lambdas
-            )
+                dim,
+                heads,
+                dim_k,
+                dim_v,
+                dim_u,
+                lambda_r,
+                chunk,
+                decay=decay,
+                short_conv=short_conv,
+                lambdas=lambdas,
+                content=content,
+                key_norm=key_norm,
+                query_softmax=query_softmax,
+            )  # fmt: skip
             for a in attention
         ]
         self.blocks = nn.ModuleList(_Block(m, dim, mlp_ratio, dropout) for m in mixers)

@@ -2,7 +2,8 @@
 of :data:`~lambdanet.models.lm.LM_SIZES`), and how :func:`~lambdanet.models.create_model` builds them
 (:class:`LanguageModelAdapter`). Each takes its architecture options as keywords: ``vocab_size``, ``heads`` and
 ``mlp_ratio``; the lambda families also ``dim_k``, ``r``, ``dim_v``, ``dim_u``, ``chunk``, ``decay``,
-``short_conv``, ``lambdas`` (the hybrid ``attention_every``); the transformer ``positions`` and ``max_len``."""
+``short_conv``, ``lambdas``, ``content``, ``key_norm``, ``query_softmax`` (the hybrid ``attention_every``); the
+transformer ``positions`` and ``max_len``."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def _size_args(args: dict, size: str, mixer: str = "lambda") -> dict:
 
 _PAPER = "LambdaNetworks App. B.2 (masked lambdas) on sequences; baselines of the same size"
 LAMBDA_ARGS = {"vocab_size": 256, "dim_v": None, "dim_u": 1, "chunk": 64, "dropout": 0.0, "decay": None,
-               "short_conv": 0, "lambdas": 1}  # fmt: skip
+               "short_conv": 0, "lambdas": 1, "content": True, "key_norm": "softmax",
+               "query_softmax": False}  # fmt: skip
 HYBRID_ARGS = {**LAMBDA_ARGS, "attention_every": 4}
 TRANSFORMER_ARGS = {"vocab_size": 256, "positions": "rotary", "max_len": None, "dropout": 0.0}
 
