@@ -67,3 +67,30 @@ def test_a_bad_configuration_fails_before_any_run_and_a_cut_line_reruns(tmp_path
     study(["lambda", "transformer"], **settings)
     assert calls == ["lambda_lm_nano", "transformer_lm_nano"]  # the cut run reruns, the finished one does not
     assert study(["lambda"], **{**settings, "device": "meta"}) and calls[-1] == "lambda_lm_nano"  # another device
+
+
+def test_two_studies_on_one_folder_share_the_runs_through_claims(tmp_path, monkeypatch):
+    """A run another live process has claimed is skipped (and not lost: its row is the other's to write); a claim
+    left by a process that is gone is taken over; a finished run leaves no claim."""
+    import subprocess
+    import sys
+
+    calls = []
+    monkeypatch.setattr(lm_ablation, "train_run", lambda name, *a, **kw: calls.append(name) or
+                        {"val_bits_per_byte": 2.0, "steps": 1, "train_s": 0.0})  # fmt: skip
+    claims = tmp_path / "claims"
+    claims.mkdir()
+    holder = subprocess.Popen(["sleep", "60"])
+    (claims / "transformer-seed0").write_text(str(holder.pid))  # alive: held
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (claims / "lambda-seed0").write_text(gone.stdout.strip())  # that process has exited: a stale claim
+    logged = []
+    settings = dict(out=tmp_path, size="nano", seeds=(0,), steps=1, context=16, batch=1, eval_bytes=32)
+    try:
+        rows = study(["transformer", "lambda"], log=logged.append, **settings)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert calls == ["lambda_lm_nano"] and [r["config"] for r in rows] == ["lambda"]
+    assert any("transformer: running in another process" in line for line in logged)
+    assert sorted(p.name for p in claims.iterdir()) == ["transformer-seed0"]

@@ -9,7 +9,10 @@ depth ``dim_v`` is set to bring it back (:func:`matched_kwargs`). A run is :func
 validation bits per byte on the first ``eval_bytes`` of the split.
 
 Each finished run is appended to ``<out>/lm_ablation.jsonl`` at once; a study started again with the same
-``out`` skips the runs already there (a crash or a stop loses at most the run in progress)::
+``out`` skips the runs already there (a crash or a stop loses at most the run in progress). Several studies on
+one ``out`` share the work: each run is claimed first (``<out>/claims/<config>-seed<seed>``, holding the
+process's id; a claim whose process is gone is taken over), so two processes with one thread each keep two cores
+busy without running anything twice::
 
     python -m lambdanet.bench.lm_ablation --out bench_results/lm_ablation             # tiny, 1,200 steps, 3 seeds
     python -m lambdanet.bench.lm_ablation --configs lambda transformer decay_gate --seeds 0
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -94,6 +98,42 @@ def _done(path: Path) -> list[dict]:
     return rows
 
 
+def _matching(path: Path, settings: dict, matched: dict) -> list[dict]:
+    """The finished rows of ``path`` with the study's settings, device and options."""
+    return [r for r in _done(path) if all(r.get(k, "cpu" if k == "device" else None) == v for k, v in settings.items())
+            and r.get("config") in matched and r["model_kwargs"] == matched[r["config"]][0]]  # fmt: skip
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def _claim(claim: Path) -> bool:
+    """Whether this process may run the claim's configuration and seed: it creates ``claim`` with its process id,
+    or takes it over from a process that is gone; ``False`` while another live process holds it."""
+    claim.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        try:
+            holder = int(claim.read_text().strip() or 0)
+        except (OSError, ValueError):
+            holder = 0
+        if holder and holder != os.getpid() and _alive(holder):
+            return False
+        claim.write_text(str(os.getpid()))
+        return True
+    with os.fdopen(fd, "w") as f:
+        f.write(str(os.getpid()))
+    return True
+
+
 def study(
     configs: Sequence[str] = tuple(ABLATIONS),
     *,
@@ -121,11 +161,14 @@ def study(
 
     corpus, settings = load_corpus("stdlib"), {"size": size, "steps": steps, "context": context, "batch": batch,
                                                "eval_bytes": eval_bytes, "device": device}  # fmt: skip
-    rows = [r for r in _done(path) if all(r.get(k, "cpu" if k == "device" else None) == v for k, v in settings.items())
-            and r.get("config") in matched and r["model_kwargs"] == matched[r["config"]][0]]  # fmt: skip
     for seed in seeds:
         for config in configs:
+            rows = _matching(path, settings, matched)  # read again: another process may have finished it
+            claim = path.parent / "claims" / f"{config}-seed{seed}"
             if any(r["config"] == config and r["seed"] == seed for r in rows):
+                continue
+            if not _claim(claim):
+                log(f"  seed {seed} {config}: running in another process (claim {claim}), skipped")
                 continue
             family = ABLATIONS[config][0]
             kwargs, params, reference = matched[config]
@@ -137,10 +180,10 @@ def study(
                    "wall_s": time.perf_counter() - started}  # fmt: skip
             with path.open("a") as f:  # at once: a stopped study keeps every finished run
                 f.write(json.dumps(row) + "\n")
-            rows.append(row)
+            claim.unlink(missing_ok=True)
             log(f"  seed {seed} {config}: {res['val_bits_per_byte']:.4f} bits/byte, {params / 1e3:.0f}k params, "
                 f"{row['wall_s']:.0f}s")  # fmt: skip
-    return rows
+    return _matching(path, settings, matched)
 
 
 def summarize(rows: Sequence[dict]) -> list[dict]:
