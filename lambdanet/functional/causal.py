@@ -99,13 +99,16 @@ def init_causal_lambda_state(
     }
 
 
-def _band(scores: Tensor, qe: Tensor) -> Tensor:
+def _band(scores: Tensor | None, qe: Tensor) -> Tensor:
     """Content scores ``[..., C, C]`` and offset scores ``qe [..., C, r]`` (``qe[n, j]`` for context ``n - j``) ->
     one ``[..., C, r - 1 + C]`` matrix over the window ``[r - 1 earlier values, C chunk values]``: the content
-    scores fill the last ``C`` columns, ``qe[n, j]`` is added at column ``n + r - 1 - j``."""
+    scores fill the last ``C`` columns, ``qe[n, j]`` is added at column ``n + r - 1 - j``; ``scores=None``: the
+    offset scores alone (position lambdas without content)."""
     *lead, c, r = qe.shape
     padded = torch.nn.functional.pad(qe.flip(-1), (0, c))  # ... C (C + r): the skew trick, row n shifted by n
     band = padded.flatten(-2)[..., : c * (c + r - 1)].unflatten(-1, (c, c + r - 1))  # ... C (r - 1 + C)
+    if scores is None:
+        return band
     return torch.cat([band[..., : r - 1], band[..., r - 1 :] + scores], dim=-1)  # ... C (r - 1 + C)
 
 

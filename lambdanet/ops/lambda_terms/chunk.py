@@ -109,7 +109,7 @@ def position_lambda(
     for s in range(0, n, C):
         qc = q[:, :, s : s + C]  # b h c k
         qe = torch.einsum("bhck,urk->buhcr", qc, e)  # b u h c r: qe[n, j] for the value at offset j
-        band = _band(qe.new_zeros(*qe.shape[:-1], qc.shape[2]), qe)  # b u h c (r - 1 + c)
+        band = _band(None, qe)  # b u h c (r - 1 + c)
         ys.append((band @ full[:, :, s : s + qc.shape[2] + r - 1].unsqueeze(2)).sum(dim=1))  # b h c v
     o = torch.cat(ys, dim=2).transpose(1, 2) if ys else q.new_zeros(b, 0, h, dv)  # b n h v
     return (o, {"window": full[:, :, full.shape[2] - (r - 1) :]}) if output_final_state else o
