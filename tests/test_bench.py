@@ -357,6 +357,50 @@ def test_recall_batches_ask_for_values_seen_and_the_part_runs(tmp_path):
         recall_batch(1, 200, 1, torch.Generator())
     results = run_benchmarks(["lm_recall"], quick=True, out=tmp_path, log=lambda s: None)
     rows = results["lm_recall"]
-    assert {r["family"] for r in rows} == {"lambda", "linear", "hybrid", "transformer"}
-    assert all(0.0 <= r["accuracy"] <= 1.0 for r in rows)
-    assert "associative recall" in (tmp_path / "bench.md").read_text()
+    assert {r["family"] for r in rows} == {"lambda", "plain_lambda", "linear", "hybrid", "transformer"}
+    assert all(0.0 <= r["accuracy"] <= 1.0 and r["reached"] == 2 for r in rows)  # two steps: no promotion
+    assert len(results["lm_recall_summary"]) == 5 and "associative recall" in (tmp_path / "bench.md").read_text()
+
+
+def test_recall_summary_gives_the_mean_the_best_and_the_seeds_that_learnt():
+    from lambdanet.bench.recall_bench import summarize_recall
+
+    def row(model, seed, pairs, acc, reached):
+        return {"model": model, "seed": seed, "pairs": pairs, "sequence": 4 * pairs, "accuracy": acc,
+                "reached": reached, "chance": 1 / 128}  # fmt: skip
+
+    rows = [row("a", 0, 2, 1.0, 4), row("a", 1, 2, 0.5, 2), row("a", 2, 2, 0.9, 4), row("a", 0, 4, 0.95, 4),
+            row("b", 0, 2, 0.25, 2)]  # fmt: skip
+    got = {(r["model"], r["pairs"]): r for r in summarize_recall(rows)}
+    assert set(got) == {("a", 2), ("a", 4), ("b", 2)}
+    a2 = got[("a", 2)]
+    assert a2["seeds"] == 3 and a2["mean"] == pytest.approx(0.8) and a2["best"] == 1.0
+    assert a2["learnt"] == 2 and a2["reached"] == "4/2/4"  # 0.9 counts as learnt
+    assert got[("a", 4)]["learnt"] == 1 and got[("b", 2)]["learnt"] == 0
+
+
+def test_pair_curriculum_doubles_the_pairs_once_the_running_accuracy_passes_the_bar():
+    """The running accuracy is the exponential mean of the batches at the current count only: with momentum 0.5
+    and accuracy 1, it is 1 - 0.5^t after t batches, so 0.9 is passed at the fourth (0.9375); other counts leave
+    it alone; the count doubles up to ``top`` and no further; the samples are the current count about half the
+    time and never above it."""
+    from lambdanet.bench.recall_bench import PairCurriculum
+
+    c = PairCurriculum(6, start=2, promote=0.9, momentum=0.5)
+    assert not c.update(1, 1.0, step=0) and c.running == 0.0  # a batch at another count
+    assert [c.update(2, 1.0, step=s) for s in range(1, 5)] == [False, False, False, True]
+    assert c.pairs == c.reached == 4 and c.running == 0.0 and c.promoted_at == {4: 4}
+    assert not any(c.update(4, 0.5, step=s) for s in range(50))  # 0.5 never passes 0.9
+    for s in range(4):
+        c.update(4, 1.0, step=100 + s)
+    assert c.pairs == 6 and c.promoted_at == {4: 4, 6: 102}  # from 0.5: 0.75, 0.875, 0.9375; 8 capped at top
+    assert not any(c.update(6, 1.0, step=200 + s) for s in range(10)) and c.pairs == 6
+    g = torch.Generator().manual_seed(0)
+    drawn = [c.sample(g) for _ in range(2000)]
+    assert set(drawn) <= set(range(1, 7)) and 1 in drawn
+    share = drawn.count(6) / len(drawn)  # 1/2 + 1/2 * 1/6 = 0.583; 2,000 draws: std 0.011
+    assert abs(share - 7 / 12) < 0.05
+    with pytest.raises(ValueError, match="start must be in"):
+        PairCurriculum(4, start=8)
+    with pytest.raises(ValueError, match="promote must be in"):
+        PairCurriculum(4, promote=0.0)

@@ -140,3 +140,21 @@ def test_the_push_to_hub_command_writes_or_uploads_the_repository(tmp_path, monk
     assert uploads == [(str(RUN), "someone/digits", True)] and "hf-hub:someone/digits" in capsys.readouterr().out
     assert main(["push-to-hub", str(tmp_path), "someone/digits", "--folder", str(tmp_path / "x")]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_a_language_model_shared_before_the_default_moved_loads_as_the_plain_model(tmp_path, hub_cache):
+    """Weights of a ``lambda_lm_nano`` run written before the short convolution became its default (its options
+    do not name ``short_conv``), put on the hub as they are, build back as the model they trained, with its own
+    logits."""
+    from lambdanet.tasks.lm import load_lm
+
+    run = REPO / "tests" / "fixtures" / "lm_runs_v02" / "lm_done"
+    (tmp_path / "repo").mkdir()
+    shutil.copyfile(run / "model.safetensors", tmp_path / "repo" / "model.safetensors")
+    hub_cache(tmp_path / "repo", "someone/old-lambda-lm")
+    shared = create_model("hf-hub:someone/old-lambda-lm").eval()
+    own = load_lm(run)
+    assert shared.model_name == own.model_name == "plain_lambda_lm_nano"
+    tokens = torch.randint(0, 256, (2, 24))
+    with torch.no_grad():
+        assert torch.equal(shared(tokens), own(tokens))

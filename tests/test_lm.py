@@ -20,7 +20,7 @@ from lambdanet.tasks.lm.data import VAL_PERCENT, is_validation_file, load_corpus
 from lambdanet.tasks.lm.task import LMConfig, evaluate_bits_per_byte, load_lm, sample, train_lm
 from lambdanet.models.lm import LM_SIZES, matched_dim_v
 
-FAMILIES = ("lambda_lm", "transformer_lm", "linear_lm", "hybrid_lm")
+FAMILIES = ("lambda_lm", "plain_lambda_lm", "transformer_lm", "linear_lm", "hybrid_lm")
 
 
 def rel(a, b):
@@ -64,6 +64,42 @@ def test_the_registered_lambda_models_take_the_layer_shape_and_keep_the_budget(k
     assert model_args("lambda_lm_tiny")["dim_k"] == s.dim_k and model_args("lambda_lm_nano")["r"] == 16
     wider = create_model("transformer_lm_tiny", mlp_ratio=2.0)
     assert wider.blocks[0].mlp[0].out_features == 2 * s.dim
+
+
+def test_the_default_lambda_model_is_the_plain_one_with_a_width_4_short_convolution():
+    """``lambda_lm_<size>`` = ``plain_lambda_lm_<size>`` (the paper's layer alone) + ``short_conv=4`` (issue 37's
+    study; at nano also ``dim_v=64``, which keeps the budget): the same modules and outputs from the same seed;
+    ``short_conv=0`` gives the plain model's modules back."""
+    x = torch.randint(0, 256, (2, 40))
+    torch.manual_seed(0)
+    default = create_model("lambda_lm_nano").eval()
+    torch.manual_seed(0)
+    plain4 = create_model("plain_lambda_lm_nano", short_conv=4, dim_v=64).eval()
+    assert default.blocks[0].mixer.short_conv == 4 and model_args("lambda_lm_nano")["short_conv"] == 4
+    assert model_args("plain_lambda_lm_nano")["short_conv"] == 0
+    with torch.no_grad():
+        assert torch.equal(default(x), plain4(x))
+    torch.manual_seed(0)
+    assert create_model("lambda_lm_tiny", short_conv=0).state_dict().keys() == create_model(
+        "plain_lambda_lm_tiny").state_dict().keys()
+    tiny = create_model("lambda_lm_tiny").blocks[0].mixer
+    assert (tiny.short_conv, tiny.dim_v) == (4, create_model("plain_lambda_lm_tiny").blocks[0].mixer.dim_v)
+
+
+def test_runs_write_the_moved_default_out_and_read_older_runs_as_the_plain_model(tmp_path, corpus_dir):
+    """A new run records ``short_conv`` of a ``lambda_lm_<size>`` (its own value kept); a saved run whose options
+    lack it was written before the default moved and names the plain model; other families are untouched."""
+    from lambdanet.models.lm_zoo import pin_lm_kwargs, saved_lm
+
+    assert lm_config(tmp_path, corpus_dir).model_kwargs == {"short_conv": 4, "dim_v": 64}
+    given = lm_config(tmp_path, corpus_dir, model_kwargs={"short_conv": 0, "r": 8})
+    assert (given.model, given.model_kwargs) == ("lambda_lm_nano", {"short_conv": 0, "dim_v": 64, "r": 8})
+    assert pin_lm_kwargs("lambda_lm_tiny", {}) == {"short_conv": 4}
+    assert lm_config(tmp_path, corpus_dir, model="plain_lambda_lm_nano").model_kwargs == {}
+    assert saved_lm("lambda_lm_tiny", {"r": 8}) == ("plain_lambda_lm_tiny", {"r": 8})
+    assert saved_lm("lambda_lm_tiny", {"short_conv": 4}) == ("lambda_lm_tiny", {"short_conv": 4})
+    for name in ("hybrid_lm_tiny", "linear_lm_tiny", "plain_lambda_lm_tiny", "transformer_lm_nano"):
+        assert saved_lm(name, {}) == (name, {}) and pin_lm_kwargs(name, {}) == {}
 
 
 def test_matched_value_depth_gives_attention_parameters():

@@ -20,25 +20,44 @@ def test_every_configuration_is_within_the_budget_and_keeps_its_options(config):
     assert sum(p.numel() for p in model.parameters()) == params  # counted on the model that trains
 
 
+def test_the_knobs_turn_the_plain_layer_and_the_chosen_one_is_the_registered_default():
+    """The study's reference ``lambda`` is the paper's layer alone whatever the registered default is (rows written
+    before the default moved keep their meaning), and ``short_conv4``, its winner, builds exactly the tiny model
+    ``lambda_lm_tiny`` now is."""
+    import torch
+
+    assert ABLATIONS["lambda"] == ("plain_lambda", {})
+    assert all(family != "lambda" for family, _ in ABLATIONS.values())
+    family, kwargs = ABLATIONS["short_conv4"]
+    options = matched_kwargs(family, "tiny", kwargs)[0]  # builds models: before the seed
+    torch.manual_seed(0)
+    chosen = create_model(f"{family}_lm_tiny", **options)
+    torch.manual_seed(0)
+    default = create_model("lambda_lm_tiny")
+    assert repr(chosen) == repr(default)
+    a, b = chosen.state_dict(), default.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_the_study_writes_each_run_at_once_and_resumes_without_rerunning(tmp_path, monkeypatch):
     calls = []
 
     def fake_run(name, corpus, context, batch, seed, **kw):  # the training itself is lm_bench's (tested there)
         calls.append((name, seed, kw["model_kwargs"]))
-        return {"val_bits_per_byte": 2.0 + seed + (name.startswith("lambda") * 0.1), "steps": kw["steps"],
+        return {"val_bits_per_byte": 2.0 + seed + (("lambda" in name) * 0.1), "steps": kw["steps"],
                 "train_s": 0.0}
 
     monkeypatch.setattr(lm_ablation, "train_run", fake_run)
     settings = dict(out=tmp_path, size="nano", seeds=(0, 1), steps=3, context=32, batch=2, eval_bytes=64,
                     log=lambda _: None)
     rows = study(["transformer", "lambda"], **settings)
-    assert [(c[0], c[1]) for c in calls] == [("transformer_lm_nano", 0), ("lambda_lm_nano", 0),
-                                             ("transformer_lm_nano", 1), ("lambda_lm_nano", 1)]
+    assert [(c[0], c[1]) for c in calls] == [("transformer_lm_nano", 0), ("plain_lambda_lm_nano", 0),
+                                             ("transformer_lm_nano", 1), ("plain_lambda_lm_nano", 1)]
     saved = [json.loads(line) for line in (tmp_path / "lm_ablation.jsonl").read_text().splitlines()]
     assert saved == rows and len(rows) == 4
     calls.clear()
     again = study(["transformer", "lambda", "u2"], **settings)  # the two finished configurations are not rerun
-    assert [c[0] for c in calls] == ["lambda_lm_nano", "lambda_lm_nano"] and "dim_v" in calls[0][2]
+    assert [c[0] for c in calls] == ["plain_lambda_lm_nano", "plain_lambda_lm_nano"] and "dim_v" in calls[0][2]
     assert len(again) == 6
     summary = {r["config"]: r for r in summarize(again)}
     assert summary["lambda"]["seeds"] == 2 and summary["lambda"]["mean_bits_per_byte"] == pytest.approx(2.6)
@@ -65,8 +84,8 @@ def test_a_bad_configuration_fails_before_any_run_and_a_cut_line_reruns(tmp_path
     path = tmp_path / "lm_ablation.jsonl"
     path.write_text(path.read_text() + '{"config": "transformer", "se')  # a crash mid-write
     study(["lambda", "transformer"], **settings)
-    assert calls == ["lambda_lm_nano", "transformer_lm_nano"]  # the cut run reruns, the finished one does not
-    assert study(["lambda"], **{**settings, "device": "meta"}) and calls[-1] == "lambda_lm_nano"  # another device
+    assert calls == ["plain_lambda_lm_nano", "transformer_lm_nano"]  # the cut run reruns, the finished one does not
+    assert study(["lambda"], **{**settings, "device": "meta"}) and calls[-1] == "plain_lambda_lm_nano"  # another device
 
 
 def test_two_studies_on_one_folder_share_the_runs_through_claims(tmp_path, monkeypatch):
@@ -91,6 +110,17 @@ def test_two_studies_on_one_folder_share_the_runs_through_claims(tmp_path, monke
     finally:
         holder.kill()
         holder.wait()
-    assert calls == ["lambda_lm_nano"] and [r["config"] for r in rows] == ["lambda"]
+    assert calls == ["plain_lambda_lm_nano"] and [r["config"] for r in rows] == ["lambda"]
     assert any("transformer: running in another process" in line for line in logged)
     assert sorted(p.name for p in claims.iterdir()) == ["transformer-seed0"]
+
+
+def test_the_summary_table_gives_the_spread_only_over_several_seeds():
+    def row(config, seed, bpb):
+        return {"config": config, "model_kwargs": {}, "seed": seed, "val_bits_per_byte": bpb,
+                "params_vs_transformer": 1.0}  # fmt: skip
+
+    table = lm_ablation.summary_table([row("transformer", 0, 2.0), row("transformer", 1, 2.2), row("lambda", 0, 1.9)])
+    lines = {line.split(" | ")[0]: line.split(" | ") for line in table.splitlines()[2:]}
+    assert lines["| lambda"][4] == "-" and lines["| lambda"][5] == "0.950"  # paired with seed 0's 2.0
+    assert lines["| transformer"][3:5] == ["2.1000", "0.1414"]  # sample standard deviation of 2.0 and 2.2

@@ -112,3 +112,49 @@ def test_a_stopped_v1_detect_run_resumes_to_the_weights_of_this_version(tmp_path
     assert printed in capsys.readouterr().out
     assert main(["detect", "--out", str(new), "--resume"]) == 0
     assert relative_difference(load_file(old / "model.safetensors"), load_file(new / "model.safetensors")) < RTOL
+
+
+# language-model runs written before lambda_lm_<size> took its short convolution (tests/fixtures/lm_runs_v02)
+LM_RUNS = FIXTURES / "lm_runs_v02"
+_lm_spec = importlib.util.spec_from_file_location("make_lm_runs_v02", FIXTURES / "make_lm_runs_v02.py")
+make_lm = importlib.util.module_from_spec(_lm_spec)
+_lm_spec.loader.exec_module(make_lm)
+LM_DATA = f"text:{FIXTURES / 'lm_corpus.txt'}"  # the fixture's config names the machine that made it
+
+
+def test_a_language_model_written_before_the_default_moved_loads_as_the_plain_model_it_trained():
+    """Its options do not say ``short_conv``: it is ``plain_lambda_lm_nano`` (no convolution weights), loaded
+    strictly and bit for bit, from its weights and from its checkpoint; the default model would not even load."""
+    from lambdanet.models import create_model
+    from lambdanet.tasks.lm import load_lm
+
+    weights = load_file(LM_RUNS / "lm_done" / "model.safetensors")
+    model = load_lm(LM_RUNS / "lm_done")
+    assert model.model_name == "plain_lambda_lm_nano" and model.lm_cfg["model"] == "plain_lambda_lm_nano"
+    state = model.state_dict()
+    assert state.keys() == weights.keys() and all(torch.equal(state[k], weights[k]) for k in weights)
+    assert load_lm(LM_RUNS / "lm" / "last.pt").model_name == "plain_lambda_lm_nano"
+    with pytest.raises(RuntimeError, match="Missing key"):
+        create_model("lambda_lm_nano").load_state_dict(weights)  # the new default has the convolution
+
+
+def test_a_stopped_language_model_run_of_the_old_default_resumes_to_the_weights_of_this_version(tmp_path, capsys):
+    """Resumed, it trains the plain model it started (and says so in its configuration); the same run made,
+    stopped and resumed by this version with ``plain_lambda_lm_nano`` ends with the same weights (``RTOL``)."""
+    from lambdanet.engine.config import load_yaml
+
+    old = copy_run_from(LM_RUNS / "lm", tmp_path / "old")
+    args = [a if a != "lambda_lm_nano" else "plain_lambda_lm_nano" for a in make_lm.LM]
+    args[args.index("--data") + 1] = LM_DATA
+    new = stopped_run(args, tmp_path / "new", stop_after=3)
+    capsys.readouterr()
+    assert main(["lm", "train", "--out", str(old), "--resume", "--data", LM_DATA]) == 0
+    assert main(["lm", "train", "--out", str(new), "--resume"]) == 0
+    saved = load_yaml(old / "config.yaml")
+    assert saved["model"] == "plain_lambda_lm_nano" and saved["model_kwargs"] == {}
+    assert relative_difference(load_file(old / "model.safetensors"), load_file(new / "model.safetensors")) < RTOL
+
+
+def copy_run_from(src: Path, out: Path) -> Path:
+    shutil.copytree(src, out)
+    return out

@@ -3,10 +3,17 @@ of :data:`~lambdanet.models.lm.LM_SIZES`), and how :func:`~lambdanet.models.crea
 (:class:`LanguageModelAdapter`). Each takes its architecture options as keywords: ``vocab_size``, ``heads`` and
 ``mlp_ratio``; the lambda families also ``dim_k``, ``r``, ``dim_v``, ``dim_u``, ``chunk``, ``decay``,
 ``short_conv``, ``lambdas``, ``content``, ``key_norm``, ``query_softmax`` (the hybrid ``attention_every``); the
-transformer ``positions`` and ``max_len``."""
+transformer ``positions`` and ``max_len``.
+
+``lambda_lm_<size>`` runs a short causal convolution of width :data:`LAMBDA_SHORT_CONV` before its lambdas (the
+best configuration of issue 37's ablation study, docs/language_models.md); ``plain_lambda_lm_<size>`` is the
+paper's masked lambda layer alone, the default until 0.2.0. Runs write ``short_conv`` out since
+(:func:`pin_lm_kwargs`), and a run written before reads back as the plain model it trained (:func:`saved_lm`)."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, cast
 
 from torch import nn
@@ -17,7 +24,7 @@ from lambdanet.models.registry import ModelAdapter, ModelInfo, entry_point, regi
 if TYPE_CHECKING:
     from lambdanet.models.registry import CreatedModel
 
-__all__ = ["LanguageModelAdapter", "LM_ADAPTER"]
+__all__ = ["LanguageModelAdapter", "LM_ADAPTER", "LAMBDA_SHORT_CONV", "LAMBDA_DEFAULTS", "pin_lm_kwargs", "saved_lm"]
 
 
 def _lm(mixer: str, size: str, **kwargs) -> LanguageModel:
@@ -38,7 +45,32 @@ LAMBDA_ARGS = {"vocab_size": 256, "dim_v": None, "dim_u": 1, "chunk": 64, "dropo
                "short_conv": 0, "lambdas": 1, "content": True, "key_norm": "softmax",
                "query_softmax": False}  # fmt: skip
 HYBRID_ARGS = {**LAMBDA_ARGS, "attention_every": 4}
+LAMBDA_SHORT_CONV = 4  # lambda_lm_<size>'s short convolution: 1.1% lower bits per byte over 3 seeds (the study)
+# what lambda_lm_<size> sets over plain_lambda_lm_<size>: the convolution, and at nano the value depth that keeps the
+# parameters within 2% of the transformer's (the convolution's 4 x 480 weights per layer are 2.2% of nano's budget)
+LAMBDA_DEFAULTS = {size: {"short_conv": LAMBDA_SHORT_CONV, **({"dim_v": 64} if size == "nano" else {})}
+                   for size in LM_SIZES}  # fmt: skip
 TRANSFORMER_ARGS = {"vocab_size": 256, "positions": "rotary", "max_len": None, "dropout": 0.0}
+_DEFAULT_LAMBDA = re.compile(rf"lambda_lm_({'|'.join(LM_SIZES)})")
+
+
+def pin_lm_kwargs(model: str, model_kwargs: Mapping) -> dict:
+    """``model_kwargs`` as a run records them: with the options whose default moved written out (what a
+    ``lambda_lm_<size>`` sets over the plain model, :data:`LAMBDA_DEFAULTS`), so the run stays the model it trained
+    if a default moves again."""
+    kwargs = dict(model_kwargs)
+    if match := _DEFAULT_LAMBDA.fullmatch(model):
+        kwargs = {**LAMBDA_DEFAULTS[match[1]], **kwargs}
+    return kwargs
+
+
+def saved_lm(model: str, model_kwargs: Mapping) -> tuple[str, dict]:
+    """The registered model and options that a saved run's ``model`` and ``model_kwargs`` describe. A
+    ``lambda_lm_<size>`` whose options lack ``short_conv`` was written before it became the default
+    (:func:`pin_lm_kwargs` writes it out since): the plain lambda model, ``plain_lambda_lm_<size>``."""
+    if _DEFAULT_LAMBDA.fullmatch(model) and "short_conv" not in model_kwargs:
+        return f"plain_{model}", dict(model_kwargs)
+    return model, dict(model_kwargs)
 
 
 class LanguageModelAdapter(ModelAdapter):
@@ -55,9 +87,11 @@ class LanguageModelAdapter(ModelAdapter):
         return self._build(name, build, kwargs)
 
     def from_hub(self, repo, name, path, meta, kwargs, *, num_classes, in_chans) -> nn.Module:
-        """The hub's ``vocab_size`` (``num_classes`` and ``in_chans`` do not apply)."""
+        """The hub's ``vocab_size`` (``num_classes`` and ``in_chans`` do not apply); weights shared before
+        ``lambda_lm_<size>``'s default moved build the plain model they are (:func:`saved_lm`)."""
         from safetensors.torch import load_model
 
+        name = saved_lm(name, meta.get("model_kwargs", {}))[0]
         kwargs = {"vocab_size": meta["vocab_size"], **kwargs}
         model = self._build(name, entry_point(name, kwargs), kwargs)
         load_model(model, str(path))
@@ -79,23 +113,43 @@ def _info(name: str) -> ModelInfo:
 
 
 # one entry per name: <mixer>_lm_<size>, the size from LM_SIZES
-@register_model(info=_info("lambda_lm_nano"), args=_size_args(LAMBDA_ARGS, "nano"))
+@register_model(info=_info("lambda_lm_nano"), args=_size_args({**LAMBDA_ARGS, **LAMBDA_DEFAULTS["nano"]}, "nano"))
 def lambda_lm_nano(**kwargs) -> LanguageModel:
+    return _lm("lambda", "nano", **{**LAMBDA_DEFAULTS["nano"], **kwargs})
+
+
+@register_model(info=_info("plain_lambda_lm_nano"), args=_size_args(LAMBDA_ARGS, "nano"))
+def plain_lambda_lm_nano(**kwargs) -> LanguageModel:
     return _lm("lambda", "nano", **kwargs)
 
 
-@register_model(info=_info("lambda_lm_tiny"), args=_size_args(LAMBDA_ARGS, "tiny"))
+@register_model(info=_info("lambda_lm_tiny"), args=_size_args({**LAMBDA_ARGS, **LAMBDA_DEFAULTS["tiny"]}, "tiny"))
 def lambda_lm_tiny(**kwargs) -> LanguageModel:
+    return _lm("lambda", "tiny", **{**LAMBDA_DEFAULTS["tiny"], **kwargs})
+
+
+@register_model(info=_info("plain_lambda_lm_tiny"), args=_size_args(LAMBDA_ARGS, "tiny"))
+def plain_lambda_lm_tiny(**kwargs) -> LanguageModel:
     return _lm("lambda", "tiny", **kwargs)
 
 
-@register_model(info=_info("lambda_lm_small"), args=_size_args(LAMBDA_ARGS, "small"))
+@register_model(info=_info("lambda_lm_small"), args=_size_args({**LAMBDA_ARGS, **LAMBDA_DEFAULTS["small"]}, "small"))
 def lambda_lm_small(**kwargs) -> LanguageModel:
+    return _lm("lambda", "small", **{**LAMBDA_DEFAULTS["small"], **kwargs})
+
+
+@register_model(info=_info("plain_lambda_lm_small"), args=_size_args(LAMBDA_ARGS, "small"))
+def plain_lambda_lm_small(**kwargs) -> LanguageModel:
     return _lm("lambda", "small", **kwargs)
 
 
-@register_model(info=_info("lambda_lm_base"), args=_size_args(LAMBDA_ARGS, "base"))
+@register_model(info=_info("lambda_lm_base"), args=_size_args({**LAMBDA_ARGS, **LAMBDA_DEFAULTS["base"]}, "base"))
 def lambda_lm_base(**kwargs) -> LanguageModel:
+    return _lm("lambda", "base", **{**LAMBDA_DEFAULTS["base"], **kwargs})
+
+
+@register_model(info=_info("plain_lambda_lm_base"), args=_size_args(LAMBDA_ARGS, "base"))
+def plain_lambda_lm_base(**kwargs) -> LanguageModel:
     return _lm("lambda", "base", **kwargs)
 
 

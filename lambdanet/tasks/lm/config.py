@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from lambdanet.engine.config import RunConfig, option, shared
 from lambdanet.models import list_models
+from lambdanet.models.lm_zoo import pin_lm_kwargs, saved_lm
 from lambdanet.tasks.lm.data import DATA_HELP
 
 __all__ = ["LMConfig"]
@@ -90,3 +91,12 @@ class LMConfig(RunConfig):
             raise ValueError(f"lr must be > 0 and min_lr in [0, lr], got lr={self.lr}, min_lr={self.min_lr}")
         if self.eval_bytes is not None and self.eval_bytes < 2:
             raise ValueError(f"eval_bytes must be >= 2 or null (all), got {self.eval_bytes!r}")
+
+    def complete(self, explicit: dict) -> None:
+        """The model as the run records it: a resumed run written before ``lambda_lm_<size>`` took its short
+        convolution is the plain model it trained (:func:`~lambdanet.models.lm_zoo.saved_lm`); options whose
+        default moved are written out (:func:`~lambdanet.models.lm_zoo.pin_lm_kwargs`)."""
+        super().complete(explicit)
+        if self.resume:
+            self.model, self.model_kwargs = saved_lm(self.model, self.model_kwargs)
+        self.model_kwargs = pin_lm_kwargs(self.model, self.model_kwargs)

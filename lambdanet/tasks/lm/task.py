@@ -28,6 +28,7 @@ from lambdanet.engine.state import RunState
 from lambdanet.engine.task import Task, run
 from lambdanet.files import encode_metadata, read_safetensors, run_metadata
 from lambdanet.models import create_model
+from lambdanet.models.lm_zoo import saved_lm
 from lambdanet.models.lm import LanguageModel
 from lambdanet.runtime import autocast_context
 from lambdanet.tasks.lm.config import LMConfig
@@ -264,6 +265,7 @@ def load_lm(path: str | Path, device: torch.device | str = "cpu") -> nn.Module:
             raise CheckpointError(f"{weights} is not a checkpoint of lambdanet lm train")
         meta = {k: saved[k] for k in ("model", "model_kwargs", "vocab_size", "data", "context")}
         state = ckpt["model"]
+    meta["model"], meta["model_kwargs"] = saved_lm(meta["model"], meta["model_kwargs"])  # as written then
     model = create_model(meta["model"], vocab_size=meta["vocab_size"], **meta["model_kwargs"])
     model.load_state_dict(state)
     model.lm_cfg = meta  # type: ignore[assignment]  # torch types Module.__setattr__ as Tensor | Module only
