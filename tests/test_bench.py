@@ -379,6 +379,22 @@ def test_recall_summary_gives_the_mean_the_best_and_the_seeds_that_learnt():
     assert got[("a", 4)]["learnt"] == 1 and got[("b", 2)]["learnt"] == 0
 
 
+def test_recall_summary_reports_each_model_at_its_best_learning_rate():
+    """The learning rate whose mean accuracy over every count and seed is highest, per model; its rows only."""
+    from lambdanet.bench.recall_bench import summarize_recall
+
+    def row(model, lr, seed, pairs, acc):
+        return {"model": model, "lr": lr, "seed": seed, "pairs": pairs, "sequence": 4 * pairs, "accuracy": acc,
+                "reached": pairs, "chance": 1 / 128}  # fmt: skip
+
+    rows = [row("a", 1e-3, 0, 2, 1.0), row("a", 1e-3, 0, 4, 0.2), row("a", 3e-3, 0, 2, 0.7), row("a", 3e-3, 0, 4, 0.6),
+            row("b", 1e-3, 0, 2, 0.9), row("b", 3e-3, 0, 2, 0.4)]  # fmt: skip
+    got = {(r["model"], r["pairs"]): r for r in summarize_recall(rows)}
+    assert set(got) == {("a", 2), ("a", 4), ("b", 2)}
+    assert got[("a", 2)]["lr"] == got[("a", 4)]["lr"] == 3e-3  # mean 0.65 against 0.6
+    assert got[("a", 2)]["mean"] == 0.7 and got[("b", 2)]["lr"] == 1e-3
+
+
 def test_pair_curriculum_doubles_the_pairs_once_the_running_accuracy_passes_the_bar():
     """The running accuracy is the exponential mean of the batches at the current count only: with momentum 0.5
     and accuracy 1, it is 1 - 0.5^t after t batches, so 0.9 is passed at the fourth (0.9375); other counts leave

@@ -3,7 +3,6 @@
 
 import contextlib
 import json
-import os
 import random
 import signal
 
@@ -30,7 +29,7 @@ def signal_after_step(step: int, sig: signal.Signals):
     def hook(optimizer, args, kwargs):
         count[0] += 1
         if count[0] == step:
-            os.kill(os.getpid(), sig)
+            signal.raise_signal(sig)
 
     handle = register_optimizer_step_post_hook(hook)
     try:
@@ -107,13 +106,13 @@ def test_stop_signals_flag_restore_and_exit_status():
     before = signal.getsignal(signal.SIGTERM)
     with StopSignals() as stop:
         assert stop.requested() is None
-        os.kill(os.getpid(), signal.SIGTERM)  # handled: the process goes on
+        signal.raise_signal(signal.SIGTERM)  # handled: the process goes on
         assert stop.requested() is signal.SIGTERM
-        os.kill(os.getpid(), signal.SIGINT)  # the first signal is the one reported
+        signal.raise_signal(signal.SIGINT)  # the first signal is the one reported
         assert stop.requested() is signal.SIGTERM
     assert signal.getsignal(signal.SIGTERM) is before
     with StopSignals() as outer:  # a worker's own guard while it starts: the run's guard inherits its signal
-        os.kill(os.getpid(), signal.SIGTERM)
+        signal.raise_signal(signal.SIGTERM)
         with StopSignals() as inner:
             assert inner.requested() is signal.SIGTERM
         assert outer.requested() is signal.SIGTERM
@@ -322,7 +321,7 @@ def test_processes_agree_on_what_they_knew_when_they_entered_the_reduce(monkeypa
 
     def reduce_during_which_a_signal_lands(values, ctx):
         seen.append(values[0])
-        os.kill(os.getpid(), signal.SIGTERM)  # handled on return from this call, as after a blocking reduce
+        signal.raise_signal(signal.SIGTERM)  # handled on return from this call, as after a blocking reduce
         return [values[0] + 0.0]  # the other process saw nothing
 
     monkeypatch.setattr(preempt, "all_reduce_sum", reduce_during_which_a_signal_lands)
@@ -338,10 +337,10 @@ def test_a_second_ctrl_c_interrupts_at_once(monkeypatch):
     from lambdanet.engine import preempt
 
     with StopSignals() as stop:
-        os.kill(os.getpid(), signal.SIGINT)
-        os.kill(os.getpid(), signal.SIGINT)  # the same press delivered twice (group + forwarding): no effect
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)  # the same press delivered twice (group + forwarding): no effect
         assert stop.requested() is signal.SIGINT
         monkeypatch.setattr(preempt, "REPEAT_WINDOW_S", -1.0)  # a later press
         with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -287,14 +287,17 @@ def _lm_quality(s: BenchSettings, out: Path, log: Log) -> PartResult:
 
 
 def _lm_recall(s: BenchSettings, out: Path, log: Log) -> PartResult:
-    log("== lm_recall: associative recall against the number of key-value pairs (3 seeds)")
+    log("== lm_recall: associative recall against the number of key-value pairs (2 learning rates x 3 seeds)")
     rows = (
-        recall_bench.recall(pairs=(2,), steps=2, batch=4, eval_batches=1, device=s.device, seeds=(0,), log=log)
+        recall_bench.recall(
+            pairs=(2,), steps=2, batch=4, eval_batches=1, device=s.device, seeds=(0,), lrs=(1e-3,), log=log
+        )
         if s.quick
         else recall_bench.recall(device=s.device, log=log)
     )
-    cols = [("model", "model"), ("pairs", "pairs"), ("sequence", "tokens"), ("mean", "mean accuracy"),
-            ("best", "best"), ("learnt", "seeds >= 90%"), ("reached", "trained up to pairs")]  # fmt: skip
+    cols = [("model", "model"), ("lr", "best lr"), ("pairs", "pairs"), ("sequence", "tokens"),
+            ("mean", "mean accuracy"), ("best", "best"), ("learnt", "seeds >= 90%"),
+            ("reached", "trained up to pairs")]  # fmt: skip
     size = rows[0]["model"].rsplit("_", 1)[1]
     return {"lm_recall": rows, "lm_recall_summary": recall_bench.summarize_recall(rows)}, [
         f"## Language models: associative recall ({size}, {rows[0]['steps']} steps, chance {rows[0]['chance']:.3f})",
