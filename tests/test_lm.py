@@ -79,7 +79,6 @@ def test_the_default_lambda_model_is_the_plain_one_with_a_width_4_short_convolut
     assert model_args("plain_lambda_lm_nano")["short_conv"] == 0
     with torch.no_grad():
         assert torch.equal(default(x), plain4(x))
-    torch.manual_seed(0)
     assert create_model("lambda_lm_tiny", short_conv=0).state_dict().keys() == create_model(
         "plain_lambda_lm_tiny").state_dict().keys()
     tiny = create_model("lambda_lm_tiny").blocks[0].mixer

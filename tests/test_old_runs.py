@@ -32,9 +32,9 @@ make = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(make)
 
 
-def copy_run(name: str, tmp_path: Path) -> Path:
+def copy_run(name: str, tmp_path: Path, runs: Path = RUNS) -> Path:
     out = tmp_path / name
-    shutil.copytree(RUNS / name, out)
+    shutil.copytree(runs / name, out)
     return out
 
 
@@ -119,7 +119,7 @@ LM_RUNS = FIXTURES / "lm_runs_v02"
 _lm_spec = importlib.util.spec_from_file_location("make_lm_runs_v02", FIXTURES / "make_lm_runs_v02.py")
 make_lm = importlib.util.module_from_spec(_lm_spec)
 _lm_spec.loader.exec_module(make_lm)
-LM_DATA = f"text:{FIXTURES / 'lm_corpus.txt'}"  # the fixture's config names the machine that made it
+LM_DATA = f"text:{make_lm.CORPUS}"  # the fixture's config names the corpus on the machine that made it
 
 
 def test_a_language_model_written_before_the_default_moved_loads_as_the_plain_model_it_trained():
@@ -143,9 +143,8 @@ def test_a_stopped_language_model_run_of_the_old_default_resumes_to_the_weights_
     stopped and resumed by this version with ``plain_lambda_lm_nano`` ends with the same weights (``RTOL``)."""
     from lambdanet.engine.config import load_yaml
 
-    old = copy_run_from(LM_RUNS / "lm", tmp_path / "old")
+    old = copy_run("lm", tmp_path, runs=LM_RUNS)
     args = [a if a != "lambda_lm_nano" else "plain_lambda_lm_nano" for a in make_lm.LM]
-    args[args.index("--data") + 1] = LM_DATA
     new = stopped_run(args, tmp_path / "new", stop_after=3)
     capsys.readouterr()
     assert main(["lm", "train", "--out", str(old), "--resume", "--data", LM_DATA]) == 0
@@ -153,8 +152,3 @@ def test_a_stopped_language_model_run_of_the_old_default_resumes_to_the_weights_
     saved = load_yaml(old / "config.yaml")
     assert saved["model"] == "plain_lambda_lm_nano" and saved["model_kwargs"] == {}
     assert relative_difference(load_file(old / "model.safetensors"), load_file(new / "model.safetensors")) < RTOL
-
-
-def copy_run_from(src: Path, out: Path) -> Path:
-    shutil.copytree(src, out)
-    return out

@@ -298,11 +298,11 @@ def _lm_recall(s: BenchSettings, out: Path, log: Log) -> PartResult:
     cols = [("model", "model"), ("lr", "best lr"), ("pairs", "pairs"), ("sequence", "tokens"),
             ("mean", "mean accuracy"), ("best", "best"), ("learnt", "seeds >= 90%"),
             ("reached", "trained up to pairs")]  # fmt: skip
-    size = rows[0]["model"].rsplit("_", 1)[1]
-    return {"lm_recall": rows, "lm_recall_summary": recall_bench.summarize_recall(rows)}, [
+    size, summary = rows[0]["model"].rsplit("_", 1)[1], recall_bench.summarize_recall(rows)
+    return {"lm_recall": rows, "lm_recall_summary": summary}, [
         f"## Language models: associative recall ({size}, {rows[0]['steps']} steps, chance {rows[0]['chance']:.3f})",
         "",
-        markdown(recall_bench.summarize_recall(rows), cols),
+        markdown(summary, cols),
         "",
     ]
 
