@@ -119,7 +119,18 @@ LM_RUNS = FIXTURES / "lm_runs_v02"
 _lm_spec = importlib.util.spec_from_file_location("make_lm_runs_v02", FIXTURES / "make_lm_runs_v02.py")
 make_lm = importlib.util.module_from_spec(_lm_spec)
 _lm_spec.loader.exec_module(make_lm)
-LM_DATA = f"text:{make_lm.CORPUS}"  # the fixture's config names the corpus on the machine that made it
+
+
+def copy_lm_run(name: str, tmp_path: Path) -> Path:
+    """The fixture run ``name`` copied, its ``config.yaml`` naming the corpus of this checkout: the fixture
+    names the corpus where it was made (another folder on CI), as a run moved with its data would."""
+    import yaml
+
+    out = copy_run(name, tmp_path, runs=LM_RUNS)
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    assert config["data"].endswith("/tests/fixtures/lm_corpus.txt")  # the fixture's data is the corpus
+    (out / "config.yaml").write_text(yaml.safe_dump(config | {"data": f"text:{make_lm.CORPUS}"}, sort_keys=False))
+    return out
 
 
 def test_a_language_model_written_before_the_default_moved_loads_as_the_plain_model_it_trained():
@@ -143,11 +154,11 @@ def test_a_stopped_language_model_run_of_the_old_default_resumes_to_the_weights_
     stopped and resumed by this version with ``plain_lambda_lm_nano`` ends with the same weights (``RTOL``)."""
     from lambdanet.engine.config import load_yaml
 
-    old = copy_run("lm", tmp_path, runs=LM_RUNS)
+    old = copy_lm_run("lm", tmp_path)
     args = [a if a != "lambda_lm_nano" else "plain_lambda_lm_nano" for a in make_lm.LM]
     new = stopped_run(args, tmp_path / "new", stop_after=3)
     capsys.readouterr()
-    assert main(["lm", "train", "--out", str(old), "--resume", "--data", LM_DATA]) == 0
+    assert main(["lm", "train", "--out", str(old), "--resume"]) == 0
     assert main(["lm", "train", "--out", str(new), "--resume"]) == 0
     saved = load_yaml(old / "config.yaml")
     assert saved["model"] == "plain_lambda_lm_nano" and saved["model_kwargs"] == {}
