@@ -257,6 +257,9 @@ def test_kernel_roofline_counts_the_pairs_inside_the_scope(side, r):
     n = side * side
     assert counts["fwd"]["scores_macs"] == 3 * int(y.sum()) * 4 * 16
     assert counts["fwd"]["matrix_macs"] == 3 * int(y.sum()) * 4 * 8
+    # backward: S recomputed and dq on the CUDA cores; dS twice, dV and the table's q^T dS on the matrix units
+    assert counts["bwd"]["scores_macs"] == 2 * 3 * int(y.sum()) * 4 * 16
+    assert counts["bwd"]["matrix_macs"] == 3 * int(y.sum()) * 4 * (3 * 8 + 16)
     # q, V, table and y once each, 2 bytes an element
     assert counts["fwd"]["bytes"] == 2 * (3 * n * 4 * 16 + 3 * n * 8 + 16 * t * t + 3 * n * 4 * 8)
 

@@ -27,6 +27,8 @@ CASES = {
     "local9-4x5-cropped": ((4, 5), (9, 9), (4, 4), 1, 2, 8, 16),
     "causal-1d-13": ((13,), (5,), (4,), 1, 4, 4, 16),
     "global-1d-u2": ((10,), (19,), (9,), 2, 2, 4, 8),
+    # five query tiles, a context span per tile (16 + 40 - 1) wider than BLOCK_M: the table gradient's loop
+    "causal-1d-70": ((70,), (40,), (39,), 1, 2, 4, 8),
 }
 
 
@@ -42,12 +44,14 @@ def _inputs(case, dtype=torch.float32, b=2):
     return q, vals, table, center, spatial
 
 
-def _terms(q, vals, table):
-    """The longest dot product behind any output or gradient element (per context position and u, the k
-    products of S, then the sum over positions, heads and v)."""
+def _terms(q, vals, table, splits: int | None = None):
+    """The longest chain of additions behind any output or gradient element: a sum of sums has the error
+    bound of one sum as long as both (per context position and u, the k products of S, then the sum over
+    positions, heads and v); the table gradient sums over the batch too, in ``splits`` partial sums added at
+    the end (at most one per batch element and query tile of 16, the default)."""
     b, n, h, k = q.shape
     v, u = vals.shape[2:]
-    return k + n * u * max(h, 1) + v
+    return k + b * n * u * max(h, 1) + v + (b * -(-n // 16) if splits is None else splits)
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -87,6 +91,52 @@ def test_half_precision_inputs_accumulate_in_fp32(dtype):
     eps = torch.finfo(dtype).eps
     assert y.dtype == dtype
     assert ((y.double() - ref).abs() <= 2 * eps * bound + eps * ref.abs() + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_gradients_accumulate_in_fp32(dtype):
+    """The backward on half-precision operands: ``dS = dy V^T`` accumulates in fp32; the dot products of
+    ``dV = S^T dy`` and of the table's ``dR = q^T dS`` take ``S`` and ``dS`` rounded to the half type (one
+    unit roundoff ``u`` of each term, as the forward's ``S V``), and each gradient is rounded to the input's
+    type at the end (``u`` of it): ``|g - ref| <= 2 u sum|terms| + u |ref|`` (``eps = 2 u``), plus the fp32
+    sums' ``terms * eps32 * sum|terms|``."""
+    q, vals, table, center, spatial = _inputs(CASES["causal-1d-70"], dtype)
+    args = [t.double().requires_grad_() for t in (q, vals, table)]
+    ref = lambda_position_output_reference(*args, center, spatial)
+    grad = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
+    ref_grads = torch.autograd.grad(ref, args, grad.double())
+    absolute = [t.detach().abs().requires_grad_() for t in args]
+    bound_y = lambda_position_output_reference(*absolute, center, spatial)
+    bound_grads = torch.autograd.grad(bound_y, absolute, grad.double().abs())
+    ins = [x.clone().requires_grad_() for x in (q, vals, table)]
+    grads = torch.autograd.grad(lambda_position_output(*ins, center, spatial), ins, grad)
+    eps, t = torch.finfo(dtype).eps, _terms(q, vals, table) + 4
+    for got, want, bound, label in zip(grads, ref_grads, bound_grads, ("q", "values", "table")):
+        assert got.dtype == dtype, label
+        limit = (eps + t * EPS32) * bound + eps * want.abs() + 1e-6
+        assert ((got.double() - want).abs() <= limit).all(), label
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4, 10])
+def test_the_table_gradient_is_the_same_however_the_batch_is_split(monkeypatch, splits):
+    """The table gradient's programs each own a partial sum over a range of (batch, query tile) items,
+    summed after the launch: one range, uneven ranges (10 items in 4 splits of 3: the last one empty, its
+    program writes zeros) and one item per split give the float64 gradient within the same bound."""
+    from lambdanet.ops.position_lambda import triton_position
+
+    monkeypatch.setattr(triton_position, "table_splits", lambda items, programs, device: min(items, splits))
+    q, vals, table, center, spatial = _inputs(CASES["causal-1d-70"])
+    ref_args = [t.double().requires_grad_() for t in (q, vals, table)]
+    ref = lambda_position_output_reference(*ref_args, center, spatial)
+    grad = torch.randn(ref.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(DEVICE)
+    want = torch.autograd.grad(ref, ref_args[2], grad)[0]
+    absolute = [t.detach().abs().requires_grad_() for t in ref_args]
+    bound = torch.autograd.grad(lambda_position_output_reference(*absolute, center, spatial), absolute[2],
+                                grad.abs())[0]
+    table_in = table.clone().requires_grad_()
+    got = torch.autograd.grad(lambda_position_output(q, vals, table_in, center, spatial), table_in, grad.float())[0]
+    assert q.shape[0] * -(-q.shape[1] // 16) == 10  # the items: 2 batch elements x 5 query tiles of 16
+    assert ((got.double() - want).abs() <= (_terms(q, vals, table, splits) + 4) * EPS32 * bound + 1e-30).all()
 
 
 LAYERS = {
@@ -160,8 +210,8 @@ def test_kernels_compile_for_hopper_without_spills():
         pytest.skip("Triton's ptxas is not available here")
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert {(r["kernel"], r["dtype"]) for r in rows} == {(k, d) for k in ("forward", "backward_q", "backward_kv")
-                                                         for d in ("fp32", "bf16")}
+    kernels = ("forward", "backward_q", "backward_kv", "backward_table")
+    assert {(r["kernel"], r["dtype"]) for r in rows} == {(k, d) for k in kernels for d in ("fp32", "bf16")}
     for r in rows:
         assert r["local_loads"] == 0 and r["local_stores"] == 0 and r["cubin_bytes"] > 0, r
         assert (r["mma"] > 0) == (r["dtype"] == "bf16"), r

@@ -9,8 +9,9 @@ kernels do (see :mod:`lambdanet.ops.position_lambda.triton_position`):
 
 * forward: ``h k u`` multiply-adds for the scores ``S = q . R`` (CUDA cores, fp32) and ``h v u`` for ``S V``
   (matrix units; fp32 FMAs for fp32 values unless TF32 is allowed);
-* backward: ``dS = dy V^T`` and ``dV += S^T dy`` (``2 h v u``, matrix units), ``dq += dS R``, the recomputed
-  ``S`` and ``dR += q dS`` (``3 h k u``, CUDA cores).
+* backward: ``dS = dy V^T`` (twice: for ``dq`` and for the table) and ``dV += S^T dy`` (``3 h v u``) and the
+  table's ``dR += q^T dS`` (``h k u``) on the matrix units; ``dq += dS R`` and the recomputed ``S``
+  (``2 h k u``, CUDA cores).
 
 Each part's time at its ceiling is a floor; the largest names the bound and ``fraction`` is that floor over
 the measured time (1 = at the ceiling). CUDA only: the interpreter's timings mean nothing.
@@ -75,7 +76,7 @@ def position_counts(
     fwd = {"scores_macs": pairs * h_k_u, "matrix_macs": pairs * h_v_u, "bytes": (q_el + v_el + r_el + y_el) * itemsize}
     # reads dy, q, V, R; writes dq, dV, dR
     bwd_bytes = (y_el + 2 * (q_el + v_el + r_el)) * itemsize
-    bwd = {"scores_macs": 3 * pairs * h_k_u, "matrix_macs": 2 * pairs * h_v_u, "bytes": bwd_bytes}
+    bwd = {"scores_macs": 2 * pairs * h_k_u, "matrix_macs": pairs * (3 * h_v_u + h_k_u), "bytes": bwd_bytes}
     return {"fwd": fwd, "bwd": bwd}
 
 

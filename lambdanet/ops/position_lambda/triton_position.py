@@ -18,8 +18,14 @@ Kernels (grid: query tiles x batch, or context tiles x batch):
   on the matrix units; fp32 ``V`` multiplies in full fp32 (FMAs), or in TF32 on the matrix units when
   ``torch.backends.cuda.matmul.allow_tf32`` is set, as PyTorch's own fp32 GEMMs do).
 * ``_backward_q``: ``dS = dy V_u^T`` per tile, ``dq[n, h, k] += sum_m dS[(n, h), m] R[k, u, off(n, m)]``.
-* ``_backward_kv``: per context tile, loop over the query tiles whose band holds it; ``dV_u += S^T dy`` and
-  ``dR[k, u, off(n, m)] += sum_h q[n, h, k] dS[(n, h), m]`` (atomic adds into an fp32 table gradient).
+* ``_backward_kv``: per context tile, loop over the query tiles whose band holds it; ``dV_u += S^T dy``.
+* ``_backward_table`` (grid: table blocks x u x splits of the (batch, query tile) items): the table gradient
+  ``dR[k, u, t] = sum_{n, h} q[n, h, k] dS[(n, h), m(n, t)]`` with ``m(n, t)`` the context position at offset
+  ``t`` from ``n``. Per query tile, ``dS = dy V_u^T`` over the context span of the tile and the table block
+  (matrix units), gathered into table coordinates in registers (``tl.gather`` along the context axis: the
+  skew from ``(n, m)`` to ``(n, t)``), then ``dR += q^T dS`` as one matrix product. Each program owns its
+  ``[k, T-block]`` partial sum (a split's rows of an fp32 buffer, summed over the splits after the launch): no
+  atomics, and the table gradient is deterministic.
 
 Multiply-adds per (query, context) pair in the band: ``h k u`` for ``S`` and ``h v u`` for ``S V`` (the
 ``einsum_qe`` count); bytes: ``q``, ``V`` and ``y`` once per tile pair from cache, ``R`` gathered from L1/L2.
@@ -35,10 +41,11 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["launch_forward", "launch_backward", "BLOCK_N", "BLOCK_M"]
+__all__ = ["launch_forward", "launch_backward", "table_splits", "BLOCK_N", "BLOCK_M", "BLOCK_T"]
 
 BLOCK_N = 16  # query positions per program (times the heads: the rows of the dot products)
 BLOCK_M = 32  # context positions per inner step
+BLOCK_T = 64  # relative-table entries per program of the table gradient
 
 
 @triton.jit
@@ -232,7 +239,6 @@ def _backward_kv(
     r_ptr,
     dy_ptr,
     dv_ptr,
-    dr_ptr,
     N,
     H,
     K,
@@ -260,11 +266,10 @@ def _backward_kv(
     HALF_DOT: tl.constexpr,
     F32_DOT: tl.constexpr,
 ):
-    """Per context tile: dV[m, v, u] = sum_{n, h} S[(n, h), m] dy[n, h, v] (owned rows, fp32, V's strides)
-    and dR[k, u, off(n, m)] += sum_h q[n, h, k] (dy[n, h] . V[m, :, u]) (atomic, fp32)."""
+    """Per context tile: dV[m, v, u] = sum_{n, h} S[(n, h), m] dy[n, h, v] (owned rows, fp32, V's strides)."""
     pid_m, b = tl.program_id(0), tl.program_id(1)
     T = T0 * T1
-    q_ptr, v_ptr = q_ptr + b * s_qb, v_ptr + b * s_vb
+    q_ptr = q_ptr + b * s_qb
     dv_ptr, dy_ptr = dv_ptr + b * s_vb, dy_ptr + b * s_yb
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_h, offs_v = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_V)
@@ -272,9 +277,6 @@ def _backward_kv(
     # the queries that reach this tile: the band of the mirrored table (offsets seen from the context side)
     lo, hi = _band(pid_m * BLOCK_M // W, (tl.minimum(pid_m * BLOCK_M + BLOCK_M, N) - 1) // W, T0 - 1 - c0, T0, S0, W)
     for u in range(U):
-        vt = tl.load(
-            v_ptr + offs_m[:, None] * s_vm + offs_v[None, :] * s_vv + u, mask=m_ok[:, None] & v_ok[None, :], other=0.0
-        )  # m v
         dv = tl.zeros((BLOCK_M, BLOCK_V), dtype=tl.float32)
         for n0 in range(lo, hi, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -292,17 +294,106 @@ def _backward_kv(
             dy2 = tl.reshape(dy, (BLOCK_N * BLOCK_H, BLOCK_V))
             s2 = tl.trans(tl.reshape(s, (BLOCK_N * BLOCK_H, BLOCK_M)))  # m (n h)
             if HALF_DOT:
-                dv += tl.dot(s2.to(vt.dtype), dy2.to(vt.dtype))
-                ds = tl.dot(dy2.to(vt.dtype), tl.trans(vt))  # (n h) m
+                dv += tl.dot(s2.to(v_ptr.dtype.element_ty), dy2.to(v_ptr.dtype.element_ty))
             else:
                 dv += tl.dot(s2, dy2.to(tl.float32), input_precision=F32_DOT)
-                ds = tl.dot(dy2.to(tl.float32), tl.trans(vt.to(tl.float32)), input_precision=F32_DOT)
-            ds3 = tl.reshape(ds, (BLOCK_N, BLOCK_H, BLOCK_M))
-            for k in range(K):
-                qk = tl.load(q_ptr + offs_n[:, None] * s_qn + offs_h[None, :] * s_qh + k, mask=row_ok, other=0.0)
-                contrib = tl.sum(qk.to(tl.float32)[:, :, None] * ds3, axis=1)  # n m
-                tl.atomic_add(dr_ptr + (k * U + u) * T + idx, contrib, mask=valid)
         tl.store(dv_ptr + offs_m[:, None] * s_vm + offs_v[None, :] * s_vv + u, dv, mask=m_ok[:, None] & v_ok[None, :])
+
+
+@triton.jit
+def _backward_table(
+    q_ptr,
+    v_ptr,
+    dy_ptr,
+    part_ptr,
+    N,
+    H,
+    K,
+    V,
+    U,
+    S0,
+    W,
+    T0,
+    T1,
+    c0,
+    c1,
+    s_qb,
+    s_qn,
+    s_qh,
+    s_vb,
+    s_vm,
+    s_vv,
+    s_yb,
+    s_yn,
+    s_yh,
+    ITEMS,
+    PER_SPLIT,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    HALF_DOT: tl.constexpr,
+    F32_DOT: tl.constexpr,
+):
+    """part[s, k, u, t] = sum over the items (batch, query tile) of split s of sum_{n, h} q[n, h, k]
+    dS[(n, h), m(n, t)], dS = dy V_u^T; m(n, t) is the context position at table entry t from query n (none
+    outside the map). The program owns its rows of ``part`` (fp32, contiguous ``[splits, K, U, T]``)."""
+    pid_t, u, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    T = T0 * T1
+    tiles = tl.cdiv(N, BLOCK_N)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_h, offs_v, offs_k = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_V), tl.arange(0, BLOCK_K)
+    t_ok, h_ok, v_ok, k_ok = offs_t < T, offs_h < H, offs_v < V, offs_k < K
+    di, dj = offs_t // T1 - c0, offs_t % T1 - c1  # the 2-d offset of each table entry
+    acc = tl.zeros((BLOCK_K, BLOCK_T), dtype=tl.float32)
+    for item in range(split * PER_SPLIT, tl.minimum(split * PER_SPLIT + PER_SPLIT, ITEMS)):
+        b = item // tiles
+        offs_n = (item % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        row_ok = n_ok[:, None] & h_ok[None, :]
+        mi = (offs_n // W)[:, None] + di[None, :]  # n t: the context row and column at each entry
+        mj = (offs_n % W)[:, None] + dj[None, :]
+        valid = (mi >= 0) & (mi < S0) & (mj >= 0) & (mj < W) & n_ok[:, None] & t_ok[None, :]
+        m = mi * W + mj  # n t
+        lo = tl.min(tl.min(tl.where(valid, m, N), axis=1), axis=0)  # the context span of this tile and block
+        hi = tl.max(tl.max(tl.where(valid, m, -1), axis=1), axis=0) + 1
+        m2 = tl.reshape(tl.broadcast_to(m[:, None, :], (BLOCK_N, BLOCK_H, BLOCK_T)), (BLOCK_N * BLOCK_H, BLOCK_T))
+        ok2 = tl.reshape(valid[:, None, :] & h_ok[None, :, None], (BLOCK_N * BLOCK_H, BLOCK_T))  # (n h) t
+        dy = tl.load(
+            dy_ptr + b * s_yb + offs_n[:, None, None] * s_yn + offs_h[None, :, None] * s_yh + offs_v[None, None, :],
+            mask=row_ok[:, :, None] & v_ok[None, None, :],
+            other=0.0,
+        )
+        dy2 = tl.reshape(dy, (BLOCK_N * BLOCK_H, BLOCK_V))  # (n h) v
+        dst = tl.zeros((BLOCK_N * BLOCK_H, BLOCK_T), dtype=tl.float32)  # dS in table coordinates: (n h) t
+        for m0 in range(lo, hi, BLOCK_M):
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            vt = tl.load(
+                v_ptr + b * s_vb + offs_m[:, None] * s_vm + offs_v[None, :] * s_vv + u,
+                mask=(offs_m < hi)[:, None] & v_ok[None, :],
+                other=0.0,
+            )  # m v
+            if HALF_DOT:
+                ds = tl.dot(dy2.to(vt.dtype), tl.trans(vt))  # (n h) m
+            else:
+                ds = tl.dot(dy2.to(tl.float32), tl.trans(vt.to(tl.float32)), input_precision=F32_DOT)
+            rel = m2 - m0
+            inside = ok2 & (rel >= 0) & (rel < BLOCK_M)
+            dst += tl.where(inside, tl.gather(ds, tl.where(inside, rel, 0), 1), 0.0)  # the skew (n, m) -> (n, t)
+        qt = tl.load(
+            q_ptr + b * s_qb + offs_n[:, None, None] * s_qn + offs_h[None, :, None] * s_qh + offs_k[None, None, :],
+            mask=row_ok[:, :, None] & k_ok[None, None, :],
+            other=0.0,
+        )
+        qt = tl.trans(tl.reshape(qt, (BLOCK_N * BLOCK_H, BLOCK_K)))  # k (n h)
+        if HALF_DOT:
+            acc += tl.dot(qt.to(v_ptr.dtype.element_ty), dst.to(v_ptr.dtype.element_ty))  # k t
+        else:
+            acc += tl.dot(qt.to(tl.float32), dst, input_precision=F32_DOT)
+    part = part_ptr + ((split * K + offs_k[:, None]) * U + u) * T + offs_t[None, :]
+    tl.store(part, acc, mask=k_ok[:, None] & t_ok[None, :])
 
 
 def _launch_args(q, values, table, center, spatial, y):
@@ -364,7 +455,23 @@ def launch_backward(grad, q, values, table, center, spatial, dq, dvalues, dtable
     b, args = _launch_args(q, values, table, center, spatial, grad)
     assert dq.stride() == q.stride() and dvalues.stride() == values.stride()
     _backward_q[(triton.cdiv(args["N"], BLOCK_N), b)](q, values, table, grad, dq, **args)
-    _backward_kv[(triton.cdiv(args["N"], BLOCK_M), b)](q, values, table, grad, dvalues, dtable, **args)
+    _backward_kv[(triton.cdiv(args["N"], BLOCK_M), b)](q, values, table, grad, dvalues, **args)
+    k, u, t = args["K"], args["U"], args["T0"] * args["T1"]
+    items, blocks = b * triton.cdiv(args["N"], BLOCK_N), triton.cdiv(t, BLOCK_T)
+    splits = table_splits(items, blocks * u, q.device)
+    part = torch.empty(splits, k, u, t, device=q.device, dtype=torch.float32)  # every entry written
+    table_args = dict(ITEMS=items, PER_SPLIT=triton.cdiv(items, splits), BLOCK_K=max(triton.next_power_of_2(k), 16))
+    _backward_table[(blocks, u, splits)](q, values, grad, part, **args, **table_args, BLOCK_T=BLOCK_T)
+    dtable.copy_(part.sum(0).view(dtable.shape))
+
+
+def table_splits(items: int, programs: int, device: torch.device) -> int:
+    """How many parts the table gradient's ``items`` (batch x query tiles) are split into, for ``programs``
+    (table blocks x u) per part: about four programs per multiprocessor on a GPU (each split adds one
+    ``[k, u, T]`` fp32 partial sum to reduce: bounded by the programs, not the batch); three under the
+    interpreter, so the tests run the reduction over uneven splits."""
+    target = 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 3
+    return max(1, min(items, triton.cdiv(target, programs)))
 
 
 _INT_ARGS = (
@@ -392,7 +499,8 @@ _INT_ARGS = (
 _KERNELS = {
     "forward": ("_forward", ("q_ptr", "v_ptr", "r_ptr", "y_ptr")),
     "backward_q": ("_backward_q", ("q_ptr", "v_ptr", "r_ptr", "dy_ptr", "dq_ptr")),
-    "backward_kv": ("_backward_kv", ("q_ptr", "v_ptr", "r_ptr", "dy_ptr", "dv_ptr", "dr_ptr")),
+    "backward_kv": ("_backward_kv", ("q_ptr", "v_ptr", "r_ptr", "dy_ptr", "dv_ptr")),
+    "backward_table": ("_backward_table", ("q_ptr", "v_ptr", "dy_ptr", "part_ptr")),
 }
 
 
@@ -411,11 +519,13 @@ def compile_report(arch: int = 90, *, block_h: int = 4, block_v: int = 64, num_w
     for label, (fn_name, ptrs) in _KERNELS.items():
         fn = globals()[fn_name]
         for dtype, half in (("fp32", False), ("bf16", True)):
-            sig = {p: "*fp32" if p in ("dq_ptr", "dv_ptr", "dr_ptr") else f"*{dtype}" for p in ptrs}
-            sig |= {name: "i32" for name in _INT_ARGS}
+            sig = {p: "*fp32" if p in ("dq_ptr", "dv_ptr", "part_ptr") else f"*{dtype}" for p in ptrs}
+            sig |= {name: "i32" for name in _INT_ARGS + (("ITEMS", "PER_SPLIT") if label == "backward_table" else ())}
             consts = dict(
                 BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, BLOCK_H=block_h, BLOCK_V=block_v, HALF_DOT=half, F32_DOT="ieee"
             )
+            if label == "backward_table":
+                consts |= dict(BLOCK_K=16, BLOCK_T=BLOCK_T)
             sig |= {name: "constexpr" for name in consts}
             src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
             kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
