@@ -257,6 +257,9 @@ def test_training_learns_and_sampling_continues_the_prompt(tmp_path, corpus_dir,
     assert main(["lm", "sample", "--checkpoint", str(tmp_path / "run"), "--prompt", "def", "--max-new-tokens", "5",
                  "--top-k", "1"]) == 0
     assert capsys.readouterr().out.startswith("def")
+    assert main(["lm", "sample", "--checkpoint", str(tmp_path / "run"), "--prompt", "def", "--cuda-graph"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "cuda_graph=True needs the model and tokens on a CUDA device, got cpu" in err and "\n" not in err
 
 
 def test_a_crashed_run_resumes_to_the_uninterrupted_weights(tmp_path, corpus_dir, power_cut):

@@ -141,7 +141,10 @@ def generation(
     log: Log = print,
 ) -> list[dict]:
     """Per-token generation latency (median of ``steps`` single steps), state bytes and one step's peak memory
-    after a context of each length (batch 1)."""
+    after a context of each length (batch 1). On CUDA the constant-state models also step from a CUDA graph
+    (:class:`~lambdanet.models.lm_graph.StepGraph`; rows ``"<mixer> (CUDA graph)"``)."""
+    from lambdanet.models.lm_graph import StepGraph
+
     device_ = torch.device(device)
     models = {m: model.eval() for m, model in _models(size, device_).items()}
     g = torch.Generator().manual_seed(0)
@@ -152,25 +155,29 @@ def generation(
         mine: list[dict] = []
         for m, model in models.items():
             _, state = model(prompt, return_state=True)
-            times = []
-            for i in range(steps + 2):  # two warm-up steps
-                sync(device_)
-                start = time.perf_counter()
-                model.step(state, token)
-                sync(device_)
-                if i >= 2:
-                    times.append(time.perf_counter() - start)
-            peak = peak_memory(lambda: model.step(state, token), device_)
-            mine.append(
-                {
-                    "model": f"{m}_lm_{size}",
-                    "mixer": m,
-                    "context": n,
-                    "ms_per_token": statistics.median(times) * 1e3,
-                    "state_bytes": _nbytes(state),
-                    "step_peak_bytes": peak,
-                }
-            )
+            ways: dict[str, Callable[[], object]] = {m: lambda model=model, state=state: model.step(state, token)}
+            if device_.type == "cuda" and m not in ("transformer", "hybrid"):  # a KV cache cannot be replayed
+                graph = StepGraph(model._advance, state, token, name=f"{m}_lm_{size}")
+                ways[f"{m} (CUDA graph)"] = lambda graph=graph: graph.step(token)
+            for label, step in ways.items():
+                times = []
+                for i in range(steps + 2):  # two warm-up steps
+                    sync(device_)
+                    start = time.perf_counter()
+                    step()
+                    sync(device_)
+                    if i >= 2:
+                        times.append(time.perf_counter() - start)
+                mine.append(
+                    {
+                        "model": f"{m}_lm_{size}",
+                        "mixer": label,
+                        "context": n,
+                        "ms_per_token": statistics.median(times) * 1e3,
+                        "state_bytes": _nbytes(state),
+                        "step_peak_bytes": peak_memory(step, device_),
+                    }
+                )
         base = next(r for r in mine if r["mixer"] == "transformer")["ms_per_token"]
         for r in mine:
             r["speed_vs_transformer"] = base / r["ms_per_token"]

@@ -34,6 +34,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
         device="cuda" if args.device == "cuda" else "cpu",
+        cuda_graph=args.cuda_graph,
     )
     sys.stdout.write(out.decode("utf-8", errors="replace") + "\n")
     return 0
@@ -76,5 +77,11 @@ def register(sub) -> None:
     smp.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest bytes (1: greedy)")
     smp.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     smp.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="device (default: cpu)")
+    smp.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="replay each generation step from one CUDA graph (--device cuda; the lambda and linear models, "
+        "whose state keeps its size)",
+    )
     add_threads_argument(smp)
     smp.set_defaults(func=_cmd_sample)

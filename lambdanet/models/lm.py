@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from lambdanet.helpers import check_choice, check_positive_int
 from lambdanet.layers.causal_attention import CausalSelfAttention, step_arguments
 from lambdanet.layers.causal_lambda import CausalLambdaLayer
+from lambdanet.models.lm_graph import StepGraph
 
 __all__ = ["LanguageModel", "LMSize", "LM_SIZES", "MIXERS", "matched_dim_v", "sample_next"]
 
@@ -266,11 +267,15 @@ class LanguageModel(nn.Module):
         tokens = tokens.reshape(-1, 1) if tokens.dim() == 1 else tokens
         if tokens.dim() != 2 or tokens.shape[1] != 1:
             raise ValueError(f"step takes one token per sequence, [batch] or [batch, 1], got {tuple(tokens.shape)}")
-        position = int(state["position"])
-        self._check_tokens(tokens, position)
+        self._check_tokens(tokens, int(state["position"]))
+        return self._advance(state, tokens)
+
+    def _advance(self, state: dict, tokens: Tensor) -> tuple[Tensor, dict]:
+        """:meth:`step` without its checks: nothing read on the host (the position stays a device tensor), the
+        same kernels every call, so a constant-size state can replay it from a CUDA graph (``tokens [b, 1]``)."""
         x = self.embed(tokens[:, 0])  # b d
         if self.pos_embed is not None:
-            x = x + self.pos_embed[position]  # b d
+            x = x + self.pos_embed.index_select(0, state["position"].reshape(1))  # b d
         new = []
         for block, s in zip(cast("Iterable[_Block]", self.blocks), state["layers"]):
             x, s = block.step(s, x)  # b d
@@ -286,13 +291,19 @@ class LanguageModel(nn.Module):
         temperature: float = 1.0,
         top_k: int | None = None,
         generator: torch.Generator | None = None,
+        cuda_graph: bool = False,
     ) -> Tensor:
         """Continue ``tokens [b, n]`` (``n >= 1``) by ``max_new_tokens`` sampled tokens: the prompt in one parallel
         pass, then :meth:`step` per token. ``top_k=1`` is greedy; ``temperature`` divides the logits.
+        ``cuda_graph=True`` replays each step from one CUDA graph (:class:`~lambdanet.models.lm_graph.StepGraph`:
+        one launch per token instead of a dozen per block; the lambda and linear families, whose state keeps its
+        size; CUDA only). The same tokens as without it, up to the order of floating-point sums.
 
         Returns:
             ``[b, n + max_new_tokens]``, the prompt first.
         """
+        if not isinstance(cuda_graph, bool):
+            raise ValueError(f"cuda_graph must be True or False, got {cuda_graph!r}")
         self._check_tokens(tokens)
         if tokens.shape[1] < 1:
             raise ValueError("generate needs a prompt of at least one token per sequence")
@@ -302,13 +313,22 @@ class LanguageModel(nn.Module):
         was_training = self.training
         self.eval()
         try:
+            if cuda_graph and tokens.device.type != "cuda":
+                raise ValueError(f"cuda_graph=True needs the model and tokens on a CUDA device, got {tokens.device}")
             logits, state = self(tokens, return_state=True)
             logits, out = logits[:, -1], [tokens]
+            graph = None
             for i in range(max_new_tokens):
                 nxt = sample_next(logits, temperature, top_k, generator)  # b
                 out.append(nxt[:, None])
-                if i + 1 < max_new_tokens:
+                if i + 1 == max_new_tokens:
+                    break
+                if not cuda_graph:
                     logits, state = self.step(state, nxt)
+                    continue
+                if graph is None:  # captured at the first step, from the prompt's state
+                    graph = StepGraph(self._advance, state, nxt, name=getattr(self, "model_name", type(self).__name__))
+                logits = graph.step(nxt)
         finally:
             self.train(was_training)
         return torch.cat(out, dim=1)

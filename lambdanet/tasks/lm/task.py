@@ -281,9 +281,11 @@ def sample(
     top_k: int | None = None,
     seed: int = 0,
     device: torch.device | str = "cpu",
+    cuda_graph: bool = False,
 ) -> bytes:
     """Continue ``prompt`` (text is UTF-8 encoded) with the language model of a run: the prompt's bytes and the
-    ``max_new_tokens`` sampled after them."""
+    ``max_new_tokens`` sampled after them (``cuda_graph``: each step replayed from a CUDA graph, for the
+    constant-state families on CUDA; :meth:`~lambdanet.models.lm.LanguageModel.generate`)."""
     model = cast(LanguageModel, load_lm(path, device))  # a language model: load_lm builds only those
     data = prompt.encode() if isinstance(prompt, str) else bytes(prompt)
     if not data:
@@ -294,5 +296,6 @@ def sample(
         )
     tokens = torch.tensor([list(data)], dtype=torch.long, device=device)
     g = torch.Generator(device=device).manual_seed(seed)
-    out = model.generate(tokens, max_new_tokens, temperature=temperature, top_k=top_k, generator=g)
+    out = model.generate(tokens, max_new_tokens, temperature=temperature, top_k=top_k, generator=g,
+                         cuda_graph=cuda_graph)  # fmt: skip
     return bytes(out[0].tolist())
