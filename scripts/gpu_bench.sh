@@ -12,6 +12,7 @@
 #   bash scripts/gpu_bench.sh compiled   # the timm26 suite under torch.compile
 #   bash scripts/gpu_bench.sh lm         # the causal lambda op vs fla / SDPA, the LMs' training, generation and
 #                                        # launches (scripts/gpu_lm.py; fla-core carried as a wheel in .whl/)
+#   bash scripts/gpu_bench.sh lm-warps   # the op and its per-kernel times at 8 warps (spill-free: NOTES.md)
 #   bash scripts/gpu_bench.sh run1|run2|run3  # bundles of one 10-minute call each (check kernels layers impls |
 #                                            # models compiled | compiled timm26 impls and the layer checks)
 set -uo pipefail
@@ -59,13 +60,14 @@ run_stage() {
     timm26) stage timm26 90 $BENCH models --suites timm26 --amp bf16 --channels-last --img-size 256 \
       --batch-size 256 --out "$R/timm26" ;;
     lm) stage lm 540 $PY scripts/gpu_lm.py "$R/lm" ;;
+    lm-warps) stage lm-warps 240 env LAMBDANET_CAUSAL_WARPS=8 $PY scripts/gpu_lm.py "$R/lm-warps8" --parts opprof,op --quick ;;
     run1) for s in check kernels layers impls; do run_stage $s; done ;;
     run2) for s in models compiled; do run_stage $s; done ;;
     compiled-26t) stage compiled-26t 330 $PY scripts/gpu_compiled.py "$R/compiled-26t" ;;
     run4) for s in impls compiled-26t; do run_stage $s; done ;;
     run3) for s in compiled timm26 impls; do run_stage $s; done
       stage check-layers 60 $PY -m pytest -q -m device tests/test_device.py -k "lambda or autocast" -p no:cacheprovider -rf ;;
-    *) echo "unknown stage $1 (check | kernels | layers | impls | impls-bf16 | models | compiled | timm26 | lm | run1-3)"; exit 2 ;;
+    *) echo "unknown stage $1 (check | kernels | layers | impls | impls-bf16 | models | compiled | timm26 | lm | lm-warps | run1-3)"; exit 2 ;;
   esac
 }
 

@@ -221,7 +221,7 @@ def part_gen(quick: bool) -> list[dict]:
                 ms = _bench(run, warmup=1, reps=3) / steps
             rows.append({"model": name, "cuda_graph": graphed, "context": 8192, "ms_per_token": ms})
         except Exception as e:  # noqa: BLE001
-            rows.append({"model": name, "error": repr(e)[:300]})
+            rows.append({"model": name, "cuda_graph": graphed, "error": repr(e)[:300]})
         print(rows[-1], flush=True)
         del model
         torch.cuda.empty_cache()

@@ -206,13 +206,18 @@ def test_triton_op_in_half_precision_against_float64(dtype):
 @pytest.mark.parametrize("name", ["lambda_lm_nano", "linear_lm_nano"])
 def test_generation_replayed_from_a_cuda_graph_equals_the_eager_steps(name, amp):
     """The captured step (lambdanet.models.lm_graph) against ``model.step`` on the same tokens (each fed the
-    eager arg-max, so one near-tie cannot fork the two): the same kernels on the same values, so float32 agrees
-    to rounding (1e-5 of the largest logit) and bf16 autocast to a few bf16 units (4 x 2^-7); ``generate``
-    takes it, and a KV cache is refused."""
+    eager arg-max, so one near-tie cannot fork the two), weights far from their initialisation so the logits
+    depend on the state: the same kernels on the same values, so float32 agrees to rounding (1e-5 of the
+    largest logit) and bf16 autocast to a few bf16 units (4 x 2^-7). The control: the logits one position
+    behind (what a state not advanced would give) are far outside that tolerance. In float32
+    ``generate(cuda_graph=True)`` gives the greedy tokens of ``generate``; a KV cache is refused."""
     from lambdanet.models.lm_graph import StepGraph
 
     torch.manual_seed(0)
     model = create_model(name).to(DEVICE).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
     prompt = torch.randint(0, 256, (2, 300), device=DEVICE)
     tol = 4 * 2.0**-7 if amp else 1e-5
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
@@ -220,12 +225,18 @@ def test_generation_replayed_from_a_cuda_graph_equals_the_eager_steps(name, amp)
         tok = logits[:, -1].argmax(-1)
         graph = StepGraph(model._advance, state, tok, name=name)
         assert graph.graph is not None
+        before = logits[:, -1].float()
         for _ in range(8):
             want, state = model.step(state, tok)
             got = graph.step(tok)
-            assert (got.float() - want.float()).abs().max() <= tol * want.float().abs().max()
-            tok = want.argmax(-1)
-        out = model.generate(prompt[:, :5], 20, top_k=1, cuda_graph=True)
-        assert out.shape == (2, 25) and torch.equal(out[:, :5], prompt[:, :5])
+            scale = want.float().abs().max()
+            assert (got.float() - want.float()).abs().max() <= tol * scale
+            # the control: one position behind (a state not advanced) is far outside the tolerance
+            assert (before - want.float()).abs().max() > 10 * tol * scale
+            before, tok = want.float(), want.argmax(-1)
         with pytest.raises(ValueError, match="grows"):
             create_model("transformer_lm_nano").to(DEVICE).eval().generate(prompt[:, :5], 3, cuda_graph=True)
+    if not amp:
+        with torch.no_grad():
+            out = model.generate(prompt[:, :50], 40, top_k=1, cuda_graph=True)
+        assert torch.equal(out, model.generate(prompt[:, :50], 40, top_k=1))

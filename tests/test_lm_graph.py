@@ -77,6 +77,48 @@ def test_the_static_step_gives_the_logits_of_step_and_reads_nothing_on_the_host(
     assert mode.reads
 
 
+@pytest.mark.parametrize("case", list(CONSTANT))
+@torch.no_grad()
+def test_the_static_step_starts_from_the_empty_state_too(case):
+    """From ``init_state`` (whose entries a step may return in another order): the same logits as ``step``."""
+    model = _model(*CONSTANT[case])
+    state, tok = model.init_state(2), torch.tensor([3, 200])
+    graph = StepGraph(model._advance, state, tok, capture=False, name=case)
+    for _ in range(3):
+        want, state = model.step(state, tok)
+        assert torch.equal(graph.step(tok), want), case
+        tok = want.argmax(-1)
+
+
+class EagerGraph(StepGraph):
+    """generate's graph path on the CPU: the static buffers without the capture."""
+
+    devices = ("cuda", "cpu")
+    made = 0
+
+    def __init__(self, *args, **kwargs):
+        EagerGraph.made += 1
+        super().__init__(*args, **kwargs, capture=False)
+
+
+@pytest.mark.parametrize("new_tokens", [0, 1, 2, 7])
+def test_generate_through_the_graph_path_gives_the_tokens_of_the_eager_steps(monkeypatch, new_tokens):
+    """Greedy and sampled: the same tokens (one state advance per token, none after the last); the graph is
+    built once, at the second token (the first comes from the prompt's logits)."""
+    import lambdanet.models.lm as lm
+
+    model = _model("lambda_lm_nano", {})
+    prompt = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(4))
+    greedy = model.generate(prompt, new_tokens, top_k=1)
+    sampled = model.generate(prompt, new_tokens, generator=torch.Generator().manual_seed(5))
+    monkeypatch.setattr(lm, "StepGraph", EagerGraph)
+    EagerGraph.made = 0
+    assert torch.equal(model.generate(prompt, new_tokens, top_k=1, cuda_graph=True), greedy)
+    assert EagerGraph.made == (1 if new_tokens > 1 else 0)
+    assert torch.equal(model.generate(prompt, new_tokens, generator=torch.Generator().manual_seed(5),
+                                      cuda_graph=True), sampled)  # fmt: skip
+
+
 @torch.no_grad()
 def test_the_static_step_runs_the_recurrent_kernel_as_step_does():
     """With the layers in ``fused_chunk`` mode the step is the recurrent Triton kernel (one launch per layer):
@@ -112,6 +154,29 @@ def test_the_buffers_take_the_steps_dtypes_and_survive_aliasing_views():
     graph.step(torch.tensor([0, 0]))
     assert torch.equal(graph.state["m"], m0.double())
     assert torch.equal(m0, torch.arange(4.0).view(2, 2))  # the caller's state untouched
+
+
+def test_leaves_that_swap_buffers_are_copied_from_their_values_before_the_step():
+    """A step whose new ``a`` is the old ``b`` and whose new ``b`` is the old ``a``: copying ``a`` first must
+    not change what ``b`` receives."""
+
+    def advance(state, tokens):
+        return state["a"] + tokens[:, 0], {"a": state["b"], "b": state["a"]}
+
+    graph = StepGraph(advance, {"a": torch.zeros(2), "b": torch.ones(2)}, torch.zeros(2, dtype=torch.long),
+                      capture=False)  # fmt: skip
+    graph.step(torch.zeros(2, dtype=torch.long))
+    assert torch.equal(graph.state["a"], torch.ones(2)) and torch.equal(graph.state["b"], torch.zeros(2))
+
+
+def test_states_that_change_a_python_value_or_never_settle_their_dtypes_are_refused():
+    tokens = torch.zeros(2, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"holds a Python value that changes \(3 -> 4\)"):
+        StepGraph(lambda s, t: (t.float(), {"n": s["n"] + 1}), {"n": 3}, tokens, capture=False, name="toy")
+    flip = {torch.float32: torch.float64, torch.float64: torch.float32}
+    with pytest.raises(ValueError, match="toy's keep changing"):
+        StepGraph(lambda s, t: (t.float(), {"x": s["x"].to(flip[s["x"].dtype])}), {"x": torch.zeros(2)}, tokens,
+                  capture=False, name="toy")  # fmt: skip
 
 
 @pytest.mark.parametrize("name", ["transformer_lm_nano", "hybrid_lm_nano"])

@@ -313,8 +313,8 @@ class LanguageModel(nn.Module):
         was_training = self.training
         self.eval()
         try:
-            if cuda_graph and tokens.device.type != "cuda":
-                raise ValueError(f"cuda_graph=True needs the model and tokens on a CUDA device, got {tokens.device}")
+            if cuda_graph:
+                StepGraph.check_device(tokens.device)
             logits, state = self(tokens, return_state=True)
             logits, out = logits[:, -1], [tokens]
             graph = None

@@ -14,6 +14,7 @@ step eagerly instead of replaying a graph (the CPU tests' path: everything but t
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NoReturn
 
 import torch
 from torch import Tensor
@@ -35,6 +36,14 @@ class StepGraph:
         name: the model's name, for the error when its state grows.
     """
 
+    devices: tuple[str, ...] = ("cuda",)  # where a graph is captured
+
+    @classmethod
+    def check_device(cls, device: torch.device) -> None:
+        """A one-line error unless a graph can be captured on ``device``."""
+        if device.type not in cls.devices:
+            raise ValueError(f"cuda_graph=True needs the model and tokens on a CUDA device, got {device}")
+
     def __init__(
         self,
         advance: Callable[[dict, Tensor], tuple[Tensor, dict]],
@@ -47,8 +56,8 @@ class StepGraph:
         self.advance, self.capture = advance, capture
         self.tokens = tokens.reshape(-1, 1).clone()  # b 1
         self.state = tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, state)
-        if capture and self.tokens.device.type != "cuda":
-            raise ValueError(f"cuda_graph=True needs the model and tokens on a CUDA device, got {self.tokens.device}")
+        if capture:
+            self.check_device(self.tokens.device)
         self._fit(name)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: Tensor | None = None
@@ -58,34 +67,32 @@ class StepGraph:
     def _run(self) -> Tensor:
         """One step on the buffers: the new state copied over the old one in place; the logits."""
         logits, new = self.advance(self.state, self.tokens)
-        old_leaves, _ = tree_flatten(self.state)
-        for old, fresh in zip(old_leaves, tree_flatten(new)[0]):
-            if isinstance(old, Tensor) and fresh is not old:
-                if fresh.untyped_storage().data_ptr() == old.untyped_storage().data_ptr():
-                    fresh = fresh.clone()  # a view into the buffer it is about to overwrite
-                old.copy_(fresh)
+        old_leaves = tree_flatten(self.state)[0]
+        new_leaves = tree_flatten(_aligned(self.state, new))[0]
+        buffers = {t.untyped_storage().data_ptr() for t in old_leaves if isinstance(t, Tensor)}
+        fresh = [
+            n.clone() if isinstance(n, Tensor) and n is not o and n.untyped_storage().data_ptr() in buffers else n
+            for o, n in zip(old_leaves, new_leaves)
+        ]  # a view into a buffer that the copies below may overwrite first: taken apart before any copy
+        for old, value in zip(old_leaves, fresh):
+            if isinstance(old, Tensor) and value is not old:
+                old.copy_(value)
         return logits
 
     def _fit(self, name: str) -> None:
-        """One eager step to check that the state keeps its structure and shapes (else a one-line error), and
-        to take on its dtypes (a prompt's state may differ from a step's: the buffers take the step's)."""
+        """Eager steps to check that the state keeps its structure and shapes (else a one-line error), and to
+        take on its dtypes (a prompt's state may differ from a step's: the buffers take the step's)."""
         for _ in range(2):  # a dtype change takes one more step to settle
             with torch.no_grad():
                 _, new = self.advance(self.state, self.tokens)
-            old_leaves, old_spec = tree_flatten(self.state)
-            new_leaves, new_spec = tree_flatten(new)
-            shapes = [tuple(t.shape) if isinstance(t, Tensor) else t for t in old_leaves]
-            new_shapes = [tuple(t.shape) if isinstance(t, Tensor) else t for t in new_leaves]
-            if old_spec != new_spec or shapes != new_shapes:
-                raise ValueError(
-                    f"cuda_graph=True needs a state that keeps its size from token to token (the lambda and linear "
-                    f"families); {name}'s grows (a KV cache): generate without cuda_graph"
-                )
+            new = _aligned(self.state, new, name)
+            old_leaves, new_leaves = tree_flatten(self.state)[0], tree_flatten(new)[0]
             if all(not isinstance(o, Tensor) or o.dtype == n.dtype for o, n in zip(old_leaves, new_leaves)):
                 return
-            self.state = tree_map(
-                lambda o, n: o.to(n.dtype) if isinstance(o, Tensor) else o, self.state, new
-            )  # the step's dtypes
+            self.state = tree_map(lambda o, n: o.to(n.dtype) if isinstance(o, Tensor) else o, self.state, new)
+        pairs = [(o, n) for o, n in zip(old_leaves, new_leaves) if isinstance(o, Tensor)]
+        changing = sorted({f"{o.dtype} -> {n.dtype}" for o, n in pairs if o.dtype != n.dtype})
+        raise ValueError(f"cuda_graph=True needs a state whose dtypes settle; {name}'s keep changing ({changing})")
 
     def _capture(self) -> None:
         """Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), then capture one step. Under
@@ -93,7 +100,11 @@ class StepGraph:
         autocast region that filled it ends, under the graph's feet)."""
         autocast = torch.is_autocast_enabled("cuda")
         dtype = torch.get_autocast_dtype("cuda") if autocast else torch.float16
-        side = torch.cuda.Stream()
+        device = self.tokens.device
+        with torch.cuda.device(device):  # the tokens' GPU, whichever is current
+            self._capture_on(torch.cuda.Stream(device), autocast, dtype)
+
+    def _capture_on(self, side: torch.cuda.Stream, autocast: bool, dtype: torch.dtype) -> None:
         side.wait_stream(torch.cuda.current_stream())
         with torch.no_grad(), torch.autocast("cuda", dtype=dtype, enabled=autocast, cache_enabled=False):
             with torch.cuda.stream(side):
@@ -113,3 +124,28 @@ class StepGraph:
             return self._run()
         self.graph.replay()
         return self.logits  # type: ignore[return-value]
+
+
+def _aligned(old, new, name: str = "the model"):
+    """``new`` laid out as ``old`` (dict keys in ``old``'s order, which a step need not keep), after checking
+    that it has the same keys, lengths and tensor shapes, and the same values where a leaf is not a tensor."""
+
+    def fail(why: str) -> NoReturn:
+        raise ValueError(f"cuda_graph=True needs a state that keeps its size from token to token (the lambda and "
+                         f"linear families); {name}'s {why}: generate without cuda_graph")  # fmt: skip
+
+    if isinstance(old, dict):
+        if not isinstance(new, dict) or set(old) != set(new):
+            fail("changes its entries")
+        return {key: _aligned(old[key], new[key], name) for key in old}
+    if isinstance(old, (list, tuple)):
+        if not isinstance(new, (list, tuple)) or len(old) != len(new):
+            fail("changes its entries")
+        return type(old)(_aligned(o, n, name) for o, n in zip(old, new))
+    if isinstance(old, Tensor):
+        if not isinstance(new, Tensor) or new.shape != old.shape:
+            fail("grows (a KV cache)")
+        return new
+    if old != new:
+        fail(f"holds a Python value that changes ({old!r} -> {new!r})")
+    return new

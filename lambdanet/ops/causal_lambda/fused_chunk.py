@@ -193,8 +193,9 @@ def compile_report(
     dtypes: tuple[str, ...] = ("fp32", "bf16"),
 ) -> list[dict]:
     """Compile the six kernels ahead of time for CUDA compute capability ``arch`` (no GPU needed: Triton's bundled
-    ``ptxas``) at one layer's sizes (default: ``lambda_lm_base``), in float32 and bf16: per kernel the matrix-unit
-    instructions in the PTX, local-memory (spill) accesses, shared memory and compile seconds. Run it without
+    ``ptxas`` and ``nvdisasm``) at one layer's sizes (default: ``lambda_lm_base``), in float32 and bf16: per kernel
+    the matrix-unit instructions in the PTX, the register spills in the machine code (``LDL`` / ``STL``), shared
+    memory and compile seconds. Run it without
     ``TRITON_INTERPRET`` (the interpreter has no compiler)."""
     import re
     import time
@@ -224,10 +225,10 @@ def compile_report(
             t0 = time.perf_counter()
             opts = {"num_warps": _warps(m), "num_stages": STAGES}
             kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
-            ptx = kernel.asm["ptx"]
+            ptx, sass = kernel.asm["ptx"], kernel.asm["sass"]  # spills are ptxas's: in the SASS, not the PTX
             rows.append({
                 "kernel": name.lstrip("_"), "dtype": label, "mma": len(re.findall(r"\bw?gmma|\bmma\.", ptx)),
-                "local_loads": ptx.count("ld.local"), "local_stores": ptx.count("st.local"),
+                "spill_loads": len(re.findall(r"\bLDL\b", sass)), "spill_stores": len(re.findall(r"\bSTL\b", sass)),
                 "shared_bytes": kernel.metadata.shared, "compile_s": round(time.perf_counter() - t0, 2),
             })  # fmt: skip
     return rows

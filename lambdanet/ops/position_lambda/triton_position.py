@@ -46,6 +46,8 @@ __all__ = ["launch_forward", "launch_backward", "table_splits", "BLOCK_N", "BLOC
 BLOCK_N = 16  # query positions per program (times the heads: the rows of the dot products)
 BLOCK_M = 32  # context positions per inner step
 BLOCK_T = 64  # relative-table entries per program of the table gradient
+TABLE_VC = 32  # value channels per slice of the table gradient's dS = dy V^T
+TABLE_WARPS = 8  # its warps: with 4 it spills registers at fp32 or 8 heads (compile_report, sm_90)
 
 
 @triton.jit
@@ -334,6 +336,7 @@ def _backward_table(
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    BLOCK_VC: tl.constexpr,
     HALF_DOT: tl.constexpr,
     F32_DOT: tl.constexpr,
 ):
@@ -344,8 +347,8 @@ def _backward_table(
     T = T0 * T1
     tiles = tl.cdiv(N, BLOCK_N)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_h, offs_v, offs_k = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_V), tl.arange(0, BLOCK_K)
-    t_ok, h_ok, v_ok, k_ok = offs_t < T, offs_h < H, offs_v < V, offs_k < K
+    offs_h, offs_k = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_K)
+    t_ok, h_ok, k_ok = offs_t < T, offs_h < H, offs_k < K
     di, dj = offs_t // T1 - c0, offs_t % T1 - c1  # the 2-d offset of each table entry
     acc = tl.zeros((BLOCK_K, BLOCK_T), dtype=tl.float32)
     for item in range(split * PER_SPLIT, tl.minimum(split * PER_SPLIT + PER_SPLIT, ITEMS)):
@@ -361,24 +364,26 @@ def _backward_table(
         hi = tl.max(tl.max(tl.where(valid, m, -1), axis=1), axis=0) + 1
         m2 = tl.reshape(tl.broadcast_to(m[:, None, :], (BLOCK_N, BLOCK_H, BLOCK_T)), (BLOCK_N * BLOCK_H, BLOCK_T))
         ok2 = tl.reshape(valid[:, None, :] & h_ok[None, :, None], (BLOCK_N * BLOCK_H, BLOCK_T))  # (n h) t
-        dy = tl.load(
-            dy_ptr + b * s_yb + offs_n[:, None, None] * s_yn + offs_h[None, :, None] * s_yh + offs_v[None, None, :],
-            mask=row_ok[:, :, None] & v_ok[None, None, :],
-            other=0.0,
-        )
-        dy2 = tl.reshape(dy, (BLOCK_N * BLOCK_H, BLOCK_V))  # (n h) v
         dst = tl.zeros((BLOCK_N * BLOCK_H, BLOCK_T), dtype=tl.float32)  # dS in table coordinates: (n h) t
+        dy_rows = dy_ptr + b * s_yb + offs_n[:, None, None] * s_yn + offs_h[None, :, None] * s_yh  # n h 1
         for m0 in range(lo, hi, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
-            vt = tl.load(
-                v_ptr + b * s_vb + offs_m[:, None] * s_vm + offs_v[None, :] * s_vv + u,
-                mask=(offs_m < hi)[:, None] & v_ok[None, :],
-                other=0.0,
-            )  # m v
-            if HALF_DOT:
-                ds = tl.dot(dy2.to(vt.dtype), tl.trans(vt))  # (n h) m
-            else:
-                ds = tl.dot(dy2.to(tl.float32), tl.trans(vt.to(tl.float32)), input_precision=F32_DOT)
+            m_ok = offs_m < hi
+            ds = tl.zeros((BLOCK_N * BLOCK_H, BLOCK_M), dtype=tl.float32)  # (n h) m
+            for v0 in range(0, V, BLOCK_VC):  # v in slices: registers and shared memory stay small at any v
+                offs_v = v0 + tl.arange(0, BLOCK_VC)
+                v_ok = offs_v < V
+                dy = tl.load(dy_rows + offs_v[None, None, :], mask=row_ok[:, :, None] & v_ok[None, None, :], other=0.0)
+                dy2 = tl.reshape(dy, (BLOCK_N * BLOCK_H, BLOCK_VC))  # (n h) v
+                vt = tl.load(
+                    v_ptr + b * s_vb + offs_m[:, None] * s_vm + offs_v[None, :] * s_vv + u,
+                    mask=m_ok[:, None] & v_ok[None, :],
+                    other=0.0,
+                )  # m v
+                if HALF_DOT:
+                    ds += tl.dot(dy2.to(vt.dtype), tl.trans(vt))
+                else:
+                    ds += tl.dot(dy2.to(tl.float32), tl.trans(vt.to(tl.float32)), input_precision=F32_DOT)
             rel = m2 - m0
             inside = ok2 & (rel >= 0) & (rel < BLOCK_M)
             dst += tl.where(inside, tl.gather(ds, tl.where(inside, rel, 0), 1), 0.0)  # the skew (n, m) -> (n, t)
@@ -388,8 +393,10 @@ def _backward_table(
             other=0.0,
         )
         qt = tl.trans(tl.reshape(qt, (BLOCK_N * BLOCK_H, BLOCK_K)))  # k (n h)
-        if HALF_DOT:
-            acc += tl.dot(qt.to(v_ptr.dtype.element_ty), dst.to(v_ptr.dtype.element_ty))  # k t
+        if HALF_DOT and v_ptr.dtype.element_ty == tl.bfloat16:  # bf16 has float32's range: dS fits
+            acc += tl.dot(qt.to(tl.bfloat16), dst.to(tl.bfloat16))  # k t
+        elif HALF_DOT:  # dS ~ v |dy| |V| can overflow fp16 (65504) under a loss scale: TF32 keeps float32's range
+            acc += tl.dot(qt.to(tl.float32), dst, input_precision="tf32")
         else:
             acc += tl.dot(qt.to(tl.float32), dst, input_precision=F32_DOT)
     part = part_ptr + ((split * K + offs_k[:, None]) * U + u) * T + offs_t[None, :]
@@ -461,7 +468,9 @@ def launch_backward(grad, q, values, table, center, spatial, dq, dvalues, dtable
     splits = table_splits(items, blocks * u, q.device)
     part = torch.empty(splits, k, u, t, device=q.device, dtype=torch.float32)  # every entry written
     table_args = dict(ITEMS=items, PER_SPLIT=triton.cdiv(items, splits), BLOCK_K=max(triton.next_power_of_2(k), 16))
-    _backward_table[(blocks, u, splits)](q, values, grad, part, **args, **table_args, BLOCK_T=BLOCK_T)
+    _backward_table[(blocks, u, splits)](
+        q, values, grad, part, **args, **table_args, BLOCK_T=BLOCK_T, BLOCK_VC=TABLE_VC, num_warps=TABLE_WARPS
+    )
     dtable.copy_(part.sum(0).view(dtable.shape))
 
 
@@ -504,10 +513,22 @@ _KERNELS = {
 }
 
 
-def compile_report(arch: int = 90, *, block_h: int = 4, block_v: int = 64, num_warps: int = 4) -> list[dict]:
+def compile_report(
+    arch: int = 90,
+    *,
+    block_h: int = 4,
+    block_v: int = 64,
+    num_warps: int | None = None,
+    table_vc: int = TABLE_VC,
+    dtypes: tuple[str, ...] = ("fp32", "bf16"),
+    kernels: tuple[str, ...] | None = None,
+) -> list[dict]:
     """Compile every kernel ahead of time for CUDA compute capability ``arch`` (no GPU needed: Triton's
-    bundled ``ptxas``), in fp32 and bf16: per kernel, the matrix-unit instructions in the PTX, local-memory
-    (spill) accesses and shared memory. Run it without ``TRITON_INTERPRET`` (the interpreter has no compiler)."""
+    bundled ``ptxas`` and ``nvdisasm``), per dtype: the matrix-unit instructions in the PTX, the register
+    spills in the machine code (``LDL`` / ``STL`` in the SASS: spills are ptxas's, the PTX cannot show them)
+    and shared memory. ``num_warps``: each kernel's launch setting (4; the table gradient :data:`TABLE_WARPS`)
+    unless given; ``kernels``: a subset of ``forward``, ``backward_q``, ``backward_kv``, ``backward_table``. Run it
+    without ``TRITON_INTERPRET`` (the interpreter has no compiler)."""
     import re
 
     from triton.backends.compiler import GPUTarget
@@ -517,26 +538,36 @@ def compile_report(arch: int = 90, *, block_h: int = 4, block_v: int = 64, num_w
         raise RuntimeError("compile_report needs the compiler: unset TRITON_INTERPRET")
     rows = []
     for label, (fn_name, ptrs) in _KERNELS.items():
+        if kernels is not None and label not in kernels:
+            continue
         fn = globals()[fn_name]
-        for dtype, half in (("fp32", False), ("bf16", True)):
+        table = label == "backward_table"
+        for dtype in dtypes:
             sig = {p: "*fp32" if p in ("dq_ptr", "dv_ptr", "part_ptr") else f"*{dtype}" for p in ptrs}
-            sig |= {name: "i32" for name in _INT_ARGS + (("ITEMS", "PER_SPLIT") if label == "backward_table" else ())}
+            sig |= {name: "i32" for name in _INT_ARGS + (("ITEMS", "PER_SPLIT") if table else ())}
             consts = dict(
-                BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, BLOCK_H=block_h, BLOCK_V=block_v, HALF_DOT=half, F32_DOT="ieee"
+                BLOCK_N=BLOCK_N,
+                BLOCK_M=BLOCK_M,
+                BLOCK_H=block_h,
+                BLOCK_V=block_v,
+                HALF_DOT=dtype != "fp32",
+                F32_DOT="ieee",
             )
-            if label == "backward_table":
-                consts |= dict(BLOCK_K=16, BLOCK_T=BLOCK_T)
+            if table:
+                consts |= dict(BLOCK_K=16, BLOCK_T=BLOCK_T, BLOCK_VC=table_vc)
             sig |= {name: "constexpr" for name in consts}
             src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-            kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
-            ptx = kernel.asm["ptx"]
+            warps = num_warps or (TABLE_WARPS if table else 4)
+            kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+            ptx, sass = kernel.asm["ptx"], kernel.asm["sass"]
             rows.append(
                 {
                     "kernel": label,
                     "dtype": dtype,
+                    "num_warps": warps,
                     "mma": len(re.findall(r"\bw?gmma|\bmma\.", ptx)),
-                    "local_loads": ptx.count("ld.local"),
-                    "local_stores": ptx.count("st.local"),
+                    "spill_loads": len(re.findall(r"\bLDL\b", sass)),
+                    "spill_stores": len(re.findall(r"\bSTL\b", sass)),
                     "shared_bytes": kernel.metadata.shared,
                     "cubin_bytes": len(kernel.asm["cubin"]),
                 }
