@@ -226,11 +226,12 @@ def test_language_model_parts_run_and_their_numbers_obey_the_models(tmp_path):
     quality part's rows per budget and seed, the steps budget exactly its steps."""
     results = run_benchmarks(["lm", "lm_quality"], quick=True, out=tmp_path, log=lambda s: None)
     train, gen = results["lm_train"], results["lm_generation"]
-    assert {(r["mixer"], r["context"]) for r in train} == {(m, n) for m in ("lambda", "transformer", "linear")
-                                                          for n in (64, 128)}
+    families = ("lambda", "plain_lambda", "transformer", "linear")
+    assert {(r["mixer"], r["context"]) for r in train} == {(m, n) for m in families for n in (64, 128)}
     assert all(r["tokens_per_s"] > 0 and r["peak_bytes_one_sequence"] > 0 for r in train)
     state = {(r["mixer"], r["context"]): r["state_bytes"] for r in gen}
-    assert state["lambda", 64] == state["lambda", 256] and state["linear", 64] == state["linear", 256]
+    assert all(state[m, 64] == state[m, 256] for m in ("lambda", "plain_lambda", "linear"))
+    assert state["lambda", 64] > state["plain_lambda", 64]  # the convolution's last 3 projections
     # the KV cache: 2 layers x (k, v) x n x d (64) x 4 bytes, plus the 8-byte position counter
     assert state["transformer", 64] == 2 * 2 * 64 * 64 * 4 + 8 and state["transformer", 256] == 2 * 2 * 256 * 64 * 4 + 8
     summary = results["lm_quality_summary"]

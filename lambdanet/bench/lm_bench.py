@@ -40,15 +40,26 @@ from lambdanet.tasks.lm.config import LMConfig
 from lambdanet.tasks.lm.data import Corpus, windows
 from lambdanet.tasks.lm.task import evaluate_bits_per_byte, next_byte_loss
 
-__all__ = ["LM_MIXERS", "throughput", "memory_slopes", "generation", "quality", "quality_summary", "plot_lm_study"]
+__all__ = [
+    "LM_MIXERS",
+    "LM_SPEED_FAMILIES",
+    "throughput",
+    "memory_slopes",
+    "generation",
+    "quality",
+    "quality_summary",
+    "plot_lm_study",
+]
 
 LM_MIXERS = ("lambda", "transformer", "linear")
+# the speed and memory parts also time the paper's layer alone beside the default (its short convolution's price)
+LM_SPEED_FAMILIES = ("lambda", "plain_lambda", "transformer", "linear")
 Log = Callable[[str], None]
 
 
 def _models(size: str, device: torch.device) -> dict[str, LanguageModel]:
     torch.manual_seed(0)
-    return {m: cast(LanguageModel, create_model(f"{m}_lm_{size}").to(device)) for m in LM_MIXERS}
+    return {m: cast(LanguageModel, create_model(f"{m}_lm_{size}").to(device)) for m in LM_SPEED_FAMILIES}
 
 
 def _train_step(model: nn.Module, tokens: torch.Tensor) -> Callable[[], None]:

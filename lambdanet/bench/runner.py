@@ -206,7 +206,7 @@ def _lm(s: BenchSettings, out: Path, log: Log) -> PartResult:
     slopes = lm_bench.memory_slopes(train, lo=contexts[0] if s.quick else 1024, hi=contexts[-1])
     plots = lm_bench.plot_lm_study(train, gen, [], out)
     return {"lm_train": train, "lm_memory_slopes": slopes, "lm_generation": gen}, [
-        f"## Language models: {size} (lambda, transformer, linear attention)",
+        f"## Language models: {size} (lambda, the plain lambda layer of before 0.2.0, transformer, linear attention)",
         "",
         "Training (forward+backward), `max(1, 4096 // context)` sequences per step; peak memory of one sequence.",
         "",
