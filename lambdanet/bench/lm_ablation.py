@@ -63,6 +63,7 @@ ABLATIONS: dict[str, tuple[str, dict]] = {
     "decay_gate": ("plain_lambda", {"decay": "gate"}),
     "short_conv4": ("plain_lambda", {"short_conv": 4}),
     "gate_conv4": ("plain_lambda", {"decay": "gate", "short_conv": 4}),
+    "fixed_conv4": ("plain_lambda", {"decay": "fixed", "short_conv": 4}),  # the default + a learnt fixed decay
     "hybrid": ("hybrid", {}),
 }
 BUDGET_TOLERANCE = 0.02  # parameters within 2% of the transformer's of the same size
