@@ -161,7 +161,13 @@ class CausalLambdaLayer(nn.Module):
             state["conv"] if state is not None and "conv" in state else qkv.new_zeros(x.shape[0], s - 1, qkv.shape[2])
         )
         full = torch.cat([prev.to(qkv.dtype), qkv], dim=1)  # b (s - 1 + n) c
-        out = self.conv(full.transpose(1, 2)).transpose(1, 2)  # b n c
+        if x.shape[1] == 1:  # one position (generation): the s taps as a product and a sum in float32 at least,
+            # not a convolution call (~100 us on a CPU, for s x c multiply-adds)
+            dtype = torch.promote_types(full.dtype, torch.float32)
+            taps = self.conv.weight[:, 0].t().to(dtype)  # s c
+            out = (full.to(dtype) * taps).sum(1, keepdim=True).to(full.dtype)  # b 1 c
+        else:
+            out = self.conv(full.transpose(1, 2)).transpose(1, 2)  # b n c
         return out, full[:, full.shape[1] - (s - 1) :].to(torch.promote_types(qkv.dtype, torch.float32))
 
     def _split(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
