@@ -245,7 +245,7 @@ def test_kernels_compile_for_hopper_and_the_table_gradient_does_not_spill():
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json; from lambdanet.ops.position_lambda.triton_position import compile_report as c; "
+    code = ("import json; from lambdanet.ops.position_lambda.report import compile_report as c; "
             "print(json.dumps([c(dtypes=('fp32', 'bf16', 'fp16')), "
             "c(block_h=8, block_v=256, dtypes=('bf16', 'fp16'), kernels=('backward_table',)), "
             "c(num_warps=4, table_vc=64, kernels=('backward_table',), dtypes=('fp32',))]))")

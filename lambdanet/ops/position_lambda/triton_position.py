@@ -19,13 +19,13 @@ Kernels (grid: query tiles x batch, or context tiles x batch):
   ``torch.backends.cuda.matmul.allow_tf32`` is set, as PyTorch's own fp32 GEMMs do).
 * ``_backward_q``: ``dS = dy V_u^T`` per tile, ``dq[n, h, k] += sum_m dS[(n, h), m] R[k, u, off(n, m)]``.
 * ``_backward_kv``: per context tile, loop over the query tiles whose band holds it; ``dV_u += S^T dy``.
-* ``_backward_table`` (grid: table blocks x u x splits of the (batch, query tile) items): the table gradient
-  ``dR[k, u, t] = sum_{n, h} q[n, h, k] dS[(n, h), m(n, t)]`` with ``m(n, t)`` the context position at offset
-  ``t`` from ``n``. Per query tile, ``dS = dy V_u^T`` over the context span of the tile and the table block
-  (matrix units), gathered into table coordinates in registers (``tl.gather`` along the context axis: the
-  skew from ``(n, m)`` to ``(n, t)``), then ``dR += q^T dS`` as one matrix product. Each program owns its
-  ``[k, T-block]`` partial sum (a split's rows of an fp32 buffer, summed over the splits after the launch): no
-  atomics, and the table gradient is deterministic.
+* ``_backward_table`` (in ``triton_table.py``; grid: table blocks x u x splits of the (batch, query tile)
+  items): the table gradient ``dR[k, u, t] = sum_{n, h} q[n, h, k] dS[(n, h), m(n, t)]`` with ``m(n, t)`` the
+  context position at offset ``t`` from ``n``. Per query tile, ``dS = dy V_u^T`` over the context span of the
+  tile and the table block (matrix units), gathered into table coordinates in registers (``tl.gather`` along
+  the context axis: the skew from ``(n, m)`` to ``(n, t)``), then ``dR += q^T dS`` as one matrix product. Each
+  program owns its ``[k, T-block]`` partial sum (a split's rows of an fp32 buffer, summed over the splits after
+  the launch): no atomics, and the table gradient is deterministic.
 
 Multiply-adds per (query, context) pair in the band: ``h k u`` for ``S`` and ``h v u`` for ``S V`` (the
 ``einsum_qe`` count); bytes: ``q``, ``V`` and ``y`` once per tile pair from cache, ``R`` gathered from L1/L2.
@@ -40,6 +40,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from lambdanet.ops.position_lambda.triton_table import _backward_table
 
 __all__ = ["launch_forward", "launch_backward", "table_splits", "BLOCK_N", "BLOCK_M", "BLOCK_T"]
 
@@ -302,107 +304,6 @@ def _backward_kv(
         tl.store(dv_ptr + offs_m[:, None] * s_vm + offs_v[None, :] * s_vv + u, dv, mask=m_ok[:, None] & v_ok[None, :])
 
 
-@triton.jit
-def _backward_table(
-    q_ptr,
-    v_ptr,
-    dy_ptr,
-    part_ptr,
-    N,
-    H,
-    K,
-    V,
-    U,
-    S0,
-    W,
-    T0,
-    T1,
-    c0,
-    c1,
-    s_qb,
-    s_qn,
-    s_qh,
-    s_vb,
-    s_vm,
-    s_vv,
-    s_yb,
-    s_yn,
-    s_yh,
-    ITEMS,
-    PER_SPLIT,
-    BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_VC: tl.constexpr,
-    HALF_DOT: tl.constexpr,
-    F32_DOT: tl.constexpr,
-):
-    """part[s, k, u, t] = sum over the items (batch, query tile) of split s of sum_{n, h} q[n, h, k]
-    dS[(n, h), m(n, t)], dS = dy V_u^T; m(n, t) is the context position at table entry t from query n (none
-    outside the map). The program owns its rows of ``part`` (fp32, contiguous ``[splits, K, U, T]``)."""
-    pid_t, u, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    T = T0 * T1
-    tiles = tl.cdiv(N, BLOCK_N)
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_h, offs_k = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_K)
-    t_ok, h_ok, k_ok = offs_t < T, offs_h < H, offs_k < K
-    di, dj = offs_t // T1 - c0, offs_t % T1 - c1  # the 2-d offset of each table entry
-    acc = tl.zeros((BLOCK_K, BLOCK_T), dtype=tl.float32)
-    for item in range(split * PER_SPLIT, tl.minimum(split * PER_SPLIT + PER_SPLIT, ITEMS)):
-        b = item // tiles
-        offs_n = (item % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        row_ok = n_ok[:, None] & h_ok[None, :]
-        mi = (offs_n // W)[:, None] + di[None, :]  # n t: the context row and column at each entry
-        mj = (offs_n % W)[:, None] + dj[None, :]
-        valid = (mi >= 0) & (mi < S0) & (mj >= 0) & (mj < W) & n_ok[:, None] & t_ok[None, :]
-        m = mi * W + mj  # n t
-        lo = tl.min(tl.min(tl.where(valid, m, N), axis=1), axis=0)  # the context span of this tile and block
-        hi = tl.max(tl.max(tl.where(valid, m, -1), axis=1), axis=0) + 1
-        m2 = tl.reshape(tl.broadcast_to(m[:, None, :], (BLOCK_N, BLOCK_H, BLOCK_T)), (BLOCK_N * BLOCK_H, BLOCK_T))
-        ok2 = tl.reshape(valid[:, None, :] & h_ok[None, :, None], (BLOCK_N * BLOCK_H, BLOCK_T))  # (n h) t
-        dst = tl.zeros((BLOCK_N * BLOCK_H, BLOCK_T), dtype=tl.float32)  # dS in table coordinates: (n h) t
-        dy_rows = dy_ptr + b * s_yb + offs_n[:, None, None] * s_yn + offs_h[None, :, None] * s_yh  # n h 1
-        for m0 in range(lo, hi, BLOCK_M):
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            m_ok = offs_m < hi
-            ds = tl.zeros((BLOCK_N * BLOCK_H, BLOCK_M), dtype=tl.float32)  # (n h) m
-            for v0 in range(0, V, BLOCK_VC):  # v in slices: registers and shared memory stay small at any v
-                offs_v = v0 + tl.arange(0, BLOCK_VC)
-                v_ok = offs_v < V
-                dy = tl.load(dy_rows + offs_v[None, None, :], mask=row_ok[:, :, None] & v_ok[None, None, :], other=0.0)
-                dy2 = tl.reshape(dy, (BLOCK_N * BLOCK_H, BLOCK_VC))  # (n h) v
-                vt = tl.load(
-                    v_ptr + b * s_vb + offs_m[:, None] * s_vm + offs_v[None, :] * s_vv + u,
-                    mask=m_ok[:, None] & v_ok[None, :],
-                    other=0.0,
-                )  # m v
-                if HALF_DOT:
-                    ds += tl.dot(dy2.to(vt.dtype), tl.trans(vt))
-                else:
-                    ds += tl.dot(dy2.to(tl.float32), tl.trans(vt.to(tl.float32)), input_precision=F32_DOT)
-            rel = m2 - m0
-            inside = ok2 & (rel >= 0) & (rel < BLOCK_M)
-            dst += tl.where(inside, tl.gather(ds, tl.where(inside, rel, 0), 1), 0.0)  # the skew (n, m) -> (n, t)
-        qt = tl.load(
-            q_ptr + b * s_qb + offs_n[:, None, None] * s_qn + offs_h[None, :, None] * s_qh + offs_k[None, None, :],
-            mask=row_ok[:, :, None] & k_ok[None, None, :],
-            other=0.0,
-        )
-        qt = tl.trans(tl.reshape(qt, (BLOCK_N * BLOCK_H, BLOCK_K)))  # k (n h)
-        if HALF_DOT and v_ptr.dtype.element_ty == tl.bfloat16:  # bf16 has float32's range: dS fits
-            acc += tl.dot(qt.to(tl.bfloat16), dst.to(tl.bfloat16))  # k t
-        elif HALF_DOT:  # dS ~ v |dy| |V| can overflow fp16 (65504) under a loss scale: TF32 keeps float32's range
-            acc += tl.dot(qt.to(tl.float32), dst, input_precision="tf32")
-        else:
-            acc += tl.dot(qt.to(tl.float32), dst, input_precision=F32_DOT)
-    part = part_ptr + ((split * K + offs_k[:, None]) * U + u) * T + offs_t[None, :]
-    tl.store(part, acc, mask=k_ok[:, None] & t_ok[None, :])
-
-
 def _launch_args(q, values, table, center, spatial, y):
     """The batch and the kernel arguments but pointers of a launch: shapes, strides (``y``: the output or its
     gradient) and block sizes (``spatial`` of 1 or 2 dims; 1-d is a map of height 1)."""
@@ -481,95 +382,3 @@ def table_splits(items: int, programs: int, device: torch.device) -> int:
     interpreter, so the tests run the reduction over uneven splits."""
     target = 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 3
     return max(1, min(items, triton.cdiv(target, programs)))
-
-
-_INT_ARGS = (
-    "N",
-    "H",
-    "K",
-    "V",
-    "U",
-    "S0",
-    "W",
-    "T0",
-    "T1",
-    "c0",
-    "c1",
-    "s_qb",
-    "s_qn",
-    "s_qh",
-    "s_vb",
-    "s_vm",
-    "s_vv",
-    "s_yb",
-    "s_yn",
-    "s_yh",
-)
-_KERNELS = {
-    "forward": ("_forward", ("q_ptr", "v_ptr", "r_ptr", "y_ptr")),
-    "backward_q": ("_backward_q", ("q_ptr", "v_ptr", "r_ptr", "dy_ptr", "dq_ptr")),
-    "backward_kv": ("_backward_kv", ("q_ptr", "v_ptr", "r_ptr", "dy_ptr", "dv_ptr")),
-    "backward_table": ("_backward_table", ("q_ptr", "v_ptr", "dy_ptr", "part_ptr")),
-}
-
-
-def compile_report(
-    arch: int = 90,
-    *,
-    block_h: int = 4,
-    block_v: int = 64,
-    num_warps: int | None = None,
-    table_vc: int = TABLE_VC,
-    dtypes: tuple[str, ...] = ("fp32", "bf16"),
-    kernels: tuple[str, ...] | None = None,
-) -> list[dict]:
-    """Compile every kernel ahead of time for CUDA compute capability ``arch`` (no GPU needed: Triton's
-    bundled ``ptxas`` and ``nvdisasm``), per dtype: the matrix-unit instructions in the PTX, the register
-    spills in the machine code (``LDL`` / ``STL`` in the SASS: spills are ptxas's, the PTX cannot show them)
-    and shared memory. ``num_warps``: each kernel's launch setting (4; the table gradient :data:`TABLE_WARPS`)
-    unless given; ``kernels``: a subset of ``forward``, ``backward_q``, ``backward_kv``, ``backward_table``. Run it
-    without ``TRITON_INTERPRET`` (the interpreter has no compiler)."""
-    import re
-
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        raise RuntimeError("compile_report needs the compiler: unset TRITON_INTERPRET")
-    rows = []
-    for label, (fn_name, ptrs) in _KERNELS.items():
-        if kernels is not None and label not in kernels:
-            continue
-        fn = globals()[fn_name]
-        table = label == "backward_table"
-        for dtype in dtypes:
-            sig = {p: "*fp32" if p in ("dq_ptr", "dv_ptr", "part_ptr") else f"*{dtype}" for p in ptrs}
-            sig |= {name: "i32" for name in _INT_ARGS + (("ITEMS", "PER_SPLIT") if table else ())}
-            consts = dict(
-                BLOCK_N=BLOCK_N,
-                BLOCK_M=BLOCK_M,
-                BLOCK_H=block_h,
-                BLOCK_V=block_v,
-                HALF_DOT=dtype != "fp32",
-                F32_DOT="ieee",
-            )
-            if table:
-                consts |= dict(BLOCK_K=16, BLOCK_T=BLOCK_T, BLOCK_VC=table_vc)
-            sig |= {name: "constexpr" for name in consts}
-            src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-            warps = num_warps or (TABLE_WARPS if table else 4)
-            kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
-            ptx, sass = kernel.asm["ptx"], kernel.asm["sass"]
-            rows.append(
-                {
-                    "kernel": label,
-                    "dtype": dtype,
-                    "num_warps": warps,
-                    "mma": len(re.findall(r"\bw?gmma|\bmma\.", ptx)),
-                    "spill_loads": len(re.findall(r"\bLDL\b", sass)),
-                    "spill_stores": len(re.findall(r"\bSTL\b", sass)),
-                    "shared_bytes": kernel.metadata.shared,
-                    "cubin_bytes": len(kernel.asm["cubin"]),
-                }
-            )
-    return rows

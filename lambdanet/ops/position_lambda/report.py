@@ -1,0 +1,104 @@
+"""Ahead-of-time compilation of the position kernels for a GPU without one: per kernel and dtype the matrix-unit
+instructions, the register spills read from the machine code and the shared memory (the tests hold them)."""
+
+from __future__ import annotations
+
+import os
+
+import triton
+
+from lambdanet.ops.position_lambda import triton_position as P
+from lambdanet.ops.position_lambda.triton_table import _backward_table
+
+__all__ = ["compile_report"]
+
+_INT_ARGS = (
+    "N",
+    "H",
+    "K",
+    "V",
+    "U",
+    "S0",
+    "W",
+    "T0",
+    "T1",
+    "c0",
+    "c1",
+    "s_qb",
+    "s_qn",
+    "s_qh",
+    "s_vb",
+    "s_vm",
+    "s_vv",
+    "s_yb",
+    "s_yn",
+    "s_yh",
+)
+_KERNELS = {
+    "forward": ("_forward", ("q_ptr", "v_ptr", "r_ptr", "y_ptr")),
+    "backward_q": ("_backward_q", ("q_ptr", "v_ptr", "r_ptr", "dy_ptr", "dq_ptr")),
+    "backward_kv": ("_backward_kv", ("q_ptr", "v_ptr", "r_ptr", "dy_ptr", "dv_ptr")),
+    "backward_table": ("_backward_table", ("q_ptr", "v_ptr", "dy_ptr", "part_ptr")),
+}
+
+
+def compile_report(
+    arch: int = 90,
+    *,
+    block_h: int = 4,
+    block_v: int = 64,
+    num_warps: int | None = None,
+    table_vc: int = P.TABLE_VC,
+    dtypes: tuple[str, ...] = ("fp32", "bf16"),
+    kernels: tuple[str, ...] | None = None,
+) -> list[dict]:
+    """Compile every kernel ahead of time for CUDA compute capability ``arch`` (no GPU needed: Triton's
+    bundled ``ptxas`` and ``nvdisasm``), per dtype: the matrix-unit instructions in the PTX, the register
+    spills in the machine code (``LDL`` / ``STL`` in the SASS: spills are ptxas's, the PTX cannot show them)
+    and shared memory. ``num_warps``: each kernel's launch setting (4; the table gradient ``TABLE_WARPS``)
+    unless given; ``kernels``: a subset of ``forward``, ``backward_q``, ``backward_kv``, ``backward_table``. Run it
+    without ``TRITON_INTERPRET`` (the interpreter has no compiler)."""
+    import re
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("compile_report needs the compiler: unset TRITON_INTERPRET")
+    rows = []
+    for label, (fn_name, ptrs) in _KERNELS.items():
+        if kernels is not None and label not in kernels:
+            continue
+        fn = getattr(P, fn_name, None) or _backward_table
+        table = label == "backward_table"
+        for dtype in dtypes:
+            sig = {p: "*fp32" if p in ("dq_ptr", "dv_ptr", "part_ptr") else f"*{dtype}" for p in ptrs}
+            sig |= {name: "i32" for name in _INT_ARGS + (("ITEMS", "PER_SPLIT") if table else ())}
+            consts = dict(
+                BLOCK_N=P.BLOCK_N,
+                BLOCK_M=P.BLOCK_M,
+                BLOCK_H=block_h,
+                BLOCK_V=block_v,
+                HALF_DOT=dtype != "fp32",
+                F32_DOT="ieee",
+            )
+            if table:
+                consts |= dict(BLOCK_K=16, BLOCK_T=P.BLOCK_T, BLOCK_VC=table_vc)
+            sig |= {name: "constexpr" for name in consts}
+            src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+            warps = num_warps or (P.TABLE_WARPS if table else 4)
+            kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+            ptx, sass = kernel.asm["ptx"], kernel.asm["sass"]
+            rows.append(
+                {
+                    "kernel": label,
+                    "dtype": dtype,
+                    "num_warps": warps,
+                    "mma": len(re.findall(r"\bw?gmma|\bmma\.", ptx)),
+                    "spill_loads": len(re.findall(r"\bLDL\b", sass)),
+                    "spill_stores": len(re.findall(r"\bSTL\b", sass)),
+                    "shared_bytes": kernel.metadata.shared,
+                    "cubin_bytes": len(kernel.asm["cubin"]),
+                }
+            )
+    return rows
