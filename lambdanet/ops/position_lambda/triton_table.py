@@ -10,43 +10,10 @@ __all__: list[str] = []
 
 
 @triton.jit
-def _backward_table(
-    q_ptr,
-    v_ptr,
-    dy_ptr,
-    part_ptr,
-    N,
-    H,
-    K,
-    V,
-    U,
-    S0,
-    W,
-    T0,
-    T1,
-    c0,
-    c1,
-    s_qb,
-    s_qn,
-    s_qh,
-    s_vb,
-    s_vm,
-    s_vv,
-    s_yb,
-    s_yn,
-    s_yh,
-    ITEMS,
-    PER_SPLIT,
-    BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_VC: tl.constexpr,
-    HALF_DOT: tl.constexpr,
-    F32_DOT: tl.constexpr,
-):
+def _backward_table(q_ptr, v_ptr, dy_ptr, part_ptr, N, H, K, V, U, S0, W, T0, T1, c0, c1, s_qb, s_qn, s_qh, s_vb,
+                    s_vm, s_vv, s_yb, s_yn, s_yh, ITEMS, PER_SPLIT, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                    BLOCK_VC: tl.constexpr, HALF_DOT: tl.constexpr, F32_DOT: tl.constexpr):  # fmt: skip
     """part[s, k, u, t] = sum over the items (batch, query tile) of split s of sum_{n, h} q[n, h, k]
     dS[(n, h), m(n, t)], dS = dy V_u^T; m(n, t) is the context position at table entry t from query n (none
     outside the map). The program owns its rows of ``part`` (fp32, contiguous ``[splits, K, U, T]``)."""
