@@ -12,34 +12,10 @@ from lambdanet.ops.position_lambda.triton_table import _backward_table
 
 __all__ = ["compile_report"]
 
-_INT_ARGS = (
-    "N",
-    "H",
-    "K",
-    "V",
-    "U",
-    "S0",
-    "W",
-    "T0",
-    "T1",
-    "c0",
-    "c1",
-    "s_qb",
-    "s_qn",
-    "s_qh",
-    "s_vb",
-    "s_vm",
-    "s_vv",
-    "s_yb",
-    "s_yn",
-    "s_yh",
-)
-_KERNELS = {
-    "forward": ("_forward", ("q_ptr", "v_ptr", "r_ptr", "y_ptr")),
-    "backward_q": ("_backward_q", ("q_ptr", "v_ptr", "r_ptr", "dy_ptr", "dq_ptr")),
-    "backward_kv": ("_backward_kv", ("q_ptr", "v_ptr", "r_ptr", "dy_ptr", "dv_ptr")),
-    "backward_table": ("_backward_table", ("q_ptr", "v_ptr", "dy_ptr", "part_ptr")),
-}
+# the kernels by label; their signatures come from the kernels themselves (pointers, ints, constexprs)
+_KERNELS = {"forward": P._forward, "backward_q": P._backward_q, "backward_kv": P._backward_kv,
+            "backward_table": _backward_table}  # fmt: skip
+_FP32_OUT = ("dq_ptr", "dv_ptr", "part_ptr")  # the gradients' fp32 buffers
 
 
 def compile_report(
@@ -66,14 +42,11 @@ def compile_report(
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("compile_report needs the compiler: unset TRITON_INTERPRET")
     rows = []
-    for label, (fn_name, ptrs) in _KERNELS.items():
+    for label, fn in _KERNELS.items():
         if kernels is not None and label not in kernels:
             continue
-        fn = getattr(P, fn_name, None) or _backward_table
         table = label == "backward_table"
         for dtype in dtypes:
-            sig = {p: "*fp32" if p in ("dq_ptr", "dv_ptr", "part_ptr") else f"*{dtype}" for p in ptrs}
-            sig |= {name: "i32" for name in _INT_ARGS + (("ITEMS", "PER_SPLIT") if table else ())}
             consts = dict(
                 BLOCK_N=P.BLOCK_N,
                 BLOCK_M=P.BLOCK_M,
@@ -84,7 +57,8 @@ def compile_report(
             )
             if table:
                 consts |= dict(BLOCK_K=16, BLOCK_T=P.BLOCK_T, BLOCK_VC=table_vc)
-            sig |= {name: "constexpr" for name in consts}
+            sig = {a: "constexpr" if a in consts else "*fp32" if a in _FP32_OUT else f"*{dtype}" if a.endswith("_ptr")
+                   else "i32" for a in fn.arg_names}  # fmt: skip
             src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
             warps = num_warps or (P.TABLE_WARPS if table else 4)
             kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
