@@ -158,3 +158,24 @@ def test_a_language_model_shared_before_the_default_moved_loads_as_the_plain_mod
     tokens = torch.randint(0, 256, (2, 24))
     with torch.no_grad():
         assert torch.equal(shared(tokens), own(tokens))
+
+
+def test_a_language_model_shared_before_the_decay_became_the_default_loads_as_the_model_it_trained(
+    tmp_path, hub_cache
+):
+    """Weights of a ``lambda_lm_nano`` run written while the convolution alone was its default (options
+    ``short_conv`` without ``decay``), shared with their run metadata, build back as ``decay=None``, with their own
+    logits, and say so in ``model_kwargs`` (saved again, they stay that model)."""
+    from lambdanet.tasks.lm import load_lm
+
+    run = REPO / "tests" / "fixtures" / "lm_runs_conv" / "lm_done"
+    (tmp_path / "repo").mkdir()
+    shutil.copyfile(run / "model.safetensors", tmp_path / "repo" / "model.safetensors")
+    hub_cache(tmp_path / "repo", "someone/conv-lambda-lm")
+    shared = create_model("hf-hub:someone/conv-lambda-lm").eval()
+    own = load_lm(run)
+    assert shared.model_name == own.model_name == "lambda_lm_nano"
+    assert shared.blocks[0].mixer.decay is None and shared.model_kwargs["decay"] is None
+    tokens = torch.randint(0, 256, (2, 24))
+    with torch.no_grad():
+        assert torch.equal(shared(tokens), own(tokens))

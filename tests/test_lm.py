@@ -66,37 +66,71 @@ def test_the_registered_lambda_models_take_the_layer_shape_and_keep_the_budget(k
     assert wider.blocks[0].mlp[0].out_features == 2 * s.dim
 
 
-def test_the_default_lambda_model_is_the_plain_one_with_a_width_4_short_convolution():
-    """``lambda_lm_<size>`` = ``plain_lambda_lm_<size>`` (the paper's layer alone) + ``short_conv=4`` (issue 37's
-    study; at nano also ``dim_v=64``, which keeps the budget): the same modules and outputs from the same seed;
-    ``short_conv=0`` gives the plain model's modules back."""
+def test_the_default_lambda_model_is_the_plain_one_with_a_short_convolution_and_a_fixed_decay():
+    """``lambda_lm_<size>`` = ``plain_lambda_lm_<size>`` (the paper's layer alone) + ``short_conv=4`` +
+    ``decay="fixed"`` (issue 37's study, ``fixed_conv4``; at nano also ``dim_v=64``, which keeps the budget): the
+    same modules and outputs from the same seed; ``short_conv=0, decay=None`` gives the plain model's modules
+    back, ``decay=None`` the convolution alone (the default before, ``short_conv4``)."""
     x = torch.randint(0, 256, (2, 40))
     torch.manual_seed(0)
     default = create_model("lambda_lm_nano").eval()
     torch.manual_seed(0)
-    plain4 = create_model("plain_lambda_lm_nano", short_conv=4, dim_v=64).eval()
-    assert default.blocks[0].mixer.short_conv == 4 and model_args("lambda_lm_nano")["short_conv"] == 4
-    assert model_args("plain_lambda_lm_nano")["short_conv"] == 0
+    plain4 = create_model("plain_lambda_lm_nano", short_conv=4, decay="fixed", dim_v=64).eval()
+    mixer = default.blocks[0].mixer
+    assert (mixer.short_conv, mixer.decay) == (4, "fixed") and mixer.decay_rate is not None
+    assert model_args("lambda_lm_nano")["short_conv"] == 4 and model_args("lambda_lm_nano")["decay"] == "fixed"
+    assert model_args("plain_lambda_lm_nano")["short_conv"] == 0 and model_args("plain_lambda_lm_nano")["decay"] is None
     with torch.no_grad():
         assert torch.equal(default(x), plain4(x))
-    assert create_model("lambda_lm_tiny", short_conv=0).state_dict().keys() == create_model(
-        "plain_lambda_lm_tiny").state_dict().keys()
+    plain_keys = create_model("plain_lambda_lm_tiny").state_dict().keys()
+    assert create_model("lambda_lm_tiny", short_conv=0, decay=None).state_dict().keys() == plain_keys
+    conv_keys = create_model("plain_lambda_lm_tiny", short_conv=4).state_dict().keys()
+    assert create_model("lambda_lm_tiny", decay=None).state_dict().keys() == conv_keys
+    assert create_model("lambda_lm_tiny").state_dict().keys() - conv_keys == {
+        f"blocks.{i}.mixer.decay_rate" for i in range(LM_SIZES["tiny"].depth)}
     tiny = create_model("lambda_lm_tiny").blocks[0].mixer
     assert (tiny.short_conv, tiny.dim_v) == (4, create_model("plain_lambda_lm_tiny").blocks[0].mixer.dim_v)
 
 
-def test_runs_write_the_moved_default_out_and_read_older_runs_as_the_plain_model(tmp_path, corpus_dir):
-    """A new run records ``short_conv`` of a ``lambda_lm_<size>`` (its own value kept); a saved run whose options
-    lack it was written before the default moved and names the plain model; other families are untouched."""
+@pytest.mark.parametrize("kw", [{"content": False}, {"key_norm": "l2"}, {"key_norm": "none"}])
+def test_options_that_turn_off_the_prefix_softmax_build_the_default_without_its_decay(kw, tmp_path, corpus_dir):
+    """The default decay needs the content lambdas' prefix softmax: a ``lambda_lm_<size>`` asked for options
+    without it goes without the decay (its convolution kept), and its run records ``decay`` as absent, which
+    reads back as ``decay=None``; a decay the user names with them is still a one-line error."""
     from lambdanet.models.lm_zoo import pin_lm_kwargs, saved_lm
 
-    assert lm_config(tmp_path, corpus_dir).model_kwargs == {"short_conv": 4, "dim_v": 64}
+    mixer = create_model("lambda_lm_nano", **kw).blocks[0].mixer
+    assert (mixer.decay, mixer.decay_rate, mixer.short_conv) == (None, None, 4)
+    pinned = pin_lm_kwargs("lambda_lm_nano", kw)
+    assert pinned == {"short_conv": 4, "dim_v": 64, **kw}
+    assert lm_config(tmp_path, corpus_dir, model_kwargs=kw).model_kwargs == pinned
+    assert saved_lm("lambda_lm_nano", pinned) == ("lambda_lm_nano", {**pinned, "decay": None})
+    with pytest.raises(ValueError, match="decay='fixed' needs the content lambdas' prefix softmax"):
+        create_model("lambda_lm_nano", decay="fixed", **kw)
+
+
+def test_runs_write_the_moved_defaults_out_and_read_older_runs_as_the_model_they_trained(tmp_path, corpus_dir):
+    """A new run records ``short_conv`` and ``decay`` of a ``lambda_lm_<size>`` (its own values kept); a saved
+    run whose options lack ``short_conv`` was written before the first move and names the plain model, one that
+    names ``short_conv`` but not ``decay`` before the second, and gets ``decay=None``; other families are
+    untouched; what :func:`pin_lm_kwargs` writes reads back as itself."""
+    from lambdanet.models.lm_zoo import pin_lm_kwargs, saved_lm
+
+    assert lm_config(tmp_path, corpus_dir).model_kwargs == {"short_conv": 4, "decay": "fixed", "dim_v": 64}
     given = lm_config(tmp_path, corpus_dir, model_kwargs={"short_conv": 0, "r": 8})
-    assert (given.model, given.model_kwargs) == ("lambda_lm_nano", {"short_conv": 0, "dim_v": 64, "r": 8})
-    assert pin_lm_kwargs("lambda_lm_tiny", {}) == {"short_conv": 4}
+    assert (given.model, given.model_kwargs) == ("lambda_lm_nano", {"short_conv": 0, "decay": "fixed", "dim_v": 64,
+                                                                     "r": 8})  # fmt: skip
+    assert pin_lm_kwargs("lambda_lm_tiny", {}) == {"short_conv": 4, "decay": "fixed"}
+    assert pin_lm_kwargs("lambda_lm_tiny", {"decay": None}) == {"short_conv": 4, "decay": None}
     assert lm_config(tmp_path, corpus_dir, model="plain_lambda_lm_nano").model_kwargs == {}
     assert saved_lm("lambda_lm_tiny", {"r": 8}) == ("plain_lambda_lm_tiny", {"r": 8})
-    assert saved_lm("lambda_lm_tiny", {"short_conv": 4}) == ("lambda_lm_tiny", {"short_conv": 4})
+    assert saved_lm("lambda_lm_tiny", {"decay": "gate"}) == ("plain_lambda_lm_tiny", {"decay": "gate"})
+    assert saved_lm("lambda_lm_tiny", {"short_conv": 4}) == ("lambda_lm_tiny", {"short_conv": 4, "decay": None})
+    for pinned in ({"short_conv": 4, "decay": "fixed"}, {"short_conv": 2, "decay": None, "r": 8}):
+        assert saved_lm("lambda_lm_tiny", pinned) == ("lambda_lm_tiny", pinned)
+    for size in LM_SIZES:
+        model = f"lambda_lm_{size}"
+        assert saved_lm(model, pin_lm_kwargs(model, {})) == (model, pin_lm_kwargs(model, {}))
     for name in ("hybrid_lm_tiny", "linear_lm_tiny", "plain_lambda_lm_tiny", "transformer_lm_nano"):
         assert saved_lm(name, {}) == (name, {}) and pin_lm_kwargs(name, {}) == {}
 

@@ -22,21 +22,22 @@ def test_every_configuration_is_within_the_budget_and_keeps_its_options(config):
 
 def test_the_knobs_turn_the_plain_layer_and_the_chosen_one_is_the_registered_default():
     """The study's reference ``lambda`` is the paper's layer alone whatever the registered default is (rows written
-    before the default moved keep their meaning), and ``short_conv4``, its winner, builds exactly the tiny model
-    ``lambda_lm_tiny`` now is."""
+    before the default moved keep their meaning), and ``fixed_conv4``, its winner, builds exactly the tiny model
+    ``lambda_lm_tiny`` now is; ``short_conv4``, the default before, is ``lambda_lm_tiny`` with ``decay=None``."""
     import torch
 
     assert ABLATIONS["lambda"] == ("plain_lambda", {})
     assert all(family != "lambda" for family, _ in ABLATIONS.values())
-    family, kwargs = ABLATIONS["short_conv4"]
-    options = matched_kwargs(family, "tiny", kwargs)[0]  # builds models: before the seed
-    torch.manual_seed(0)
-    chosen = create_model(f"{family}_lm_tiny", **options)
-    torch.manual_seed(0)
-    default = create_model("lambda_lm_tiny")
-    assert repr(chosen) == repr(default)
-    a, b = chosen.state_dict(), default.state_dict()
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for config, default_kwargs in (("fixed_conv4", {}), ("short_conv4", {"decay": None})):
+        family, kwargs = ABLATIONS[config]
+        options = matched_kwargs(family, "tiny", kwargs)[0]  # builds models: before the seed
+        torch.manual_seed(0)
+        chosen = create_model(f"{family}_lm_tiny", **options)
+        torch.manual_seed(0)
+        default = create_model("lambda_lm_tiny", **default_kwargs)
+        assert repr(chosen) == repr(default), config
+        a, b = chosen.state_dict(), default.state_dict()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), config
 
 
 def test_the_study_writes_each_run_at_once_and_resumes_without_rerunning(tmp_path, monkeypatch):

@@ -121,12 +121,12 @@ make_lm = importlib.util.module_from_spec(_lm_spec)
 _lm_spec.loader.exec_module(make_lm)
 
 
-def copy_lm_run(name: str, tmp_path: Path) -> Path:
+def copy_lm_run(name: str, tmp_path: Path, runs: Path = LM_RUNS) -> Path:
     """The fixture run ``name`` copied, its ``config.yaml`` naming the corpus of this checkout: the fixture
     names the corpus where it was made (another folder on CI), as a run moved with its data would."""
     import yaml
 
-    out = copy_run(name, tmp_path, runs=LM_RUNS)
+    out = copy_run(name, tmp_path, runs=runs)
     config = yaml.safe_load((out / "config.yaml").read_text())
     assert config["data"].endswith("/tests/fixtures/lm_corpus.txt")  # the fixture's data is the corpus
     (out / "config.yaml").write_text(yaml.safe_dump(config | {"data": f"text:{make_lm.CORPUS}"}, sort_keys=False))
@@ -162,4 +162,48 @@ def test_a_stopped_language_model_run_of_the_old_default_resumes_to_the_weights_
     assert main(["lm", "train", "--out", str(new), "--resume"]) == 0
     saved = load_yaml(old / "config.yaml")
     assert saved["model"] == "plain_lambda_lm_nano" and saved["model_kwargs"] == {}
+    assert relative_difference(load_file(old / "model.safetensors"), load_file(new / "model.safetensors")) < RTOL
+
+
+# language-model runs written while lambda_lm_<size>'s default was the short convolution alone (before its decay;
+# tests/fixtures/lm_runs_conv, the same command as lm_runs_v02)
+CONV_RUNS = FIXTURES / "lm_runs_conv"
+
+
+def test_a_language_model_written_before_the_decay_became_the_default_loads_as_the_model_it_trained():
+    """Its options name ``short_conv`` but not ``decay``: ``lambda_lm_nano`` with ``decay=None`` (no decay rates),
+    loaded strictly and bit for bit, from its weights and from its checkpoint; the default model would not load."""
+    from lambdanet.models import create_model
+    from lambdanet.tasks.lm import load_lm
+
+    weights = load_file(CONV_RUNS / "lm_done" / "model.safetensors")
+    for path in (CONV_RUNS / "lm_done", CONV_RUNS / "lm" / "last.pt"):
+        model = load_lm(path)
+        assert model.model_name == "lambda_lm_nano" and model.lm_cfg["model_kwargs"] == {
+            "short_conv": 4, "dim_v": 64, "decay": None}
+        mixer = model.blocks[0].mixer
+        assert (mixer.short_conv, mixer.decay, mixer.dim_v) == (4, None, 64)
+    model = load_lm(CONV_RUNS / "lm_done")
+    state = model.state_dict()
+    assert state.keys() == weights.keys() and all(torch.equal(state[k], weights[k]) for k in weights)
+    with pytest.raises(RuntimeError, match="Missing key.*decay_rate"):
+        create_model("lambda_lm_nano").load_state_dict(weights)  # the new default has the decay rates
+
+
+def test_a_stopped_language_model_run_of_the_convolution_default_resumes_to_the_weights_of_this_version(
+    tmp_path, capsys
+):
+    """Resumed, it trains the model it started (its configuration now says ``decay: null``); the same run made,
+    stopped and resumed by this version with ``decay=None`` ends with the same weights (``RTOL``)."""
+    from lambdanet.engine.config import load_yaml
+
+    old = copy_lm_run("lm", tmp_path, runs=CONV_RUNS)
+    new = stopped_run([*make_lm.LM, "--model-kwargs", "decay=null"], tmp_path / "new", stop_after=3)
+    capsys.readouterr()
+    assert main(["lm", "train", "--out", str(old), "--resume"]) == 0
+    assert main(["lm", "train", "--out", str(new), "--resume"]) == 0
+    saved = load_yaml(old / "config.yaml")
+    assert saved["model"] == "lambda_lm_nano"
+    assert saved["model_kwargs"] == {"short_conv": 4, "decay": None, "dim_v": 64} == load_yaml(new / "config.yaml")[
+        "model_kwargs"]
     assert relative_difference(load_file(old / "model.safetensors"), load_file(new / "model.safetensors")) < RTOL

@@ -136,7 +136,8 @@ def _from_hub(repo: str, *, num_classes, in_chans, pretrained, checkpoint_path, 
     if pretrained or checkpoint_path is not None:
         raise ValueError(f"hf-hub:{repo} brings its own weights: pass neither pretrained nor checkpoint_path")
     path, meta = download_hub_weights(repo)
-    arch, arch_kwargs = meta["model"], {**meta.get("model_kwargs", {}), **kwargs}
+    arch, saved = adapter(meta["model"]).saved(meta["model"], meta.get("model_kwargs", {}))  # as written then
+    arch_kwargs = {**saved, **kwargs}
     model = cast(
         "CreatedModel",
         adapter(arch).from_hub(repo, arch, path, meta, arch_kwargs, num_classes=num_classes, in_chans=in_chans),

@@ -5,10 +5,13 @@ of :data:`~lambdanet.models.lm.LM_SIZES`), and how :func:`~lambdanet.models.crea
 ``short_conv``, ``lambdas``, ``content``, ``key_norm``, ``query_softmax`` (the hybrid ``attention_every``); the
 transformer ``positions`` and ``max_len``.
 
-``lambda_lm_<size>`` runs a short causal convolution of width :data:`LAMBDA_SHORT_CONV` before its lambdas (the
-best configuration of issue 37's ablation study, docs/language_models.md); ``plain_lambda_lm_<size>`` is the
-paper's masked lambda layer alone, the default until 0.2.0. Runs write ``short_conv`` out since
-(:func:`pin_lm_kwargs`), and a run written before reads back as the plain model it trained (:func:`saved_lm`)."""
+``lambda_lm_<size>`` runs a short causal convolution of width :data:`LAMBDA_SHORT_CONV` before its lambdas and
+lets the content summary forget at a learnt rate per key channel (``decay=`` :data:`LAMBDA_DECAY`): the best
+configuration of issue 37's ablation study (``fixed_conv4``, docs/language_models.md). ``plain_lambda_lm_<size>``
+is the paper's masked lambda layer alone, the default of 0.1.0. The default moved twice while 0.2.0 was
+developed: to the convolution alone (``short_conv4``), then to ``fixed_conv4``. Runs write the options whose
+default moved (:func:`pin_lm_kwargs`), and a run written before reads back as the model it trained
+(:func:`saved_lm`)."""
 
 from __future__ import annotations
 
@@ -24,7 +27,8 @@ from lambdanet.models.registry import ModelAdapter, ModelInfo, entry_point, regi
 if TYPE_CHECKING:
     from lambdanet.models.registry import CreatedModel
 
-__all__ = ["LanguageModelAdapter", "LM_ADAPTER", "LAMBDA_SHORT_CONV", "LAMBDA_DEFAULTS", "pin_lm_kwargs", "saved_lm"]
+__all__ = ["LanguageModelAdapter", "LM_ADAPTER", "LAMBDA_SHORT_CONV", "LAMBDA_DECAY", "LAMBDA_DEFAULTS",
+           "lambda_defaults", "pin_lm_kwargs", "saved_lm"]  # fmt: skip
 
 
 def _lm(mixer: str, size: str, **kwargs) -> LanguageModel:
@@ -46,31 +50,56 @@ LAMBDA_ARGS = {"vocab_size": 256, "dim_v": None, "dim_u": 1, "chunk": 64, "dropo
                "query_softmax": False}  # fmt: skip
 HYBRID_ARGS = {**LAMBDA_ARGS, "attention_every": 4}
 LAMBDA_SHORT_CONV = 4  # lambda_lm_<size>'s short convolution: 1.1% lower bits per byte over 3 seeds (the study)
-# what lambda_lm_<size> sets over plain_lambda_lm_<size>: the convolution, and at nano the value depth that keeps the
-# parameters within 2% of the transformer's (the convolution's 4 x 480 weights per layer are 2.2% of nano's budget)
-LAMBDA_DEFAULTS = {size: {"short_conv": LAMBDA_SHORT_CONV, **({"dim_v": 64} if size == "nano" else {})}
-                   for size in LM_SIZES}  # fmt: skip
+LAMBDA_DECAY = "fixed"  # and its decay: with the convolution, 0.9% below the convolution alone in each of 3 seeds
+# what lambda_lm_<size> sets over plain_lambda_lm_<size>: the convolution, the decay (dim_k x dim_u rates per layer),
+# and at nano the value depth that keeps the parameters within 2% of the transformer's (the convolution's 4 x 480
+# weights per layer are 2.2% of nano's budget)
+LAMBDA_DEFAULTS = {size: {"short_conv": LAMBDA_SHORT_CONV, "decay": LAMBDA_DECAY,
+                          **({"dim_v": 64} if size == "nano" else {})} for size in LM_SIZES}  # fmt: skip
 TRANSFORMER_ARGS = {"vocab_size": 256, "positions": "rotary", "max_len": None, "dropout": 0.0}
 _DEFAULT_LAMBDA = re.compile(rf"lambda_lm_({'|'.join(LM_SIZES)})")
 
 
+def lambda_defaults(size: str, kwargs: Mapping) -> dict:
+    """What ``lambda_lm_<size>`` sets over ``plain_lambda_lm_<size>`` when built with ``kwargs``:
+    :data:`LAMBDA_DEFAULTS`, less the decay where ``kwargs`` turn off what it needs (the content lambdas' prefix
+    softmax: ``content=False``, or a ``key_norm`` other than ``"softmax"``), so those options build the model
+    without it instead of failing on a default the user never named."""
+    defaults = dict(LAMBDA_DEFAULTS[size])
+    if not kwargs.get("content", True) or kwargs.get("key_norm", "softmax") != "softmax":
+        del defaults["decay"]
+    return defaults
+
+
 def pin_lm_kwargs(model: str, model_kwargs: Mapping) -> dict:
     """``model_kwargs`` as a run records them: with the options whose default moved written out (what a
-    ``lambda_lm_<size>`` sets over the plain model, :data:`LAMBDA_DEFAULTS`), so the run stays the model it trained
+    ``lambda_lm_<size>`` sets over the plain model, :func:`lambda_defaults`), so the run stays the model it trained
     if a default moves again."""
     kwargs = dict(model_kwargs)
     if match := _DEFAULT_LAMBDA.fullmatch(model):
-        kwargs = {**LAMBDA_DEFAULTS[match[1]], **kwargs}
+        kwargs = {**lambda_defaults(match[1], kwargs), **kwargs}
     return kwargs
 
 
 def saved_lm(model: str, model_kwargs: Mapping) -> tuple[str, dict]:
-    """The registered model and options that a saved run's ``model`` and ``model_kwargs`` describe. A
-    ``lambda_lm_<size>`` whose options lack ``short_conv`` was written before it became the default
-    (:func:`pin_lm_kwargs` writes it out since): the plain lambda model, ``plain_lambda_lm_<size>``."""
-    if _DEFAULT_LAMBDA.fullmatch(model) and "short_conv" not in model_kwargs:
-        return f"plain_{model}", dict(model_kwargs)
-    return model, dict(model_kwargs)
+    """The registered model and options that a saved run's (or shared weights') ``model`` and ``model_kwargs``
+    describe. :func:`pin_lm_kwargs` writes out the options whose default moved, so a ``lambda_lm_<size>`` that
+    lacks one was written before that default:
+
+    * no ``short_conv``: written by 0.1.0 (or before the convolution became the default), the plain lambda model,
+      ``plain_lambda_lm_<size>``;
+    * ``short_conv`` but no ``decay``: written while the convolution alone was the default (``short_conv4``), the
+      same model with ``decay=None``.
+
+    Any other model and options are themselves."""
+    kwargs = dict(model_kwargs)
+    if not _DEFAULT_LAMBDA.fullmatch(model):
+        return model, kwargs
+    if "short_conv" not in kwargs:
+        return f"plain_{model}", kwargs
+    if "decay" not in kwargs:
+        return model, {**kwargs, "decay": None}
+    return model, kwargs
 
 
 class LanguageModelAdapter(ModelAdapter):
@@ -86,12 +115,16 @@ class LanguageModelAdapter(ModelAdapter):
             )
         return self._build(name, build, kwargs)
 
+    def saved(self, name: str, kwargs: Mapping) -> tuple[str, dict]:
+        """Runs and weights written before ``lambda_lm_<size>``'s default moved build the model they trained
+        (:func:`saved_lm`)."""
+        return saved_lm(name, kwargs)
+
     def from_hub(self, repo, name, path, meta, kwargs, *, num_classes, in_chans) -> nn.Module:
-        """The hub's ``vocab_size`` (``num_classes`` and ``in_chans`` do not apply); weights shared before
-        ``lambda_lm_<size>``'s default moved build the plain model they are (:func:`saved_lm`)."""
+        """The hub's ``vocab_size`` (``num_classes`` and ``in_chans`` do not apply); ``name`` and ``kwargs`` as
+        :meth:`saved` read them."""
         from safetensors.torch import load_model
 
-        name = saved_lm(name, meta.get("model_kwargs", {}))[0]
         kwargs = {"vocab_size": meta["vocab_size"], **kwargs}
         model = self._build(name, entry_point(name, kwargs), kwargs)
         load_model(model, str(path))
@@ -115,7 +148,7 @@ def _info(name: str) -> ModelInfo:
 # one entry per name: <mixer>_lm_<size>, the size from LM_SIZES
 @register_model(info=_info("lambda_lm_nano"), args=_size_args({**LAMBDA_ARGS, **LAMBDA_DEFAULTS["nano"]}, "nano"))
 def lambda_lm_nano(**kwargs) -> LanguageModel:
-    return _lm("lambda", "nano", **{**LAMBDA_DEFAULTS["nano"], **kwargs})
+    return _lm("lambda", "nano", **{**lambda_defaults("nano", kwargs), **kwargs})
 
 
 @register_model(info=_info("plain_lambda_lm_nano"), args=_size_args(LAMBDA_ARGS, "nano"))
@@ -125,7 +158,7 @@ def plain_lambda_lm_nano(**kwargs) -> LanguageModel:
 
 @register_model(info=_info("lambda_lm_tiny"), args=_size_args({**LAMBDA_ARGS, **LAMBDA_DEFAULTS["tiny"]}, "tiny"))
 def lambda_lm_tiny(**kwargs) -> LanguageModel:
-    return _lm("lambda", "tiny", **{**LAMBDA_DEFAULTS["tiny"], **kwargs})
+    return _lm("lambda", "tiny", **{**lambda_defaults("tiny", kwargs), **kwargs})
 
 
 @register_model(info=_info("plain_lambda_lm_tiny"), args=_size_args(LAMBDA_ARGS, "tiny"))
@@ -135,7 +168,7 @@ def plain_lambda_lm_tiny(**kwargs) -> LanguageModel:
 
 @register_model(info=_info("lambda_lm_small"), args=_size_args({**LAMBDA_ARGS, **LAMBDA_DEFAULTS["small"]}, "small"))
 def lambda_lm_small(**kwargs) -> LanguageModel:
-    return _lm("lambda", "small", **{**LAMBDA_DEFAULTS["small"], **kwargs})
+    return _lm("lambda", "small", **{**lambda_defaults("small", kwargs), **kwargs})
 
 
 @register_model(info=_info("plain_lambda_lm_small"), args=_size_args(LAMBDA_ARGS, "small"))
@@ -145,7 +178,7 @@ def plain_lambda_lm_small(**kwargs) -> LanguageModel:
 
 @register_model(info=_info("lambda_lm_base"), args=_size_args({**LAMBDA_ARGS, **LAMBDA_DEFAULTS["base"]}, "base"))
 def lambda_lm_base(**kwargs) -> LanguageModel:
-    return _lm("lambda", "base", **{**LAMBDA_DEFAULTS["base"], **kwargs})
+    return _lm("lambda", "base", **{**lambda_defaults("base", kwargs), **kwargs})
 
 
 @register_model(info=_info("plain_lambda_lm_base"), args=_size_args(LAMBDA_ARGS, "base"))

@@ -85,6 +85,12 @@ class ModelAdapter:
         not take."""
         raise NotImplementedError
 
+    def saved(self, name: str, kwargs: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+        """The registered model and architecture options that a saved ``name`` and ``kwargs`` (a run's, or weights'
+        shared on the hub) describe in this version: themselves, unless a default of the family moved since they
+        were written (:func:`lambdanet.models.lm_zoo.saved_lm`)."""
+        return name, dict(kwargs)
+
     def from_hub(
         self,
         repo: str,

@@ -93,9 +93,9 @@ class LMConfig(RunConfig):
             raise ValueError(f"eval_bytes must be >= 2 or null (all), got {self.eval_bytes!r}")
 
     def complete(self, explicit: dict) -> None:
-        """The model as the run records it: a resumed run written before ``lambda_lm_<size>`` took its short
-        convolution is the plain model it trained (:func:`~lambdanet.models.lm_zoo.saved_lm`); options whose
-        default moved are written out (:func:`~lambdanet.models.lm_zoo.pin_lm_kwargs`)."""
+        """The model as the run records it: a resumed run written before ``lambda_lm_<size>``'s default moved is
+        the model it trained (:func:`~lambdanet.models.lm_zoo.saved_lm`); options whose default moved are written
+        out (:func:`~lambdanet.models.lm_zoo.pin_lm_kwargs`)."""
         super().complete(explicit)
         if self.resume:
             self.model, self.model_kwargs = saved_lm(self.model, self.model_kwargs)
