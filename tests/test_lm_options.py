@@ -183,3 +183,54 @@ def test_a_models_steps_equal_its_parallel_forward(name, kw):
         logits, state = model.step(state, tokens[:, t])
         steps.append(logits)
     assert rel(torch.stack(steps, dim=1), full[:, 12:]) < 1e-10
+
+
+def test_the_fixed_decays_rates_take_no_weight_decay():
+    """``decay_rate`` (one per layer) sits in the group without weight decay, the rest of the mixer (its
+    projections, its convolution, the gate's weights) in the one with it: one AdamW step with zero gradients
+    leaves the rates as they were and shrinks a projection by ``1 - lr wd`` exactly."""
+    from lambdanet.engine.optim import param_groups
+
+    model = create_model("lambda_lm_nano")  # the default: a fixed decay and a convolution
+    groups = param_groups(model, 0.1)
+    name = {id(p): n for n, p in model.named_parameters()}
+    decayed, kept = ({name[id(p)] for p in g["params"]} for g in groups)
+    rates = {n for n in name.values() if n.endswith("mixer.decay_rate")}
+    assert len(rates) == LM_SIZES["nano"].depth and rates <= kept
+    assert {"blocks.0.mixer.qkv.weight", "blocks.0.mixer.conv.weight"} <= decayed
+    gated = create_model("lambda_lm_nano", decay="gate")
+    gate_name = {id(p): n for n, p in gated.named_parameters()}
+    gate_decayed = {gate_name[id(p)] for p in param_groups(gated, 0.1)[0]["params"]}
+    assert "blocks.0.mixer.gate.weight" in gate_decayed and not any("decay_rate" in n for n in gate_name.values())
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(groups, lr=0.01)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    after = dict(model.named_parameters())
+    assert all(torch.equal(after[n], before[n]) for n in rates)
+    w = "blocks.0.mixer.qkv.weight"
+    assert torch.allclose(after[w], before[w] * (1 - 0.01 * 0.1), rtol=1e-6, atol=0)
+
+
+def test_an_optimiser_saved_while_the_rates_took_weight_decay_resumes_with_each_parameters_state():
+    """A checkpoint of a ``decay="fixed"`` model from before the rates left weight decay grouped its parameters
+    by dimension alone: loaded, every parameter (the rates included, now in the other group) gets its own
+    moments back, and the rates' group has no weight decay."""
+    from lambdanet.engine.optim import load_optimizer_state, param_groups
+
+    torch.manual_seed(0)
+    model = create_model("lambda_lm_nano")
+    params = list(model.parameters())
+    old = torch.optim.AdamW([{"params": [p for p in params if p.ndim > 1], "weight_decay": 0.1},
+                             {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}], lr=0.01)  # fmt: skip
+    for p in params:
+        p.grad = torch.randn_like(p)
+    old.step()
+    new = torch.optim.AdamW(param_groups(model, 0.1), lr=0.01)
+    load_optimizer_state(new, old.state_dict(), model)
+    for p in params:
+        assert torch.equal(new.state[p]["exp_avg"], old.state[p]["exp_avg"])
+    rates = [p for n, p in model.named_parameters() if n.endswith("decay_rate")]
+    assert all(any(r is p for p in new.param_groups[1]["params"]) for r in rates)
+    assert new.param_groups[1]["weight_decay"] == 0.0

@@ -221,6 +221,13 @@ class CausalLambdaLayer(nn.Module):
             new.update(mine)
         return cast(Tensor, y), new
 
+    def no_weight_decay(self) -> set[str]:
+        """The parameters that take no weight decay (timm's method; :func:`lambdanet.engine.optim.param_groups`
+        reads it): ``decay_rate``, the fixed decay's rates before the softplus. Weight decay would pull them
+        towards 0, a rate of ``softplus(0) = 0.69`` per position, whatever the data say (Mamba exempts its
+        ``A_log`` alike)."""
+        return {"decay_rate"} if self.decay_rate is not None else set()
+
     def init_state(self, batch_size: int, dtype: torch.dtype | None = None, device=None) -> dict[str, Tensor]:
         """The empty context's state (:func:`lambdanet.functional.causal.init_causal_lambda_state`, and the last
         ``short_conv - 1`` projections as zeros)."""
