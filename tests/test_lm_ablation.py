@@ -125,3 +125,7 @@ def test_the_summary_table_gives_the_spread_only_over_several_seeds():
     lines = {line.split(" | ")[0]: line.split(" | ") for line in table.splitlines()[2:]}
     assert lines["| lambda"][4] == "-" and lines["| lambda"][5] == "0.950"  # paired with seed 0's 2.0
     assert lines["| transformer"][3:5] == ["2.1000", "0.1414"]  # sample standard deviation of 2.0 and 2.2
+    old = {**row("fixed_wd", 0, 1.8), "model_kwargs": {"decay": "fixed"}, "rate_weight_decay": True}
+    lines = {line.split(" | ")[0]: line.split(" | ") for line in lm_ablation.summary_table([old, row("lambda", 0, 1.9)])
+             .splitlines()[2:]}  # fmt: skip
+    assert lines["| fixed_wd"][1] == "{'decay': 'fixed'} (rates under weight decay)" and lines["| lambda"][1] == ""

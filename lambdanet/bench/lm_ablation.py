@@ -203,6 +203,7 @@ def summarize(rows: Sequence[dict]) -> list[dict]:
         paired = [r["val_bits_per_byte"] / base[r["seed"]] for r in mine if r["seed"] in base]
         out.append({
             "config": config, "model_kwargs": mine[0]["model_kwargs"], "seeds": len(bpb),
+            "rate_weight_decay": bool(mine[0].get("rate_weight_decay")),
             "mean_bits_per_byte": statistics.fmean(bpb), "std_bits_per_byte": statistics.stdev(bpb) if len(bpb) > 1
             else 0.0, "min_bits_per_byte": min(bpb), "max_bits_per_byte": max(bpb),
             "vs_transformer": statistics.fmean(paired) if paired else float("nan"),
@@ -213,10 +214,11 @@ def summarize(rows: Sequence[dict]) -> list[dict]:
 
 def summary_table(rows: Sequence[dict]) -> str:
     """:func:`summarize` as a Markdown table (bits per byte to 4 decimals: the targets are differences of 3%; no
-    spread for one seed)."""
+    spread for one seed; rows trained while the fixed decay's rates took weight decay say so)."""
     table = ["| config | options | seeds | mean bits/byte | std | / transformer | params / transformer |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
-    table += [f"| {r['config']} | {r['model_kwargs'] or ''} | {r['seeds']} | {r['mean_bits_per_byte']:.4f} | "
+    table += [f"| {r['config']} | {r['model_kwargs'] or ''}{' (rates under weight decay)' * r['rate_weight_decay']} | "
+              f"{r['seeds']} | {r['mean_bits_per_byte']:.4f} | "
               f"{format(r['std_bits_per_byte'], '.4f') if r['seeds'] > 1 else '-'} | {r['vs_transformer']:.3f} | "
               f"{r['params_vs_transformer']:.3f} |" for r in summarize(rows)]  # fmt: skip
     return "\n".join(table)
