@@ -95,16 +95,16 @@ def test_the_default_lambda_model_is_the_plain_one_with_a_short_convolution_and_
 @pytest.mark.parametrize("kw", [{"content": False}, {"key_norm": "l2"}, {"key_norm": "none"}])
 def test_options_that_turn_off_the_prefix_softmax_build_the_default_without_its_decay(kw, tmp_path, corpus_dir):
     """The default decay needs the content lambdas' prefix softmax: a ``lambda_lm_<size>`` asked for options
-    without it goes without the decay (its convolution kept), and its run records ``decay`` as absent, which
-    reads back as ``decay=None``; a decay the user names with them is still a one-line error."""
+    without it goes without the decay (its convolution kept), and its run records ``decay=None``, which reads
+    back as itself; a decay the user names with them is still a one-line error."""
     from lambdanet.models.lm_zoo import pin_lm_kwargs, saved_lm
 
     mixer = create_model("lambda_lm_nano", **kw).blocks[0].mixer
     assert (mixer.decay, mixer.decay_rate, mixer.short_conv) == (None, None, 4)
     pinned = pin_lm_kwargs("lambda_lm_nano", kw)
-    assert pinned == {"short_conv": 4, "dim_v": 64, **kw}
+    assert pinned == {"short_conv": 4, "decay": None, "dim_v": 64, **kw}
     assert lm_config(tmp_path, corpus_dir, model_kwargs=kw).model_kwargs == pinned
-    assert saved_lm("lambda_lm_nano", pinned) == ("lambda_lm_nano", {**pinned, "decay": None})
+    assert saved_lm("lambda_lm_nano", pinned) == ("lambda_lm_nano", pinned)
     with pytest.raises(ValueError, match="decay='fixed' needs the content lambdas' prefix softmax"):
         create_model("lambda_lm_nano", decay="fixed", **kw)
 

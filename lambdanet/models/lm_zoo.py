@@ -62,12 +62,12 @@ _DEFAULT_LAMBDA = re.compile(rf"lambda_lm_({'|'.join(LM_SIZES)})")
 
 def lambda_defaults(size: str, kwargs: Mapping) -> dict:
     """What ``lambda_lm_<size>`` sets over ``plain_lambda_lm_<size>`` when built with ``kwargs``:
-    :data:`LAMBDA_DEFAULTS`, less the decay where ``kwargs`` turn off what it needs (the content lambdas' prefix
-    softmax: ``content=False``, or a ``key_norm`` other than ``"softmax"``), so those options build the model
-    without it instead of failing on a default the user never named."""
+    :data:`LAMBDA_DEFAULTS`, with ``decay=None`` where ``kwargs`` turn off what the decay needs (the content
+    lambdas' prefix softmax: ``content=False``, or a ``key_norm`` other than ``"softmax"``), so those options build
+    the model without it instead of failing on a default the user never named."""
     defaults = dict(LAMBDA_DEFAULTS[size])
     if not kwargs.get("content", True) or kwargs.get("key_norm", "softmax") != "softmax":
-        del defaults["decay"]
+        defaults["decay"] = None
     return defaults
 
 
