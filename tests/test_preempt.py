@@ -336,11 +336,16 @@ def test_processes_agree_on_what_they_knew_when_they_entered_the_reduce(monkeypa
 def test_a_second_ctrl_c_interrupts_at_once(monkeypatch):
     from lambdanet.engine import preempt
 
-    with StopSignals() as stop:
-        signal.raise_signal(signal.SIGINT)
-        signal.raise_signal(signal.SIGINT)  # the same press delivered twice (group + forwarding): no effect
-        assert stop.requested() is signal.SIGINT
-        monkeypatch.setattr(preempt, "REPEAT_WINDOW_S", -1.0)  # a later press
-        with pytest.raises(KeyboardInterrupt):
+    # Python's handler, as a run started from a terminal has it (a shell's background job starts with SIGINT ignored)
+    outside = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with StopSignals() as stop:
             signal.raise_signal(signal.SIGINT)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+            signal.raise_signal(signal.SIGINT)  # the same press delivered twice (group + forwarding): no effect
+            assert stop.requested() is signal.SIGINT
+            monkeypatch.setattr(preempt, "REPEAT_WINDOW_S", -1.0)  # a later press
+            with pytest.raises(KeyboardInterrupt):
+                signal.raise_signal(signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, outside)
