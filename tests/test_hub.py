@@ -142,40 +142,27 @@ def test_the_push_to_hub_command_writes_or_uploads_the_repository(tmp_path, monk
     assert capsys.readouterr().err.count("\n") == 1
 
 
-def test_a_language_model_shared_before_the_default_moved_loads_as_the_plain_model(tmp_path, hub_cache):
-    """Weights of a ``lambda_lm_nano`` run written before the short convolution became its default (its options
-    do not name ``short_conv``), put on the hub as they are, build back as the model they trained, with its own
-    logits."""
-    from lambdanet.tasks.lm import load_lm
-
-    run = REPO / "tests" / "fixtures" / "lm_runs_v02" / "lm_done"
-    (tmp_path / "repo").mkdir()
-    shutil.copyfile(run / "model.safetensors", tmp_path / "repo" / "model.safetensors")
-    hub_cache(tmp_path / "repo", "someone/old-lambda-lm")
-    shared = create_model("hf-hub:someone/old-lambda-lm").eval()
-    own = load_lm(run)
-    assert shared.model_name == own.model_name == "plain_lambda_lm_nano"
-    tokens = torch.randint(0, 256, (2, 24))
-    with torch.no_grad():
-        assert torch.equal(shared(tokens), own(tokens))
-
-
-def test_a_language_model_shared_before_the_decay_became_the_default_loads_as_the_model_it_trained(
-    tmp_path, hub_cache
+@pytest.mark.parametrize("fixture, name, options", [
+    ("lm_runs_v02", "plain_lambda_lm_nano", {}),  # 0.1.x: options without short_conv, the plain model
+    ("lm_runs_conv", "lambda_lm_nano", {"decay": None}),  # the convolution alone: short_conv without decay
+])
+def test_a_language_model_shared_before_a_default_moved_loads_as_the_model_it_trained(
+    tmp_path, hub_cache, fixture, name, options
 ):
-    """Weights of a ``lambda_lm_nano`` run written while the convolution alone was its default (options
-    ``short_conv`` without ``decay``), shared with their run metadata, build back as ``decay=None``, with their own
-    logits, and say so in ``model_kwargs`` (saved again, they stay that model)."""
+    """Weights of a ``lambda_lm_nano`` run written before ``lambda_lm_<size>``'s default moved (before the short
+    convolution, or before the decay), put on the hub as they are with their run metadata, build back as the model
+    they trained, with its own logits, and say so in ``model_kwargs`` (saved again, they stay that model)."""
     from lambdanet.tasks.lm import load_lm
 
-    run = REPO / "tests" / "fixtures" / "lm_runs_conv" / "lm_done"
+    run = REPO / "tests" / "fixtures" / fixture / "lm_done"
     (tmp_path / "repo").mkdir()
     shutil.copyfile(run / "model.safetensors", tmp_path / "repo" / "model.safetensors")
-    hub_cache(tmp_path / "repo", "someone/conv-lambda-lm")
-    shared = create_model("hf-hub:someone/conv-lambda-lm").eval()
+    hub_cache(tmp_path / "repo", f"someone/{fixture}")
+    shared = create_model(f"hf-hub:someone/{fixture}").eval()
     own = load_lm(run)
-    assert shared.model_name == own.model_name == "lambda_lm_nano"
-    assert shared.blocks[0].mixer.decay is None and shared.model_kwargs["decay"] is None
+    assert shared.model_name == own.model_name == name
+    assert all(k in shared.model_kwargs and shared.model_kwargs[k] == v for k, v in options.items())
+    assert shared.blocks[0].mixer.decay is None
     tokens = torch.randint(0, 256, (2, 24))
     with torch.no_grad():
         assert torch.equal(shared(tokens), own(tokens))
