@@ -197,18 +197,13 @@ def compile_report(
     the matrix-unit instructions in the PTX, the register spills in the machine code (``LDL`` / ``STL``), shared
     memory and compile seconds. Run it without
     ``TRITON_INTERPRET`` (the interpreter has no compiler)."""
-    import re
     import time
 
-    import triton
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
+    from lambdanet.ops.aot import compile_counts
     from lambdanet.ops.causal_lambda import triton_chunk as T
 
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        raise RuntimeError("compile_report needs the compiler: unset TRITON_INTERPRET")
     C = chunk or default_chunk(heads)
     m = dict(K=dim_k, V=dim_v, U=1, C=C, H=heads, HP=_pow2(heads), KP=_pow2(dim_k, 16), RP=_pow2(r, 16),
              P=-(-(r - 1) // C) if r > 1 else 0, BV=min(BLOCK_V, _pow2(dim_v, 16)), HAS_EMB=r > 0)  # fmt: skip
@@ -221,14 +216,8 @@ def compile_report(
                       if k in fn.arg_names}  # fmt: skip
             sig = {a: "constexpr" if a in consts else "i32" if a in ("n", "r", "N", "N1") else
                    "*fp32" if a in f32 else f"*{label}" for a in fn.arg_names}  # fmt: skip
-            src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
             t0 = time.perf_counter()
-            opts = {"num_warps": _warps(m), "num_stages": STAGES}
-            kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
-            ptx, sass = kernel.asm["ptx"], kernel.asm["sass"]  # spills are ptxas's: in the SASS, not the PTX
-            rows.append({
-                "kernel": name.lstrip("_"), "dtype": label, "mma": len(re.findall(r"\bw?gmma|\bmma\.", ptx)),
-                "spill_loads": len(re.findall(r"\bLDL\b", sass)), "spill_stores": len(re.findall(r"\bSTL\b", sass)),
-                "shared_bytes": kernel.metadata.shared, "compile_s": round(time.perf_counter() - t0, 2),
-            })  # fmt: skip
+            counts = compile_counts(fn, sig, consts, arch, num_warps=_warps(m), num_stages=STAGES)[1]
+            rows.append({"kernel": name.lstrip("_"), "dtype": label, **counts,
+                         "compile_s": round(time.perf_counter() - t0, 2)})  # fmt: skip
     return rows

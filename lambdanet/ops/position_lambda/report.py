@@ -3,10 +3,7 @@ instructions, the register spills read from the machine code and the shared memo
 
 from __future__ import annotations
 
-import os
-
-import triton
-
+from lambdanet.ops.aot import compile_counts
 from lambdanet.ops.position_lambda import triton_position as P
 from lambdanet.ops.position_lambda.triton_table import _backward_table
 
@@ -34,13 +31,6 @@ def compile_report(
     and shared memory. ``num_warps``: each kernel's launch setting (4; the table gradient ``TABLE_WARPS``)
     unless given; ``kernels``: a subset of ``forward``, ``backward_q``, ``backward_kv``, ``backward_table``. Run it
     without ``TRITON_INTERPRET`` (the interpreter has no compiler)."""
-    import re
-
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        raise RuntimeError("compile_report needs the compiler: unset TRITON_INTERPRET")
     rows = []
     for label, fn in _KERNELS.items():
         if kernels is not None and label not in kernels:
@@ -59,20 +49,9 @@ def compile_report(
                 consts |= dict(BLOCK_K=16, BLOCK_T=P.BLOCK_T, BLOCK_VC=table_vc)
             sig = {a: "constexpr" if a in consts else "*fp32" if a in _FP32_OUT else f"*{dtype}" if a.endswith("_ptr")
                    else "i32" for a in fn.arg_names}  # fmt: skip
-            src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
             warps = num_warps or (P.TABLE_WARPS if table else 4)
-            kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
-            ptx, sass = kernel.asm["ptx"], kernel.asm["sass"]
+            kernel, counts = compile_counts(fn, sig, consts, arch, num_warps=warps)
             rows.append(
-                {
-                    "kernel": label,
-                    "dtype": dtype,
-                    "num_warps": warps,
-                    "mma": len(re.findall(r"\bw?gmma|\bmma\.", ptx)),
-                    "spill_loads": len(re.findall(r"\bLDL\b", sass)),
-                    "spill_stores": len(re.findall(r"\bSTL\b", sass)),
-                    "shared_bytes": kernel.metadata.shared,
-                    "cubin_bytes": len(kernel.asm["cubin"]),
-                }
+                {"kernel": label, "dtype": dtype, "num_warps": warps, **counts, "cubin_bytes": len(kernel.asm["cubin"])}
             )
     return rows
