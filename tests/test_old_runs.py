@@ -166,44 +166,67 @@ def test_a_stopped_language_model_run_of_the_old_default_resumes_to_the_weights_
 
 
 # language-model runs written while lambda_lm_<size>'s default was the short convolution alone (before its decay;
-# tests/fixtures/lm_runs_conv, the same command as lm_runs_v02)
-CONV_RUNS = FIXTURES / "lm_runs_conv"
+# tests/fixtures/lm_runs_conv), and while it was the convolution with the fixed decay at the size's own two heads
+# (before its eight query heads; tests/fixtures/lm_runs_fixed): the same command as lm_runs_v02. Each: the fixture,
+# the options its runs read back with (what this version's run of the same model is given), the layer's
+# (short_conv, decay, heads, dim_v), and why today's default refuses its weights (None: it takes them, see below)
+LATER_RUNS = [
+    pytest.param(FIXTURES / "lm_runs_conv", {"short_conv": 4, "dim_v": 64, "decay": None, "heads": 2},
+                 (4, None, 2, 64), "Missing key.*decay_rate", id="convolution"),
+    pytest.param(FIXTURES / "lm_runs_fixed", {"short_conv": 4, "decay": "fixed", "dim_v": 64, "heads": 2},
+                 (4, "fixed", 2, 64), None, id="fixed_decay"),
+]  # fmt: skip
 
 
-def test_a_language_model_written_before_the_decay_became_the_default_loads_as_the_model_it_trained():
-    """Its options name ``short_conv`` but not ``decay``: ``lambda_lm_nano`` with ``decay=None`` (no decay rates),
-    loaded strictly and bit for bit, from its weights and from its checkpoint; the default model would not load."""
+@pytest.mark.parametrize(("runs", "kwargs", "layer", "refused"), LATER_RUNS)
+def test_a_language_model_written_before_a_later_default_loads_as_the_model_it_trained(runs, kwargs, layer, refused):
+    """Its options lack what the later defaults added (``decay``, ``heads``): ``lambda_lm_nano`` with the values of
+    its day (no decay rates; the size's own two heads), loaded strictly and bit for bit, from its weights and from
+    its checkpoint. Today's default model would not load the convolution's weights (no decay rates); it loads
+    those of the fixed decay, whose shapes agree by chance (projections of 4 x 16 + 16 + 32 = 2 x 16 + 16 + 64
+    rows, outputs of 4 x 32 = 2 x 64 columns), but reads them as another model: its outputs differ."""
     from lambdanet.models import create_model
     from lambdanet.tasks.lm import load_lm
 
-    weights = load_file(CONV_RUNS / "lm_done" / "model.safetensors")
-    for path in (CONV_RUNS / "lm_done", CONV_RUNS / "lm" / "last.pt"):
+    weights = load_file(runs / "lm_done" / "model.safetensors")
+    for path in (runs / "lm_done", runs / "lm" / "last.pt"):
         model = load_lm(path)
-        assert model.model_name == "lambda_lm_nano" and model.lm_cfg["model_kwargs"] == {
-            "short_conv": 4, "dim_v": 64, "decay": None}
+        assert model.model_name == "lambda_lm_nano" and model.lm_cfg["model_kwargs"] == kwargs
         mixer = model.blocks[0].mixer
-        assert (mixer.short_conv, mixer.decay, mixer.dim_v) == (4, None, 64)
-    model = load_lm(CONV_RUNS / "lm_done")
+        assert (mixer.short_conv, mixer.decay, mixer.heads, mixer.dim_v) == layer
+    model = load_lm(runs / "lm_done")
     state = model.state_dict()
     assert state.keys() == weights.keys() and all(torch.equal(state[k], weights[k]) for k in weights)
-    with pytest.raises(RuntimeError, match="Missing key.*decay_rate"):
-        create_model("lambda_lm_nano").load_state_dict(weights)  # the new default has the decay rates
+    default = create_model("lambda_lm_nano").eval()
+    if refused is not None:
+        with pytest.raises(RuntimeError, match=refused):
+            default.load_state_dict(weights)
+        return
+    default.load_state_dict(weights)
+    x = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = model.eval()(x), default(x)
+    assert (ours - theirs).abs().max() > 1e-2 * ours.abs().max()  # another function, not rounding (float32: 1e-6)
 
 
-def test_a_stopped_language_model_run_of_the_convolution_default_resumes_to_the_weights_of_this_version(
-    tmp_path, capsys
+@pytest.mark.parametrize(("runs", "kwargs", "layer", "refused"), LATER_RUNS)
+def test_a_stopped_language_model_run_of_a_later_default_resumes_to_the_weights_of_this_version(
+    runs, kwargs, layer, refused, tmp_path, capsys
 ):
-    """Resumed, it trains the model it started (its configuration now says ``decay: null``); the same run made,
-    stopped and resumed by this version with ``decay=None`` ends with the same weights (``RTOL``)."""
+    """Resumed, it trains the model it started (its configuration now says so: ``decay: null``, ``heads: 2``);
+    the same run made, stopped and resumed by this version with those options ends with the same weights
+    (``RTOL``)."""
+    import yaml
+
     from lambdanet.engine.config import load_yaml
 
-    old = copy_lm_run("lm", tmp_path, runs=CONV_RUNS)
-    new = stopped_run([*make_lm.LM, "--model-kwargs", "decay=null"], tmp_path / "new", stop_after=3)
+    old = copy_lm_run("lm", tmp_path, runs=runs)
+    given = ["--model-kwargs", yaml.safe_dump(kwargs, default_flow_style=True).strip()]
+    new = stopped_run([*make_lm.LM, *given], tmp_path / "new", stop_after=3)
     capsys.readouterr()
     assert main(["lm", "train", "--out", str(old), "--resume"]) == 0
     assert main(["lm", "train", "--out", str(new), "--resume"]) == 0
     saved = load_yaml(old / "config.yaml")
     assert saved["model"] == "lambda_lm_nano"
-    assert saved["model_kwargs"] == {"short_conv": 4, "decay": None, "dim_v": 64} == load_yaml(new / "config.yaml")[
-        "model_kwargs"]
+    assert saved["model_kwargs"] == kwargs == load_yaml(new / "config.yaml")["model_kwargs"]
     assert relative_difference(load_file(old / "model.safetensors"), load_file(new / "model.safetensors")) < RTOL
