@@ -144,16 +144,16 @@ def test_the_push_to_hub_command_writes_or_uploads_the_repository(tmp_path, monk
 
 @pytest.mark.parametrize("fixture, name, options", [
     ("lm_runs_v02", "plain_lambda_lm_nano", {}),  # 0.1.x: options without short_conv, the plain model
-    ("lm_runs_conv", "lambda_lm_nano", {"decay": None, "heads": 2}),  # the convolution alone: short_conv, no decay
-    ("lm_runs_fixed", "lambda_lm_nano", {"decay": "fixed", "heads": 2}),  # + the decay, at nano's own two heads
+    ("lm_runs_conv", "lambda_lm_nano", {"decay": None}),  # the convolution alone: short_conv without decay
+    ("lm_runs_fixed", "lambda_lm_nano", {"decay": "fixed"}),  # today's default (short_conv and decay named)
 ])
 def test_a_language_model_shared_before_a_default_moved_loads_as_the_model_it_trained(
     tmp_path, hub_cache, fixture, name, options
 ):
     """Weights of a ``lambda_lm_nano`` run written before ``lambda_lm_<size>``'s default moved (before the short
-    convolution, before the decay, or before the eight query heads), put on the hub as they are with their run
-    metadata, build back as the model they trained, with its own logits, and say so in ``model_kwargs`` (saved
-    again, they stay that model)."""
+    convolution, or before the decay; or today's default, which must keep loading once it moves), put on the hub
+    as they are with their run metadata, build back as the model they trained, with its own logits, and say so in
+    ``model_kwargs`` (saved again, they stay that model)."""
     from lambdanet.tasks.lm import load_lm
 
     run = REPO / "tests" / "fixtures" / fixture / "lm_done"
@@ -165,7 +165,7 @@ def test_a_language_model_shared_before_a_default_moved_loads_as_the_model_it_tr
     assert shared.model_name == own.model_name == name
     assert all(k in shared.model_kwargs and shared.model_kwargs[k] == v for k, v in options.items())
     mixer = shared.blocks[0].mixer
-    assert (mixer.decay, mixer.heads) == (options.get("decay"), 2)  # nano's own two heads, before they moved
+    assert (mixer.decay, mixer.heads) == (options.get("decay"), 2)  # nano's own two heads
     tokens = torch.randint(0, 256, (2, 24))
     with torch.no_grad():
         assert torch.equal(shared(tokens), own(tokens))

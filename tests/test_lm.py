@@ -55,7 +55,7 @@ def test_the_registered_lambda_models_take_the_layer_shape_and_keep_the_budget(k
     (matched_dim_v), so the parameter count stays within 2% of the transformer's of the same size."""
     model = create_model("lambda_lm_tiny", **kwargs)
     layer, s = model.blocks[0].mixer, LM_SIZES["tiny"]
-    expected = {"heads": 8, "dim_k": s.dim_k, "r": s.r, **kwargs}  # the default's eight query heads
+    expected = {"heads": s.heads, "dim_k": s.dim_k, "r": s.r, **kwargs}
     assert (layer.heads, layer.dim_k, layer.r) == (expected["heads"], expected["dim_k"], expected["r"])
     assert layer.dim_v == matched_dim_v(s.dim, expected["heads"], expected["dim_k"])
     params = sum(p.numel() for p in model.parameters())
@@ -66,23 +66,19 @@ def test_the_registered_lambda_models_take_the_layer_shape_and_keep_the_budget(k
     assert wider.blocks[0].mlp[0].out_features == 2 * s.dim
 
 
-def test_the_default_lambda_model_is_the_plain_one_with_a_short_convolution_a_fixed_decay_and_more_heads():
+def test_the_default_lambda_model_is_the_plain_one_with_a_short_convolution_and_a_fixed_decay():
     """``lambda_lm_<size>`` = ``plain_lambda_lm_<size>`` (the paper's layer alone) + ``short_conv=4`` +
-    ``decay="fixed"`` + eight query heads (issue 37's study, ``fixed_conv4_heads8``; four at nano, whose width
-    cannot carry eight within the budget; the value depth matched to the heads): the same modules and outputs from
-    the same seed; ``short_conv=0, decay=None`` gives the plain model's modules back, ``decay=None`` the
-    convolution alone (the default before, ``short_conv4``)."""
+    ``decay="fixed"`` (issue 37's study, ``fixed_conv4``; at nano also ``dim_v=64``, which keeps the budget): the
+    same modules and outputs from the same seed; ``short_conv=0, decay=None`` gives the plain model's modules
+    back, ``decay=None`` the convolution alone (the default before, ``short_conv4``)."""
     x = torch.randint(0, 256, (2, 40))
     torch.manual_seed(0)
     default = create_model("lambda_lm_nano").eval()
     torch.manual_seed(0)
-    plain4 = create_model("plain_lambda_lm_nano", short_conv=4, decay="fixed", heads=4).eval()
+    plain4 = create_model("plain_lambda_lm_nano", short_conv=4, decay="fixed", dim_v=64).eval()
     mixer = default.blocks[0].mixer
-    assert (mixer.short_conv, mixer.decay, mixer.heads, mixer.dim_v) == (4, "fixed", 4, 32)
-    assert mixer.decay_rate is not None
+    assert (mixer.short_conv, mixer.decay) == (4, "fixed") and mixer.decay_rate is not None
     assert model_args("lambda_lm_nano")["short_conv"] == 4 and model_args("lambda_lm_nano")["decay"] == "fixed"
-    assert [model_args(f"lambda_lm_{size}")["heads"] for size in LM_SIZES] == [4, 8, 8, 8]
-    assert [model_args(f"plain_lambda_lm_{size}")["heads"] for size in LM_SIZES] == [2, 4, 4, 8]  # the sizes' own
     assert model_args("plain_lambda_lm_nano")["short_conv"] == 0 and model_args("plain_lambda_lm_nano")["decay"] is None
     with torch.no_grad():
         assert torch.equal(default(x), plain4(x))
@@ -93,7 +89,7 @@ def test_the_default_lambda_model_is_the_plain_one_with_a_short_convolution_a_fi
     assert create_model("lambda_lm_tiny").state_dict().keys() - conv_keys == {
         f"blocks.{i}.mixer.decay_rate" for i in range(LM_SIZES["tiny"].depth)}
     tiny = create_model("lambda_lm_tiny").blocks[0].mixer
-    assert (tiny.short_conv, tiny.heads, tiny.dim_v) == (4, 8, 40)  # (4 d - 9 k) / 9 = 40.9 -> 40, a multiple of 8
+    assert (tiny.short_conv, tiny.dim_v) == (4, create_model("plain_lambda_lm_tiny").blocks[0].mixer.dim_v)
 
 
 @pytest.mark.parametrize("kw", [{"content": False}, {"key_norm": "l2"}, {"key_norm": "none"}])
@@ -106,7 +102,7 @@ def test_options_that_turn_off_the_prefix_softmax_build_the_default_without_its_
     mixer = create_model("lambda_lm_nano", **kw).blocks[0].mixer
     assert (mixer.decay, mixer.decay_rate, mixer.short_conv) == (None, None, 4)
     pinned = pin_lm_kwargs("lambda_lm_nano", kw)
-    assert pinned == {"short_conv": 4, "decay": None, "heads": 4, **kw}
+    assert pinned == {"short_conv": 4, "decay": None, "dim_v": 64, **kw}
     assert lm_config(tmp_path, corpus_dir, model_kwargs=kw).model_kwargs == pinned
     assert saved_lm("lambda_lm_nano", pinned) == ("lambda_lm_nano", pinned)
     with pytest.raises(ValueError, match="decay='fixed' needs the content lambdas' prefix softmax"):
@@ -114,29 +110,23 @@ def test_options_that_turn_off_the_prefix_softmax_build_the_default_without_its_
 
 
 def test_runs_write_the_moved_defaults_out_and_read_older_runs_as_the_model_they_trained(tmp_path, corpus_dir):
-    """A new run records ``short_conv``, ``decay`` and ``heads`` of a ``lambda_lm_<size>`` (its own values kept); a
-    saved run whose options lack ``short_conv`` was written before the first move and names the plain model, one
-    that names ``short_conv`` but not ``decay`` before the second, and gets ``decay=None``, one that names neither
-    it nor ``heads`` before the third, and gets the size's own heads; other families are untouched; what
-    :func:`pin_lm_kwargs` writes reads back as itself."""
+    """A new run records ``short_conv`` and ``decay`` of a ``lambda_lm_<size>`` (its own values kept); a saved
+    run whose options lack ``short_conv`` was written before the first move and names the plain model, one that
+    names ``short_conv`` but not ``decay`` before the second, and gets ``decay=None``; other families are
+    untouched; what :func:`pin_lm_kwargs` writes reads back as itself."""
     from lambdanet.models.lm_zoo import pin_lm_kwargs, saved_lm
 
-    assert lm_config(tmp_path, corpus_dir).model_kwargs == {"short_conv": 4, "decay": "fixed", "heads": 4}
-    given = lm_config(tmp_path, corpus_dir, model_kwargs={"short_conv": 0, "r": 8, "heads": 2})
-    assert (given.model, given.model_kwargs) == ("lambda_lm_nano", {"short_conv": 0, "decay": "fixed", "heads": 2,
+    assert lm_config(tmp_path, corpus_dir).model_kwargs == {"short_conv": 4, "decay": "fixed", "dim_v": 64}
+    given = lm_config(tmp_path, corpus_dir, model_kwargs={"short_conv": 0, "r": 8})
+    assert (given.model, given.model_kwargs) == ("lambda_lm_nano", {"short_conv": 0, "decay": "fixed", "dim_v": 64,
                                                                      "r": 8})  # fmt: skip
-    assert pin_lm_kwargs("lambda_lm_tiny", {}) == {"short_conv": 4, "decay": "fixed", "heads": 8}
-    assert pin_lm_kwargs("lambda_lm_tiny", {"decay": None}) == {"short_conv": 4, "decay": None, "heads": 8}
+    assert pin_lm_kwargs("lambda_lm_tiny", {}) == {"short_conv": 4, "decay": "fixed"}
+    assert pin_lm_kwargs("lambda_lm_tiny", {"decay": None}) == {"short_conv": 4, "decay": None}
     assert lm_config(tmp_path, corpus_dir, model="plain_lambda_lm_nano").model_kwargs == {}
     assert saved_lm("lambda_lm_tiny", {"r": 8}) == ("plain_lambda_lm_tiny", {"r": 8})
     assert saved_lm("lambda_lm_tiny", {"decay": "gate"}) == ("plain_lambda_lm_tiny", {"decay": "gate"})
-    assert saved_lm("lambda_lm_tiny", {"short_conv": 4}) == ("lambda_lm_tiny", {"short_conv": 4, "decay": None,
-                                                                                "heads": 4})  # fmt: skip
-    assert saved_lm("lambda_lm_nano", {"short_conv": 4, "decay": "fixed", "dim_v": 64}) == (
-        "lambda_lm_nano", {"short_conv": 4, "decay": "fixed", "dim_v": 64, "heads": 2})
-    assert saved_lm("lambda_lm_base", {"short_conv": 4, "decay": "fixed"})[1]["heads"] == 8
-    for pinned in ({"short_conv": 4, "decay": "fixed", "heads": 8}, {"short_conv": 2, "decay": None, "r": 8,
-                                                                     "heads": 2}):  # fmt: skip
+    assert saved_lm("lambda_lm_tiny", {"short_conv": 4}) == ("lambda_lm_tiny", {"short_conv": 4, "decay": None})
+    for pinned in ({"short_conv": 4, "decay": "fixed"}, {"short_conv": 2, "decay": None, "r": 8}):
         assert saved_lm("lambda_lm_tiny", pinned) == ("lambda_lm_tiny", pinned)
     for size in LM_SIZES:
         model = f"lambda_lm_{size}"

@@ -40,9 +40,9 @@ __all__ = ["ABLATIONS", "BUDGET_TOLERANCE", "matched_kwargs", "study", "summariz
 Log = Callable[[str], None]
 
 # name -> (family, architecture options); "lambda" is the paper's layer alone (plain_lambda_lm_<size>, the registered
-# default of 0.1.0), the reference of the knobs; lambda_lm_<size> was short_conv4, then fixed_conv4 (each its
-# default for a while), and is fixed_conv4_heads8 now. Rows of decay="fixed" trained before its rates left weight
-# decay are relabelled <config>_wd in the study's file (not rerun under the name: the fix changed their training)
+# default of 0.1.0), the reference of the knobs; lambda_lm_<size> is short_conv4 (its default for a while), then
+# fixed_conv4 (its default now). Rows of decay="fixed" trained before its rates left weight decay are relabelled
+# <config>_wd in the study's file (not rerun under the name: the fix changed their training)
 ABLATIONS: dict[str, tuple[str, dict]] = {
     "transformer": ("transformer", {}),
     "lambda": ("plain_lambda", {}),
@@ -65,8 +65,8 @@ ABLATIONS: dict[str, tuple[str, dict]] = {
     "decay_gate": ("plain_lambda", {"decay": "gate"}),
     "short_conv4": ("plain_lambda", {"short_conv": 4}),
     "gate_conv4": ("plain_lambda", {"decay": "gate", "short_conv": 4}),
-    "fixed_conv4": ("plain_lambda", {"decay": "fixed", "short_conv": 4}),
-    "fixed_conv4_heads8": ("plain_lambda", {"decay": "fixed", "short_conv": 4, "heads": 8}),  # lambda_lm_tiny now
+    "fixed_conv4": ("plain_lambda", {"decay": "fixed", "short_conv": 4}),  # lambda_lm_<size>'s default
+    "fixed_conv4_heads8": ("plain_lambda", {"decay": "fixed", "short_conv": 4, "heads": 8}),  # + heads8's queries
     "hybrid": ("hybrid", {}),
 }
 BUDGET_TOLERANCE = 0.02  # parameters within 2% of the transformer's of the same size

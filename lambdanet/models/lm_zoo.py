@@ -5,13 +5,13 @@ of :data:`~lambdanet.models.lm.LM_SIZES`), and how :func:`~lambdanet.models.crea
 ``short_conv``, ``lambdas``, ``content``, ``key_norm``, ``query_softmax`` (the hybrid ``attention_every``); the
 transformer ``positions`` and ``max_len``.
 
-``lambda_lm_<size>`` runs a short causal convolution of width :data:`LAMBDA_SHORT_CONV` before its lambdas, lets
-the content summary forget at a learnt rate per key channel (``decay=`` :data:`LAMBDA_DECAY`) and reads it with
-eight query heads (:data:`LAMBDA_HEADS`): the best configuration of issue 37's ablation study
-(``fixed_conv4_heads8``, docs/language_models.md). ``plain_lambda_lm_<size>`` is the paper's masked lambda layer
-alone, the default of 0.1.0. The default moved three times while 0.2.0 was developed: to the convolution alone
-(``short_conv4``), to ``fixed_conv4``, then to ``fixed_conv4_heads8``. Runs write the options whose default moved
-(:func:`pin_lm_kwargs`), and a run written before reads back as the model it trained (:func:`saved_lm`)."""
+``lambda_lm_<size>`` runs a short causal convolution of width :data:`LAMBDA_SHORT_CONV` before its lambdas and
+lets the content summary forget at a learnt rate per key channel (``decay=`` :data:`LAMBDA_DECAY`): the best
+configuration of issue 37's ablation study (``fixed_conv4``, docs/language_models.md). ``plain_lambda_lm_<size>``
+is the paper's masked lambda layer alone, the default of 0.1.0. The default moved twice while 0.2.0 was
+developed: to the convolution alone (``short_conv4``), then to ``fixed_conv4``. Runs write the options whose
+default moved (:func:`pin_lm_kwargs`), and a run written before reads back as the model it trained
+(:func:`saved_lm`)."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ from lambdanet.models.registry import ModelAdapter, ModelInfo, entry_point, regi
 if TYPE_CHECKING:
     from lambdanet.models.registry import CreatedModel
 
-__all__ = ["LanguageModelAdapter", "LM_ADAPTER", "LAMBDA_SHORT_CONV", "LAMBDA_DECAY", "LAMBDA_HEADS",
-           "LAMBDA_DEFAULTS", "lambda_defaults", "pin_lm_kwargs", "saved_lm"]  # fmt: skip
+__all__ = ["LanguageModelAdapter", "LM_ADAPTER", "LAMBDA_SHORT_CONV", "LAMBDA_DECAY", "LAMBDA_DEFAULTS",
+           "lambda_defaults", "pin_lm_kwargs", "saved_lm"]  # fmt: skip
 
 
 def _lm(mixer: str, size: str, **kwargs) -> LanguageModel:
@@ -51,22 +51,13 @@ LAMBDA_ARGS = {"vocab_size": 256, "dim_v": None, "dim_u": 1, "chunk": 64, "dropo
 HYBRID_ARGS = {**LAMBDA_ARGS, "attention_every": 4}
 LAMBDA_SHORT_CONV = 4  # lambda_lm_<size>'s short convolution: 1.1% lower bits per byte over 3 seeds (the study)
 LAMBDA_DECAY = "fixed"  # and its decay: with the convolution, 0.7% below the convolution alone, lower in 3 of 3 seeds
-# and its query heads: with both, 1.8% below 4 heads at tiny, lower in 3 of 3 seeds (the value depth matched down
-# from 88 to 40 by matched_dim_v keeps the parameter budget); nano's width of 64 cannot carry 8 heads of |k| = 16
-# within 2% of the transformer's parameters at any value depth, so it takes 4 (base had 8 already)
-LAMBDA_HEADS = {"nano": 4, "tiny": 8, "small": 8, "base": 8}
-# what lambda_lm_<size> sets over plain_lambda_lm_<size>: the convolution, the decay (dim_k x dim_u rates per layer)
-# and the query heads (dim_v from matched_dim_v: nano's 32 at 4 heads keeps it within 2%, as dim_v=64 at 2 heads did)
-LAMBDA_DEFAULTS = {size: {"short_conv": LAMBDA_SHORT_CONV, "decay": LAMBDA_DECAY, "heads": LAMBDA_HEADS[size]}
-                   for size in LM_SIZES}  # fmt: skip
+# what lambda_lm_<size> sets over plain_lambda_lm_<size>: the convolution, the decay (dim_k x dim_u rates per layer),
+# and at nano the value depth that keeps the parameters within 2% of the transformer's (the convolution's 4 x 480
+# weights per layer are 2.2% of nano's budget)
+LAMBDA_DEFAULTS = {size: {"short_conv": LAMBDA_SHORT_CONV, "decay": LAMBDA_DECAY,
+                          **({"dim_v": 64} if size == "nano" else {})} for size in LM_SIZES}  # fmt: skip
 TRANSFORMER_ARGS = {"vocab_size": 256, "positions": "rotary", "max_len": None, "dropout": 0.0}
 _DEFAULT_LAMBDA = re.compile(rf"lambda_lm_({'|'.join(LM_SIZES)})")
-
-
-def _lambda_args(size: str) -> dict:
-    """``lambda_lm_<size>``'s registered arguments: the plain model's with :data:`LAMBDA_DEFAULTS` over them (its
-    ``heads`` over the size's own)."""
-    return {**_size_args(LAMBDA_ARGS, size), **LAMBDA_DEFAULTS[size]}
 
 
 def lambda_defaults(size: str, kwargs: Mapping) -> dict:
@@ -98,20 +89,16 @@ def saved_lm(model: str, model_kwargs: Mapping) -> tuple[str, dict]:
     * no ``short_conv``: written by 0.1.0 (or before the convolution became the default), the plain lambda model,
       ``plain_lambda_lm_<size>``;
     * ``short_conv`` but no ``decay``: written while the convolution alone was the default (``short_conv4``), the
-      same model with ``decay=None`` and the size's own query heads (``LM_SIZES[size].heads``);
-    * ``short_conv`` and ``decay`` but no ``heads``: written while ``fixed_conv4`` was the default, the same model
-      with the size's own query heads.
+      same model with ``decay=None``.
 
     Any other model and options are themselves."""
     kwargs = dict(model_kwargs)
-    if not (match := _DEFAULT_LAMBDA.fullmatch(model)):
+    if not _DEFAULT_LAMBDA.fullmatch(model):
         return model, kwargs
     if "short_conv" not in kwargs:
         return f"plain_{model}", kwargs
     if "decay" not in kwargs:
-        kwargs["decay"] = None
-    if "heads" not in kwargs:
-        kwargs["heads"] = LM_SIZES[match[1]].heads
+        return model, {**kwargs, "decay": None}
     return model, kwargs
 
 
@@ -159,7 +146,7 @@ def _info(name: str) -> ModelInfo:
 
 
 # one entry per name: <mixer>_lm_<size>, the size from LM_SIZES
-@register_model(info=_info("lambda_lm_nano"), args=_lambda_args("nano"))
+@register_model(info=_info("lambda_lm_nano"), args=_size_args({**LAMBDA_ARGS, **LAMBDA_DEFAULTS["nano"]}, "nano"))
 def lambda_lm_nano(**kwargs) -> LanguageModel:
     return _lm("lambda", "nano", **{**lambda_defaults("nano", kwargs), **kwargs})
 
@@ -169,7 +156,7 @@ def plain_lambda_lm_nano(**kwargs) -> LanguageModel:
     return _lm("lambda", "nano", **kwargs)
 
 
-@register_model(info=_info("lambda_lm_tiny"), args=_lambda_args("tiny"))
+@register_model(info=_info("lambda_lm_tiny"), args=_size_args({**LAMBDA_ARGS, **LAMBDA_DEFAULTS["tiny"]}, "tiny"))
 def lambda_lm_tiny(**kwargs) -> LanguageModel:
     return _lm("lambda", "tiny", **{**lambda_defaults("tiny", kwargs), **kwargs})
 
@@ -179,7 +166,7 @@ def plain_lambda_lm_tiny(**kwargs) -> LanguageModel:
     return _lm("lambda", "tiny", **kwargs)
 
 
-@register_model(info=_info("lambda_lm_small"), args=_lambda_args("small"))
+@register_model(info=_info("lambda_lm_small"), args=_size_args({**LAMBDA_ARGS, **LAMBDA_DEFAULTS["small"]}, "small"))
 def lambda_lm_small(**kwargs) -> LanguageModel:
     return _lm("lambda", "small", **{**lambda_defaults("small", kwargs), **kwargs})
 
@@ -189,7 +176,7 @@ def plain_lambda_lm_small(**kwargs) -> LanguageModel:
     return _lm("lambda", "small", **kwargs)
 
 
-@register_model(info=_info("lambda_lm_base"), args=_lambda_args("base"))
+@register_model(info=_info("lambda_lm_base"), args=_size_args({**LAMBDA_ARGS, **LAMBDA_DEFAULTS["base"]}, "base"))
 def lambda_lm_base(**kwargs) -> LanguageModel:
     return _lm("lambda", "base", **{**lambda_defaults("base", kwargs), **kwargs})
 
