@@ -12,7 +12,8 @@
 #   bash scripts/gpu_bench.sh compiled   # the timm26 suite under torch.compile
 #   bash scripts/gpu_bench.sh lm         # the causal lambda op vs fla / SDPA, the LMs' training, generation and
 #                                        # launches (scripts/gpu_lm.py; fla-core carried as a wheel in .whl/)
-#   bash scripts/gpu_bench.sh lm-warps   # the op and its per-kernel times at 8 warps (spill-free: NOTES.md)
+#   bash scripts/gpu_bench.sh lm-warps   # per-kernel times: defaults, 8 warps (spill-free: NOTES.md) with the op
+#                                        # against fla, and the scans unpipelined (LAMBDANET_CAUSAL_SCAN_STAGES=1)
 #   bash scripts/gpu_bench.sh run1|run2|run3  # bundles of one 10-minute call each (check kernels layers impls |
 #                                            # models compiled | compiled timm26 impls and the layer checks)
 set -uo pipefail
@@ -60,7 +61,10 @@ run_stage() {
     timm26) stage timm26 90 $BENCH models --suites timm26 --amp bf16 --channels-last --img-size 256 \
       --batch-size 256 --out "$R/timm26" ;;
     lm) stage lm 540 $PY scripts/gpu_lm.py "$R/lm" ;;
-    lm-warps) stage lm-warps 240 env LAMBDANET_CAUSAL_WARPS=8 $PY scripts/gpu_lm.py "$R/lm-warps8" --parts opprof,op --quick ;;
+    lm-warps)  # per-kernel times at the defaults, at 8 warps (+ the op against fla), and without the scans' pipelining
+      stage lm-default 150 $PY scripts/gpu_lm.py "$R/lm-default" --parts opprof --quick
+      stage lm-warps 240 env LAMBDANET_CAUSAL_WARPS=8 $PY scripts/gpu_lm.py "$R/lm-warps8" --parts opprof,op --quick
+      stage lm-scan1 120 env LAMBDANET_CAUSAL_SCAN_STAGES=1 $PY scripts/gpu_lm.py "$R/lm-scan1" --parts opprof --quick ;;
     run1) for s in check kernels layers impls; do run_stage $s; done ;;
     run2) for s in models compiled; do run_stage $s; done ;;
     compiled-26t) stage compiled-26t 330 $PY scripts/gpu_compiled.py "$R/compiled-26t" ;;

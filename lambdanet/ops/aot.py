@@ -17,8 +17,9 @@ def compile_counts(
     """Compile the ``@triton.jit`` kernel ``fn`` for CUDA compute capability ``arch`` with ``signature`` (each
     argument's Triton type, ``"constexpr"`` for those of ``constexprs``) and compiler ``options`` (``num_warps``,
     ``num_stages``): ``(the compiled kernel, counts)``. The counts: ``mma``, the matrix-unit instructions in the
-    PTX; ``spill_loads`` / ``spill_stores``, ``LDL`` / ``STL`` in the machine code (spills are ptxas's: the SASS
-    shows them, the PTX cannot); ``shared_bytes``. A ``RuntimeError`` under ``TRITON_INTERPRET`` (the
+    PTX; ``async_loads``, its asynchronous copies to shared memory (``cp.async``: the loads a software-pipelined
+    loop has in flight); ``spill_loads`` / ``spill_stores``, ``LDL`` / ``STL`` in the machine code (spills are
+    ptxas's: the SASS shows them, the PTX cannot); ``shared_bytes``. A ``RuntimeError`` under ``TRITON_INTERPRET`` (the
     interpreter has no compiler)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -31,6 +32,7 @@ def compile_counts(
     ptx, sass = kernel.asm["ptx"], kernel.asm["sass"]
     return kernel, {
         "mma": len(re.findall(r"\bw?gmma|\bmma\.", ptx)),
+        "async_loads": len(re.findall(r"\bcp\.async\.(?:ca|cg)|\bcp\.async\.bulk\.tensor", ptx)),
         "spill_loads": len(re.findall(r"\bLDL\b", sass)),
         "spill_stores": len(re.findall(r"\bSTL\b", sass)),
         "shared_bytes": kernel.metadata.shared,

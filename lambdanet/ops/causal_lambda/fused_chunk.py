@@ -60,6 +60,8 @@ def _warps(m: dict) -> int:
 STAGES = int(os.environ.get("LAMBDANET_CAUSAL_STAGES", "1"))
 BLOCK_V = int(os.environ.get("LAMBDANET_CAUSAL_BLOCK_V", "64"))
 WARPS = int(os.environ.get("LAMBDANET_CAUSAL_WARPS", "0"))
+# the scans' software pipelining: chunks whose loads are in flight at once (1: none, each step waits on memory)
+SCAN_STAGES = int(os.environ.get("LAMBDANET_CAUSAL_SCAN_STAGES", "4"))
 
 
 @torch.library.custom_op("lambdanet::causal_lambda_chunk_fwd", mutates_args=())
@@ -81,7 +83,7 @@ def _forward(
         keys, values, amax, lsum, Sb, m["n"], N1, **_consts(m, "K", "V", "U", "C", "KP", "BV", "DT", "PREC")
     )
     T._state_scan[(BU, -(-m["V"] // m["BV"]))](
-        amax, lsum, cb, zb, Sb, S0, z0, c0, m["N"], N1, **_consts(m, "K", "V", "KP", "BV")
+        amax, lsum, cb, zb, Sb, S0, z0, c0, m["N"], N1, SCAN_STAGES=SCAN_STAGES, **_consts(m, "K", "V", "KP", "BV")
     )
     y = torch.empty(m["B"], m["U"], m["n"], m["H"], m["V"], device=dev, dtype=q.dtype if m["U"] == 1 else torch.float32)
     T._chunk_output[grid](
@@ -122,7 +124,9 @@ def _backward(
     e = q if emb is None else emb
     grid = (N, BU)
     T._grad_local[grid](q, keys, values, e, win, cb, zb, Sb, dy, dq, rho, G, g, demb, m["n"], r, N, N1, **common)
-    T._grad_scan[(BU, -(-m["V"] // m["BV"]))](cb, G, g, dzb, N, N1, **_consts(m, "K", "V", "KP", "BV"))
+    T._grad_scan[(BU, -(-m["V"] // m["BV"]))](
+        cb, G, g, dzb, N, N1, SCAN_STAGES=SCAN_STAGES, **_consts(m, "K", "V", "KP", "BV")
+    )
     dkeys, dvalues = torch.empty_like(keys), torch.empty_like(values)
     T._grad_keys_values[grid](q, keys, values, e, win, cb, zb, dy, rho, G, dzb, dkeys, dvalues, m["n"], r, N1, **common)
     dq = dq.sum(1).to(q.dtype) if U > 1 else dq[:, 0]
@@ -206,7 +210,8 @@ def compile_report(
 
     C = chunk or default_chunk(heads)
     m = dict(K=dim_k, V=dim_v, U=1, C=C, H=heads, HP=_pow2(heads), KP=_pow2(dim_k, 16), RP=_pow2(r, 16),
-             P=-(-(r - 1) // C) if r > 1 else 0, BV=min(BLOCK_V, _pow2(dim_v, 16)), HAS_EMB=r > 0)  # fmt: skip
+             P=-(-(r - 1) // C) if r > 1 else 0, BV=min(BLOCK_V, _pow2(dim_v, 16)), HAS_EMB=r > 0,
+             SCAN_STAGES=SCAN_STAGES)  # fmt: skip
     f32 = {"amax", "lsum", "cb", "zb", "Sb", "S0", "z0", "c0", "G", "g", "dzb", "rho", "demb"}
     rows = []
     for name in ("_chunk_sums", "_state_scan", "_chunk_output", "_grad_local", "_grad_scan", "_grad_keys_values"):

@@ -139,14 +139,16 @@ def _scan_tile(K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr, BV: tl.conste
 
 @triton.jit
 def _state_scan(amax, lsum, cb, zb, Sb, S0, z0, c0, N, N1, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,
-                BV: tl.constexpr):  # fmt: skip
+                BV: tl.constexpr, SCAN_STAGES: tl.constexpr):  # fmt: skip
     """``S_{i+1} = exp(c_i - c_{i+1}) S_i + exp(a_i - c_{i+1}) L_i`` (``z`` likewise, ``c_{i+1} = max(c_i, a_i)``);
-    the state before chunk ``i`` overwrites ``L_i``, the final one goes to index ``N``."""
+    the state before chunk ``i`` overwrites ``L_i``, the final one goes to index ``N``. The loop is software-pipelined
+    (``SCAN_STAGES``: the loads of the next ``SCAN_STAGES - 1`` chunks are in flight while one is combined; they do
+    not depend on the carried state), else every one of the ``N`` steps waits a full memory latency."""
     bu, ks, vs, kok, mask, first = _scan_tile(K, V, KP, BV)
     c = tl.load(c0 + bu * K + ks, mask=kok, other=0.0)
     z = tl.load(z0 + bu * K + ks, mask=kok, other=0.0)
     S = tl.load(S0 + (bu * K + ks[:, None]) * V + vs[None, :], mask=mask, other=0.0)
-    for i in range(N):
+    for i in tl.range(N, num_stages=SCAN_STAGES):
         base = bu * N1 + i
         a = tl.load(amax + base * K + ks, mask=kok, other=0.0)
         l = tl.load(lsum + base * K + ks, mask=kok, other=0.0)  # noqa: E741
@@ -266,13 +268,15 @@ def _grad_local(q, keys, values, emb, win, cb, zb, Sb, dy, dq, rho, G, g, demb, 
 
 
 @triton.jit
-def _grad_scan(cb, G, g, dzb, N, N1, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr):
+def _grad_scan(cb, G, g, dzb, N, N1, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr,
+               SCAN_STAGES: tl.constexpr):  # fmt: skip
     """The reverse scan ``dS_{i-1} = exp(c_{i-1} - c_i) dS_i + G_i``: the gradient of the state after chunk ``i``
-    overwrites ``G_i`` (``dz`` goes to ``dzb``); the final state receives no gradient."""
+    overwrites ``G_i`` (``dz`` goes to ``dzb``); the final state receives no gradient. Pipelined as
+    :func:`_state_scan`."""
     bu, ks, vs, kok, mask, first = _scan_tile(K, V, KP, BV)
     dS = tl.zeros([KP, BV], tl.float32)
     dz = tl.zeros([KP], tl.float32)
-    for t in range(N):
+    for t in tl.range(N, num_stages=SCAN_STAGES):
         base = bu * N1 + N - 1 - t
         Gi = tl.load(G + (base * K + ks[:, None]) * V + vs[None, :], mask=mask, other=0.0)
         gi = tl.load(g + base * K + ks, mask=kok, other=0.0)
