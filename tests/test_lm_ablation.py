@@ -24,14 +24,15 @@ def test_the_knobs_turn_the_plain_layer_and_the_chosen_one_is_the_registered_def
     """The study's reference ``lambda`` is the paper's layer alone whatever the registered default is (rows written
     before the default moved keep their meaning), and ``fixed_conv4``, the default it chose, builds exactly the tiny
     model ``lambda_lm_tiny`` now is; ``short_conv4``, the default before, is ``lambda_lm_tiny`` with ``decay=None``,
-    and ``fixed_conv4_heads8`` (best at the study's budget, not the default: docs/language_models.md) with
-    ``heads=8``."""
+    ``fixed_conv4_heads8`` (best at the study's budget, not the default: docs/language_models.md) with
+    ``heads=8``, and ``fixed_conv4_u2`` with ``dim_u=2`` (its value depth matched down to 64)."""
     import torch
 
     assert ABLATIONS["lambda"] == ("plain_lambda", {})
     assert all(family != "lambda" for family, _ in ABLATIONS.values())
     for config, default_kwargs in (("fixed_conv4", {}), ("short_conv4", {"decay": None}),
-                                   ("fixed_conv4_heads8", {"heads": 8})):  # fmt: skip
+                                   ("fixed_conv4_heads8", {"heads": 8}),
+                                   ("fixed_conv4_u2", {"dim_u": 2, "dim_v": 64})):  # fmt: skip
         family, kwargs = ABLATIONS[config]
         options = matched_kwargs(family, "tiny", kwargs)[0]  # builds models: before the seed
         torch.manual_seed(0)
