@@ -1,8 +1,10 @@
 """The GPU study of the causal lambda op and the language models (issue 36), in one call of the device tool.
 
-    python scripts/gpu_lm.py OUTDIR [--parts check,op,lm,gen,profile] [--quick]
+    python scripts/gpu_lm.py OUTDIR [--parts warm,opprof,check,op,lm,gen,profile] [--quick]
 
 Parts (each writes OUTDIR/<part>.json and prints a table):
+* warm: compile every kernel of the other parts at their shapes, untimed (processes in parallel, one per variant).
+* opprof: the CUDA time of each kernel of one fused_chunk forward + backward.
 * check: ``lambdanet.ops.causal_lambda`` modes against the definition in float64 on the GPU, outputs and gradients,
   float32 and bf16 inputs, awkward lengths.
 * op: forward+backward tokens/s and peak memory of the causal lambda op (``fused_chunk`` and the PyTorch ``chunk``
@@ -61,6 +63,11 @@ def _peak(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 1e9
 
 
+def _sync() -> None:
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def _rel(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
@@ -73,8 +80,10 @@ def part_check(quick: bool) -> list[dict]:
         K = (torch.randn(b, n, k, u, generator=g) * scale).to(DEV, torch.float64)
         V = torch.randn(b, n, v, u, generator=g).to(DEV, torch.float64)
         E = torch.randn(r, k, u, generator=g).to(DEV, torch.float64) if r else None
-        for dtype in (torch.float32, torch.bfloat16):
-            ins = [t.to(dtype).requires_grad_() for t in (q, K, V)] + ([E.to(dtype).requires_grad_()] if r else [])
+        for dtype in (torch.float32, torch.bfloat16, "bf16, float32 keys"):  # the last: a decayed model's layer
+            bf, f32 = torch.bfloat16, torch.float32
+            dts = (bf, f32, bf, f32) if isinstance(dtype, str) else (dtype,) * 4  # q, keys, values, emb
+            ins = [t.to(d).requires_grad_() for t, d in zip((q, K, V, E), dts) if t is not None]
             ref_ins = [t.detach().double().requires_grad_() for t in ins]
             ref = causal_lambda_reference(*ref_ins[:3], ref_ins[3] if r else None)
             dy = torch.randn(ref.shape, generator=g).to(DEV, torch.float64)
@@ -90,6 +99,46 @@ def part_check(quick: bool) -> list[dict]:
                 row["finite"] = all(bool(torch.isfinite(x.grad).all()) for x in xs) and bool(torch.isfinite(o).all())
                 rows.append(row)
                 print(row, flush=True)
+    return rows
+
+
+PEERS = os.environ.get("GPU_LM_PEERS", "1") != "0"  # 0: the op parts time our kernels alone (fla / SDPA elsewhere)
+
+
+def part_warm(quick: bool) -> list[dict]:
+    """Compile (no timing) every kernel the other parts launch at their shapes: run in parallel processes, one per
+    kernel configuration, to fill Triton's cache before the timed runs (which then run one at a time)."""
+    rows = []
+    fla = _fla() if PEERS else None
+    for n, b in ((2048, 32), (8192, 8), (32768, 2)):
+        q = torch.randn(b, n, 8, 16, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        K = torch.randn(b, n, 16, 1, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        V = torch.randn(b, n, 208, 1, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        E = (torch.randn(64, 16, 1, device=DEV) / 32).requires_grad_()
+        for chunk in (16, 32):
+            t0 = time.perf_counter()
+            causal_lambda(q, K, V, E, mode="fused_chunk", chunk_size=chunk).float().sum().backward()
+            _sync()
+            rows.append({"n": n, "b": b, "chunk": chunk, "s": time.perf_counter() - t0})
+        if fla is not None:
+            qa = torch.randn(b, n, 8, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+            o, _ = fla(qa, qa, qa)
+            o.float().sum().backward()
+        print(rows[-1], flush=True)
+    if os.environ.get("GPU_LM_WARM_MODELS"):
+        for ctx in (4096, 16384):
+            model = create_model("lambda_lm_base").to(DEV)
+            tokens = torch.randint(0, 256, (65536 // ctx, ctx + 1), device=DEV)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+            t0 = time.perf_counter()
+            _lm_step(model, opt, tokens)()
+            with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+                _, state = model(tokens[:1, :64], return_state=True)
+                model.step(state, tokens[:1, 64])
+            _sync()
+            rows.append({"model": "lambda_lm_base", "context": ctx, "s": time.perf_counter() - t0})
+            print(rows[-1], flush=True)
+            del model, opt
     return rows
 
 
@@ -137,7 +186,9 @@ def part_op(quick: bool) -> list[dict]:
                "sdpa causal": sdpa}  # fmt: skip
         if n <= 8192 and os.environ.get("GPU_LM_TORCH_CHUNK"):
             fns["lambda chunk (torch)"] = ours("chunk")
-        if fla is not None:
+        if not PEERS:
+            del fns["sdpa causal"]
+        if fla is not None and PEERS:
 
             def fla_fn():
                 o, _ = fla(qa, ka, va)
@@ -283,7 +334,7 @@ def part_opprof(quick: bool) -> list[dict]:
     return rows
 
 
-PARTS = {"opprof": part_opprof, "check": part_check, "op": part_op, "lm": part_lm, "gen": part_gen,
+PARTS = {"warm": part_warm, "opprof": part_opprof, "check": part_check, "op": part_op, "lm": part_lm, "gen": part_gen,
          "profile": part_profile}  # fmt: skip
 ORDER = "opprof,op,lm,check,gen,profile"  # the next GPU session: what the kernels spend, then the study
 
