@@ -80,6 +80,35 @@ def test_every_mode_equals_the_definition_with_gradients(mode, n, r):
 
 
 @needs_kernels
+@pytest.mark.parametrize("products,scans", [((8, 16, 1), (1, 16, 8)), ((4, 256, 2), (2, 32, 4))])
+def test_fused_chunk_launch_settings_keep_the_result(monkeypatch, products, scans):
+    """Every kernel's launch settings (``fused_chunk.TUNE``: warps, value block, stages) change how the work is
+    tiled, never the result: value blocks of 16 split v = 24 into a full and a partial block (the scans then run
+    two programs per stream), 256 is capped to the values' width."""
+    tune = {k: scans if k in FC.SCANS else products for k in FC.KERNELS}
+    monkeypatch.setattr(FC, "TUNE", tune)
+    q, keys, values, emb = inputs(63, r=40)
+    upstream = torch.randn(2, 63, 3, 24, generator=torch.Generator().manual_seed(1))
+    ref, ref_in = reference(63, 40)
+    out, grads = run("fused_chunk", q, keys, values, emb, upstream, chunk_size=16)
+    assert rel(out, ref) < 1e-4
+    for name, got, t in zip(("q", "keys", "values", "emb"), grads, ref_in):
+        assert rel(got, t.grad) < 1e-3, name
+
+
+def test_fused_chunk_launch_settings_from_the_environment(monkeypatch):
+    monkeypatch.setenv("LAMBDANET_CAUSAL_SCAN_BLOCK_V", "16")
+    monkeypatch.setenv("LAMBDANET_CAUSAL_TUNE", "grad_local=8,128,2; chunk_output=0,32,1")
+    tune = FC._settings()
+    assert tune["grad_local"] == (8, 128, 2) and tune["chunk_output"] == (0, 32, 1)
+    assert tune["state_scan"] == tune["grad_scan"] == (4, 16, 4) and tune["grad_keys_values"] == (0, 64, 1)
+    for bad in ("grad_local=8,100,1", "grad=8,64,1", "grad_local=8,64"):
+        monkeypatch.setenv("LAMBDANET_CAUSAL_TUNE", bad)
+        with pytest.raises(ValueError, match="LAMBDANET_CAUSAL_TUNE must be .* got '" + bad):
+            FC._settings()
+
+
+@needs_kernels
 @pytest.mark.parametrize("mode", ["chunk", "fused_chunk", "fused_recurrent"])
 def test_a_final_state_continues_the_sequence(mode):
     q, keys, values, emb = inputs(90, r=20)

@@ -43,8 +43,7 @@ def _meta(q: Tensor, keys: Tensor, values: Tensor, r: int, chunk: int) -> dict:
         dt = tl.float32
     return dict(
         B=B, n=n, H=H, K=K, U=U, V=V, r=r, C=chunk, N=-(-n // chunk), HP=_pow2(H), KP=_pow2(K, 16), RP=_pow2(r, 16),
-        P=-(-(r - 1) // chunk) if r > 1 else 0, BV=min(BLOCK_V, _pow2(V, 16)), DT=dt,
-        PREC="ieee" if dt == tl.float32 else "tf32",
+        P=-(-(r - 1) // chunk) if r > 1 else 0, DT=dt, PREC="ieee" if dt == tl.float32 else "tf32",
     )  # fmt: skip
 
 
@@ -52,16 +51,50 @@ def _consts(m: dict, *names: str) -> dict:
     return {name: m[name] for name in names}
 
 
-def _warps(m: dict) -> int:
-    return WARPS or (8 if m["HP"] * m["C"] >= 256 else 4)
+KERNELS = ("chunk_sums", "state_scan", "chunk_output", "grad_local", "grad_scan", "grad_keys_values")
+SCANS = ("state_scan", "grad_scan")
 
 
-# tuning knobs, read once (for measuring variants on a GPU): pipelining depth, value block, warps (0: by tile size)
-STAGES = int(os.environ.get("LAMBDANET_CAUSAL_STAGES", "1"))
-BLOCK_V = int(os.environ.get("LAMBDANET_CAUSAL_BLOCK_V", "64"))
-WARPS = int(os.environ.get("LAMBDANET_CAUSAL_WARPS", "0"))
-# the scans' software pipelining: chunks whose loads are in flight at once (1: none, each step waits on memory)
-SCAN_STAGES = int(os.environ.get("LAMBDANET_CAUSAL_SCAN_STAGES", "4"))
+def _settings() -> dict[str, tuple[int, int, int]]:
+    """Each kernel's launch settings ``(warps, block_v, stages)``: ``warps`` 0 picks by the tile (8 from 256 rows
+    of heads x chunk, else 4); ``block_v`` the value columns a product kernel takes per step, or a scan program owns
+    (the scans run ``b x u x v / block_v`` programs, one chunk after another: a small block gives them more of the
+    GPU at long n and small b); ``stages`` the software-pipelining depth. Measured on an H100
+    (docs/bench/lm_gpu/NOTES.md). Knobs for measuring variants, read once at import:
+    ``LAMBDANET_CAUSAL_{WARPS,BLOCK_V,STAGES}`` (the product kernels), ``LAMBDANET_CAUSAL_SCAN_{WARPS,BLOCK_V,STAGES}``
+    (the scans), and ``LAMBDANET_CAUSAL_TUNE="grad_local=8,128,1;..."`` per kernel over those."""
+    env = os.environ.get
+
+    def knobs(prefix: str, warps: str, block_v: str, stages: str) -> tuple[int, int, int]:
+        w, bv, st = (int(env(prefix + k, d)) for k, d in (("WARPS", warps), ("BLOCK_V", block_v), ("STAGES", stages)))
+        return w, bv, st
+
+    products, scans = knobs("LAMBDANET_CAUSAL_", "0", "64", "1"), knobs("LAMBDANET_CAUSAL_SCAN_", "4", "64", "4")
+    out = {name: scans if name in SCANS else products for name in KERNELS}
+    for item in filter(None, env("LAMBDANET_CAUSAL_TUNE", "").replace(" ", "").split(";")):
+        name, _, vals = item.partition("=")
+        try:
+            w, bv, st = (int(x) for x in vals.split(","))
+        except ValueError:
+            w = bv = st = -1
+        if name not in KERNELS or w < 0 or bv < 1 or bv & (bv - 1) or st < 1:
+            raise ValueError(f"LAMBDANET_CAUSAL_TUNE must be 'kernel=warps,block_v,stages;...' with a kernel of "
+                             f"{', '.join(KERNELS)} and block_v a power of two, got {item!r}")  # fmt: skip
+        out[name] = (w, bv, st)
+    return out
+
+
+TUNE = _settings()
+
+
+def _launch(m: dict, name: str) -> tuple[dict, dict]:
+    """``(constexprs BV / SCAN_STAGES, launch options)`` of kernel ``name`` at the sizes ``m``."""
+    warps, bv, stages = TUNE[name]
+    bv = min(bv, _pow2(m["V"], 16))
+    warps = warps or (8 if m["HP"] * m["C"] >= 256 and name not in SCANS else 4)
+    if name in SCANS:
+        return {"BV": bv, "SCAN_STAGES": stages}, {"num_warps": warps}
+    return {"BV": bv}, {"num_warps": warps, "num_stages": stages}
 
 
 @torch.library.custom_op("lambdanet::causal_lambda_chunk_fwd", mutates_args=())
@@ -79,17 +112,18 @@ def _forward(
     cb, zb = torch.empty(BU, N1, m["K"], **f32), torch.empty(BU, N1, m["K"], **f32)
     Sb = torch.empty(BU, N1, m["K"], m["V"], **f32)  # chunk sums, then the state before each chunk
     grid = (m["N"], BU)
-    T._chunk_sums[grid](
-        keys, values, amax, lsum, Sb, m["n"], N1, **_consts(m, "K", "V", "U", "C", "KP", "BV", "DT", "PREC")
-    )
-    T._state_scan[(BU, -(-m["V"] // m["BV"]))](
-        amax, lsum, cb, zb, Sb, S0, z0, c0, m["N"], N1, SCAN_STAGES=SCAN_STAGES, **_consts(m, "K", "V", "KP", "BV")
+    c, o = _launch(m, "chunk_sums")
+    T._chunk_sums[grid](keys, values, amax, lsum, Sb, m["n"], N1, **c, **o,
+                        **_consts(m, "K", "V", "U", "C", "KP", "DT", "PREC"))  # fmt: skip
+    c, o = _launch(m, "state_scan")
+    T._state_scan[(BU, -(-m["V"] // c["BV"]))](
+        amax, lsum, cb, zb, Sb, S0, z0, c0, m["N"], N1, **c, **o, **_consts(m, "K", "V", "KP")
     )
     y = torch.empty(m["B"], m["U"], m["n"], m["H"], m["V"], device=dev, dtype=q.dtype if m["U"] == 1 else torch.float32)
+    c, o = _launch(m, "chunk_output")
     T._chunk_output[grid](
         q, keys, values, q if emb is None else emb, win, cb, zb, Sb, y, m["n"], r, N1, HAS_EMB=emb is not None,
-        num_warps=_warps(m), num_stages=STAGES,
-        **_consts(m, "H", "HP", "K", "V", "U", "C", "KP", "RP", "P", "BV", "DT", "PREC"),
+        **c, **o, **_consts(m, "H", "HP", "K", "V", "U", "C", "KP", "RP", "P", "DT", "PREC"),
     )  # fmt: skip
     return y.sum(1).to(q.dtype) if m["U"] > 1 else y[:, 0], Sb, cb, zb
 
@@ -119,16 +153,18 @@ def _backward(
     rho = torch.empty(BU, m["n"], K, **f32)
     G, g, dzb = torch.empty(BU, N1, K, m["V"], **f32), torch.empty(BU, N1, K, **f32), torch.empty(BU, N1, K, **f32)
     demb = torch.zeros(BU, N, K, m["RP"], **f32) if emb is not None else q.new_zeros(0)
-    common = dict(HAS_EMB=emb is not None, num_warps=_warps(m), num_stages=STAGES)
-    common.update(_consts(m, "H", "HP", "K", "V", "U", "C", "KP", "RP", "P", "BV", "DT", "PREC"))
+    common = dict(HAS_EMB=emb is not None, **_consts(m, "H", "HP", "K", "V", "U", "C", "KP", "RP", "P", "DT", "PREC"))
     e = q if emb is None else emb
     grid = (N, BU)
-    T._grad_local[grid](q, keys, values, e, win, cb, zb, Sb, dy, dq, rho, G, g, demb, m["n"], r, N, N1, **common)
-    T._grad_scan[(BU, -(-m["V"] // m["BV"]))](
-        cb, G, g, dzb, N, N1, SCAN_STAGES=SCAN_STAGES, **_consts(m, "K", "V", "KP", "BV")
-    )
+    c, o = _launch(m, "grad_local")
+    T._grad_local[grid](q, keys, values, e, win, cb, zb, Sb, dy, dq, rho, G, g, demb, m["n"], r, N, N1, **common, **c,
+                        **o)  # fmt: skip
+    c, o = _launch(m, "grad_scan")
+    T._grad_scan[(BU, -(-m["V"] // c["BV"]))](cb, G, g, dzb, N, N1, **c, **o, **_consts(m, "K", "V", "KP"))
     dkeys, dvalues = torch.empty_like(keys), torch.empty_like(values)
-    T._grad_keys_values[grid](q, keys, values, e, win, cb, zb, dy, rho, G, dzb, dkeys, dvalues, m["n"], r, N1, **common)
+    c, o = _launch(m, "grad_keys_values")
+    T._grad_keys_values[grid](q, keys, values, e, win, cb, zb, dy, rho, G, dzb, dkeys, dvalues, m["n"], r, N1,
+                              **common, **c, **o)  # fmt: skip
     dq = dq.sum(1).to(q.dtype) if U > 1 else dq[:, 0]
     if emb is not None:
         demb = demb.view(B, U, N, K, m["RP"])[..., :r].sum(dim=(0, 2)).permute(2, 1, 0).to(emb.dtype)  # r k u
@@ -210,19 +246,19 @@ def compile_report(
 
     C = chunk or default_chunk(heads)
     m = dict(K=dim_k, V=dim_v, U=1, C=C, H=heads, HP=_pow2(heads), KP=_pow2(dim_k, 16), RP=_pow2(r, 16),
-             P=-(-(r - 1) // C) if r > 1 else 0, BV=min(BLOCK_V, _pow2(dim_v, 16)), HAS_EMB=r > 0,
-             SCAN_STAGES=SCAN_STAGES)  # fmt: skip
+             P=-(-(r - 1) // C) if r > 1 else 0, HAS_EMB=r > 0)  # fmt: skip
     f32 = {"amax", "lsum", "cb", "zb", "Sb", "S0", "z0", "c0", "G", "g", "dzb", "rho", "demb"}
     rows = []
-    for name in ("_chunk_sums", "_state_scan", "_chunk_output", "_grad_local", "_grad_scan", "_grad_keys_values"):
-        fn = getattr(T, name)
+    for name in KERNELS:
+        fn = getattr(T, "_" + name)
+        launch, opts = _launch(m, name)
         for label, dt in ((d, {"fp32": tl.float32, "bf16": tl.bfloat16}[d]) for d in dtypes):
-            consts = {k: v for k, v in {**m, "DT": dt, "PREC": "ieee" if label == "fp32" else "tf32"}.items()
+            consts = {k: v for k, v in {**m, **launch, "DT": dt, "PREC": "ieee" if label == "fp32" else "tf32"}.items()
                       if k in fn.arg_names}  # fmt: skip
             sig = {a: "constexpr" if a in consts else "i32" if a in ("n", "r", "N", "N1") else
                    "*fp32" if a in f32 else f"*{label}" for a in fn.arg_names}  # fmt: skip
             t0 = time.perf_counter()
-            counts = compile_counts(fn, sig, consts, arch, num_warps=_warps(m), num_stages=STAGES)[1]
-            rows.append({"kernel": name.lstrip("_"), "dtype": label, **counts,
-                         "compile_s": round(time.perf_counter() - t0, 2)})  # fmt: skip
+            counts = compile_counts(fn, sig, consts, arch, **opts)[1]
+            rows.append({"kernel": name, "dtype": label, "num_warps": opts["num_warps"], "block_v": consts["BV"],
+                         **counts, "compile_s": round(time.perf_counter() - t0, 2)})  # fmt: skip
     return rows

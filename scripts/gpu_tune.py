@@ -1,0 +1,161 @@
+"""Per-kernel launch settings of the fused causal lambda (issue 36), in one call of the device tool.
+
+    python scripts/gpu_tune.py OUTDIR
+
+Each variant sets every product kernel to one ``(warps, block_v, stages)`` and both scans to another
+(``fused_chunk.TUNE``); the kernels are independent, so one profile per variant gives each kernel's time under each
+of its settings. Steps: compile every variant in parallel processes (untimed, filling Triton's cache); time each
+kernel of one forward + backward under every variant (CUDA time from the profiler, mean of 3) at n 2048 x 32 and
+32768 x 2 (``lambda_lm_base``'s layer, bf16); compose the fastest setting of each kernel (summed over both points);
+then time the op (forward + backward, CUDA events) and ``lambda_lm_base``'s training step (4k, 16k contexts; 65,536
+tokens a step) at the defaults against the composed settings, ``transformer_lm_base`` beside them. Writes
+OUTDIR/tune.json and prints the composed ``LAMBDANET_CAUSAL_TUNE``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from gpu_lm import _bench, _lm_step  # noqa: E402
+
+from lambdanet.models import create_model  # noqa: E402
+from lambdanet.ops import causal_lambda  # noqa: E402
+from lambdanet.ops.causal_lambda import fused_chunk as FC  # noqa: E402
+
+PRODUCTS = [(0, 64, 1), (8, 64, 1), (8, 128, 1), (4, 128, 1), (8, 256, 1), (4, 32, 1), (8, 128, 2), (4, 64, 2),
+            (16, 128, 1), (16, 256, 1)]  # fmt: skip
+SCANS = [(4, 64, 4), (4, 32, 4), (4, 16, 4), (2, 16, 4), (1, 16, 4), (2, 32, 4), (4, 16, 8), (2, 16, 8), (1, 16, 8),
+         (4, 32, 8)]  # fmt: skip
+POINTS = ((2048, 32), (32768, 2))
+DEFAULT = dict(FC.TUNE)
+
+
+def _set(tune: dict) -> None:
+    FC.TUNE.clear()
+    FC.TUNE.update(tune)
+
+
+def variant(i: int) -> dict:
+    return {k: SCANS[i] if k in FC.SCANS else PRODUCTS[i] for k in FC.KERNELS}
+
+
+def _inputs(n: int, b: int):
+    dev, bf = "cuda", torch.bfloat16
+    q = torch.randn(b, n, 8, 16, device=dev, dtype=bf, requires_grad=True)
+    K = torch.randn(b, n, 16, 1, device=dev, dtype=bf, requires_grad=True)
+    V = torch.randn(b, n, 208, 1, device=dev, dtype=bf, requires_grad=True)
+    E = (torch.randn(64, 16, 1, device=dev) / 32).requires_grad_()
+    dy = torch.randn(b, n, 8, 208, device=dev, dtype=bf)
+
+    def f():
+        causal_lambda(q, K, V, E, mode="fused_chunk", chunk_size=16).backward(dy)
+
+    return f
+
+
+def warm(ids: list[int]) -> None:
+    for i in ids:
+        _set(variant(i))
+        for n, b in POINTS:
+            try:
+                _inputs(n, b)()
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001
+                print(i, n, repr(e)[:200], flush=True)
+
+
+def kernel_times(f, reps: int = 3) -> dict[str, float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    f()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            f()
+        torch.cuda.synchronize()
+    per: dict[str, float] = {}
+    for e in prof.events():
+        name = e.name.lstrip("_")
+        if e.device_type == torch.autograd.DeviceType.CUDA and name in FC.KERNELS:
+            per[name] = per.get(name, 0.0) + e.device_time / 1e3 / reps
+    return per
+
+
+def main() -> None:
+    out = sys.argv[1]
+    os.makedirs(out, exist_ok=True)
+    if len(sys.argv) > 2 and sys.argv[2] == "--warm":
+        warm([int(x) for x in sys.argv[3].split(",")])
+        return
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, __file__, out, "--warm", str(i)]) for i in range(len(PRODUCTS))]
+    for p in procs:  # a variant that compiles too long is left out of the cache (it compiles when timed)
+        try:
+            p.wait(timeout=max(1.0, 150 - (time.perf_counter() - t0)))
+        except subprocess.TimeoutExpired:
+            p.kill()
+    res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "warm_s": time.perf_counter() - t0}
+    print(res, flush=True)
+    sweep = []
+    for i in range(len(PRODUCTS)):
+        _set(variant(i))
+        row: dict = {"products": PRODUCTS[i], "scans": SCANS[i]}
+        for n, b in POINTS:
+            try:
+                row[f"{n}x{b}"] = kernel_times(_inputs(n, b))
+            except Exception as e:  # noqa: BLE001
+                row[f"{n}x{b}"] = {"error": repr(e)[:200]}
+        sweep.append(row)
+        print(row, flush=True)
+    res["sweep"] = sweep
+    best = {}
+    for k in FC.KERNELS:
+        cands = []
+        for i, row in enumerate(sweep):
+            ts = [row[f"{n}x{b}"].get(k) for n, b in POINTS]
+            if all(isinstance(t, float) for t in ts):
+                cands.append((sum(ts), i))
+        best[k] = variant(min(cands)[1])[k] if cands else DEFAULT[k]
+    res["best"] = best
+    res["tune_env"] = ";".join(f"{k}={w},{bv},{st}" for k, (w, bv, st) in best.items())
+    print("LAMBDANET_CAUSAL_TUNE=" + res["tune_env"], flush=True)
+    ops = []
+    for n, b in ((2048, 32), (8192, 8), (32768, 2)):
+        for label, tune in (("default", DEFAULT), ("tuned", best)):
+            _set(tune)
+            f = _inputs(n, b)
+            ms = _bench(f, warmup=2, reps=10)
+            ops.append({"n": n, "b": b, "settings": label, "ms": ms, "tokens_per_s": n * b / ms * 1e3,
+                        "kernels_ms": kernel_times(f)})  # fmt: skip
+            print(ops[-1], flush=True)
+    res["op"] = ops
+    lm = []
+    for name, tune in (("lambda_lm_base", DEFAULT), ("lambda_lm_base", best), ("transformer_lm_base", DEFAULT)):
+        _set(tune)
+        torch.manual_seed(0)
+        model = create_model(name).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        for ctx in (4096, 16384):
+            tokens = torch.randint(0, 256, (65536 // ctx, ctx + 1), device="cuda")
+            ms = _bench(_lm_step(model, opt, tokens), warmup=2, reps=5)
+            lm.append({"model": name, "settings": "tuned" if tune is best else "default", "context": ctx, "ms": ms,
+                       "tokens_per_s": 65536 / ms * 1e3})  # fmt: skip
+            print(lm[-1], flush=True)
+        del model, opt
+        torch.cuda.empty_cache()
+    res["lm"] = lm
+    with open(os.path.join(out, "tune.json"), "w") as fh:
+        json.dump(res, fh, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
