@@ -128,6 +128,22 @@ def main() -> None:
     res["best"] = best
     res["tune_env"] = ";".join(f"{k}={w},{bv},{st}" for k, (w, bv, st) in best.items())
     print("LAMBDANET_CAUSAL_TUNE=" + res["tune_env"], flush=True)
+    agree = {}  # the composed settings' output and gradients against the defaults' (same bf16 inputs)
+    torch.manual_seed(0)
+    xs = [torch.randn(4, 1000, 8, 16), torch.randn(4, 1000, 16, 1) * 3, torch.randn(4, 1000, 208, 1)]
+    xs = [t.to("cuda", torch.bfloat16) for t in xs] + [torch.randn(64, 16, 1, device="cuda") / 4]
+    dy = torch.randn(4, 1000, 8, 208, device="cuda", dtype=torch.bfloat16)
+    got = []
+    for tune in (DEFAULT, best):
+        _set(tune)
+        ins = [t.clone().requires_grad_() for t in xs]
+        o = causal_lambda(*ins, mode="fused_chunk", chunk_size=16)
+        o.backward(dy)
+        got.append([o] + [t.grad for t in ins])
+    for name, a, b in zip(("out", "dq", "dk", "dv", "demb"), *got):
+        agree[name] = float((a.double() - b.double()).norm() / b.double().norm())
+    res["tuned_vs_default_rel"] = agree
+    print("tuned vs default (relative):", agree, flush=True)
     ops = []
     for n, b in ((2048, 32), (8192, 8), (32768, 2)):
         for label, tune in (("default", DEFAULT), ("tuned", best)):
