@@ -35,6 +35,10 @@ PRODUCTS = [(0, 64, 1), (8, 64, 1), (8, 128, 1), (4, 128, 1), (8, 256, 1), (4, 3
             (16, 128, 1), (16, 256, 1)]  # fmt: skip
 SCANS = [(4, 64, 4), (4, 32, 4), (4, 16, 4), (2, 16, 4), (1, 16, 4), (2, 32, 4), (4, 16, 8), (2, 16, 8), (1, 16, 8),
          (4, 32, 8)]  # fmt: skip
+if os.environ.get("GPU_TUNE_VARIANTS"):  # "w,bv,s/w,bv,s;..." : products/scans per variant (a narrower sweep)
+    _pairs = [item.split("/") for item in os.environ["GPU_TUNE_VARIANTS"].split(";")]
+    PRODUCTS = [tuple(int(x) for x in a.split(",")) for a, _ in _pairs]
+    SCANS = [tuple(int(x) for x in b.split(",")) for _, b in _pairs]
 POINTS = ((2048, 32), (32768, 2))
 DEFAULT = dict(FC.TUNE)
 
