@@ -234,3 +234,32 @@ def test_an_optimiser_saved_while_the_rates_took_weight_decay_resumes_with_each_
     rates = [p for n, p in model.named_parameters() if n.endswith("decay_rate")]
     assert all(any(r is p for p in new.param_groups[1]["params"]) for r in rates)
     assert new.param_groups[1]["weight_decay"] == 0.0
+
+
+def test_under_autocast_the_lambdas_output_goes_to_proj_without_a_round_trip():
+    """Under autocast ``proj`` casts its input itself: the layer hands it the op's bf16 output as it is, not cast to
+    the float32 residual stream's dtype first (4 copies of ``[b, n, h v]`` per layer and step, ~6% of a
+    ``lambda_lm_base`` step on an H100). The result is bitwise the old one (bf16 -> float32 -> bf16 is exact), and
+    outside autocast the output keeps ``x``'s dtype."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    layer = CausalLambdaLayer(64, heads=4, dim_k=16, dim_v=24, r=8, decay="fixed", short_conv=4)
+    x = torch.randn(2, 40, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            out = layer(x)
+    hv = [2, 40, 4 * 24]  # b n (h v): the lambdas' output
+    casts = [e for e in prof.events() if e.name == "aten::copy_" and e.input_shapes and e.input_shapes[0] == hv]
+    assert casts == []
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the old path: cast to x's dtype, then proj casts it back
+        qkv, _ = layer._project(x, None)
+        q, keys, values = layer._split(qkv)
+        keys, _ = layer._offsets(x, keys)
+        q, keys, values = layer._fold(q, keys, values)
+        from lambdanet.ops import causal_lambda
+
+        yb = causal_lambda(q, keys, values, layer.emb, mode="chunk", chunk_size=layer.chunk)
+        old = layer.proj(layer._unfold(yb).to(x.dtype))
+    assert out.dtype == old.dtype == torch.bfloat16 and torch.equal(out, old)
+    assert layer(x).dtype == torch.float32

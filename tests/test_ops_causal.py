@@ -101,7 +101,9 @@ def test_fused_chunk_launch_settings_from_the_environment(monkeypatch):
     monkeypatch.setenv("LAMBDANET_CAUSAL_TUNE", "grad_local=8,128,2; chunk_output=0,32,1")
     tune = FC._settings()
     assert tune["grad_local"] == (8, 128, 2) and tune["chunk_output"] == (0, 32, 1)
-    assert tune["state_scan"] == tune["grad_scan"] == (4, 16, 4) and tune["grad_keys_values"] == (0, 64, 1)
+    assert tune["state_scan"][1] == tune["grad_scan"][1] == 16  # the other settings as they were
+    assert tune["state_scan"][::2] == FC.SETTINGS["state_scan"][::2] and tune["grad_scan"][::2] == (1, 8)
+    assert tune["grad_keys_values"] == FC.SETTINGS["grad_keys_values"]
     for bad in ("grad_local=8,100,1", "grad=8,64,1", "grad_local=8,64"):
         monkeypatch.setenv("LAMBDANET_CAUSAL_TUNE", bad)
         with pytest.raises(ValueError, match="LAMBDANET_CAUSAL_TUNE must be .* got '" + bad):
@@ -255,6 +257,36 @@ def test_the_language_models_compile_as_one_graph():
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 
+def _compile_report(args: str) -> list[dict]:
+    """``fused_chunk.compile_report(args)`` in a process without ``TRITON_INTERPRET`` (skips where Triton's
+    ``ptxas`` / ``nvdisasm`` are missing)."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" and not k.startswith("LAMBDANET_CAUSAL")}
+    code = ("import json; from lambdanet.ops.causal_lambda.fused_chunk import compile_report; "
+            f"print(json.dumps(compile_report({args})))")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode and any(t in proc.stderr for t in ("ptxas", "nvdisasm")) and "not found" in proc.stderr:
+        pytest.skip("Triton's ptxas / nvdisasm are not available here")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("heads", [8, 16])
+def test_fused_chunk_kernels_fit_shared_memory_in_float32_and_at_16_heads(heads):
+    """The launch settings were chosen for bf16 at 8 heads (value blocks of up to 256 columns). float32 operands
+    double each block's shared memory and 16 heads double the tile's rows: at a 256-column block
+    ``grad_keys_values`` asked 295 KB in float32 at 16 heads, over an H100's 227 KB (a launch failure), so float32
+    operands keep blocks of 64. Every kernel in both dtypes within the limit (about 2 minutes: float32 spills)."""
+    rows = _compile_report(f"heads={heads}")
+    assert len(rows) == 12
+    for row in rows:
+        assert row["shared_bytes"] <= 232448, row
+        if row["dtype"] == "fp32" and "scan" not in row["kernel"]:
+            assert row["block_v"] <= 64, row
+
+
 def test_fused_chunk_kernels_compile_for_hopper_within_its_shared_memory():
     """Compiled ahead of time for compute capability 9.0 at ``lambda_lm_base``'s sizes (8 heads, k 16, v 208,
     r 64; bf16 as training runs them): the products on the matrix units, and shared memory within an H100's
@@ -263,16 +295,7 @@ def test_fused_chunk_kernels_compile_for_hopper_within_its_shared_memory():
     SASS; 0, 17 and 17 at 8 warps: docs/bench/lm_gpu/NOTES.md, the first thing a GPU session measures). The two
     scans walk the chunks one after another: their loops are software-pipelined (asynchronous copies), since a
     step that waited on each load would cost a memory latency per chunk (2,048 of them at n 32768)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json; from lambdanet.ops.causal_lambda.fused_chunk import compile_report; "
-            "print(json.dumps(compile_report(dtypes=('bf16',))))")  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode and any(t in proc.stderr for t in ("ptxas", "nvdisasm")) and "not found" in proc.stderr:
-        pytest.skip("Triton's ptxas / nvdisasm are not available here")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    import json
-
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = _compile_report("dtypes=('bf16',)")
     assert len(rows) == 6
     for row in rows:
         if row["kernel"] in ("chunk_sums", "state_scan", "grad_scan"):

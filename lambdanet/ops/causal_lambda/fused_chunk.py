@@ -55,22 +55,39 @@ KERNELS = ("chunk_sums", "state_scan", "chunk_output", "grad_local", "grad_scan"
 SCANS = ("state_scan", "grad_scan")
 
 
+# Each kernel's launch settings (warps, block_v, stages) at 128 rows of heads x chunk, chosen on an H100 at
+# lambda_lm_base's layer in bf16 (8 heads, k 16, v 208, r 64; n 2048 x 32 and 32768 x 2) from a sweep of 16 settings
+# per kernel by scripts/gpu_tune.py (docs/bench/lm_gpu/NOTES.md): with the old uniform (4, 64, 1) and scans
+# (4, 64, 4), forward + backward took 4.70 / 5.73 ms; with these 4.12 / 4.20 ms.
+SETTINGS = {
+    "chunk_sums": (4, 256, 1),
+    "state_scan": (4, 16, 16),  # 26 programs per stream instead of 4: 0.50 -> 0.25 ms at 32768 x 2
+    "chunk_output": (4, 128, 1),
+    "grad_local": (8, 256, 1),
+    "grad_scan": (1, 8, 8),  # 0.51 -> 0.24 ms at 32768 x 2
+    "grad_keys_values": (4, 256, 1),  # 1.80 -> 1.02 ms
+}
+
+
 def _settings() -> dict[str, tuple[int, int, int]]:
-    """Each kernel's launch settings ``(warps, block_v, stages)``: ``warps`` 0 picks by the tile (8 from 256 rows
-    of heads x chunk, else 4); ``block_v`` the value columns a product kernel takes per step, or a scan program owns
-    (the scans run ``b x u x v / block_v`` programs, one chunk after another: a small block gives them more of the
-    GPU at long n and small b); ``stages`` the software-pipelining depth. Measured on an H100
-    (docs/bench/lm_gpu/NOTES.md). Knobs for measuring variants, read once at import:
-    ``LAMBDANET_CAUSAL_{WARPS,BLOCK_V,STAGES}`` (the product kernels), ``LAMBDANET_CAUSAL_SCAN_{WARPS,BLOCK_V,STAGES}``
-    (the scans), and ``LAMBDANET_CAUSAL_TUNE="grad_local=8,128,1;..."`` per kernel over those."""
+    """Each kernel's launch settings ``(warps, block_v, stages)`` (:data:`SETTINGS`): ``warps`` for a tile of 128
+    rows of heads x chunk (doubled for the product kernels per doubling of the rows; 0: 4, doubled alike);
+    ``block_v`` the value columns a product kernel takes per step, or a scan program owns (the scans run
+    ``b x u x v / block_v`` programs, each walking the chunks one after another: a small block gives them more of
+    the GPU at long n and small b); ``stages`` the software-pipelining depth. Knobs for measuring variants, read
+    once at import: ``LAMBDANET_CAUSAL_{WARPS,BLOCK_V,STAGES}`` (all product kernels),
+    ``LAMBDANET_CAUSAL_SCAN_{WARPS,BLOCK_V,STAGES}`` (both scans), then
+    ``LAMBDANET_CAUSAL_TUNE="grad_local=8,128,1;..."`` per kernel."""
     env = os.environ.get
-
-    def knobs(prefix: str, warps: str, block_v: str, stages: str) -> tuple[int, int, int]:
-        w, bv, st = (int(env(prefix + k, d)) for k, d in (("WARPS", warps), ("BLOCK_V", block_v), ("STAGES", stages)))
-        return w, bv, st
-
-    products, scans = knobs("LAMBDANET_CAUSAL_", "0", "64", "1"), knobs("LAMBDANET_CAUSAL_SCAN_", "4", "64", "4")
-    out = {name: scans if name in SCANS else products for name in KERNELS}
+    out = dict(SETTINGS)
+    products = tuple(k for k in KERNELS if k not in SCANS)
+    for prefix, names in (("LAMBDANET_CAUSAL_", products), ("LAMBDANET_CAUSAL_SCAN_", SCANS)):
+        for i, knob in enumerate(("WARPS", "BLOCK_V", "STAGES")):
+            if env(prefix + knob):
+                for name in names:
+                    setting = list(out[name])
+                    setting[i] = int(env(prefix + knob, ""))
+                    out[name] = (setting[0], setting[1], setting[2])
     for item in filter(None, env("LAMBDANET_CAUSAL_TUNE", "").replace(" ", "").split(";")):
         name, _, vals = item.partition("=")
         try:
@@ -89,9 +106,14 @@ TUNE = _settings()
 
 def _launch(m: dict, name: str) -> tuple[dict, dict]:
     """``(constexprs BV / SCAN_STAGES, launch options)`` of kernel ``name`` at the sizes ``m``."""
+    import triton.language as tl
+
     warps, bv, stages = TUNE[name]
-    bv = min(bv, _pow2(m["V"], 16))
-    warps = warps or (8 if m["HP"] * m["C"] >= 256 and name not in SCANS else 4)
+    bv = min(bv, _pow2(m["V"], 16 if name not in SCANS else 1))
+    if m["DT"] == tl.float32 and name not in SCANS:  # float32 operands: twice the shared memory per block, and
+        bv = min(bv, 64)  # grad_keys_values at 256 would ask 295 KB at 16 heads (an H100 has 227 KB)
+    if name not in SCANS:
+        warps = min(16, (warps or 4) * max(1, m["HP"] * m["C"] // 128))
     if name in SCANS:
         return {"BV": bv, "SCAN_STAGES": stages}, {"num_warps": warps}
     return {"BV": bv}, {"num_warps": warps, "num_stages": stages}
@@ -212,7 +234,8 @@ def fused_chunk_causal_lambda(
     win = state["window"].detach().to(dtype).contiguous()
     y, Sb, cb, zb = _forward(q, keys, values, emb, S0, z0, c0, win if win.numel() else q.new_zeros(1), chunk)
     (b, _, _, k), u, v = q.shape, keys.shape[3], values.shape[2]
-    full = torch.cat([win, values.permute(0, 3, 1, 2)], dim=2)  # b u (r - 1 + n) v
+    keep = win.shape[2]  # the window: the last r - 1 values (only those are copied, not the whole sequence)
+    full = torch.cat([win, values[:, values.shape[1] - min(keep, values.shape[1]) :].permute(0, 3, 1, 2)], dim=2)
     final = {
         "S": Sb[:, -1].reshape(b, u, k, v),
         "z": zb[:, -1].reshape(b, u, k),
@@ -251,8 +274,8 @@ def compile_report(
     rows = []
     for name in KERNELS:
         fn = getattr(T, "_" + name)
-        launch, opts = _launch(m, name)
         for label, dt in ((d, {"fp32": tl.float32, "bf16": tl.bfloat16}[d]) for d in dtypes):
+            launch, opts = _launch({**m, "DT": dt}, name)
             consts = {k: v for k, v in {**m, **launch, "DT": dt, "PREC": "ieee" if label == "fp32" else "tf32"}.items()
                       if k in fn.arg_names}  # fmt: skip
             sig = {a: "constexpr" if a in consts else "i32" if a in ("n", "r", "N", "N1") else
