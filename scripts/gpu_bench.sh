@@ -12,10 +12,8 @@
 #   bash scripts/gpu_bench.sh compiled   # the timm26 suite under torch.compile
 #   bash scripts/gpu_bench.sh lm         # the causal lambda op vs fla / SDPA, the LMs' training, generation and
 #                                        # launches (scripts/gpu_lm.py; fla-core carried as a wheel in .whl/)
-#   bash scripts/gpu_bench.sh lm-warps   # per-kernel times: defaults, 8 warps (spill-free: NOTES.md) with the op
-#                                        # against fla, and the scans unpipelined (LAMBDANET_CAUSAL_SCAN_STAGES=1)
-#   bash scripts/gpu_bench.sh lm-first   # all of the above for the causal op in one call (~9 minutes): the GPU
-#                                        # check, per-kernel times and the op for four variants, then the models
+#   bash scripts/gpu_bench.sh lm-first   # the causal op in one call (~9 minutes): the GPU check, per-kernel
+#                                        # times, the op against fla / SDPA, the models, the launch-settings sweep
 #   bash scripts/gpu_bench.sh run1|run2|run3  # bundles of one 10-minute call each (check kernels layers impls |
 #                                            # models compiled | compiled timm26 impls and the layer checks)
 set -uo pipefail
@@ -63,34 +61,24 @@ run_stage() {
     timm26) stage timm26 90 $BENCH models --suites timm26 --amp bf16 --channels-last --img-size 256 \
       --batch-size 256 --out "$R/timm26" ;;
     lm) stage lm 540 $PY scripts/gpu_lm.py "$R/lm" ;;
-    lm-warps)  # per-kernel times at the defaults, at 8 warps (+ the op against fla), and without the scans' pipelining
-      stage lm-default 150 $PY scripts/gpu_lm.py "$R/lm-default" --parts opprof --quick
-      stage lm-warps 240 env LAMBDANET_CAUSAL_WARPS=8 $PY scripts/gpu_lm.py "$R/lm-warps8" --parts opprof,op --quick
-      stage lm-scan1 120 env LAMBDANET_CAUSAL_SCAN_STAGES=1 $PY scripts/gpu_lm.py "$R/lm-scan1" --parts opprof --quick ;;
-    lm-first)  # one 10-minute call: Triton's cache filled for every variant at once (untimed, in parallel, beside the
-               # GPU check), then each variant timed alone: per-kernel profile and the op (fla / SDPA at the defaults
-               # only), then the models' training, generation and launches at the defaults
-      local W="$PY scripts/gpu_lm.py" pids=()
-      GPU_LM_WARM_MODELS=1 timeout 200 $W "$R/warm-default" --parts warm > "$R/warm-default.log" 2>&1 & pids+=($!)
-      for v in "WARPS=8" "WARPS=8 LAMBDANET_CAUSAL_BLOCK_V=128" "SCAN_STAGES=1"; do
-        env GPU_LM_PEERS=0 LAMBDANET_CAUSAL_$v timeout 200 $W "$R/warm-${v//[^A-Z0-9]/}" --parts warm \
-          > "$R/warm-${v//[^A-Z0-9]/}.log" 2>&1 & pids+=($!)
-      done
+    lm-first)  # one 10-minute call: Triton's cache filled at the defaults (untimed, beside the GPU check), then the
+               # per-kernel profile and the op against fla / SDPA, the models' training, generation and launches,
+               # and the per-kernel sweep of launch settings (scripts/gpu_tune.py) with its own warm-up
+      local W="$PY scripts/gpu_lm.py"
+      GPU_LM_WARM_MODELS=1 timeout 200 $W "$R/warm-default" --parts warm > "$R/warm-default.log" 2>&1 &
+      local pid=$!
       stage lm-check 120 $W "$R/lm-check" --parts check --quick
-      echo "   warming ..."; wait "${pids[@]}"; tail -n 3 "$R"/warm-*.log
+      echo "   warming ..."; wait $pid; tail -n 3 "$R"/warm-*.log
       stage lm-default 110 $W "$R/lm-default" --parts opprof,op --quick
-      stage lm-warps8 50 env GPU_LM_PEERS=0 LAMBDANET_CAUSAL_WARPS=8 $W "$R/lm-warps8" --parts opprof,op --quick
-      stage lm-w8bv128 50 env GPU_LM_PEERS=0 LAMBDANET_CAUSAL_WARPS=8 LAMBDANET_CAUSAL_BLOCK_V=128 \
-        $W "$R/lm-w8bv128" --parts opprof,op --quick
-      stage lm-scan1 30 env LAMBDANET_CAUSAL_SCAN_STAGES=1 $W "$R/lm-scan1" --parts opprof --quick
-      stage lm-models 150 $W "$R/lm-models" --parts lm,gen,profile --quick ;;
+      stage lm-models 100 $W "$R/lm-models" --parts lm,gen,profile --quick
+      stage lm-tune 150 $PY scripts/gpu_tune.py "$R/lm-tune" ;;
     run1) for s in check kernels layers impls; do run_stage $s; done ;;
     run2) for s in models compiled; do run_stage $s; done ;;
     compiled-26t) stage compiled-26t 330 $PY scripts/gpu_compiled.py "$R/compiled-26t" ;;
     run4) for s in impls compiled-26t; do run_stage $s; done ;;
     run3) for s in compiled timm26 impls; do run_stage $s; done
       stage check-layers 60 $PY -m pytest -q -m device tests/test_device.py -k "lambda or autocast" -p no:cacheprovider -rf ;;
-    *) echo "unknown stage $1 (check | kernels | layers | impls | impls-bf16 | models | compiled | timm26 | lm | lm-warps | lm-first | run1-3)"; exit 2 ;;
+    *) echo "unknown stage $1 (check | kernels | layers | impls | impls-bf16 | models | compiled | timm26 | lm | lm-first | run1-3)"; exit 2 ;;
   esac
 }
 

@@ -299,8 +299,15 @@ def part_profile(quick: bool) -> list[dict]:
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         gpu_ms = sum(e.device_time for e in kernels) / 1e3
         top = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:8]
+        per: dict[str, list] = {}  # the GPU kernels themselves by name: [ms, launches]
+        for e in kernels:
+            entry = per.setdefault(e.name[:70], [0.0, 0])
+            entry[0] += e.device_time / 1e3
+            entry[1] += 1
+        by_time = sorted(([k, round(v[0], 3), v[1]] for k, v in per.items()), key=lambda r: -r[1])
         rows.append({"model": name, "launches": len(kernels), "gpu_ms": gpu_ms, "wall_ms_profiled": wall,
-                     "top": [(e.key[:60], round(e.device_time_total / 1e3, 2), e.count) for e in top]})  # fmt: skip
+                     "top": [(e.key[:60], round(e.device_time_total / 1e3, 2), e.count) for e in top],
+                     "kernels": by_time[:30]})  # fmt: skip
         print(rows[-1], flush=True)
         del model, opt
     return rows
