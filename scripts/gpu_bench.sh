@@ -13,7 +13,8 @@
 #   bash scripts/gpu_bench.sh lm         # the causal lambda op vs fla / SDPA, the LMs' training, generation and
 #                                        # launches (scripts/gpu_lm.py; fla-core carried as a wheel in .whl/)
 #   bash scripts/gpu_bench.sh lm-first   # the causal op in one call (~9 minutes): the GPU check, per-kernel
-#                                        # times, the op against fla / SDPA, the models, the launch-settings sweep
+#                                        # times, the op against fla / SDPA, the models, Nsight Compute on the
+#                                        # product kernels (lm-ncu alone too), the launch-settings sweep
 #   bash scripts/gpu_bench.sh run1|run2|run3  # bundles of one 10-minute call each (check kernels layers impls |
 #                                            # models compiled | compiled timm26 impls and the layer checks)
 set -uo pipefail
@@ -65,20 +66,28 @@ run_stage() {
                # per-kernel profile and the op against fla / SDPA, the models' training, generation and launches,
                # and the per-kernel sweep of launch settings (scripts/gpu_tune.py) with its own warm-up
       local W="$PY scripts/gpu_lm.py"
-      GPU_LM_WARM_MODELS=1 timeout 200 $W "$R/warm-default" --parts warm > "$R/warm-default.log" 2>&1 &
+      GPU_LM_PEERS=0 GPU_LM_WARM_MODELS=1 timeout 200 $W "$R/warm-default" --parts warm > "$R/warm-default.log" 2>&1 &
       local pid=$!
       stage lm-check 120 $W "$R/lm-check" --parts check --quick
       echo "   warming ..."; wait $pid; tail -n 3 "$R"/warm-*.log
       stage lm-default 110 $W "$R/lm-default" --parts opprof,op --quick
-      stage lm-models 100 $W "$R/lm-models" --parts lm,gen,profile --quick
-      stage lm-tune 150 $PY scripts/gpu_tune.py "$R/lm-tune" ;;
+      stage lm-models 90 $W "$R/lm-models" --parts lm,gen,profile --quick
+      run_stage lm-ncu
+      stage lm-tune 120 $PY scripts/gpu_tune.py "$R/lm-tune" ;;
+    lm-ncu)  # Nsight Compute on the three product kernels of the second forward + backward (after the compile)
+      local NCU
+      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1)
+      stage lm-ncu 90 "$NCU" --kernel-name-base function --kernel-name regex:"_chunk_output|_grad_local|_grad_keys_values" \
+        --launch-skip 3 --launch-count 3 --section SpeedOfLight --section Occupancy --section WarpStateStats \
+        --section LaunchStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+        $PY scripts/gpu_lm.py "$R/lm-ncu" --parts ncu ;;
     run1) for s in check kernels layers impls; do run_stage $s; done ;;
     run2) for s in models compiled; do run_stage $s; done ;;
     compiled-26t) stage compiled-26t 330 $PY scripts/gpu_compiled.py "$R/compiled-26t" ;;
     run4) for s in impls compiled-26t; do run_stage $s; done ;;
     run3) for s in compiled timm26 impls; do run_stage $s; done
       stage check-layers 60 $PY -m pytest -q -m device tests/test_device.py -k "lambda or autocast" -p no:cacheprovider -rf ;;
-    *) echo "unknown stage $1 (check | kernels | layers | impls | impls-bf16 | models | compiled | timm26 | lm | lm-first | run1-3)"; exit 2 ;;
+    *) echo "unknown stage $1 (check | kernels | layers | impls | impls-bf16 | models | compiled | timm26 | lm | lm-first | lm-ncu | run1-3)"; exit 2 ;;
   esac
 }
 

@@ -341,8 +341,22 @@ def part_opprof(quick: bool) -> list[dict]:
     return rows
 
 
-PARTS = {"warm": part_warm, "opprof": part_opprof, "check": part_check, "op": part_op, "lm": part_lm, "gen": part_gen,
-         "profile": part_profile}  # fmt: skip
+def part_ncu(quick: bool) -> list[dict]:
+    """Two forward + backward passes at 2048 x 32 for Nsight Compute (``gpu_bench.sh lm-ncu`` profiles the second
+    pass's product kernels: stall reasons, occupancy, memory throughput)."""
+    q = torch.randn(32, 2048, 8, 16, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    K = torch.randn(32, 2048, 16, 1, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    V = torch.randn(32, 2048, 208, 1, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    E = (torch.randn(64, 16, 1, device=DEV) / 32).requires_grad_()
+    dy = torch.randn(32, 2048, 8, 208, device=DEV, dtype=torch.bfloat16)
+    for _ in range(2):
+        causal_lambda(q, K, V, E, mode="fused_chunk").backward(dy)
+        _sync()
+    return [{"passes": 2}]
+
+
+PARTS = {"warm": part_warm, "ncu": part_ncu, "opprof": part_opprof, "check": part_check, "op": part_op,
+         "lm": part_lm, "gen": part_gen, "profile": part_profile}  # fmt: skip
 ORDER = "opprof,op,lm,check,gen,profile"  # the next GPU session: what the kernels spend, then the study
 
 
