@@ -15,6 +15,8 @@
 #   bash scripts/gpu_bench.sh lm-first   # the causal op in one call (~9 minutes): the GPU check, per-kernel
 #                                        # times, the op against fla / SDPA, the models, Nsight Compute on the
 #                                        # product kernels (lm-ncu alone too), the launch-settings sweep
+#   bash scripts/gpu_bench.sh lm-quality # issue 37: *_lm_small (and heads=8) against the transformer, contexts 1024
+#                                        # and 4096 (~8 minutes)
 #   bash scripts/gpu_bench.sh run1|run2|run3  # bundles of one 10-minute call each (check kernels layers impls |
 #                                            # models compiled | compiled timm26 impls and the layer checks)
 set -uo pipefail
@@ -74,6 +76,15 @@ run_stage() {
       stage lm-models 90 $W "$R/lm-models" --parts lm,gen,profile --quick
       run_stage lm-ncu
       stage lm-tune 120 $PY scripts/gpu_tune.py "$R/lm-tune" ;;
+    lm-quality)  # issue 37 on the GPU: *_lm_small at context 1024, equal steps (1,200 of 32 sequences), and at 4096
+                 # (1,200 of 8) with the validation curve per epoch and bytes/s in metrics.csv (equal time read off it)
+      local T="$PY -m lambdanet lm train --device cuda --amp bf16 --eval-bytes 262144 --seed 0 --no-progress --no-tensorboard"
+      stage q1024-lambda 110 $T --model lambda_lm_small --context 1024 --batch-size 32 --epochs 4 --steps-per-epoch 300 --out "$R/q1024-lambda"
+      stage q1024-transformer 90 $T --model transformer_lm_small --context 1024 --batch-size 32 --epochs 4 --steps-per-epoch 300 --out "$R/q1024-transformer"
+      stage q1024-heads8 110 $T --model lambda_lm_small --model-kwargs heads=8 --context 1024 --batch-size 32 --epochs 4 --steps-per-epoch 300 --out "$R/q1024-heads8"
+      stage q4096-lambda 100 $T --model lambda_lm_small --context 4096 --batch-size 8 --epochs 6 --steps-per-epoch 200 --out "$R/q4096-lambda"
+      stage q4096-transformer 100 $T --model transformer_lm_small --context 4096 --batch-size 8 --epochs 6 --steps-per-epoch 200 --out "$R/q4096-transformer"
+      rm -f "$R"/q*/last.pt "$R"/q*/model.safetensors ;;  # the results only (the tarball comes back)
     lm-ncu)  # Nsight Compute on the three product kernels of the second forward + backward (after the compile)
       local NCU
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1)
@@ -87,7 +98,7 @@ run_stage() {
     run4) for s in impls compiled-26t; do run_stage $s; done ;;
     run3) for s in compiled timm26 impls; do run_stage $s; done
       stage check-layers 60 $PY -m pytest -q -m device tests/test_device.py -k "lambda or autocast" -p no:cacheprovider -rf ;;
-    *) echo "unknown stage $1 (check | kernels | layers | impls | impls-bf16 | models | compiled | timm26 | lm | lm-first | lm-ncu | run1-3)"; exit 2 ;;
+    *) echo "unknown stage $1 (check | kernels | layers | impls | impls-bf16 | models | compiled | timm26 | lm | lm-first | lm-ncu | lm-quality | run1-3)"; exit 2 ;;
   esac
 }
 
