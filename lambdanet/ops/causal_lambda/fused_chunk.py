@@ -110,10 +110,12 @@ def _launch(m: dict, name: str) -> tuple[dict, dict]:
 
     warps, bv, stages = TUNE[name]
     bv = min(bv, _pow2(m["V"], 16 if name not in SCANS else 1))
-    if m["DT"] == tl.float32 and name not in SCANS:  # float32 operands: twice the shared memory per block, and
-        bv = min(bv, 64)  # grad_keys_values at 256 would ask 295 KB at 16 heads (an H100 has 227 KB)
-    if name not in SCANS:
-        warps = min(16, (warps or 4) * max(1, m["HP"] * m["C"] // 128))
+    if name not in SCANS:  # a product kernel's [rows, block_v] tiles stay within what was measured at 128 rows:
+        # 128 x 256 for half operands, 128 x 64 for float32 (twice the bytes and IEEE products: at 256 columns
+        # grad_keys_values would ask 295 KB of shared memory at 16 heads, an H100 has 227 KB)
+        rows = m["HP"] * m["C"]
+        bv = min(bv, max(16, (8192 if m["DT"] == tl.float32 else 32768) // rows))
+        warps = min(16, (warps or 4) * max(1, rows // 128))
     if name in SCANS:
         return {"BV": bv, "SCAN_STAGES": stages}, {"num_warps": warps}
     return {"BV": bv}, {"num_warps": warps, "num_stages": stages}
