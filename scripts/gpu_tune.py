@@ -27,19 +27,16 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from gpu_lm import _bench, _lm_step  # noqa: E402
 
+from lambdanet.bench import causal_tune as CT  # noqa: E402
 from lambdanet.models import create_model  # noqa: E402
 from lambdanet.ops import causal_lambda  # noqa: E402
 from lambdanet.ops.causal_lambda import fused_chunk as FC  # noqa: E402
 
-PRODUCTS = [(0, 64, 1), (8, 64, 1), (8, 128, 1), (4, 128, 1), (8, 256, 1), (4, 32, 1), (8, 128, 2), (4, 64, 2),
-            (16, 128, 1), (16, 256, 1)]  # fmt: skip
-SCANS = [(4, 64, 4), (4, 32, 4), (4, 16, 4), (2, 16, 4), (1, 16, 4), (2, 32, 4), (4, 16, 8), (2, 16, 8), (1, 16, 8),
-         (4, 32, 8)]  # fmt: skip
 if os.environ.get("GPU_TUNE_VARIANTS"):  # "w,bv,s/w,bv,s;..." : products/scans per variant (a narrower sweep)
     _pairs = [item.split("/") for item in os.environ["GPU_TUNE_VARIANTS"].split(";")]
-    PRODUCTS = [tuple(int(x) for x in a.split(",")) for a, _ in _pairs]
-    SCANS = [tuple(int(x) for x in b.split(",")) for _, b in _pairs]
-POINTS = ((2048, 32), (32768, 2))
+    CT.PRODUCTS[:] = [tuple(int(x) for x in a.split(",")) for a, _ in _pairs]
+    CT.SCANS[:] = [tuple(int(x) for x in b.split(",")) for _, b in _pairs]
+POINTS = CT.POINTS
 DEFAULT = dict(FC.TUNE)
 
 
@@ -49,21 +46,11 @@ def _set(tune: dict) -> None:
 
 
 def variant(i: int) -> dict:
-    return {k: SCANS[i] if k in FC.SCANS else PRODUCTS[i] for k in FC.KERNELS}
+    return CT.variants()[i]
 
 
 def _inputs(n: int, b: int):
-    dev, bf = "cuda", torch.bfloat16
-    q = torch.randn(b, n, 8, 16, device=dev, dtype=bf, requires_grad=True)
-    K = torch.randn(b, n, 16, 1, device=dev, dtype=bf, requires_grad=True)
-    V = torch.randn(b, n, 208, 1, device=dev, dtype=bf, requires_grad=True)
-    E = (torch.randn(64, 16, 1, device=dev) / 32).requires_grad_()
-    dy = torch.randn(b, n, 8, 208, device=dev, dtype=bf)
-
-    def f():
-        causal_lambda(q, K, V, E, mode="fused_chunk", chunk_size=16).backward(dy)
-
-    return f
+    return CT._inputs(n, b, "cuda")
 
 
 def warm(ids: list[int]) -> None:
@@ -77,21 +64,7 @@ def warm(ids: list[int]) -> None:
                 print(i, n, repr(e)[:200], flush=True)
 
 
-def kernel_times(f, reps: int = 3) -> dict[str, float]:
-    from torch.profiler import ProfilerActivity, profile
-
-    f()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            f()
-        torch.cuda.synchronize()
-    per: dict[str, float] = {}
-    for e in prof.events():
-        name = e.name.lstrip("_")
-        if e.device_type == torch.autograd.DeviceType.CUDA and name in FC.KERNELS:
-            per[name] = per.get(name, 0.0) + e.device_time / 1e3 / reps
-    return per
+kernel_times = CT.kernel_times
 
 
 def main() -> None:
@@ -101,7 +74,8 @@ def main() -> None:
         warm([int(x) for x in sys.argv[3].split(",")])
         return
     t0 = time.perf_counter()
-    procs = [subprocess.Popen([sys.executable, __file__, out, "--warm", str(i)]) for i in range(len(PRODUCTS))]
+    count = len(CT.variants())
+    procs = [subprocess.Popen([sys.executable, __file__, out, "--warm", str(i)]) for i in range(count)]
     for p in procs:  # a variant that compiles too long is left out of the cache (it compiles when timed)
         try:
             p.wait(timeout=max(1.0, 150 - (time.perf_counter() - t0)))
@@ -110,9 +84,9 @@ def main() -> None:
     res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "warm_s": time.perf_counter() - t0}
     print(res, flush=True)
     sweep = []
-    for i in range(len(PRODUCTS)):
+    for i in range(count):
         _set(variant(i))
-        row: dict = {"products": PRODUCTS[i], "scans": SCANS[i]}
+        row: dict = {"products": variant(i)["grad_local"], "scans": variant(i)["state_scan"]}
         for n, b in POINTS:
             try:
                 row[f"{n}x{b}"] = kernel_times(_inputs(n, b))
@@ -121,16 +95,10 @@ def main() -> None:
         sweep.append(row)
         print(row, flush=True)
     res["sweep"] = sweep
-    best = {}
-    for k in FC.KERNELS:
-        cands = []
-        for i, row in enumerate(sweep):
-            ts = [row[f"{n}x{b}"].get(k) for n, b in POINTS]
-            if all(isinstance(t, float) for t in ts):
-                cands.append((sum(ts), i))
-        best[k] = variant(min(cands)[1])[k] if cands else DEFAULT[k]
+    times = [{key: row[key] for key in row if "x" in key} for row in sweep]
+    best = CT.compose(times, CT.variants(), DEFAULT)
     res["best"] = best
-    res["tune_env"] = ";".join(f"{k}={w},{bv},{st}" for k, (w, bv, st) in best.items())
+    res["tune_env"] = CT.tune_env(best)
     print("LAMBDANET_CAUSAL_TUNE=" + res["tune_env"], flush=True)
     agree = {}  # the composed settings' output and gradients against the defaults' (same bf16 inputs)
     torch.manual_seed(0)

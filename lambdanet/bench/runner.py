@@ -37,7 +37,16 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from lambdanet.bench import detection_bench, kernel_bench, layer_bench, lm_ablation, lm_bench, model_bench, recall_bench
+from lambdanet.bench import (
+    causal_tune,
+    detection_bench,
+    kernel_bench,
+    layer_bench,
+    lm_ablation,
+    lm_bench,
+    model_bench,
+    recall_bench,
+)
 from lambdanet.bench.layer_parts import attention, impls, scaling, targets
 from lambdanet.bench.part import DEFAULT_SUITES, BenchSettings, Log, Part, PartResult
 from lambdanet.bench.peers import missing_peers_warning
@@ -335,6 +344,7 @@ PARTS: dict[str, Part] = {
     "lm_recall": Part(_lm_recall, lambda s: ()),
     "lm_ablation": Part(_lm_ablation, lambda s: ()),
     "kernels": Part(_kernels, lambda s: ()),
+    "causal_tune": Part(causal_tune.bench_part, lambda s: ()),
 }
 
 

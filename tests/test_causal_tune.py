@@ -1,0 +1,69 @@
+"""``lambdanet bench causal_tune``: the sweep of the fused causal lambda's launch settings. Timing needs a GPU; what
+the CPU checks is the composition (each kernel's fastest setting, failures left out), the environment string the
+op reads back, the variants' coverage and the part's message without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from lambdanet.bench import causal_tune as CT
+from lambdanet.bench.runner import run_benchmarks
+from lambdanet.ops.causal_lambda import fused_chunk as FC
+
+
+def test_the_variants_try_every_setting_and_keep_scans_and_products_apart():
+    tried = CT.variants()
+    assert len(tried) == max(len(CT.PRODUCTS), len(CT.SCANS))
+    for setting in CT.PRODUCTS:
+        assert any(t["grad_local"] == setting for t in tried)
+    for setting in CT.SCANS:
+        assert any(t["state_scan"] == setting for t in tried)
+    for t in tried:
+        assert set(t) == set(FC.KERNELS)
+        assert all(t[k] in CT.SCANS for k in FC.SCANS)
+        assert all(t[k] in CT.PRODUCTS for k in FC.KERNELS if k not in FC.SCANS)
+
+
+def test_compose_takes_each_kernels_fastest_setting_over_all_points():
+    """Three variants timed at two points; each kernel's winner is the least sum over both points (not the best
+    at one point), a failed point leaves that variant out, and a kernel never timed keeps the default."""
+    tried = [{k: (i, 16 * (i + 1), 1) for k in FC.KERNELS} for i in range(3)]
+    ms = {  # kernel: [variant][point]
+        "chunk_output": [(1.0, 1.0), (0.5, 2.0), (0.9, 0.9)],  # variant 2: 1.8 (variant 1 wins one point only)
+        "grad_local": [(1.0, 1.0), (0.1, 0.1), (3.0, 3.0)],  # variant 1 ...
+        "state_scan": [(0.2, 0.2), (0.1, 0.1), (0.3, 0.3)],  # ... but variant 1 fails at the second point below
+    }
+    rows = []
+    for i in range(3):
+        row = {p: {k: ms[k][i][j] for k in ms} for j, p in enumerate(("2048x32", "32768x2"))}
+        rows.append(row)
+    rows[1]["32768x2"] = {"error": "OutOfResources"}  # variant 1 cannot launch at the second point
+    default = {k: (9, 64, 1) for k in FC.KERNELS}
+    best = CT.compose(rows, tried, default)
+    assert best["chunk_output"] == tried[2]["chunk_output"]
+    assert best["grad_local"] == tried[0]["grad_local"]  # 1 + 1 < 3 + 3; variant 1 left out
+    assert best["state_scan"] == tried[0]["state_scan"]
+    assert best["grad_keys_values"] == default["grad_keys_values"]  # never timed
+
+
+def test_the_printed_setting_is_what_the_op_reads_back(monkeypatch):
+    best = {k: v for k, v in zip(FC.KERNELS, [(4, 256, 1), (4, 16, 16), (8, 128, 2), (16, 64, 1), (1, 8, 8),
+                                              (0, 32, 1)])}  # fmt: skip
+    monkeypatch.setenv("LAMBDANET_CAUSAL_TUNE", CT.tune_env(best))
+    assert FC._settings() == best
+
+
+def test_a_setting_applies_only_while_timed():
+    before = dict(FC.TUNE)
+    seen = CT._with({"grad_local": (16, 16, 1)}, lambda: FC.TUNE["grad_local"])
+    assert seen == (16, 16, 1) and FC.TUNE == before
+    with pytest.raises(RuntimeError):
+        CT._with({"grad_local": (16, 16, 1)}, lambda: (_ for _ in ()).throw(RuntimeError("launch failed")))
+    assert FC.TUNE == before
+
+
+def test_without_a_gpu_the_part_says_it_needs_one(tmp_path):
+    lines = []
+    run_benchmarks(["causal_tune"], device="cpu", out=tmp_path, log=lines.append)
+    assert any("--device cuda" in line for line in lines)
+    assert "Skipped: needs a CUDA device with Triton." in (tmp_path / "bench.md").read_text()
