@@ -75,7 +75,7 @@ run_stage() {
       stage lm-default 110 $W "$R/lm-default" --parts opprof,op --quick
       stage lm-models 90 $W "$R/lm-models" --parts lm,gen,profile --quick
       run_stage lm-ncu
-      stage lm-tune 120 $PY scripts/gpu_tune.py "$R/lm-tune" ;;
+      stage lm-tune 150 $PY scripts/gpu_tune.py "$R/lm-tune" ;;
     lm-quality)  # issue 37 on the GPU: *_lm_small at context 1024, equal steps (1,200 of 32 sequences), and at 4096
                  # (1,200 of 8) with the validation curve per epoch and bytes/s in metrics.csv (equal time read off it)
       local T="$PY -m lambdanet lm train --device cuda --amp bf16 --eval-bytes 262144 --seed 0 --no-progress --no-tensorboard"
