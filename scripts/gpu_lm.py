@@ -3,7 +3,8 @@
     python scripts/gpu_lm.py OUTDIR [--parts warm,opprof,check,op,lm,gen,profile] [--quick]
 
 Parts (each writes OUTDIR/<part>.json and prints a table):
-* warm: compile every kernel of the other parts at their shapes, untimed (processes in parallel, one per variant).
+* warm: compile every kernel of the other parts at their shapes, untimed (run it in a process of its own beside
+  the untimed check, before the timed parts).
 * opprof: the CUDA time of each kernel of one fused_chunk forward + backward.
 * check: ``lambdanet.ops.causal_lambda`` modes against the definition in float64 on the GPU, outputs and gradients,
   float32 and bf16 inputs, awkward lengths.

@@ -37,7 +37,8 @@ if os.environ.get("GPU_TUNE_VARIANTS"):  # "w,bv,s/w,bv,s;..." : products/scans 
     CT.PRODUCTS[:] = [tuple(int(x) for x in a.split(",")) for a, _ in _pairs]
     CT.SCANS[:] = [tuple(int(x) for x in b.split(",")) for _, b in _pairs]
 POINTS = CT.POINTS
-DEFAULT = dict(FC.TUNE)
+WARM_S = float(os.environ.get("GPU_TUNE_WARM_S", "60"))  # the parallel compile's deadline (the rest compiles timed)
+DEFAULT = dict(FC.tune())
 
 
 def _set(tune: dict) -> None:
@@ -78,7 +79,7 @@ def main() -> None:
     procs = [subprocess.Popen([sys.executable, __file__, out, "--warm", str(i)]) for i in range(count)]
     for p in procs:  # a variant that compiles too long is left out of the cache (it compiles when timed)
         try:
-            p.wait(timeout=max(1.0, 150 - (time.perf_counter() - t0)))
+            p.wait(timeout=max(1.0, WARM_S - (time.perf_counter() - t0)))
         except subprocess.TimeoutExpired:
             p.kill()
     res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "warm_s": time.perf_counter() - t0}
@@ -95,6 +96,7 @@ def main() -> None:
         sweep.append(row)
         print(row, flush=True)
     res["sweep"] = sweep
+    _save(out, res)
     times = [{key: row[key] for key in row if "x" in key} for row in sweep]
     best = CT.compose(times, CT.variants(), DEFAULT)
     res["best"] = best
@@ -126,6 +128,7 @@ def main() -> None:
                         "kernels_ms": kernel_times(f)})  # fmt: skip
             print(ops[-1], flush=True)
     res["op"] = ops
+    _save(out, res)
     lm = []
     for name, tune in (("lambda_lm_base", DEFAULT), ("lambda_lm_base", best), ("transformer_lm_base", DEFAULT)):
         _set(tune)
@@ -141,6 +144,11 @@ def main() -> None:
         del model, opt
         torch.cuda.empty_cache()
     res["lm"] = lm
+    _save(out, res)
+
+
+def _save(out: str, res: dict) -> None:
+    """``OUTDIR/tune.json`` as far as the run got (written after each phase: a stage cut by its limit keeps it)."""
     with open(os.path.join(out, "tune.json"), "w") as fh:
         json.dump(res, fh, indent=1, default=str)
 

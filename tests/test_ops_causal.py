@@ -97,17 +97,40 @@ def test_fused_chunk_launch_settings_keep_the_result(monkeypatch, products, scan
 
 
 def test_fused_chunk_launch_settings_from_the_environment(monkeypatch):
+    for var in [v for v in os.environ if v.startswith("LAMBDANET_CAUSAL_")]:
+        monkeypatch.delenv(var)
     monkeypatch.setenv("LAMBDANET_CAUSAL_SCAN_BLOCK_V", "16")
     monkeypatch.setenv("LAMBDANET_CAUSAL_TUNE", "grad_local=8,128,2; chunk_output=0,32,1")
     tune = FC._settings()
     assert tune["grad_local"] == (8, 128, 2) and tune["chunk_output"] == (0, 32, 1)
     assert tune["state_scan"][1] == tune["grad_scan"][1] == 16  # the other settings as they were
-    assert tune["state_scan"][::2] == FC.SETTINGS["state_scan"][::2] and tune["grad_scan"][::2] == (1, 8)
+    assert tune["state_scan"][::2] == FC.SETTINGS["state_scan"][::2]
+    assert tune["grad_scan"][::2] == FC.SETTINGS["grad_scan"][::2]
     assert tune["grad_keys_values"] == FC.SETTINGS["grad_keys_values"]
-    for bad in ("grad_local=8,100,1", "grad=8,64,1", "grad_local=8,64"):
+    for bad in ("grad=8,64,1", "grad_local=8,64"):
         monkeypatch.setenv("LAMBDANET_CAUSAL_TUNE", bad)
         with pytest.raises(ValueError, match="LAMBDANET_CAUSAL_TUNE must be .* got '" + bad):
             FC._settings()
+    bad_values = (("grad_local=8,100,1", "block_v"), ("grad_local=3,64,1", "warps"), ("grad_local=8,64,0", "stages"))
+    for bad, what in bad_values:
+        monkeypatch.setenv("LAMBDANET_CAUSAL_TUNE", bad)
+        with pytest.raises(ValueError, match=rf"LAMBDANET_CAUSAL_TUNE \(grad_local\) must be .*\({what}\), got"):
+            FC._settings()
+    monkeypatch.delenv("LAMBDANET_CAUSAL_TUNE")
+    for var, value in (("LAMBDANET_CAUSAL_WARPS", "abc"), ("LAMBDANET_CAUSAL_SCAN_BLOCK_V", "0")):
+        monkeypatch.setenv(var, value)
+        with pytest.raises(ValueError, match=f"^{var} must be .*, got '{value}'$"):
+            FC._settings()
+        monkeypatch.delenv(var)
+
+
+def test_a_bad_launch_knob_fails_the_op_not_the_import():
+    """The knobs are read at the first launch: ``import lambdanet`` and every command that never runs the kernels
+    work with a bad value in the environment."""
+    env = {**os.environ, "LAMBDANET_CAUSAL_WARPS": "abc"}
+    code = "import lambdanet; from lambdanet.ops.causal_lambda import fused_chunk as FC; print(FC.TUNE == {})"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stderr[-2000:]
 
 
 @needs_kernels

@@ -15,8 +15,8 @@ import torch
 
 from lambdanet.ops.causal_lambda import fused_chunk as FC
 
-__all__ = ["PRODUCTS", "SCANS", "POINTS", "variants", "compose", "tune_env", "kernel_times", "sweep", "compare",
-           "bench_part"]  # fmt: skip
+__all__ = ["PRODUCTS", "SCANS", "POINTS", "variants", "compose", "tune_env", "kernel_times", "sweep", "agreement",
+           "compare", "bench_part"]  # fmt: skip
 
 # the settings tried (warps, block_v, stages): the product kernels' and the scans', paired into variants
 PRODUCTS = [(0, 64, 1), (8, 64, 1), (8, 128, 1), (4, 128, 1), (8, 256, 1), (4, 32, 1), (4, 256, 1), (4, 64, 2),
@@ -55,11 +55,12 @@ def tune_env(settings: dict[str, tuple[int, int, int]]) -> str:
 
 
 def _inputs(n: int, b: int, device, heads=8, dim_k=16, dim_v=208, r=64, dtype=torch.bfloat16) -> Callable[[], None]:
-    """One forward + backward of the op at ``lambda_lm_base``'s layer (by default) on ``n x b`` tokens."""
+    """One forward + backward of the op at ``lambda_lm_base``'s layer (by default) on ``n x b`` tokens: bf16
+    queries and values, float32 keys (the decayed models' keys with their offsets, as ``lambda_lm_*`` pass them)."""
     from lambdanet.ops import causal_lambda
 
     q = torch.randn(b, n, heads, dim_k, device=device, dtype=dtype, requires_grad=True)
-    keys = torch.randn(b, n, dim_k, 1, device=device, dtype=dtype, requires_grad=True)
+    keys = torch.randn(b, n, dim_k, 1, device=device, dtype=torch.float32, requires_grad=True)
     values = torch.randn(b, n, dim_v, 1, device=device, dtype=dtype, requires_grad=True)
     emb = (torch.randn(r, dim_k, 1, device=device) / 32).requires_grad_()
     dy = torch.randn(b, n, heads, dim_v, device=device, dtype=dtype)
@@ -86,7 +87,7 @@ def kernel_times(fn: Callable[[], None], reps: int = 3) -> dict[str, float]:
 
 
 def _with(settings: dict, fn: Callable):
-    saved = dict(FC.TUNE)
+    saved = dict(FC.tune())
     FC.TUNE.update(settings)
     try:
         return fn()
@@ -107,6 +108,8 @@ def sweep(
             try:
                 row[f"{n}x{b}"] = _with(tune, lambda n=n, b=b: kernel_times(_inputs(n, b, device)))
             except Exception as e:  # noqa: BLE001 - a setting the card cannot launch (shared memory) is left out
+                if "CUDA error" in str(e) or "illegal" in str(e):  # a fault poisons the context: stop, say so
+                    raise
                 row[f"{n}x{b}"] = {"error": repr(e)[:200]}
         rows.append(row)
         times = (f"{p} {sum(t.values()):.3f} ms" if "error" not in t else f"{p} failed" for p, t in row.items())
@@ -115,11 +118,34 @@ def sweep(
     return rows, tried
 
 
+def agreement(settings: dict, device, n: int = 300, b: int = 2) -> dict[str, float]:
+    """Relative differences of the output and each gradient under ``settings`` against the defaults (same inputs;
+    the settings change the tiling, so only the accumulation order: ~1e-3 in bf16)."""
+    from lambdanet.ops import causal_lambda
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    xs = [torch.randn(b, n, 8, 16, generator=g), 3 * torch.randn(b, n, 16, 1, generator=g),
+          torch.randn(b, n, 208, 1, generator=g), torch.randn(64, 16, 1, generator=g) / 4]  # fmt: skip
+    dtypes = (torch.bfloat16, torch.float32, torch.bfloat16, torch.float32)
+    xs = [x.to(device, dt) for x, dt in zip(xs, dtypes)]
+    dy = torch.randn(b, n, 8, 208, generator=g).to(device, torch.bfloat16)
+
+    def run():
+        ins = [x.clone().requires_grad_() for x in xs]
+        out = causal_lambda(*ins, mode="fused_chunk", chunk_size=FC.default_chunk(8))
+        out.backward(dy)
+        return [out.detach()] + [t.grad for t in ins]
+
+    ref, got = _with({}, run), _with(settings, run)
+    return {name: float((a.double() - r.double()).norm() / r.double().norm().clamp_min(1e-30))
+            for name, a, r in zip(("out", "dq", "dkeys", "dvalues", "demb"), got, ref)}  # fmt: skip
+
+
 def compare(settings: dict, device, points=POINTS + ((8192, 8),), reps: int = 10) -> list[dict]:
     """Forward + backward ms (CUDA events, median) at the defaults and under ``settings``, side by side."""
     out = []
     for n, b in points:
-        for label, tune in (("default", dict(FC.TUNE)), ("tuned", settings)):
+        for label, tune in (("default", dict(FC.tune())), ("tuned", settings)):
 
             def timed(n=n, b=b) -> float:
                 fn = _inputs(n, b, device)
@@ -149,16 +175,23 @@ def bench_part(s, out, log):
         return {}, ["## Causal lambda: launch settings", "", "Skipped: needs a CUDA device with Triton.", ""]
     points = ((1024, 4),) if s.quick else POINTS
     rows, tried = sweep(s.device, points, count=2 if s.quick else None, log=log)
-    best = compose(rows, tried, dict(FC.TUNE))
+    best = compose(rows, tried, dict(FC.tune()))
+    never = [k for k in FC.KERNELS if not any(k in t for row in rows for t in row.values())]
+    agree = agreement(best, s.device)
+    log("  tuned against the defaults (relative): " + ", ".join(f"{k} {v:.1e}" for k, v in agree.items()))
     timed = compare(best, s.device, points if s.quick else POINTS + ((8192, 8),), reps=3 if s.quick else 10)
     env = tune_env(best)
     log(f"  export LAMBDANET_CAUSAL_TUNE='{env}'")
-    settings = [{"kernel": k, "default": str(FC.TUNE[k]), "tuned": str(v)} for k, v in best.items()]
-    return {"causal_tune": timed, "causal_tune_settings": settings}, [
+    settings = [{"kernel": k, "default": str(FC.tune()[k]), "tuned": str(v)} for k, v in best.items()]
+    note = f" Never timed (kept at the default): {', '.join(never)}." if never else ""
+    return {"causal_tune": timed, "causal_tune_settings": settings, "causal_tune_agreement": [agree]}, [
         "## Causal lambda: launch settings for this GPU",
         "",
         "Each kernel's fastest (warps, block_v, stages) over the sweep; apply them with",
-        f"`export LAMBDANET_CAUSAL_TUNE='{env}'`.",
+        f"`export LAMBDANET_CAUSAL_TUNE='{env}'`. Output and gradients against the defaults' (relative): "
+        + ", ".join(f"{k} {v:.1e}" for k, v in agree.items())
+        + "."
+        + note,
         "",
         markdown(settings, [("kernel", "kernel"), ("default", "default"), ("tuned", "tuned")]),
         "",

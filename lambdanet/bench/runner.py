@@ -26,6 +26,8 @@ of ``bench.md``):
   steps, three seeds each (about 35 minutes on 2 CPU cores): validation bits per byte, mean and spread.
 * ``lm_ablation``: the lambda layer's knobs and options at the transformer's parameter budget, 1,200 steps at
   context 256, three seeds (:mod:`lambdanet.bench.lm_ablation`: hours on 2 CPU cores; resumable in ``--out``).
+* ``causal_tune``: the fused causal lambda's launch settings for this GPU (:mod:`lambdanet.bench.causal_tune`;
+  ``--device cuda``): each kernel's fastest setting, timed against the defaults, and the line to export.
 
 A missing peer package leaves out its rows; a line on stderr and in ``bench.md`` says so and how to install it.
 """

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lambdanet.functional import causal as LC
-from lambdanet.helpers import check_choice, check_positive_int
+from lambdanet.helpers import autocast_active, check_choice, check_positive_int
 from lambdanet.layers.causal_attention import step_arguments
 from lambdanet.ops import lambda_terms as terms
 from lambdanet.ops.causal_lambda import causal_lambda, resolve_mode
@@ -250,7 +250,7 @@ class CausalLambdaLayer(nn.Module):
         """The lambdas' output as ``proj`` takes it: in ``x``'s dtype, except under autocast, where ``proj`` casts
         its input itself (a bf16 ``y`` cast to a float32 ``x``'s dtype and back cost 4 copies of ``[b, n, h v]``
         per layer and step: ~6 ms of a 100 ms ``lambda_lm_base`` step on an H100)."""
-        return y if torch.is_autocast_enabled(y.device.type) else y.to(x.dtype)
+        return y if autocast_active(y.device.type) else y.to(x.dtype)
 
     def _finish(self, state: dict[str, Tensor], total: Tensor | None, conv: Tensor | None) -> dict[str, Tensor]:
         state = dict(state)
@@ -298,7 +298,7 @@ class CausalLambdaLayer(nn.Module):
             op_state = {key: state[key] for key in _OP_KEYS}
             y, op_state = LC.causal_lambda_step(q[:, 0], keys[:, 0], values[:, 0], self.emb, op_state)
             y = y[:, None]  # (b L) 1 (h/L) v
-        return self.proj(self._unfold(y)[:, 0].to(x.dtype)), self._finish(op_state, total, conv)
+        return self.proj(self._to_proj(self._unfold(y)[:, 0], x)), self._finish(op_state, total, conv)
 
     def extra_repr(self) -> str:
         return (

@@ -12,7 +12,7 @@ gradients come back in the inputs' dtype.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -57,14 +57,14 @@ SCANS = ("state_scan", "grad_scan")
 
 # Each kernel's launch settings (warps, block_v, stages) at 128 rows of heads x chunk, chosen on an H100 at
 # lambda_lm_base's layer in bf16 (8 heads, k 16, v 208, r 64; n 2048 x 32 and 32768 x 2) from a sweep of 16 settings
-# per kernel by scripts/gpu_tune.py (docs/bench/lm_gpu/NOTES.md): with the old uniform (4, 64, 1) and scans
+# per kernel (lambdanet bench causal_tune; docs/bench/lm_gpu/NOTES.md): with the old uniform (4, 64, 1) and scans
 # (4, 64, 4), forward + backward took 4.70 / 5.73 ms; with these 4.12 / 4.20 ms.
 SETTINGS = {
     "chunk_sums": (4, 256, 1),
-    "state_scan": (4, 16, 16),  # 26 programs per stream instead of 4: 0.50 -> 0.25 ms at 32768 x 2
+    "state_scan": (4, 16, 16),  # 13 programs per stream instead of 4: 0.50 -> 0.25 ms at 32768 x 2
     "chunk_output": (4, 128, 1),
     "grad_local": (8, 256, 1),
-    "grad_scan": (1, 8, 8),  # 0.51 -> 0.24 ms at 32768 x 2
+    "grad_scan": (1, 8, 8),  # 26 programs per stream: 0.51 -> 0.24 ms at 32768 x 2
     "grad_keys_values": (4, 256, 1),  # 1.80 -> 1.02 ms
 }
 
@@ -75,7 +75,7 @@ def _settings() -> dict[str, tuple[int, int, int]]:
     ``block_v`` the value columns a product kernel takes per step, or a scan program owns (the scans run
     ``b x u x v / block_v`` programs, each walking the chunks one after another: a small block gives them more of
     the GPU at long n and small b); ``stages`` the software-pipelining depth. Knobs for measuring variants, read
-    once at import: ``LAMBDANET_CAUSAL_{WARPS,BLOCK_V,STAGES}`` (all product kernels),
+    at the first launch (:func:`tune`): ``LAMBDANET_CAUSAL_{WARPS,BLOCK_V,STAGES}`` (all product kernels),
     ``LAMBDANET_CAUSAL_SCAN_{WARPS,BLOCK_V,STAGES}`` (both scans), then
     ``LAMBDANET_CAUSAL_TUNE="grad_local=8,128,1;..."`` per kernel."""
     env = os.environ.get
@@ -84,31 +84,52 @@ def _settings() -> dict[str, tuple[int, int, int]]:
     for prefix, names in (("LAMBDANET_CAUSAL_", products), ("LAMBDANET_CAUSAL_SCAN_", SCANS)):
         for i, knob in enumerate(("WARPS", "BLOCK_V", "STAGES")):
             if env(prefix + knob):
+                value = _knob(prefix + knob, cast(str, env(prefix + knob)), i)
                 for name in names:
                     setting = list(out[name])
-                    setting[i] = int(env(prefix + knob, ""))
+                    setting[i] = value
                     out[name] = (setting[0], setting[1], setting[2])
     for item in filter(None, env("LAMBDANET_CAUSAL_TUNE", "").replace(" ", "").split(";")):
         name, _, vals = item.partition("=")
-        try:
-            w, bv, st = (int(x) for x in vals.split(","))
-        except ValueError:
-            w = bv = st = -1
-        if name not in KERNELS or w < 0 or bv < 1 or bv & (bv - 1) or st < 1:
+        parts = vals.split(",")
+        if name not in KERNELS or len(parts) != 3:
             raise ValueError(f"LAMBDANET_CAUSAL_TUNE must be 'kernel=warps,block_v,stages;...' with a kernel of "
-                             f"{', '.join(KERNELS)} and block_v a power of two, got {item!r}")  # fmt: skip
+                             f"{', '.join(KERNELS)}, got {item!r}")  # fmt: skip
+        w, bv, st = (_knob(f"LAMBDANET_CAUSAL_TUNE ({name})", x, i) for i, x in enumerate(parts))
         out[name] = (w, bv, st)
     return out
 
 
-TUNE = _settings()
+def _knob(var: str, text: str, which: int) -> int:
+    """One launch setting read from the environment variable ``var``: ``which`` 0 warps (0: by the tile, else a
+    power of two up to 32), 1 block_v (a power of two), 2 stages (>= 1); a one-line error naming ``var``."""
+    expected = ("0 or a power of two up to 32 (warps)", "a power of two (block_v)", "a positive int (stages)")[which]
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    ok = (value == 0 or (0 < value <= 32 and not value & (value - 1)), value > 0 and not value & (value - 1), value > 0)
+    if not ok[which]:
+        raise ValueError(f"{var} must be {expected}, got {text!r}")
+    return value
+
+
+TUNE: dict[str, tuple[int, int, int]] = {}  # the settings in use: filled at the first launch by tune()
+
+
+def tune() -> dict[str, tuple[int, int, int]]:
+    """The launch settings in use (:data:`TUNE`), read from :data:`SETTINGS` and the environment at the first
+    launch, not at import (a bad knob fails the op with its one-line error, not ``import lambdanet``)."""
+    if not TUNE:
+        TUNE.update(_settings())
+    return TUNE
 
 
 def _launch(m: dict, name: str) -> tuple[dict, dict]:
     """``(constexprs BV / SCAN_STAGES, launch options)`` of kernel ``name`` at the sizes ``m``."""
     import triton.language as tl
 
-    warps, bv, stages = TUNE[name]
+    warps, bv, stages = tune()[name]
     bv = min(bv, _pow2(m["V"], 16 if name not in SCANS else 1))
     if name not in SCANS:  # a product kernel's [rows, block_v] tiles stay within what was measured at 128 rows:
         # 128 x 256 for half operands, 128 x 64 for float32 (twice the bytes and IEEE products: at 256 columns
@@ -117,7 +138,7 @@ def _launch(m: dict, name: str) -> tuple[dict, dict]:
         bv = min(bv, max(16, (8192 if m["DT"] == tl.float32 else 32768) // rows))
         warps = min(16, (warps or 4) * max(1, rows // 128))
     if name in SCANS:
-        return {"BV": bv, "SCAN_STAGES": stages}, {"num_warps": warps}
+        return {"BV": bv, "SCAN_STAGES": stages}, {"num_warps": warps or 4}
     return {"BV": bv}, {"num_warps": warps, "num_stages": stages}
 
 
