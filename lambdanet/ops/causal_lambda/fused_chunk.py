@@ -71,7 +71,7 @@ SETTINGS = {
 
 def _settings() -> dict[str, tuple[int, int, int]]:
     """Each kernel's launch settings ``(warps, block_v, stages)`` (:data:`SETTINGS`): ``warps`` for a tile of 128
-    rows of heads x chunk (doubled for the product kernels per doubling of the rows; 0: 4, doubled alike);
+    rows of heads x chunk (the product kernels scale them with the rows, 1 to 16; 0: 4, scaled alike);
     ``block_v`` the value columns a product kernel takes per step, or a scan program owns (the scans run
     ``b x u x v / block_v`` programs, each walking the chunks one after another: a small block gives them more of
     the GPU at long n and small b); ``stages`` the software-pipelining depth. Knobs for measuring variants, read
@@ -136,7 +136,7 @@ def _launch(m: dict, name: str) -> tuple[dict, dict]:
         # grad_keys_values would ask 295 KB of shared memory at 16 heads, an H100 has 227 KB)
         rows = m["HP"] * m["C"]
         bv = min(bv, max(16, (8192 if m["DT"] == tl.float32 else 32768) // rows))
-        warps = min(16, (warps or 4) * max(1, rows // 128))
+        warps = min(16, max(1, (warps or 4) * rows // 128))  # the same rows per warp as measured
     if name in SCANS:
         return {"BV": bv, "SCAN_STAGES": stages}, {"num_warps": warps or 4}
     return {"BV": bv}, {"num_warps": warps, "num_stages": stages}
