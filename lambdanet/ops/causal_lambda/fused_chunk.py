@@ -131,7 +131,8 @@ def _launch(m: dict, name: str) -> tuple[dict, dict]:
 
     warps, bv, stages = tune()[name]
     bv = min(bv, _pow2(m["V"], 16 if name not in SCANS else 1))
-    if name not in SCANS:  # a product kernel's [rows, block_v] tiles stay within what was measured at 128 rows:
+    if name not in SCANS and name != "chunk_sums":  # a product kernel's [rows, block_v] tiles stay within what was
+        # measured at 128 rows (the chunk sums' tiles are [k, block_v] whatever the heads):
         # 128 x 256 for half operands, 128 x 64 for float32 (twice the bytes and IEEE products: at 256 columns
         # grad_keys_values would ask 295 KB of shared memory at 16 heads, an H100 has 227 KB)
         rows = m["HP"] * m["C"]
@@ -139,7 +140,7 @@ def _launch(m: dict, name: str) -> tuple[dict, dict]:
         warps = min(16, max(1, (warps or 4) * rows // 128))  # the same rows per warp as measured
     if name in SCANS:
         return {"BV": bv, "SCAN_STAGES": stages}, {"num_warps": warps or 4}
-    return {"BV": bv}, {"num_warps": warps, "num_stages": stages}
+    return {"BV": bv}, {"num_warps": warps or 4, "num_stages": stages}
 
 
 @torch.library.custom_op("lambdanet::causal_lambda_chunk_fwd", mutates_args=())
