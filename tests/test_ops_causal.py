@@ -307,7 +307,7 @@ def test_fused_chunk_kernels_fit_shared_memory_in_float32_and_at_more_heads(head
     assert len(rows) == 12
     for row in rows:
         assert row["shared_bytes"] <= 232448, row
-        if "scan" not in row["kernel"]:
+        if row["kernel"] in ("chunk_output", "grad_local", "grad_keys_values"):  # tiles of heads x chunk rows
             assert heads * 16 * row["block_v"] <= (128 * 64 if row["dtype"] == "fp32" else 128 * 256), row
 
 
