@@ -40,19 +40,9 @@ DEV = torch.device(os.environ.get("GPU_LM_DEVICE", "cuda"))
 
 def _bench(fn, warmup=3, reps=10) -> float:
     """Median ms of ``fn`` (CUDA events)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
+    from lambdanet.bench.causal_tune import cuda_median_ms
+
+    return cuda_median_ms(fn, warmup=warmup, reps=reps)
 
 
 def _peak(fn) -> float:

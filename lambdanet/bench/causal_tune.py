@@ -10,13 +10,14 @@ defaults as a whole; ``export LAMBDANET_CAUSAL_TUNE='...'`` (printed) applies it
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 
 from lambdanet.ops.causal_lambda import fused_chunk as FC
 
 __all__ = ["PRODUCTS", "SCANS", "POINTS", "variants", "compose", "tune_env", "kernel_times", "sweep", "agreement",
-           "compare", "bench_part"]  # fmt: skip
+           "cuda_median_ms", "compare", "bench_part"]  # fmt: skip
 
 # the settings tried (warps, block_v, stages): the product kernels' and the scans', paired into variants
 PRODUCTS = [(0, 64, 1), (8, 64, 1), (8, 128, 1), (4, 128, 1), (8, 256, 1), (4, 32, 1), (4, 256, 1), (4, 64, 2),
@@ -65,7 +66,12 @@ def _inputs(n: int, b: int, device, heads=8, dim_k=16, dim_v=208, r=64, dtype=to
     emb = (torch.randn(r, dim_k, 1, device=device) / 32).requires_grad_()
     dy = torch.randn(b, n, heads, dim_v, device=device, dtype=dtype)
     chunk = FC.default_chunk(heads)
-    return lambda: causal_lambda(q, keys, values, emb, mode="fused_chunk", chunk_size=chunk).backward(dy)
+
+    def run() -> None:
+        out = causal_lambda(q, keys, values, emb, mode="fused_chunk", chunk_size=chunk)
+        cast(torch.Tensor, out).backward(dy)
+
+    return run
 
 
 def kernel_times(fn: Callable[[], None], reps: int = 3) -> dict[str, float]:
@@ -141,26 +147,28 @@ def agreement(settings: dict, device, n: int = 300, b: int = 2) -> dict[str, flo
             for name, a, r in zip(("out", "dq", "dkeys", "dvalues", "demb"), got, ref)}  # fmt: skip
 
 
+def cuda_median_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 10) -> float:
+    """Median ms of ``fn`` on the current CUDA stream (CUDA events, after ``warmup`` calls)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
 def compare(settings: dict, device, points=POINTS + ((8192, 8),), reps: int = 10) -> list[dict]:
     """Forward + backward ms (CUDA events, median) at the defaults and under ``settings``, side by side."""
     out = []
     for n, b in points:
         for label, tune in (("default", dict(FC.tune())), ("tuned", settings)):
-
-            def timed(n=n, b=b) -> float:
-                fn = _inputs(n, b, device)
-                fn()
-                times = []
-                for _ in range(reps):
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    fn()
-                    end.record()
-                    torch.cuda.synchronize()
-                    times.append(start.elapsed_time(end))
-                return sorted(times)[len(times) // 2]
-
-            ms = _with(tune, timed)
+            ms = _with(tune, lambda n=n, b=b: cuda_median_ms(_inputs(n, b, device), warmup=1, reps=reps))
             out.append({"n": n, "b": b, "settings": label, "ms": ms, "tokens_per_s": n * b / ms * 1e3})
     return out
 
