@@ -97,8 +97,8 @@ PEERS = os.environ.get("GPU_LM_PEERS", "1") != "0"  # 0: the op parts time our k
 
 
 def part_warm(quick: bool) -> list[dict]:
-    """Compile (no timing) every kernel the other parts launch at their shapes: run in parallel processes, one per
-    kernel configuration, to fill Triton's cache before the timed runs (which then run one at a time)."""
+    """Compile (no timing) every kernel the other parts launch at their shapes, filling Triton's cache before the
+    timed runs (``gpu_bench.sh lm-first`` runs it in a process of its own beside the untimed check)."""
     rows = []
     fla = _fla() if PEERS else None
     for n, b in ((2048, 32), (8192, 8), (32768, 2)):

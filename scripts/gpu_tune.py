@@ -29,43 +29,25 @@ from gpu_lm import _bench, _lm_step  # noqa: E402
 
 from lambdanet.bench import causal_tune as CT  # noqa: E402
 from lambdanet.models import create_model  # noqa: E402
-from lambdanet.ops import causal_lambda  # noqa: E402
 from lambdanet.ops.causal_lambda import fused_chunk as FC  # noqa: E402
 
 if os.environ.get("GPU_TUNE_VARIANTS"):  # "w,bv,s/w,bv,s;..." : products/scans per variant (a narrower sweep)
     _pairs = [item.split("/") for item in os.environ["GPU_TUNE_VARIANTS"].split(";")]
     CT.PRODUCTS[:] = [tuple(int(x) for x in a.split(",")) for a, _ in _pairs]
     CT.SCANS[:] = [tuple(int(x) for x in b.split(",")) for _, b in _pairs]
-POINTS = CT.POINTS
 WARM_S = float(os.environ.get("GPU_TUNE_WARM_S", "60"))  # the parallel compile's deadline (the rest compiles timed)
 DEFAULT = dict(FC.tune())
 
 
-def _set(tune: dict) -> None:
-    FC.TUNE.clear()
-    FC.TUNE.update(tune)
-
-
-def variant(i: int) -> dict:
-    return CT.variants()[i]
-
-
-def _inputs(n: int, b: int):
-    return CT._inputs(n, b, "cuda")
-
-
 def warm(ids: list[int]) -> None:
+    """Compile variants ``ids`` untimed (one process each, in parallel, before the timed sweep)."""
     for i in ids:
-        _set(variant(i))
-        for n, b in POINTS:
+        for n, b in CT.POINTS:
             try:
-                _inputs(n, b)()
+                CT._with(CT.variants()[i], CT._inputs(n, b, "cuda"))
                 torch.cuda.synchronize()
             except Exception as e:  # noqa: BLE001
                 print(i, n, repr(e)[:200], flush=True)
-
-
-kernel_times = CT.kernel_times
 
 
 def main() -> None:
@@ -84,60 +66,34 @@ def main() -> None:
             p.kill()
     res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "warm_s": time.perf_counter() - t0}
     print(res, flush=True)
-    sweep = []
-    for i in range(count):
-        _set(variant(i))
-        row: dict = {"products": variant(i)["grad_local"], "scans": variant(i)["state_scan"]}
-        for n, b in POINTS:
-            try:
-                row[f"{n}x{b}"] = kernel_times(_inputs(n, b))
-            except Exception as e:  # noqa: BLE001
-                row[f"{n}x{b}"] = {"error": repr(e)[:200]}
-        sweep.append(row)
-        print(row, flush=True)
-    res["sweep"] = sweep
+    rows, tried = CT.sweep("cuda", log=lambda line: print(line, flush=True))
+    res["sweep"] = [{"products": t["grad_local"], "scans": t["state_scan"], **row} for row, t in zip(rows, tried)]
     _save(out, res)
-    times = [{key: row[key] for key in row if "x" in key} for row in sweep]
-    best = CT.compose(times, CT.variants(), DEFAULT)
+    best = CT.compose(rows, tried, DEFAULT)
     res["best"] = best
     res["tune_env"] = CT.tune_env(best)
     print("LAMBDANET_CAUSAL_TUNE=" + res["tune_env"], flush=True)
-    agree = {}  # the composed settings' output and gradients against the defaults' (same bf16 inputs)
-    torch.manual_seed(0)
-    xs = [torch.randn(4, 1000, 8, 16), torch.randn(4, 1000, 16, 1) * 3, torch.randn(4, 1000, 208, 1)]
-    xs = [t.to("cuda", torch.bfloat16) for t in xs] + [torch.randn(64, 16, 1, device="cuda") / 4]
-    dy = torch.randn(4, 1000, 8, 208, device="cuda", dtype=torch.bfloat16)
-    got = []
-    for tune in (DEFAULT, best):
-        _set(tune)
-        ins = [t.clone().requires_grad_() for t in xs]
-        o = causal_lambda(*ins, mode="fused_chunk", chunk_size=16)
-        o.backward(dy)
-        got.append([o] + [t.grad for t in ins])
-    for name, a, b in zip(("out", "dq", "dk", "dv", "demb"), *got):
-        agree[name] = float((a.double() - b.double()).norm() / b.double().norm())
-    res["tuned_vs_default_rel"] = agree
-    print("tuned vs default (relative):", agree, flush=True)
+    res["tuned_vs_default_rel"] = CT.agreement(best, "cuda")
+    print("tuned vs default (relative):", res["tuned_vs_default_rel"], flush=True)
     ops = []
     for n, b in ((2048, 32), (8192, 8), (32768, 2)):
         for label, tune in (("default", DEFAULT), ("tuned", best)):
-            _set(tune)
-            f = _inputs(n, b)
-            ms = _bench(f, warmup=2, reps=10)
+            f = CT._inputs(n, b, "cuda")
+            ms, per = CT._with(tune, lambda f=f: (_bench(f, warmup=2, reps=10), CT.kernel_times(f)))
             ops.append({"n": n, "b": b, "settings": label, "ms": ms, "tokens_per_s": n * b / ms * 1e3,
-                        "kernels_ms": kernel_times(f)})  # fmt: skip
+                        "kernels_ms": per})  # fmt: skip
             print(ops[-1], flush=True)
     res["op"] = ops
     _save(out, res)
     lm = []
     for name, tune in (("lambda_lm_base", DEFAULT), ("lambda_lm_base", best), ("transformer_lm_base", DEFAULT)):
-        _set(tune)
         torch.manual_seed(0)
         model = create_model(name).cuda()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         for ctx in (4096, 16384):
             tokens = torch.randint(0, 256, (65536 // ctx, ctx + 1), device="cuda")
-            ms = _bench(_lm_step(model, opt, tokens), warmup=2, reps=5)
+            step = _lm_step(model, opt, tokens)
+            ms = CT._with(tune, lambda step=step: _bench(step, warmup=2, reps=5))
             lm.append({"model": name, "settings": "tuned" if tune is best else "default", "context": ctx, "ms": ms,
                        "tokens_per_s": 65536 / ms * 1e3})  # fmt: skip
             print(lm[-1], flush=True)

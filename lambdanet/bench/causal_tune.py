@@ -51,7 +51,7 @@ def compose(rows: Sequence[dict], tried: Sequence[dict], default: dict) -> dict[
 
 
 def tune_env(settings: dict[str, tuple[int, int, int]]) -> str:
-    """``settings`` as ``LAMBDANET_CAUSAL_TUNE`` spells them (read by ``fused_chunk`` at import)."""
+    """``settings`` as ``LAMBDANET_CAUSAL_TUNE`` spells them (read by ``fused_chunk`` at its first launch)."""
     return ";".join(f"{k}={w},{bv},{st}" for k, (w, bv, st) in settings.items())
 
 
