@@ -43,8 +43,13 @@ def _meta(q: Tensor, keys: Tensor, values: Tensor, r: int, chunk: int) -> dict:
         dt = tl.float32
     return dict(
         B=B, n=n, H=H, K=K, U=U, V=V, r=r, C=chunk, N=-(-n // chunk), HP=_pow2(H), KP=_pow2(K, 16), RP=_pow2(r, 16),
-        P=-(-(r - 1) // chunk) if r > 1 else 0, DT=dt, PREC="ieee" if dt == tl.float32 else "tf32",
+        P=-(-(r - 1) // chunk) if r > 1 else 0, WP=_window(r), DT=dt, PREC="ieee" if dt == tl.float32 else "tf32",
     )  # fmt: skip
+
+
+def _window(r: int) -> int:
+    """``WP``: the positions before a chunk that its position scope reaches (``r - 1``), as a power of two >= 16."""
+    return _pow2(r - 1, 16)
 
 
 def _consts(m: dict, *names: str) -> dict:
@@ -169,7 +174,7 @@ def _forward(
     c, o = _launch(m, "chunk_output")
     T._chunk_output[grid](
         q, keys, values, q if emb is None else emb, win, cb, zb, Sb, y, m["n"], r, N1, HAS_EMB=emb is not None,
-        **c, **o, **_consts(m, "H", "HP", "K", "V", "U", "C", "KP", "RP", "P", "DT", "PREC"),
+        **c, **o, **_consts(m, "H", "HP", "K", "V", "U", "C", "KP", "RP", "P", "WP", "DT", "PREC"),
     )  # fmt: skip
     return y.sum(1).to(q.dtype) if m["U"] > 1 else y[:, 0], Sb, cb, zb
 
@@ -199,7 +204,9 @@ def _backward(
     rho = torch.empty(BU, m["n"], K, **f32)
     G, g, dzb = torch.empty(BU, N1, K, m["V"], **f32), torch.empty(BU, N1, K, **f32), torch.empty(BU, N1, K, **f32)
     demb = torch.zeros(BU, N, K, m["RP"], **f32) if emb is not None else q.new_zeros(0)
-    common = dict(HAS_EMB=emb is not None, **_consts(m, "H", "HP", "K", "V", "U", "C", "KP", "RP", "P", "DT", "PREC"))
+    common = dict(
+        HAS_EMB=emb is not None, **_consts(m, "H", "HP", "K", "V", "U", "C", "KP", "RP", "P", "WP", "DT", "PREC")
+    )
     e = q if emb is None else emb
     grid = (N, BU)
     c, o = _launch(m, "grad_local")
@@ -293,7 +300,7 @@ def compile_report(
 
     C = chunk or default_chunk(heads)
     m = dict(K=dim_k, V=dim_v, U=1, C=C, H=heads, HP=_pow2(heads), KP=_pow2(dim_k, 16), RP=_pow2(r, 16),
-             P=-(-(r - 1) // C) if r > 1 else 0, HAS_EMB=r > 0)  # fmt: skip
+             P=-(-(r - 1) // C) if r > 1 else 0, WP=_window(r), HAS_EMB=r > 0)  # fmt: skip
     f32 = {"amax", "lsum", "cb", "zb", "Sb", "S0", "z0", "c0", "G", "g", "dzb", "rho", "demb"}
     rows = []
     for name in KERNELS:

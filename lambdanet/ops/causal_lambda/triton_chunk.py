@@ -78,6 +78,24 @@ def _unband(D, nr, js, p: tl.constexpr, C: tl.constexpr, r):
 
 
 @triton.jit
+def _band_window(QE, nr, WP: tl.constexpr, r, RP: tl.constexpr):
+    """Position scores of rows against the ``WP`` positions before the chunk (column ``t``: position
+    ``i C - WP + t``, offset ``j = n - m = nr + WP - t``), zero outside the scope ``j < r``: ``QE [R, RP]`` ->
+    ``[R, WP]``, one gather for every earlier chunk of the scope."""
+    j = nr[:, None] + WP - tl.arange(0, WP)[None, :]
+    return tl.where(j < r, tl.gather(QE, tl.minimum(j, RP - 1), axis=1), 0.0)
+
+
+@triton.jit
+def _unband_window(DW, nr, js, WP: tl.constexpr, r):
+    """The transpose of :func:`_band_window`: ``DW [R, WP]`` over the positions before the chunk -> ``[R, RP]`` at
+    ``j = n - m`` (the offsets that reach past the chunk's start, ``j > nr``)."""
+    t = nr[:, None] + WP - js[None, :]
+    ok = (t >= 0) & (t < WP) & (js < r)[None, :]
+    return tl.where(ok, tl.gather(DW, tl.minimum(tl.maximum(t, 0), WP - 1), axis=1), 0.0)
+
+
+@triton.jit
 def _channel(q, keys, cb, zb, kk, b, u, base, i, n, hh, pos, ok, cols, causal, H: tl.constexpr,
              K: tl.constexpr, U: tl.constexpr, C: tl.constexpr):  # fmt: skip
     """Channel ``kk`` of the intra-chunk content weights: ``E[row, m] = exp(K[m] - cm[n])`` for ``m <= n`` (else 0),
@@ -93,6 +111,31 @@ def _channel(q, keys, cb, zb, kk, b, u, base, i, n, hh, pos, ok, cols, causal, H
     Z = delta * z_i + tl.sum(E, axis=1)  # R, >= 1 (the maximum's own term)
     qk = tl.load(q + ((b * n + pos) * H + hh) * K + kk, mask=ok, other=0.0).to(tl.float32)  # R
     return E, delta, Z, qk / Z, kcol
+
+
+@triton.jit
+def _heads(i, n, H: tl.constexpr, HP: tl.constexpr, C: tl.constexpr):
+    """The chunk's rows as ``[HP, C]`` (head, position in chunk): head and absolute position indices, validity."""
+    h3 = tl.arange(0, HP)[:, None]
+    pos3 = i * C + tl.arange(0, C)[None, :]
+    return h3, pos3, (h3 < H) & (pos3 < n)
+
+
+@triton.jit
+def _weights(keys, cb, zb, kk, b, u, base, i, n, cols, K: tl.constexpr, U: tl.constexpr, C: tl.constexpr):
+    """Channel ``kk`` of the intra-chunk content weights in position space (no head: every head shares them):
+    ``E[n, m] = exp(K[m] - cm[n])`` for ``m <= n`` (else 0) ``[C, C]``, ``delta[n] = exp(c_i - cm[n])`` and
+    ``Z[n] >= 1`` ``[C]``, and the chunk's keys ``[C]``, all float32; ``cm[n]`` the running maximum at query ``n``."""
+    m = i * C + cols
+    kcol = tl.load(keys + ((b * n + m) * K + kk) * U + u, mask=m < n, other=NEG_INF).to(tl.float32)  # C
+    c_i = tl.load(cb + base * K + kk)  # the running maximum before the chunk
+    z_i = tl.load(zb + base * K + kk)
+    causal = (cols[None, :] <= cols[:, None]) & (m < n)[None, :]  # C C (n, m)
+    km = tl.where(causal, kcol[None, :], NEG_INF)  # C C
+    cm = tl.maximum(tl.max(km, axis=1), c_i)  # C
+    E = tl.exp(km - cm[:, None])  # C C, <= 1
+    delta = tl.exp(c_i - cm)  # C, <= 1
+    return E, delta, delta * z_i + tl.sum(E, axis=1), kcol
 
 
 @triton.jit
@@ -170,38 +213,43 @@ def _state_scan(amax, lsum, cb, zb, Sb, S0, z0, c0, N, N1, K: tl.constexpr, V: t
 @triton.jit
 def _chunk_output(q, keys, values, emb, win, cb, zb, Sb, y, n, r, N1, H: tl.constexpr, HP: tl.constexpr,
                   K: tl.constexpr, V: tl.constexpr, U: tl.constexpr, C: tl.constexpr, KP: tl.constexpr,
-                  RP: tl.constexpr, P: tl.constexpr, BV: tl.constexpr, HAS_EMB: tl.constexpr, DT: tl.constexpr,
-                  PREC: tl.constexpr):  # fmt: skip
+                  RP: tl.constexpr, P: tl.constexpr, WP: tl.constexpr, BV: tl.constexpr, HAS_EMB: tl.constexpr,
+                  DT: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
     i, bu, b, u = _pid(U)
     nr, hh, pos, ok = _rows(i, n, H, HP, C)
     cols, ks, vr = tl.arange(0, C), tl.arange(0, KP), tl.arange(0, BV)
     kok = ks < K
-    causal = (cols[None, :] <= nr[:, None]) & ((i * C + cols) < n)[None, :]  # R C
     base = bu * N1 + i
-    A = tl.zeros([HP * C, C], tl.float32)  # the chunk's scores: content, then position
-    Qd = tl.zeros([HP * C, KP], tl.float32)  # q~ delta: the queries against the carried state
+    h3, pos3, ok3 = _heads(i, n, H, HP, C)  # HP C
+    A3 = tl.zeros([HP, C, C], tl.float32)  # the chunk's content scores (head, n, m)
+    DZ = tl.zeros([C, KP], tl.float32)  # delta / Z per position and channel
     for kk in range(K):  # a loop, not unrolled: compile time
-        E, delta, Z, qt, _ = _channel(q, keys, cb, zb, kk, b, u, base, i, n, hh, pos, ok, cols, causal, H, K, U, C)
-        A += qt[:, None] * E
-        Qd += tl.where(ks[None, :] == kk, (qt * delta)[:, None], 0.0)
+        E, delta, Z, _ = _weights(keys, cb, zb, kk, b, u, base, i, n, cols, K, U, C)  # C C, C, C
+        qk = tl.load(q + ((b * n + pos3) * H + h3) * K + kk, mask=ok3, other=0.0).to(tl.float32)  # HP C
+        A3 += (qk / Z[None, :])[:, :, None] * E[None, :, :]
+        DZ += tl.where(ks[None, :] == kk, (delta / Z)[:, None], 0.0)
+    q3 = tl.load(q + ((b * n + pos3[:, :, None]) * H + h3[:, :, None]) * K + ks[None, None, :],
+                 mask=ok3[:, :, None] & kok[None, None, :], other=0.0)  # fmt: skip
+    Qd = tl.reshape(q3.to(tl.float32) * DZ[None, :, :], [HP * C, KP])  # q~ delta: against the carried state
+    A = tl.reshape(A3, [HP * C, C])  # R C: content, then position
     if HAS_EMB:
         js = tl.arange(0, RP)
-        qtile = tl.load(q + ((b * n + pos[:, None]) * H + hh[:, None]) * K + ks[None, :],
-                        mask=ok[:, None] & kok[None, :], other=0.0)  # fmt: skip
+        qtile = tl.reshape(q3, [HP * C, KP])
         et = tl.load(emb + (js[:, None] * K + ks[None, :]) * U + u, mask=(js < r)[:, None] & kok[None, :], other=0.0)
         QE = tl.dot(qtile.to(DT), tl.trans(et.to(DT)), input_precision=PREC)  # R RP: q . E[j]
         A += _band(QE, nr, cols, 0, C, r, RP)
+        BW = _band_window(QE, nr, WP, r, RP).to(DT)  # R WP: the scope before the chunk, built once
     Ad, Qdd = A.to(DT), Qd.to(DT)
+    tw = tl.arange(0, WP)
     for v0 in range(0, V, BV):
         vok = (v0 + vr) < V
         S = tl.load(Sb + (base * K + ks[:, None]) * V + v0 + vr[None, :], mask=kok[:, None] & vok[None, :], other=0.0)
         acc = tl.dot(Qdd, S.to(DT), input_precision=PREC)  # R BV: the earlier chunks
         x = _block_values(values, win, b, u, i * C, cols, v0, vr, n, r, U, V)
         acc = tl.dot(Ad, x.to(DT), acc, input_precision=PREC)  # the chunk itself
-        if HAS_EMB:
-            for p in tl.static_range(1, P + 1):  # the position scope's earlier chunks
-                xp = _block_values(values, win, b, u, i * C - p * C, cols, v0, vr, n, r, U, V)
-                acc = tl.dot(_band(QE, nr, cols, p, C, r, RP).to(DT), xp.to(DT), acc, input_precision=PREC)
+        if HAS_EMB and P > 0:  # the position scope before the chunk: one product over its WP positions
+            xw = _block_values(values, win, b, u, i * C - WP, tw, v0, vr, n, r, U, V)  # WP BV
+            acc = tl.dot(BW, xw.to(DT), acc, input_precision=PREC)
         tl.store(y + ((bu * n + pos[:, None]) * H + hh[:, None]) * V + v0 + vr[None, :], acc,
                  mask=ok[:, None] & vok[None, :])  # fmt: skip
 
@@ -209,8 +257,8 @@ def _chunk_output(q, keys, values, emb, win, cb, zb, Sb, y, n, r, N1, H: tl.cons
 @triton.jit
 def _grad_local(q, keys, values, emb, win, cb, zb, Sb, dy, dq, rho, G, g, demb, n, r, N, N1, H: tl.constexpr,
                 HP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, U: tl.constexpr, C: tl.constexpr,
-                KP: tl.constexpr, RP: tl.constexpr, P: tl.constexpr, BV: tl.constexpr, HAS_EMB: tl.constexpr,
-                DT: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+                KP: tl.constexpr, RP: tl.constexpr, P: tl.constexpr, WP: tl.constexpr, BV: tl.constexpr,
+                HAS_EMB: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
     """``dq``, ``rho = sum_h q~ dq_content``, the chunk's contribution ``G_i`` (``g_i``) to the gradient of the state
     before it, and the position table's gradient of the chunk's queries."""
     i, bu, b, u = _pid(U)
@@ -221,7 +269,8 @@ def _grad_local(q, keys, values, emb, win, cb, zb, Sb, dy, dq, rho, G, g, demb, 
     base = bu * N1 + i
     D0 = tl.zeros([HP * C, C], tl.float32)  # dy . V[m] over the chunk
     DS = tl.zeros([HP * C, KP], tl.float32)  # dy . S_i[k]
-    Dd = tl.zeros([HP * C, RP], tl.float32)  # dy . V[n - j] over the position scope
+    DW = tl.zeros([HP * C, WP], tl.float32)  # dy . V[m] over the WP positions before the chunk
+    tw = tl.arange(0, WP)
     for v0 in range(0, V, BV):
         vok = (v0 + vr) < V
         dyt = tl.load(dy + ((b * n + pos[:, None]) * H + hh[:, None]) * V + v0 + vr[None, :],
@@ -229,15 +278,15 @@ def _grad_local(q, keys, values, emb, win, cb, zb, Sb, dy, dq, rho, G, g, demb, 
         S = tl.load(Sb + (base * K + ks[:, None]) * V + v0 + vr[None, :], mask=kok[:, None] & vok[None, :], other=0.0)
         DS = tl.dot(dyt, tl.trans(S.to(DT)), DS, input_precision=PREC)
         x = _block_values(values, win, b, u, i * C, cols, v0, vr, n, r, U, V)
-        D = tl.dot(dyt, tl.trans(x.to(DT)), input_precision=PREC)  # R C
-        D0 += D
-        if HAS_EMB:
-            Dd += _unband(D, nr, js, 0, C, r)
-            for p in tl.static_range(1, P + 1):
-                xp = _block_values(values, win, b, u, i * C - p * C, cols, v0, vr, n, r, U, V)
-                Dd += _unband(tl.dot(dyt, tl.trans(xp.to(DT)), input_precision=PREC), nr, js, p, C, r)
+        D0 = tl.dot(dyt, tl.trans(x.to(DT)), D0, input_precision=PREC)  # R C
+        if HAS_EMB and P > 0:
+            xw = _block_values(values, win, b, u, i * C - WP, tw, v0, vr, n, r, U, V)  # WP BV
+            DW = tl.dot(dyt, tl.trans(xw.to(DT)), DW, input_precision=PREC)
     dqt = tl.zeros([HP * C, KP], tl.float32)
     if HAS_EMB:
+        Dd = _unband(D0, nr, js, 0, C, r)  # R RP: dy . V[n - j] over the position scope, gathered once
+        if P > 0:
+            Dd += _unband_window(DW, nr, js, WP, r)
         qtile = tl.load(q + ((b * n + pos[:, None]) * H + hh[:, None]) * K + ks[None, :],
                         mask=ok[:, None] & kok[None, :], other=0.0)  # fmt: skip
         et = tl.load(emb + (js[:, None] * K + ks[None, :]) * U + u, mask=(js < r)[:, None] & kok[None, :], other=0.0)
@@ -258,13 +307,13 @@ def _grad_local(q, keys, values, emb, win, cb, zb, Sb, dy, dq, rho, G, g, demb, 
         Qd += tl.where(sel, (qt * delta)[:, None], 0.0)
     tl.store(dq + ((bu * n + pos[:, None]) * H + hh[:, None]) * K + ks[None, :], dqt, mask=ok[:, None] & kok[None, :])
     tl.store(g + base * K + ks, gsum, mask=kok)
-    Qdt = tl.trans(Qd.to(DT))  # KP R
+    Qdd = Qd.to(DT)  # R KP
     for v0 in range(0, V, BV):
         vok = (v0 + vr) < V
         dyt = tl.load(dy + ((b * n + pos[:, None]) * H + hh[:, None]) * V + v0 + vr[None, :],
                       mask=ok[:, None] & vok[None, :], other=0.0).to(DT)  # fmt: skip
-        Gb = tl.dot(Qdt, dyt, input_precision=PREC)  # KP BV
-        tl.store(G + (base * K + ks[:, None]) * V + v0 + vr[None, :], Gb, mask=kok[:, None] & vok[None, :])
+        Gt = tl.dot(tl.trans(dyt), Qdd, input_precision=PREC)  # BV KP: G_i transposed (the long side as the rows)
+        tl.store(G + (base * K + ks[None, :]) * V + v0 + vr[:, None], Gt, mask=kok[None, :] & vok[:, None])
 
 
 @triton.jit
@@ -291,8 +340,8 @@ def _grad_scan(cb, G, g, dzb, N, N1, K: tl.constexpr, V: tl.constexpr, KP: tl.co
 @triton.jit
 def _grad_keys_values(q, keys, values, emb, win, cb, zb, dy, rho, G, dzb, dkeys, dvalues, n, r, N1, H: tl.constexpr,
                       HP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, U: tl.constexpr, C: tl.constexpr,
-                      KP: tl.constexpr, RP: tl.constexpr, P: tl.constexpr, BV: tl.constexpr, HAS_EMB: tl.constexpr,
-                      DT: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+                      KP: tl.constexpr, RP: tl.constexpr, P: tl.constexpr, WP: tl.constexpr, BV: tl.constexpr,
+                      HAS_EMB: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
     """``dK`` (intra-chunk softmax terms and the carried state's) and ``dV`` (content, position, state)."""
     i, bu, b, u = _pid(U)
     nr, hh, pos, ok = _rows(i, n, H, HP, C)
@@ -331,22 +380,25 @@ def _grad_keys_values(q, keys, values, emb, win, cb, zb, dy, rho, G, dzb, dkeys,
         qtile = tl.load(q + ((b * n + pos[:, None]) * H + hh[:, None]) * K + ks[None, :],
                         mask=ok[:, None] & kok[None, :], other=0.0)  # fmt: skip
         A += _band(tl.dot(qtile.to(DT), ett, input_precision=PREC), nr, cols, 0, C, r, RP)
-    At, Khd = tl.trans(A.to(DT)), Kh.to(DT)  # C R, C KP
-    for v0 in range(0, V, BV):
+    Ad, Khd = A.to(DT), tl.trans(Kh.to(DT))  # R C, KP C
+    tw = tl.arange(0, WP)
+    later = i * C + C + tw  # WP: the positions after the chunk whose scope reaches into it
+    jl = C + tw[:, None] - cols[None, :]  # WP C: their offsets to the chunk's positions
+    for v0 in range(0, V, BV):  # dV transposed, [BV, C]: the value block as the rows of every product
         vok = (v0 + vr) < V
         dyt = tl.load(dy + ((b * n + pos[:, None]) * H + hh[:, None]) * V + v0 + vr[None, :],
                       mask=ok[:, None] & vok[None, :], other=0.0).to(DT)  # fmt: skip
-        dS = tl.load(G + (base * K + ks[:, None]) * V + v0 + vr[None, :], mask=kok[:, None] & vok[None, :], other=0.0)
-        dv = tl.dot(At, dyt, input_precision=PREC)  # C BV
-        dv = tl.dot(Khd, dS.to(DT), dv, input_precision=PREC)
-        if HAS_EMB:
-            for p in tl.static_range(1, P + 1):  # later chunks' queries that see this chunk through their scope
-                pp = pos + p * C
-                okp = (hh < H) & (pp < n)
-                qp = tl.load(q + ((b * n + pp[:, None]) * H + hh[:, None]) * K + ks[None, :],
-                             mask=okp[:, None] & kok[None, :], other=0.0)  # fmt: skip
-                Bp = _band(tl.dot(qp.to(DT), ett, input_precision=PREC), nr, cols, p, C, r, RP)  # R C
-                dyp = tl.load(dy + ((b * n + pp[:, None]) * H + hh[:, None]) * V + v0 + vr[None, :],
-                              mask=okp[:, None] & vok[None, :], other=0.0).to(DT)  # fmt: skip
-                dv = tl.dot(tl.trans(Bp.to(DT)), dyp, dv, input_precision=PREC)
-        tl.store(dvalues + ((b * n + m[:, None]) * V + v0 + vr[None, :]) * U + u, dv, mask=mok[:, None] & vok[None, :])
+        dS = tl.load(G + (base * K + ks[None, :]) * V + v0 + vr[:, None], mask=kok[None, :] & vok[:, None], other=0.0)
+        dv = tl.dot(tl.trans(dyt), Ad, input_precision=PREC)  # BV C: the chunk's own queries
+        dv = tl.dot(dS.to(DT), Khd, dv, input_precision=PREC)  # the state after the chunk
+        if HAS_EMB and P > 0:
+            for h in range(H):  # each head's queries in the WP positions after the chunk
+                okl = later < n
+                ql = tl.load(q + ((b * n + later[:, None]) * H + h) * K + ks[None, :], mask=okl[:, None] & kok[None, :],
+                             other=0.0)  # fmt: skip
+                QL = tl.dot(ql.to(DT), ett, input_precision=PREC)  # WP RP
+                BL = tl.where(jl < r, tl.gather(QL, tl.minimum(jl, RP - 1), axis=1), 0.0)  # WP C
+                dyl = tl.load(dy + ((b * n + later[:, None]) * H + h) * V + v0 + vr[None, :],
+                              mask=okl[:, None] & vok[None, :], other=0.0).to(DT)  # fmt: skip
+                dv = tl.dot(tl.trans(dyl), BL.to(DT), dv, input_precision=PREC)  # BV C
+        tl.store(dvalues + ((b * n + m[None, :]) * V + v0 + vr[:, None]) * U + u, dv, mask=mok[None, :] & vok[:, None])
