@@ -69,15 +69,21 @@ run_stage() {
     lm-first)  # one 10-minute call: Triton's cache filled at the defaults (untimed, beside the GPU check), then the
                # per-kernel profile and the op against fla / SDPA, the models' training, generation and launches,
                # and the per-kernel sweep of launch settings (scripts/gpu_tune.py) with its own warm-up
-      local W="$PY scripts/gpu_lm.py"
+      # With .gl/base/lambdanet (an earlier version's package, carried: `mkdir -p .gl/base && git archive COMMIT
+      # lambdanet | tar -x -C .gl/base`), its kernels are timed too, per kernel, in the same call (lm-base).
+      local W="$PY scripts/gpu_lm.py" BASE="$PWD/.gl/base:$PYTHONPATH"
       GPU_LM_PEERS=0 GPU_LM_WARM_MODELS=1 timeout 120 $W "$R/warm-default" --parts warm > "$R/warm-default.log" 2>&1 &
       local pid=$!
-      stage lm-check 100 $W "$R/lm-check" --parts check --quick
-      echo "   warming ..."; wait $pid; tail -n 3 "$R"/warm-*.log
+      if [ -d .gl/base/lambdanet ]; then
+        PYTHONPATH="$BASE" GPU_LM_PEERS=0 timeout 120 $W "$R/warm-base" --parts warm > "$R/warm-base.log" 2>&1 &
+      fi
+      stage lm-check 90 $W "$R/lm-check" --parts check --quick
+      echo "   warming ..."; wait; tail -n 3 "$R"/warm-*.log
       stage lm-default 110 $W "$R/lm-default" --parts opprof,op --quick
+      [ -d .gl/base/lambdanet ] && stage lm-base 60 env PYTHONPATH="$BASE" $W "$R/lm-base" --parts opprof --quick
       stage lm-models 80 $W "$R/lm-models" --parts lm,gen,profile --quick
       run_stage lm-ncu
-      stage lm-tune 140 $PY scripts/gpu_tune.py "$R/lm-tune" ;;
+      stage lm-tune 120 $PY scripts/gpu_tune.py "$R/lm-tune" ;;
     lm-quality)  # issue 37 on the GPU: *_lm_small at context 1024, equal steps (1,200 of 32 sequences), and at 4096
                  # (1,200 of 8) with the validation curve per epoch and bytes/s in metrics.csv (equal time read off it)
       local T="$PY -m lambdanet lm train --device cuda --amp bf16 --eval-bytes 262144 --seed 0 --no-progress --no-tensorboard"
@@ -91,7 +97,7 @@ run_stage() {
       local NCU
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1)
       [ -n "$NCU" ] || { echo "== lm-ncu skipped: no ncu on this machine"; return 0; }
-      stage lm-ncu 70 "$NCU" --kernel-name-base function --kernel-name regex:"_chunk_output|_grad_local|_grad_keys_values" \
+      stage lm-ncu 60 "$NCU" --kernel-name-base function --kernel-name regex:"_chunk_output|_grad_local|_grad_keys_values" \
         --launch-skip 3 --launch-count 3 --section SpeedOfLight --section Occupancy --section WarpStateStats \
         --section LaunchStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
         $PY scripts/gpu_lm.py "$R/lm-ncu" --parts ncu ;;

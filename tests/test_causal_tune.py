@@ -72,11 +72,16 @@ def test_without_a_gpu_the_part_says_it_needs_one(tmp_path):
 
 @pytest.mark.skipif(not available("cpu")[0], reason="the kernels need TRITON_INTERPRET=1 on the CPU")
 def test_the_agreement_check_compares_the_tuned_kernels_with_the_defaults():
-    """Under Triton's interpreter (float32 arithmetic) other value blocks only reorder float32 sums: ~1e-7
-    relative, far below bf16's 4e-3 per rounding; a check that compared a run with itself would give exactly 0
+    """Under Triton's interpreter (float32 arithmetic) other value blocks only reorder float32 sums (the products'
+    shapes change, and with them the order BLAS adds in): a relative difference delta of at most ~1e-6 (sums of
+    <= 208 terms, 2^-24 each). The float32 results (the keys' and the table's gradients) differ by that. The
+    results returned in bf16 (the output, dq, dV) differ where delta moves a value across a bf16 rounding boundary:
+    with probability ~2 delta / u per element (u = 2^-8, bf16's relative spacing), by ~u each, so by
+    ~sqrt(2 delta u) ~ 9e-5 in norm; bounded by 2e-4. A check that compared a run with itself would give exactly 0
     everywhere, so at least one difference must be non-zero (the tiling really changed)."""
     settings = {k: (1, 8, 2) if k in FC.SCANS else (4, 16, 1) for k in FC.KERNELS}
     agree = CT.agreement(settings, "cpu", n=40, b=1)
     assert set(agree) == {"out", "dq", "dkeys", "dvalues", "demb"}
-    assert all(v < 1e-5 for v in agree.values()), agree
+    assert agree["dkeys"] < 1e-5 and agree["demb"] < 1e-5, agree
+    assert all(agree[k] < 2e-4 for k in ("out", "dq", "dvalues")), agree
     assert any(v > 0 for v in agree.values()), agree

@@ -315,8 +315,8 @@ def test_fused_chunk_kernels_compile_for_hopper_within_its_shared_memory():
     """Compiled ahead of time for compute capability 9.0 at ``lambda_lm_base``'s sizes (8 heads, k 16, v 208,
     r 64; bf16 as training runs them): the products on the matrix units, and shared memory within an H100's
     227 KiB per block (a first version asked for 306 KiB and failed to launch on the GPU). The sums and scans do
-    not spill registers; the three product kernels do at 4 warps (37, 86 and 340 spill loads read from the
-    SASS; 0, 17 and 17 at 8 warps: docs/bench/lm_gpu/NOTES.md, the first thing a GPU session measures). The two
+    not spill registers; the three product kernels may at their launch settings (read from the whole machine code:
+    docs/bench/lm_gpu/NOTES.md; measured times, not spill counts, chose the settings). The two
     scans walk the chunks one after another: their loops are software-pipelined (asynchronous copies), since a
     step that waited on each load would cost a memory latency per chunk (2,048 of them at n 32768)."""
     rows = _compile_report("dtypes=('bf16',)")

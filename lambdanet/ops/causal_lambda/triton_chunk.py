@@ -13,12 +13,17 @@ Forward (three launches whatever ``n`` is):
    ``S_i, z_i`` relative to the running maximum ``c_i`` (every exponent ``<= 0``), written over ``L_i``.
 3. ``_chunk_output`` (chunk-parallel): ``y = (q / Z) (delta S_i) + A V + B V_window``. The intra-chunk content
    scores ``A[n, m] = sum_k q[n, k] exp(K[m, k] - cm[n, k]) / Z[n, k]`` are built exactly, channel by channel,
-   relative to each query's own running maximum ``cm[n]`` (no factorisation that could overflow); the position
-   scores ``B[n, m] = q[n] . E[n - m]`` come from one ``q E^T`` product gathered along the band.
+   relative to each query's own running maximum ``cm[n]`` (no factorisation that could overflow), in position
+   space: the weights ``exp(K[m, k] - cm[n, k])`` do not depend on the head, so each channel computes ``C x C`` of
+   them, not ``h C x C``. The position scores ``B[n, m] = q[n] . E[n - m]`` come from one ``q E^T`` product
+   gathered along the band, once per program: the chunk's own band, and the ``WP >= r - 1`` positions before the
+   chunk as one ``[h C, WP]`` block, so the scope before the chunk is one product with their values.
 
 Backward (three launches): ``_grad_local`` (``dq``, the position table's gradient per chunk, each chunk's
 contribution to the state gradient, and ``rho[n, k] = sum_h q~ dq_content``, the normaliser's gradient),
-``_grad_scan`` (the state gradient, a reverse scan over chunks) and ``_grad_keys_values`` (``dK`` and ``dV``).
+``_grad_scan`` (the state gradient, a reverse scan over chunks) and ``_grad_keys_values`` (``dK`` and ``dV``;
+``dV`` transposed, ``[BV, C]``, so the value block is the long side of its products, and the later positions'
+queries that reach the chunk through their scope taken head by head over the ``WP`` positions after it).
 Products run on the tensor cores with the inputs' dtype as operands (bf16/fp16) and float32 accumulation;
 float32 inputs keep float32 products (``input_precision="ieee"``); states, maxima, normalisers and every exponent
 are float32.
@@ -93,24 +98,6 @@ def _unband_window(DW, nr, js, WP: tl.constexpr, r):
     t = nr[:, None] + WP - js[None, :]
     ok = (t >= 0) & (t < WP) & (js < r)[None, :]
     return tl.where(ok, tl.gather(DW, tl.minimum(tl.maximum(t, 0), WP - 1), axis=1), 0.0)
-
-
-@triton.jit
-def _channel(q, keys, cb, zb, kk, b, u, base, i, n, hh, pos, ok, cols, causal, H: tl.constexpr,
-             K: tl.constexpr, U: tl.constexpr, C: tl.constexpr):  # fmt: skip
-    """Channel ``kk`` of the intra-chunk content weights: ``E[row, m] = exp(K[m] - cm[n])`` for ``m <= n`` (else 0),
-    ``delta[row] = exp(c_i - cm[n])``, ``Z[row] >= 1``, ``q~ = q / Z`` and the chunk's keys, all float32."""
-    m = i * C + cols
-    kcol = tl.load(keys + ((b * n + m) * K + kk) * U + u, mask=m < n, other=NEG_INF).to(tl.float32)  # C
-    c_i = tl.load(cb + base * K + kk)  # the running maximum before the chunk
-    z_i = tl.load(zb + base * K + kk)
-    km = tl.where(causal, kcol[None, :], NEG_INF)  # R C
-    cm = tl.maximum(tl.max(km, axis=1), c_i)  # R: the running maximum at each query
-    E = tl.exp(km - cm[:, None])  # R C, <= 1
-    delta = tl.exp(c_i - cm)  # R, <= 1
-    Z = delta * z_i + tl.sum(E, axis=1)  # R, >= 1 (the maximum's own term)
-    qk = tl.load(q + ((b * n + pos) * H + hh) * K + kk, mask=ok, other=0.0).to(tl.float32)  # R
-    return E, delta, Z, qk / Z, kcol
 
 
 @triton.jit
@@ -265,7 +252,6 @@ def _grad_local(q, keys, values, emb, win, cb, zb, Sb, dy, dq, rho, G, g, demb, 
     nr, hh, pos, ok = _rows(i, n, H, HP, C)
     cols, ks, vr, js = tl.arange(0, C), tl.arange(0, KP), tl.arange(0, BV), tl.arange(0, RP)
     kok = ks < K
-    causal = (cols[None, :] <= nr[:, None]) & ((i * C + cols) < n)[None, :]
     base = bu * N1 + i
     D0 = tl.zeros([HP * C, C], tl.float32)  # dy . V[m] over the chunk
     DS = tl.zeros([HP * C, KP], tl.float32)  # dy . S_i[k]
@@ -293,20 +279,28 @@ def _grad_local(q, keys, values, emb, win, cb, zb, Sb, dy, dq, rho, G, g, demb, 
         dqt = tl.dot(Dd, et.to(tl.float32), input_precision="ieee")  # R KP
         de = tl.dot(tl.trans(qtile.to(tl.float32)), Dd, input_precision="ieee")  # KP RP
         tl.store(demb + ((bu * N + i) * K + ks[:, None]) * RP + js[None, :], de, mask=kok[:, None])
-    Qd = tl.zeros([HP * C, KP], tl.float32)
-    gsum = tl.zeros([KP], tl.float32)
-    m = i * C + cols
+    h3, pos3, ok3 = _heads(i, n, H, HP, C)  # HP C
+    ks3 = ks[None, None, :]
+    D03 = tl.reshape(D0, [HP, C, C])
+    T3 = tl.zeros([HP, C, KP], tl.float32)  # sum_m E[n, m, k] dy . V[m] per head
+    Zs = tl.zeros([C, KP], tl.float32)  # Z[n, k]
+    Ds = tl.zeros([C, KP], tl.float32)  # delta[n, k]
     for kk in range(K):  # a loop, not unrolled: compile time
-        E, delta, Z, qt, _ = _channel(q, keys, cb, zb, kk, b, u, base, i, n, hh, pos, ok, cols, causal, H, K, U, C)
-        sel = ks[None, :] == kk
-        dqc = (delta * tl.sum(tl.where(sel, DS, 0.0), axis=1) + tl.sum(E * D0, axis=1)) / Z  # R
-        dqt += tl.where(sel, dqc[:, None], 0.0)
-        rr = qt * dqc  # R
-        tl.store(rho + (bu * n + m) * K + kk, tl.sum(tl.reshape(rr, [HP, C]), axis=0), mask=m < n)
-        gsum += tl.where(ks == kk, -tl.sum(delta * rr), 0.0)
-        Qd += tl.where(sel, (qt * delta)[:, None], 0.0)
+        E, delta, Z, _ = _weights(keys, cb, zb, kk, b, u, base, i, n, cols, K, U, C)  # C C, C, C
+        T3 = tl.where(ks3 == kk, tl.sum(E[None, :, :] * D03, axis=2)[:, :, None], T3)
+        Zs = tl.where(ks[None, :] == kk, Z[:, None], Zs)
+        Ds = tl.where(ks[None, :] == kk, delta[:, None], Ds)
+    Zs = tl.where(kok[None, :], Zs, 1.0)
+    q3 = tl.load(q + ((b * n + pos3[:, :, None]) * H + h3[:, :, None]) * K + ks3,
+                 mask=ok3[:, :, None] & kok[None, None, :], other=0.0).to(tl.float32)  # fmt: skip
+    dqc = (Ds[None, :, :] * tl.reshape(DS, [HP, C, KP]) + T3) / Zs[None, :, :]  # HP C KP: the content's dq
+    rr = q3 / Zs[None, :, :] * dqc  # q~ dq_content
+    m = i * C + cols
+    tl.store(rho + (bu * n + m[:, None]) * K + ks[None, :], tl.sum(rr, axis=0), mask=(m < n)[:, None] & kok[None, :])
+    tl.store(g + base * K + ks, -tl.sum(tl.sum(Ds[None, :, :] * rr, axis=0), axis=0), mask=kok)
+    dqt += tl.reshape(dqc, [HP * C, KP])
     tl.store(dq + ((bu * n + pos[:, None]) * H + hh[:, None]) * K + ks[None, :], dqt, mask=ok[:, None] & kok[None, :])
-    tl.store(g + base * K + ks, gsum, mask=kok)
+    Qd = tl.reshape(q3 * (Ds / Zs)[None, :, :], [HP * C, KP])  # q~ delta
     Qdd = Qd.to(DT)  # R KP
     for v0 in range(0, V, BV):
         vok = (v0 + vr) < V
@@ -347,7 +341,6 @@ def _grad_keys_values(q, keys, values, emb, win, cb, zb, dy, rho, G, dzb, dkeys,
     nr, hh, pos, ok = _rows(i, n, H, HP, C)
     cols, ks, vr = tl.arange(0, C), tl.arange(0, KP), tl.arange(0, BV)
     kok = ks < K
-    causal = (cols[None, :] <= nr[:, None]) & ((i * C + cols) < n)[None, :]
     base = bu * N1 + i
     m = i * C + cols
     mok = m < n
@@ -361,18 +354,23 @@ def _grad_keys_values(q, keys, values, emb, win, cb, zb, dy, rho, G, dzb, dkeys,
         dS = tl.load(G + (base * K + ks[:, None]) * V + v0 + vr[None, :], mask=kok[:, None] & vok[None, :], other=0.0)
         D0 = tl.dot(dyt, tl.trans(x), D0, input_precision=PREC)
         VdS = tl.dot(x, tl.trans(dS.to(DT)), VdS, input_precision=PREC)
-    A = tl.zeros([HP * C, C], tl.float32)
+    h3, pos3, ok3 = _heads(i, n, H, HP, C)  # HP C
+    D03 = tl.reshape(D0, [HP, C, C])
+    A3 = tl.zeros([HP, C, C], tl.float32)  # the chunk's content scores (head, n, m)
     Kh = tl.zeros([C, KP], tl.float32)  # exp(K[m] - c_{i+1}): the chunk's keys in the state after it
     for kk in range(K):  # a loop, not unrolled: compile time
-        E, delta, Z, qt, kcol = _channel(q, keys, cb, zb, kk, b, u, base, i, n, hh, pos, ok, cols, causal, H, K, U, C)
-        rr = tl.load(rho + (bu * n + pos) * K + kk, mask=pos < n, other=0.0)  # R (every head's row holds rho[n])
-        dk = tl.sum(E * (qt[:, None] * D0 - (rr / HP)[:, None]), axis=0)  # C
+        E, delta, Z, kcol = _weights(keys, cb, zb, kk, b, u, base, i, n, cols, K, U, C)  # C C, C, C, C
+        qk = tl.load(q + ((b * n + pos3) * H + h3) * K + kk, mask=ok3, other=0.0).to(tl.float32)  # HP C
+        rr = tl.load(rho + (bu * n + m) * K + kk, mask=mok, other=0.0)  # C: rho[n], every head's
+        Aq = (qk / Z[None, :])[:, :, None] * E[None, :, :]  # HP C C: q~[n] E[n, m]
+        dk = tl.sum(tl.sum(Aq * D03, axis=0), axis=0) - tl.sum(E * rr[:, None], axis=0)  # C
         kh = tl.exp(kcol - tl.load(cb + (base + 1) * K + kk))  # C
         sel = ks[None, :] == kk
         dk += kh * (tl.sum(tl.where(sel, VdS, 0.0), axis=1) + tl.load(dzb + base * K + kk))
         tl.store(dkeys + ((b * n + m) * K + kk) * U + u, dk, mask=mok)
         Kh += tl.where(sel, kh[:, None], 0.0)
-        A += qt[:, None] * E
+        A3 += Aq
+    A = tl.reshape(A3, [HP * C, C])
     if HAS_EMB:
         js = tl.arange(0, RP)
         et = tl.load(emb + (js[:, None] * K + ks[None, :]) * U + u, mask=(js < r)[:, None] & kok[None, :], other=0.0)
