@@ -332,6 +332,23 @@ def _grad_scan(cb, G, g, dzb, N, N1, K: tl.constexpr, V: tl.constexpr, KP: tl.co
 
 
 @triton.jit
+def _dv_later(q, dy, ett, dv, b, n, r, later, jl, ks, kok, v0, vr, vok, H: tl.constexpr, K: tl.constexpr,
+              V: tl.constexpr, RP: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+    """``dv [BV, C]`` plus the position term of the queries at the positions ``later`` after the chunk (offsets
+    ``jl [WP, C]`` to its positions), each head's ``[WP, RP]`` scores in turn."""
+    okl = later < n
+    for h in range(H):
+        ql = tl.load(q + ((b * n + later[:, None]) * H + h) * K + ks[None, :], mask=okl[:, None] & kok[None, :],
+                     other=0.0)  # fmt: skip
+        QL = tl.dot(ql.to(DT), ett, input_precision=PREC)  # WP RP
+        BL = tl.where(jl < r, tl.gather(QL, tl.minimum(jl, RP - 1), axis=1), 0.0)  # WP C
+        dyl = tl.load(dy + ((b * n + later[:, None]) * H + h) * V + v0 + vr[None, :],
+                      mask=okl[:, None] & vok[None, :], other=0.0).to(DT)  # fmt: skip
+        dv = tl.dot(tl.trans(dyl), BL.to(DT), dv, input_precision=PREC)  # BV C
+    return dv
+
+
+@triton.jit
 def _grad_keys_values(q, keys, values, emb, win, cb, zb, dy, rho, G, dzb, dkeys, dvalues, n, r, N1, H: tl.constexpr,
                       HP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, U: tl.constexpr, C: tl.constexpr,
                       KP: tl.constexpr, RP: tl.constexpr, P: tl.constexpr, WP: tl.constexpr, BV: tl.constexpr,
@@ -390,13 +407,5 @@ def _grad_keys_values(q, keys, values, emb, win, cb, zb, dy, rho, G, dzb, dkeys,
         dv = tl.dot(tl.trans(dyt), Ad, input_precision=PREC)  # BV C: the chunk's own queries
         dv = tl.dot(dS.to(DT), Khd, dv, input_precision=PREC)  # the state after the chunk
         if HAS_EMB and P > 0:
-            for h in range(H):  # each head's queries in the WP positions after the chunk
-                okl = later < n
-                ql = tl.load(q + ((b * n + later[:, None]) * H + h) * K + ks[None, :], mask=okl[:, None] & kok[None, :],
-                             other=0.0)  # fmt: skip
-                QL = tl.dot(ql.to(DT), ett, input_precision=PREC)  # WP RP
-                BL = tl.where(jl < r, tl.gather(QL, tl.minimum(jl, RP - 1), axis=1), 0.0)  # WP C
-                dyl = tl.load(dy + ((b * n + later[:, None]) * H + h) * V + v0 + vr[None, :],
-                              mask=okl[:, None] & vok[None, :], other=0.0).to(DT)  # fmt: skip
-                dv = tl.dot(tl.trans(dyl), BL.to(DT), dv, input_precision=PREC)  # BV C
+            dv = _dv_later(q, dy, ett, dv, b, n, r, later, jl, ks, kok, v0, vr, vok, H, K, V, RP, DT, PREC)
         tl.store(dvalues + ((b * n + m[None, :]) * V + v0 + vr[:, None]) * U + u, dv, mask=mok[None, :] & vok[:, None])
