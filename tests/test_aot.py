@@ -3,6 +3,7 @@ limits, and the machine code read in full."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import struct
@@ -78,8 +79,6 @@ print(json.dumps([counts, base64.b64encode(kernel.asm["cubin"]).decode()]))
     if proc.returncode and any(t in proc.stderr for t in ("ptxas", "nvdisasm")) and "not found" in proc.stderr:
         pytest.skip("Triton's ptxas / nvdisasm are not available here")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    import base64
-
     counts, cubin = json.loads(proc.stdout.strip().splitlines()[-1])
     sizes = _text_sizes(base64.b64decode(cubin))
     assert counts["instructions"] == sizes[".text._chunk_output"] // 16 > 1000

@@ -48,10 +48,11 @@ def _rows(i, n, H: tl.constexpr, HP: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _band(QE, nr, cols, p: tl.constexpr, C: tl.constexpr, r, RP: tl.constexpr):
-    """Position scores of rows against block ``p`` chunks back: ``QE[row, j]`` at ``j = n - m``, zero outside
-    ``0 <= j < r``; ``QE [R, RP]`` -> ``[R, C]``."""
-    j = nr[:, None] + p * C - cols[None, :]
+def _band(QE, nr, cols, shift: tl.constexpr, r, RP: tl.constexpr):
+    """Position scores of rows at positions ``nr`` against columns ``cols`` that lie ``shift`` positions further
+    back (``j = n - m = nr + shift - col``), zero outside ``0 <= j < r``: ``QE [R, RP]`` (``q . E[j]``) ->
+    ``[R, len(cols)]``. The chunk's own band is ``shift`` 0; the ``WP`` positions before it, ``shift = WP``."""
+    j = nr[:, None] + shift - cols[None, :]
     ok = (j >= 0) & (j < r)
     return tl.where(ok, tl.gather(QE, tl.minimum(tl.maximum(j, 0), RP - 1), axis=1), 0.0)
 
@@ -75,29 +76,12 @@ def _block_values(values, win, b, u, start, cols, v0, vs, n, r, U: tl.constexpr,
 
 
 @triton.jit
-def _unband(D, nr, js, p: tl.constexpr, C: tl.constexpr, r):
-    """The transpose of :func:`_band`: ``D [R, C]`` over block ``p`` chunks back -> ``[R, RP]`` at ``j = n - m``."""
-    c = nr[:, None] + p * C - js[None, :]
-    ok = (c >= 0) & (c < C) & (js < r)[None, :]
-    return tl.where(ok, tl.gather(D, tl.minimum(tl.maximum(c, 0), C - 1), axis=1), 0.0)
-
-
-@triton.jit
-def _band_window(QE, nr, WP: tl.constexpr, r, RP: tl.constexpr):
-    """Position scores of rows against the ``WP`` positions before the chunk (column ``t``: position
-    ``i C - WP + t``, offset ``j = n - m = nr + WP - t``), zero outside the scope ``j < r``: ``QE [R, RP]`` ->
-    ``[R, WP]``, one gather for every earlier chunk of the scope."""
-    j = nr[:, None] + WP - tl.arange(0, WP)[None, :]
-    return tl.where(j < r, tl.gather(QE, tl.minimum(j, RP - 1), axis=1), 0.0)
-
-
-@triton.jit
-def _unband_window(DW, nr, js, WP: tl.constexpr, r):
-    """The transpose of :func:`_band_window`: ``DW [R, WP]`` over the positions before the chunk -> ``[R, RP]`` at
-    ``j = n - m`` (the offsets that reach past the chunk's start, ``j > nr``)."""
-    t = nr[:, None] + WP - js[None, :]
-    ok = (t >= 0) & (t < WP) & (js < r)[None, :]
-    return tl.where(ok, tl.gather(DW, tl.minimum(tl.maximum(t, 0), WP - 1), axis=1), 0.0)
+def _unband(D, nr, js, shift: tl.constexpr, W: tl.constexpr, r):
+    """The transpose of :func:`_band`: ``D [R, W]`` over columns ``shift`` positions back -> ``[R, RP]`` at
+    ``j = n - m`` (column ``nr + shift - j``)."""
+    c = nr[:, None] + shift - js[None, :]
+    ok = (c >= 0) & (c < W) & (js < r)[None, :]
+    return tl.where(ok, tl.gather(D, tl.minimum(tl.maximum(c, 0), W - 1), axis=1), 0.0)
 
 
 @triton.jit
@@ -224,8 +208,8 @@ def _chunk_output(q, keys, values, emb, win, cb, zb, Sb, y, n, r, N1, H: tl.cons
         qtile = tl.reshape(q3, [HP * C, KP])
         et = tl.load(emb + (js[:, None] * K + ks[None, :]) * U + u, mask=(js < r)[:, None] & kok[None, :], other=0.0)
         QE = tl.dot(qtile.to(DT), tl.trans(et.to(DT)), input_precision=PREC)  # R RP: q . E[j]
-        A += _band(QE, nr, cols, 0, C, r, RP)
-        BW = _band_window(QE, nr, WP, r, RP).to(DT)  # R WP: the scope before the chunk, built once
+        A += _band(QE, nr, cols, 0, r, RP)
+        BW = _band(QE, nr, tl.arange(0, WP), WP, r, RP).to(DT)  # R WP: the scope before the chunk, built once
     Ad, Qdd = A.to(DT), Qd.to(DT)
     tw = tl.arange(0, WP)
     for v0 in range(0, V, BV):
@@ -272,7 +256,7 @@ def _grad_local(q, keys, values, emb, win, cb, zb, Sb, dy, dq, rho, G, g, demb, 
     if HAS_EMB:
         Dd = _unband(D0, nr, js, 0, C, r)  # R RP: dy . V[n - j] over the position scope, gathered once
         if P > 0:
-            Dd += _unband_window(DW, nr, js, WP, r)
+            Dd += _unband(DW, nr, js, WP, WP, r)
         qtile = tl.load(q + ((b * n + pos[:, None]) * H + hh[:, None]) * K + ks[None, :],
                         mask=ok[:, None] & kok[None, :], other=0.0)  # fmt: skip
         et = tl.load(emb + (js[:, None] * K + ks[None, :]) * U + u, mask=(js < r)[:, None] & kok[None, :], other=0.0)
@@ -332,16 +316,16 @@ def _grad_scan(cb, G, g, dzb, N, N1, K: tl.constexpr, V: tl.constexpr, KP: tl.co
 
 
 @triton.jit
-def _dv_later(q, dy, ett, dv, b, n, r, later, jl, ks, kok, v0, vr, vok, H: tl.constexpr, K: tl.constexpr,
-              V: tl.constexpr, RP: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
-    """``dv [BV, C]`` plus the position term of the queries at the positions ``later`` after the chunk (offsets
-    ``jl [WP, C]`` to its positions), each head's ``[WP, RP]`` scores in turn."""
+def _dv_later(q, dy, ett, dv, b, n, r, later, tw, cols, ks, kok, v0, vr, vok, H: tl.constexpr, K: tl.constexpr,
+              V: tl.constexpr, C: tl.constexpr, RP: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+    """``dv [BV, C]`` plus the position term of the queries at the positions ``later = i C + C + tw`` after the
+    chunk (offsets ``C + tw - m`` to its positions), each head's ``[WP, RP]`` scores in turn."""
     okl = later < n
     for h in range(H):
         ql = tl.load(q + ((b * n + later[:, None]) * H + h) * K + ks[None, :], mask=okl[:, None] & kok[None, :],
                      other=0.0)  # fmt: skip
         QL = tl.dot(ql.to(DT), ett, input_precision=PREC)  # WP RP
-        BL = tl.where(jl < r, tl.gather(QL, tl.minimum(jl, RP - 1), axis=1), 0.0)  # WP C
+        BL = _band(QL, tw, cols, C, r, RP)  # WP C
         dyl = tl.load(dy + ((b * n + later[:, None]) * H + h) * V + v0 + vr[None, :],
                       mask=okl[:, None] & vok[None, :], other=0.0).to(DT)  # fmt: skip
         dv = tl.dot(tl.trans(dyl), BL.to(DT), dv, input_precision=PREC)  # BV C
@@ -394,11 +378,10 @@ def _grad_keys_values(q, keys, values, emb, win, cb, zb, dy, rho, G, dzb, dkeys,
         ett = tl.trans(et.to(DT))  # KP RP
         qtile = tl.load(q + ((b * n + pos[:, None]) * H + hh[:, None]) * K + ks[None, :],
                         mask=ok[:, None] & kok[None, :], other=0.0)  # fmt: skip
-        A += _band(tl.dot(qtile.to(DT), ett, input_precision=PREC), nr, cols, 0, C, r, RP)
+        A += _band(tl.dot(qtile.to(DT), ett, input_precision=PREC), nr, cols, 0, r, RP)
     Ad, Khd = A.to(DT), tl.trans(Kh.to(DT))  # R C, KP C
     tw = tl.arange(0, WP)
     later = i * C + C + tw  # WP: the positions after the chunk whose scope reaches into it
-    jl = C + tw[:, None] - cols[None, :]  # WP C: their offsets to the chunk's positions
     for v0 in range(0, V, BV):  # dV transposed, [BV, C]: the value block as the rows of every product
         vok = (v0 + vr) < V
         dyt = tl.load(dy + ((b * n + pos[:, None]) * H + hh[:, None]) * V + v0 + vr[None, :],
@@ -407,5 +390,5 @@ def _grad_keys_values(q, keys, values, emb, win, cb, zb, dy, rho, G, dzb, dkeys,
         dv = tl.dot(tl.trans(dyt), Ad, input_precision=PREC)  # BV C: the chunk's own queries
         dv = tl.dot(dS.to(DT), Khd, dv, input_precision=PREC)  # the state after the chunk
         if HAS_EMB and P > 0:
-            dv = _dv_later(q, dy, ett, dv, b, n, r, later, jl, ks, kok, v0, vr, vok, H, K, V, RP, DT, PREC)
+            dv = _dv_later(q, dy, ett, dv, b, n, r, later, tw, cols, ks, kok, v0, vr, vok, H, K, V, C, RP, DT, PREC)
         tl.store(dvalues + ((b * n + m[None, :]) * V + v0 + vr[:, None]) * U + u, dv, mask=mok[None, :] & vok[:, None])
