@@ -203,6 +203,28 @@ def test_fused_chunk_launches_and_torch_ops_do_not_grow_with_n(monkeypatch):
 
 
 @needs_kernels
+def test_plain_eager_calls_skip_the_dispatcher_and_equal_the_custom_ops(monkeypatch):
+    """A plain eager call runs the kernels through an ``autograd.Function`` (less host time a call: the GPU waits
+    on it between short kernels); a dispatch mode, tracer or compiler gets the custom ops, which it can see into.
+    Both run the same launches on the same buffers, so they agree bit for bit."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    q, keys, values, emb = inputs(37, u=1, r=7)
+    upstream = torch.randn(2, 37, 3, 24, generator=torch.Generator().manual_seed(3))
+    taken, apply = [], FC._Eager.apply
+    monkeypatch.setattr(FC._Eager, "apply", lambda *args: taken.append(1) or apply(*args))
+    out, grads = run("fused_chunk", q, keys, values, emb, upstream, chunk_size=16)
+    assert taken == [1]
+    with TorchDispatchMode():
+        assert not FC._eager(q)
+    assert FC._eager(q) and not FC._eager(q, torch.empty(0, device="meta").as_subclass(torch.nn.Parameter))
+    monkeypatch.setattr(FC, "_eager", lambda *tensors: False)
+    out_op, grads_op = run("fused_chunk", q, keys, values, emb, upstream, chunk_size=16)
+    assert taken == [1]  # the custom ops this time
+    assert torch.equal(out, out_op) and all(torch.equal(a, b) for a, b in zip(grads, grads_op))
+
+
+@needs_kernels
 @pytest.mark.parametrize("lambdas", [1, 2])  # 2: one lambda per head, each its own stream of the op
 def test_the_layer_runs_every_mode_alike_and_checks_it(lambdas):
     torch.manual_seed(0)

@@ -148,35 +148,62 @@ def _launch(m: dict, name: str) -> tuple[dict, dict]:
     return {"BV": bv}, {"num_warps": warps or 4, "num_stages": stages}
 
 
-@torch.library.custom_op("lambdanet::causal_lambda_chunk_fwd", mutates_args=())
-def _forward(
+# the constexprs each kernel takes from a call's sizes (:func:`_meta`), besides its launch settings
+_PRODUCT = ("H", "HP", "K", "V", "U", "C", "KP", "RP", "P", "WP", "DT", "PREC", "HAS_EMB")
+_CONSTS = {"chunk_sums": ("K", "V", "U", "C", "KP", "DT", "PREC"), "state_scan": ("K", "V", "KP"),
+           "chunk_output": _PRODUCT, "grad_local": _PRODUCT, "grad_scan": ("K", "V", "KP"),
+           "grad_keys_values": _PRODUCT}  # fmt: skip
+_PLANS: dict[tuple, tuple[dict, dict[str, dict]]] = {}
+
+
+def _plan(q: Tensor, keys: Tensor, values: Tensor, r: int, has_emb: bool, chunk: int) -> tuple[dict, dict[str, dict]]:
+    """``(m, kw)``: a call's sizes (:func:`_meta`) and each kernel's keyword arguments (constexprs and launch
+    options), made once per shapes, dtype, device type and launch settings: a call then spends its host time on
+    its launches, not on recomputing them (the GPU waits on the host between short kernels)."""
+    key = (q.shape, keys.shape, values.shape, q.dtype, q.device.type, r, has_emb, chunk, tuple(tune().values()))
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= 256:  # many shapes (generation's growing prompts): start over rather than grow
+            _PLANS.clear()
+        m = {**_meta(q, keys, values, r, chunk), "HAS_EMB": has_emb}
+        kw = {}
+        for name in KERNELS:
+            consts, options = _launch(m, name)
+            kw[name] = {**_consts(m, *_CONSTS[name]), **consts, **options}
+        plan = _PLANS[key] = (m, kw)
+    return plan
+
+
+def _forward_impl(
     q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None, S0: Tensor, z0: Tensor, c0: Tensor, win: Tensor,
     chunk: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """The forward's three launches: ``(y, Sb, cb, zb)`` (the states before each chunk and after the last)."""
     from lambdanet.ops.causal_lambda import triton_chunk as T
 
     r = 0 if emb is None else emb.shape[0]
-    m = _meta(q, keys, values, r, chunk)
+    m, kw = _plan(q, keys, values, r, emb is not None, chunk)
     BU, N1, dev = m["B"] * m["U"], m["N"] + 1, q.device
     f32: dict[str, Any] = dict(device=dev, dtype=torch.float32)
     amax, lsum = torch.empty(BU, N1, m["K"], **f32), torch.empty(BU, N1, m["K"], **f32)
     cb, zb = torch.empty(BU, N1, m["K"], **f32), torch.empty(BU, N1, m["K"], **f32)
     Sb = torch.empty(BU, N1, m["K"], m["V"], **f32)  # chunk sums, then the state before each chunk
     grid = (m["N"], BU)
-    c, o = _launch(m, "chunk_sums")
-    T._chunk_sums[grid](keys, values, amax, lsum, Sb, m["n"], N1, **c, **o,
-                        **_consts(m, "K", "V", "U", "C", "KP", "DT", "PREC"))  # fmt: skip
-    c, o = _launch(m, "state_scan")
-    T._state_scan[(BU, -(-m["V"] // c["BV"]))](
-        amax, lsum, cb, zb, Sb, S0, z0, c0, m["N"], N1, **c, **o, **_consts(m, "K", "V", "KP")
-    )
+    T._chunk_sums[grid](keys, values, amax, lsum, Sb, m["n"], N1, **kw["chunk_sums"])
+    scan = kw["state_scan"]
+    T._state_scan[(BU, -(-m["V"] // scan["BV"]))](amax, lsum, cb, zb, Sb, S0, z0, c0, m["N"], N1, **scan)
     y = torch.empty(m["B"], m["U"], m["n"], m["H"], m["V"], device=dev, dtype=q.dtype if m["U"] == 1 else torch.float32)
-    c, o = _launch(m, "chunk_output")
-    T._chunk_output[grid](
-        q, keys, values, q if emb is None else emb, win, cb, zb, Sb, y, m["n"], r, N1, HAS_EMB=emb is not None,
-        **c, **o, **_consts(m, "H", "HP", "K", "V", "U", "C", "KP", "RP", "P", "WP", "DT", "PREC"),
-    )  # fmt: skip
+    e = q if emb is None else emb
+    T._chunk_output[grid](q, keys, values, e, win, cb, zb, Sb, y, m["n"], r, N1, **kw["chunk_output"])
     return y.sum(1).to(q.dtype) if m["U"] > 1 else y[:, 0], Sb, cb, zb
+
+
+@torch.library.custom_op("lambdanet::causal_lambda_chunk_fwd", mutates_args=())
+def _forward(
+    q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None, S0: Tensor, z0: Tensor, c0: Tensor, win: Tensor,
+    chunk: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    return _forward_impl(q, keys, values, emb, S0, z0, c0, win, chunk)
 
 
 @_forward.register_fake
@@ -188,15 +215,15 @@ def _(q, keys, values, emb, S0, z0, c0, win, chunk):
     return y, torch.empty(B * U, N1, K, V, **f32), torch.empty(B * U, N1, K, **f32), torch.empty(B * U, N1, K, **f32)
 
 
-@torch.library.custom_op("lambdanet::causal_lambda_chunk_bwd", mutates_args=())
-def _backward(
+def _backward_impl(
     dy: Tensor, q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None, win: Tensor, Sb: Tensor, cb: Tensor,
     zb: Tensor, chunk: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """The backward's three launches: ``(dq, dkeys, dvalues, demb)`` (``demb`` empty without ``emb``)."""
     from lambdanet.ops.causal_lambda import triton_chunk as T
 
     r = 0 if emb is None else emb.shape[0]
-    m = _meta(q, keys, values, r, chunk)
+    m, kw = _plan(q, keys, values, r, emb is not None, chunk)
     B, U, N, K = m["B"], m["U"], m["N"], m["K"]
     BU, N1, dev, dy = B * U, N + 1, q.device, dy.contiguous()
     f32: dict[str, Any] = dict(device=dev, dtype=torch.float32)
@@ -204,24 +231,27 @@ def _backward(
     rho = torch.empty(BU, m["n"], K, **f32)
     G, g, dzb = torch.empty(BU, N1, K, m["V"], **f32), torch.empty(BU, N1, K, **f32), torch.empty(BU, N1, K, **f32)
     demb = torch.zeros(BU, N, K, m["RP"], **f32) if emb is not None else q.new_zeros(0)
-    common = dict(
-        HAS_EMB=emb is not None, **_consts(m, "H", "HP", "K", "V", "U", "C", "KP", "RP", "P", "WP", "DT", "PREC")
-    )
     e = q if emb is None else emb
     grid = (N, BU)
-    c, o = _launch(m, "grad_local")
-    T._grad_local[grid](q, keys, values, e, win, cb, zb, Sb, dy, dq, rho, G, g, demb, m["n"], r, N, N1, **common, **c,
-                        **o)  # fmt: skip
-    c, o = _launch(m, "grad_scan")
-    T._grad_scan[(BU, -(-m["V"] // c["BV"]))](cb, G, g, dzb, N, N1, **c, **o, **_consts(m, "K", "V", "KP"))
+    T._grad_local[grid](q, keys, values, e, win, cb, zb, Sb, dy, dq, rho, G, g, demb, m["n"], r, N, N1,
+                        **kw["grad_local"])  # fmt: skip
+    scan = kw["grad_scan"]
+    T._grad_scan[(BU, -(-m["V"] // scan["BV"]))](cb, G, g, dzb, N, N1, **scan)
     dkeys, dvalues = torch.empty_like(keys), torch.empty_like(values)
-    c, o = _launch(m, "grad_keys_values")
     T._grad_keys_values[grid](q, keys, values, e, win, cb, zb, dy, rho, G, dzb, dkeys, dvalues, m["n"], r, N1,
-                              **common, **c, **o)  # fmt: skip
+                              **kw["grad_keys_values"])  # fmt: skip
     dq = dq.sum(1).to(q.dtype) if U > 1 else dq[:, 0]
     if emb is not None:
         demb = demb.view(B, U, N, K, m["RP"])[..., :r].sum(dim=(0, 2)).permute(2, 1, 0).to(emb.dtype)  # r k u
     return dq, dkeys, dvalues, demb
+
+
+@torch.library.custom_op("lambdanet::causal_lambda_chunk_bwd", mutates_args=())
+def _backward(
+    dy: Tensor, q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None, win: Tensor, Sb: Tensor, cb: Tensor,
+    zb: Tensor, chunk: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    return _backward_impl(dy, q, keys, values, emb, win, Sb, cb, zb, chunk)
 
 
 @_backward.register_fake
@@ -246,6 +276,39 @@ def _grad(ctx, dy, *_):
 _forward.register_autograd(_grad, setup_context=_setup_context)
 
 
+class _Eager(torch.autograd.Function):
+    """The same launches as the custom ops, for plain eager calls (:func:`_eager`): ``torch.library``'s dispatch of
+    a custom op with autograd costs host time on every call (its schema's defaults, a redispatch below autograd,
+    dynamo's guard around the kernel), during which a GPU that finished the last kernel waits. Compilers,
+    exporters, tracers and dispatch modes get the custom ops, which they can see into."""
+
+    @staticmethod
+    def forward(ctx, q, keys, values, emb, S0, z0, c0, win, chunk):
+        y, Sb, cb, zb = _forward_impl(q, keys, values, emb, S0, z0, c0, win, chunk)
+        ctx.save_for_backward(q, keys, values, emb, win, Sb, cb, zb)
+        ctx.chunk = chunk
+        ctx.mark_non_differentiable(Sb, cb, zb)  # the state receives no gradient: no zeros made for it
+        return y, Sb, cb, zb
+
+    @staticmethod
+    def backward(ctx, dy, *_):
+        q, keys, values, emb, win, Sb, cb, zb = ctx.saved_tensors
+        dq, dkeys, dvalues, demb = _backward_impl(dy, q, keys, values, emb, win, Sb, cb, zb, ctx.chunk)
+        return dq, dkeys, dvalues, (demb if emb is not None else None), None, None, None, None, None
+
+
+def _eager(*tensors: Tensor) -> bool:
+    """Whether a call on ``tensors`` is plain eager: nothing compiles, exports or traces it, no dispatch mode or
+    functorch transform is active and the tensors are plain ones (then :class:`_Eager` runs it)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    from lambdanet.ops.position_lambda.guard import tracing
+
+    if tracing() or _get_current_dispatch_mode() is not None:
+        return False
+    return torch._C._functorch.peek_interpreter_stack() is None and all(type(t) is torch.Tensor for t in tensors)
+
+
 def fused_chunk_causal_lambda(
     q: Tensor,
     keys: Tensor,
@@ -263,7 +326,8 @@ def fused_chunk_causal_lambda(
     emb = None if emb is None else emb.to(dtype).contiguous()
     S0, z0, c0 = (state[key].detach().float().contiguous() for key in ("S", "z", "c"))
     win = state["window"].detach().to(dtype).contiguous()
-    y, Sb, cb, zb = _forward(q, keys, values, emb, S0, z0, c0, win if win.numel() else q.new_zeros(1), chunk)
+    run = _Eager.apply if _eager(q, keys, values) else _forward
+    y, Sb, cb, zb = run(q, keys, values, emb, S0, z0, c0, win if win.numel() else q.new_zeros(1), chunk)
     (b, _, _, k), u, v = q.shape, keys.shape[3], values.shape[2]
     keep = win.shape[2]  # the window: the last r - 1 values (only those are copied, not the whole sequence)
     full = torch.cat([win, values[:, values.shape[1] - min(keep, values.shape[1]) :].permute(0, 3, 1, 2)], dim=2)
