@@ -13,8 +13,9 @@
 #   bash scripts/gpu_bench.sh lm         # the causal lambda op vs fla / SDPA, the LMs' training, generation and
 #                                        # launches (scripts/gpu_lm.py; fla-core carried as a wheel in .whl/)
 #   bash scripts/gpu_bench.sh lm-first   # the causal op in one call (~9 minutes): the GPU check, per-kernel
-#                                        # times, the op against fla / SDPA, the models, Nsight Compute on the
-#                                        # product kernels (lm-ncu alone too), the launch-settings sweep
+#                                        # times (also of the channel loop forced, and of .gl/base's package), the
+#                                        # op against fla / SDPA, the models, the launch-settings sweep, Nsight
+#                                        # Compute on the product kernels (lm-ncu alone too)
 #   bash scripts/gpu_bench.sh lm-quality # issue 37: *_lm_small (and heads=8) against the transformer, contexts 1024
 #                                        # and 4096 (~8 minutes)
 #   bash scripts/gpu_bench.sh run1|run2|run3  # bundles of one 10-minute call each (check kernels layers impls |
@@ -77,13 +78,16 @@ run_stage() {
       if [ -d .gl/base/lambdanet ]; then
         PYTHONPATH="$BASE" GPU_LM_PEERS=0 timeout 120 $W "$R/warm-base" --parts warm > "$R/warm-base.log" 2>&1 &
       fi
+      # the channel loop in every chunk (the kernels before the factored content weights), timed beside the default
+      LAMBDANET_CAUSAL_SAFE=-inf GPU_LM_PEERS=0 timeout 120 $W "$R/warm-loop" --parts warm > "$R/warm-loop.log" 2>&1 &
       stage lm-check 90 $W "$R/lm-check" --parts check --quick
       echo "   warming ..."; wait; tail -n 3 "$R"/warm-*.log
       stage lm-default 110 $W "$R/lm-default" --parts opprof,op --quick
       [ -d .gl/base/lambdanet ] && stage lm-base 60 env PYTHONPATH="$BASE" $W "$R/lm-base" --parts opprof --quick
+      stage lm-loop 60 env LAMBDANET_CAUSAL_SAFE=-inf $W "$R/lm-loop" --parts opprof --quick
       stage lm-models 80 $W "$R/lm-models" --parts lm,gen,profile --quick
-      run_stage lm-ncu
-      stage lm-tune 120 $PY scripts/gpu_tune.py "$R/lm-tune" ;;
+      stage lm-tune 120 $PY scripts/gpu_tune.py "$R/lm-tune"
+      run_stage lm-ncu ;;  # last: the call's limit may cut it
     lm-quality)  # issue 37 on the GPU: *_lm_small at context 1024, equal steps (1,200 of 32 sequences), and at 4096
                  # (1,200 of 8) with the validation curve per epoch and bytes/s in metrics.csv (equal time read off it)
       local T="$PY -m lambdanet lm train --device cuda --amp bf16 --eval-bytes 262144 --seed 0 --no-progress --no-tensorboard"

@@ -67,7 +67,7 @@ import triton.language as tl
 from lambdanet.ops.aot import compile_counts
 from lambdanet.ops.causal_lambda import triton_chunk as T
 m = dict(K=16, V=208, U=1, C=16, H=8, HP=8, KP=16, RP=64, P=4, WP=64, HAS_EMB=True, BV=64, DT=tl.bfloat16,
-         PREC="tf32")
+         PREC="tf32", SAFE=60.0)
 fn = T._chunk_output
 f32 = {"cb", "zb", "Sb"}
 sig = {a: "constexpr" if a in m else "i32" if a in ("n", "r", "N1") else "*fp32" if a in f32 else "*bf16"

@@ -164,6 +164,70 @@ def test_fused_chunk_keys_of_any_range_stay_exact():
         assert torch.isfinite(got).all() and rel(got, t.grad) < 1e-3
 
 
+class _Calls:
+    """Counts the calls of a Triton helper that a kernel calls (the interpreter looks it up at each call)."""
+
+    def __init__(self, fn, calls, name):
+        self.fn, self.calls, self.name = fn, calls, name
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append(self.name)
+        return self.fn(*args, **kwargs)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rise", [0.0, 29.0, 31.0])
+def test_fused_chunk_factors_each_chunk_against_one_reference_unless_its_keys_rise_too_far(monkeypatch, rise):
+    """Each chunk's content weights factor against its largest key (products instead of a loop over channels)
+    while no query's running maximum lies more than ``MAX_SPREAD`` = 30 below it (the PyTorch form's limit for the
+    same factoring); a chunk whose keys rise further takes the exact channel loop, alone. Either way every result
+    equals the definition: 29 is the factored form at its edge, 31 the loop."""
+    from lambdanet.functional.causal import MAX_SPREAD
+
+    assert MAX_SPREAD == 30.0
+    calls: list[str] = []
+    for name in ("_content_exact", "_grad_exact", "_keys_exact"):
+        monkeypatch.setattr(TC, name, _Calls(getattr(TC, name), calls, name))
+    q, keys, values, emb = inputs(40, b=1, u=1, r=5, scale=1.0)
+    # chunk 1 (of 3): a key ``rise`` above the running maximum of the chunk's first query, in every channel
+    keys[0, 16 + 5] = keys[0, : 16 + 1].amax(dim=0) + rise
+    upstream = torch.randn(1, 40, 3, 24, generator=torch.Generator().manual_seed(2))
+    ref_in = [t.double().requires_grad_() for t in (q, keys, values, emb)]
+    ref = causal_lambda_reference(*ref_in)
+    ref.backward(upstream.double())
+    out, grads = run("fused_chunk", q, keys, values, emb, upstream, chunk_size=16)
+    expected = ["_content_exact", "_grad_exact", "_keys_exact"] if rise > MAX_SPREAD else []
+    assert calls == expected  # one chunk of the three, in each of the three kernels
+    assert rel(out, ref) < 1e-4
+    for got, t in zip(grads, ref_in):
+        assert rel(got, t.grad) < 1e-3
+
+
+@needs_kernels
+def test_the_channel_loop_can_be_forced_for_measuring_and_a_bad_limit_is_refused(monkeypatch):
+    """``LAMBDANET_CAUSAL_SAFE=-inf`` makes every chunk take the channel loop (the kernels as they were before the
+    factored form, for timing both in one run): the same results (two float32 orders of the same sums of at most
+    ``C + k`` terms: ~1e-7 apart). A limit above ``MAX_SPREAD`` fails the op with a one-line error naming the
+    variable."""
+    calls: list[str] = []
+    monkeypatch.setattr(TC, "_content_exact", _Calls(TC._content_exact, calls, "_content_exact"))
+    q, keys, values, emb = inputs(40, b=1, u=1, r=5)
+    upstream = torch.randn(1, 40, 3, 24, generator=torch.Generator().manual_seed(2))
+    factored = run("fused_chunk", q, keys, values, emb, upstream, chunk_size=16)
+    assert calls == []
+    monkeypatch.setenv("LAMBDANET_CAUSAL_SAFE", "-inf")
+    looped = run("fused_chunk", q, keys, values, emb, upstream, chunk_size=16)
+    assert calls == ["_content_exact"] * 3  # every chunk
+    assert rel(looped[0], factored[0]) < 1e-5
+    for a, b in zip(looped[1], factored[1]):
+        assert rel(a, b) < 1e-5
+    for bad in ("31", "inf", "nan", "many"):
+        monkeypatch.setenv("LAMBDANET_CAUSAL_SAFE", bad)
+        with pytest.raises(ValueError, match=r"^LAMBDANET_CAUSAL_SAFE must be a number <= 30 .*got") as err:
+            causal_lambda(q, keys, values, emb, mode="fused_chunk", chunk_size=16)
+        assert "\n" not in str(err.value)
+
+
 class _Count:
     """Counts the launches of one Triton kernel (``kernel[grid](...)``)."""
 

@@ -11,6 +11,7 @@ gradients come back in the inputs' dtype.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, cast
 
@@ -148,8 +149,27 @@ def _launch(m: dict, name: str) -> tuple[dict, dict]:
     return {"BV": bv}, {"num_warps": warps or 4, "num_stages": stages}
 
 
+def _safe(text: str | None) -> float:
+    """The kernels' ``SAFE`` (:mod:`.triton_weights`): how far a query's running maximum may lie below its chunk's
+    largest key for the chunk's content weights to factor against that key (products) instead of a loop over
+    channels: ``MAX_SPREAD``, the PyTorch chunk form's limit for the same factoring. ``LAMBDANET_CAUSAL_SAFE``
+    lowers it, for measuring the loop (``-inf``: every chunk loops); a higher one is refused."""
+    from lambdanet.functional.causal import MAX_SPREAD as SAFE
+
+    if text is None:
+        return SAFE
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value <= SAFE:
+        raise ValueError(f"LAMBDANET_CAUSAL_SAFE must be a number <= {SAFE:g} (-inf: the channel loop in every "
+                         f"chunk), got {text!r}")  # fmt: skip
+    return value
+
+
 # the constexprs each kernel takes from a call's sizes (:func:`_meta`), besides its launch settings
-_PRODUCT = ("H", "HP", "K", "V", "U", "C", "KP", "RP", "P", "WP", "DT", "PREC", "HAS_EMB")
+_PRODUCT = ("H", "HP", "K", "V", "U", "C", "KP", "RP", "P", "WP", "DT", "PREC", "HAS_EMB", "SAFE")
 _CONSTS = {"chunk_sums": ("K", "V", "U", "C", "KP", "DT", "PREC"), "state_scan": ("K", "V", "KP"),
            "chunk_output": _PRODUCT, "grad_local": _PRODUCT, "grad_scan": ("K", "V", "KP"),
            "grad_keys_values": _PRODUCT}  # fmt: skip
@@ -160,12 +180,13 @@ def _plan(q: Tensor, keys: Tensor, values: Tensor, r: int, has_emb: bool, chunk:
     """``(m, kw)``: a call's sizes (:func:`_meta`) and each kernel's keyword arguments (constexprs and launch
     options), made once per shapes, dtype, device type and launch settings: a call then spends its host time on
     its launches, not on recomputing them (the GPU waits on the host between short kernels)."""
-    key = (q.shape, keys.shape, values.shape, q.dtype, q.device.type, r, has_emb, chunk, tuple(tune().values()))
+    safe = os.environ.get("LAMBDANET_CAUSAL_SAFE")
+    key = (q.shape, keys.shape, values.shape, q.dtype, q.device.type, r, has_emb, chunk, tuple(tune().values()), safe)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= 256:  # many shapes (generation's growing prompts): start over rather than grow
             _PLANS.clear()
-        m = {**_meta(q, keys, values, r, chunk), "HAS_EMB": has_emb}
+        m = {**_meta(q, keys, values, r, chunk), "HAS_EMB": has_emb, "SAFE": _safe(safe)}
         kw = {}
         for name in KERNELS:
             consts, options = _launch(m, name)
@@ -364,7 +385,7 @@ def compile_report(
 
     C = chunk or default_chunk(heads)
     m = dict(K=dim_k, V=dim_v, U=1, C=C, H=heads, HP=_pow2(heads), KP=_pow2(dim_k, 16), RP=_pow2(r, 16),
-             P=-(-(r - 1) // C) if r > 1 else 0, WP=_window(r), HAS_EMB=r > 0)  # fmt: skip
+             P=-(-(r - 1) // C) if r > 1 else 0, WP=_window(r), HAS_EMB=r > 0, SAFE=_safe(None))  # fmt: skip
     f32 = {"amax", "lsum", "cb", "zb", "Sb", "S0", "z0", "c0", "G", "g", "dzb", "rho", "demb"}
     rows = []
     for name in KERNELS:

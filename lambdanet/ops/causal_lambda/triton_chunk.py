@@ -12,12 +12,13 @@ Forward (three launches whatever ``n`` is):
 2. ``_state_scan`` (a scan over chunks, parallel over ``(b, u)`` and value blocks): the states before each chunk,
    ``S_i, z_i`` relative to the running maximum ``c_i`` (every exponent ``<= 0``), written over ``L_i``.
 3. ``_chunk_output`` (chunk-parallel): ``y = (q / Z) (delta S_i) + A V + B V_window``. The intra-chunk content
-   scores ``A[n, m] = sum_k q[n, k] exp(K[m, k] - cm[n, k]) / Z[n, k]`` are built exactly, channel by channel,
-   relative to each query's own running maximum ``cm[n]`` (no factorisation that could overflow), in position
-   space: the weights ``exp(K[m, k] - cm[n, k])`` do not depend on the head, so each channel computes ``C x C`` of
-   them, not ``h C x C``. The position scores ``B[n, m] = q[n] . E[n - m]`` come from one ``q E^T`` product
-   gathered along the band, once per program: the chunk's own band, and the ``WP >= r - 1`` positions before the
-   chunk as one ``[h C, WP]`` block, so the scope before the chunk is one product with their values.
+   scores ``A[n, m] = sum_k q[n, k] exp(K[m, k] - cm[n, k]) / Z[n, k]`` (``cm[n]``: each query's own running
+   maximum) factor against one reference per channel, the chunk's largest key: ``A = (q / Za) Eh^T``, one product
+   (:mod:`.triton_weights`). A chunk whose keys rise too far for that (more than ``SAFE`` = 30 nats, where the
+   factored weights would near float32's range) builds them channel by channel instead, exactly. The position
+   scores ``B[n, m] = q[n] . E[n - m]`` come from one ``q E^T`` product gathered along the band, once per program:
+   the chunk's own band, and the ``WP >= r - 1`` positions before the chunk as one ``[h C, WP]`` block, so the
+   scope before the chunk is one product with their values.
 
 Backward (three launches): ``_grad_local`` (``dq``, the position table's gradient per chunk, each chunk's
 contribution to the state gradient, and ``rho[n, k] = sum_h q~ dq_content``, the normaliser's gradient),
@@ -34,7 +35,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-NEG_INF = tl.constexpr(float("-inf"))
+from lambdanet.ops.causal_lambda.triton_weights import (
+    NEG_INF,
+    _chunk_keys,
+    _content_exact,
+    _grad_exact,
+    _keys_exact,
+)
 
 
 @triton.jit
@@ -90,23 +97,6 @@ def _heads(i, n, H: tl.constexpr, HP: tl.constexpr, C: tl.constexpr):
     h3 = tl.arange(0, HP)[:, None]
     pos3 = i * C + tl.arange(0, C)[None, :]
     return h3, pos3, (h3 < H) & (pos3 < n)
-
-
-@triton.jit
-def _weights(keys, cb, zb, kk, b, u, base, i, n, cols, K: tl.constexpr, U: tl.constexpr, C: tl.constexpr):
-    """Channel ``kk`` of the intra-chunk content weights in position space (no head: every head shares them):
-    ``E[n, m] = exp(K[m] - cm[n])`` for ``m <= n`` (else 0) ``[C, C]``, ``delta[n] = exp(c_i - cm[n])`` and
-    ``Z[n] >= 1`` ``[C]``, and the chunk's keys ``[C]``, all float32; ``cm[n]`` the running maximum at query ``n``."""
-    m = i * C + cols
-    kcol = tl.load(keys + ((b * n + m) * K + kk) * U + u, mask=m < n, other=NEG_INF).to(tl.float32)  # C
-    c_i = tl.load(cb + base * K + kk)  # the running maximum before the chunk
-    z_i = tl.load(zb + base * K + kk)
-    causal = (cols[None, :] <= cols[:, None]) & (m < n)[None, :]  # C C (n, m)
-    km = tl.where(causal, kcol[None, :], NEG_INF)  # C C
-    cm = tl.maximum(tl.max(km, axis=1), c_i)  # C
-    E = tl.exp(km - cm[:, None])  # C C, <= 1
-    delta = tl.exp(c_i - cm)  # C, <= 1
-    return E, delta, delta * z_i + tl.sum(E, axis=1), kcol
 
 
 @triton.jit
@@ -185,24 +175,24 @@ def _state_scan(amax, lsum, cb, zb, Sb, S0, z0, c0, N, N1, K: tl.constexpr, V: t
 def _chunk_output(q, keys, values, emb, win, cb, zb, Sb, y, n, r, N1, H: tl.constexpr, HP: tl.constexpr,
                   K: tl.constexpr, V: tl.constexpr, U: tl.constexpr, C: tl.constexpr, KP: tl.constexpr,
                   RP: tl.constexpr, P: tl.constexpr, WP: tl.constexpr, BV: tl.constexpr, HAS_EMB: tl.constexpr,
-                  DT: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+                  DT: tl.constexpr, PREC: tl.constexpr, SAFE: tl.constexpr):  # fmt: skip
     i, bu, b, u = _pid(U)
     nr, hh, pos, ok = _rows(i, n, H, HP, C)
     cols, ks, vr = tl.arange(0, C), tl.arange(0, KP), tl.arange(0, BV)
     kok = ks < K
     base = bu * N1 + i
     h3, pos3, ok3 = _heads(i, n, H, HP, C)  # HP C
-    A3 = tl.zeros([HP, C, C], tl.float32)  # the chunk's content scores (head, n, m)
-    DZ = tl.zeros([C, KP], tl.float32)  # delta / Z per position and channel
-    for kk in range(K):  # a loop, not unrolled: compile time
-        E, delta, Z, _ = _weights(keys, cb, zb, kk, b, u, base, i, n, cols, K, U, C)  # C C, C, C
-        qk = tl.load(q + ((b * n + pos3) * H + h3) * K + kk, mask=ok3, other=0.0).to(tl.float32)  # HP C
-        A3 += (qk / Z[None, :])[:, :, None] * E[None, :, :]
-        DZ += tl.where(ks[None, :] == kk, (delta / Z)[:, None], 0.0)
     q3 = tl.load(q + ((b * n + pos3[:, :, None]) * H + h3[:, :, None]) * K + ks[None, None, :],
                  mask=ok3[:, :, None] & kok[None, None, :], other=0.0)  # fmt: skip
+    Eh, Za, _, dl, spread = _chunk_keys(keys, cb, zb, b, u, base, i, n, cols, ks, kok, K, U, C)
+    if spread > SAFE:  # a key rises too far inside the chunk for one reference: each query's own maximum
+        A, DZ = _content_exact(q, keys, cb, zb, b, u, base, i, n, cols, ks, h3, pos3, ok3, H, HP, K, U, C, KP)
+    else:  # A[n, m] = sum_k (q~[n, k] / Za[n, k]) Eh[m, k] for m <= n: one product
+        DZ = dl[None, :] / Za  # C KP: delta / Z
+        Qz = tl.reshape(q3.to(tl.float32) / Za[None, :, :], [HP * C, KP])  # R KP
+        A = tl.dot(Qz, tl.trans(Eh), input_precision="ieee")  # R C
+        A = tl.where(cols[None, :] <= nr[:, None], A, 0.0)
     Qd = tl.reshape(q3.to(tl.float32) * DZ[None, :, :], [HP * C, KP])  # q~ delta: against the carried state
-    A = tl.reshape(A3, [HP * C, C])  # R C: content, then position
     if HAS_EMB:
         js = tl.arange(0, RP)
         qtile = tl.reshape(q3, [HP * C, KP])
@@ -229,7 +219,7 @@ def _chunk_output(q, keys, values, emb, win, cb, zb, Sb, y, n, r, N1, H: tl.cons
 def _grad_local(q, keys, values, emb, win, cb, zb, Sb, dy, dq, rho, G, g, demb, n, r, N, N1, H: tl.constexpr,
                 HP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, U: tl.constexpr, C: tl.constexpr,
                 KP: tl.constexpr, RP: tl.constexpr, P: tl.constexpr, WP: tl.constexpr, BV: tl.constexpr,
-                HAS_EMB: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+                HAS_EMB: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, SAFE: tl.constexpr):  # fmt: skip
     """``dq``, ``rho = sum_h q~ dq_content``, the chunk's contribution ``G_i`` (``g_i``) to the gradient of the state
     before it, and the position table's gradient of the chunk's queries."""
     i, bu, b, u = _pid(U)
@@ -264,27 +254,23 @@ def _grad_local(q, keys, values, emb, win, cb, zb, Sb, dy, dq, rho, G, g, demb, 
         de = tl.dot(tl.trans(qtile.to(tl.float32)), Dd, input_precision="ieee")  # KP RP
         tl.store(demb + ((bu * N + i) * K + ks[:, None]) * RP + js[None, :], de, mask=kok[:, None])
     h3, pos3, ok3 = _heads(i, n, H, HP, C)  # HP C
-    ks3 = ks[None, None, :]
-    D03 = tl.reshape(D0, [HP, C, C])
-    T3 = tl.zeros([HP, C, KP], tl.float32)  # sum_m E[n, m, k] dy . V[m] per head
-    Zs = tl.zeros([C, KP], tl.float32)  # Z[n, k]
-    Ds = tl.zeros([C, KP], tl.float32)  # delta[n, k]
-    for kk in range(K):  # a loop, not unrolled: compile time
-        E, delta, Z, _ = _weights(keys, cb, zb, kk, b, u, base, i, n, cols, K, U, C)  # C C, C, C
-        T3 = tl.where(ks3 == kk, tl.sum(E[None, :, :] * D03, axis=2)[:, :, None], T3)
-        Zs = tl.where(ks[None, :] == kk, Z[:, None], Zs)
-        Ds = tl.where(ks[None, :] == kk, delta[:, None], Ds)
-    Zs = tl.where(kok[None, :], Zs, 1.0)
-    q3 = tl.load(q + ((b * n + pos3[:, :, None]) * H + h3[:, :, None]) * K + ks3,
+    q3 = tl.load(q + ((b * n + pos3[:, :, None]) * H + h3[:, :, None]) * K + ks[None, None, :],
                  mask=ok3[:, :, None] & kok[None, None, :], other=0.0).to(tl.float32)  # fmt: skip
-    dqc = (Ds[None, :, :] * tl.reshape(DS, [HP, C, KP]) + T3) / Zs[None, :, :]  # HP C KP: the content's dq
-    rr = q3 / Zs[None, :, :] * dqc  # q~ dq_content
+    Eh, Za, Zc, dl, spread = _chunk_keys(keys, cb, zb, b, u, base, i, n, cols, ks, kok, K, U, C)
+    if spread > SAFE:  # as in _chunk_output: each query's own maximum
+        Tz, DZ, Zi = _grad_exact(keys, cb, zb, D0, b, u, base, i, n, cols, ks, kok, HP, K, U, C, KP)
+    else:  # sum_m E[n, m] D0[n, m] / Z[n] = (D0 Eh)[n] / Za[n] over m <= n: one product
+        D0m = tl.where(cols[None, :] <= nr[:, None], D0, 0.0)  # R C
+        Tz = tl.reshape(tl.dot(D0m, Eh, input_precision="ieee"), [HP, C, KP]) / Za[None, :, :]
+        DZ, Zi = dl[None, :] / Za, Zc / Za  # C KP: delta / Z, 1 / Z
+    dqc = DZ[None, :, :] * tl.reshape(DS, [HP, C, KP]) + Tz  # HP C KP: the content's dq
+    rr = q3 * Zi[None, :, :] * dqc  # q~ dq_content
     m = i * C + cols
     tl.store(rho + (bu * n + m[:, None]) * K + ks[None, :], tl.sum(rr, axis=0), mask=(m < n)[:, None] & kok[None, :])
-    tl.store(g + base * K + ks, -tl.sum(tl.sum(Ds[None, :, :] * rr, axis=0), axis=0), mask=kok)
+    tl.store(g + base * K + ks, -tl.sum(tl.sum(DZ[None, :, :] * q3 * dqc, axis=0), axis=0), mask=kok)  # -delta rr
     dqt += tl.reshape(dqc, [HP * C, KP])
     tl.store(dq + ((bu * n + pos[:, None]) * H + hh[:, None]) * K + ks[None, :], dqt, mask=ok[:, None] & kok[None, :])
-    Qd = tl.reshape(q3 * (Ds / Zs)[None, :, :], [HP * C, KP])  # q~ delta
+    Qd = tl.reshape(q3 * DZ[None, :, :], [HP * C, KP])  # q~ delta
     Qdd = Qd.to(DT)  # R KP
     for v0 in range(0, V, BV):
         vok = (v0 + vr) < V
@@ -336,7 +322,7 @@ def _dv_later(q, dy, ett, dv, b, n, r, later, tw, cols, ks, kok, v0, vr, vok, H:
 def _grad_keys_values(q, keys, values, emb, win, cb, zb, dy, rho, G, dzb, dkeys, dvalues, n, r, N1, H: tl.constexpr,
                       HP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, U: tl.constexpr, C: tl.constexpr,
                       KP: tl.constexpr, RP: tl.constexpr, P: tl.constexpr, WP: tl.constexpr, BV: tl.constexpr,
-                      HAS_EMB: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+                      HAS_EMB: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, SAFE: tl.constexpr):  # fmt: skip
     """``dK`` (intra-chunk softmax terms and the carried state's) and ``dV`` (content, position, state)."""
     i, bu, b, u = _pid(U)
     nr, hh, pos, ok = _rows(i, n, H, HP, C)
@@ -356,22 +342,26 @@ def _grad_keys_values(q, keys, values, emb, win, cb, zb, dy, rho, G, dzb, dkeys,
         D0 = tl.dot(dyt, tl.trans(x), D0, input_precision=PREC)
         VdS = tl.dot(x, tl.trans(dS.to(DT)), VdS, input_precision=PREC)
     h3, pos3, ok3 = _heads(i, n, H, HP, C)  # HP C
-    D03 = tl.reshape(D0, [HP, C, C])
-    A3 = tl.zeros([HP, C, C], tl.float32)  # the chunk's content scores (head, n, m)
-    Kh = tl.zeros([C, KP], tl.float32)  # exp(K[m] - c_{i+1}): the chunk's keys in the state after it
-    for kk in range(K):  # a loop, not unrolled: compile time
-        E, delta, Z, kcol = _weights(keys, cb, zb, kk, b, u, base, i, n, cols, K, U, C)  # C C, C, C, C
-        qk = tl.load(q + ((b * n + pos3) * H + h3) * K + kk, mask=ok3, other=0.0).to(tl.float32)  # HP C
-        rr = tl.load(rho + (bu * n + m) * K + kk, mask=mok, other=0.0)  # C: rho[n], every head's
-        Aq = (qk / Z[None, :])[:, :, None] * E[None, :, :]  # HP C C: q~[n] E[n, m]
-        dk = tl.sum(tl.sum(Aq * D03, axis=0), axis=0) - tl.sum(E * rr[:, None], axis=0)  # C
-        kh = tl.exp(kcol - tl.load(cb + (base + 1) * K + kk))  # C
-        sel = ks[None, :] == kk
-        dk += kh * (tl.sum(tl.where(sel, VdS, 0.0), axis=1) + tl.load(dzb + base * K + kk))
-        tl.store(dkeys + ((b * n + m) * K + kk) * U + u, dk, mask=mok)
-        Kh += tl.where(sel, kh[:, None], 0.0)
-        A3 += Aq
-    A = tl.reshape(A3, [HP * C, C])
+    kt = tl.load(keys + ((b * n + m[:, None]) * K + ks[None, :]) * U + u, mask=mok[:, None] & kok[None, :],
+                 other=NEG_INF).to(tl.float32)  # fmt: skip
+    c_next = tl.load(cb + (base + 1) * K + ks, mask=kok, other=0.0)  # the running maximum after the chunk
+    Kh = tl.exp(kt - c_next[None, :])  # C KP: the chunk's keys in the state after it
+    dzi = tl.load(dzb + base * K + ks, mask=kok, other=0.0)
+    rr = tl.load(rho + (bu * n + m[:, None]) * K + ks[None, :], mask=mok[:, None] & kok[None, :], other=0.0)  # C KP
+    Eh, Za, Zc, _, spread = _chunk_keys(keys, cb, zb, b, u, base, i, n, cols, ks, kok, K, U, C)
+    if spread > SAFE:  # as in _chunk_output: each query's own maximum
+        A, dk = _keys_exact(q, keys, cb, zb, D0, rr, b, u, base, i, n, cols, ks, h3, pos3, ok3, H, HP, K, U, C, KP)
+    else:  # the weights E[n, m] / Z[n] = Eh[m] / Za[n] (m <= n): products over the chunk's queries
+        q3 = tl.load(q + ((b * n + pos3[:, :, None]) * H + h3[:, :, None]) * K + ks[None, None, :],
+                     mask=ok3[:, :, None] & kok[None, None, :], other=0.0).to(tl.float32)  # fmt: skip
+        Qz = tl.reshape(q3 / Za[None, :, :], [HP * C, KP])  # R KP
+        causal = cols[None, :] <= nr[:, None]  # R C
+        A = tl.where(causal, tl.dot(Qz, tl.trans(Eh), input_precision="ieee"), 0.0)  # R C
+        D0m = tl.where(causal, D0, 0.0)
+        later = tl.cumsum(rr / Zc, axis=0, reverse=True)  # C KP: sum_{n >= m} exp(a - cm[n]) rho[n]
+        dk = Eh * (tl.dot(tl.trans(D0m), Qz, input_precision="ieee") - later)  # C KP
+    dk += Kh * (VdS + dzi[None, :])  # the state after the chunk
+    tl.store(dkeys + ((b * n + m[:, None]) * K + ks[None, :]) * U + u, dk, mask=mok[:, None] & kok[None, :])
     if HAS_EMB:
         js = tl.arange(0, RP)
         et = tl.load(emb + (js[:, None] * K + ks[None, :]) * U + u, mask=(js < r)[:, None] & kok[None, :], other=0.0)
