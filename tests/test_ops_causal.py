@@ -10,6 +10,7 @@ allow ``1e-4``; gradients, which subtract two such sums in the softmax's backwar
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -337,6 +338,35 @@ def test_auto_is_the_pytorch_chunk_form_on_the_cpu_and_the_kernels_on_cuda():
         assert resolve_mode("auto", "cuda") == "fused_chunk"
 
 
+def test_auto_takes_the_pytorch_form_where_the_sizes_exceed_the_kernels(monkeypatch):
+    """The kernels serve tiles of up to 512 rows of heads x chunk, key depths up to 32 (float32: rows x k up to
+    8192) and scopes up to 64 (``fused_chunk.LIMITS``, whose corners compile within an H100's shared memory: the
+    slow test below). Beyond them ``"auto"`` takes the PyTorch form on CUDA too, and ``"fused_chunk"`` is a one-line
+    error naming what exceeds them."""
+    from lambdanet.ops.causal_lambda import call_mode
+
+    bf16, f32 = torch.bfloat16, torch.float32
+    assert FC.fits(8, 16, 64, 16, bf16) is None and FC.fits(32, 32, 64, 16, bf16) is None  # the corners
+    assert FC.fits(32, 16, 64, 16, f32) is None and FC.fits(16, 32, 64, 16, f32) is None
+    assert "r=65" in FC.fits(8, 16, 65, 16, bf16) and "dim_k=33" in FC.fits(8, 33, 64, 16, bf16)
+    assert "1024 rows" in FC.fits(33, 16, 64, 16, bf16) and "1024 rows" in FC.fits(8, 16, 64, 128, bf16)
+    assert "float32" in FC.fits(32, 32, 64, 16, f32) and FC.fits(3, 5, 7, 32, f32) is None
+    from lambdanet.ops import resolve_mode
+
+    monkeypatch.setattr(FC, "available", lambda device: (True, ""))  # as on a GPU
+    assert resolve_mode("auto", "cuda") == "fused_chunk" and resolve_mode("auto", "cuda", fits=False) == "chunk"
+    q = torch.empty(1, 4, 8, 16)  # b n h k
+    with pytest.raises(ValueError, match=r"^mode='fused_chunk' serves at most r=65 \(at most 64\); use mode='chunk'"):
+        call_mode("fused_chunk", q, 65)
+    package = importlib.import_module("lambdanet.ops.causal_lambda")  # (lambdanet.ops.causal_lambda: the function)
+    seen: list[bool] = []
+    monkeypatch.setattr(package, "resolve_mode", lambda mode, device, fits=True: seen.append(fits) or "chunk")
+    call_mode("auto", q, 64)
+    call_mode("auto", q, 65)
+    assert seen == [True, False]  # the call's sizes decide
+
+
+
 @needs_kernels
 @pytest.mark.parametrize("mode", ["chunk", "fused_chunk"])
 def test_the_layer_compiles_as_one_graph_forward_and_backward(mode):
@@ -395,6 +425,22 @@ def test_fused_chunk_kernels_fit_shared_memory_in_float32_and_at_more_heads(head
         assert row["shared_bytes"] <= 232448, row
         if row["kernel"] in ("chunk_output", "grad_local", "grad_keys_values"):  # tiles of heads x chunk rows
             assert heads * 16 * row["block_v"] <= (128 * 64 if row["dtype"] == "fp32" else 128 * 256), row
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("heads, dtype, inside", [
+    (32, "bf16", True),  # 512 rows x 32 key channels in half precision
+    (16, "fp32", True),  # 256 x 32 = 8192 in float32
+    (32, "fp32", False),  # 512 x 32 in float32: beyond the limits
+])
+def test_the_kernels_limits_are_where_they_stop_fitting_hopper(heads, dtype, inside):
+    """The corners of ``fused_chunk.LIMITS`` at the largest scope (r 64, k 32) compile for sm_90 within an H100's
+    227 KB of shared memory in every kernel (32 heads at k 16, both dtypes: the test above); one step beyond, float32
+    at 32 heads, a kernel asks more, which is why ``fits`` refuses it (minutes: float32 spills)."""
+    rows = _compile_report(f"heads={heads}, dim_k=32, r=64, dtypes=({dtype!r},)")
+    assert len(rows) == 6
+    assert all(row["shared_bytes"] <= 232448 for row in rows) == inside, rows
+    assert (FC.fits(heads, 32, 64, 16, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]) is None) == inside
 
 
 def test_fused_chunk_kernels_compile_for_hopper_within_its_shared_memory():

@@ -26,7 +26,7 @@ from lambdanet.functional import causal as LC
 from lambdanet.helpers import autocast_active, check_choice, check_positive_int
 from lambdanet.layers.causal_attention import step_arguments
 from lambdanet.ops import lambda_terms as terms
-from lambdanet.ops.causal_lambda import causal_lambda, resolve_mode
+from lambdanet.ops.causal_lambda import call_mode, causal_lambda, resolve_mode
 
 __all__ = ["CausalLambdaLayer"]
 
@@ -272,7 +272,7 @@ class CausalLambdaLayer(nn.Module):
         if not self.fused:
             y, op_state = self._terms(q, keys, values, state)
         else:
-            mode = resolve_mode(self.mode, x.device)
+            mode = call_mode(self.mode, q, self.r if self.emb is not None else 0)
             y, op_state = causal_lambda(q, keys, values, self.emb, mode=mode,
                                         chunk_size=self.chunk if mode == "chunk" else None,
                                         initial_state=None if state is None else {key: state[key] for key in _OP_KEYS},

@@ -11,7 +11,9 @@ returns ``(o, state)``, and ``initial_state=state`` continues that sequence. Mod
   host synchronisation, products on the tensor cores with the inputs' dtype as operands.
 * ``"fused_recurrent"``: one position at a time with the constant-size state (generation; any length): one Triton
   launch for the whole call where the kernels run and no gradient is needed, else the PyTorch step per position.
-* ``"auto"``: ``"fused_chunk"`` where the kernels run (CUDA with Triton), else ``"chunk"``.
+* ``"auto"``: ``"fused_chunk"`` where the kernels run (CUDA with Triton) and serve the sizes
+  (:data:`~lambdanet.ops.causal_lambda.fused_chunk.LIMITS`: causal scopes up to 64, key depths up to 32, up to 512
+  rows of heads x chunk), else ``"chunk"``.
 """
 
 from __future__ import annotations
@@ -23,17 +25,30 @@ from lambdanet.functional import causal as _causal
 from lambdanet.helpers import check_choice
 from lambdanet.ops.causal_lambda import fused_chunk as _fused
 
-__all__ = ["causal_lambda", "MODES", "resolve_mode"]
+__all__ = ["causal_lambda", "MODES", "resolve_mode", "call_mode"]
 
 MODES = ("auto", "naive", "chunk", "fused_chunk", "fused_recurrent")
 
 
-def resolve_mode(mode: str, device: torch.device | str) -> str:
-    """The mode ``"auto"`` stands for on ``device``; any other mode is checked and returned."""
+def resolve_mode(mode: str, device: torch.device | str, *, fits: bool = True) -> str:
+    """The mode ``"auto"`` stands for on ``device`` (``fits``: whether the kernels serve the call's sizes,
+    :func:`~lambdanet.ops.causal_lambda.fused_chunk.fits`); any other mode is checked and returned."""
     check_choice(mode, "mode", MODES)
     if mode != "auto":
         return mode
-    return "fused_chunk" if torch.device(device).type == "cuda" and _fused.available(device)[0] else "chunk"
+    cuda = torch.device(device).type == "cuda"
+    return "fused_chunk" if cuda and fits and _fused.available(device)[0] else "chunk"
+
+
+def call_mode(mode: str, q: Tensor, r: int, chunk_size: int | None = None) -> str:
+    """The mode a call on ``q [b, n, h, k]`` with the causal scope ``r`` runs: ``"auto"`` resolved on its device
+    and sizes (the kernels where they serve them: :func:`~lambdanet.ops.causal_lambda.fused_chunk.fits`), any other
+    mode checked; ``"fused_chunk"`` outside the kernels' limits is a one-line error."""
+    unfit = _fused.fits(q.shape[2], q.shape[3], r, chunk_size or _fused.default_chunk(q.shape[2]), q.dtype)
+    mode = resolve_mode(mode, q.device, fits=unfit is None)
+    if mode == "fused_chunk" and unfit:
+        raise ValueError(f"mode='fused_chunk' serves at most {unfit}; use mode='chunk' (or 'auto', which does)")
+    return mode
 
 
 def _recurrent(q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None, state: dict[str, Tensor]):
@@ -79,8 +94,8 @@ def causal_lambda(
         output_final_state: also return the state after the last position.
     """
     _causal._check(q, k, v, emb)
-    mode = resolve_mode(mode, q.device)
     r = 0 if emb is None else emb.shape[0]
+    mode = call_mode(mode, q, r, chunk_size)
     if mode == "naive" and initial_state is not None:  # checked without reading the state back from the device
         raise ValueError("initial_state must be None with mode='naive' (the definition starts from an empty context)")
     if initial_state is None:

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from lambdanet.ops.position_lambda.fused import kernels_available as available  # CUDA, or the interpreter
 
-__all__ = ["fused_chunk_causal_lambda", "available", "default_chunk"]
+__all__ = ["fused_chunk_causal_lambda", "available", "default_chunk", "fits", "LIMITS"]
 
 DEFAULT_CHUNK = None  # positions per chunk: 32 up to 4 heads, else 16 (a tile of heads x chunk rows <= 128)
 
@@ -29,6 +29,30 @@ def default_chunk(heads: int) -> int:
     """The kernels' chunk for ``heads`` query heads: tiles of at most 128 rows (``heads x chunk``, heads rounded up to
     a power of two) fit a Hopper multiprocessor's shared memory."""
     return 32 if _pow2(heads) <= 4 else 16
+
+
+# The sizes the kernels serve: tiles of ``heads x chunk`` rows (heads rounded up to a power of two) up to 512, key
+# depths up to 32 (float32 operands take twice the bytes: rows x k up to 8192), causal scopes up to 64 (the window
+# before a chunk and the position table are [rows, 64] tiles). Their corners compile ahead of time for sm_90 within
+# an H100's 227 KB of shared memory (tests/test_ops_causal.py); beyond them a kernel asks more (grad_local: 296 KB at
+# 16 heads and r 129; chunk_output 256 KB in float32 at 32 heads and k 32) or ptxas cannot fit an instruction in
+# the registers (r 200). Outside them "auto" takes the PyTorch chunk form.
+LIMITS = {"rows": 512, "dim_k": 32, "r": 64, "rows_x_k_float32": 8192}
+
+
+def fits(heads: int, dim_k: int, r: int, chunk: int, dtype: torch.dtype) -> str | None:
+    """``None`` where the kernels serve these sizes (:data:`LIMITS`), else what exceeds them (one line)."""
+    rows = _pow2(heads) * chunk
+    if r > LIMITS["r"]:
+        return f"r={r} (at most {LIMITS['r']})"
+    if dim_k > LIMITS["dim_k"]:
+        return f"dim_k={dim_k} (at most {LIMITS['dim_k']})"
+    if rows > LIMITS["rows"]:
+        return f"heads={heads} with chunk_size={chunk} ({rows} rows of heads x chunk, at most {LIMITS['rows']})"
+    if dtype == torch.float32 and rows * _pow2(dim_k, 16) > LIMITS["rows_x_k_float32"]:
+        return (f"float32 inputs at heads={heads}, chunk_size={chunk}, dim_k={dim_k} ({rows} rows x {_pow2(dim_k, 16)} "
+                f"key channels, at most {LIMITS['rows_x_k_float32']}; bf16 / fp16 inputs fit)")  # fmt: skip
+    return None
 
 
 def _pow2(x: int, least: int = 1) -> int:
@@ -352,10 +376,10 @@ def fused_chunk_causal_lambda(
     (b, _, _, k), u, v = q.shape, keys.shape[3], values.shape[2]
     keep = win.shape[2]  # the window: the last r - 1 values (only those are copied, not the whole sequence)
     full = torch.cat([win, values[:, values.shape[1] - min(keep, values.shape[1]) :].permute(0, 3, 1, 2)], dim=2)
-    final = {
-        "S": Sb[:, -1].reshape(b, u, k, v),
-        "z": zb[:, -1].reshape(b, u, k),
-        "c": cb[:, -1].reshape(b, u, k),
+    final = {  # the carried state receives no gradient, whichever path ran (the eager one marks it so)
+        "S": Sb[:, -1].detach().reshape(b, u, k, v),
+        "z": zb[:, -1].detach().reshape(b, u, k),
+        "c": cb[:, -1].detach().reshape(b, u, k),
         "window": full[:, :, full.shape[2] - win.shape[2] :].float(),
     }
     return y, final
