@@ -418,13 +418,17 @@ def test_fused_chunk_kernels_fit_shared_memory_in_float32_and_at_more_heads(head
     columns). float32 operands double each block's shared memory and more heads multiply the tile's rows: at a
     256-column block ``grad_keys_values`` asked 295 KB in float32 at 16 heads, over an H100's 227 KB (a launch
     failure). So the product kernels' tiles keep the measured size, ``rows x block_v <= 128 x 256`` (float32
-    ``128 x 64``). Every kernel in both dtypes within the limit (minutes: float32 spills)."""
+    ``128 x 64``). Every kernel in both dtypes within the limit (minutes: float32 spills), none starved of
+    registers."""
     rows = _compile_report(f"heads={heads}")
     assert len(rows) == 12
     for row in rows:
         assert row["shared_bytes"] <= 232448, row
         if row["kernel"] in ("chunk_output", "grad_local", "grad_keys_values"):  # tiles of heads x chunk rows
             assert heads * 16 * row["block_v"] <= (128 * 64 if row["dtype"] == "fp32" else 128 * 256), row
+            # float32: the launch asks for every register (maxnreg); ptxas alone gave chunk_output and grad_local
+            # 32 registers and a 10 KB stack (thousands of local loads)
+            assert row["registers"] > 32, row
 
 
 @pytest.mark.slow

@@ -170,7 +170,13 @@ def _launch(m: dict, name: str) -> tuple[dict, dict]:
         warps = min(16, max(1, (warps or 4) * rows // 128))  # the same rows per warp as measured
     if name in SCANS:
         return {"BV": bv, "SCAN_STAGES": stages}, {"num_warps": warps or 4}
-    return {"BV": bv}, {"num_warps": warps or 4, "num_stages": stages}
+    options = {"num_warps": warps or 4, "num_stages": stages}
+    if name != "chunk_sums" and m["DT"] == tl.float32:  # float32 operands: all the registers a thread may have
+        # at these warps (65,536 a multiprocessor). Left to itself, ptxas gave chunk_output and grad_local 32 and a
+        # 10 KB stack (sm_90: 10,212 and 4,976 local loads; with the cap 1,587 and 705, and half the instructions).
+        # Half precision takes 255 by itself; the cap there reshuffles its spills, so it stays as measured.
+        options["maxnreg"] = min(255, 65536 // (32 * options["num_warps"]))
+    return {"BV": bv}, options
 
 
 def _safe(text: str | None) -> float:
