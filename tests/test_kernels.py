@@ -260,4 +260,7 @@ def test_kernels_compile_for_hopper_and_the_table_gradient_does_not_spill():
         assert r["cubin_bytes"] > 0 and (r["mma"] > 0) == (r["dtype"] != "fp32"), r
         if r["kernel"] == "backward_table" or (r["dtype"] == "bf16" and r["kernel"] in ("forward", "backward_q")):
             assert r["spill_loads"] == 0 and r["spill_stores"] == 0, r
+        # Triton 3.6's ptxas alone gave the float32 query gradient 32 registers and 1,026 local loads (3.8's: 255):
+        # it launches with maxnreg
+        assert r["registers"] > 32, r
     assert control[0]["spill_stores"] > 0, control

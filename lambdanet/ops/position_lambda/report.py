@@ -50,7 +50,8 @@ def compile_report(
             sig = {a: "constexpr" if a in consts else "*fp32" if a in _FP32_OUT else f"*{dtype}" if a.endswith("_ptr")
                    else "i32" for a in fn.arg_names}  # fmt: skip
             warps = num_warps or (P.TABLE_WARPS if table else 4)
-            kernel, counts = compile_counts(fn, sig, consts, arch, num_warps=warps)
+            options = P.registers(dtype != "fp32") if label == "backward_q" else {}  # as launched
+            kernel, counts = compile_counts(fn, sig, consts, arch, num_warps=warps, **options)
             rows.append(
                 {"kernel": label, "dtype": dtype, "num_warps": warps, **counts, "cubin_bytes": len(kernel.asm["cubin"])}
             )

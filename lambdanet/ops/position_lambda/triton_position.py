@@ -342,6 +342,14 @@ def _launch_args(q, values, table, center, spatial, y):
     )
 
 
+def registers(half_dot: bool) -> dict:
+    """``_backward_q``'s launch option in float32: every register a thread may have at its 4 warps. Left to
+    itself, Triton 3.6's ptxas gave it 32 registers and 1,026 local-memory loads (sm_90; with the option 255 and
+    73, half the instructions; Triton 3.8's takes 255 by itself). The other kernels get 208-242 registers by
+    themselves, and half-precision operands 165-255, so they keep ptxas's own choice, as measured."""
+    return {} if half_dot else {"maxnreg": 255}
+
+
 def _half_dot(dtype: torch.dtype) -> bool:
     """Dot products on half-precision operands (fp32 accumulation) for fp16/bf16 values; fp32 otherwise.
     Triton's interpreter computes bf16 dots wrongly (it has no bf16 arithmetic), so there bf16 operands are
@@ -362,7 +370,7 @@ def launch_backward(grad, q, values, table, center, spatial, dq, dvalues, dtable
     contiguous) and ``dtable`` (table's shape, contiguous)."""
     b, args = _launch_args(q, values, table, center, spatial, grad)
     assert dq.stride() == q.stride() and dvalues.stride() == values.stride()
-    _backward_q[(triton.cdiv(args["N"], BLOCK_N), b)](q, values, table, grad, dq, **args)
+    _backward_q[(triton.cdiv(args["N"], BLOCK_N), b)](q, values, table, grad, dq, **args, **registers(args["HALF_DOT"]))
     _backward_kv[(triton.cdiv(args["N"], BLOCK_M), b)](q, values, table, grad, dvalues, **args)
     k, u, t = args["K"], args["U"], args["T0"] * args["T1"]
     items, blocks = b * triton.cdiv(args["N"], BLOCK_N), triton.cdiv(t, BLOCK_T)
