@@ -81,7 +81,8 @@ def _rel(a, b) -> float:
 def part_check(quick: bool) -> list[dict]:
     rows = []
     g = torch.Generator(device="cpu").manual_seed(0)
-    for (b, n, h, k, v, u, r), scale in [((1, 100, 8, 16, 208, 1, 64), 40.0)]:
+    # keys of spread 40: many chunks rise past MAX_SPREAD (the channel loop); spread 3: every chunk factored
+    for (b, n, h, k, v, u, r), scale in [((1, 100, 8, 16, 208, 1, 64), 40.0), ((1, 100, 8, 16, 208, 1, 64), 3.0)]:
         q = torch.randn(b, n, h, k, generator=g).to(DEV, torch.float64)
         K = (torch.randn(b, n, k, u, generator=g) * scale).to(DEV, torch.float64)
         V = torch.randn(b, n, v, u, generator=g).to(DEV, torch.float64)
@@ -105,6 +106,27 @@ def part_check(quick: bool) -> list[dict]:
                 row["finite"] = all(bool(torch.isfinite(x.grad).all()) for x in xs) and bool(torch.isfinite(o).all())
                 rows.append(row)
                 print(row, flush=True)
+    rows += _dtype_times()
+    return rows
+
+
+def _dtype_times() -> list[dict]:
+    """Forward + backward ms of the op in float32 and in bf16 side by side (float32 had never been timed; its
+    kernels now launch with every register, ptxas alone having given two of them 32). ``n`` 2040, like the check's
+    100, is not a multiple of 16, so Triton reuses the check's compiled kernels."""
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.randn(8, 2040, 8, 16, device=DEV, dtype=dtype, requires_grad=True)
+        K = (3 * torch.randn(8, 2040, 16, 1, device=DEV)).to(dtype).requires_grad_()
+        V = torch.randn(8, 2040, 208, 1, device=DEV, dtype=dtype, requires_grad=True)
+        E = torch.randn(64, 16, 1, device=DEV, dtype=dtype).div(32).requires_grad_()
+        dy = torch.randn(8, 2040, 8, 208, device=DEV, dtype=dtype)
+
+        def f(q=q, K=K, V=V, E=E, dy=dy):
+            causal_lambda(q, K, V, E, mode="fused_chunk").backward(dy)
+
+        rows.append({"n": 2040, "b": 8, "dtype": str(dtype), "ms": _bench(f, warmup=2, reps=5)})
+        print(rows[-1], flush=True)
     return rows
 
 
