@@ -214,6 +214,7 @@ def test_the_channel_loop_can_be_forced_for_measuring_and_a_bad_limit_is_refused
     monkeypatch.setattr(TC, "_content_exact", _Calls(TC._content_exact, calls, "_content_exact"))
     q, keys, values, emb = inputs(40, b=1, u=1, r=5)
     upstream = torch.randn(1, 40, 3, 24, generator=torch.Generator().manual_seed(2))
+    monkeypatch.setenv("LAMBDANET_CAUSAL_SAFE", "")  # empty: unset, as the other knobs
     factored = run("fused_chunk", q, keys, values, emb, upstream, chunk_size=16)
     assert calls == []
     monkeypatch.setenv("LAMBDANET_CAUSAL_SAFE", "-inf")
@@ -282,7 +283,10 @@ def test_plain_eager_calls_skip_the_dispatcher_and_equal_the_custom_ops(monkeypa
     assert taken == [1]
     with TorchDispatchMode():
         assert not FC._eager(q)
-    assert FC._eager(q) and not FC._eager(q, torch.empty(0, device="meta").as_subclass(torch.nn.Parameter))
+    class Wrapped(torch.Tensor):  # a tensor subclass (as a DTensor is) goes through the custom ops
+        pass
+
+    assert FC._eager(q, torch.nn.Parameter(torch.empty(0))) and not FC._eager(q, torch.empty(0).as_subclass(Wrapped))
     monkeypatch.setattr(FC, "_eager", lambda *tensors: False)
     out_op, grads_op = run("fused_chunk", q, keys, values, emb, upstream, chunk_size=16)
     assert taken == [1]  # the custom ops this time
@@ -351,12 +355,13 @@ def test_auto_takes_the_pytorch_form_where_the_sizes_exceed_the_kernels(monkeypa
     assert "r=65" in FC.fits(8, 16, 65, 16, bf16) and "dim_k=33" in FC.fits(8, 33, 64, 16, bf16)
     assert "1024 rows" in FC.fits(33, 16, 64, 16, bf16) and "1024 rows" in FC.fits(8, 16, 64, 128, bf16)
     assert "float32" in FC.fits(32, 32, 64, 16, f32) and FC.fits(3, 5, 7, 32, f32) is None
+    assert FC.fits(32, 32, 64, 16, torch.float64) is not None  # float64 runs float32 operands: the same limit
     from lambdanet.ops import resolve_mode
 
     monkeypatch.setattr(FC, "available", lambda device: (True, ""))  # as on a GPU
     assert resolve_mode("auto", "cuda") == "fused_chunk" and resolve_mode("auto", "cuda", fits=False) == "chunk"
     q = torch.empty(1, 4, 8, 16)  # b n h k
-    with pytest.raises(ValueError, match=r"^mode='fused_chunk' serves at most r=65 \(at most 64\); use mode='chunk'"):
+    with pytest.raises(ValueError, match=r"^mode='fused_chunk' does not serve r=65 \(at most 64\); use mode='chunk'"):
         call_mode("fused_chunk", q, 65)
     package = importlib.import_module("lambdanet.ops.causal_lambda")  # (lambdanet.ops.causal_lambda: the function)
     seen: list[bool] = []

@@ -47,7 +47,7 @@ def call_mode(mode: str, q: Tensor, r: int, chunk_size: int | None = None) -> st
     unfit = _fused.fits(q.shape[2], q.shape[3], r, chunk_size or _fused.default_chunk(q.shape[2]), q.dtype)
     mode = resolve_mode(mode, q.device, fits=unfit is None)
     if mode == "fused_chunk" and unfit:
-        raise ValueError(f"mode='fused_chunk' serves at most {unfit}; use mode='chunk' (or 'auto', which does)")
+        raise ValueError(f"mode='fused_chunk' does not serve {unfit}; use mode='chunk' (or 'auto', which does)")
     return mode
 
 

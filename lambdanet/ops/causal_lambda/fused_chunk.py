@@ -17,6 +17,7 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from lambdanet.ops.position_lambda.fused import kernels_available as available  # CUDA, or the interpreter
 
@@ -49,7 +50,7 @@ def fits(heads: int, dim_k: int, r: int, chunk: int, dtype: torch.dtype) -> str 
         return f"dim_k={dim_k} (at most {LIMITS['dim_k']})"
     if rows > LIMITS["rows"]:
         return f"heads={heads} with chunk_size={chunk} ({rows} rows of heads x chunk, at most {LIMITS['rows']})"
-    if dtype == torch.float32 and rows * _pow2(dim_k, 16) > LIMITS["rows_x_k_float32"]:
+    if dtype not in (torch.bfloat16, torch.float16) and rows * _pow2(dim_k, 16) > LIMITS["rows_x_k_float32"]:
         return (f"float32 inputs at heads={heads}, chunk_size={chunk}, dim_k={dim_k} ({rows} rows x {_pow2(dim_k, 16)} "
                 f"key channels, at most {LIMITS['rows_x_k_float32']}; bf16 / fp16 inputs fit)")  # fmt: skip
     return None
@@ -171,10 +172,11 @@ def _launch(m: dict, name: str) -> tuple[dict, dict]:
     if name in SCANS:
         return {"BV": bv, "SCAN_STAGES": stages}, {"num_warps": warps or 4}
     options = {"num_warps": warps or 4, "num_stages": stages}
-    if name != "chunk_sums" and m["DT"] == tl.float32:  # float32 operands: all the registers a thread may have
-        # at these warps (65,536 a multiprocessor). Left to itself, ptxas gave chunk_output and grad_local 32 and a
-        # 10 KB stack (sm_90: 10,212 and 4,976 local loads; with the cap 1,587 and 705, and half the instructions).
-        # Half precision takes 255 by itself; the cap there reshuffles its spills, so it stays as measured.
+    if name != "chunk_sums" and m["DT"] == tl.float32 and torch.version.hip is None:  # float32 operands, NVIDIA:
+        # all the registers a thread may have at these warps (65,536 a multiprocessor). Left to itself, ptxas gave
+        # chunk_output and grad_local 32 and a 10 KB stack (sm_90: 10,212 and 4,976 local loads; with the cap 1,587
+        # and 705, and half the instructions). Half precision takes 255 by itself; the cap there reshuffles its
+        # spills, so it stays as measured.
         options["maxnreg"] = min(255, 65536 // (32 * options["num_warps"]))
     return {"BV": bv}, options
 
@@ -210,7 +212,7 @@ def _plan(q: Tensor, keys: Tensor, values: Tensor, r: int, has_emb: bool, chunk:
     """``(m, kw)``: a call's sizes (:func:`_meta`) and each kernel's keyword arguments (constexprs and launch
     options), made once per shapes, dtype, device type and launch settings: a call then spends its host time on
     its launches, not on recomputing them (the GPU waits on the host between short kernels)."""
-    safe = os.environ.get("LAMBDANET_CAUSAL_SAFE")
+    safe = os.environ.get("LAMBDANET_CAUSAL_SAFE") or None  # empty: unset, as the other knobs
     key = (q.shape, keys.shape, values.shape, q.dtype, q.device.type, r, has_emb, chunk, tuple(tune().values()), safe)
     plan = _PLANS.get(key)
     if plan is None:
@@ -338,10 +340,12 @@ class _Eager(torch.autograd.Function):
         y, Sb, cb, zb = _forward_impl(q, keys, values, emb, S0, z0, c0, win, chunk)
         ctx.save_for_backward(q, keys, values, emb, win, Sb, cb, zb)
         ctx.chunk = chunk
-        ctx.mark_non_differentiable(Sb, cb, zb)  # the state receives no gradient: no zeros made for it
+        ctx.mark_non_differentiable(Sb, cb, zb)  # the state receives no gradient
+        ctx.set_materialize_grads(False)  # and no zeros are made for it ([b u, N + 1, k, v] in float32)
         return y, Sb, cb, zb
 
     @staticmethod
+    @once_differentiable  # the kernels have no backward of their own (as the custom op, which has none registered)
     def backward(ctx, dy, *_):
         q, keys, values, emb, win, Sb, cb, zb = ctx.saved_tensors
         dq, dkeys, dvalues, demb = _backward_impl(dy, q, keys, values, emb, win, Sb, cb, zb, ctx.chunk)
@@ -357,7 +361,8 @@ def _eager(*tensors: Tensor) -> bool:
 
     if tracing() or _get_current_dispatch_mode() is not None:
         return False
-    return torch._C._functorch.peek_interpreter_stack() is None and all(type(t) is torch.Tensor for t in tensors)
+    plain = (torch.Tensor, torch.nn.Parameter)  # a parameter (the position table) is one, a DTensor is not
+    return torch._C._functorch.peek_interpreter_stack() is None and all(type(t) in plain for t in tensors)
 
 
 def fused_chunk_causal_lambda(
@@ -377,7 +382,7 @@ def fused_chunk_causal_lambda(
     emb = None if emb is None else emb.to(dtype).contiguous()
     S0, z0, c0 = (state[key].detach().float().contiguous() for key in ("S", "z", "c"))
     win = state["window"].detach().to(dtype).contiguous()
-    run = _Eager.apply if _eager(q, keys, values) else _forward
+    run = _Eager.apply if _eager(q, keys, values, *([] if emb is None else [emb])) else _forward
     y, Sb, cb, zb = run(q, keys, values, emb, S0, z0, c0, win if win.numel() else q.new_zeros(1), chunk)
     (b, _, _, k), u, v = q.shape, keys.shape[3], values.shape[2]
     keep = win.shape[2]  # the window: the last r - 1 values (only those are copied, not the whole sequence)

@@ -347,7 +347,7 @@ def registers(half_dot: bool) -> dict:
     itself, Triton 3.6's ptxas gave it 32 registers and 1,026 local-memory loads (sm_90; with the option 255 and
     73, half the instructions; Triton 3.8's takes 255 by itself). The other kernels get 208-242 registers by
     themselves, and half-precision operands 165-255, so they keep ptxas's own choice, as measured."""
-    return {} if half_dot else {"maxnreg": 255}
+    return {} if half_dot or torch.version.hip is not None else {"maxnreg": 255}  # an NVIDIA option
 
 
 def _half_dot(dtype: torch.dtype) -> bool:
