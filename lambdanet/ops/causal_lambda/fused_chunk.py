@@ -51,8 +51,9 @@ def fits(heads: int, dim_k: int, r: int, chunk: int, dtype: torch.dtype) -> str 
     if rows > LIMITS["rows"]:
         return f"heads={heads} with chunk_size={chunk} ({rows} rows of heads x chunk, at most {LIMITS['rows']})"
     if dtype not in (torch.bfloat16, torch.float16) and rows * _pow2(dim_k, 16) > LIMITS["rows_x_k_float32"]:
-        return (f"float32 inputs at heads={heads}, chunk_size={chunk}, dim_k={dim_k} ({rows} rows x {_pow2(dim_k, 16)} "
-                f"key channels, at most {LIMITS['rows_x_k_float32']}; bf16 / fp16 inputs fit)")  # fmt: skip
+        name, most = str(dtype).removeprefix("torch."), LIMITS["rows_x_k_float32"]
+        return (f"{name} inputs at heads={heads}, chunk_size={chunk}, dim_k={dim_k} (float32 operands: {rows} rows x "
+                f"{_pow2(dim_k, 16)} key channels, at most {most}; bf16 / fp16 inputs fit)")  # fmt: skip
     return None
 
 
