@@ -68,15 +68,16 @@ def _meta(q: Tensor, keys: Tensor, values: Tensor, r: int, chunk: int) -> dict:
     dt = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(q.dtype, tl.float32)
     if dt == tl.bfloat16 and q.device.type == "cpu":  # Triton's interpreter multiplies bf16 operands wrongly
         dt = tl.float32
-    return dict(
-        B=B, n=n, H=H, K=K, U=U, V=V, r=r, C=chunk, N=-(-n // chunk), HP=_pow2(H), KP=_pow2(K, 16), RP=_pow2(r, 16),
-        P=-(-(r - 1) // chunk) if r > 1 else 0, WP=_window(r), DT=dt, PREC="ieee" if dt == tl.float32 else "tf32",
-    )  # fmt: skip
+    return dict(B=B, n=n, N=-(-n // chunk), r=r, **_tiles(H, K, V, U, r, chunk), DT=dt,
+                PREC="ieee" if dt == tl.float32 else "tf32")  # fmt: skip
 
 
-def _window(r: int) -> int:
-    """``WP``: the positions before a chunk that its position scope reaches (``r - 1``), as a power of two >= 16."""
-    return _pow2(r - 1, 16)
+def _tiles(H: int, K: int, V: int, U: int, r: int, C: int) -> dict:
+    """The kernels' sizes that do not depend on the sequence: the layer's, padded to tiles (heads ``HP``, key
+    channels ``KP``, position table ``RP``), the earlier chunks a scope reaches (``P``) and ``WP``, the positions
+    before a chunk that it reaches (``r - 1``) as a power of two >= 16. (``r`` itself is a runtime argument.)"""
+    return dict(H=H, K=K, V=V, U=U, C=C, HP=_pow2(H), KP=_pow2(K, 16), RP=_pow2(r, 16),
+                P=-(-(r - 1) // C) if r > 1 else 0, WP=_pow2(r - 1, 16))  # fmt: skip
 
 
 def _consts(m: dict, *names: str) -> dict:
@@ -321,10 +322,15 @@ def _setup_context(ctx, inputs, output):
     ctx.chunk, ctx.has_emb = chunk, emb is not None
 
 
-def _grad(ctx, dy, *_):
+def _gradients(ctx, dy, backward):
+    """The inputs' gradients from what :func:`_setup_context` saved, by ``backward`` (the custom op, or its body)."""
     q, keys, values, emb, win, Sb, cb, zb = ctx.saved_tensors
-    dq, dkeys, dvalues, demb = _backward(dy, q, keys, values, emb if ctx.has_emb else None, win, Sb, cb, zb, ctx.chunk)
+    dq, dkeys, dvalues, demb = backward(dy, q, keys, values, emb if ctx.has_emb else None, win, Sb, cb, zb, ctx.chunk)
     return dq, dkeys, dvalues, (demb if ctx.has_emb else None), None, None, None, None, None
+
+
+def _grad(ctx, dy, *_):
+    return _gradients(ctx, dy, _backward)
 
 
 _forward.register_autograd(_grad, setup_context=_setup_context)
@@ -337,33 +343,25 @@ class _Eager(torch.autograd.Function):
     exporters, tracers and dispatch modes get the custom ops, which they can see into."""
 
     @staticmethod
-    def forward(ctx, q, keys, values, emb, S0, z0, c0, win, chunk):
-        y, Sb, cb, zb = _forward_impl(q, keys, values, emb, S0, z0, c0, win, chunk)
-        ctx.save_for_backward(q, keys, values, emb, win, Sb, cb, zb)
-        ctx.chunk = chunk
-        ctx.mark_non_differentiable(Sb, cb, zb)  # the state receives no gradient
+    def forward(ctx, *inputs):
+        out = _forward_impl(*inputs)
+        _setup_context(ctx, inputs, out)
+        ctx.mark_non_differentiable(*out[1:])  # the state receives no gradient
         ctx.set_materialize_grads(False)  # and no zeros are made for it ([b u, N + 1, k, v] in float32)
-        return y, Sb, cb, zb
+        return out
 
     @staticmethod
     @once_differentiable  # the kernels have no backward of their own (as the custom op, which has none registered)
     def backward(ctx, dy, *_):
-        q, keys, values, emb, win, Sb, cb, zb = ctx.saved_tensors
-        dq, dkeys, dvalues, demb = _backward_impl(dy, q, keys, values, emb, win, Sb, cb, zb, ctx.chunk)
-        return dq, dkeys, dvalues, (demb if emb is not None else None), None, None, None, None, None
+        return _gradients(ctx, dy, _backward_impl)
 
 
 def _eager(*tensors: Tensor) -> bool:
-    """Whether a call on ``tensors`` is plain eager: nothing compiles, exports or traces it, no dispatch mode or
-    functorch transform is active and the tensors are plain ones (then :class:`_Eager` runs it)."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    """Whether a call on ``tensors`` is plain eager (then :class:`_Eager` runs it): a parameter (the position
+    table) counts as a plain tensor."""
+    from lambdanet.ops.position_lambda.guard import plain_eager
 
-    from lambdanet.ops.position_lambda.guard import tracing
-
-    if tracing() or _get_current_dispatch_mode() is not None:
-        return False
-    plain = (torch.Tensor, torch.nn.Parameter)  # a parameter (the position table) is one, a DTensor is not
-    return torch._C._functorch.peek_interpreter_stack() is None and all(type(t) in plain for t in tensors)
+    return plain_eager(*tensors, types=(torch.Tensor, torch.nn.Parameter))
 
 
 def fused_chunk_causal_lambda(
@@ -420,8 +418,7 @@ def compile_report(
     from lambdanet.ops.causal_lambda import triton_chunk as T
 
     C = chunk or default_chunk(heads)
-    m = dict(K=dim_k, V=dim_v, U=1, C=C, H=heads, HP=_pow2(heads), KP=_pow2(dim_k, 16), RP=_pow2(r, 16),
-             P=-(-(r - 1) // C) if r > 1 else 0, WP=_window(r), HAS_EMB=r > 0, SAFE=_safe(None))  # fmt: skip
+    m = dict(**_tiles(heads, dim_k, dim_v, 1, r, C), HAS_EMB=r > 0, SAFE=_safe(None))
     f32 = {"amax", "lsum", "cb", "zb", "Sb", "S0", "z0", "c0", "G", "g", "dzb", "rho", "demb"}
     rows = []
     for name in KERNELS:

@@ -39,6 +39,7 @@ from lambdanet.ops.causal_lambda.triton_weights import (
     NEG_INF,
     _chunk_keys,
     _content_exact,
+    _factored_scores,
     _grad_exact,
     _keys_exact,
 )
@@ -189,9 +190,7 @@ def _chunk_output(q, keys, values, emb, win, cb, zb, Sb, y, n, r, N1, H: tl.cons
         A, DZ = _content_exact(q, keys, cb, zb, b, u, base, i, n, cols, ks, h3, pos3, ok3, H, HP, K, U, C, KP)
     else:  # A[n, m] = sum_k (q~[n, k] / Za[n, k]) Eh[m, k] for m <= n: one product
         DZ = dl[None, :] / Za  # C KP: delta / Z
-        Qz = tl.reshape(q3.to(tl.float32) / Za[None, :, :], [HP * C, KP])  # R KP
-        A = tl.dot(Qz, tl.trans(Eh), input_precision="ieee")  # R C
-        A = tl.where(cols[None, :] <= nr[:, None], A, 0.0)
+        A, Qz = _factored_scores(q3.to(tl.float32), Za, Eh, nr, cols, HP, C, KP)
     Qd = tl.reshape(q3.to(tl.float32) * DZ[None, :, :], [HP * C, KP])  # q~ delta: against the carried state
     if HAS_EMB:
         js = tl.arange(0, RP)
@@ -342,25 +341,21 @@ def _grad_keys_values(q, keys, values, emb, win, cb, zb, dy, rho, G, dzb, dkeys,
         D0 = tl.dot(dyt, tl.trans(x), D0, input_precision=PREC)
         VdS = tl.dot(x, tl.trans(dS.to(DT)), VdS, input_precision=PREC)
     h3, pos3, ok3 = _heads(i, n, H, HP, C)  # HP C
-    kt = tl.load(keys + ((b * n + m[:, None]) * K + ks[None, :]) * U + u, mask=mok[:, None] & kok[None, :],
-                 other=NEG_INF).to(tl.float32)  # fmt: skip
-    c_next = tl.load(cb + (base + 1) * K + ks, mask=kok, other=0.0)  # the running maximum after the chunk
-    Kh = tl.exp(kt - c_next[None, :])  # C KP: the chunk's keys in the state after it
     dzi = tl.load(dzb + base * K + ks, mask=kok, other=0.0)
     rr = tl.load(rho + (bu * n + m[:, None]) * K + ks[None, :], mask=mok[:, None] & kok[None, :], other=0.0)  # C KP
+    # Eh = exp(K[m] - a): the chunk's reference a is the running maximum after it (c_{i+1} = max(c_i, a_i), as the
+    # state scan made it), so Eh is also the chunk's keys in the state after it
     Eh, Za, Zc, _, spread = _chunk_keys(keys, cb, zb, b, u, base, i, n, cols, ks, kok, K, U, C)
     if spread > SAFE:  # as in _chunk_output: each query's own maximum
         A, dk = _keys_exact(q, keys, cb, zb, D0, rr, b, u, base, i, n, cols, ks, h3, pos3, ok3, H, HP, K, U, C, KP)
     else:  # the weights E[n, m] / Z[n] = Eh[m] / Za[n] (m <= n): products over the chunk's queries
         q3 = tl.load(q + ((b * n + pos3[:, :, None]) * H + h3[:, :, None]) * K + ks[None, None, :],
                      mask=ok3[:, :, None] & kok[None, None, :], other=0.0).to(tl.float32)  # fmt: skip
-        Qz = tl.reshape(q3 / Za[None, :, :], [HP * C, KP])  # R KP
-        causal = cols[None, :] <= nr[:, None]  # R C
-        A = tl.where(causal, tl.dot(Qz, tl.trans(Eh), input_precision="ieee"), 0.0)  # R C
-        D0m = tl.where(causal, D0, 0.0)
+        A, Qz = _factored_scores(q3, Za, Eh, nr, cols, HP, C, KP)
+        D0m = tl.where(cols[None, :] <= nr[:, None], D0, 0.0)
         later = tl.cumsum(rr / Zc, axis=0, reverse=True)  # C KP: sum_{n >= m} exp(a - cm[n]) rho[n]
         dk = Eh * (tl.dot(tl.trans(D0m), Qz, input_precision="ieee") - later)  # C KP
-    dk += Kh * (VdS + dzi[None, :])  # the state after the chunk
+    dk += Eh * (VdS + dzi[None, :])  # the state after the chunk
     tl.store(dkeys + ((b * n + m[:, None]) * K + ks[None, :]) * U + u, dk, mask=mok[:, None] & kok[None, :])
     if HAS_EMB:
         js = tl.arange(0, RP)
@@ -369,7 +364,7 @@ def _grad_keys_values(q, keys, values, emb, win, cb, zb, dy, rho, G, dzb, dkeys,
         qtile = tl.load(q + ((b * n + pos[:, None]) * H + hh[:, None]) * K + ks[None, :],
                         mask=ok[:, None] & kok[None, :], other=0.0)  # fmt: skip
         A += _band(tl.dot(qtile.to(DT), ett, input_precision=PREC), nr, cols, 0, r, RP)
-    Ad, Khd = A.to(DT), tl.trans(Kh.to(DT))  # R C, KP C
+    Ad, Khd = A.to(DT), tl.trans(Eh.to(DT))  # R C, KP C
     tw = tl.arange(0, WP)
     later = i * C + C + tw  # WP: the positions after the chunk whose scope reaches into it
     for v0 in range(0, V, BV):  # dV transposed, [BV, C]: the value block as the rows of every product

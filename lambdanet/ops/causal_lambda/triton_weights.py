@@ -65,6 +65,16 @@ def _chunk_keys(keys, cb, zb, b, u, base, i, n, cols, ks, kok, K: tl.constexpr, 
 
 
 @triton.jit
+def _factored_scores(q3, Za, Eh, nr, cols, HP: tl.constexpr, C: tl.constexpr, KP: tl.constexpr):
+    """The chunk's content scores from :func:`_chunk_keys`'s factors: ``A[n, m] = sum_k (q~[n, k] / Za[n, k])
+    Eh[m, k]`` for ``m <= n`` (else 0), one float32 product ``[h C, KP] x [KP, C]``, and its left factor
+    ``q~ / Za`` ``[h C, KP]`` (``q3``: the queries ``[HP, C, KP]`` in float32; ``nr``: each row's position)."""
+    Qz = tl.reshape(q3 / Za[None, :, :], [HP * C, KP])  # R KP
+    A = tl.dot(Qz, tl.trans(Eh), input_precision="ieee")  # R C
+    return tl.where(cols[None, :] <= nr[:, None], A, 0.0), Qz
+
+
+@triton.jit
 def _maximum(x, y):
     return tl.maximum(x, y)
 

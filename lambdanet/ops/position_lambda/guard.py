@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["tracing", "timing_allowed"]
+__all__ = ["tracing", "plain_eager", "timing_allowed"]
 
 
 def tracing() -> bool:
@@ -22,16 +22,23 @@ def tracing() -> bool:
     return (getattr(fx, "is_fx_symbolic_tracing", None) or fx.is_fx_tracing)()
 
 
-def timing_allowed(*tensors: Tensor) -> bool:
-    """Whether a forward call on ``tensors`` may be timed now: deterministic algorithms are off, nothing traces or
-    compiles it, no functorch transform or Python dispatch mode is active, it does not run inside a backward pass,
-    and the tensors are plain ones on a real device."""
-    if torch.are_deterministic_algorithms_enabled() or tracing():
+def plain_eager(*tensors: Tensor, types: tuple[type, ...] = (torch.Tensor,)) -> bool:
+    """Whether a call on ``tensors`` runs plainly eager: nothing traces or compiles it, no Python dispatch mode
+    (FLOP counters, fake tensors) or functorch transform is active, and every tensor's type is one of ``types``
+    (no subclass such as a DTensor)."""
+    if tracing():
         return False
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-    if _get_current_dispatch_mode() is not None or torch._C._current_graph_task_id() != -1:
+    if _get_current_dispatch_mode() is not None or torch._C._functorch.peek_interpreter_stack() is not None:
         return False
-    if torch._C._functorch.peek_interpreter_stack() is not None:
+    return all(type(t) in types for t in tensors)
+
+
+def timing_allowed(*tensors: Tensor) -> bool:
+    """Whether a forward call on ``tensors`` may be timed now: deterministic algorithms are off, the call is
+    :func:`plain_eager` on plain tensors, it does not run inside a backward pass, and the tensors are on a real
+    device."""
+    if torch.are_deterministic_algorithms_enabled() or torch._C._current_graph_task_id() != -1:
         return False
-    return all(type(t) is torch.Tensor and t.device.type != "meta" for t in tensors)
+    return plain_eager(*tensors) and all(t.device.type != "meta" for t in tensors)
