@@ -53,7 +53,7 @@ stage() {  # stage NAME SECONDS COMMAND...: run under a time limit, log to $R/NA
 
 run_stage() {
   case "$1" in
-    check) stage check 170 $PY -m pytest -q -m device tests/test_device.py tests/test_kernels.py -p no:cacheprovider -rf ;;
+    check) stage check 170 $PY -m pytest -n 0 -q -m device tests/test_device.py tests/test_kernels.py -p no:cacheprovider -rf ;;
     kernels) stage kernels 80 $BENCH kernels --out "$R/kernels" ;;
     layers)
       stage layers-fp32 80 $BENCH targets attention --repeats 20 --out "$R/layers-fp32"
@@ -110,7 +110,7 @@ run_stage() {
     compiled-26t) stage compiled-26t 330 $PY scripts/gpu_compiled.py "$R/compiled-26t" ;;
     run4) for s in impls compiled-26t; do run_stage $s; done ;;
     run3) for s in compiled timm26 impls; do run_stage $s; done
-      stage check-layers 60 $PY -m pytest -q -m device tests/test_device.py -k "lambda or autocast" -p no:cacheprovider -rf ;;
+      stage check-layers 60 $PY -m pytest -n 0 -q -m device tests/test_device.py -k "lambda or autocast" -p no:cacheprovider -rf ;;
     *) echo "unknown stage $1 (check | kernels | layers | impls | impls-bf16 | models | compiled | timm26 | lm | lm-first | lm-ncu | lm-quality | run1-3)"; exit 2 ;;
   esac
 }

@@ -35,7 +35,7 @@ from torch import nn
 
 from lambdanet.models import list_models
 
-from test_models import build_small, slow_repeats
+from test_models import DEPTH_REPEATS, build_small, slow_repeats
 
 UNIT_ROUNDOFF = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
 MARGIN = 4.0
@@ -108,7 +108,7 @@ def out_of_range(model: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> str |
     return None
 
 
-@pytest.mark.parametrize("name", slow_repeats(list_models(task="image")))
+@pytest.mark.parametrize("name", slow_repeats(list_models(task="image"), DEPTH_REPEATS))
 def test_half_precision_model_is_within_its_formats_rounding_error_of_float64(name):
     model = calibrated(name)
     x = torch.randn(BATCH, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(1), dtype=torch.float64)

@@ -69,8 +69,20 @@ BYOA_REPEATS = {"lambda_resnet50ts", "halonet26t", "sehalonet33ts", "halonet50ts
                 "lamhalobotnet50ts_256", "halo2botnet50ts_256", "lambda_resnet26rpt_256", "botnet26t_256"}
 
 
-def slow_repeats(names):
-    return [pytest.param(n, marks=pytest.mark.slow) if n in BYOA_REPEATS else n for n in names]
+# The paper zoo's deeper trunks: the blocks and lambda kwargs of a shallower registered model of their family, more
+# of them (ResNet-RS 101-420 as resnet_rs50 / _se; LambdaResNet 101-420 as lambda_resnet50, whose c4 mixes conv and
+# lambda blocks too; lambda_resnet152_c4 as 101_c4; resnet101 / 152 as resnet50), and the HaloNets whose block size
+# and halo another keeps, at other widths and depths (h1, h2 as h0: b 8, halo 3; h7 as h3: b 10, halo 3; h5 as h4:
+# halo 2, a block size that does not divide the maps). The float64 rounding test, 2-14 s each, runs them with
+# -m slow; the cheaper sweeps run every model
+DEPTH_REPEATS = {*(f"resnet_rs{d}{se}" for d in (101, 152, 200, 270, 350, 420) for se in ("", "_se")),
+                 *(f"lambda_resnet{d}" for d in (101, 152, 200, 270, 350, 420)), "lambda_resnet152_c4",
+                 "resnet101", "resnet152", "halonet_h1", "halonet_h2", "halonet_h5", "halonet_h7"}  # fmt: skip
+
+
+def slow_repeats(names, repeats=frozenset()):
+    """``names`` as pytest parameters, those of :data:`BYOA_REPEATS` and of ``repeats`` marked slow."""
+    return [pytest.param(n, marks=pytest.mark.slow) if n in BYOA_REPEATS | repeats else n for n in names]
 
 
 PARAM_ROWS = [i for i, r in enumerate(PAPER_ROWS) if r.model and r.params_m is not None]
