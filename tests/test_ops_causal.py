@@ -269,6 +269,37 @@ def test_fused_chunk_launches_and_torch_ops_do_not_grow_with_n(monkeypatch):
 
 
 @needs_kernels
+def test_a_training_forward_makes_no_final_state():
+    """``CausalLambdaLayer(x)`` (no ``return_state``, as in training) asks the kernels for no final state: the same
+    output bit for bit as with it, and none of the state's glue (the window's concatenation and float32 copy); with
+    ``return_state`` the state still continues the sequence."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    layer = CausalLambdaLayer(32, heads=2, dim_k=16, r=8, mode="fused_chunk")
+    x = torch.randn(2, 40, 32)
+    with torch.no_grad(), Ops() as plain:
+        y = layer(x)
+    with torch.no_grad(), Ops() as stateful:
+        y_state, state = layer(x, return_state=True)
+    assert torch.equal(y, y_state)
+    assert "cat" in stateful.names and "cat" not in plain.names and len(plain.names) < len(stateful.names)
+    with torch.no_grad():  # the state is still whole where asked for: the second half continues the first
+        first, state = layer(x[:, :17], return_state=True)
+        second = layer(x[:, 17:], state)
+    assert rel(torch.cat([first, second], 1), y) < 1e-5
+
+
+@needs_kernels
 def test_plain_eager_calls_skip_the_dispatcher_and_equal_the_custom_ops(monkeypatch):
     """A plain eager call runs the kernels through an ``autograd.Function`` (less host time a call: the GPU waits
     on it between short kernels); a dispatch mode, tracer or compiler gets the custom ops, which it can see into.

@@ -273,10 +273,11 @@ class CausalLambdaLayer(nn.Module):
             y, op_state = self._terms(q, keys, values, state)
         else:
             mode = call_mode(self.mode, q, self.r if self.emb is not None else 0)
-            y, op_state = causal_lambda(q, keys, values, self.emb, mode=mode,
-                                        chunk_size=self.chunk if mode == "chunk" else None,
-                                        initial_state=None if state is None else {key: state[key] for key in _OP_KEYS},
-                                        output_final_state=True)  # fmt: skip
+            res = causal_lambda(q, keys, values, self.emb, mode=mode,
+                                chunk_size=self.chunk if mode == "chunk" else None,
+                                initial_state=None if state is None else {key: state[key] for key in _OP_KEYS},
+                                output_final_state=return_state)  # fmt: skip
+            y, op_state = res if isinstance(res, tuple) else (res, {})  # a training step makes no final state
         out = self.proj(self._to_proj(self._unfold(y), x))  # b n d
         return (out, self._finish(op_state, total, conv)) if return_state else out
 

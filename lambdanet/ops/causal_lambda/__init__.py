@@ -113,11 +113,13 @@ def causal_lambda(
     elif mode == "fused_recurrent":
         o, state = _recurrent(q, k, v, emb, initial_state)
     else:
-        o, state = _fused_call(q, k, v, emb, initial_state, chunk_size or _fused.default_chunk(q.shape[2]))
+        chunk = chunk_size or _fused.default_chunk(q.shape[2])
+        o, final = _fused_call(q, k, v, emb, initial_state, chunk, output_final_state)
+        state = initial_state if final is None else final
     return (o, state) if output_final_state else o
 
 
-def _fused_call(q, k, v, emb, state, chunk: int):
+def _fused_call(q, k, v, emb, state, chunk: int, final_state: bool):
     ok, why = _fused.available(q.device)
     if not ok:
         raise RuntimeError(f"mode='fused_chunk': {why}")
@@ -125,4 +127,4 @@ def _fused_call(q, k, v, emb, state, chunk: int):
         raise ValueError(f"chunk_size must be a power of two >= 16 with mode='fused_chunk', got {chunk!r}")
     if q.shape[1] == 0:
         return q.new_zeros(q.shape[0], 0, q.shape[2], v.shape[2]), state
-    return _fused.fused_chunk_causal_lambda(q, k, v, emb, state, chunk)
+    return _fused.fused_chunk_causal_lambda(q, k, v, emb, state, chunk, final_state)

@@ -371,10 +371,12 @@ def fused_chunk_causal_lambda(
     emb: Tensor | None,
     state: dict[str, Tensor],
     chunk: int | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+    final_state: bool = True,
+) -> tuple[Tensor, dict[str, Tensor] | None]:
     """``q [b, n, h, k]``, ``keys [b, n, k, u]``, ``values [b, n, v, u]``, ``emb [r, k, u]`` or ``None``, the state
     before the sequence (``S [b, u, k, v]``, ``z``, ``c [b, u, k]``, ``window [b, u, r - 1, v]``, float32) ->
-    ``(y [b, n, h, v], state after)``; ``y`` in the inputs' dtype. The state receives no gradient."""
+    ``(y [b, n, h, v], state after)``; ``y`` in the inputs' dtype. The state receives no gradient. With
+    ``final_state=False`` the state after is ``None`` (its window and casts are not made: a training step's)."""
     dtype, chunk = q.dtype, chunk or default_chunk(q.shape[2])
     # keys keep their dtype (float32 keys, e.g. with decay offsets, enter the exponent unrounded)
     q, keys, values = q.contiguous(), keys.contiguous(), values.to(dtype).contiguous()
@@ -383,6 +385,8 @@ def fused_chunk_causal_lambda(
     win = state["window"].detach().to(dtype).contiguous()
     run = _Eager.apply if _eager(q, keys, values, *([] if emb is None else [emb])) else _forward
     y, Sb, cb, zb = run(q, keys, values, emb, S0, z0, c0, win if win.numel() else q.new_zeros(1), chunk)
+    if not final_state:
+        return y, None
     (b, _, _, k), u, v = q.shape, keys.shape[3], values.shape[2]
     keep = win.shape[2]  # the window: the last r - 1 values (only those are copied, not the whole sequence)
     full = torch.cat([win, values[:, values.shape[1] - min(keep, values.shape[1]) :].permute(0, 3, 1, 2)], dim=2)
