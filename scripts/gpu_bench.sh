@@ -18,6 +18,8 @@
 #                                        # Compute on the product kernels (lm-ncu alone too)
 #   bash scripts/gpu_bench.sh lm-quality # issue 37: *_lm_small (and heads=8) against the transformer, contexts 1024
 #                                        # and 4096 (~8 minutes)
+#   bash scripts/gpu_bench.sh free26t    # resnet26t with the three convolutions lambda_resnet26t replaces made free
+#                                        # (scripts/gpu_free_layers.py: the ceiling of ">= 2x timm's", ~1 minute)
 #   bash scripts/gpu_bench.sh run1|run2|run3  # bundles of one 10-minute call each (check kernels layers impls |
 #                                            # models compiled | compiled timm26 impls and the layer checks)
 set -uo pipefail
@@ -108,10 +110,11 @@ run_stage() {
     run1) for s in check kernels layers impls; do run_stage $s; done ;;
     run2) for s in models compiled; do run_stage $s; done ;;
     compiled-26t) stage compiled-26t 330 $PY scripts/gpu_compiled.py "$R/compiled-26t" ;;
+    free26t) stage free26t 90 $PY scripts/gpu_free_layers.py "$R/free26t" ;;  # the ceiling of any lambda layer
     run4) for s in impls compiled-26t; do run_stage $s; done ;;
     run3) for s in compiled timm26 impls; do run_stage $s; done
       stage check-layers 60 $PY -m pytest -n 0 -q -m device tests/test_device.py -k "lambda or autocast" -p no:cacheprovider -rf ;;
-    *) echo "unknown stage $1 (check | kernels | layers | impls | impls-bf16 | models | compiled | timm26 | lm | lm-first | lm-ncu | lm-quality | run1-3)"; exit 2 ;;
+    *) echo "unknown stage $1 (check | kernels | layers | impls | impls-bf16 | models | compiled | timm26 | lm | lm-first | lm-ncu | lm-quality | free26t | run1-3)"; exit 2 ;;
   esac
 }
 
