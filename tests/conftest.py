@@ -6,30 +6,6 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def pytest_xdist_auto_num_workers(config):
-    """pytest-xdist's ``-n auto`` (pyproject's addopts): one worker per core this process may use, at most 8; none
-    (one process) for the accelerator tests (``-m device``): they share one device."""
-    return 0 if "device" in (config.option.markexpr or "") else max(1, min(8, _cores()))
-
-
-def _threads() -> int:
-    """Threads per test process: OMP_NUM_THREADS where set; else the cores shared among pytest-xdist's workers
-    (``-n``: pyproject's addopts run one per core), at most 2, as the suite always ran."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
-    return int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, min(2, _cores() // workers))
-
-
-# keep the default suite deterministic and quick on 2 cores. Test processes that share the cores (xdist's workers,
-# and the CLI runs they start, which inherit OMP_NUM_THREADS) take one thread each: OpenMP's threads on a core
-# another process holds wait on each other, and every step gets many times slower
-THREADS = _threads()
-torch.set_num_threads(THREADS)
-if "PYTEST_XDIST_WORKER" in os.environ:
-    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 # LambdaLayer(impl="auto") follows its static cost model here (and in the CLI runs the tests start): no timing of
 # the implementations on first calls; the tests of the measuring tuner switch it on themselves
 os.environ.setdefault("LAMBDANET_AUTOTUNE", "0")
@@ -38,6 +14,26 @@ os.environ.setdefault("LAMBDANET_AUTOTUNE", "0")
 # must be set before the kernels are first imported (triton.jit reads it when it decorates them)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from lambdanet.engine.distributed import threads_per_process, usable_cores  # noqa: E402  (after the variables)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """pytest-xdist's ``-n auto`` (pyproject's addopts): one worker per core this process may use, at most 8; none
+    (one process) for the accelerator tests (``-m device``): they share one device."""
+    return 0 if "device" in (config.option.markexpr or "") else max(1, min(8, usable_cores()))
+
+
+# keep the default suite deterministic and quick on 2 cores: OMP_NUM_THREADS where set; else the cores shared among
+# pytest-xdist's workers, at most 2, as the suite always ran. Test processes that share the cores (xdist's workers,
+# and the CLI runs they start, which inherit OMP_NUM_THREADS) take one thread each: OpenMP's threads on a core
+# another process holds wait on each other, and every step gets many times slower
+THREADS = int(os.environ.get("OMP_NUM_THREADS") or 0) or min(
+    2, threads_per_process(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1))
+)
+torch.set_num_threads(THREADS)
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 
 
 @pytest.fixture(autouse=True)

@@ -82,7 +82,8 @@ DEPTH_REPEATS = {*(f"resnet_rs{d}{se}" for d in (101, 152, 200, 270, 350, 420) f
 
 def slow_repeats(names, repeats=frozenset()):
     """``names`` as pytest parameters, those of :data:`BYOA_REPEATS` and of ``repeats`` marked slow."""
-    return [pytest.param(n, marks=pytest.mark.slow) if n in BYOA_REPEATS | repeats else n for n in names]
+    slow = BYOA_REPEATS | repeats
+    return [pytest.param(n, marks=pytest.mark.slow) if n in slow else n for n in names]
 
 
 PARAM_ROWS = [i for i, r in enumerate(PAPER_ROWS) if r.model and r.params_m is not None]
