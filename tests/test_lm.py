@@ -175,6 +175,32 @@ def test_streaming_steps_equal_the_parallel_forward(family):
     assert rel(torch.stack(rest, dim=1), full[:, 33:]) < 1e-10
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_training_forward_asks_no_mixer_for_its_state(family, monkeypatch):
+    """``model(tokens)`` (a training step) calls every mixer without ``return_state`` (the lambda layers then make
+    no final state: no window, no float32 copies, no convolution state), with the logits of a stateful call bit
+    for bit; ``return_state=True`` still asks each mixer for its state."""
+    model = perturbed(f"{family}_nano")
+    asked: list[bool] = []
+
+    def spy(forward):
+        def call(x, state=None, return_state=False):
+            asked.append(return_state)
+            return forward(x, state, return_state=return_state)
+
+        return call
+
+    for block in model.blocks:
+        monkeypatch.setattr(block.mixer, "forward", spy(block.mixer.forward))
+    tokens = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(3))
+    plain = model(tokens)
+    assert asked == [False] * len(model.blocks)
+    asked.clear()
+    logits, state = model(tokens, return_state=True)
+    assert asked == [True] * len(model.blocks) and len(state["layers"]) == len(model.blocks)
+    assert torch.equal(plain, logits)
+
+
 def state_bytes(state) -> int:
     if isinstance(state, torch.Tensor):
         return state.numel() * state.element_size()

@@ -150,9 +150,9 @@ class CausalLambdaLayer(nn.Module):
             with torch.no_grad():
                 self.gate.bias.copy_(_inverse_softplus(rates).flatten())
 
-    def _project(self, x: Tensor, state: dict[str, Tensor] | None) -> tuple[Tensor, Tensor | None]:
+    def _project(self, x: Tensor, state: dict[str, Tensor] | None, keep: bool = True) -> tuple[Tensor, Tensor | None]:
         """``x [b, n, d]`` -> the projections ``[b, n, h k + k u + v u]`` (through the short convolution, which
-        continues from the state's last projections) and the convolution's new state."""
+        continues from the state's last projections) and the convolution's new state (``None`` unless ``keep``)."""
         qkv = self.qkv(x)  # b n c
         if self.conv is None:
             return qkv, None
@@ -168,6 +168,8 @@ class CausalLambdaLayer(nn.Module):
             out = (full.to(dtype) * taps).sum(1, keepdim=True).to(full.dtype)  # b 1 c
         else:
             out = self.conv(full.transpose(1, 2)).transpose(1, 2)  # b n c
+        if not keep:
+            return out, None
         return out, full[:, full.shape[1] - (s - 1) :].to(torch.promote_types(qkv.dtype, torch.float32))
 
     def _split(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -265,7 +267,7 @@ class CausalLambdaLayer(nn.Module):
         ``state``: the context before ``x`` (default: none)."""
         if x.dim() != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"x must be [batch, length, dim={self.dim}], got shape {tuple(x.shape)}")
-        qkv, conv = self._project(x, state)
+        qkv, conv = self._project(x, state, keep=return_state)
         q, keys, values = self._split(qkv)  # b n h k, b n L k u, b n L v u
         keys, total = self._offsets(x, keys)
         q, keys, values = self._fold(q, keys, values)  # (b L) n (h/L) k, (b L) n k u, (b L) n v u

@@ -86,8 +86,11 @@ class _Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: Tensor, state: dict | None) -> tuple[Tensor, dict]:
-        y, state = self.mixer(self.norm1(x), state, return_state=True)  # b n d
+    def forward(self, x: Tensor, state: dict | None, return_state: bool = True) -> tuple[Tensor, dict | None]:
+        """``x [b, n, d]`` after the mixer's ``state`` -> (``[b, n, d]``, the mixer's state after ``x``, or ``None``
+        without ``return_state``: a training step's mixers then make none)."""
+        res = self.mixer(self.norm1(x), state, return_state=return_state)  # b n d
+        y, state = res if return_state else (res, None)
         x = x + self.drop(y)
         return x + self.drop(self.mlp(self.norm2(x))), state  # b n d
 
@@ -253,7 +256,7 @@ class LanguageModel(nn.Module):
         layers = [None] * len(self.blocks) if state is None else state["layers"]
         new = []
         for block, s in zip(self.blocks, layers):
-            x, s = block(x, s)  # b n d
+            x, s = block(x, s, return_state)  # b n d
             new.append(s)
         logits = self.norm(x) @ self.embed.weight.t()  # b n vocab
         if not return_state:
