@@ -352,6 +352,81 @@ def test_fused_chunk_argument_errors_are_one_line():
         causal_lambda(q, keys, values, emb, mode="flash")
 
 
+STATE_MODES = ["chunk", "fused_recurrent", pytest.param("fused_chunk", marks=needs_kernels)]
+
+
+@pytest.mark.parametrize("mode", STATE_MODES)
+def test_a_state_that_does_not_fit_the_call_is_a_one_line_error_before_any_kernel(mode):
+    """A state from another batch size, another scope ``r`` or no state at all (a wrong dict) is refused by its
+    shapes, in every mode: the kernels index the state by the call's sizes (a smaller one was read or written out
+    of bounds)."""
+    q, keys, values, emb = inputs(20, k=4, v=8, u=1, r=3)
+    _, one = causal_lambda(q[:1], keys[:1], values[:1], emb, mode="chunk", output_final_state=True)
+    _, no_emb = causal_lambda(q, keys, values, None, mode="chunk", output_final_state=True)
+    cases = [(one, r"b=2.*S \(1, 1, 4, 8\) \(expected \(2, 1, 4, 8\)\)"),
+             (no_emb, r"r=3.*window \(2, 1, 0, 8\) \(expected \(2, 1, 2, 8\)\)"),
+             ({"S": one["S"]}, r"^initial_state must be a dict with keys \['S', 'c', 'window', 'z'\]")]  # fmt: skip
+    for state, message in cases:
+        with pytest.raises(ValueError, match=message) as err:
+            causal_lambda(q, keys, values, emb, mode=mode, initial_state=state)
+        assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("mode", ["naive", *STATE_MODES])
+def test_every_mode_returns_the_inputs_dtype_and_gives_the_state_no_gradient(mode):
+    """One output dtype per input dtype, whichever mode and whether or not a gradient is needed (fla's convention:
+    ``o`` in the queries' dtype); the state is a constant of every call (no gradient into the initial state, none
+    out of the final one), also for a state made under ``inference_mode``."""
+    q, keys, values, emb = (t.bfloat16() for t in inputs(20, k=4, v=8, u=1, r=3))
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            xs = [t.clone().requires_grad_(grad) for t in (q, keys, values, emb)]
+            assert causal_lambda(*xs, mode=mode).dtype == torch.bfloat16
+    if mode == "naive":
+        return
+    with torch.inference_mode():
+        _, state = causal_lambda(q.float(), keys.float(), values.float(), emb.float(), mode="chunk",
+                                 output_final_state=True)  # fmt: skip
+    held = {key: t.clone().requires_grad_() for key, t in state.items()}
+    for given in (state, held):
+        xs = [t.float().requires_grad_() for t in (q, keys, values, emb)]
+        out, final = causal_lambda(*xs, mode=mode, initial_state=given, output_final_state=True)
+        out.sum().backward()
+        assert all(x.grad is not None for x in xs) and not any(t.requires_grad for t in final.values())
+    assert all(t.grad is None for t in held.values())
+
+
+@pytest.mark.parametrize("mode", ["naive", *STATE_MODES])
+@pytest.mark.parametrize("b,n", [(0, 9), (2, 0)])
+def test_an_empty_batch_or_sequence_gives_the_empty_result_and_zero_gradients(mode, b, n):
+    """``[0, n, ...]`` and ``[b, 0, ...]`` inputs: the empty output in the graph (zero gradients, as any PyTorch op
+    on an empty tensor), the state unchanged; the layer alike, with its short convolution's carried projections."""
+    q, keys, values, emb = inputs(n, b=b, k=4, v=8, u=1, r=3)
+    xs = [t.clone().requires_grad_() for t in (q, keys, values, emb)]
+    out = causal_lambda(*xs, mode=mode)
+    assert out.shape == (b, n, 3, 8)
+    out.sum().backward()
+    assert all(x.grad is not None and not x.grad.any() for x in xs)
+    layer = CausalLambdaLayer(16, heads=2, dim_k=4, r=3, short_conv=4)
+    x = torch.randn(2, 5, 16)
+    _, state = layer(x, return_state=True)
+    y, after = layer(x[:, :0], state, return_state=True)
+    assert y.shape == (2, 0, 16) and all(torch.equal(after[key], state[key]) for key in state)
+
+
+def test_the_chunk_form_keeps_float32_products_under_float16_autocast():
+    """The PyTorch form factors a chunk's weights as ``exp(K - a) exp(a - cm)`` with the second factor up to
+    ``e^30`` (``MAX_SPREAD``): float16 products (autocast's choice for a matmul) overflow past ``e^11``. It computes
+    in float32 under autocast too (the precision rule), so keys rising 20 nats within a chunk stay within float32
+    rounding of the float64 definition."""
+    q, keys, values, emb = inputs(40, k=4, v=8, u=1, r=3, scale=0.5)
+    keys[:, :, 0, 0] += torch.linspace(0, 20, 40)  # one channel rising 20 inside the first chunk
+    want = causal_lambda_reference(*(t.double() for t in (q, keys, values, emb)))
+    with torch.autocast("cpu", dtype=torch.float16):
+        got = causal_lambda(q, keys, values, emb, mode="chunk")
+    assert got.dtype == torch.float32 and torch.isfinite(got).all() and rel(got, want) < 1e-5
+
+
 def test_naive_mode_refuses_a_state_without_reading_it():
     """The definition starts from an empty context: any ``initial_state`` is refused by its presence, so that the
     check never reads a device tensor back (an all-zero state is refused too)."""
@@ -403,20 +478,57 @@ def test_auto_takes_the_pytorch_form_where_the_sizes_exceed_the_kernels(monkeypa
 
 
 
+def test_auto_takes_the_pytorch_form_for_a_chunk_size_the_kernels_do_not_take(monkeypatch):
+    """The kernels' chunks are powers of two >= 16; any other ``chunk_size`` makes ``"auto"`` take the PyTorch form
+    (which takes any positive chunk), as the sizes beyond ``LIMITS`` do, and is an error only for ``"fused_chunk"``."""
+    from lambdanet.ops.causal_lambda import call_mode
+
+    package = importlib.import_module("lambdanet.ops.causal_lambda")
+    seen: list[bool] = []
+    monkeypatch.setattr(package, "resolve_mode", lambda mode, device, fits=True: seen.append(fits) or "chunk")
+    q = torch.empty(1, 4, 2, 16)  # b n h k
+    for chunk in (None, 16, 64, 48, 8, 100):
+        call_mode("auto", q, 8, chunk)
+    assert seen == [True, True, True, False, False, False]
+    for bad in (0, -16, 2.5, True):
+        with pytest.raises(ValueError, match=r"^chunk_size must be a positive int or None, got "):
+            call_mode("auto", q, 8, bad)
+
+
 @needs_kernels
-@pytest.mark.parametrize("mode", ["chunk", "fused_chunk"])
-def test_the_layer_compiles_as_one_graph_forward_and_backward(mode):
+@pytest.mark.parametrize("mode,backend", [("chunk", "aot_eager"), ("fused_chunk", "aot_eager"),
+                                          ("fused_chunk", "inductor")])  # fmt: skip
+def test_the_layer_compiles_as_one_graph_forward_and_backward(mode, backend):
     """``torch.compile(fullgraph=True)``: no graph break (the PyTorch form reads no spread on the host there and
-    lets the graph's autograd differentiate it; the kernels are opaque custom ops with fake kernels)."""
+    lets the graph's autograd differentiate it; the kernels are opaque custom ops with fake kernels). Inductor, the
+    default backend (``--compile``), also checks that each custom op returns the strides its fake kernel says."""
     torch.manual_seed(0)
     layer = CausalLambdaLayer(32, heads=2, dim_k=16, r=8, mode=mode)
     x = torch.randn(2, 40, 32, requires_grad=True)
     eager = layer(x)
-    (g_eager,) = torch.autograd.grad(eager.sum(), x)
-    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    g_eager = torch.autograd.grad(eager.sum(), [x, layer.emb])
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend=backend, fullgraph=True)
     out = compiled(x)
-    (g,) = torch.autograd.grad(out.sum(), x)
-    assert rel(out, eager) < 1e-5 and rel(g, g_eager) < 1e-4
+    g = torch.autograd.grad(out.sum(), [x, layer.emb])
+    assert rel(out, eager) < 1e-5 and rel(g[0], g_eager[0]) < 1e-4 and rel(g[1], g_eager[1]) < 1e-4
+
+
+@needs_kernels
+def test_the_kernels_custom_ops_pass_opcheck():
+    """Both custom ops of ``fused_chunk`` (forward, backward) against their fake kernels and autograd registration:
+    shapes, dtypes and strides of every output (``torch.library.opcheck``), with and without the position table."""
+    from lambdanet.functional.causal import init_causal_lambda_state
+
+    for r in (5, 0):
+        q, keys, values, emb = inputs(37, h=2, k=4, v=8, r=r)
+        st = init_causal_lambda_state(2, 4, 8, 2, r)
+        args = (q, keys, values, emb, st["S"], st["z"], st["c"], st["window"], 16)
+        fwd, bwd = torch.ops.lambdanet.causal_lambda_chunk_fwd, torch.ops.lambdanet.causal_lambda_chunk_bwd
+        grads = tuple(None if t is None else t.clone().requires_grad_() for t in args[:4])
+        torch.library.opcheck(fwd, grads + args[4:])
+        y, Sb, cb, zb = fwd(*args)
+        torch.library.opcheck(bwd, (torch.randn_like(y), q, keys, values, emb, st["window"], Sb, cb, zb, 16))
 
 
 def test_the_language_models_compile_as_one_graph():

@@ -37,13 +37,14 @@ from typing import Literal, overload
 import torch
 from torch import Tensor
 
-from lambdanet.helpers import compute_dtype
+from lambdanet.helpers import compute_dtype, leave_autocast, no_autocast
 
 __all__ = [
     "causal_lambda_reference",
     "causal_lambda",
     "causal_lambda_step",
     "init_causal_lambda_state",
+    "check_state",
     "DEFAULT_CHUNK",
 ]
 
@@ -73,6 +74,9 @@ def causal_lambda_reference(q: Tensor, keys: Tensor, values: Tensor, emb: Tensor
             for j in range(min(emb.shape[0], n + 1)):
                 lam = lam + torch.einsum("ku,bvu->bkv", emb[j], values[:, n - j])  # b k v
         out.append(torch.einsum("bhk,bkv->bhv", q[:, n], lam))  # b h v
+    if not out:  # an empty sequence
+        link = sum((t.sum() for t in (q, keys, values) + (() if emb is None else (emb,))), q.new_zeros(()))
+        return q.new_zeros(q.shape[0], 0, q.shape[2], values.shape[2]) + 0 * link  # b 0 h v, in the graph
     return torch.stack(out, dim=1)  # b n h v
 
 
@@ -97,6 +101,22 @@ def init_causal_lambda_state(
         "c": torch.full((b, u, k), float("-inf"), **kw),
         "window": torch.zeros(b, u, max(r - 1, 0), v, **kw),
     }
+
+
+def check_state(state: dict[str, Tensor], q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None) -> None:
+    """A one-line ``ValueError`` unless ``state`` (:func:`init_causal_lambda_state`'s keys) is the context of a
+    call on ``q [b, n, h, k]``, ``keys [b, n, k, u]``, ``values [b, n, v, u]`` and ``emb [r, k, u]`` (shapes only:
+    nothing is read from the device)."""
+    (b, _, _, k), u, v = q.shape, keys.shape[3], values.shape[2]
+    r = 0 if emb is None else emb.shape[0]
+    want = {"S": (b, u, k, v), "z": (b, u, k), "c": (b, u, k), "window": (b, u, max(r - 1, 0), v)}
+    if not isinstance(state, dict) or set(want) - set(state):
+        got = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"initial_state must be a dict with keys {sorted(want)} (a returned state), got {got}")
+    bad = [f"{key} {tuple(state[key].shape)} (expected {want[key]})" for key in want
+           if tuple(state[key].shape) != want[key]]  # fmt: skip
+    if bad:
+        raise ValueError(f"initial_state does not fit this call (b={b}, u={u}, k={k}, v={v}, r={r}): " + ", ".join(bad))
 
 
 def _band(scores: Tensor | None, qe: Tensor) -> Tensor:
@@ -204,8 +224,8 @@ def _chunks(
 def _run(q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None, state: dict[str, Tensor], chunk: int):
     """The whole sequence: its full chunks at once, then the shorter last chunk (if any)."""
     n = q.shape[2]
-    if n == 0:
-        return q.new_zeros(q.shape[0], 0, q.shape[1], values.shape[3]), state
+    if n == 0 or q.shape[0] == 0:  # nothing to attend (and no maximum to read): the state is unchanged
+        return q.new_zeros(q.shape[0], n, q.shape[1], values.shape[3]), state
     body, ys = n - n % chunk, []
     for s, e, c in ((0, body, chunk), (body, n, n - body)):
         if e > s:
@@ -256,7 +276,9 @@ class _ChunkedCausalLambda(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy, *_):
         inputs = [None if t is None else t.detach().requires_grad_() for t in ctx.saved_tensors]
-        with torch.enable_grad():
+        if dy.numel() == 0:  # an empty sequence or batch: no term, no gradient
+            return (*(None if t is None else torch.zeros_like(t) for t in inputs), None, None)
+        with torch.enable_grad(), no_autocast(dy.device.type):  # float32 (the compute dtype) as the forward
             y, _ = _run(*inputs, ctx.state, ctx.chunk)
             wrt = [t for t in inputs if t is not None]
             grads = iter(torch.autograd.grad(y, wrt, dy, allow_unused=True))
@@ -318,6 +340,16 @@ def causal_lambda(
     _check(q, keys, values, emb)
     if not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    if state is not None:
+        check_state(state, q, keys, values, emb)
+    with leave_autocast(q.device.type):  # the compute dtype's products, also under autocast (fp16 would overflow)
+        return _causal_lambda(q, keys, values, emb, chunk, state, return_state)
+
+
+def _causal_lambda(
+    q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None, chunk: int, state: dict[str, Tensor] | None,
+    return_state: bool,
+) -> Tensor | tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
     q, keys, values, emb = _prepare(q, keys, values, emb)
     if state is None:
         state = init_causal_lambda_state(

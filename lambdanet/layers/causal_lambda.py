@@ -161,7 +161,9 @@ class CausalLambdaLayer(nn.Module):
             state["conv"] if state is not None and "conv" in state else qkv.new_zeros(x.shape[0], s - 1, qkv.shape[2])
         )
         full = torch.cat([prev.to(qkv.dtype), qkv], dim=1)  # b (s - 1 + n) c
-        if x.shape[1] == 1:  # one position (generation): the s taps as a product and a sum in float32 at least,
+        if x.shape[1] == 0:  # an empty sequence: nothing to convolve, the carried projections stay
+            out = qkv
+        elif x.shape[1] == 1:  # one position (generation): the s taps as a product and a sum in float32 at least,
             # not a convolution call (~100 us on a CPU, for s x c multiply-adds)
             dtype = torch.promote_types(full.dtype, torch.float32)
             taps = self.conv.weight[:, 0].t().to(dtype)  # s c

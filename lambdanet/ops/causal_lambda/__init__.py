@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from lambdanet.functional import causal as _causal
-from lambdanet.helpers import check_choice
+from lambdanet.helpers import check_choice, leave_autocast
 from lambdanet.ops.causal_lambda import fused_chunk as _fused
 
 __all__ = ["causal_lambda", "MODES", "resolve_mode", "call_mode"]
@@ -44,7 +44,15 @@ def call_mode(mode: str, q: Tensor, r: int, chunk_size: int | None = None) -> st
     """The mode a call on ``q [b, n, h, k]`` with the causal scope ``r`` runs: ``"auto"`` resolved on its device
     and sizes (the kernels where they serve them: :func:`~lambdanet.ops.causal_lambda.fused_chunk.fits`), any other
     mode checked; ``"fused_chunk"`` outside the kernels' limits is a one-line error."""
-    unfit = _fused.fits(q.shape[2], q.shape[3], r, chunk_size or _fused.default_chunk(q.shape[2]), q.dtype)
+    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    chunk = chunk_size or _fused.default_chunk(q.shape[2])
+    if chunk < 16 or chunk & (chunk - 1):  # the kernels' chunks; "auto" then takes the PyTorch form
+        if mode == "fused_chunk":
+            raise ValueError(f"chunk_size must be a power of two >= 16 with mode='fused_chunk', got {chunk!r}")
+        unfit: str | None = f"chunk_size={chunk}"
+    else:
+        unfit = _fused.fits(q.shape[2], q.shape[3], r, chunk, q.dtype)
     mode = resolve_mode(mode, q.device, fits=unfit is None)
     if mode == "fused_chunk" and unfit:
         raise ValueError(f"mode='fused_chunk' does not serve {unfit}; use mode='chunk' (or 'auto', which does)")
@@ -60,13 +68,15 @@ def _recurrent(q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None, stat
 
         dtype = q.dtype
         return fused_recurrent_causal_lambda(q, keys, values.to(dtype), emb, state)
+    # the state receives no gradient, as in every mode (a copy where it was made under inference_mode)
+    state = {key: t.detach().clone() if t.is_inference() else t.detach() for key, t in state.items()}
     ys = []
     for t in range(q.shape[1]):
         y, state = _causal.causal_lambda_step(q[:, t], keys[:, t], values[:, t], emb, state)
         ys.append(y)
     dtype = _causal.compute_dtype(q.dtype, keys.dtype, values.dtype)
     out = torch.stack(ys, dim=1) if ys else q.new_zeros(q.shape[0], 0, q.shape[2], values.shape[2], dtype=dtype)
-    return out, state
+    return out, {key: t.detach() for key, t in state.items()}
 
 
 def causal_lambda(
@@ -98,9 +108,23 @@ def causal_lambda(
     mode = call_mode(mode, q, r, chunk_size)
     if mode == "naive" and initial_state is not None:  # checked without reading the state back from the device
         raise ValueError("initial_state must be None with mode='naive' (the definition starts from an empty context)")
-    if initial_state is None:
+    if initial_state is not None:
+        _causal.check_state(initial_state, q, k, v, emb)
+    else:
         (b, _, _, dk), u, dv = q.shape, k.shape[3], v.shape[2]
         initial_state = _causal.init_causal_lambda_state(b, dk, dv, u, r, device=q.device)
+    if mode != "naive" and q.shape[0] * q.shape[1] == 0:
+        mode = "chunk"  # an empty batch or sequence: the PyTorch form's empty result, in the graph
+    with leave_autocast(q.device.type):  # each mode's own precision rule, also under autocast
+        o, state = _run(mode, q, k, v, emb, initial_state, chunk_size, output_final_state)
+    o = o.to(q.dtype)  # the inputs' dtype in every mode (fla's convention)
+    return (o, state) if output_final_state else o
+
+
+def _run(mode: str, q: Tensor, k: Tensor, v: Tensor, emb: Tensor | None, initial_state: dict[str, Tensor],
+         chunk_size: int | None, output_final_state: bool) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
+    """The call in ``mode`` (resolved): ``(o, the state after it)`` (the initial state where none was asked for and
+    the kernels made none)."""
     state: dict[str, Tensor] = initial_state
     if mode == "naive":
         o = _causal.causal_lambda_reference(q, k, v, emb)
@@ -116,7 +140,7 @@ def causal_lambda(
         chunk = chunk_size or _fused.default_chunk(q.shape[2])
         o, final = _fused_call(q, k, v, emb, initial_state, chunk, output_final_state)
         state = initial_state if final is None else final
-    return (o, state) if output_final_state else o
+    return o, state
 
 
 def _fused_call(q, k, v, emb, state, chunk: int, final_state: bool):

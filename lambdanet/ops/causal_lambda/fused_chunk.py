@@ -297,7 +297,8 @@ def _backward_impl(
                               **kw["grad_keys_values"])  # fmt: skip
     dq = dq.sum(1).to(q.dtype) if U > 1 else dq[:, 0]
     if emb is not None:
-        demb = demb.view(B, U, N, K, m["RP"])[..., :r].sum(dim=(0, 2)).permute(2, 1, 0).to(emb.dtype)  # r k u
+        # r k u, contiguous as the fake kernel says (compiled graphs check the strides a custom op returns)
+        demb = demb.view(B, U, N, K, m["RP"])[..., :r].sum(dim=(0, 2)).permute(2, 1, 0).to(emb.dtype).contiguous()
     return dq, dkeys, dvalues, demb
 
 
@@ -389,7 +390,8 @@ def fused_chunk_causal_lambda(
         return y, None
     (b, _, _, k), u, v = q.shape, keys.shape[3], values.shape[2]
     keep = win.shape[2]  # the window: the last r - 1 values (only those are copied, not the whole sequence)
-    full = torch.cat([win, values[:, values.shape[1] - min(keep, values.shape[1]) :].permute(0, 3, 1, 2)], dim=2)
+    last = values.detach()[:, values.shape[1] - min(keep, values.shape[1]) :].permute(0, 3, 1, 2)  # b u t v
+    full = torch.cat([win, last], dim=2)
     final = {  # the carried state receives no gradient, whichever path ran (the eager one marks it so)
         "S": Sb[:, -1].detach().reshape(b, u, k, v),
         "z": zb[:, -1].detach().reshape(b, u, k),
