@@ -20,6 +20,7 @@ __all__ = [
     "require",
     "compute_dtype",
     "autocast_active",
+    "check_dtype",
     "no_autocast",
     "leave_autocast",
     "to_ntuple",
@@ -139,6 +140,17 @@ def check_input(x: Tensor, dim: int, spatial_dims: int | None, layer: str, *, di
 
 
 _LAYOUTS = {1: "[B, C, L]", 2: "[B, C, H, W]", 3: "[B, C, D, H, W]"}
+
+
+def check_dtype(x: Tensor, weight: Tensor, layer: str) -> None:
+    """A one-line ``ValueError`` where ``x`` cannot meet ``weight`` (the layer's first projection) in a product:
+    another floating dtype outside autocast (which casts both itself). Called before the projection, whose own
+    error is torch's ``mat1 and mat2 must have the same dtype``."""
+    if x.dtype != weight.dtype and not autocast_active(x.device.type):
+        raise ValueError(
+            f"{layer}'s parameters are {str(weight.dtype).removeprefix('torch.')} but its input is "
+            f"{str(x.dtype).removeprefix('torch.')}: cast the input, or the layer with .to({x.dtype})"
+        )
 
 
 def check_real(value, name: str, *, low: float = 0, high: float | None = None, high_open: bool = False) -> None:

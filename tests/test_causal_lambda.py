@@ -120,3 +120,7 @@ def test_bad_shapes_and_chunks_are_one_line_errors():
         causal_lambda(q, keys, values, emb[:, :3])
     with pytest.raises(ValueError, match="chunk must be a positive int"):
         causal_lambda(q, keys, values, emb, chunk=0)
+    with pytest.raises(ValueError, match="^q must be a floating-point tensor, got torch.int64"):
+        causal_lambda(q.long(), keys, values, emb)
+    with pytest.raises(ValueError, match="^emb must be a floating-point tensor or None, got list"):
+        causal_lambda(q, keys, values, [[1.0]])

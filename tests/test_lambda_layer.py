@@ -304,6 +304,8 @@ BAD = [
     (dict(dim=16, key_norm="max"), "key_norm must be one of"),
     (dict(dim=16, dim_k=0), "dim_k must be a positive int"),
     (dict(dim=16, content=False, position=False), "cannot both be False"),
+    (dict(dim=16, content="no"), "content must be True or False, got 'no'"),
+    (dict(dim=16, position=1), "position must be True or False, got 1"),
     (dict(dim=16, position_embedding="absolute", r=5, feat_size=4), "needs feat_size and r=None"),
     (dict(dim=16, feat_size=(4, 4, 4), r=None, spatial_dims=2), "feat_size must have 2 entries"),
 ]
@@ -318,6 +320,10 @@ def test_bad_constructor_arguments_raise_value_error(kwargs, needle):
 
 def test_bad_inputs_raise_value_error():
     layer = LambdaLayer(16, r=5)
+    with pytest.raises(ValueError, match=r"^LambdaLayer's parameters are float32 but its input is float64: cast"):
+        layer(torch.randn(2, 16, 6, 6, dtype=torch.float64))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts both itself
+        assert layer(torch.randn(2, 16, 6, 6, dtype=torch.bfloat16)).shape == (2, 16, 6, 6)
     with pytest.raises(ValueError, match="dim=16 input channels, got input with 8 channels"):
         layer(torch.randn(2, 8, 6, 6))
     with pytest.raises(ValueError, match=r"rank 4 \[B, C, H, W\]"):
@@ -1003,3 +1009,19 @@ def test_training_runs_choose_implementations_by_the_static_policy(monkeypatch, 
         engine_task.run(lambda *args: None, cfg)
         assert impl_tuning_mode() == "measure"
     assert seen == ["static"]
+
+
+@pytest.mark.parametrize("impl", ["conv", "depthwise_conv", "einsum", "einsum_qe", "auto"])
+@pytest.mark.parametrize("r,size,dim_u", [(23, 4, 1), (5, 6, 1), (7, 5, 2)])
+def test_an_empty_batch_runs_forward_and_backward_in_every_implementation(impl, r, size, dim_u):
+    """A batch of 0 images (a data loader's empty last shard, ``bench --batch-size 0``): the empty output and zero
+    gradients, as any PyTorch layer gives (a reshape with an inferred size failed in ``einsum_qe``'s backward)."""
+    if impl == "einsum_qe" and dim_u > 1:
+        pytest.skip("einsum_qe serves u = 1")
+    layer = LambdaLayer(64, dim_k=16, heads=4, r=r, dim_u=dim_u, impl=impl)
+    x = torch.randn(0, 64, size, size, requires_grad=True)
+    y = layer(x)
+    assert y.shape == (0, 64, size, size)
+    y.sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape
+    assert all(p.grad is not None and not p.grad.any() for p in layer.parameters() if p.requires_grad)

@@ -151,12 +151,44 @@ def test_bad_options_are_one_line_errors():
                       ({"query_softmax": "yes"}, "query_softmax must be True or False"),
                       ({"key_norm": "layer"}, r"key_norm must be one of \['softmax', 'l2', 'none'\], got 'layer'"),
                       ({"decay": "gate", "key_norm": "l2"}, "decay='gate' needs the content lambdas' prefix softmax"),
-                      ({"decay": "fixed", "content": False}, "decay='fixed' needs")):  # fmt: skip
+                      ({"decay": "fixed", "content": False}, "decay='fixed' needs"),
+                      ({"r": True}, r"r must be a non-negative int \(0: content lambdas only\), got True"),
+                      ):  # fmt: skip
         with pytest.raises(ValueError, match=match) as err:
             CausalLambdaLayer(24, **kw)
         assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="attention_every must be a positive int"):
         create_model("hybrid_lm_nano", attention_every=0)
+
+
+def test_bad_inputs_and_states_are_one_line_errors_in_forward_step_and_init_state():
+    """What the projection or the op would reject deep inside (torch's shape, dtype or key errors), named at the
+    layer's entry: ``x``'s layout and dtype, a state of another batch size or layer (in ``forward`` and in ``step``,
+    before any kernel reads it), ``init_state``'s batch size. Autocast's mixed dtypes stay accepted."""
+    layer = CausalLambdaLayer(32, heads=4, dim_k=8, r=4, short_conv=3)
+    state = layer.init_state(2)
+    other = CausalLambdaLayer(32, heads=4, dim_k=8, r=6).init_state(2)
+    cases = [
+        (lambda: layer.step(state, torch.randn(3, 32)), r"^state does not fit a batch of 3 in this layer: S \(2, "),
+        (lambda: layer.step(state, torch.randn(2, 16)), r"^x must be a floating-point tensor \[batch, dim=32\], got "),
+        (lambda: layer.step(state, torch.randn(2, 1, 32)), r"\[batch, dim=32\], got shape \(2, 1, 32\)"),
+        (lambda: layer.step(other, torch.randn(2, 32)), r"^state must be this layer's state \(keys \['S', 'c', 'conv'"),
+        (lambda: layer(torch.randn(2, 5, 32), other), r"^state must be this layer's state"),
+        (lambda: layer(torch.ones(2, 8, 32, dtype=torch.long)), r"\[batch, length, dim=32\], got shape .*int64"),
+        (lambda: layer(torch.randn(2, 8, 32).numpy()), r"\[batch, length, dim=32\], got ndarray"),
+        (lambda: layer(torch.randn(2, 8, 32, dtype=torch.float64)),
+         r"^CausalLambdaLayer's parameters are float32 but its input is float64: cast the input, or the layer with"),
+        (lambda: layer.init_state(-1), r"^batch_size must be a non-negative int, got -1"),
+        (lambda: layer.init_state("2"), r"^batch_size must be a non-negative int, got '2'"),
+    ]
+    for call, match in cases:
+        with pytest.raises(ValueError, match=match) as err:
+            call()
+        assert "\n" not in str(err.value)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # float32 parameters meet a bf16 input under autocast
+        y, after = layer(torch.randn(2, 8, 32, dtype=torch.bfloat16), return_state=True)
+        layer.step(after, torch.randn(2, 32, dtype=torch.bfloat16))
+    assert y.shape == (2, 8, 32)
 
 
 @pytest.mark.parametrize("size", sorted(LM_SIZES))

@@ -338,6 +338,10 @@ def test_every_table_3_and_4_row_is_one_create_model_call():
         (lambda: create_model("halonet_h0", stem="cifar"), "does not take ['stem']; it accepts: img_size"),
         (lambda: create_model("mobilenet_v2", lambda_blocks=(10,)), "does not take ['lambda_blocks']"),
         (lambda: build_resnet(ResNetConfig(layers=(1, 1, 1, 1), act=None), ResNetArgs()), "act must be one of"),
+        (lambda: create_model("lambda_resnet26", se="bogus"), "se must be True, False or a reduction ratio in (0, 1]"),
+        (lambda: create_model("resnet26", se=16), "se must be True, False or a reduction ratio in (0, 1], got 16"),
+        (lambda: list_models(task="bogus"), "task must be one of ['image', 'lm'], got 'bogus'"),
+        (lambda: list_models(3), "pattern must be a shell-style wildcard string or None, got 3"),
     ],
 )
 def test_bad_model_arguments_raise_value_error_listing_choices(call, needle):

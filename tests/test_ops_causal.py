@@ -396,6 +396,19 @@ def test_every_mode_returns_the_inputs_dtype_and_gives_the_state_no_gradient(mod
     assert all(t.grad is None for t in held.values())
 
 
+@pytest.mark.parametrize("mode", ["naive", "chunk", "fused_recurrent"])
+def test_mixed_input_dtypes_compute_in_their_promotion_in_every_mode(mode):
+    """float64 queries with float32 keys, values and table: every mode runs (the definition promoted them too) and
+    returns the queries' dtype, equal to the all-float64 definition: to float64 rounding where the PyTorch forms
+    compute in the promotion, to float32's (~1e-7 over these 20-term sums) where the recurrent kernel runs (its
+    products are float32 whatever the inputs: the precision rule)."""
+    q, keys, values, emb = inputs(20, k=4, v=8, u=1, r=3)
+    want = causal_lambda_reference(q.double(), keys.double(), values.double(), emb.double())
+    got = causal_lambda(q.double(), keys, values, emb, mode=mode)
+    kernel = mode == "fused_recurrent" and FC.available("cpu")[0]
+    assert got.dtype == torch.float64 and rel(got, want) < (1e-5 if kernel else 1e-12)
+
+
 @pytest.mark.parametrize("mode", ["naive", *STATE_MODES])
 @pytest.mark.parametrize("b,n", [(0, 9), (2, 0)])
 def test_an_empty_batch_or_sequence_gives_the_empty_result_and_zero_gradients(mode, b, n):

@@ -66,6 +66,11 @@ def causal_lambda_reference(q: Tensor, keys: Tensor, values: Tensor, emb: Tensor
     Returns:
         ``[b, n, h, v]``.
     """
+    dtype = q.dtype
+    for t in (keys, values) + (() if emb is None else (emb,)):
+        dtype = torch.promote_types(dtype, t.dtype)  # mixed inputs: promoted, as the other modes do
+    q, keys, values = q.to(dtype), keys.to(dtype), values.to(dtype)
+    emb = None if emb is None else emb.to(dtype)
     out = []
     for n in range(q.shape[1]):
         w = torch.softmax(keys[:, : n + 1], dim=1)  # b m k u
@@ -245,6 +250,12 @@ def _prepare(q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None):
 
 
 def _check(q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None) -> None:
+    for name, t in (("q", q), ("keys", keys), ("values", values), ("emb", emb)):
+        if t is None and name == "emb":
+            continue
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            got = t.dtype if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a floating-point tensor{' or None' if name == 'emb' else ''}, got {got}")
     if q.dim() != 4 or keys.dim() != 4 or values.dim() != 4:
         raise ValueError(
             f"q, keys and values must be [b, n, h, k], [b, n, k, u] and [b, n, v, u], got shapes "

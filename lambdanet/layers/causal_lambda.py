@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lambdanet.functional import causal as LC
-from lambdanet.helpers import autocast_active, check_choice, check_positive_int
+from lambdanet.helpers import autocast_active, check_choice, check_dtype, check_positive_int
 from lambdanet.layers.causal_attention import step_arguments
 from lambdanet.ops import lambda_terms as terms
 from lambdanet.ops.causal_lambda import call_mode, causal_lambda, resolve_mode
@@ -112,13 +112,14 @@ class CausalLambdaLayer(nn.Module):
             raise ValueError(f"lambdas must divide heads={heads} (the queries are split among them), got {lambdas}")
         dim_v = dim // heads if dim_v is None else dim_v
         check_positive_int(dim_v, "dim_v")
-        if not isinstance(r, int) or r < 0:
+        if not isinstance(r, int) or isinstance(r, bool) or r < 0:
             raise ValueError(f"r must be a non-negative int (0: content lambdas only), got {r!r}")
         if decay not in DECAYS:
             raise ValueError(f"decay must be one of {', '.join(map(repr, DECAYS))}, got {decay!r}")
         if not isinstance(short_conv, int) or isinstance(short_conv, bool) or short_conv < 0:
             raise ValueError(f"short_conv must be a non-negative int (0: no convolution), got {short_conv!r}")
         self.dim, self.heads, self.dim_k, self.dim_v = dim, heads, dim_k, dim_v
+        self._state_shapes: dict[int, dict[str, tuple[int, ...]]] = {}
         self.dim_u, self.r, self.chunk, self.decay, self.short_conv = dim_u, r, chunk, decay, short_conv
         for value, name in ((content, "content"), (query_softmax, "query_softmax")):
             if not isinstance(value, bool):
@@ -235,6 +236,8 @@ class CausalLambdaLayer(nn.Module):
     def init_state(self, batch_size: int, dtype: torch.dtype | None = None, device=None) -> dict[str, Tensor]:
         """The empty context's state (:func:`lambdanet.functional.causal.init_causal_lambda_state`, and the last
         ``short_conv - 1`` projections as zeros)."""
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 0:
+            raise ValueError(f"batch_size must be a non-negative int, got {batch_size!r}")
         p = self.qkv.weight
         dtype = torch.promote_types(dtype or p.dtype, torch.float32)
         device = device or p.device
@@ -267,8 +270,9 @@ class CausalLambdaLayer(nn.Module):
     def forward(self, x: Tensor, state: dict[str, Tensor] | None = None, return_state: bool = False):
         """``x [b, n, dim]`` -> ``[b, n, dim]`` (and the state after the last position if ``return_state``);
         ``state``: the context before ``x`` (default: none)."""
-        if x.dim() != 3 or x.shape[-1] != self.dim:
-            raise ValueError(f"x must be [batch, length, dim={self.dim}], got shape {tuple(x.shape)}")
+        self._check_x(x, "[batch, length, dim={}]", 3)
+        if state is not None:
+            self._check_state(state, x.shape[0])
         qkv, conv = self._project(x, state, keep=return_state)
         q, keys, values = self._split(qkv)  # b n h k, b n L k u, b n L v u
         keys, total = self._offsets(x, keys)
@@ -289,6 +293,8 @@ class CausalLambdaLayer(nn.Module):
         """One position: ``x [b, dim]`` after the context ``state`` -> ``([b, dim], new state)`` (the earlier order
         ``step(x, state)`` still works for one release, with a warning)."""
         state, x = step_arguments(state, x, "CausalLambdaLayer.step")
+        self._check_x(x, "[batch, dim={}]", 2)
+        self._check_state(state, x.shape[0])
         qkv, conv = self._project(x[:, None], state)
         q, keys, values = self._split(qkv)  # b 1 h k, b 1 L k u, b 1 L v u
         keys, total = self._offsets(x[:, None], keys)
@@ -304,6 +310,30 @@ class CausalLambdaLayer(nn.Module):
             y, op_state = LC.causal_lambda_step(q[:, 0], keys[:, 0], values[:, 0], self.emb, op_state)
             y = y[:, None]  # (b L) 1 (h/L) v
         return self.proj(self._to_proj(self._unfold(y)[:, 0], x)), self._finish(op_state, total, conv)
+
+    def _check_x(self, x: Tensor, layout: str, rank: int) -> None:
+        """A one-line ``ValueError`` unless ``x`` is a floating-point tensor of ``layout`` that the projection takes."""
+        if not isinstance(x, Tensor) or x.dim() != rank or x.shape[-1] != self.dim or not x.is_floating_point():
+            got = f"shape {tuple(x.shape)}, {x.dtype}" if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"x must be a floating-point tensor {layout.format(self.dim)}, got {got}")
+        check_dtype(x, self.qkv.weight, "CausalLambdaLayer")
+
+    def _check_state(self, state: dict[str, Tensor], batch_size: int) -> None:
+        """A one-line ``ValueError`` unless ``state`` has the keys and shapes of :meth:`init_state` for
+        ``batch_size`` (shapes only; the expected ones kept per batch size, as generation checks every step)."""
+        known = getattr(self, "_state_shapes", {})  # (a layer pickled by an earlier version has none)
+        want = known.get(batch_size)
+        if want is None:
+            want = {key: tuple(t.shape) for key, t in self.init_state(batch_size, device="meta").items()}
+            self._state_shapes = {**known, batch_size: want}
+        if not isinstance(state, dict) or set(want) - set(state):
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"state must be this layer's state (keys {sorted(want)}: init_state, or a returned "
+                             f"state), got {got}")  # fmt: skip
+        bad = [f"{key} {tuple(state[key].shape)} (expected {want[key]})" for key in want
+               if tuple(state[key].shape) != want[key]]  # fmt: skip
+        if bad:
+            raise ValueError(f"state does not fit a batch of {batch_size} in this layer: " + ", ".join(bad))
 
     def extra_repr(self) -> str:
         return (

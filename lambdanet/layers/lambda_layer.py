@@ -24,6 +24,7 @@ from lambdanet import functional as LF
 from lambdanet.helpers import (
     avg_pool_nd,
     check_choice,
+    check_dtype,
     check_input,
     check_positive_int,
     compute_dtype,
@@ -160,6 +161,9 @@ class LambdaLayer(LambdaPositionMixin, nn.Module):
         check_choice(qv_norm, "qv_norm", _QV_NORMS)
         check_choice(position_embedding, "position_embedding", _POS_EMBS)
         check_choice(impl, "impl", _IMPLS)
+        for name, flag in (("content", content), ("position", position)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be True or False, got {flag!r}")
         if not (content or position):
             raise ValueError("content and position cannot both be False: the layer would compute nothing")
         if embedding is not None and not isinstance(embedding, (RelativePositionEmbedding, AbsolutePositionEmbedding)):
@@ -326,6 +330,7 @@ class LambdaLayer(LambdaPositionMixin, nn.Module):
     # ------------------------------------------------------------------------------------------ forward steps
     def forward(self, x: Tensor) -> Tensor:
         check_input(x, self.dim, self.spatial_dims, "LambdaLayer")
+        check_dtype(x, self.qkv.weight, "LambdaLayer")
         b, spatial = x.shape[0], tuple(x.shape[2:])
         self._check_spatial(spatial)
         plan = self.plan(spatial, x.device.type)

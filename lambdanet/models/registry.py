@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 from torch import nn
 
 from lambdanet.constants import DEFAULT_CROP_PCT, DEFAULT_INTERPOLATION, IMAGENET_MEAN, IMAGENET_STD
+from lambdanet.helpers import check_choice
 
 __all__ = [
     "unregister_model",
@@ -225,6 +226,10 @@ def unregister_model(name: str) -> None:
 def list_models(pattern: str | None = None, *, task: str | None = None) -> list[str]:
     """Registered model names, sorted; ``pattern`` is a shell-style wildcard (``"lambda_resnet*"``), ``task``
     keeps one kind (``"image"`` or ``"lm"``, :attr:`ModelInfo.task`)."""
+    if pattern is not None and not isinstance(pattern, str):
+        raise ValueError(f"pattern must be a shell-style wildcard string or None, got {pattern!r}")
+    if task is not None:
+        check_choice(task, "task", sorted({info.task for info in _INFO.values()}))
     return [
         n
         for n in sorted(_MODELS)

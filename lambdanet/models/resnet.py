@@ -390,7 +390,10 @@ def build_resnet(
             )
         changes["stage_kwargs"] = ({}, {}, {}, {})
     if args.se:
-        changes["se_ratio"] = 1 / 16 if args.se is True else float(args.se)
+        ratio = args.se
+        if ratio is not True and (not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 < ratio <= 1):
+            raise ValueError(f"se must be True, False or a reduction ratio in (0, 1], got {ratio!r}")
+        changes["se_ratio"] = 1 / 16 if ratio is True else float(ratio)
     if args.stem is not None:
         changes["stem"] = args.stem
     if args.base_width is not None:

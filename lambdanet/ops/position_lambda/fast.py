@@ -177,7 +177,7 @@ def position_lambdas(values: Tensor, kernel: Tensor, center: Sequence[int], impl
     ksize = tuple(kernel.shape[3:])
     if impl == "einsum":
         emb = gather_relative_embeddings(kernel, center, spatial)  # g k u n m
-        lam = einsum_position_lambdas(values.reshape(b, g, v, u, -1), emb)  # b g v k n
+        lam = einsum_position_lambdas(values.reshape(b, g, v, u, emb.shape[-2]), emb)  # b g v k n
         return lam.view(b, g, v, k, *spatial)
     if impl == "depthwise_conv":
         x = values.reshape(b, g * v * u, *spatial)  # b (g v u) *S
@@ -267,7 +267,7 @@ class _QEPositionOutput(torch.autograd.Function):
         for i in range(0, n, chunk):
             j = min(n, i + chunk)
             nc = j - i
-            g_c = grad[:, :, i:j].reshape(b, h * nc, -1)  # b (h nc) v
+            g_c = grad[:, :, i:j].reshape(b, h * nc, grad.shape[-1])  # b (h nc) v (sizes named: b may be 0)
             a = _qe_scores(q_n[i:j], e_n[i:j], b, h)  # recomputed, b (h nc) m
             grad_v.baddbmm_(a.transpose(1, 2), g_c)  # b m v
             del a
