@@ -21,6 +21,7 @@ __all__ = [
     "compute_dtype",
     "autocast_active",
     "check_dtype",
+    "bind_shapes",
     "no_autocast",
     "leave_autocast",
     "to_ntuple",
@@ -140,6 +141,30 @@ def check_input(x: Tensor, dim: int, spatial_dims: int | None, layer: str, *, di
 
 
 _LAYOUTS = {1: "[B, C, L]", 2: "[B, C, H, W]", 3: "[B, C, D, H, W]"}
+
+
+def bind_shapes(**named: tuple[Tensor, str]) -> dict[str, int]:
+    """Check each tensor against a space-separated axis spec and that shared axes agree.
+
+    ``bind_shapes(queries=(q, "b h n k"), keys=(k, "b m k"))`` returns ``{"b": .., "h": .., ...}`` or raises a
+    ``ValueError`` that names the offending argument and the expected shape.
+    """
+    sizes: dict[str, tuple[int, str]] = {}
+    for arg, (t, spec) in named.items():
+        axes = spec.split()
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{arg} must be a tensor of shape [{', '.join(axes)}], got {type(t).__name__}")
+        if t.dim() != len(axes):
+            raise ValueError(f"{arg} must have shape [{', '.join(axes)}], got shape {tuple(t.shape)}")
+        for ax, s in zip(axes, t.shape):
+            if ax in sizes and sizes[ax][0] != s:
+                other_size, other_arg = sizes[ax]
+                raise ValueError(
+                    f"{arg} has {ax}={s} but {other_arg} has {ax}={other_size}; "
+                    f"expected {arg} of shape [{', '.join(axes)}]"
+                )
+            sizes.setdefault(ax, (int(s), arg))
+    return {ax: s for ax, (s, _) in sizes.items()}
 
 
 def check_dtype(x: Tensor, weight: Tensor, layer: str) -> None:

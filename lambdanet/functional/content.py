@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lambdanet.helpers import check_choice, compute_dtype
+from lambdanet.helpers import bind_shapes, check_choice, compute_dtype
 
 __all__ = ["KEY_NORMS", "normalize_keys", "content_lambda", "causal_content_lambdas", "apply_content_lambda"]
 
@@ -19,6 +19,9 @@ def normalize_keys(keys: Tensor, method: str, dim: int = 1) -> Tensor:
     """Normalise keys along the context axis ``dim`` (Table 12): ``"softmax"`` (default), ``"l2"``
     (unit L2 norm over the context) or ``"none"``."""
     check_choice(method, "key_norm", KEY_NORMS)
+    if not isinstance(keys, Tensor) or not -keys.dim() <= dim < keys.dim():
+        got = f"{keys.dim()}-d keys" if isinstance(keys, Tensor) else f"keys of type {type(keys).__name__}"
+        raise ValueError(f"dim must be an axis of the keys tensor, got dim={dim!r} for {got}")
     if method == "softmax":
         return keys.softmax(dim=dim)
     if method == "l2":
@@ -36,6 +39,8 @@ def content_lambda(normalized_keys: Tensor, values: Tensor) -> Tensor:
     Returns:
         ``[b, g, k, v]``.
     """
+    if not _same_axes(normalized_keys, values, 5, (0, 1, 2, 4)):  # the checks' cost only where they fail
+        bind_shapes(normalized_keys=(normalized_keys, "b m g k u"), values=(values, "b m g v u"))
     b, m, g, k, u = normalized_keys.shape
     v = values.shape[3]
     if g == 1 and u == 1:
@@ -61,6 +66,8 @@ def causal_content_lambdas(keys: Tensor, values: Tensor, method: str = "softmax"
         ``[b, n, g, k, v]``.
     """
     check_choice(method, "key_norm", KEY_NORMS)
+    if not _same_axes(keys, values, 5, (0, 1, 2, 4)):
+        bind_shapes(keys=(keys, "b n g k u"), values=(values, "b n g v u"))
     dtype = compute_dtype(keys.dtype, values.dtype)
     keys, values = keys.to(dtype), values.to(dtype)
     tiny = torch.finfo(dtype).tiny
@@ -88,8 +95,21 @@ def apply_content_lambda(queries: Tensor, lam: Tensor) -> Tensor:
     Returns:
         ``[b, n, h, v]``.
     """
+    if not (
+        _same_axes(queries, lam, 4, (0,)) and queries.shape[3] == lam.shape[2] and lam.shape[1] in (1, queries.shape[2])
+    ):
+        bind_shapes(queries=(queries, "b n h k"), lam=(lam, "b g k v"))
+        raise ValueError(f"lam must have g = 1 or g = h = {queries.shape[2]} lambdas, got shape {tuple(lam.shape)}")
     b, n, h, k = queries.shape
     g, v = lam.shape[1], lam.shape[3]
     if g == 1:
         return (queries.reshape(b, n * h, k) @ lam[:, 0]).view(b, n, h, v)  # b n h v
     return torch.einsum("bnhk,bhkv->bnhv", queries, lam)  # b n h v
+
+
+def _same_axes(a: Tensor, b: Tensor, rank: int, axes: tuple[int, ...]) -> bool:
+    """Whether ``a`` and ``b`` are ``rank``-d tensors that agree on ``axes`` (a fast test before the named check)."""
+    return (
+        isinstance(a, Tensor) and isinstance(b, Tensor) and a.dim() == rank == b.dim()
+        and all(a.shape[i] == b.shape[i] for i in axes)
+    )  # fmt: skip

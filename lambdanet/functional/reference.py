@@ -6,34 +6,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lambdanet.helpers import bind_shapes as _bind
 from lambdanet.helpers import check_choice
 from lambdanet.ops.position_lambda.fast import POSITION_IMPLS, position_lambdas
 
 __all__ = ["lambda_layer", "compute_position_lambdas", "masked_lambda_layer", "multihead_lambda_layer"]
-
-
-def _bind(**named: tuple[Tensor, str]) -> dict[str, int]:
-    """Check each tensor against a space-separated axis spec and that shared axes agree.
-
-    ``_bind(queries=(q, "b h n k"), keys=(k, "b m k"))`` returns ``{"b": .., "h": .., ...}`` or raises a
-    ``ValueError`` that names the offending argument and the expected shape.
-    """
-    sizes: dict[str, tuple[int, str]] = {}
-    for arg, (t, spec) in named.items():
-        axes = spec.split()
-        if not isinstance(t, Tensor):
-            raise ValueError(f"{arg} must be a tensor of shape [{', '.join(axes)}], got {type(t).__name__}")
-        if t.dim() != len(axes):
-            raise ValueError(f"{arg} must have shape [{', '.join(axes)}], got shape {tuple(t.shape)}")
-        for ax, s in zip(axes, t.shape):
-            if ax in sizes and sizes[ax][0] != s:
-                other_size, other_arg = sizes[ax]
-                raise ValueError(
-                    f"{arg} has {ax}={s} but {other_arg} has {ax}={other_size}; "
-                    f"expected {arg} of shape [{', '.join(axes)}]"
-                )
-            sizes.setdefault(ax, (int(s), arg))
-    return {ax: s for ax, (s, _) in sizes.items()}
 
 
 def lambda_layer(queries: Tensor, keys: Tensor, embeddings: Tensor, values: Tensor) -> Tensor:
@@ -49,6 +26,9 @@ def lambda_layer(queries: Tensor, keys: Tensor, embeddings: Tensor, values: Tens
     Returns:
         ``[b, n, h * v]``: ``y_n = concat_h((lambda^c + lambda^p_n)^T q^h_n)`` (Eq. 1-2).
     """
+    for name, t in (("keys", keys), ("embeddings", embeddings), ("values", values)):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
     if keys.dim() == 4 or values.dim() == 4 or embeddings.dim() == 4:
         s = _bind(
             queries=(queries, "b h n k"),

@@ -20,7 +20,7 @@ from lambdanet.functional.content import (  # re-exported: the fast path's conte
     content_lambda,
     normalize_keys,
 )
-from lambdanet.helpers import autocast_active, check_choice, conv_nd, leave_autocast, no_autocast
+from lambdanet.helpers import autocast_active, bind_shapes, check_choice, conv_nd, leave_autocast, no_autocast
 
 __all__ = [
     "POSITION_IMPLS",
@@ -56,6 +56,18 @@ def crop_relative_kernel(
     scope on a 7x7 map is a 13x13 one. Also used to crop a global relative table for inputs smaller
     than ``feat_size``. Returns the (view of the) cropped kernel and its new centre.
     """
+    axes = kernel.dim() - 3
+    if any(s < 1 for s in spatial):
+        raise ValueError(f"spatial must be positive sizes, got {tuple(spatial)}")
+    if (
+        len(center) != axes
+        or len(spatial) != axes
+        or any(not 0 <= c < kernel.shape[3 + a] for a, c in enumerate(center))
+    ):
+        raise ValueError(
+            f"center must give one tap of each of the kernel's {axes} spatial axes (sizes "
+            f"{tuple(kernel.shape[3:])}) for a {len(spatial)}-d input, got center={tuple(center)}"
+        )
     new_center = []
     for a, (c, s) in enumerate(zip(center, spatial)):
         size = kernel.shape[3 + a]
@@ -170,6 +182,11 @@ def position_lambdas(values: Tensor, kernel: Tensor, center: Sequence[int], impl
         ``[b, g, v, k, *S]``.
     """
     check_choice(impl, "impl", POSITION_IMPLS)
+    if values.dim() != kernel.dim() + 1 or values.shape[1] != kernel.shape[0] or values.shape[3] != kernel.shape[2]:
+        raise ValueError(
+            f"values [b, g, v, u, *S] and kernel [g, k, u, *K] must agree on g, u and the spatial rank, got shapes "
+            f"{tuple(values.shape)} and {tuple(kernel.shape)}"
+        )
     b, g, v, u = values.shape[:4]
     spatial = tuple(values.shape[4:])
     kernel, center = crop_relative_kernel(kernel, center, spatial)
@@ -418,6 +435,11 @@ def apply_lambdas(queries: Tensor, lambdas: Tensor) -> Tensor:
     Returns:
         ``[b, n, h, v]``, as batched GEMMs over the ``b n`` positions (no broadcast copies).
     """
+    ok = isinstance(queries, Tensor) and isinstance(lambdas, Tensor) and queries.dim() == 4 and lambdas.dim() == 5
+    if not (ok and queries.shape[:2] == lambdas.shape[:2] and queries.shape[3] == lambdas.shape[4]
+            and lambdas.shape[2] in (1, queries.shape[2])):  # fmt: skip
+        bind_shapes(queries=(queries, "b n h k"), lambdas=(lambdas, "b n g v k"))
+        raise ValueError(f"lambdas must have g = 1 or g = h = {queries.shape[2]}, got shape {tuple(lambdas.shape)}")
     b, n, h, k = queries.shape
     g, v = lambdas.shape[2], lambdas.shape[3]
     if g == 1:
