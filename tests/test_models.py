@@ -21,6 +21,7 @@ from lambdanet.models import byoa, halonet, mobilenet, zoo_resnet
 from lambdanet.models.halonet import halonet_config
 from lambdanet.models.paper_tables import PAPER_ROWS
 from lambdanet.models.resnet import ResNetConfig, build_resnet
+from lambdanet.models.registry import register_model
 from lambdanet.models.zoo_resnet import LAMBDA_C4_BLOCKS, RESNET_RS_LAYERS, TABLE20_REGULARIZATION, Table20Row
 from lambdanet.runtime import count_flops
 from lambdanet.tasks.classification.config import TrainConfig
@@ -342,6 +343,7 @@ def test_every_table_3_and_4_row_is_one_create_model_call():
         (lambda: create_model("resnet26", se=16), "se must be True, False or a reduction ratio in (0, 1], got 16"),
         (lambda: list_models(task="bogus"), "task must be one of ['image', 'lm'], got 'bogus'"),
         (lambda: list_models(3), "pattern must be a shell-style wildcard string or None, got 3"),
+        (lambda: register_model(3), "register_model expects a model function (its name is the model's), got 3"),
     ],
 )
 def test_bad_model_arguments_raise_value_error_listing_choices(call, needle):

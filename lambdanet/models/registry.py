@@ -181,6 +181,8 @@ def register_model(
     """
 
     def deco(f: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+        if not callable(f) or not isinstance(getattr(f, "__name__", None), str):
+            raise ValueError(f"register_model expects a model function (its name is the model's), got {f!r}")
         name = f.__name__
         if name in _MODELS:
             raise ValueError(f"model {name!r} is already registered")
