@@ -28,6 +28,10 @@ __all__ = [
     "run_task",
     "check_run_task",
     "error_reason",
+    "error_with_type",
+    "weights_file_kind",
+    "check_output_dir",
+    "check_output_file",
 ]
 
 METADATA_FORMAT = "lambdanet.weights.v1"  # the header of the weights lambdanet train writes
@@ -54,6 +58,27 @@ def run_file(path: str | os.PathLike, *, ema: bool = True, checkpoint: bool = Fa
             f"{path} is a directory but holds no {what}; pass a run directory of lambdanet train or a weights file"
         )
     return found
+
+
+def check_output_dir(path: str | os.PathLike, name: str, what: str = "a folder") -> None:
+    """A one-line ``ValueError`` naming the option ``name`` when the folder ``path`` (created where missing)
+    cannot be one: it, or the nearest of its parents that exists, is a file (before any work is done)."""
+    target = Path(str(path)).expanduser()
+    existing = next((p for p in (target, *target.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        where = f"{name} {path}" if existing == target else f"{name} {path}: {existing}"
+        raise ValueError(f"{where} is a file, not a directory; choose another {name} ({what})")
+
+
+def check_output_file(path: str | os.PathLike, name: str) -> None:
+    """A one-line ``ValueError`` naming the option ``name`` when the file ``path`` cannot be written: it is a
+    folder, or the nearest of its parents that exists is a file (before any work is done)."""
+    target = Path(str(path)).expanduser()
+    if target.is_dir():
+        raise ValueError(f"{name} {path} is a directory; give a file path (e.g. {target / 'out.pt'})")
+    existing = next((p for p in target.parents if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise ValueError(f"{name} {path}: {existing} is a file, not a directory; choose another {name}")
 
 
 def read_safetensors(path: Path, tensors: bool = True) -> tuple[dict[str, Tensor], dict[str, str]]:
@@ -84,12 +109,20 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
             f"checkpoint_path {str(path)!r} does not exist (expected a weights file: "
             ".safetensors, .pth, .bin or a run's last.pt)"
         )
-    if path.suffix == ".safetensors":
+    kind = weights_file_kind(path)
+    if path.suffix == ".safetensors" or kind == "safetensors":
         return read_safetensors(path)[0]
+    if kind is not None:
+        raise WeightsMismatchError(
+            f"checkpoint_path {str(path)!r} is {kind} (expected a weights file: .safetensors, .pth, .bin or a "
+            "run's last.pt)"
+        )
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # pickles with arbitrary objects, truncated files, non-torch files
-        raise WeightsMismatchError(f"checkpoint_path {str(path)!r} is not a readable weights file ({err})") from err
+        raise WeightsMismatchError(
+            f"checkpoint_path {str(path)!r} is not a readable weights file ({error_with_type(err)})"
+        ) from None
     for key in ("state_dict_ema", "model_ema", "state_dict", "model"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]
@@ -97,6 +130,20 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
     if not isinstance(obj, dict) or not all(isinstance(v, Tensor) for v in obj.values()):
         raise WeightsMismatchError(f"checkpoint_path {str(path)!r} holds no state dict of tensors")
     return obj
+
+
+def weights_file_kind(path: Path) -> str | None:
+    """What a file is when its first bytes tell it: ``"safetensors"``, or why it cannot be a torch checkpoint
+    (empty, or neither a zip archive nor a pickle); ``None`` when it may be a torch checkpoint."""
+    with open(path, "rb") as f:
+        head = f.read(16)
+    if head.startswith(b"PK") or head[:1] == b"\x80":
+        return None
+    if len(head) >= 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < 100_000_000:
+        return "safetensors"
+    if not head:
+        return "an empty file"
+    return "not a torch checkpoint or safetensors file"
 
 
 def weights_metadata(
@@ -172,6 +219,13 @@ def error_reason(err: BaseException, limit: int = 200) -> str:
     if ends:
         return head[: ends[-1]]
     return head[: limit - 3].rsplit(" ", 1)[0] + "..."
+
+
+def error_with_type(err: BaseException) -> str:
+    """``EOFError: Ran out of input``: :func:`error_reason` after the exception's type name (the name alone
+    where it has no message)."""
+    reason = error_reason(err)
+    return reason if reason == type(err).__name__ else f"{type(err).__name__}: {reason}"
 
 
 # ------------------------------------------------------------------------------ which task wrote a run

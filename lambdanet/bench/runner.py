@@ -53,7 +53,8 @@ from lambdanet.bench.layer_parts import attention, impls, scaling, targets
 from lambdanet.bench.part import DEFAULT_SUITES, BenchSettings, Log, Part, PartResult
 from lambdanet.bench.peers import missing_peers_warning
 from lambdanet.bench.report import environment, markdown, write_rows
-from lambdanet.helpers import require
+from lambdanet.files import check_output_dir
+from lambdanet.helpers import check_positive_int, require
 from lambdanet.runtime import check_amp
 
 __all__ = ["BenchSettings", "Part", "PARTS", "DEFAULT_PARTS", "DEFAULT_SUITES", "run_benchmarks"]
@@ -379,6 +380,9 @@ def run_benchmarks(
     goes to ``log``; a missing peer package to ``warn`` (stderr) and ``bench.md``.
     """
     check_amp(amp, device)
+    for value, name in ((img_size, "img_size"), (batch_size, "batch_size"), (repeats, "repeats")):
+        check_positive_int(value, name)  # also with quick, which replaces them
+    check_output_dir(out, "out", "the folder of the results")
     require("matplotlib", "bench", "lambdanet bench (its plots)")
     for what, asked, valid in (
         ("bench layer(s)", layers or (), layer_bench.LAYER_SUITE),

@@ -11,8 +11,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     """Benchmarks (library: ``lambdanet.bench.runner.run_benchmarks``)."""
     from lambdanet.bench.runner import DEFAULT_PARTS, run_benchmarks
     from lambdanet.cli.common import check_device
+    from lambdanet.files import check_output_dir
+    from lambdanet.helpers import check_positive_int
 
     check_device(args.device)
+    for value, name in ((args.img_size, "--img-size"), (args.batch_size, "--batch-size"), (args.repeats, "--repeats")):
+        check_positive_int(value, name)  # also with --quick, which replaces them
+    check_output_dir(args.out, "--out", "the folder of the results")
     run_benchmarks(
         args.parts or DEFAULT_PARTS,
         device=args.device,
@@ -50,8 +55,8 @@ def _add_bench(sub) -> None:
         "formulas), detection (backbones at detection sizes), lm (language models: training tokens/s "
         "and memory at contexts 256-8192, generation latency and state at 1k-16k), lm_quality (bits "
         "per byte at equal time and equal steps, 3 seeds, about 35 minutes), lm_recall (associative recall of "
-        "the LM families against the number of key-value pairs, nano, under a curriculum, 3 seeds: about an "
-        "hour), lm_ablation (the lambda layer's knobs and "
+        "the LM families against the number of key-value pairs, nano, under a curriculum, 3 seeds: about two "
+        "hours), lm_ablation (the lambda layer's knobs and "
         "options at the transformer's parameter budget, three seeds: hours, resumable in --out), kernels (the "
         "Triton position kernels' roofline on a CUDA device, against its copy and matrix ceilings measured in the "
         "same run). Writes CSV, JSON, PNG plots "

@@ -87,20 +87,12 @@ def _add_predict(sub) -> None:
 
 def _cmd_export(args: argparse.Namespace) -> int:
     """Export a model to ONNX, TorchScript or an ExportedProgram (library: ``lambdanet.export.export_model``)."""
-    from lambdanet.export import FORMATS, check_dtype, default_export_path, export_model, require_format, trace_batch
-    from lambdanet.helpers import check_choice
+    from lambdanet.export import default_export_path, export_model
+    from lambdanet.files import check_output_file
     from lambdanet.models import model_info
-    from lambdanet.predict import load_for_inference, resolve_dtype
+    from lambdanet.predict import load_for_inference
 
-    if args.model is None and args.checkpoint is None:
-        raise ValueError("give --model NAME, --checkpoint PATH (a run), or both (a weights file of that model)")
-    if args.pretrained and args.model is None:
-        raise ValueError("--pretrained goes with --model NAME (a --checkpoint holds its own weights)")
-    check_choice(args.format, "--format", FORMATS)
-    dtype = resolve_dtype(args.dtype, "--dtype")
-    check_dtype(args.format, dtype, "--dtype")
-    trace_batch(args.batch_size, not args.static_batch, "--batch-size", "a dynamic batch", "; or add --static-batch")
-    require_format(args.format, check=not args.no_check)  # missing packages: before loading the model
+    dtype = _check_export_args(args)
     model = load_for_inference(
         args.checkpoint,
         model=args.model,
@@ -114,6 +106,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     in_chans, _, cfg_size = cfg.get("input_size") or (3, None, None)
     size = args.img_size or cfg_size or model_info(name).input_size
     out = args.out or default_export_path(name, args.format)
+    check_output_file(out, "--out")
     res = export_model(
         model,
         out,
@@ -141,6 +134,33 @@ def _cmd_export(args: argparse.Namespace) -> int:
             f"{res['external_data']}, which must stay next to it"
         )
     return 0
+
+
+def _check_export_args(args: argparse.Namespace):
+    """``lambdanet export``'s arguments, before any model is loaded (a one-line ``ValueError`` naming the
+    option); returns the dtype asked for."""
+    from lambdanet.export import FORMATS, check_dtype, require_format, trace_batch
+    from lambdanet.files import check_output_file
+    from lambdanet.helpers import check_choice, check_positive_int
+    from lambdanet.models import list_models
+    from lambdanet.predict import resolve_dtype
+
+    if args.model is None and args.checkpoint is None:
+        raise ValueError("give --model NAME, --checkpoint PATH (a run), or both (a weights file of that model)")
+    if args.pretrained and args.model is None:
+        raise ValueError("--pretrained goes with --model NAME (a --checkpoint holds its own weights)")
+    check_choice(args.format, "--format", FORMATS)
+    if args.img_size is not None:
+        check_positive_int(args.img_size, "--img-size")
+    if args.model in list_models(task="lm"):
+        raise ValueError(f"{args.model} is a language model; lambdanet export takes image models")
+    if args.out is not None:
+        check_output_file(args.out, "--out")
+    dtype = resolve_dtype(args.dtype, "--dtype")
+    check_dtype(args.format, dtype, "--dtype")
+    trace_batch(args.batch_size, not args.static_batch, "--batch-size", "a dynamic batch", "; or add --static-batch")
+    require_format(args.format, check=not args.no_check)  # missing packages: before loading the model
+    return dtype
 
 
 def _add_export(sub) -> None:
@@ -194,9 +214,11 @@ def _add_export(sub) -> None:
 
 def _cmd_push(args: argparse.Namespace) -> int:
     """Share a run on the Hugging Face hub (library: ``lambdanet.hub.push_to_hub`` / ``save_for_hub``)."""
+    from lambdanet.files import check_output_dir
     from lambdanet.hub import push_to_hub, save_for_hub
 
     if args.folder:
+        check_output_dir(args.folder, "--folder", "the folder receiving the repository's files")
         folder = save_for_hub(args.run, args.folder)
         print(
             f"{args.run} -> {folder} ({', '.join(sorted(p.name for p in folder.iterdir()))}); upload it with "

@@ -15,7 +15,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     import torch
 
     from lambdanet import LambdaLayer
+    from lambdanet.helpers import check_positive_int
 
+    for value, name in ((args.size, "--size"), (args.batch, "--batch")):
+        check_positive_int(value, name)
     layer = LambdaLayer(args.dim, dim_k=args.dim_k, heads=args.heads, r=args.r)
     x = torch.randn(args.batch, args.dim, args.size, args.size)
     t0 = time.perf_counter()

@@ -25,6 +25,10 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     from lambdanet.tasks.lm.task import sample
 
     check_device(args.device)
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:  # bytes the terminal passed that are not UTF-8 (Python keeps them as surrogates)
+        raise ValueError("--prompt must be valid UTF-8 text") from None
     check_run_task(args.checkpoint, "lm")  # an image-classification or detection run: say so
     out = sample(
         args.checkpoint,

@@ -125,9 +125,12 @@ def _add_sweep(sub) -> None:
 
 def _cmd_pseudo(args: argparse.Namespace) -> int:
     """Pseudo-label a teacher's unlabelled images (``lambdanet.tasks.classification.pseudo.make_pseudo_labels``)."""
-    from lambdanet.files import check_run_task
+    from lambdanet.engine.values import check_number
+    from lambdanet.files import check_output_file, check_run_task
     from lambdanet.tasks.classification.pseudo import make_pseudo_labels
 
+    check_number(args.threshold, "--threshold", 0, 1, note=" (a softmax confidence)")
+    check_output_file(args.out, "--out")
     check_run_task(args.checkpoint, "classify")
     res = make_pseudo_labels(args.checkpoint, args.out, threshold=args.threshold)
     print(
@@ -144,9 +147,15 @@ def _add_pseudo_label(sub) -> None:
         description="Label the unlabelled part (1 - labeled_fraction) of a teacher run's training "
         "set; train a student with --labeled-fraction F --pseudo-labels FILE.",
     )
-    ps.add_argument("--checkpoint", required=True, help="the teacher's last.pt (trained with --labeled-fraction < 1)")
+    ps.add_argument(
+        "--checkpoint",
+        required=True,
+        help="the teacher's run directory or its last.pt (trained with --labeled-fraction < 1)",
+    )
     ps.add_argument("--out", required=True, help="output file (.pt)")
-    ps.add_argument("--threshold", type=float, default=0.0, help="keep labels with at least this confidence")
+    ps.add_argument(
+        "--threshold", type=float, default=0.0, help="keep labels with at least this confidence, in [0, 1] (default: 0)"
+    )
     ps.set_defaults(func=_cmd_pseudo)
 
 

@@ -59,6 +59,8 @@ def save_checkpoint(state: dict, path: str | os.PathLike) -> None:
 def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
     """Load a checkpoint written by :func:`save_checkpoint`; a clear :class:`CheckpointError` otherwise."""
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"checkpoint {path} is a directory; pass the training checkpoint in it (its last.pt)")
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     if (kind := _file_kind(path)) is not None:

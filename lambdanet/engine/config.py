@@ -19,6 +19,8 @@ import yaml
 
 from lambdanet.engine.optim import OPTIMIZERS
 from lambdanet.engine.rundir import checkpoints_in
+from lambdanet.engine.values import check_number, check_types, load_run_yaml, load_yaml, save_yaml
+from lambdanet.files import check_output_dir
 from lambdanet.runtime import AMP_DTYPES
 
 __all__ = [
@@ -27,7 +29,9 @@ __all__ = [
     "RunConfig",
     "ConfigSource",
     "load_yaml",
+    "load_run_yaml",
     "save_yaml",
+    "check_number",
     "config_differences",
     "flag",
     "describe_differences",
@@ -60,7 +64,7 @@ SHARED_OPTIONS: dict[str, tuple[str, tuple | None, bool]] = {
     "momentum": ("momentum of SGD and RMSProp", None, False),
     "betas": ("Adam/AdamW betas", None, False),
     "weight_decay": ("weight decay (not on norms, biases and other 1-d parameters)", None, False),
-    "grad_clip": ("clip the gradient norm to this (null: no clipping)", None, False),
+    "grad_clip": ("clip the gradient norm to this (null or 0: no clipping)", None, False),
     "amp": ("autocast precision (fp16 needs CUDA)", tuple(AMP_DTYPES), False),
     "compile": ("torch.compile the model", None, False),
     "compile_mode": (
@@ -129,8 +133,9 @@ class RunConfig:
     def resolve(cls, recipe: str | None = None, yaml_values: dict | None = None, overrides: dict | None = None):
         """The configuration that runs, validated and completed (see the module's docstring). With ``resume``,
         a mapping given (``model_kwargs``, ...) updates the saved one."""
-        _check_keys(cls, yaml_values or {}, "config file")
-        _check_keys(cls, overrides or {}, "overrides")
+        for values, source in ((yaml_values or {}, "config file"), (overrides or {}, "overrides")):
+            _check_keys(cls, values, source)
+            check_types(cls, values)  # before the recipe and the task read them
         explicit = {**(yaml_values or {}), **(overrides or {})}
         if explicit.get("resume"):
             out = Path(explicit.get("out", cls.out))
@@ -139,8 +144,7 @@ class RunConfig:
                     f"nothing to resume in {out}: it needs config.yaml and "
                     f"{' or '.join(cls.CHECKPOINTS)} from an earlier run"
                 )
-            saved = load_yaml(out / "config.yaml")
-            _check_keys(cls, saved, str(out / "config.yaml"))
+            saved = _saved_config(cls, out / "config.yaml")
             given = {
                 k: {**saved[k], **v} if isinstance(v, dict) and isinstance(saved.get(k), dict) else v
                 for k, v in explicit.items()
@@ -165,19 +169,50 @@ class RunConfig:
         """Write in what the options imply (in place, idempotent: a saved configuration stays as it is)."""
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the field and the valid values for anything out of range."""
+        """Raise ``ValueError`` naming the field and the valid values for anything out of range: every field's
+        type (:func:`check_types`), the closed choices and the ranges of the shared options this task has
+        (:meth:`check_shared`); a task's own ``validate`` adds its options' ranges."""
+        check_types(type(self), {f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
         for name, valid in self.choices().items():
             if getattr(self, name) not in valid:
                 raise ValueError(f"{name} must be one of {list(valid)}, got {getattr(self, name)!r}")
+        self.check_shared()
 
-    def check_int(self, name: str, low: int = 1, note: str = "", *, optional: bool = False) -> None:
-        """Raise ``ValueError`` unless option ``name`` is an int >= ``low`` (1: positive, 0: non-negative), or
-        ``None`` where ``optional``; ``note`` (`` (0: auto)``) follows the kind in the message."""
+    def check_shared(self) -> None:
+        """The ranges of the options several tasks share (:data:`SHARED_OPTIONS`) and of ``seed``, for those
+        this configuration has (a ``ValueError`` naming the first out of range)."""
+        names = {f.name for f in dataclasses.fields(self)}
+        for name, low, note, optional in _SHARED_INTS:
+            if name in names:
+                self.check_int(name, low, note, optional=optional)
+        if "seed" in names:  # the engine seeds numpy, whose seeds are 32-bit
+            self.check_int("seed", 0, " below 2**32", high=2**32 - 1)
+        for name, low, high, low_open, high_open, optional, note in _SHARED_NUMBERS:
+            if name in names:
+                self.check_number(name, low, high, low_open=low_open, high_open=high_open, optional=optional, note=note)
+        if "betas" in names:
+            betas = self.betas
+            if not isinstance(betas, (list, tuple)) or len(betas) != 2 or not all(_is_fraction(b) for b in betas):
+                raise ValueError(f"betas must be two numbers in [0, 1) (Adam's beta1 beta2), got {betas!r}")
+
+    def check_int(
+        self, name: str, low: int = 1, note: str = "", *, optional: bool = False, high: int | None = None
+    ) -> None:
+        """Raise ``ValueError`` unless option ``name`` is an int >= ``low`` (1: positive, 0: non-negative) and <=
+        ``high`` where given, or ``None`` where ``optional``; ``note`` (`` (0: auto)``) follows the kind in the
+        message."""
         value = getattr(self, name)
-        if (optional and value is None) or (not isinstance(value, bool) and isinstance(value, int) and value >= low):
+        if (optional and value is None) or (
+            not isinstance(value, bool) and isinstance(value, int) and value >= low and (high is None or value <= high)
+        ):
             return
-        kind = {1: "positive", 0: "non-negative"}.get(low, f">= {low}")
-        raise ValueError(f"{name} must be a {kind} int{note}{' or null' if optional else ''}, got {value!r}")
+        kind = {1: "a positive int", 0: "a non-negative int"}.get(low, f"an int >= {low}")
+        raise ValueError(f"{name} must be {kind}{note}{' or null' if optional else ''}, got {value!r}")
+
+    def check_number(self, name: str, low: float | None = None, high: float | None = None, **kw) -> None:
+        """:func:`check_number` of option ``name`` (its keywords: ``low_open``, ``high_open``, ``optional``,
+        ``note``)."""
+        check_number(getattr(self, name), name, low, high, **kw)
 
     @classmethod
     def choices(cls) -> dict[str, tuple]:
@@ -217,14 +252,28 @@ class RunConfig:
         return int(saved["epochs"])
 
 
+def _is_fraction(value) -> bool:
+    """A real number (not a bool) in [0, 1)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1
+
+
 def _check_out(out) -> None:
     """A one-line ``ValueError`` when the run directory ``out`` cannot be one: it, or the nearest of its parents
     that exists, is a file (before any process starts: every worker process of a run would fail)."""
-    path = Path(str(out)).expanduser()
-    existing = next((p for p in (path, *path.parents) if p.exists()), None)
-    if existing is not None and not existing.is_dir():
-        what = f"--out {out}" if existing == path else f"--out {out}: {existing}"
-        raise ValueError(f"{what} is a file, not a directory; choose another --out (a folder for the run)")
+    check_output_dir(out, "--out", "a folder for the run")
+
+
+def _saved_config(cls: type[RunConfig], path: Path) -> dict:
+    """The options of a run's ``config.yaml`` that ``--resume`` continues it with, each checked (a one-line
+    ``ValueError`` naming the file: it is empty, not YAML, or holds an unknown option or a value out of range)."""
+    saved = load_run_yaml(path)
+    _check_keys(cls, saved, str(path))
+    try:
+        check_types(cls, saved)
+        cls(**saved).validate()
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+    return saved
 
 
 def _check_keys(cls: type, values: dict, source: str) -> None:
@@ -233,18 +282,23 @@ def _check_keys(cls: type, values: dict, source: str) -> None:
         raise ValueError(f"{source}: unknown option(s) {unknown}; valid options: {', '.join(sorted(names))}")
 
 
-def load_yaml(path: str | Path) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"config file {path} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"config file {path} must hold a mapping of option: value")
-    return data
-
-
-def save_yaml(cfg, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+# the shared int options: (name, lowest value, note, may be null)
+_SHARED_INTS = (
+    ("epochs", 1, "", False),
+    ("batch_size", 1, "", False),
+    ("eval_batch_size", 1, "", False),
+    ("checkpoint_every", 1, "", False),
+    ("workers", 0, "", False),
+    ("max_train_batches", 1, " (batches per epoch)", True),
+    ("lr_batch_scale", 1, " (a batch size)", True),
+)
+# the shared real options: (name, low, high, low open, high open, may be null, note)
+_SHARED_NUMBERS = (
+    ("lr", 0, None, True, False, False, ""),
+    ("momentum", 0, 1, False, True, False, ""),
+    ("weight_decay", 0, None, False, False, False, ""),
+    ("grad_clip", 0, None, False, False, True, " (0: no clipping)"),
+)
 
 
 def config_differences(saved: dict, cfg, ignore: tuple[str, ...] = ()) -> dict[str, tuple]:
@@ -284,14 +338,36 @@ class ConfigSource:
 
 # ---------------------------------------------------------------- command-line flags generated from the fields
 def _parse_mapping(text: str) -> dict:
-    """``'{stage_layers: LLLL, layer_kwargs: {r: 7}}'`` or ``'stage_layers=LLLL,base_width=16'``."""
-    if "=" in text and not text.strip().startswith("{"):
-        parts = (part.partition("=") for part in text.split(","))
-        return {key.strip(): yaml.safe_load(value) for key, _, value in parts}
-    value = yaml.safe_load(text)
+    """``'{stage_layers: LLLL, layer_kwargs: {r: 7}}'`` or ``'stage_layers=LLLL,base_width=16'`` (a value may be a
+    YAML list or mapping: ``anchor_sizes=[16, 32]``); anything else is argparse's one-line usage error."""
+    expected = f"expected a mapping like 'key=value,...' or '{{key: value}}', got {text!r}"
+    try:
+        if "=" in text and not text.strip().startswith("{"):
+            parts = [part.partition("=") for part in _top_level_items(text)]
+            if any(not sep or not key.strip() for key, sep, _ in parts):
+                raise argparse.ArgumentTypeError(f"{expected} (each item key=value)")
+            return {key.strip(): yaml.safe_load(value) for key, _, value in parts}
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        problem = getattr(err, "problem", None) or "not valid YAML"
+        raise argparse.ArgumentTypeError(
+            f"{expected}: {problem} (a list or mapping value needs its brackets closed, e.g. "
+            "'{anchor_sizes: [16, 32, 64, 128, 256]}')"
+        ) from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a mapping like 'key=value,...' or '{{key: value}}', got {text!r}")
+        raise argparse.ArgumentTypeError(expected)
     return value
+
+
+def _top_level_items(text: str) -> list[str]:
+    """``text`` split at the commas outside brackets and braces (``a=[1,2],b=3`` -> ``a=[1,2]``, ``b=3``)."""
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += (char in "[{") - (char in "]}")
+        if char == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    return [*items, text[start:]]
 
 
 def _optional(conv):

@@ -32,8 +32,14 @@ class RunDirLock:
     def acquire(self) -> RunDirLock:
         if fcntl is None or self._fd is not None:
             return self
-        self.out.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:  # a folder that cannot be made or written (read-only, /proc, no permission)
+            raise ValueError(
+                f"--out {self.out} cannot be used as a run directory ({err.strerror or err}: "
+                f"{err.filename or self.out}); choose another --out"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

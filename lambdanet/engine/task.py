@@ -20,7 +20,14 @@ import torch
 from lambdanet.engine.checkpoint import load_checkpoint
 from lambdanet.engine.config import RunConfig
 from lambdanet.engine.contract import Task
-from lambdanet.engine.distributed import all_reduce_sum, barrier, cleanup, data_parallel, init_distributed
+from lambdanet.engine.distributed import (
+    all_reduce_sum,
+    barrier,
+    cleanup,
+    data_parallel,
+    init_distributed,
+    uses_cuda,
+)
 from lambdanet.engine.logger import RunLogger, truncate_history
 from lambdanet.engine.loop import fit
 from lambdanet.engine.preempt import StopSignals, resume_point
@@ -28,6 +35,7 @@ from lambdanet.engine.rundir import RunDirBusyError, RunDirLock, check_new_run
 from lambdanet.engine.state import RunState
 from lambdanet.helpers import require
 from lambdanet.ops.position_lambda.tuning import set_impl_tuning
+from lambdanet.runtime import check_amp
 
 __all__ = ["Task", "run", "check_extras", "preflight"]
 
@@ -68,6 +76,7 @@ def preflight(task_cls: type[Task], cfg: RunConfig) -> int:
     per process): the configuration's ranges, the extras, the resume rule, the new-run rule. Returns the
     epochs the run was planned with (``--resume``: its saved ``config.yaml``'s)."""
     cfg.validate()
+    check_amp(cfg.amp, "cuda" if uses_cuda(cfg.device) else "cpu")  # before a loss scaler is built (torch warns)
     check_extras(task_cls, cfg)
     saved_epochs = cfg.check_resume() if cfg.resume else cfg.epochs
     check_new_run(cfg.out, cfg.resume, cfg.CHECKPOINTS)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import cast
 
 from lambdanet.engine.config import RunConfig, config_source_from_args, flag, option, shared
-from lambdanet.files import run_file
+from lambdanet.files import run_file, weights_file_kind
 from lambdanet.models import model_args, model_info
 from lambdanet.tasks.classification.datasets import dataset_spec, list_datasets
 from lambdanet.tasks.classification.load import checkpoint_settings
@@ -106,7 +106,7 @@ class TrainConfig(RunConfig):
     bn_momentum: float | None = option(None, "BatchNorm running-statistics momentum (TF decay 0.9999 = 1e-4)")
     augment: bool = option(True, "random crops and flips during training")
     randaugment_layers: int = option(0, "RandAugment operations per image (0: off)")
-    randaugment_magnitude: int = option(9, "RandAugment magnitude (0-30)")
+    randaugment_magnitude: int = option(9, "RandAugment magnitude (0-30; 31, HaloNet H7's, is also the strongest)")
     drop_rate: float | None = option(None, "dropout before the classifier (null: the model's default)")
     drop_path_rate: float | None = option(None, "stochastic depth rate (null: the model's default)")
     compact_width: int | None = option(
@@ -152,39 +152,26 @@ class TrainConfig(RunConfig):
         return recipe_values()
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the field and the valid values for anything out of range."""
+        """Raise ``ValueError`` naming the field and the valid values for anything out of range (the shared
+        options: :meth:`RunConfig.validate <lambdanet.engine.config.RunConfig.validate>`)."""
         super().validate()
-        for name in ("epochs", "batch_size", "eval_batch_size", "checkpoint_every"):
-            self.check_int(name)
         for name, what in _OPTIONAL_SIZES.items():
             self.check_int(name, 1, f" ({what})", optional=True)
-        for name in ("workers", "randaugment_layers", "randaugment_magnitude"):
+        for name in ("randaugment_layers", "randaugment_magnitude"):
             self.check_int(name, 0)
-        if not self.warmup_epochs >= 0:
-            raise ValueError(f"warmup_epochs must be >= 0, got {self.warmup_epochs}")
-        if not self.lr_decay_epochs > 0:
-            raise ValueError(f"lr_decay_epochs must be positive, got {self.lr_decay_epochs}")
-        if not 0.0 <= self.val_split < 1.0:
-            raise ValueError(f"val_split must be in [0, 1), got {self.val_split}")
-        if self.lr <= 0:
-            raise ValueError(f"lr must be positive, got {self.lr}")
-        if not 0.0 <= self.label_smoothing < 1.0:
-            raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
-        for name in ("mixup", "cutmix"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < math.inf:
-                raise ValueError(
-                    f"{name} must be a non-negative number (the alpha of Beta(alpha, alpha); 0: off), got {value!r}"
-                )
-        if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
-            raise ValueError(f"ema_decay must be in (0, 1) or null, got {self.ema_decay}")
+        if self.randaugment_magnitude > MAX_RANDAUGMENT_MAGNITUDE:
+            raise ValueError(
+                f"randaugment_magnitude must be at most {MAX_RANDAUGMENT_MAGNITUDE} (torchvision's scale is 0-30, "
+                f"HaloNet H7's recipe takes 31; both are the strongest), got {self.randaugment_magnitude}"
+            )
+        self._validate_schedule()
+        self._validate_regularisation()
         if self.early_stop_patience is not None and self.val_split == 0.0:
             raise ValueError("early_stop_patience needs a held-out validation set: pass --val-split (e.g. 0.02)")
         model_info(self.model)  # "unknown model ...; registered models: ..."
         if not (self.data.startswith("imagefolder:") or self.data in list_datasets()):
             raise ValueError(f"unknown dataset {self.data!r}; valid: {', '.join(list_datasets())}")
-        if not 0.0 < self.labeled_fraction <= 1.0:
-            raise ValueError(f"labeled_fraction must be in (0, 1], got {self.labeled_fraction}")
+        self.check_number("labeled_fraction", 0, 1, low_open=True)
         if self.pretrained and self.checkpoint:
             raise ValueError("pass --pretrained (the published weights) or --checkpoint FILE, not both")
         if self.checkpoint is not None:
@@ -193,9 +180,36 @@ class TrainConfig(RunConfig):
                     f"checkpoint {self.checkpoint!r} does not exist (expected a run directory of "
                     "lambdanet train or a weights file: .safetensors, .pth, .bin, a run's last.pt)"
                 )
-            run_file(self.checkpoint)  # a directory without weights: one line naming it
-        if not isinstance(self.model_kwargs, dict):
-            raise ValueError(f"model_kwargs must be a mapping, got {self.model_kwargs!r}")
+            weights = run_file(self.checkpoint)  # a directory without weights: one line naming it
+            if weights.is_file() and (kind := weights_file_kind(weights)) not in (None, "safetensors"):
+                raise ValueError(
+                    f"checkpoint {self.checkpoint!r} is {kind} (expected a run directory of lambdanet train or a "
+                    "weights file: .safetensors, .pth, .bin, a run's last.pt)"
+                )
+
+    def _validate_schedule(self) -> None:
+        """The learning-rate schedule's options (lr itself is a shared option)."""
+        self.check_number("warmup_epochs", 0)
+        self.check_number("warmup_start_factor", 0, 1, note=" (a fraction of lr)")
+        self.check_number("lr_decay_rate", 0, 1, low_open=True, note=" (the step schedule's factor)")
+        self.check_number("lr_decay_epochs", 0, low_open=True)
+        peak = self.effective_lr()
+        self.check_number("min_lr", 0, peak, note=" (at most the learning rate the schedule starts from)")
+
+    def _validate_regularisation(self) -> None:
+        """Validation split, label smoothing, Mixup / CutMix, EMA, BatchNorm momentum, dropout rates."""
+        self.check_number("val_split", 0, 1, high_open=True)
+        self.check_number("label_smoothing", 0, 1, high_open=True)
+        for name in ("mixup", "cutmix"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < math.inf:
+                raise ValueError(
+                    f"{name} must be a non-negative number (the alpha of Beta(alpha, alpha); 0: off), got {value!r}"
+                )
+        self.check_number("ema_decay", 0, 1, low_open=True, high_open=True, optional=True)
+        self.check_number("bn_momentum", 0, 1, low_open=True, high_open=True, optional=True, note=" (1 - TF's decay)")
+        for name in ("drop_rate", "drop_path_rate"):
+            self.check_number(name, 0, 1, high_open=True, optional=True)
 
     def warnings(self) -> list[str]:
         """Settings that run but are probably not what the user wants."""
@@ -209,13 +223,14 @@ class TrainConfig(RunConfig):
         return out
 
 
+# RandAugment's largest magnitude: torchvision's 31 bins (0-30) widened by one for HaloNet H7's recipe
+# (data.rand_augment); 30 and 31 are both the strongest
+MAX_RANDAUGMENT_MAGNITUDE = 31
 # the size-like options that may be null, and what they count (TrainConfig.validate)
 _OPTIONAL_SIZES = {
     "img_size": "the training resolution in pixels; each model has its own minimum, checked before training",
-    "max_train_batches": "batches per epoch",
     "early_stop_patience": "epochs",
     "compact_width": "channels",
-    "lr_batch_scale": "a batch size",
 }
 
 

@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from lambdanet.engine.distributed import DistContext
+from lambdanet.files import error_with_type
 from lambdanet.tasks.classification.config import TrainConfig
 from lambdanet.constants import IMAGENET_MEAN, IMAGENET_STD  # noqa: F401  (lambdanet.data had them)
 from lambdanet.tasks.classification.datasets import (
@@ -283,7 +284,15 @@ def load_pseudo_labels(path: str | Path, cfg: TrainConfig) -> dict:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"pseudo_labels file {path} does not exist")
-    data = torch.load(path, map_location="cpu", weights_only=True)
+    expected = "expected the .pt file lambdanet pseudo-label writes"
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # empty, truncated, not a torch file
+        raise ValueError(
+            f"pseudo_labels file {path} is empty or corrupt ({error_with_type(err)}); {expected}"
+        ) from None
+    if not isinstance(data, dict) or not {"indices", "labels"} <= set(data):
+        raise ValueError(f"pseudo_labels file {path} holds no pseudo-labels (no indices and labels); {expected}")
     for key in ("data", "labeled_fraction", "seed"):
         mine = getattr(cfg, key)
         if data.get(key) != mine:

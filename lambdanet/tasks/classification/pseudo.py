@@ -11,7 +11,9 @@ from typing import cast
 
 import torch
 
-from lambdanet.engine.checkpoint import load_checkpoint
+from lambdanet.engine.checkpoint import CheckpointError, load_checkpoint
+from lambdanet.engine.values import check_number
+from lambdanet.files import run_file
 from lambdanet.tasks.classification.data import ImageLoader, Subset, build_datasets, labeled_split
 from lambdanet.tasks.classification.config import TrainConfig
 from lambdanet.tasks.classification.load import restore_model
@@ -23,9 +25,12 @@ __all__ = ["make_pseudo_labels"]
 def make_pseudo_labels(
     checkpoint: str | Path, out: str | Path, *, threshold: float = 0.0, batch_size: int = 256
 ) -> dict:
-    """Label the teacher run's unlabelled training images (with its EMA weights when it has them); keep those
-    with confidence >= ``threshold``."""
-    state = load_checkpoint(checkpoint)
+    """Label the unlabelled training images of the teacher run ``checkpoint`` (its directory or its ``last.pt``)
+    with its EMA weights when it has them; keep those with confidence >= ``threshold`` (in [0, 1])."""
+    check_number(threshold, "threshold", 0, 1)
+    state = load_checkpoint(run_file(checkpoint, checkpoint=True))  # a run directory: its last.pt
+    if not isinstance(state.get("config"), dict):
+        raise CheckpointError(f"checkpoint {checkpoint} has no training configuration (not a lambdanet train run)")
     cfg = TrainConfig(**state["config"])
     if cfg.labeled_fraction >= 1.0:
         raise ValueError(

@@ -18,6 +18,7 @@ and crops to 1024 px; torchvision's transform does the resize).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
@@ -169,36 +170,36 @@ class DetectConfig(RunConfig):
         return epoch == self.epochs or bool(self.eval_every) and epoch % self.eval_every == 0
 
     def validate(self) -> None:
+        super().validate()  # the shared options (epochs, batch sizes, lr, grad_clip, seed, ...) and the types
         for name, low, note in (
-            ("epochs", 1, ""),
-            ("batch_size", 1, ""),
-            ("eval_batch_size", 1, ""),
             ("img_size", 1, ""),
             ("eval_every", 0, " (0: after the last epoch only)"),
             ("procs", 0, " (0: auto)"),
+            ("warmup_steps", 0, ""),
         ):
             self.check_int(name, low, note)
+        self.check_int("max_eval_images", 1, " (test images evaluated)", optional=True)
         world = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun (or local_processes' group)
         if self.batch_size % world:
             raise ValueError(
                 f"batch_size {self.batch_size} must be a multiple of the {world} processes (one share "
                 f"per process); set --batch-size or --nproc-per-node"
             )
-        super().validate()
-        if not 0 < self.jitter_min <= self.jitter_max:
+        for name in ("jitter_min", "jitter_max"):
+            self.check_number(name, 0, low_open=True, note=" (a scale of img_size)")
+        if not self.jitter_min <= self.jitter_max:
             raise ValueError(
                 f"jitter_min and jitter_max must satisfy 0 < jitter_min <= jitter_max, got "
                 f"{self.jitter_min} and {self.jitter_max}"
             )
-        if self.lr <= 0 or self.warmup_steps < 0:
-            raise ValueError(f"lr must be positive and warmup_steps non-negative, got {self.lr}, {self.warmup_steps}")
-        if any(not 0 < f < 1 for f in self.lr_steps) or list(self.lr_steps) != sorted(self.lr_steps):
-            raise ValueError(f"lr_steps must be increasing fractions in (0, 1), got {self.lr_steps}")
+        steps = self.lr_steps
+        if any(isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < 1 for f in steps) or list(
+            steps
+        ) != sorted(steps):
+            raise ValueError(f"lr_steps must be increasing fractions in (0, 1), got {steps}")
         self._validate_pretrain()
-        if not isinstance(self.backbone_kwargs, dict) or not isinstance(self.detector, dict):
-            raise ValueError("backbone_kwargs and detector must be mappings")
-        if not isinstance(self.loss_weights, dict) or any(
-            k not in DETECTOR_LOSSES or isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0
+        if any(
+            k not in DETECTOR_LOSSES or isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf
             for k, v in self.loss_weights.items()
         ):
             raise ValueError(
@@ -206,8 +207,9 @@ class DetectConfig(RunConfig):
                 f"numbers, got {self.loss_weights!r}"
             )
         from lambdanet.tasks.detection.data import list_detection_datasets
-        from lambdanet.tasks.detection.model import BACKBONE_PRESETS
+        from lambdanet.tasks.detection.model import BACKBONE_PRESETS, detector_options
 
+        detector_options(self.detector)  # unknown keys and bad values, before any model is built
         if not _known_backbone(self.backbone):
             raise ValueError(
                 f"unknown backbone {self.backbone!r}: a registered model (lambdanet models) or one of "

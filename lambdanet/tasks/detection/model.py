@@ -25,8 +25,8 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
-from typing import cast
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -36,6 +36,7 @@ from lambdanet.models import create_model, list_models, model_args
 
 __all__ = [
     "DetectorOptions",
+    "detector_options",
     "BackbonePreset",
     "BACKBONE_PRESETS",
     "FeaturePyramidBackbone",
@@ -120,19 +121,44 @@ class DetectorOptions:
                 raise ValueError(
                     f"DetectorOptions.{name} must be two positive ints (training, inference), got {value!r}"
                 )
-        if len(self.anchor_sizes) != len(FEATURE_NAMES) + 1 or any(s <= 0 for s in self.anchor_sizes):
+        if (
+            not isinstance(self.anchor_sizes, (list, tuple))
+            or len(self.anchor_sizes) != len(FEATURE_NAMES) + 1
+            or not all(_positive(s) for s in self.anchor_sizes)
+        ):
             raise ValueError(
                 f"DetectorOptions.anchor_sizes must be {len(FEATURE_NAMES) + 1} positive sizes, one "
                 f"per level P2..P6, got {self.anchor_sizes!r}"
             )
-        if not self.aspect_ratios or any(r <= 0 for r in self.aspect_ratios):
+        if (
+            not isinstance(self.aspect_ratios, (list, tuple))
+            or not self.aspect_ratios
+            or not all(_positive(r) for r in self.aspect_ratios)
+        ):
             raise ValueError(f"DetectorOptions.aspect_ratios must be positive ratios, got {self.aspect_ratios!r}")
-        if not 0.0 <= self.box_score_thresh <= 1.0:
+        if not _positive(self.box_score_thresh, 0.0) or not self.box_score_thresh <= 1.0:
             raise ValueError(f"DetectorOptions.box_score_thresh must be in [0, 1], got {self.box_score_thresh!r}")
         for name in ("frozen_bn", "channels_last"):
             value = getattr(self, name)
             if not (isinstance(value, bool) or (value is None and name == "frozen_bn")):
                 raise ValueError(f"DetectorOptions.{name} must be true or false, got {value!r}")
+
+
+def _positive(value, low_closed: float | None = None) -> bool:
+    """A finite real number (not a bool) > 0, or >= ``low_closed`` where given."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    return value >= low_closed if low_closed is not None else value > 0
+
+
+def detector_options(overrides: dict) -> DetectorOptions:
+    """:class:`DetectorOptions` with ``overrides`` (``lambdanet detect --detector``: lists as tuples); a one-line
+    ``ValueError`` naming the keys it does not take, or the value out of range."""
+    valid = [f.name for f in fields(DetectorOptions)]
+    if unknown := sorted(set(overrides) - set(valid)):
+        raise ValueError(f"detector does not take {unknown}; valid keys: {', '.join(valid)}")
+    values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}
+    return DetectorOptions(**values)
 
 
 @dataclass(frozen=True)

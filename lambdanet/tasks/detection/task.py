@@ -98,10 +98,9 @@ __all__ = [
 def build_detector(cfg: DetectConfig, num_classes: int) -> nn.Module:
     """The detector of ``cfg`` for ``num_classes`` object categories, built at ``img_size``
     (:func:`~lambdanet.tasks.detection.config.set_eval_size` switches it to the jittered sizes for training)."""
-    from lambdanet.tasks.detection.model import DetectorOptions, create_detector
+    from lambdanet.tasks.detection.model import create_detector, detector_options
 
-    overrides: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in cfg.detector.items()}
-    options = DetectorOptions(**overrides)
+    options = detector_options(cfg.detector)
     return create_detector(
         cfg.backbone,
         num_classes,

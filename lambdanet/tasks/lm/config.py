@@ -74,23 +74,14 @@ class LMConfig(RunConfig):
     progress: bool = shared("progress", True)
 
     def validate(self) -> None:
-        super().validate()
-        for name in (
-            "vocab_size",
-            "context",
-            "epochs",
-            "steps_per_epoch",
-            "batch_size",
-            "eval_batch_size",
-            "checkpoint_every",
-        ):
+        super().validate()  # the shared options (epochs, batch sizes, lr, betas, grad_clip, seed, ...)
+        for name in ("vocab_size", "context", "steps_per_epoch"):
             self.check_int(name)
+        self.check_int("warmup_steps", 0)
         if self.model not in list_models("*_lm_*"):
             raise ValueError(f"model must be a language model, one of {list_models('*_lm_*')}, got {self.model!r}")
-        if not self.lr > 0 or not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"lr must be > 0 and min_lr in [0, lr], got lr={self.lr}, min_lr={self.min_lr}")
-        if self.eval_bytes is not None and self.eval_bytes < 2:
-            raise ValueError(f"eval_bytes must be >= 2 or null (all), got {self.eval_bytes!r}")
+        self.check_number("min_lr", 0, self.lr, note=" (the cosine schedule's floor, at most lr)")
+        self.check_int("eval_bytes", 2, " (null: all)", optional=True)
 
     def complete(self, explicit: dict) -> None:
         """The model as the run records it: a resumed run written before ``lambda_lm_<size>``'s default moved is

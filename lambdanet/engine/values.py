@@ -1,0 +1,135 @@
+"""Option values of the run configurations (:mod:`lambdanet.engine.config`): the checks of their types and
+ranges, whose one-line ``ValueError`` names the option and what it must be (``lambdanet.cli.main`` prints it
+with exit status 2), and the YAML files they are read from (``--config FILE``, a run's ``config.yaml``) and
+written to."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import typing
+from pathlib import Path
+
+import yaml
+
+__all__ = ["check_number", "check_types", "load_yaml", "load_run_yaml", "save_yaml"]
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _shown_number(x: float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
+def check_number(
+    value,
+    name: str,
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+    optional: bool = False,
+    note: str = "",
+) -> None:
+    """Raise a one-line ``ValueError`` naming ``name`` unless ``value`` is a finite real number (an int or a
+    float, not a bool) within ``low`` .. ``high`` (either end open where asked; ``None``: no end), or ``None``
+    where ``optional``: ``lr must be positive, got 0.0``, ``val_split must be in [0, 1), got 1.5``, ``lr must
+    be a positive finite number, got 'abc'``."""
+    if optional and value is None:
+        return
+    finite = _is_number(value) and math.isfinite(value)
+    above = low is None or (value > low if low_open else value >= low) if finite else False
+    below = high is None or (value < high if high_open else value <= high) if finite else False
+    if finite and above and below:
+        return
+    if low is not None and high is not None:
+        what = f"in {'(' if low_open else '['}{_shown_number(low)}, {_shown_number(high)}{')' if high_open else ']'}"
+    elif low is not None:
+        what = "positive" if low == 0 and low_open else f"{'>' if low_open else '>='} {_shown_number(low)}"
+    else:
+        what = "" if high is None else f"{'<' if high_open else '<='} {_shown_number(high)}"
+    if not finite:
+        what = "a positive finite number" if what == "positive" else f"a finite number {what}".rstrip()
+    raise ValueError(f"{name} must be {what}{note}{' or null' if optional else ''}, got {value!r}")
+
+
+# the annotations check_types checks (numbers are left to the ranges each configuration checks)
+_KINDS: dict[type, tuple[tuple[type, ...], str]] = {
+    bool: ((bool,), "true or false"),
+    str: ((str,), "a string"),
+    dict: ((dict,), "a mapping (key: value)"),
+    list: ((list, tuple), "a list"),
+}
+
+
+def check_types(cls: type, values: dict) -> None:
+    """A one-line ``ValueError`` for a value in ``values`` (options of the configuration dataclass ``cls``: a
+    ``--config`` file, a run's ``config.yaml``, overrides) whose type is not its field's: a string, true or
+    false, a mapping or a list (``null`` where the field may be null). Numbers are checked with their ranges
+    (:meth:`RunConfig.check_int`, :func:`check_number`)."""
+    hints = typing.get_type_hints(cls)
+    for name, value in values.items():
+        hint = hints.get(name)
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            continue
+        base = next((a for a in args if a is not type(None)), hint) if args else hint
+        base = typing.get_origin(base) or base
+        if base in _KINDS and not isinstance(value, _KINDS[base][0]):
+            raise ValueError(f"{name} must be {_KINDS[base][1]}, got {value!r}")
+
+
+def load_yaml(path: str | Path, what: str = "config file") -> dict:
+    """The mapping of option: value a YAML file holds (an empty file: none); a one-line ``ValueError`` naming
+    the file (``what``: how to call it) when it is missing, a folder, not text, not valid YAML or not a
+    mapping."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{what} {path} is a directory, not a YAML file of option: value")
+    if not path.is_file():
+        raise ValueError(f"{what} {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError:
+        raise ValueError(f"{what} {path} is not a text file (not UTF-8); expected YAML of option: value") from None
+    except yaml.YAMLError as err:
+        raise ValueError(f"{what} {path} is not valid YAML ({_yaml_problem(err)})") from None
+    except OSError as err:
+        raise ValueError(f"{what} {path} cannot be read ({err.strerror or err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} {path} must hold a mapping of option: value, got {type(data).__name__}")
+    return data
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """``line 2, column 1: expected ',' or ']'`` for a YAML syntax error."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"{where}{problem}"
+
+
+def load_run_yaml(path: str | Path) -> dict:
+    """A run's ``config.yaml``, which ``--resume`` continues the run with: :func:`load_yaml`, and a one-line
+    ``ValueError`` for an empty one (a file emptied or truncated outside lambdanet), which would otherwise
+    resume under the defaults."""
+    data = load_yaml(path, "the run's configuration")
+    if not data:
+        raise ValueError(
+            f"{path} is empty, so the run cannot be resumed with its configuration; restore it (from a copy "
+            "of the run), or start a new run with another --out"
+        )
+    return data
+
+
+def save_yaml(cfg, path: str | Path) -> None:
+    """The configuration ``cfg`` (a dataclass) as YAML, written to ``<path>.tmp`` and renamed over ``path``: a
+    crash leaves the previous file or the new one, never a truncated one."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+    os.replace(tmp, path)

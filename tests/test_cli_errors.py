@@ -1,0 +1,420 @@
+"""User errors in the command line (the error-handling audit, section A): each is one line on stderr that names
+the option or configuration key and what it must be, exit status 2, no traceback, and nothing is trained or
+written first. Every case runs the real entry point, ``lambdanet.cli.main``."""
+
+import dataclasses
+import shutil
+import typing
+from pathlib import Path
+
+import pytest
+import torch
+
+from lambdanet.cli import main
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "runs_v1"
+# a run that would start: as small as a run gets (each case here fails before any of it)
+TINY = ["--data", "digits", "--epochs", "1", "--max-train-batches", "1", "--batch-size", "8", "--no-tensorboard",
+        "--no-progress", "--threads", "1"]
+LM_TINY = ["--model", "lambda_lm_nano", "--epochs", "1", "--steps-per-epoch", "1", "--batch-size", "2",
+           "--context", "16", "--no-tensorboard", "--no-progress", "--threads", "1"]
+DETECT_TINY = ["--pretrain-steps", "0", "--epochs", "1", "--max-train-batches", "1", "--img-size", "64",
+               "--procs", "1", "--no-tensorboard", "--no-progress", "--threads", "1"]
+
+
+def error_line(capsys, argv) -> str:
+    """``lambdanet ARGV`` exits with status 2 and one line on stderr (no traceback); that line."""
+    assert main(argv) == 2, argv
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err.strip()
+
+
+def usage_error(capsys, argv) -> str:
+    """argparse's usage error (the usage, then one ``error:`` line naming the argument, exit status 2); that
+    line."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    return err.strip().splitlines()[-1]
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+# ------------------------------------------------------------------------- A1: values in a YAML configuration
+@pytest.mark.parametrize("text, needle", [
+    ("lr: abc\n", "lr must be a positive finite number, got 'abc'"),
+    ("warmup_epochs: abc\n", "warmup_epochs must be a finite number >= 0, got 'abc'"),
+    ('label_smoothing: "0.1"\n', "label_smoothing must be a finite number in [0, 1), got '0.1'"),
+    ("data: 5\n", "data must be a string, got 5"),
+    ("momentum: abc\noptimizer: sgd\n", "momentum must be a finite number in [0, 1), got 'abc'"),
+    ("betas: 0.9\n", "betas must be a list, got 0.9"),
+    ("augment: maybe\n", "augment must be true or false, got 'maybe'"),
+    ("model_kwargs: stage_layers=CCLL\n", "model_kwargs must be a mapping (key: value), got 'stage_layers=CCLL'"),
+    ("lr: [1\n", "is not valid YAML (line 2, column 1: expected ',' or ']'"),
+    ("- lr\n", "must hold a mapping of option: value, got list"),
+])
+def test_a_bad_value_in_a_config_file_is_one_line_naming_the_key(tmp_path, capsys, text, needle):
+    config = write(tmp_path / "c.yaml", text)
+    err = error_line(capsys, ["train", *TINY, "--config", str(config), "--out", str(tmp_path / "run")])
+    assert needle in err
+    assert not (tmp_path / "run").exists()
+
+
+def numeric_fields(config_cls) -> list[str]:
+    hints = typing.get_type_hints(config_cls)
+    return [f.name for f in dataclasses.fields(config_cls)
+            if {int, float} & {hints[f.name], *typing.get_args(hints[f.name])}]
+
+
+def _classes():
+    from lambdanet.tasks.classification.config import TrainConfig
+    from lambdanet.tasks.detection.config import DetectConfig
+    from lambdanet.tasks.lm.config import LMConfig
+
+    return {"train": TrainConfig, "lm train": LMConfig, "detect": DetectConfig}
+
+
+# the values that keep a run tiny, unless the key under test is one of them
+SMALL = {"epochs": 1, "max_train_batches": 1, "batch_size": 8, "steps_per_epoch": 1, "pretrain_steps": 0,
+         "procs": 1, "tensorboard": False, "progress": False}
+
+
+@pytest.mark.parametrize("command, key", [(c, k) for c, cls in _classes().items() for k in numeric_fields(cls)])
+def test_every_numeric_option_of_every_task_is_type_checked(tmp_path, capsys, command, key):
+    """Each number of each task's configuration (a --config file, a run's config.yaml) is checked by type with
+    its range: a string is one line naming the key, never a comparison's TypeError."""
+    fields = {f.name for f in dataclasses.fields(_classes()[command])}
+    values = {k: v for k, v in SMALL.items() if k in fields and k != key}
+    text = "".join(f"{k}: {str(v).lower()}\n" for k, v in values.items()) + f"{key}: abc\n"
+    config = write(tmp_path / "c.yaml", text)
+    err = error_line(capsys, [*command.split(), "--config", str(config), "--out", str(tmp_path / "run")])
+    assert f"error: {key} must be " in err and err.endswith("got 'abc'"), err
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("lr_steps: 0.5\n", "lr_steps must be a list, got 0.5"),
+    ("lr_steps: [0.5, abc]\n", "lr_steps must be increasing fractions in (0, 1), got [0.5, 'abc']"),
+    ("detector: foo\n", "detector must be a mapping (key: value), got 'foo'"),
+    ("jitter_min: abc\n", "jitter_min must be a positive finite number (a scale of img_size), got 'abc'"),
+    ("loss_weights: {loss_mask: .nan}\n", "loss_weights must map loss names"),
+    ("lr: [1\n", "is not valid YAML (line 2, column 1"),
+])
+def test_detect_config_file_values_are_checked(tmp_path, capsys, text, needle):
+    config = write(tmp_path / "d.yaml", text)
+    assert needle in error_line(capsys, ["detect", *DETECT_TINY, "--config", str(config), "--out",
+                                         str(tmp_path / "run")])
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("lr: [1\n", "config.yaml is not valid YAML (line 2, column 1"),
+    ("lr: abc\n", "lr must be a positive finite number, got 'abc'"),
+    ("", "config.yaml is empty, so the run cannot be resumed"),  # A5
+    ("# truncated\n", "config.yaml is empty, so the run cannot be resumed"),
+])
+def test_resume_with_a_damaged_config_yaml_is_refused_and_nothing_changes(tmp_path, capsys, text, needle):
+    """A5: a run's config.yaml emptied, truncated or broken: --resume refuses it (instead of continuing under
+    the defaults) and leaves the run as it was."""
+    run = shutil.copytree(FIXTURES / "train", tmp_path / "run")
+    (run / "config.yaml").write_text(text)
+    before = (run / "last.pt").read_bytes()
+    err = error_line(capsys, ["train", "--resume", "--epochs", "2", "--no-progress", "--out", str(run)])
+    assert needle in err and str(run / "config.yaml") in err
+    assert (run / "last.pt").read_bytes() == before and (run / "config.yaml").read_text() == text
+
+
+def test_the_config_yaml_is_written_whole_or_not_at_all(tmp_path):
+    """A5's cause: config.yaml is written beside and renamed over the old one, never truncated in place."""
+    from lambdanet.engine.config import load_yaml
+    from lambdanet.tasks.classification.config import TrainConfig
+
+    path = tmp_path / "config.yaml"
+    path.write_text("old: 1\n")
+    TrainConfig(epochs=3).save_yaml(path)
+    assert load_yaml(path)["epochs"] == 3 and [p.name for p in tmp_path.iterdir()] == ["config.yaml"]
+
+
+# ----------------------------------------------------------------------------------------- A2: --betas
+@pytest.mark.parametrize("command", [["train", *TINY], ["lm", "train", *LM_TINY], ["sweep", "--lrs", "0.1", *TINY]])
+@pytest.mark.parametrize("betas", [["0.9"], ["0.9", "0.9", "0.9"], ["0.9", "1.0"]])
+def test_betas_must_be_two_numbers_in_0_1(tmp_path, capsys, command, betas):
+    err = error_line(capsys, [*command, "--betas", *betas, "--out", str(tmp_path / "run")])
+    assert "betas must be two numbers in [0, 1) (Adam's beta1 beta2), got [" in err
+
+
+# -------------------------------------------------------------------- A3 / A4: mapping options, --detector
+@pytest.mark.parametrize("argv, needle", [
+    (["train", *TINY, "--model-kwargs", "{a: [1"],
+     "argument --model-kwargs: expected a mapping like 'key=value,...' or '{key: value}', got '{a: [1'"),
+    (["train", *TINY, "--model-kwargs", "stage_layers=CCLL,base_width"], "(each item key=value)"),
+    (["detect", *DETECT_TINY, "--detector", "anchor_sizes=[16,32"], "argument --detector: expected a mapping"),
+    (["detect", *DETECT_TINY, "--loss-weights", "3"], "argument --loss-weights: expected a mapping"),
+])
+def test_a_malformed_mapping_option_is_argparse_usage_error(tmp_path, capsys, argv, needle):
+    assert needle in usage_error(capsys, [*argv, "--out", str(tmp_path / "run")])
+
+
+def test_mapping_options_take_lists_in_the_key_value_form():
+    from lambdanet.engine.config import _parse_mapping
+
+    assert _parse_mapping("anchor_sizes=[8, 16,32,64,128],fpn_channels=16") == {
+        "anchor_sizes": [8, 16, 32, 64, 128], "fpn_channels": 16}
+    assert _parse_mapping("stage_layers=CCLL,layer_kwargs={r: 7, h: 2}") == {
+        "stage_layers": "CCLL", "layer_kwargs": {"r": 7, "h": 2}}
+
+
+@pytest.mark.parametrize("detector, needle", [
+    ("foo=1", "detector does not take ['foo']; valid keys: fpn_channels, anchor_sizes"),
+    ("anchor_sizes=[1,2]", "DetectorOptions.anchor_sizes must be 5 positive sizes, one per level P2..P6, got (1, 2)"),
+    ("anchor_sizes=[a,b,c,d,e]", "DetectorOptions.anchor_sizes must be 5 positive sizes"),
+    ("box_score_thresh=high", "DetectorOptions.box_score_thresh must be in [0, 1], got 'high'"),
+])
+def test_detector_options_are_checked_before_anything_runs(tmp_path, capsys, detector, needle):
+    assert needle in error_line(capsys, ["detect", *DETECT_TINY, "--detector", detector, "--out",
+                                         str(tmp_path / "run")])
+    assert not (tmp_path / "run").exists()
+
+
+# --------------------------------------------------------------------------------- A6: where output goes
+@pytest.fixture
+def spots(tmp_path):
+    """A folder, a file and a path under that file."""
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "notes.txt").write_text("mine")
+    return tmp_path / "adir", tmp_path / "notes.txt", tmp_path / "notes.txt" / "x"
+
+
+@pytest.mark.parametrize("command", [
+    ["export", "--checkpoint", str(FIXTURES / "train_done"), "--format", "torchscript", "--out"],
+    ["pseudo-label", "--checkpoint", str(FIXTURES / "train"), "--out"],
+])
+def test_an_output_file_that_is_a_folder_or_under_a_file_is_refused_first(spots, capsys, command):
+    folder, file, under = spots
+    assert f"--out {folder} is a directory; give a file path" in error_line(capsys, [*command, str(folder)])
+    err = error_line(capsys, [*command, str(under / "k.pt")])
+    assert f"--out {under / 'k.pt'}: {file} is a file, not a directory" in err
+    assert file.read_text() == "mine" and not any(folder.iterdir())
+
+
+@pytest.mark.parametrize("command, option", [
+    (["bench", "table4", "--out"], "--out"),
+    (["push-to-hub", str(FIXTURES / "train_done"), "someone/digits", "--folder"], "--folder"),
+])
+def test_an_output_folder_that_is_a_file_is_refused_first(spots, capsys, command, option):
+    _, file, under = spots
+    assert f"{option} {file} is a file, not a directory" in error_line(capsys, [*command, str(file)])
+    assert f"{option} {under}: {file} is a file, not a directory" in error_line(capsys, [*command, str(under)])
+    assert file.read_text() == "mine"
+
+
+# ----------------------------------------------------------------------------------- A7 / A8: bench, demo
+@pytest.mark.parametrize("option", ["--repeats", "--img-size", "--batch-size"])
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_bench_sizes_must_be_positive_also_with_quick(tmp_path, capsys, option, value):
+    err = error_line(capsys, ["bench", "models", "--quick", option, value, "--out", str(tmp_path / "b")])
+    assert f"{option} must be a positive int, got {value}" in err
+    assert not (tmp_path / "b").exists()
+
+
+def test_run_benchmarks_checks_its_sizes(tmp_path):
+    from lambdanet.bench.runner import run_benchmarks
+
+    with pytest.raises(ValueError, match="^repeats must be a positive int, got 0$"):
+        run_benchmarks(["table4"], quick=True, repeats=0, out=tmp_path / "b", log=lambda _: None)
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("option", ["--size", "--batch"])
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_demo_sizes_must_be_positive(capsys, option, value):
+    other = {"--size": ["--batch", "1"], "--batch": ["--size", "4"]}[option]
+    assert f"{option} must be a positive int, got {value}" in error_line(capsys, ["demo", option, value, *other])
+
+
+# -------------------------------------------------------------------------------------- A9: pseudo-labels
+def test_pseudo_label_takes_the_teachers_run_directory(tmp_path, capsys):
+    """The run directory stands for its last.pt (this teacher saw every label, which is the next error)."""
+    err = error_line(capsys, ["pseudo-label", "--checkpoint", str(FIXTURES / "train"), "--out", str(tmp_path / "p.pt")])
+    assert "was trained on all labels (labeled_fraction=1.0)" in err and "does not exist" not in err
+
+
+def test_a_training_checkpoint_that_is_a_folder_says_so(tmp_path):
+    from lambdanet.engine.checkpoint import CheckpointError, load_checkpoint
+
+    with pytest.raises(CheckpointError, match="is a directory; pass the training checkpoint in it"):
+        load_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("threshold", ["5", "-1", "nan", "inf"])
+def test_pseudo_label_threshold_must_be_in_0_1(tmp_path, capsys, threshold):
+    err = error_line(capsys, ["pseudo-label", "--checkpoint", str(FIXTURES / "train"), "--out",
+                              str(tmp_path / "p.pt"), "--threshold", threshold])
+    assert "--threshold must be" in err and "in [0, 1] (a softmax confidence), got" in err
+    assert not (tmp_path / "p.pt").exists()
+
+
+@pytest.mark.parametrize("content, needle", [
+    (b"", "is empty or corrupt (EOFError"),
+    (b"PK\x03\x04 truncated", "is empty or corrupt"),
+    (None, "holds no pseudo-labels (no indices and labels)"),
+])
+def test_a_damaged_pseudo_label_file_is_one_line(tmp_path, capsys, content, needle):
+    path = tmp_path / "pl.pt"
+    if content is None:
+        torch.save([1, 2, 3], path)
+    else:
+        path.write_bytes(content)
+    err = error_line(capsys, ["train", *TINY, "--labeled-fraction", "0.5", "--pseudo-labels", str(path), "--out",
+                              str(tmp_path / "run")])
+    assert f"pseudo_labels file {path} {needle}" in err and "lambdanet pseudo-label" in err
+
+
+# ----------------------------------------------------------------------------- A10: ranges of the options
+@pytest.mark.parametrize("args, needle", [
+    (["--weight-decay", "-1"], "weight_decay must be >= 0, got -1.0"),
+    (["--warmup-start-factor", "-1"], "warmup_start_factor must be in [0, 1] (a fraction of lr), got -1.0"),
+    (["--warmup-start-factor", "1.5"], "warmup_start_factor must be in [0, 1]"),
+    (["--min-lr", "-1"], "min_lr must be in [0, 0.002]"),
+    (["--min-lr", "0.01"], "min_lr must be in [0, 0.002] (at most the learning rate the schedule starts from)"),
+    (["--lr", "0.1", "--lr-batch-scale", "256", "--min-lr", "0.01"], "min_lr must be in [0, 0.003125]"),
+    (["--schedule", "step", "--lr-decay-rate", "-1"], "lr_decay_rate must be in (0, 1] (the step schedule's factor)"),
+    (["--lr-decay-rate", "0"], "lr_decay_rate must be in (0, 1]"),
+    (["--lr-decay-rate", "1.5"], "lr_decay_rate must be in (0, 1]"),
+    (["--bn-momentum", "-1"], "bn_momentum must be in (0, 1) (1 - TF's decay) or null, got -1.0"),
+    (["--bn-momentum", "2"], "bn_momentum must be in (0, 1)"),
+    (["--bn-momentum", "0"], "bn_momentum must be in (0, 1)"),
+    (["--ema-decay", "1"], "ema_decay must be in (0, 1) or null, got 1.0"),
+    (["--drop-rate", "1"], "drop_rate must be in [0, 1) or null, got 1.0"),
+    (["--drop-path-rate", "-0.1"], "drop_path_rate must be in [0, 1) or null"),
+    (["--randaugment-magnitude", "99"], "randaugment_magnitude must be at most 31"),
+    (["--randaugment-magnitude", "32"], "randaugment_magnitude must be at most 31"),
+    (["--lr", "inf"], "lr must be a positive finite number, got inf"),
+    (["--lr", "nan"], "lr must be a positive finite number, got nan"),
+    (["--lr", "0"], "lr must be positive, got 0.0"),
+    (["--momentum", "-1"], "momentum must be in [0, 1), got -1.0"),
+    (["--momentum", "1"], "momentum must be in [0, 1), got 1.0"),
+    (["--seed", "-1"], "seed must be a non-negative int below 2**32, got -1"),
+    (["--seed", str(2**32)], f"seed must be a non-negative int below 2**32, got {2**32}"),
+    (["--labeled-fraction", "0"], "labeled_fraction must be in (0, 1], got 0.0"),
+    (["--val-split", "nan"], "val_split must be a finite number in [0, 1), got nan"),
+])
+def test_train_options_out_of_range_are_one_line_before_anything_runs(tmp_path, capsys, args, needle):
+    assert needle in error_line(capsys, ["train", *TINY, *args, "--out", str(tmp_path / "run")])
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--warmup-steps", "-1"], "warmup_steps must be a non-negative int, got -1"),
+    (["--grad-clip", "-1"], "grad_clip must be >= 0 (0: no clipping) or null, got -1.0"),
+    (["--grad-clip", "inf"], "grad_clip must be a finite number >= 0"),
+    (["--min-lr", "1"], "min_lr must be in [0, 0.003] (the cosine schedule's floor, at most lr), got 1.0"),
+    (["--eval-bytes", "1"], "eval_bytes must be an int >= 2 (null: all) or null, got 1"),
+    (["--lr-batch-scale", "0"], "lr_batch_scale must be a positive int (a batch size) or null, got 0"),
+    (["--weight-decay", "-0.1"], "weight_decay must be >= 0"),
+    (["--seed", "-1"], "seed must be a non-negative int below 2**32"),
+])
+def test_lm_train_options_out_of_range_are_one_line(tmp_path, capsys, args, needle):
+    assert needle in error_line(capsys, ["lm", "train", *LM_TINY, *args, "--out", str(tmp_path / "run")])
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--grad-clip", "-1"], "grad_clip must be >= 0 (0: no clipping) or null, got -1.0"),
+    (["--max-eval-images", "0"], "max_eval_images must be a positive int (test images evaluated) or null, got 0"),
+    (["--warmup-steps", "-1"], "warmup_steps must be a non-negative int, got -1"),
+    (["--jitter-min", "0"], "jitter_min must be positive (a scale of img_size), got 0.0"),
+    (["--lr-steps", "0.5", "1.5"], "lr_steps must be increasing fractions in (0, 1), got [0.5, 1.5]"),
+    (["--momentum", "1", "--optimizer", "sgd"], "momentum must be in [0, 1)"),
+    (["--workers", "-1"], "workers must be a non-negative int, got -1"),
+    (["--max-train-batches", "0"], "max_train_batches must be a positive int (batches per epoch) or null, got 0"),
+    (["--seed", "-1"], "seed must be a non-negative int below 2**32"),
+])
+def test_detect_options_out_of_range_are_one_line(tmp_path, capsys, args, needle):
+    assert needle in error_line(capsys, ["detect", *DETECT_TINY, *args, "--out", str(tmp_path / "run")])
+
+
+def test_the_edges_of_the_ranges_are_valid():
+    """What the ranges keep: a grad_clip of 0 (no clipping, as optimizer_step treats it), HaloNet H7's
+    RandAugment magnitude 31, a warm-up from 0 or at full rate, no step decay, min_lr = lr."""
+    from lambdanet.tasks.classification.config import resolve_config
+    from lambdanet.tasks.lm.config import LMConfig
+
+    cfg = resolve_config(overrides={"randaugment_magnitude": 31, "warmup_start_factor": 1.0, "lr_decay_rate": 1.0,
+                                    "min_lr": 2e-3, "seed": 2**32 - 1, "bn_momentum": 0.5, "momentum": 0.0})
+    assert (cfg.randaugment_magnitude, cfg.seed) == (31, 2**32 - 1)
+    assert resolve_config(overrides={"warmup_start_factor": 0.0}).warmup_start_factor == 0.0
+    assert LMConfig.resolve(overrides={"grad_clip": 0.0, "min_lr": LMConfig.lr}).grad_clip == 0.0
+    assert LMConfig.resolve(overrides={"grad_clip": None}).grad_clip is None
+
+
+# ---------------------------------------------------------------------------------- A11: fp16 on a CPU
+@pytest.mark.parametrize("command", [["train", *TINY], ["lm", "train", *LM_TINY], ["detect", *DETECT_TINY]])
+def test_fp16_on_a_cpu_is_one_line_without_torchs_warning(tmp_path, capsys, command):
+    err = error_line(capsys, [*command, "--amp", "fp16", "--device", "cpu", "--out", str(tmp_path / "run")])
+    assert err.endswith("amp='fp16' needs device='cuda', got device='cpu'; use amp='bf16' on CPU")
+
+
+# ------------------------------------------------------------------------ A12: train --checkpoint FILE
+@pytest.mark.parametrize("content, needle", [
+    (b"", "is an empty file"),
+    (bytes(range(7, 200)), "is not a torch checkpoint or safetensors file"),
+    (b"\xff\xd8\xff\xe0 JFIF", "is not a torch checkpoint or safetensors file"),
+])
+def test_train_checkpoint_that_is_no_weights_file_is_one_short_line(tmp_path, capsys, content, needle):
+    path = write(tmp_path / "weights.bin", "")
+    path.write_bytes(content)
+    err = error_line(capsys, ["train", *TINY, "--checkpoint", str(path), "--out", str(tmp_path / "run")])
+    assert f"checkpoint '{path}' {needle} (expected a run directory of lambdanet train" in err
+    assert len(err) < 300
+
+
+def test_create_model_checkpoint_path_that_is_no_weights_file_is_one_line(tmp_path):
+    from lambdanet.files import WeightsMismatchError, read_state_dict
+
+    path = tmp_path / "w.pth"
+    for content, needle in ((b"", "is an empty file"), (b"\x9b\x00 random", "is not a torch checkpoint")):
+        path.write_bytes(content)
+        with pytest.raises(WeightsMismatchError, match=needle) as err:
+            read_state_dict(path)
+        assert "\n" not in str(err.value)
+
+
+# -------------------------------------------------------------------------- A13: --config, --out paths
+def test_config_that_is_a_folder_or_binary_names_the_file(tmp_path, capsys):
+    argv = ["train", *TINY, "--out", str(tmp_path / "run"), "--config"]
+    assert f"config file {tmp_path} is a directory, not a YAML file" in error_line(capsys, [*argv, str(tmp_path)])
+    binary = tmp_path / "c.bin"
+    binary.write_bytes(bytes([0x9B, 0xFF, 0x00, 0x80]) * 8)
+    assert f"config file {binary} is not a text file (not UTF-8)" in error_line(capsys, [*argv, str(binary)])
+    missing = tmp_path / "none.yaml"
+    assert f"config file {missing} does not exist" in error_line(capsys, [*argv, str(missing)])
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_an_out_folder_that_cannot_be_made_names_out(capsys):
+    err = error_line(capsys, ["train", *TINY, "--out", "/proc/lambdanet-none/run"])
+    assert "--out /proc/lambdanet-none/run cannot be used as a run directory" in err and "choose another --out" in err
+
+
+# --------------------------------------------------------------------------------------------- A14: export
+def test_export_img_size_zero_is_refused(tmp_path, capsys):
+    err = error_line(capsys, ["export", "--checkpoint", str(FIXTURES / "train_done"), "--format", "torchscript",
+                              "--img-size", "0", "--out", str(tmp_path / "m.pt")])
+    assert "--img-size must be a positive int, got 0" in err and not (tmp_path / "m.pt").exists()
+
+
+def test_export_of_a_language_model_says_so(tmp_path, capsys):
+    err = error_line(capsys, ["export", "--model", "lambda_lm_nano", "--format", "torchscript", "--out",
+                              str(tmp_path / "m.pt")])
+    assert "lambda_lm_nano is a language model; lambdanet export takes image models" in err
+
+
+# --------------------------------------------------------------------------------------- A15: lm sample
+def test_lm_sample_prompt_that_is_not_utf8_names_prompt(tmp_path, capsys):
+    """Bytes that are not UTF-8 on the command line reach Python as lone surrogates ('\\xff' -> '\\udcff')."""
+    err = error_line(capsys, ["lm", "sample", "--checkpoint", str(tmp_path), "--prompt", "ab\udcff"])
+    assert err.endswith("--prompt must be valid UTF-8 text")
