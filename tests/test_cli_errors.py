@@ -418,3 +418,14 @@ def test_lm_sample_prompt_that_is_not_utf8_names_prompt(tmp_path, capsys):
     """Bytes that are not UTF-8 on the command line reach Python as lone surrogates ('\\xff' -> '\\udcff')."""
     err = error_line(capsys, ["lm", "sample", "--checkpoint", str(tmp_path), "--prompt", "ab\udcff"])
     assert err.endswith("--prompt must be valid UTF-8 text")
+
+
+def test_the_python_api_still_takes_a_path_object_for_out_and_refuses_a_number_for_data(tmp_path):
+    """The type checks accept what the Python API always took (``out=Path(...)``, a path-like for a string option)
+    and refuse what no option can be (a number for ``data``)."""
+    from lambdanet.tasks.classification import resolve_config
+
+    cfg = resolve_config(overrides={"data": "digits", "out": tmp_path / "run", "epochs": 1})
+    assert Path(cfg.out) == tmp_path / "run"
+    with pytest.raises(ValueError, match=r"^data must be a string, got 5$"):
+        resolve_config(overrides={"data": 5, "out": str(tmp_path / "x")})

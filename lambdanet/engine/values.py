@@ -60,7 +60,7 @@ def check_number(
 # the annotations check_types checks (numbers are left to the ranges each configuration checks)
 _KINDS: dict[type, tuple[tuple[type, ...], str]] = {
     bool: ((bool,), "true or false"),
-    str: ((str,), "a string"),
+    str: ((str, os.PathLike), "a string"),  # a path too, as the Python API has always taken (out=Path(...))
     dict: ((dict,), "a mapping (key: value)"),
     list: ((list, tuple), "a list"),
 }
