@@ -132,11 +132,13 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
     return obj
 
 
-def weights_file_kind(path: Path) -> str | None:
-    """What a file is when its first bytes tell it: ``"safetensors"``, or why it cannot be a torch checkpoint
-    (empty, or neither a zip archive nor a pickle); ``None`` when it may be a torch checkpoint."""
-    with open(path, "rb") as f:
-        head = f.read(16)
+def weights_file_kind(path: Path, head: bytes | None = None) -> str | None:
+    """What a file is when its first bytes (``head``: read here if not given) tell it: ``"safetensors"``, or why
+    it cannot be a torch checkpoint (empty, or neither a zip archive nor a pickle); ``None`` when it may be a
+    torch checkpoint (a zip archive, or from old torch versions a pickle)."""
+    if head is None:
+        with open(path, "rb") as f:
+            head = f.read(16)
     if head.startswith(b"PK") or head[:1] == b"\x80":
         return None
     if len(head) >= 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < 100_000_000:

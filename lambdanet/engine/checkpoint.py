@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lambdanet.files import error_reason
+from lambdanet.files import error_reason, weights_file_kind
 
 __all__ = [
     "CheckpointError",
@@ -85,12 +85,11 @@ def _file_kind(path: Path) -> str | None:
     torch versions, a pickle), or ``None`` when it may be one."""
     with open(path, "rb") as f:
         head = f.read(64)
-    if head.startswith(b"PK") or head[:1] == b"\x80":
-        return None
-    if len(head) >= 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < 100_000_000:
+    kind = weights_file_kind(path, head)
+    if kind is None or kind == "an empty file":
+        return kind
+    if kind == "safetensors":
         return "a safetensors weights file (model weights only, no optimiser or training configuration)"
-    if not head:
-        return "an empty file"
     try:
         text = head.decode("utf-8")
     except UnicodeDecodeError:
