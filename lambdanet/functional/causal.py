@@ -45,6 +45,7 @@ __all__ = [
     "causal_lambda_step",
     "init_causal_lambda_state",
     "check_state",
+    "check_state_shapes",
     "DEFAULT_CHUNK",
 ]
 
@@ -115,13 +116,23 @@ def check_state(state: dict[str, Tensor], q: Tensor, keys: Tensor, values: Tenso
     (b, _, _, k), u, v = q.shape, keys.shape[3], values.shape[2]
     r = 0 if emb is None else emb.shape[0]
     want = {"S": (b, u, k, v), "z": (b, u, k), "c": (b, u, k), "window": (b, u, max(r - 1, 0), v)}
+    check_state_shapes(state, want, "initial_state must be a dict with keys {keys} (a returned state)",
+                       "initial_state does not fit this call (b={b}, u={u}, k={k}, v={v}, r={r})",
+                       b=b, u=u, k=k, v=v, r=r)  # fmt: skip
+
+
+def check_state_shapes(state: dict[str, Tensor], want: dict[str, tuple[int, ...]], missing: str, misfit: str,
+                       **fields: object) -> None:  # fmt: skip
+    """A one-line ``ValueError`` unless ``state`` is a dict with ``want``'s keys and shapes: ``missing`` (with
+    ``{keys}``, the keys wanted) or ``misfit`` (formatted with ``fields``, the shapes that differ follow), formatted
+    only when raised (generation checks its state every step)."""
     if not isinstance(state, dict) or set(want) - set(state):
         got = sorted(state) if isinstance(state, dict) else type(state).__name__
-        raise ValueError(f"initial_state must be a dict with keys {sorted(want)} (a returned state), got {got}")
+        raise ValueError(f"{missing.format(keys=sorted(want), **fields)}, got {got}")
     bad = [f"{key} {tuple(state[key].shape)} (expected {want[key]})" for key in want
            if tuple(state[key].shape) != want[key]]  # fmt: skip
     if bad:
-        raise ValueError(f"initial_state does not fit this call (b={b}, u={u}, k={k}, v={v}, r={r}): " + ", ".join(bad))
+        raise ValueError(f"{misfit.format(**fields)}: " + ", ".join(bad))
 
 
 def _band(scores: Tensor | None, qe: Tensor) -> Tensor:

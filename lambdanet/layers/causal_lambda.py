@@ -326,14 +326,8 @@ class CausalLambdaLayer(nn.Module):
         if want is None:
             want = {key: tuple(t.shape) for key, t in self.init_state(batch_size, device="meta").items()}
             self._state_shapes = {**known, batch_size: want}
-        if not isinstance(state, dict) or set(want) - set(state):
-            got = sorted(state) if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"state must be this layer's state (keys {sorted(want)}: init_state, or a returned "
-                             f"state), got {got}")  # fmt: skip
-        bad = [f"{key} {tuple(state[key].shape)} (expected {want[key]})" for key in want
-               if tuple(state[key].shape) != want[key]]  # fmt: skip
-        if bad:
-            raise ValueError(f"state does not fit a batch of {batch_size} in this layer: " + ", ".join(bad))
+        LC.check_state_shapes(state, want, "state must be this layer's state (keys {keys}: init_state, or a returned "
+                              "state)", "state does not fit a batch of {b} in this layer", b=batch_size)  # fmt: skip
 
     def extra_repr(self) -> str:
         return (

@@ -46,13 +46,7 @@ def call_mode(mode: str, q: Tensor, r: int, chunk_size: int | None = None) -> st
     mode checked; ``"fused_chunk"`` outside the kernels' limits is a one-line error."""
     if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-    chunk = chunk_size or _fused.default_chunk(q.shape[2])
-    if chunk < 16 or chunk & (chunk - 1):  # the kernels' chunks; "auto" then takes the PyTorch form
-        if mode == "fused_chunk":
-            raise ValueError(f"chunk_size must be a power of two >= 16 with mode='fused_chunk', got {chunk!r}")
-        unfit: str | None = f"chunk_size={chunk}"
-    else:
-        unfit = _fused.fits(q.shape[2], q.shape[3], r, chunk, q.dtype)
+    unfit = _fused.fits(q.shape[2], q.shape[3], r, chunk_size or _fused.default_chunk(q.shape[2]), q.dtype)
     mode = resolve_mode(mode, q.device, fits=unfit is None)
     if mode == "fused_chunk" and unfit:
         raise ValueError(f"mode='fused_chunk' does not serve {unfit}; use mode='chunk' (or 'auto', which does)")
@@ -144,11 +138,8 @@ def _run(mode: str, q: Tensor, k: Tensor, v: Tensor, emb: Tensor | None, initial
 
 
 def _fused_call(q, k, v, emb, state, chunk: int, final_state: bool):
+    """The kernels (a chunk :func:`call_mode` let through, a non-empty call: :func:`causal_lambda` saw to both)."""
     ok, why = _fused.available(q.device)
     if not ok:
         raise RuntimeError(f"mode='fused_chunk': {why}")
-    if chunk < 16 or chunk & (chunk - 1):
-        raise ValueError(f"chunk_size must be a power of two >= 16 with mode='fused_chunk', got {chunk!r}")
-    if q.shape[1] == 0:
-        return q.new_zeros(q.shape[0], 0, q.shape[2], v.shape[2]), state
     return _fused.fused_chunk_causal_lambda(q, k, v, emb, state, chunk, final_state)

@@ -42,7 +42,10 @@ LIMITS = {"rows": 512, "dim_k": 32, "r": 64, "rows_x_k_float32": 8192}
 
 
 def fits(heads: int, dim_k: int, r: int, chunk: int, dtype: torch.dtype) -> str | None:
-    """``None`` where the kernels serve these sizes (:data:`LIMITS`), else what exceeds them (one line)."""
+    """``None`` where the kernels serve these sizes (:data:`LIMITS`; chunks of a power of two >= 16), else what
+    exceeds them (one line)."""
+    if chunk < 16 or chunk & (chunk - 1):
+        return f"chunk_size={chunk} (chunk_size must be a power of two >= 16)"
     rows = _pow2(heads) * chunk
     if r > LIMITS["r"]:
         return f"r={r} (at most {LIMITS['r']})"
