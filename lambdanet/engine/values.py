@@ -13,11 +13,12 @@ from pathlib import Path
 
 import yaml
 
-__all__ = ["check_number", "check_types", "load_yaml", "load_run_yaml", "save_yaml"]
+__all__ = ["is_finite_real", "check_number", "check_types", "load_yaml", "load_run_yaml", "save_yaml"]
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def is_finite_real(value) -> bool:
+    """Whether ``value`` is a finite real number: an int or a float, not a bool, not inf or nan."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _shown_number(x: float) -> str:
@@ -41,7 +42,7 @@ def check_number(
     be a positive finite number, got 'abc'``."""
     if optional and value is None:
         return
-    finite = _is_number(value) and math.isfinite(value)
+    finite = is_finite_real(value)
     above = low is None or (value > low if low_open else value >= low) if finite else False
     below = high is None or (value < high if high_open else value <= high) if finite else False
     if finite and above and below:

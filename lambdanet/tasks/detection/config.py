@@ -18,7 +18,6 @@ and crops to 1024 px; torchvision's transform does the resize).
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
@@ -28,6 +27,7 @@ from torch import nn
 from lambdanet.engine.checkpoint import unwrap
 from lambdanet.engine.config import RunConfig, option, shared
 from lambdanet.engine.optim import lr_at
+from lambdanet.engine.values import is_finite_real
 from lambdanet.tasks.detection.glyphs import DEFAULT_GLYPHS, GLYPH_SETS
 from lambdanet.tasks.detection.pretrain import PretrainConfig, transfer_mismatch
 
@@ -193,15 +193,10 @@ class DetectConfig(RunConfig):
                 f"{self.jitter_min} and {self.jitter_max}"
             )
         steps = self.lr_steps
-        if any(isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < 1 for f in steps) or list(
-            steps
-        ) != sorted(steps):
+        if any(not is_finite_real(f) or not 0 < f < 1 for f in steps) or list(steps) != sorted(steps):
             raise ValueError(f"lr_steps must be increasing fractions in (0, 1), got {steps}")
         self._validate_pretrain()
-        if any(
-            k not in DETECTOR_LOSSES or isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf
-            for k, v in self.loss_weights.items()
-        ):
+        if any(k not in DETECTOR_LOSSES or not is_finite_real(v) or v < 0 for k, v in self.loss_weights.items()):
             raise ValueError(
                 f"loss_weights must map loss names ({', '.join(DETECTOR_LOSSES)}) to non-negative "
                 f"numbers, got {self.loss_weights!r}"

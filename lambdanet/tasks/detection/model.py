@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from lambdanet.constants import IMAGENET_MEAN, IMAGENET_STD
+from lambdanet.engine.values import is_finite_real
 from lambdanet.models import create_model, list_models, model_args
 
 __all__ = [
@@ -124,7 +125,7 @@ class DetectorOptions:
         if (
             not isinstance(self.anchor_sizes, (list, tuple))
             or len(self.anchor_sizes) != len(FEATURE_NAMES) + 1
-            or not all(_positive(s) for s in self.anchor_sizes)
+            or not all(is_finite_real(s) and s > 0 for s in self.anchor_sizes)
         ):
             raise ValueError(
                 f"DetectorOptions.anchor_sizes must be {len(FEATURE_NAMES) + 1} positive sizes, one "
@@ -133,22 +134,15 @@ class DetectorOptions:
         if (
             not isinstance(self.aspect_ratios, (list, tuple))
             or not self.aspect_ratios
-            or not all(_positive(r) for r in self.aspect_ratios)
+            or not all(is_finite_real(r) and r > 0 for r in self.aspect_ratios)
         ):
             raise ValueError(f"DetectorOptions.aspect_ratios must be positive ratios, got {self.aspect_ratios!r}")
-        if not _positive(self.box_score_thresh, 0.0) or not self.box_score_thresh <= 1.0:
+        if not is_finite_real(self.box_score_thresh) or not 0.0 <= self.box_score_thresh <= 1.0:
             raise ValueError(f"DetectorOptions.box_score_thresh must be in [0, 1], got {self.box_score_thresh!r}")
         for name in ("frozen_bn", "channels_last"):
             value = getattr(self, name)
             if not (isinstance(value, bool) or (value is None and name == "frozen_bn")):
                 raise ValueError(f"DetectorOptions.{name} must be true or false, got {value!r}")
-
-
-def _positive(value, low_closed: float | None = None) -> bool:
-    """A finite real number (not a bool) > 0, or >= ``low_closed`` where given."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return False
-    return value >= low_closed if low_closed is not None else value > 0
 
 
 def detector_options(overrides: dict) -> DetectorOptions:
