@@ -22,6 +22,7 @@ __all__ = [
     "autocast_active",
     "check_dtype",
     "bind_shapes",
+    "is_finite_real",
     "no_autocast",
     "leave_autocast",
     "to_ntuple",
@@ -178,10 +179,15 @@ def check_dtype(x: Tensor, weight: Tensor, layer: str) -> None:
         )
 
 
+def is_finite_real(value) -> bool:
+    """Whether ``value`` is a finite real number: an int or a float, not a bool, not inf or nan."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def check_real(value, name: str, *, low: float = 0, high: float | None = None, high_open: bool = False) -> None:
     """Raise a ``ValueError`` naming ``name`` unless ``value`` is a finite real number (an int or float, not a
     bool) in ``(low, high]`` (``(low, high)`` with ``high_open``; no upper end for ``high=None``)."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and low < value
+    ok = is_finite_real(value) and low < value
     if ok and high is not None:
         ok = value < high if high_open else value <= high
     if not ok:

@@ -6,19 +6,15 @@ written to."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import typing
 from pathlib import Path
 
 import yaml
 
-__all__ = ["is_finite_real", "check_number", "check_types", "load_yaml", "load_run_yaml", "save_yaml"]
+from lambdanet.helpers import is_finite_real
 
-
-def is_finite_real(value) -> bool:
-    """Whether ``value`` is a finite real number: an int or a float, not a bool, not inf or nan."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+__all__ = ["check_number", "check_types", "load_yaml", "load_run_yaml", "save_yaml"]
 
 
 def _shown_number(x: float) -> str:

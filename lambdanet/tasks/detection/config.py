@@ -27,7 +27,7 @@ from torch import nn
 from lambdanet.engine.checkpoint import unwrap
 from lambdanet.engine.config import RunConfig, option, shared
 from lambdanet.engine.optim import lr_at
-from lambdanet.engine.values import is_finite_real
+from lambdanet.helpers import is_finite_real
 from lambdanet.tasks.detection.glyphs import DEFAULT_GLYPHS, GLYPH_SETS
 from lambdanet.tasks.detection.pretrain import PretrainConfig, transfer_mismatch
 

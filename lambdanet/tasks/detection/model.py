@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from lambdanet.constants import IMAGENET_MEAN, IMAGENET_STD
-from lambdanet.engine.values import is_finite_real
+from lambdanet.helpers import is_finite_real
 from lambdanet.models import create_model, list_models, model_args
 
 __all__ = [
