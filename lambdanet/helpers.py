@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
+    "check_number",
     "MissingExtraError",
     "require",
     "compute_dtype",
@@ -184,15 +185,48 @@ def is_finite_real(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _shown_number(x: float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
+def check_number(
+    value,
+    name: str,
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+    optional: bool = False,
+    note: str = "",
+) -> None:
+    """Raise a one-line ``ValueError`` naming ``name`` unless ``value`` is a finite real number (an int or a
+    float, not a bool) within ``low`` .. ``high`` (either end open where asked; ``None``: no end), or ``None``
+    where ``optional``: ``lr must be positive, got 0.0``, ``val_split must be in [0, 1), got 1.5``, ``lr must
+    be a positive finite number, got 'abc'``."""
+    if optional and value is None:
+        return
+    finite = is_finite_real(value)
+    above = low is None or (value > low if low_open else value >= low) if finite else False
+    below = high is None or (value < high if high_open else value <= high) if finite else False
+    if finite and above and below:
+        return
+    if low is not None and high is not None:
+        what = f"in {'(' if low_open else '['}{_shown_number(low)}, {_shown_number(high)}{')' if high_open else ']'}"
+    elif low is not None:
+        what = "positive" if low == 0 and low_open else f"{'>' if low_open else '>='} {_shown_number(low)}"
+    else:
+        what = "" if high is None else f"{'<' if high_open else '<='} {_shown_number(high)}"
+    if not finite:
+        what = "a positive finite number" if what == "positive" else f"a finite number {what}".rstrip()
+    raise ValueError(f"{name} must be {what}{note}{' or null' if optional else ''}, got {value!r}")
+
+
 def check_real(value, name: str, *, low: float = 0, high: float | None = None, high_open: bool = False) -> None:
     """Raise a ``ValueError`` naming ``name`` unless ``value`` is a finite real number (an int or float, not a
-    bool) in ``(low, high]`` (``(low, high)`` with ``high_open``; no upper end for ``high=None``)."""
-    ok = is_finite_real(value) and low < value
-    if ok and high is not None:
-        ok = value < high if high_open else value <= high
-    if not ok:
-        upper = "inf)" if high is None else f"{high}{')' if high_open else ']'}"
-        raise ValueError(f"{name} must be in ({low}, {upper}, got {value!r}")
+    bool) in ``(low, high]`` (``(low, high)`` with ``high_open``; no upper end for ``high=None``):
+    :func:`check_number` with the lower end open."""
+    check_number(value, name, low, high, low_open=True, high_open=high_open)
 
 
 def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:

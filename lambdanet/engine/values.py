@@ -12,46 +12,9 @@ from pathlib import Path
 
 import yaml
 
-from lambdanet.helpers import is_finite_real
+from lambdanet.helpers import check_number
 
 __all__ = ["check_number", "check_types", "load_yaml", "load_run_yaml", "save_yaml"]
-
-
-def _shown_number(x: float) -> str:
-    return str(x) if isinstance(x, int) else f"{x:g}"
-
-
-def check_number(
-    value,
-    name: str,
-    low: float | None = None,
-    high: float | None = None,
-    *,
-    low_open: bool = False,
-    high_open: bool = False,
-    optional: bool = False,
-    note: str = "",
-) -> None:
-    """Raise a one-line ``ValueError`` naming ``name`` unless ``value`` is a finite real number (an int or a
-    float, not a bool) within ``low`` .. ``high`` (either end open where asked; ``None``: no end), or ``None``
-    where ``optional``: ``lr must be positive, got 0.0``, ``val_split must be in [0, 1), got 1.5``, ``lr must
-    be a positive finite number, got 'abc'``."""
-    if optional and value is None:
-        return
-    finite = is_finite_real(value)
-    above = low is None or (value > low if low_open else value >= low) if finite else False
-    below = high is None or (value < high if high_open else value <= high) if finite else False
-    if finite and above and below:
-        return
-    if low is not None and high is not None:
-        what = f"in {'(' if low_open else '['}{_shown_number(low)}, {_shown_number(high)}{')' if high_open else ']'}"
-    elif low is not None:
-        what = "positive" if low == 0 and low_open else f"{'>' if low_open else '>='} {_shown_number(low)}"
-    else:
-        what = "" if high is None else f"{'<' if high_open else '<='} {_shown_number(high)}"
-    if not finite:
-        what = "a positive finite number" if what == "positive" else f"a finite number {what}".rstrip()
-    raise ValueError(f"{name} must be {what}{note}{' or null' if optional else ''}, got {value!r}")
 
 
 # the annotations check_types checks (numbers are left to the ranges each configuration checks)
