@@ -15,8 +15,17 @@ __version__ = "0.2.0.dev0"
 
 
 def load_model(path, *, ema: bool = True):
-    """The trained model of a ``lambdanet train`` run directory, its safetensors weights, its ``last.pt`` or
-    ``"hf-hub:owner/name"`` (see :func:`lambdanet.tasks.classification.load.load_model`)."""
+    """The trained model of a run directory, its safetensors weights, its ``last.pt`` or ``"hf-hub:owner/name"``,
+    in eval mode: an image classifier of ``lambdanet train`` (see
+    :func:`lambdanet.tasks.classification.load.load_model`) or a language model of ``lambdanet lm train`` (see
+    :func:`lambdanet.tasks.lm.task.load_lm`; ``ema`` does not apply)."""
+    from lambdanet.files import run_task
+    from lambdanet.models.hub import hub_repo
+
+    if hub_repo(path) is None and run_task(path) == "lm":
+        from lambdanet.tasks.lm.task import load_lm
+
+        return load_lm(path)
     from lambdanet.tasks.classification.load import load_model as _load
 
     return _load(path, ema=ema)

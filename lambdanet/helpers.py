@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import numbers
 import sys
 import warnings
 import operator
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
+    "check_int",
     "check_number",
     "MissingExtraError",
     "require",
@@ -79,6 +81,23 @@ def check_positive_int(value, name: str, *, odd: bool = False, allow_none: bool 
         kind = "a positive odd int" if odd else "a positive int"
         extra = " or None" if allow_none else ""
         raise ValueError(f"{name} must be {kind}{extra}, got {value!r}")
+
+
+def check_int(
+    value, name: str, low: int = 1, high: int | None = None, *, note: str = "", optional: bool = False,
+    plain: bool = False,
+) -> None:  # fmt: skip
+    """Raise a one-line ``ValueError`` naming ``name`` unless ``value`` is an int (not a bool; numpy's and 0-d
+    integer tensors too, unless ``plain``: a Python int, as a configuration file holds) in ``low`` .. ``high``
+    (``None``: no upper end), or ``None`` where ``optional``; ``note`` follows the kind in the message (and says
+    the upper end: ``" below 2**32"``)."""
+    if optional and value is None:
+        return
+    ok = (isinstance(value, int) and not isinstance(value, bool)) if plain else _is_int(value)
+    if ok and low <= operator.index(value) and (high is None or operator.index(value) <= high):
+        return
+    kind = {1: "a positive int", 0: "a non-negative int"}.get(low, f"an int >= {low}")  # the note says the rest
+    raise ValueError(f"{name} must be {kind}{note}{' or null' if optional else ''}, got {value!r}")
 
 
 def check_choice(value, name: str, choices: Sequence) -> None:
@@ -181,8 +200,8 @@ def check_dtype(x: Tensor, weight: Tensor, layer: str) -> None:
 
 
 def is_finite_real(value) -> bool:
-    """Whether ``value`` is a finite real number: an int or a float, not a bool, not inf or nan."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """Whether ``value`` is a finite real number: an int or a float (numpy's too), not a bool, not inf or nan."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _shown_number(x: float) -> str:

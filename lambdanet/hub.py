@@ -25,11 +25,11 @@ from typing import cast
 
 from torch import nn
 
-from lambdanet.files import error_reason, run_file, run_metadata, weights_metadata
+from lambdanet.files import error_reason, run_file, run_metadata, task_of_config, weights_metadata
 from lambdanet.models.hub import CONFIG_FILE, WEIGHTS_FILE, hub_unreachable
 from lambdanet.models.registry import run_image_cfg
 
-__all__ = ["save_for_hub", "push_to_hub", "model_card"]
+__all__ = ["save_for_hub", "push_to_hub", "model_card", "lm_card"]
 
 
 def _from_model(model: nn.Module, folder: Path) -> dict:
@@ -59,8 +59,10 @@ def _from_model(model: nn.Module, folder: Path) -> dict:
 
 
 def save_for_hub(source: str | os.PathLike | nn.Module, folder: str | os.PathLike) -> Path:
-    """Write the hub repository of ``source`` (a ``lambdanet train`` run directory, its ``.safetensors`` weights,
-    or an image model from ``create_model`` / ``load_model``) into ``folder`` (see the module docstring)."""
+    """Write the hub repository of ``source`` (a ``lambdanet train`` or ``lambdanet lm train`` run directory, its
+    ``.safetensors`` weights, or an image model from ``create_model`` / ``load_model``) into ``folder`` (see the
+    module docstring; a language model's ``config.json`` holds ``architecture``, ``vocab_size``, ``model_args``,
+    ``context`` and ``data``)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     summary, run_dir = {}, None
@@ -70,9 +72,9 @@ def save_for_hub(source: str | os.PathLike | nn.Module, folder: str | os.PathLik
     else:
         weights = run_file(source)
         meta = run_metadata(weights) if weights.is_file() else None
-        if not meta or "image_size" not in meta:
+        if not meta or task_of_config(meta) not in ("classify", "lm"):
             raise ValueError(
-                f"{source}: not the weights of a lambdanet train run (a run directory or its "
+                f"{source}: not the weights of a lambdanet train or lambdanet lm train run (a run directory or its "
                 "model.safetensors / model_ema.safetensors)"
             )
         shutil.copyfile(weights, folder / WEIGHTS_FILE)
@@ -82,6 +84,8 @@ def save_for_hub(source: str | os.PathLike | nn.Module, folder: str | os.PathLik
                 shutil.copyfile(run_dir / name, folder / name)
         if (run_dir / "summary.json").is_file():
             summary = json.loads((run_dir / "summary.json").read_text())
+    if task_of_config(meta) == "lm":
+        return _lm_repository(folder, meta, summary)
     cfg = run_image_cfg(meta)
     config = {
         "architecture": meta["model"],
@@ -94,6 +98,52 @@ def save_for_hub(source: str | os.PathLike | nn.Module, folder: str | os.PathLik
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     (folder / "README.md").write_text(model_card(meta, summary, has_config=(folder / "config.yaml").is_file()))
     return folder
+
+
+def _lm_repository(folder: Path, meta: dict, summary: dict) -> Path:
+    """``config.json`` and the model card of a language model's repository (its weights are in ``folder``)."""
+    config = {
+        "architecture": meta["model"],
+        "vocab_size": meta["vocab_size"],
+        "model_args": meta["model_kwargs"],
+        "context": meta.get("context"),
+        "data": meta.get("data"),
+        "library_name": "lambdanet",
+    }
+    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    (folder / "README.md").write_text(lm_card(meta, summary, has_config=(folder / "config.yaml").is_file()))
+    return folder
+
+
+def lm_card(meta: dict, summary: dict, *, repo_id: str = "OWNER/NAME", has_config: bool = False) -> str:
+    """The ``README.md`` of a shared language model (a ``lambdanet lm train`` run): its validation bits per byte
+    from ``summary`` (may be empty), how it was trained and how to load and sample it."""
+    rows = [
+        ("validation bits per byte", summary.get("val_bits_per_byte"), "{:.4f}"),
+        ("validation bytes", summary.get("val_bytes"), "{:,}"),
+        ("parameters", summary.get("params"), "{:,}"),
+        ("steps", summary.get("steps"), "{:,}"),
+        ("training time (s)", summary.get("train_time_s"), "{:.0f}"),
+    ]
+    metrics = [f"| {name} | {fmt.format(value)} |" for name, value, fmt in rows if value is not None]
+    arch, data = meta["model"], meta.get("data") or "unknown data"
+    lines = ["---", "library_name: lambdanet", "tags:", "- text-generation", "- lambda-networks", "---", "",
+             f"# {arch} trained on {data}", "",
+             f"A byte-level language model `{arch}` ({json.dumps(meta['model_kwargs'])}, vocabulary "
+             f"{meta['vocab_size']}, trained on contexts of {meta.get('context')} bytes) trained with lambdanet "
+             "(`pip install lambdanet`), the PyTorch reference implementation of LambdaNetworks (Bello, ICLR 2021).",
+             ""]  # fmt: skip
+    if metrics:
+        lines += ["## Results", "", "| metric | value |", "|---|---|", *metrics, ""]
+    if has_config:
+        lines += ["## Training", "", "Trained with `lambdanet lm train --config config.yaml`; `config.yaml` here "
+                  "holds every option of the run, `summary.json` its results.", ""]  # fmt: skip
+    lines += ["## Use", "", "```python", "import torch", "import lambdanet", "",
+              f'model = lambdanet.create_model("hf-hub:{repo_id}").eval()',
+              'prompt = torch.tensor([list(b"def ")])',
+              "out = model.generate(prompt, 64, temperature=0.8, token_limit=256)  # bytes",
+              "print(bytes(out[0].tolist()).decode(errors=\"replace\"))", "```", ""]  # fmt: skip
+    return "\n".join(lines)
 
 
 def model_card(meta: dict, summary: dict, *, repo_id: str = "OWNER/NAME", has_config: bool = False) -> str:

@@ -166,6 +166,9 @@ def test_mapping_options_take_lists_in_the_key_value_form():
         "anchor_sizes": [8, 16, 32, 64, 128], "fpn_channels": 16}
     assert _parse_mapping("stage_layers=CCLL,layer_kwargs={r: 7, h: 2}") == {
         "stage_layers": "CCLL", "layer_kwargs": {"r": 7, "h": 2}}
+    # Python's None as YAML's null (the error used to say "must be one of None, ..., got 'None'")
+    assert _parse_mapping("decay=None,short_conv=4,key_norm=none") == {"decay": None, "short_conv": 4,
+                                                                        "key_norm": "none"}
 
 
 @pytest.mark.parametrize("detector, needle", [
@@ -317,6 +320,7 @@ def test_train_options_out_of_range_are_one_line_before_anything_runs(tmp_path, 
     (["--lr-batch-scale", "0"], "lr_batch_scale must be a positive int (a batch size) or null, got 0"),
     (["--weight-decay", "-0.1"], "weight_decay must be >= 0"),
     (["--seed", "-1"], "seed must be a non-negative int below 2**32"),
+    (["--model-kwargs", "vocab_size=300"], "model_kwargs must not set vocab_size: use --vocab-size"),
 ])
 def test_lm_train_options_out_of_range_are_one_line(tmp_path, capsys, args, needle):
     assert needle in error_line(capsys, ["lm", "train", *LM_TINY, *args, "--out", str(tmp_path / "run")])

@@ -81,6 +81,27 @@ def test_a_model_object_is_shared_with_its_arguments(tmp_path, hub_cache):
     assert torch.equal(dict(fresh_head.named_modules())[first].weight, dict(model.named_modules())[first].weight)
 
 
+LM_RUN = REPO / "tests" / "fixtures" / "lm_runs_fixed" / "lm_done"  # a lambdanet lm train run
+
+
+def test_a_language_model_run_shared_and_loaded_back_gives_its_own_logits(tmp_path, hub_cache):
+    folder = save_for_hub(LM_RUN, tmp_path / "repo")
+    assert {p.name for p in folder.iterdir()} == {"model.safetensors", "config.json", "README.md", "summary.json",
+                                                  "config.yaml"}
+    hub_cache(folder, "someone/tiny-lm")
+    own = load_model(LM_RUN)  # the run's own model, through lambdanet.tasks.lm's loader
+    tokens = torch.tensor([list(b"def f(x):")])
+    for shared in (create_model("hf-hub:someone/tiny-lm").eval(), load_model("hf-hub:someone/tiny-lm")):
+        assert torch.equal(shared(tokens), own(tokens))
+    summary = json.loads((LM_RUN / "summary.json").read_text())
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["architecture"], config["vocab_size"], config["model_args"]) == (
+        summary["model"], summary["vocab_size"], summary["model_kwargs"])
+    card = (folder / "README.md").read_text()
+    assert f"| validation bits per byte | {summary['val_bits_per_byte']:.4f} |" in card
+    assert "lambdanet lm train --config config.yaml" in card and 'create_model("hf-hub:OWNER/NAME")' in card
+
+
 def test_push_to_hub_uploads_the_repository_in_one_commit(monkeypatch, tmp_path):
     calls = []
 

@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 
+import numpy as np
 import pytest
 import torch
 
+import lambdanet
 from lambdanet import create_model, list_models
 from lambdanet.models import model_args
 from lambdanet.cli import main
 from lambdanet.tasks.lm.data import VAL_PERCENT, is_validation_file, load_corpus
 from lambdanet.tasks.lm.task import LMConfig, evaluate_bits_per_byte, load_lm, sample, train_lm
-from lambdanet.models.lm import LM_SIZES, matched_dim_v
+from lambdanet.engine.checkpoint import load_checkpoint
+from lambdanet.models.lm import LM_SIZES, matched_dim_v, sample_next
 
 FAMILIES = ("lambda_lm", "plain_lambda_lm", "transformer_lm", "linear_lm", "hybrid_lm")
 
@@ -240,6 +244,44 @@ def test_sampling_is_seeded_and_top_k_restricts_it():
     assert top3 in model(prompt)[0, -1].topk(3).indices
     with pytest.raises(ValueError, match="temperature must be > 0"):
         model.generate(prompt, 2, temperature=0.0)
+    with pytest.raises(ValueError, match="temperature must be > 0"):  # checked before the prompt's forward
+        model.generate(prompt, 0, temperature=-1.0)
+
+
+def test_sampling_at_extreme_temperatures_tends_to_argmax_and_to_uniform():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    for t in (1e-30, 1e-40, 1e-300):  # below float32's range: the arg-max, not inf / NaN probabilities
+        assert torch.equal(sample_next(logits, t), logits.argmax(-1))
+    rows = logits[:1].expand(4000, -1)
+    top = set(logits[0].topk(5).indices.tolist())
+    for t in (1e39, 1e300):  # above float32's range: uniform over the top 5
+        draws = sample_next(rows, t, top_k=5, generator=torch.Generator().manual_seed(1))
+        counts = torch.bincount(draws, minlength=50)
+        assert set(draws.unique().tolist()) == top
+        # 4000 draws of p = 1/5: mean 800, sd sqrt(4000 x 0.2 x 0.8) = 25; 6 sd
+        assert (counts[sorted(top)] - 800).abs().max() < 150
+    limited = sample_next(rows, 1e3, generator=torch.Generator().manual_seed(2), token_limit=7)
+    assert int(limited.max()) < 7 and len(limited.unique()) == 7
+    assert sample_next(logits, np.float32(1e-30)).tolist() == logits.argmax(-1).tolist()  # numpy numbers too
+    for bad in (float("inf"), float("nan"), True, "1"):
+        with pytest.raises(ValueError, match="temperature must be > 0 and finite"):
+            sample_next(logits, bad)
+    with pytest.raises(ValueError, match="token_limit must be a positive int at most the vocabulary's 50, got 51"):
+        sample_next(logits, 1.0, token_limit=51)
+
+
+def test_byte_tensors_are_tokens_and_wrong_types_are_named():
+    model = perturbed("lambda_lm_nano").float()
+    prompt = torch.tensor([[104, 105, 33]])
+    assert torch.equal(model(prompt.to(torch.uint8)), model(prompt))
+    out = model.generate(prompt.to(torch.uint8), np.int64(4), top_k=1)
+    assert torch.equal(out, model.generate(prompt, 4, top_k=1)) and out.dtype == torch.long
+    logits, _ = model.step(model.init_state(1), torch.tensor([104], dtype=torch.uint8))
+    assert torch.allclose(logits, model(prompt[:, :1])[:, 0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"got a float32 tensor of shape \(1, 3\)"):
+        model(prompt.float())
+    with pytest.raises(ValueError, match=r"tokens must be an integer tensor \[batch\] or \[batch, 1\], got int"):
+        model.step(model.init_state(1), 3)
 
 
 def test_bad_tokens_and_too_long_prompts_are_one_line_errors():
@@ -275,6 +317,37 @@ def test_text_corpora_bytes_and_errors(tmp_path):
         load_corpus(f"text:{tmp_path / 'missing'}")
     with pytest.raises(ValueError, match="'stdlib' or 'text:FILE|DIR'"):
         load_corpus("wikipedia")
+
+
+def test_tiny_corpora_keep_bytes_to_validate_on(tmp_path):
+    (tmp_path / "b30.txt").write_bytes(b"x" * 30)  # 5% of 30 is 1 byte: a split of one byte predicts nothing
+    corpus = load_corpus(f"text:{tmp_path / 'b30.txt'}")
+    assert corpus.val.numel() == 2 and corpus.train.numel() == 28
+    (tmp_path / "b3.txt").write_bytes(b"abc")
+    with pytest.raises(ValueError, match="holds 3 byte"):
+        load_corpus(f"text:{tmp_path / 'b3.txt'}")
+    folder = tmp_path / "files"  # a hash split whose validation file holds one byte: the tail split instead
+    folder.mkdir()
+    names = [f"f{i}.txt" for i in range(200)]
+    one = next(n for n in names if is_validation_file(n))
+    names = [one] + [n for n in names if not is_validation_file(n)][:20]
+    for n in names:
+        (folder / n).write_bytes(b"z" if n == one else b"y" * 40)
+    split = load_corpus(f"text:{folder}")
+    assert split.files[1] == 0 and split.val.numel() >= 2
+
+
+def test_bits_per_byte_of_nothing_is_nan_not_zero():
+    class Uniform(torch.nn.Module):
+        def forward(self, tokens):
+            return torch.zeros(*tokens.shape, 256)
+
+    res = evaluate_bits_per_byte(Uniform(), torch.tensor([7]), 8)
+    assert res["bytes"] == 0 and math.isnan(res["bits_per_byte"])
+    with pytest.raises(ValueError, match="context must be a positive int, got 0"):
+        evaluate_bits_per_byte(Uniform(), torch.arange(10), 0)
+    with pytest.raises(ValueError, match="batch_size must be a positive int, got 0"):
+        evaluate_bits_per_byte(Uniform(), torch.arange(10), 4, batch_size=0)
 
 
 def test_bits_per_byte_of_a_uniform_model_is_8():
@@ -320,6 +393,14 @@ def test_training_learns_and_sampling_continues_the_prompt(tmp_path, corpus_dir,
     assert main(["lm", "sample", "--checkpoint", str(tmp_path / "run"), "--prompt", "def", "--cuda-graph"]) == 2
     err = capsys.readouterr().err.strip()
     assert "cuda_graph=True needs the model and tokens on a CUDA device, got cpu" in err and "\n" not in err
+    probe = torch.tensor([list(b"def add(a")])
+    for where in (tmp_path / "run", tmp_path / "run" / "model.safetensors", tmp_path / "run" / "last.pt"):
+        loaded = lambdanet.load_model(where)  # the package's loader takes language-model runs too
+        assert not loaded.training and torch.equal(loaded(probe), model(probe))
+    from lambdanet.tasks.classification.load import load_model as load_classifier
+
+    with pytest.raises(ValueError, match="is a language-model run .lambdanet lm train., not an image-classification"):
+        load_classifier(tmp_path / "run")
 
 
 def test_a_crashed_run_resumes_to_the_uninterrupted_weights(tmp_path, corpus_dir, power_cut):
@@ -332,6 +413,29 @@ def test_a_crashed_run_resumes_to_the_uninterrupted_weights(tmp_path, corpus_dir
     a, b = load_lm(tmp_path / "whole").state_dict(), load_lm(tmp_path / "cut").state_dict()
     for key in a:
         assert torch.allclose(a[key], b[key], rtol=0, atol=1e-6), key
+
+
+def test_an_extended_run_cut_short_loads_as_its_checkpoint_not_its_old_end(tmp_path, corpus_dir, power_cut):
+    """A finished run extended by --resume --epochs: its old model.safetensors is no longer its end, so a crash
+    during the extension leaves a run directory that loads as last.pt (the newest weights), not the old end."""
+    out = tmp_path / "run"
+    train_lm(lm_config(tmp_path, corpus_dir, epochs=1), log=lambda _: None)
+    old = load_lm(out / "model.safetensors").state_dict()
+    with power_cut(20), pytest.raises(RuntimeError):  # epoch 3's 5th step (15 an epoch), after epoch 2's checkpoint
+        train_lm(LMConfig.resolve(overrides={"out": str(out), "resume": True, "epochs": 3}), log=lambda _: None)
+    assert not (out / "model.safetensors").exists()
+    now, saved = load_lm(out).state_dict(), load_checkpoint(out / "last.pt")
+    assert saved["epoch"] == 2 and all(torch.equal(now[k], saved["model"][k]) for k in now)
+    assert any(not torch.equal(now[k], old[k]) for k in now)
+    train_lm(LMConfig.resolve(overrides={"out": str(out), "resume": True, "epochs": 3}), log=lambda _: None)
+    assert (out / "model.safetensors").is_file() and json.loads((out / "summary.json").read_text())["epochs"] == 3
+
+
+def test_a_model_with_more_tokens_than_bytes_samples_bytes(tmp_path, corpus_dir):
+    """--vocab-size above 256 is allowed; sampling keeps to the 256 byte tokens (a token >= 256 has no byte)."""
+    train_lm(lm_config(tmp_path, corpus_dir, vocab_size=300, epochs=1, steps_per_epoch=2), log=lambda _: None)
+    text = sample(tmp_path / "run", "def", max_new_tokens=300, temperature=1e6)  # near uniform over the tokens
+    assert len(text) == 303  # bytes() of a token >= 256 used to fail here, for 44 of every 300 draws
 
 
 def test_command_line_errors_are_one_line(tmp_path, corpus_dir, capsys):

@@ -94,6 +94,9 @@ def test_a_run_stopped_in_its_first_epoch_resumes(tmp_path, capsys, step, uninte
     assert f"in epoch 1/2 after batch {step}/5" in capsys.readouterr().err
     assert load_checkpoint(out / "last.pt")["epoch"] == 0
     assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 0
+    # the line says where it resumes: within the epoch, or at its end (not "from batch 6" of 5)
+    expected = "epoch 1 from batch 2" if step == 1 else "epoch 1's end (its 5 batches done)"
+    assert expected in capsys.readouterr().out
     assert json.loads((out / "summary.json").read_text())["epochs"] == 2
     rows = [(out / "metrics.csv").read_text().splitlines(), (uninterrupted / "metrics.csv").read_text().splitlines()]
     header = rows[0][0].split(",")

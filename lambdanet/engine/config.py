@@ -21,6 +21,7 @@ from lambdanet.engine.optim import OPTIMIZERS
 from lambdanet.engine.rundir import checkpoints_in
 from lambdanet.engine.values import check_number, check_types, load_run_yaml, load_yaml, save_yaml
 from lambdanet.files import check_output_dir
+from lambdanet.helpers import check_int
 from lambdanet.runtime import AMP_DTYPES
 
 __all__ = [
@@ -201,13 +202,7 @@ class RunConfig:
         """Raise ``ValueError`` unless option ``name`` is an int >= ``low`` (1: positive, 0: non-negative) and <=
         ``high`` where given, or ``None`` where ``optional``; ``note`` (`` (0: auto)``) follows the kind in the
         message."""
-        value = getattr(self, name)
-        if (optional and value is None) or (
-            not isinstance(value, bool) and isinstance(value, int) and value >= low and (high is None or value <= high)
-        ):
-            return
-        kind = {1: "a positive int", 0: "a non-negative int"}.get(low, f"an int >= {low}")
-        raise ValueError(f"{name} must be {kind}{note}{' or null' if optional else ''}, got {value!r}")
+        check_int(getattr(self, name), name, low, high, note=note, optional=optional, plain=True)
 
     def check_number(self, name: str, low: float | None = None, high: float | None = None, **kw) -> None:
         """:func:`check_number` of option ``name`` (its keywords: ``low_open``, ``high_open``, ``optional``,
@@ -339,14 +334,16 @@ class ConfigSource:
 # ---------------------------------------------------------------- command-line flags generated from the fields
 def _parse_mapping(text: str) -> dict:
     """``'{stage_layers: LLLL, layer_kwargs: {r: 7}}'`` or ``'stage_layers=LLLL,base_width=16'`` (a value may be a
-    YAML list or mapping: ``anchor_sizes=[16, 32]``); anything else is argparse's one-line usage error."""
+    YAML list or mapping: ``anchor_sizes=[16, 32]``; ``None`` as ``null``); anything else is argparse's one-line
+    usage error."""
     expected = f"expected a mapping like 'key=value,...' or '{{key: value}}', got {text!r}"
     try:
         if "=" in text and not text.strip().startswith("{"):
             parts = [part.partition("=") for part in _top_level_items(text)]
             if any(not sep or not key.strip() for key, sep, _ in parts):
                 raise argparse.ArgumentTypeError(f"{expected} (each item key=value)")
-            return {key.strip(): yaml.safe_load(value) for key, _, value in parts}
+            # Python's None reads as YAML's null there (YAML reads True / False alike already)
+            return {key.strip(): None if value.strip() == "None" else yaml.safe_load(value) for key, _, value in parts}
         value = yaml.safe_load(text)
     except yaml.YAMLError as err:
         problem = getattr(err, "problem", None) or "not valid YAML"

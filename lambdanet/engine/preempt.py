@@ -45,10 +45,15 @@ class Preempted(RuntimeError):
         return cls(f"stopped by {sig.name} {where}: {kept}{resume}")
 
 
-def resume_point(epochs_done: int, partial: dict | None) -> str:
+def resume_point(epochs_done: int, partial: dict | None, batches: int = 0) -> str:
     """What a ``resuming ...`` line adds for a checkpoint saved inside an epoch (``epoch_partial``):
-    ``", epoch 3 from batch 18"``, or nothing at an epoch's end."""
-    return f", epoch {epochs_done + 1} from batch {partial['batches'] + 1}" if partial else ""
+    ``", epoch 3 from batch 18"``, ``", epoch 3's end (its 30 batches done)"`` where the stop came after the
+    epoch's last batch (``batches``: the epoch's; 0 unknown), or nothing at an epoch's end."""
+    if not partial:
+        return ""
+    if batches and partial["batches"] >= batches:
+        return f", epoch {epochs_done + 1}'s end (its {partial['batches']} batches done)"
+    return f", epoch {epochs_done + 1} from batch {partial['batches'] + 1}"
 
 
 def exit_status(err: Preempted) -> int:

@@ -33,6 +33,7 @@ from lambdanet.engine.loop import fit
 from lambdanet.engine.preempt import StopSignals, resume_point
 from lambdanet.engine.rundir import RunDirBusyError, RunDirLock, check_new_run
 from lambdanet.engine.state import RunState
+from lambdanet.files import RUN_FILES
 from lambdanet.helpers import require
 from lambdanet.ops.position_lambda.tuning import set_impl_tuning
 from lambdanet.runtime import check_amp
@@ -125,10 +126,17 @@ def _restore(task: Task, state: RunState, saved_epochs: int) -> None:
         raise ValueError(f"--epochs {cfg.epochs} is fewer than the {state.epoch} epochs {out} has done")
     if task.ctx.is_main:
         truncate_history(out / "metrics.csv", state.epoch)
-    where = resume_point(state.epoch, state.epoch_partial)
+    where = resume_point(state.epoch, state.epoch_partial, task.steps_per_epoch)
     task.log(f"resuming {out}: {state.epoch}/{saved_epochs} epochs done{where}")
     if cfg.epochs != saved_epochs:
         task.log(
             f"extending the run from {saved_epochs} to {cfg.epochs} epochs: the learning-rate schedule is "
             f"recomputed over {cfg.epochs} epochs and continues from epoch {state.epoch}"
         )
+        # the final weights of the run's earlier end are no longer its end: a loader of the run directory (which
+        # prefers them) would take them over last.pt while the longer run goes on; its end writes new ones
+        final = [out / name for name in RUN_FILES if name != "last.pt" and (out / name).is_file()]
+        if final and state.epoch < cfg.epochs and task.ctx.is_main:
+            for path in final:
+                path.unlink()
+            task.log(f"removed {', '.join(p.name for p in final)} of epoch {state.epoch}: last.pt is the run now")

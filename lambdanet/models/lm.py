@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lambdanet.helpers import check_choice, check_positive_int
+from lambdanet.helpers import check_choice, check_int, check_positive_int, is_finite_real
 from lambdanet.layers.causal_attention import CausalSelfAttention, step_arguments
 from lambdanet.layers.causal_lambda import CausalLambdaLayer
 from lambdanet.models.lm_graph import StepGraph
@@ -217,8 +217,10 @@ class LanguageModel(nn.Module):
             nn.init.normal_(self.pos_embed, std=0.02)
 
     def _check_tokens(self, tokens: Tensor, start: int = 0) -> None:
-        if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.dtype not in (torch.long, torch.int):
-            got = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
+        integer = isinstance(tokens, Tensor) and not tokens.dtype.is_floating_point and not tokens.dtype.is_complex
+        if not integer or tokens.dim() != 2 or tokens.dtype == torch.bool:
+            got = f"a {str(tokens.dtype).removeprefix('torch.')} tensor of shape {tuple(tokens.shape)}" if isinstance(
+                tokens, Tensor) else type(tokens).__name__  # fmt: skip
             raise ValueError(f"tokens must be an integer tensor [batch, length], got {got}")
         # the range check reads the tokens on the host: not inside a compiled graph (no graph break)
         if (
@@ -250,7 +252,7 @@ class LanguageModel(nn.Module):
         and ``return_state`` also returns the state after them."""
         start = 0 if state is None else int(state["position"])
         self._check_tokens(tokens, start)
-        x = self.embed(tokens)  # b n d
+        x = self.embed(_as_index(tokens))  # b n d
         if self.pos_embed is not None:
             x = x + self.pos_embed[start : start + tokens.shape[1]]  # b n d
         layers = [None] * len(self.blocks) if state is None else state["layers"]
@@ -267,11 +269,13 @@ class LanguageModel(nn.Module):
     def step(self, state: dict, tokens: Tensor) -> tuple[Tensor, dict]:
         """One position: ``tokens [b]`` (or ``[b, 1]``) after the context ``state`` -> (logits ``[b, vocab]``,
         the state one position further)."""
+        if not isinstance(tokens, Tensor):
+            raise ValueError(f"tokens must be an integer tensor [batch] or [batch, 1], got {type(tokens).__name__}")
         tokens = tokens.reshape(-1, 1) if tokens.dim() == 1 else tokens
         if tokens.dim() != 2 or tokens.shape[1] != 1:
             raise ValueError(f"step takes one token per sequence, [batch] or [batch, 1], got {tuple(tokens.shape)}")
         self._check_tokens(tokens, int(state["position"]))
-        return self._advance(state, tokens)
+        return self._advance(state, _as_index(tokens))
 
     def _advance(self, state: dict, tokens: Tensor) -> tuple[Tensor, dict]:
         """:meth:`step` without its checks: nothing read on the host (the position stays a device tensor), the
@@ -295,9 +299,11 @@ class LanguageModel(nn.Module):
         top_k: int | None = None,
         generator: torch.Generator | None = None,
         cuda_graph: bool = False,
+        token_limit: int | None = None,
     ) -> Tensor:
         """Continue ``tokens [b, n]`` (``n >= 1``) by ``max_new_tokens`` sampled tokens: the prompt in one parallel
-        pass, then :meth:`step` per token. ``top_k=1`` is greedy; ``temperature`` divides the logits.
+        pass, then :meth:`step` per token. ``top_k=1`` is greedy; ``temperature`` divides the logits;
+        ``token_limit``: only tokens below it are sampled (a byte model with a larger vocabulary: 256).
         ``cuda_graph=True`` replays each step from one CUDA graph (:class:`~lambdanet.models.lm_graph.StepGraph`:
         one launch per token instead of a dozen per block; the lambda and linear families, whose state keeps its
         size; CUDA only). The same tokens as without it, up to the order of floating-point sums.
@@ -308,10 +314,12 @@ class LanguageModel(nn.Module):
         if not isinstance(cuda_graph, bool):
             raise ValueError(f"cuda_graph must be True or False, got {cuda_graph!r}")
         self._check_tokens(tokens)
+        tokens = _as_index(tokens)
         if tokens.shape[1] < 1:
             raise ValueError("generate needs a prompt of at least one token per sequence")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+        check_int(max_new_tokens, "max_new_tokens", 0)
+        max_new_tokens = int(max_new_tokens)
+        check_sampling(temperature, top_k, token_limit, self.vocab_size)
         self._check_tokens(tokens[:, :1], tokens.shape[1] + max_new_tokens - 1)
         was_training = self.training
         self.eval()
@@ -322,7 +330,7 @@ class LanguageModel(nn.Module):
             logits, out = logits[:, -1], [tokens]
             graph = None
             for i in range(max_new_tokens):
-                nxt = sample_next(logits, temperature, top_k, generator)  # b
+                nxt = sample_next(logits, temperature, top_k, generator, token_limit)  # b
                 out.append(nxt[:, None])
                 if i + 1 == max_new_tokens:
                     break
@@ -337,21 +345,42 @@ class LanguageModel(nn.Module):
         return torch.cat(out, dim=1)
 
 
+def check_sampling(temperature: float, top_k: int | None, token_limit: int | None, vocab_size: int) -> None:
+    """One-line errors naming the sampling argument that is out of range."""
+    if not (is_finite_real(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be > 0 and finite, got {temperature!r}")
+    check_positive_int(top_k, "top_k", allow_none=True)
+    if token_limit is not None:
+        check_int(token_limit, "token_limit", 1, vocab_size, note=f" at most the vocabulary's {vocab_size}")
+
+
 def sample_next(
-    logits: Tensor, temperature: float = 1.0, top_k: int | None = None, generator: torch.Generator | None = None
+    logits: Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+    token_limit: int | None = None,
 ) -> Tensor:
     """Sample one token per row of ``logits [b, vocab]`` from ``softmax(logits / temperature)`` restricted to
-    the ``top_k`` most likely (``top_k=1``: the arg-max, deterministic)."""
-    if not isinstance(temperature, (int, float)) or not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    the ``top_k`` most likely (``top_k=1``: the arg-max, deterministic) and to the tokens below ``token_limit``.
+    The logits are shifted by their row's largest and divided in float64, so any finite temperature works: a tiny
+    one tends to the arg-max, a huge one to uniform over the tokens kept."""
+    check_sampling(temperature, top_k, token_limit, logits.shape[-1])
+    if token_limit is not None and token_limit < logits.shape[-1]:
+        logits = logits[:, : int(token_limit)]  # b limit: the tokens' indices are unchanged
     if top_k is not None:
-        check_positive_int(top_k, "top_k")
         if top_k == 1:
             return logits.argmax(dim=-1)
-        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # b 1
+        kth = logits.topk(min(int(top_k), logits.shape[-1]), dim=-1).values[:, -1:]  # b 1
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = F.softmax(logits.float() / temperature, dim=-1)  # b vocab
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    logits = logits.double()  # b vocab
+    scaled = (logits - logits.max(dim=-1, keepdim=True).values) / float(temperature)  # <= 0, -inf where masked
+    return torch.multinomial(F.softmax(scaled, dim=-1), 1, generator=generator)[:, 0]
+
+
+def _as_index(tokens: Tensor) -> Tensor:
+    """Integer tokens as the embedding takes them (``uint8`` bytes, ``int16``, ... -> ``long``)."""
+    return tokens if tokens.dtype in (torch.long, torch.int) else tokens.long()
 
 
 def __getattr__(name: str):

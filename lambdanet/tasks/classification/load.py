@@ -16,7 +16,7 @@ from typing import Any, cast
 
 from torch import nn
 
-from lambdanet.files import read_state_dict, run_file, run_metadata
+from lambdanet.files import check_run_task, read_state_dict, run_file, run_metadata
 from lambdanet.models import create_model
 from lambdanet.models.hub import hub_repo
 from lambdanet.models.registry import run_image_cfg
@@ -66,6 +66,7 @@ def load_model(path: str | os.PathLike, *, ema: bool = True) -> nn.Module:
     """
     if hub_repo(path) is not None:  # create_model reads a shared run (and records where it came from)
         return create_model(str(path)).eval()
+    check_run_task(path, "classify")  # a language-model or detection run: say so (lambdanet.load_model takes both)
     path = run_file(path, ema=ema)
     if not path.is_file():
         raise ValueError(f"{path} does not exist; pass a run directory, its model.safetensors or its last.pt")

@@ -56,7 +56,9 @@ class LMConfig(RunConfig):
     betas: list = shared("betas", [0.9, 0.95])
     weight_decay: float = shared("weight_decay", 0.1)
     warmup_steps: int = option(100, "linear learning-rate warm-up, in steps")
-    min_lr: float = option(3e-4, "final learning rate of the cosine schedule")
+    min_lr: float = option(
+        3e-4, "final learning rate of the cosine schedule, at lr's scale: --lr-batch-scale scales it as it scales lr"
+    )
     grad_clip: float | None = shared("grad_clip", 1.0)
     amp: str = shared("amp", "none")
     compile: bool = shared("compile", False)
@@ -82,6 +84,8 @@ class LMConfig(RunConfig):
             raise ValueError(f"model must be a language model, one of {list_models('*_lm_*')}, got {self.model!r}")
         self.check_number("min_lr", 0, self.lr, note=" (the cosine schedule's floor, at most lr)")
         self.check_int("eval_bytes", 2, " (null: all)", optional=True)
+        if "vocab_size" in self.model_kwargs:  # an option of its own, which the run records
+            raise ValueError("model_kwargs must not set vocab_size: use --vocab-size (vocab_size: in a config file)")
 
     def complete(self, explicit: dict) -> None:
         """The model as the run records it: a resumed run written before ``lambda_lm_<size>``'s default moved is

@@ -20,12 +20,14 @@ from torch import Tensor
 __all__ = ["Corpus", "load_corpus", "windows", "stdlib_root", "is_validation_file", "VAL_PERCENT", "DATA_HELP"]
 
 VAL_PERCENT = 5
+MIN_VAL = 2  # bytes of a split: one byte predicts nothing (its first byte is only read)
 DATA_HELP = "corpus: stdlib (this Python's standard library sources) or text:FILE|DIR (bytes of a file or folder)"
 
 
 @dataclass(frozen=True)
 class Corpus:
-    """A byte corpus split into ``train`` and ``val`` (1-d ``uint8`` tensors); ``files``: (train, val) counts."""
+    """A byte corpus split into ``train`` and ``val`` (1-d ``uint8`` tensors); ``files``: (train, val) counts, or
+    ``(files, 0)`` where the validation bytes are the corpus's tail (too few files for a split by file)."""
 
     name: str
     train: Tensor
@@ -54,15 +56,18 @@ def _split_files(root: Path, paths: list[Path], name: str) -> Corpus:
     train, val = b"".join(parts[False]), b"".join(parts[True])
     if not train + val:
         raise ValueError(f"data {name} holds no bytes")
-    if not train or not val:  # too few files for a hash split: the last bytes validate
+    if len(train) < MIN_VAL or len(val) < MIN_VAL:  # too few files for a hash split: the last bytes validate
         return _split_tail(train + val, name, len(paths))
     return Corpus(name, _tensor(train), _tensor(val), (len(parts[False]), len(parts[True])))
 
 
 def _split_tail(data: bytes, name: str, files: int = 1) -> Corpus:
-    if len(data) < 2:
-        raise ValueError(f"data {name} holds {len(data)} byte(s); a corpus needs at least 2 (train and validation)")
-    cut = len(data) - max(1, len(data) * VAL_PERCENT // 100)
+    if len(data) < 2 * MIN_VAL:
+        raise ValueError(
+            f"data {name} holds {len(data)} byte(s); a corpus needs at least {2 * MIN_VAL} (training and validation "
+            f"bytes, {MIN_VAL} each: the first byte of a split predicts the next)"
+        )
+    cut = len(data) - max(MIN_VAL, len(data) * VAL_PERCENT // 100)
     return Corpus(name, _tensor(data[:cut]), _tensor(data[cut:]), (files, 0))
 
 

@@ -27,6 +27,7 @@ from lambdanet.engine.optim import build_optimizer, lr_at
 from lambdanet.engine.state import RunState
 from lambdanet.engine.task import Task, run
 from lambdanet.files import encode_metadata, read_safetensors, run_metadata
+from lambdanet.helpers import check_positive_int
 from lambdanet.models import create_model
 from lambdanet.models.lm_zoo import saved_lm
 from lambdanet.models.lm import LanguageModel
@@ -70,7 +71,10 @@ def evaluate_bits_per_byte(
 ) -> dict:
     """Bits per byte of ``model`` on ``data`` (1-d bytes) cut into consecutive windows of ``context`` predicted
     bytes (each window also reads the byte before it); with ``ctx`` the windows are shared among the ranks
-    and the sums reduced. Returns ``{"bits_per_byte", "loss" (nats per byte), "bytes"}``."""
+    and the sums reduced. Returns ``{"bits_per_byte", "loss" (nats per byte), "bytes"}`` (NaN losses where
+    ``data`` has no byte to predict: fewer than 2)."""
+    check_positive_int(context, "context")
+    check_positive_int(batch_size, "batch_size")
     device = torch.device(device)
     model.eval()
     n = data.numel() - 1  # predicted bytes
@@ -92,7 +96,7 @@ def evaluate_bits_per_byte(
                 count += seq[:, 1:].numel()
     if ctx is not None:
         total, count = all_reduce_sum([total, count], ctx)
-    loss = total / max(count, 1)
+    loss = total / count if count else math.nan  # nothing predicted is no score, not a perfect one
     return {"bits_per_byte": loss / math.log(2), "loss": loss, "bytes": int(count)}
 
 
@@ -134,7 +138,7 @@ class LanguageModelTask(Task):
             raise ValueError(f"context={cfg.context} is longer than the model's max_len={model.max_len}")
         self.steps_per_epoch = cfg.steps_per_epoch
         total = cfg.epochs * cfg.steps_per_epoch
-        peak, floor = cfg.effective_lr(), cfg.min_lr / cfg.lr
+        peak, floor = cfg.effective_lr(), cfg.min_lr / cfg.lr  # min_lr at lr's scale: --lr-batch-scale scales both
         self.lr = lambda step: peak * lr_at(step, total, cfg.warmup_steps, min_factor=floor)
         return RunState(
             model, build_optimizer(model, cfg), scaler=torch.amp.GradScaler("cuda") if cfg.amp == "fp16" else None
@@ -189,10 +193,11 @@ class LanguageModelTask(Task):
     def describe(self, state: RunState) -> str:
         cfg, c = self.cfg, self.corpus
         self.params = sum(p.numel() for p in state.model.parameters())
+        files = f"{c.files[0]} / {c.files[1]} files" if c.files[1] else f"{c.files[0]} file(s), the last bytes validate"
         return (
             f"{cfg.model} ({self.params / 1e6:.2f}M params, {cfg.model_kwargs}) on {cfg.data}: "
-            f"{c.train.numel() / 1e6:.2f} MB train / {c.val.numel() / 1e6:.2f} MB validation ({c.files[0]} / "
-            f"{c.files[1]} files), context {cfg.context}, recipe {cfg.recipe}, {cfg.epochs} x "
+            f"{c.train.numel() / 1e6:.2f} MB train / {c.val.numel() / 1e6:.2f} MB validation ({files}), "
+            f"context {cfg.context}, recipe {cfg.recipe}, {cfg.epochs} x "
             f"{cfg.steps_per_epoch} steps of {cfg.batch_size} sequences x {self.ctx.world} process(es)"
         )
 
@@ -297,5 +302,5 @@ def sample(
     tokens = torch.tensor([list(data)], dtype=torch.long, device=device)
     g = torch.Generator(device=device).manual_seed(seed)
     out = model.generate(tokens, max_new_tokens, temperature=temperature, top_k=top_k, generator=g,
-                         cuda_graph=cuda_graph)  # fmt: skip
+                         cuda_graph=cuda_graph, token_limit=min(model.vocab_size, 256))  # bytes only  # fmt: skip
     return bytes(out[0].tolist())
