@@ -13,6 +13,9 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "absolute_data",
+    "IMAGE_SUFFIXES",
+    "read_image",
     "WeightsMismatchError",
     "METADATA_FORMAT",
     "RUN_FILES",
@@ -291,3 +294,39 @@ def check_run_task(path: str | os.PathLike, task: str) -> None:
             f"{path} is {'' if is_dir else 'from '}{kind} ({writer}), not {RUN_TASKS[task][0]} ({RUN_TASKS[task][1]}); "
             f"{advice.format(path=folder)}"
         )
+
+
+# ------------------------------------------------------------------------------ image files
+# the suffixes of the image files lambdanet reads (torchvision's ImageFolder's: training and predict agree)
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+def read_image(path: str | os.PathLike, mode: str):
+    """The PIL image at ``path`` in ``mode`` (``"L"``, ``"RGB"``, ...), its pixels read (a truncated file fails
+    here). 16-bit and 32-bit integer images (``I;16``, ``I``: scientific and medical PNG / TIFF) are scaled to 8
+    bits first (``x / 257``, clipped), where PIL's own conversion would clip every value above 255 to white.
+    An unreadable file is a one-line ``ValueError`` naming it."""
+    import numpy as np
+    from PIL import Image
+
+    try:
+        with Image.open(path) as img:
+            if img.mode.startswith("I;16") or img.mode == "I":
+                wide = np.asarray(img, dtype=np.float64)  # h w: 0 .. 65535
+                return Image.fromarray(np.clip(np.rint(wide / 257.0), 0, 255).astype(np.uint8)).convert(mode)
+            return img.convert(mode)
+    except OSError as err:  # PIL.UnidentifiedImageError is an OSError
+        raise ValueError(f"{path} is not a readable image ({type(err).__name__}: {error_reason(err)})") from None
+
+
+DATA_PATH_KINDS = ("imagefolder", "text", "coco")  # --data KIND:PATH of the tasks (a folder or a file)
+
+
+def absolute_data(data: str) -> str:
+    """``--data`` with its path made absolute (``imagefolder:d1`` -> ``imagefolder:/home/me/d1``; ``~`` expanded),
+    so that a run's ``config.yaml`` finds its data from any working directory (``eval``, ``--resume``,
+    ``load_model``); other values as they are."""
+    kind, sep, path = data.partition(":")
+    if not sep or kind not in DATA_PATH_KINDS or not path:
+        return data
+    return f"{kind}:{Path(path).expanduser().absolute()}"

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from lambdanet.helpers import check_choice, check_positive_int
 from lambdanet.models import create_model, model_args
-from lambdanet.files import check_run_task, is_run_weights
+from lambdanet.files import IMAGE_SUFFIXES, check_run_task, is_run_weights, read_image
 from lambdanet.tasks.classification.load import load_model
 
 __all__ = [
@@ -48,9 +48,8 @@ __all__ = [
     "resolve_dtype",
 ]
 
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 INTERPOLATIONS = ("bilinear", "bicubic")
-_PIL_MODES = {1: "L", 3: "RGB"}  # in_chans -> the PIL mode images are converted to
+_PIL_MODES = {1: "L", 3: "RGB", 4: "RGBA"}  # in_chans -> the PIL mode images are converted to
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # inference precisions
 
 
@@ -166,15 +165,10 @@ def find_images(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[
 
 
 def load_image(path: str | os.PathLike, in_chans: int):
-    """The PIL image at ``path`` in the mode the model reads: ``"L"`` for ``in_chans=1``, ``"RGB"`` for 3."""
-    from PIL import Image
-
+    """The PIL image at ``path`` in the mode the model reads: ``"L"`` for ``in_chans=1``, ``"RGB"`` for 3,
+    ``"RGBA"`` for 4 (:func:`lambdanet.files.read_image`: as training reads it)."""
     check_choice(in_chans, "in_chans", tuple(_PIL_MODES))
-    try:
-        with Image.open(path) as img:
-            return img.convert(_PIL_MODES[in_chans])  # reads the pixels: truncated files fail here too
-    except OSError as err:  # PIL.UnidentifiedImageError is an OSError
-        raise ValueError(f"{path} is not a readable image ({type(err).__name__}: {err})") from None
+    return read_image(path, _PIL_MODES[in_chans])
 
 
 def preprocess_transform(cfg: dict):

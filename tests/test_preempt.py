@@ -93,6 +93,8 @@ def test_a_run_stopped_in_its_first_epoch_resumes(tmp_path, capsys, step, uninte
         assert main([*TRAIN, "--out", str(out)]) == 143
     assert f"in epoch 1/2 after batch {step}/5" in capsys.readouterr().err
     assert load_checkpoint(out / "last.pt")["epoch"] == 0
+    assert main(["eval", "--checkpoint", str(out)]) == 0  # its weights named as trained: not "epoch 0"
+    assert f"weights, epoch 0 and {step} batches of epoch 1) on digits test" in capsys.readouterr().out
     assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 0
     # the line says where it resumes: within the epoch, or at its end (not "from batch 6" of 5)
     expected = "epoch 1 from batch 2" if step == 1 else "epoch 1's end (its 5 batches done)"

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import cast
 
@@ -19,6 +20,16 @@ DESCRIPTION = (
     "convolution / attention baselines they are measured against (SE, linear, relative, local, axial "
     "and halo attention), with the papers' models, training recipes and benchmarks."
 )
+
+
+def _message(err: BaseException) -> str:
+    """A user error's message; one raised in a DataLoader worker comes back wrapped (``Caught ValueError in
+    DataLoader worker process 0.`` and the worker's traceback): its own last line, without the type name."""
+    text = str(err)
+    if "DataLoader worker process" not in text.split("\n", 1)[0]:
+        return text
+    last = [line for line in text.splitlines() if line.strip()][-1]
+    return last.removeprefix(f"{type(err).__name__}: ")
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -70,5 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lambdanet {command}: {err}", file=sys.stderr)
         return exit_status(err)
     except _user_errors() as err:
-        print(f"lambdanet {command}: error: {err}", file=sys.stderr)
+        print(f"lambdanet {command}: error: {_message(err)}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader of the output went away (lambdanet predict --json | head): quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush writes nowhere
+        return 128 + 13  # as a process killed by SIGPIPE

@@ -60,8 +60,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(res, indent=2))
     else:
+        trained = res.get("trained") or f"epoch {res['epoch']}"
         print(
-            f"{res['model']} ({res['weights']} weights, epoch {res['epoch']}) on {res['data']} {res['split']}: "
+            f"{res['model']} ({res['weights']} weights, {trained}) on {res['data']} {res['split']}: "
             f"top-1 {res['top1']:.4f}, top-5 {res['top5']:.4f}, loss {res['loss']:.4f} ({res['samples']} images)"
         )
     return 0
@@ -133,9 +134,12 @@ def _cmd_pseudo(args: argparse.Namespace) -> int:
     check_output_file(args.out, "--out")
     check_run_task(args.checkpoint, "classify")
     res = make_pseudo_labels(args.checkpoint, args.out, threshold=args.threshold)
+    agree = res["agreement_with_true_labels"]
     print(
         f"{len(res['labels'])} pseudo-labels for {res['data']} (labeled_fraction {res['labeled_fraction']}, "
-        f"seed {res['seed']}), {res['agreement_with_true_labels']:.4f} agree with the hidden labels -> {args.out}"
+        f"seed {res['seed']}), "
+        + (f"{agree:.4f} of them agree with the hidden labels" if len(res["labels"]) else "none reaches --threshold")
+        + f" -> {args.out}"
     )
     return 0
 

@@ -20,7 +20,7 @@ import yaml
 from lambdanet.engine.optim import OPTIMIZERS
 from lambdanet.engine.rundir import checkpoints_in
 from lambdanet.engine.values import check_number, check_types, load_run_yaml, load_yaml, save_yaml
-from lambdanet.files import check_output_dir
+from lambdanet.files import absolute_data, check_output_dir
 from lambdanet.helpers import check_int
 from lambdanet.runtime import AMP_DTYPES
 
@@ -156,6 +156,8 @@ class RunConfig:
             if name not in cls.RECIPES:
                 raise ValueError(f"unknown recipe {name!r}; valid recipes: {', '.join(cls.RECIPES)}")
             cfg = cls(**cls.recipe_values(name, explicit))
+        if isinstance(getattr(cfg, "data", None), str):  # a path found from any working directory later
+            cfg.data = absolute_data(cfg.data)  # type: ignore[attr-defined]
         cfg.validate()
         _check_out(cfg.out)
         cfg.complete(explicit)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
-from lambdanet.engine.checkpoint import rng_state, save_checkpoint, set_rng_state, unwrap
+from lambdanet.engine.checkpoint import CheckpointError, rng_state, save_checkpoint, set_rng_state, unwrap
 from lambdanet.engine.distributed import DistContext, all_gather_objects
 from lambdanet.engine.optim import load_optimizer_state
 
@@ -97,6 +97,15 @@ class RunState:
         save_checkpoint(self.state_dict(**config, **extra), path)
 
     def load_state_dict(self, state: dict) -> None:
+        own = unwrap(self.model).state_dict()
+        other = [k for k, v in state["model"].items() if k in own and tuple(v.shape) != tuple(own[k].shape)]
+        if other:  # one line, not torch's size-mismatch listing
+            k = other[0]
+            raise CheckpointError(
+                f"the checkpoint's model does not fit the one this run builds now: {len(other)} tensors have other "
+                f"shapes, e.g. {k} {tuple(state['model'][k].shape)} in the checkpoint, {tuple(own[k].shape)} now "
+                "(have the data's classes or channels changed since it was saved?)"
+            )
         unwrap(self.model).load_state_dict(state["model"])
         load_optimizer_state(self.optimizer, state["optimizer"], unwrap(self.model))  # 0.1's groups regrouped
         for name in ("scheduler", "ema", "scaler"):

@@ -315,8 +315,10 @@ def image_cfg(
 
 def run_image_cfg(meta: dict) -> dict:
     """:func:`image_cfg` of a ``lambdanet train`` run's weights from their metadata (``model``, ``num_classes``,
-    ``in_chans``, ``image_size``, ``mean``, ``std``, ``classes``, ``data``): resized straight to the run's size
-    (``crop_pct`` 1), as the run evaluated."""
+    ``in_chans``, ``image_size``, ``mean``, ``std``, ``classes``, ``data``), preprocessed as the run evaluated:
+    files (``imagefolder:`` data) with the shorter side resized to ``size / DEFAULT_CROP_PCT`` and centre-cropped,
+    the built-in small datasets resized straight (``crop_pct`` 1)."""
+    files = str(meta.get("data") or "").startswith("imagefolder:")
     return image_cfg(
         meta["model"],
         num_classes=meta["num_classes"],
@@ -324,6 +326,7 @@ def run_image_cfg(meta: dict) -> dict:
         image_size=meta["image_size"],
         mean=meta["mean"],
         std=meta["std"],
+        crop_pct=DEFAULT_CROP_PCT if files else 1.0,
         classes=meta.get("classes"),
         data=meta.get("data"),
     )
@@ -332,20 +335,32 @@ def run_image_cfg(meta: dict) -> dict:
 def pretrained_cfg(name: str, num_classes: int = 1000, in_chans: int = 3) -> dict:
     """``model.pretrained_cfg`` (:func:`image_cfg`) of ``create_model(name, num_classes=..., in_chans=...)`` before
     any weights are loaded: the model's :meth:`ModelInfo.preprocessing`, and for a model with published weights
-    their ``hf_hub_id`` and ``data``."""
+    their ``hf_hub_id`` and ``data``. ``mean`` and ``std`` have ``in_chans`` entries: RGB's averaged for one
+    channel (as the input convolution's RGB weights are summed), repeated in turn for more (as they are)."""
     p = model_info(name).preprocessing
     return image_cfg(
         name,
         num_classes=num_classes,
         in_chans=in_chans,
         image_size=p.input_size,
-        mean=p.mean,
-        std=p.std,
+        mean=_per_channel(p.mean, in_chans),
+        std=_per_channel(p.std, in_chans),
         crop_pct=p.crop_pct,
         interpolation=p.interpolation,
         data="imagenet" if p.hub_id else None,
         hf_hub_id=p.hub_id,
     )
+
+
+def _per_channel(values, in_chans: int) -> list[float]:
+    """Per-channel statistics of ``len(values)`` channels for ``in_chans``: themselves, their mean for one channel,
+    else repeated in turn."""
+    values = list(values)
+    if in_chans == len(values):
+        return values
+    if in_chans == 1:
+        return [sum(values) / len(values)]
+    return [values[i % len(values)] for i in range(in_chans)]
 
 
 def published_models() -> dict[str, PretrainedCfg]:

@@ -25,6 +25,7 @@ from torch.utils.data import Dataset
 from lambdanet.engine.distributed import DistContext
 from lambdanet.files import error_with_type
 from lambdanet.tasks.classification.config import TrainConfig
+from lambdanet.constants import DEFAULT_CROP_PCT
 from lambdanet.constants import IMAGENET_MEAN, IMAGENET_STD  # noqa: F401  (lambdanet.data had them)
 from lambdanet.tasks.classification.datasets import (
     FASHION_MNIST_DIR,
@@ -101,7 +102,9 @@ def build_transforms(
     spec: DatasetSpec, image_size: int, *, train: bool, augment: bool = True, randaugment: tuple[int, int] | None = None
 ) -> Callable:
     """torchvision v2 pipeline from a uint8 tensor image of a file dataset (large images) to a normalised
-    float tensor: (train) random-resized crop + flip; (eval) resize to ``image_size / 0.875`` and centre crop.
+    float tensor: (train) random-resized crop + flip; (eval) the shorter side resized to
+    ``floor(image_size / DEFAULT_CROP_PCT)`` (0.875) and centre-cropped, as timm's evaluation and
+    :func:`lambdanet.predict.predict` do with the run's ``pretrained_cfg``.
     ``randaugment = (layers, magnitude)`` adds RandAugment. Small in-memory images are augmented by
     :class:`ImageLoader` instead."""
     from torchvision.transforms import v2
@@ -112,7 +115,7 @@ def build_transforms(
     if train and augment:
         ops.append(v2.RandomResizedCrop(image_size, antialias=True))
     else:
-        ops += [v2.Resize(int(math.ceil(image_size / 0.875)), antialias=True), v2.CenterCrop(image_size)]
+        ops += [v2.Resize(math.floor(image_size / DEFAULT_CROP_PCT), antialias=True), v2.CenterCrop(image_size)]
     if train and augment and spec.hflip:
         ops.append(v2.RandomHorizontalFlip())
     if train and randaugment:

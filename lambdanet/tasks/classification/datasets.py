@@ -31,6 +31,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from lambdanet.constants import IMAGENET_MEAN, IMAGENET_STD
+from lambdanet.files import error_reason, read_image
 from lambdanet.helpers import require
 
 __all__ = [
@@ -212,13 +213,22 @@ def _cifar(name: str, data_dir: Path, download: bool) -> tuple[TensorImages, Ten
     )
 
 
+def _read_rgb(path: str):
+    """ImageFolder's loader: :func:`lambdanet.files.read_image` (16-bit images scaled, not clipped; an unreadable
+    file named in one line)."""
+    return read_image(path, "RGB")
+
+
 class ImageFolderTensors(Dataset):
-    """torchvision ImageFolder (PIL loader) returning uint8 tensors ``[3, H, W]``."""
+    """torchvision ImageFolder (lambdanet's image reader) returning uint8 tensors ``[3, H, W]``."""
 
     def __init__(self, root: Path):
         from torchvision.datasets import ImageFolder
 
-        self.folder = ImageFolder(str(root))
+        try:
+            self.folder = ImageFolder(str(root), loader=_read_rgb)
+        except FileNotFoundError as err:  # a class folder without images: say which split's
+            raise ValueError(f"{root}: {error_reason(err)}") from None
         self.classes = self.folder.classes
 
     def __len__(self) -> int:
@@ -241,7 +251,9 @@ def _imagefolder_spec(path: str) -> DatasetSpec:
         )
     classes = [sorted(d.name for d in (root / s).iterdir() if d.is_dir()) for s in ("train", "val")]
     if classes[0] != classes[1]:
-        raise ValueError(f"imagefolder:{path}: train/ and val/ have different class folders")
+        only = [sorted(set(classes[i]) - set(classes[1 - i])) for i in (0, 1)]
+        raise ValueError(f"imagefolder:{path}: train/ and val/ have different class folders (only in train/: "
+                         f"{only[0] or 'none'}; only in val/: {only[1] or 'none'})")  # fmt: skip
     return DatasetSpec(
         f"imagefolder:{path}", len(classes[0]), 3, 224, IMAGENET_MEAN, IMAGENET_STD, True, False, classes=classes[0]
     )

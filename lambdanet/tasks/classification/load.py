@@ -24,17 +24,62 @@ from lambdanet.models.pretrained import load_state
 from lambdanet.engine.checkpoint import CheckpointError, load_checkpoint, trained_weights
 from lambdanet.tasks.classification.datasets import dataset_spec
 
-__all__ = ["load_model", "restore_model", "checkpoint_settings"]
+__all__ = ["load_model", "restore_model", "checkpoint_meta", "check_data_fits", "checkpoint_settings"]
 
 
-def restore_model(state: dict, spec, *, ema: bool = True) -> tuple[nn.Module, str]:
-    """The model of a checkpoint (``load_checkpoint``) for a dataset ``spec``, rebuilt and loaded (EMA weights
-    when present and ``ema``); returns ``(model, "ema" | "raw")``."""
+def checkpoint_meta(state: dict, path: str | os.PathLike = "the checkpoint") -> dict:
+    """What the model of a classification checkpoint (``load_checkpoint``) is, in the keys of its run's weights
+    header (model, model_kwargs, num_classes, in_chans, classes, data, image_size, mean, std): saved in it
+    (``run_meta``, since 0.2.0), else, for an older one, rebuilt from its configuration and its data as it is
+    now, which must still have as many classes as its classifier has outputs (one-line ``ValueError``)."""
     saved = dict(state.get("config") or {})
-    kwargs = dict(state.get("model_kwargs") or {})
-    model = create_model(saved["model"], num_classes=spec.num_classes, in_chans=spec.in_chans, **kwargs)
+    if not saved:
+        raise CheckpointError(f"checkpoint {path} has no training configuration")
+    if isinstance(state.get("run_meta"), dict):
+        return dict(state["run_meta"])
+    spec = dataset_spec(saved["data"])
+    fc = state.get("model", {}).get("fc.weight")  # the classifier of every image model (pretrained_cfg's)
+    if fc is not None and fc.shape[0] != spec.num_classes:
+        raise ValueError(
+            f"checkpoint {path} has a classifier of {fc.shape[0]} classes but its data {saved['data']} has "
+            f"{spec.num_classes} now: the data changed since the run (its model.safetensors, when it has one, "
+            "carries the run's classes)"
+        )
+    return {"model": saved["model"], "model_kwargs": dict(state.get("model_kwargs") or {}),
+            "num_classes": spec.num_classes, "in_chans": spec.in_chans, "classes": spec.classes,
+            "data": saved["data"], "image_size": saved.get("img_size") or spec.image_size, "mean": list(spec.mean),
+            "std": list(spec.std)}  # fmt: skip
+
+
+def check_data_fits(meta: dict, spec, path: str | os.PathLike) -> None:
+    """A one-line ``ValueError`` when the dataset ``spec`` is not what the checkpoint at ``path`` (its
+    :func:`checkpoint_meta`) classifies: another number of classes or channels, or other class names."""
+    names = meta.get("classes") is not None and spec.classes is not None and list(meta["classes"]) != spec.classes
+    if meta["num_classes"] == spec.num_classes and meta["in_chans"] == spec.in_chans and not names:
+        return
+
+    def what(n, chans, classes):
+        shown = "" if classes is None else f" ({', '.join(map(str, classes[:5]))}{', ...' if len(classes) > 5 else ''})"
+        return f"{n} classes{shown} of {chans}-channel images"
+
+    raise ValueError(
+        f"checkpoint {path} classifies {what(meta['num_classes'], meta['in_chans'], meta.get('classes'))}; "
+        f"{spec.name} has {what(spec.num_classes, spec.in_chans, spec.classes)}: evaluate it on its own data, or "
+        "fine-tune it on this data with lambdanet train --checkpoint"
+    )
+
+
+def restore_model(state: dict, spec=None, *, ema: bool = True, path: str | os.PathLike = "the checkpoint"):
+    """The model of a checkpoint (``load_checkpoint``), built as it trained (:func:`checkpoint_meta`) and loaded
+    (EMA weights when present and ``ema``); with a dataset ``spec`` to run it on, that data must be what it
+    classifies (:func:`check_data_fits`). Returns ``(model, "ema" | "raw")``."""
+    meta = checkpoint_meta(state, path)
+    if spec is not None:
+        check_data_fits(meta, spec, path)
+    model = create_model(meta["model"], num_classes=meta["num_classes"], in_chans=meta["in_chans"],
+                         **meta["model_kwargs"])  # fmt: skip
     weights, kind = trained_weights(state, ema)
-    load_state(model, weights, source="the checkpoint's weights", name=f"{saved['model']}{kwargs}")
+    load_state(model, weights, source="the checkpoint's weights", name=f"{meta['model']}{meta['model_kwargs']}")
     return model, kind
 
 
@@ -60,9 +105,9 @@ def load_model(path: str | os.PathLike, *, ema: bool = True) -> nn.Module:
         ema: prefer the EMA weights where a run has both.
 
     The returned model has ``pretrained_cfg`` in timm's keys (:func:`lambdanet.models.registry.image_cfg`):
-    ``architecture``, ``num_classes``, ``input_size`` ``(in_chans, size, size)``, ``mean``, ``std``, ``crop_pct``
-    1 (resized straight, as the run evaluated), ``classes`` and ``data`` (what its inputs must look like and what
-    its outputs mean).
+    ``architecture``, ``num_classes``, ``input_size`` ``(in_chans, size, size)``, ``mean``, ``std``,
+    ``crop_pct`` (as the run evaluated: 0.875 for image files, 1 for the built-in small datasets), ``classes``
+    and ``data`` (what its inputs must look like and what its outputs mean).
     """
     if hub_repo(path) is not None:  # create_model reads a shared run (and records where it came from)
         return create_model(str(path)).eval()
@@ -82,23 +127,10 @@ def load_model(path: str | os.PathLike, *, ema: bool = True) -> nn.Module:
             name=meta["model"],
             path=path,
         )
-    else:
+    else:  # the checkpoint's own classes (saved in it since 0.2.0: its data need not be at hand)
         state = load_checkpoint(path)
-        cfg = dict(state.get("config") or {})
-        if not cfg:
-            raise ValueError(f"checkpoint {path} has no training configuration")
-        spec = dataset_spec(cfg["data"])
-        model, _ = restore_model(state, spec, ema=ema)
-        meta = {
-            "model": cfg["model"],
-            "num_classes": spec.num_classes,
-            "in_chans": spec.in_chans,
-            "classes": spec.classes,
-            "data": cfg["data"],
-            "image_size": cfg.get("img_size") or spec.image_size,
-            "mean": list(spec.mean),
-            "std": list(spec.std),
-        }
+        meta = checkpoint_meta(state, path)
+        model, _ = restore_model(state, ema=ema, path=path)
     cast("dict[str, Any]", model.pretrained_cfg).update(run_image_cfg(meta))
     return model.eval()
 

@@ -5,6 +5,8 @@ The pseudo-label file records the dataset, fraction and seed it belongs to."""
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sized
 from pathlib import Path
 from typing import cast
@@ -39,7 +41,7 @@ def make_pseudo_labels(
         )
     spec, train_ds, _ = build_datasets(cfg.data, data_dir=cfg.data_dir, download=cfg.download)
     _, unlabeled = labeled_split(len(cast(Sized, train_ds)), cfg.labeled_fraction, cfg.seed)
-    model, _ = restore_model(state, spec)
+    model, _ = restore_model(state, spec, path=checkpoint)
     model.eval()
     loader = ImageLoader(
         Subset(train_ds, unlabeled), spec, cfg.img_size or spec.image_size, train=False, batch_size=batch_size
@@ -56,7 +58,8 @@ def make_pseudo_labels(
         "labeled_fraction": cfg.labeled_fraction,
         "seed": cfg.seed,
         "teacher": str(checkpoint),
-        "agreement_with_true_labels": float((labels == truth).float().mean()),
+        # over the labels kept (NaN when none is): what the student will learn from
+        "agreement_with_true_labels": float((labels == truth)[keep].float().mean()) if keep.any() else math.nan,
     }
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     torch.save(result, out)

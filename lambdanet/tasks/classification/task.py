@@ -134,8 +134,10 @@ class ClassificationTask(Task):
         )
 
     def save(self, state: RunState) -> None:
-        """``last.pt`` with the model's build arguments."""
-        state.save(self.checkpoint_path, self.cfg, model_kwargs=model_build_kwargs(self.cfg))
+        """``last.pt`` with the model's build arguments and what it classifies (``run_meta``: the weights header's
+        values, so that the checkpoint loads without its data, and refuses data that changed)."""
+        state.save(self.checkpoint_path, self.cfg, model_kwargs=model_build_kwargs(self.cfg),
+                   run_meta=_run_meta(self.cfg, self.data.spec))  # fmt: skip
 
     def initialize(self, state: RunState, resumed: bool) -> None:
         if resumed and self.ctx.is_main:
@@ -280,9 +282,18 @@ def _start_note(cfg: TrainConfig, model: nn.Module) -> str:
     return f"starting from {source}" + (f" ({notes})" if notes else "")
 
 
-def _weights_meta(cfg: TrainConfig, spec: DatasetSpec) -> dict[str, str]:
-    """The header of the run's weights, which rebuilds the model (:func:`lambdanet.load_model`)."""
-    return weights_metadata(
+def trained_for(state: dict) -> str:
+    """How far a checkpoint trained: ``"epoch 3"`` at an epoch's end, ``"epoch 3 and 21 batches of epoch 4"``
+    where it was saved inside an epoch (a stop)."""
+    epoch, partial = int(state["epoch"]), state.get("epoch_partial")
+    if not partial:
+        return f"epoch {epoch}"
+    return f"epoch {epoch} and {partial['batches']} batches of epoch {epoch + 1}"
+
+
+def _run_meta(cfg: TrainConfig, spec: DatasetSpec) -> dict:
+    """What the run's model is: the values of its weights' header, which rebuilds it (:func:`lambdanet.load_model`)."""
+    return dict(
         model=cfg.model,
         model_kwargs=model_build_kwargs(cfg),
         num_classes=spec.num_classes,
@@ -290,9 +301,14 @@ def _weights_meta(cfg: TrainConfig, spec: DatasetSpec) -> dict[str, str]:
         classes=spec.classes,
         data=cfg.data,
         image_size=cast(int, cfg.img_size),  # resolve_config set it
-        mean=spec.mean,
-        std=spec.std,
+        mean=list(spec.mean),
+        std=list(spec.std),
     )
+
+
+def _weights_meta(cfg: TrainConfig, spec: DatasetSpec) -> dict[str, str]:
+    """The header of the run's weights (:func:`_run_meta`, as safetensors stores it)."""
+    return weights_metadata(**_run_meta(cfg, spec))
 
 
 def _write_outputs(state: RunState, cfg: TrainConfig, data: RunData, history: list[dict], summary: dict) -> None:
@@ -378,7 +394,7 @@ def evaluate_checkpoint(
     cfg = TrainConfig(**saved)
     ctx = DistContext(device=torch.device("cuda" if uses_cuda(device) else "cpu"))
     spec, train_ds, test_ds = build_datasets(cfg.data, data_dir=cfg.data_dir, download=cfg.download)
-    model, kind = restore_model(state, spec, ema=ema)
+    model, kind = restore_model(state, spec, ema=ema, path=path)
     loader = ImageLoader(
         test_ds if split == "test" else train_ds,
         spec,
@@ -394,4 +410,5 @@ def evaluate_checkpoint(
         "checkpoint": str(path),
         "weights": kind,
         "epoch": int(state["epoch"]),
+        "trained": trained_for(state),
     }
