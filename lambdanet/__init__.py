@@ -19,10 +19,17 @@ def load_model(path, *, ema: bool = True):
     in eval mode: an image classifier of ``lambdanet train`` (see
     :func:`lambdanet.tasks.classification.load.load_model`) or a language model of ``lambdanet lm train`` (see
     :func:`lambdanet.tasks.lm.task.load_lm`; ``ema`` does not apply)."""
-    from lambdanet.files import run_task
+    from pathlib import Path
+
+    from lambdanet.files import run_task, task_of_config
     from lambdanet.models.hub import hub_repo
 
-    if hub_repo(path) is None and run_task(path) == "lm":
+    task = None if hub_repo(path) is not None else run_task(path)
+    if task is None and Path(path).suffix == ".pt" and Path(path).is_file():  # a checkpoint away from its run
+        from lambdanet.engine.checkpoint import load_checkpoint
+
+        task = task_of_config(load_checkpoint(path).get("config") or {})
+    if task == "lm":
         from lambdanet.tasks.lm.task import load_lm
 
         return load_lm(path)

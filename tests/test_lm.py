@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -266,8 +267,10 @@ def test_sampling_at_extreme_temperatures_tends_to_argmax_and_to_uniform():
     for bad in (float("inf"), float("nan"), True, "1"):
         with pytest.raises(ValueError, match="temperature must be > 0 and finite"):
             sample_next(logits, bad)
-    with pytest.raises(ValueError, match="token_limit must be a positive int at most the vocabulary's 50, got 51"):
-        sample_next(logits, 1.0, token_limit=51)
+    wide = sample_next(rows, 1e3, generator=torch.Generator().manual_seed(2), token_limit=256)  # >= vocab: no limit
+    assert len(wide.unique()) == 50
+    with pytest.raises(ValueError, match="token_limit must be a positive int, got 0"):
+        sample_next(logits, 1.0, token_limit=0)
 
 
 def test_byte_tensors_are_tokens_and_wrong_types_are_named():
@@ -394,7 +397,10 @@ def test_training_learns_and_sampling_continues_the_prompt(tmp_path, corpus_dir,
     err = capsys.readouterr().err.strip()
     assert "cuda_graph=True needs the model and tokens on a CUDA device, got cpu" in err and "\n" not in err
     probe = torch.tensor([list(b"def add(a")])
-    for where in (tmp_path / "run", tmp_path / "run" / "model.safetensors", tmp_path / "run" / "last.pt"):
+    (tmp_path / "away").mkdir()  # a checkpoint copied away from its run directory (no config.yaml beside it)
+    shutil.copy(tmp_path / "run" / "last.pt", tmp_path / "away" / "lm.pt")
+    for where in (tmp_path / "run", tmp_path / "run" / "model.safetensors", tmp_path / "run" / "last.pt",
+                  tmp_path / "away" / "lm.pt"):
         loaded = lambdanet.load_model(where)  # the package's loader takes language-model runs too
         assert not loaded.training and torch.equal(loaded(probe), model(probe))
     from lambdanet.tasks.classification.load import load_model as load_classifier

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from typing import cast
 
@@ -28,8 +29,10 @@ def _message(err: BaseException) -> str:
     text = str(err)
     if "DataLoader worker process" not in text.split("\n", 1)[0]:
         return text
-    last = [line for line in text.splitlines() if line.strip()][-1]
-    return last.removeprefix(f"{type(err).__name__}: ")
+    lines = text.strip().splitlines()
+    head = re.compile(rf"(?:[\w.]+\.)?{re.escape(type(err).__name__)}: ?")  # ValueError: / lambdanet.x.CheckpointError:
+    start = max((i for i, line in enumerate(lines) if head.match(line)), default=len(lines) - 1)
+    return "\n".join([head.sub("", lines[start], count=1), *lines[start + 1 :]])
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -76,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(c for c in (args.command, getattr(args, "lm_command", None)) if c)  # 'lm sample'
     try:
         with intra_op_threads(getattr(args, "threads", None), "--threads"):  # the commands with --threads N
-            return int(args.func(args) or 0)
+            code = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, where a reader that went away is handled below, not at the interpreter's exit
+        return code
     except Preempted as err:  # a checkpoint was saved: one line, and the signal's conventional exit status
         print(f"lambdanet {command}: {err}", file=sys.stderr)
         return exit_status(err)

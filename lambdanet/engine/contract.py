@@ -33,6 +33,7 @@ class Task(ABC):
     extras: tuple[tuple[str, str], ...] = (("matplotlib", "train"),)  # (module, extra) the task needs: the plots
     lr: Callable[[int], float] | None = None  # the rate of each step (None: the state's scheduler steps)
     steps_per_epoch: int = 0  # optimiser steps of one epoch, set by build_state
+    superseded: tuple[Path, ...] = ()  # a resumed run's final weights of an earlier end, set by the engine
 
     def __init__(self, cfg: RunConfig, ctx: DistContext, log: Callable[[str], None], stop: StopSignals | None = None):
         self.cfg, self.ctx, self.log, self.stop = cfg, ctx, log, stop
@@ -80,6 +81,16 @@ class Task(ABC):
     def save(self, state: RunState) -> None:
         """Called by the main process when a checkpoint is due: ``last.pt``, the state with its configuration."""
         state.save(self.checkpoint_path, self.cfg)
+
+    def drop_superseded(self) -> None:
+        """Called on the main process after each checkpoint: the final weights of the run's earlier end
+        (:attr:`superseded`), which a loader of the run directory would prefer to the checkpoint, are removed
+        once a checkpoint goes past them; the run's new end writes new ones."""
+        if self.superseded:
+            for path in self.superseded:
+                path.unlink(missing_ok=True)
+            self.log(f"removed {', '.join(p.name for p in self.superseded)} of the run's earlier end: last.pt is ahead")
+            self.superseded = ()
 
     def upgrade_checkpoint(self, saved: dict) -> dict:
         """Called on ``--resume`` with the loaded ``last.pt``, before it is restored: the same checkpoint in the

@@ -210,6 +210,7 @@ def fit(
         if result is None:  # a signal: save where the epoch stands, then stop
             if ctx.is_main:
                 task.save(state)
+                task.drop_superseded()
             barrier(ctx)  # the others wait for the save: a process that ends first gets the rest stopped
             raise Preempted.at(
                 cast(signal.Signals, cast(StopSignals, stop).received),
@@ -228,6 +229,7 @@ def fit(
             state.gather_rng(ctx)
             if ctx.is_main:
                 task.save(state)
+                task.drop_superseded()
             last_saved = state.epoch
         barrier(ctx)
     return row, stopped

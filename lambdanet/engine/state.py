@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,13 @@ def _own_rng(state: dict) -> dict:
     grouped = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if grouped else (0, 1)
     return ranks[rank] if ranks and len(ranks) == world else state["rng"]
+
+
+# torch's load_state_dict message for a tensor of another shape: the key, the checkpoint's and the model's shapes
+_SIZE_MISMATCH = (
+    r"size mismatch for ([\w.]+): copying a param with shape torch\.Size\((\[[^]]*\])\) from checkpoint, "
+    r"the shape in current model is torch\.Size\((\[[^]]*\])\)"
+)
 
 
 @dataclass
@@ -97,16 +105,17 @@ class RunState:
         save_checkpoint(self.state_dict(**config, **extra), path)
 
     def load_state_dict(self, state: dict) -> None:
-        own = unwrap(self.model).state_dict()
-        other = [k for k, v in state["model"].items() if k in own and tuple(v.shape) != tuple(own[k].shape)]
-        if other:  # one line, not torch's size-mismatch listing
-            k = other[0]
+        try:
+            unwrap(self.model).load_state_dict(state["model"])
+        except RuntimeError as err:  # torch lists every mismatch over many lines: the first, in one
+            found = re.search(_SIZE_MISMATCH, str(err))
+            if found is None:
+                raise
+            key, saved, now = found.groups()
             raise CheckpointError(
-                f"the checkpoint's model does not fit the one this run builds now: {len(other)} tensors have other "
-                f"shapes, e.g. {k} {tuple(state['model'][k].shape)} in the checkpoint, {tuple(own[k].shape)} now "
-                "(have the data's classes or channels changed since it was saved?)"
-            )
-        unwrap(self.model).load_state_dict(state["model"])
+                f"the checkpoint's model does not fit the one this run builds now: {key} {saved} in the checkpoint, "
+                f"{now} now (have the data's classes or channels changed since it was saved?)"
+            ) from None
         load_optimizer_state(self.optimizer, state["optimizer"], unwrap(self.model))  # 0.1's groups regrouped
         for name in ("scheduler", "ema", "scaler"):
             component = getattr(self, name)

@@ -133,10 +133,8 @@ def _restore(task: Task, state: RunState, saved_epochs: int) -> None:
             f"extending the run from {saved_epochs} to {cfg.epochs} epochs: the learning-rate schedule is "
             f"recomputed over {cfg.epochs} epochs and continues from epoch {state.epoch}"
         )
-        # the final weights of the run's earlier end are no longer its end: a loader of the run directory (which
-        # prefers them) would take them over last.pt while the longer run goes on; its end writes new ones
-        final = [out / name for name in RUN_FILES if name != "last.pt" and (out / name).is_file()]
-        if final and state.epoch < cfg.epochs and task.ctx.is_main:
-            for path in final:
-                path.unlink()
-            task.log(f"removed {', '.join(p.name for p in final)} of epoch {state.epoch}: last.pt is the run now")
+    # the final weights of the run's earlier end (a shorter or early-stopped run) stop being its end at the first
+    # checkpoint past it (Task.drop_superseded): a loader of the run directory prefers them to last.pt
+    final = [out / name for name in RUN_FILES if name != "last.pt" and (out / name).is_file()]
+    if final and state.epoch < cfg.epochs:
+        task.superseded = tuple(final)

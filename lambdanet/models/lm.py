@@ -303,7 +303,8 @@ class LanguageModel(nn.Module):
     ) -> Tensor:
         """Continue ``tokens [b, n]`` (``n >= 1``) by ``max_new_tokens`` sampled tokens: the prompt in one parallel
         pass, then :meth:`step` per token. ``top_k=1`` is greedy; ``temperature`` divides the logits;
-        ``token_limit``: only tokens below it are sampled (a byte model with a larger vocabulary: 256).
+        ``token_limit``: only tokens below it are sampled (a byte model with a larger vocabulary: 256; at or above
+        the vocabulary's size it limits nothing).
         ``cuda_graph=True`` replays each step from one CUDA graph (:class:`~lambdanet.models.lm_graph.StepGraph`:
         one launch per token instead of a dozen per block; the lambda and linear families, whose state keeps its
         size; CUDA only). The same tokens as without it, up to the order of floating-point sums.
@@ -319,7 +320,7 @@ class LanguageModel(nn.Module):
             raise ValueError("generate needs a prompt of at least one token per sequence")
         check_int(max_new_tokens, "max_new_tokens", 0)
         max_new_tokens = int(max_new_tokens)
-        check_sampling(temperature, top_k, token_limit, self.vocab_size)
+        check_sampling(temperature, top_k, token_limit)
         self._check_tokens(tokens[:, :1], tokens.shape[1] + max_new_tokens - 1)
         was_training = self.training
         self.eval()
@@ -345,13 +346,13 @@ class LanguageModel(nn.Module):
         return torch.cat(out, dim=1)
 
 
-def check_sampling(temperature: float, top_k: int | None, token_limit: int | None, vocab_size: int) -> None:
+def check_sampling(temperature: float, top_k: int | None, token_limit: int | None) -> None:
     """One-line errors naming the sampling argument that is out of range."""
     if not (is_finite_real(temperature) and temperature > 0):
         raise ValueError(f"temperature must be > 0 and finite, got {temperature!r}")
     check_positive_int(top_k, "top_k", allow_none=True)
-    if token_limit is not None:
-        check_int(token_limit, "token_limit", 1, vocab_size, note=f" at most the vocabulary's {vocab_size}")
+    if token_limit is not None:  # one at or above the vocabulary's size limits nothing
+        check_int(token_limit, "token_limit", 1)
 
 
 def sample_next(
@@ -365,7 +366,7 @@ def sample_next(
     the ``top_k`` most likely (``top_k=1``: the arg-max, deterministic) and to the tokens below ``token_limit``.
     The logits are shifted by their row's largest and divided in float64, so any finite temperature works: a tiny
     one tends to the arg-max, a huge one to uniform over the tokens kept."""
-    check_sampling(temperature, top_k, token_limit, logits.shape[-1])
+    check_sampling(temperature, top_k, token_limit)
     if token_limit is not None and token_limit < logits.shape[-1]:
         logits = logits[:, : int(token_limit)]  # b limit: the tokens' indices are unchanged
     if top_k is not None:
@@ -375,7 +376,8 @@ def sample_next(
         logits = logits.masked_fill(logits < kth, float("-inf"))
     logits = logits.double()  # b vocab
     scaled = (logits - logits.max(dim=-1, keepdim=True).values) / float(temperature)  # <= 0, -inf where masked
-    return torch.multinomial(F.softmax(scaled, dim=-1), 1, generator=generator)[:, 0]
+    probs = F.softmax(scaled, dim=-1).float()  # float32, as always: CUDA's multinomial draws by the dtype
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
 def _as_index(tokens: Tensor) -> Tensor:

@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from lambdanet.engine.distributed import DistContext
-from lambdanet.files import error_with_type
+from lambdanet.files import absolute_data, error_with_type
 from lambdanet.tasks.classification.config import TrainConfig
 from lambdanet.constants import DEFAULT_CROP_PCT
 from lambdanet.constants import IMAGENET_MEAN, IMAGENET_STD  # noqa: F401  (lambdanet.data had them)
@@ -297,8 +297,10 @@ def load_pseudo_labels(path: str | Path, cfg: TrainConfig) -> dict:
     if not isinstance(data, dict) or not {"indices", "labels"} <= set(data):
         raise ValueError(f"pseudo_labels file {path} holds no pseudo-labels (no indices and labels); {expected}")
     for key in ("data", "labeled_fraction", "seed"):
-        mine = getattr(cfg, key)
-        if data.get(key) != mine:
+        mine, theirs = getattr(cfg, key), data.get(key)
+        if key == "data" and isinstance(theirs, str):  # a relative path of an earlier version's file
+            mine, theirs = absolute_data(mine), absolute_data(theirs)
+        if theirs != mine:
             raise ValueError(f"pseudo_labels {path} were made for {key}={data.get(key)!r}, this run has {key}={mine!r}")
     return data
 

@@ -69,11 +69,14 @@ def check_data_fits(meta: dict, spec, path: str | os.PathLike) -> None:
     )
 
 
-def restore_model(state: dict, spec=None, *, ema: bool = True, path: str | os.PathLike = "the checkpoint"):
-    """The model of a checkpoint (``load_checkpoint``), built as it trained (:func:`checkpoint_meta`) and loaded
-    (EMA weights when present and ``ema``); with a dataset ``spec`` to run it on, that data must be what it
-    classifies (:func:`check_data_fits`). Returns ``(model, "ema" | "raw")``."""
-    meta = checkpoint_meta(state, path)
+def restore_model(
+    state: dict, spec=None, *, ema: bool = True, path: str | os.PathLike = "the checkpoint", meta: dict | None = None
+):
+    """The model of a checkpoint (``load_checkpoint``), built as it trained (``meta``: its
+    :func:`checkpoint_meta`, read here if not given) and loaded (EMA weights when present and ``ema``); with a
+    dataset ``spec`` to run it on, that data must be what it classifies (:func:`check_data_fits`). Returns
+    ``(model, "ema" | "raw")``."""
+    meta = meta or checkpoint_meta(state, path)
     if spec is not None:
         check_data_fits(meta, spec, path)
     model = create_model(meta["model"], num_classes=meta["num_classes"], in_chans=meta["in_chans"],
@@ -130,7 +133,7 @@ def load_model(path: str | os.PathLike, *, ema: bool = True) -> nn.Module:
     else:  # the checkpoint's own classes (saved in it since 0.2.0: its data need not be at hand)
         state = load_checkpoint(path)
         meta = checkpoint_meta(state, path)
-        model, _ = restore_model(state, ema=ema, path=path)
+        model, _ = restore_model(state, ema=ema, path=path, meta=meta)
     cast("dict[str, Any]", model.pretrained_cfg).update(run_image_cfg(meta))
     return model.eval()
 

@@ -15,7 +15,7 @@ import torch
 
 from lambdanet.engine.checkpoint import CheckpointError, load_checkpoint
 from lambdanet.engine.values import check_number
-from lambdanet.files import run_file
+from lambdanet.files import absolute_data, run_file
 from lambdanet.tasks.classification.data import ImageLoader, Subset, build_datasets, labeled_split
 from lambdanet.tasks.classification.config import TrainConfig
 from lambdanet.tasks.classification.load import restore_model
@@ -54,7 +54,7 @@ def make_pseudo_labels(
         "indices": torch.as_tensor(unlabeled)[keep],
         "labels": labels[keep],
         "confidence": conf[keep],
-        "data": cfg.data,
+        "data": absolute_data(cfg.data),  # a teacher of an earlier version may have kept it relative
         "labeled_fraction": cfg.labeled_fraction,
         "seed": cfg.seed,
         "teacher": str(checkpoint),

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from lambdanet.engine.config import ConfigSource, config_differences, describe_differences, load_yaml
 from lambdanet.engine.logger import read_json, write_json
+from lambdanet.files import absolute_data
 from lambdanet.tasks.classification.config import RESUME_FREE
 from lambdanet.tasks.classification.task import train
 
@@ -37,7 +38,10 @@ def lr_sweep(
             run_dir = out / model / f"lr_{lr:g}"
             cfg = source.resolve(model=model, lr=lr, out=str(run_dir))
             if (run_dir / "config.yaml").exists():
-                changed = config_differences(load_yaml(run_dir / "config.yaml"), cfg, ignore=RESUME_FREE)
+                saved = load_yaml(run_dir / "config.yaml")
+                if isinstance(saved.get("data"), str):  # an earlier version kept a relative path as given
+                    saved["data"] = absolute_data(saved["data"])
+                changed = config_differences(saved, cfg, ignore=RESUME_FREE)
                 if changed:
                     raise ValueError(
                         f"{run_dir} holds a run with another configuration: "

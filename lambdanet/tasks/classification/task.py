@@ -32,7 +32,7 @@ from lambdanet.tasks.classification.data import (
     load_pseudo_labels,
     prepare_run_data,
 )
-from lambdanet.tasks.classification.load import restore_model
+from lambdanet.tasks.classification.load import check_data_fits, restore_model
 from lambdanet.tasks.classification.metrics import CLASSIFICATION_PANELS, evaluate
 from lambdanet.tasks.classification.mix import BatchMix, soft_target_cross_entropy
 
@@ -83,7 +83,10 @@ class ClassificationTask(Task):
     cfg: TrainConfig  # the engine's configuration is this task's
 
     def upgrade_checkpoint(self, saved: dict) -> dict:
-        """lambdanet <= 0.1 kept a preempted epoch's sums as ``loss_sum`` / ``correct`` / ``seen``."""
+        """lambdanet <= 0.1 kept a preempted epoch's sums as ``loss_sum`` / ``correct`` / ``seen``. A checkpoint
+        that says what it classifies (``run_meta``) must still fit the data (renamed class folders included)."""
+        if isinstance(saved.get("run_meta"), dict):
+            check_data_fits(saved["run_meta"], self.data.spec, self.checkpoint_path)
         partial = saved.get("epoch_partial")
         if not partial or "loss_sum" not in partial:
             return saved
