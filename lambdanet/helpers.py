@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
+    "functorch_active",
     "check_int",
     "check_number",
     "MissingExtraError",
@@ -256,6 +257,12 @@ def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
     for d in dtypes:
         dtype = torch.promote_types(dtype, d)
     return dtype
+
+
+def functorch_active() -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jacrev``, ...) runs this code: the package's
+    Python ``autograd.Function``s and host reads then give way to plain differentiable ops."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
 
 
 AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")  # the device types torch.autocast serves (meta tensors: none)

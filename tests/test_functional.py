@@ -187,6 +187,24 @@ def test_causal_content_lambdas_match_per_query_normalisation(method):
         torch.testing.assert_close(out[:, ni], want, atol=ATOL, rtol=1e-4)
 
 
+@pytest.mark.parametrize("n", [1, 31, 33, 100])
+def test_causal_content_lambdas_normalise_by_each_querys_own_context_whatever_comes_later(n):
+    """A key 300 nats above the earlier ones (float32's exp spans ~87): shifting by the whole sequence's maximum
+    underflowed the earlier queries' weights to 0 (a later key changed earlier outputs). Against the per-query
+    softmax in float64 (rounding ~1e-15 of values ~1)."""
+    keys = torch.randn(2, n, 2, 4, 3, dtype=torch.float64) * 5
+    keys[:, n // 2 :] += 300.0
+    vals = torch.randn(2, n, 2, 6, 3, dtype=torch.float64)
+    want = torch.stack([torch.einsum("bmgku,bmgvu->bgkv", keys[:, : t + 1].softmax(dim=1), vals[:, : t + 1])
+                        for t in range(n)], dim=1)  # fmt: skip
+    torch.testing.assert_close(LF.causal_content_lambdas(keys, vals, "softmax"), want, atol=1e-12, rtol=1e-12)
+    # float32: rounding a key of ~300 moves its weight by up to 300 x 2^-24 relative; a weighted mean of values
+    # <= max|V| over 3 channels u then moves by up to 2 x 3 x that x max|V| (the old shift gave errors ~max|V|)
+    low = LF.causal_content_lambdas(keys.float(), vals.float(), "softmax")
+    bound = 2 * 3 * float(keys.abs().max()) * 2**-24 * float(vals.abs().max())
+    torch.testing.assert_close(low.double(), want, atol=bound, rtol=0)
+
+
 def test_causal_content_lambdas_stay_finite_for_large_keys():
     keys = torch.randn(1, 64, 1, 4, 1) * 40  # key range far beyond exp's fp32 range
     out = LF.causal_content_lambdas(keys, torch.randn(1, 64, 1, 3, 1), "softmax")

@@ -163,6 +163,18 @@ def test_causal_layer_ignores_the_future(kwargs, train):
         torch.testing.assert_close(layer(x2)[..., : t + 1], y[..., : t + 1].detach(), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("impl", ["auto", "einsum"])
+def test_causal_layer_ignores_a_loud_future(impl):
+    """A later token 60x louder (its keys ~100 nats above the rest): the per-query path (below the causal op's
+    1024 positions) shifted the keys by the whole sequence's maximum, so earlier outputs changed by O(1)."""
+    layer = LambdaLayer(8, dim_k=4, heads=2, r=3, causal=True, impl=impl).eval()
+    x = torch.randn(1, 8, 16)
+    x2 = x.clone()
+    x2[..., 10] *= 60.0
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x2)[..., :10], layer(x)[..., :10], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("kwargs", [dict(r=5), dict(r=None, feat_size=12), dict(r=3, dim_u=2),
                                     dict(r=4, position=False), dict(r=5, query_softmax=True)])
 def test_causal_auto_runs_the_causal_op_and_equals_the_per_query_lambdas(kwargs, monkeypatch, set_policy):
@@ -455,6 +467,13 @@ def test_inference_caches_the_embeddings_until_the_weights_change():
         y2 = layer(x)
     assert not torch.allclose(y1, y2)
     assert emb.embeddings((6, 6)).requires_grad  # with autograd: rebuilt, differentiable
+    with torch.no_grad():  # a write through .data (EMA teachers: p.data.mul_(m).add_(...)) moves no version counter
+        e3 = emb.embeddings((6, 6))
+        emb.weight.data.mul_(3.0)
+        torch.testing.assert_close(emb.embeddings((6, 6)), 3 * e3)
+        fresh = LambdaLayer(8, dim_k=4, heads=2, r=5).eval()
+        fresh.load_state_dict(layer.state_dict())
+        torch.testing.assert_close(layer(x), fresh(x))
 
 
 @pytest.mark.parametrize("kwargs,other", [
@@ -1025,3 +1044,75 @@ def test_an_empty_batch_runs_forward_and_backward_in_every_implementation(impl, 
     y.sum().backward()
     assert x.grad is not None and x.grad.shape == x.shape
     assert all(p.grad is not None and not p.grad.any() for p in layer.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("impl", ["auto", "einsum", "einsum_qe", "depthwise_conv"])
+def test_torch_func_transforms_run_the_layers(impl):
+    """torch.func.grad / vmap (per-sample gradients) took no Function without setup_context: the layers' Python
+    Functions give way to plain ops there. Against autograd and the unbatched call, float64 (rounding ~1e-15)."""
+    torch.manual_seed(0)
+    layers = [LambdaLayer(8, dim_k=4, heads=2, r=3, impl=impl).double().eval()]
+    if impl == "auto":  # the causal layer on the chunked op (its scan and host read of the keys' spread)
+        from lambdanet.layers import CausalLambdaLayer
+
+        layers.append(CausalLambdaLayer(8, heads=2, dim_k=4, r=3, chunk=4).double().eval())
+    for layer in layers:
+        x = torch.randn(2, 8, 5, 5, dtype=torch.float64) if isinstance(layer, LambdaLayer) else \
+            torch.randn(2, 10, 8, dtype=torch.float64)  # fmt: skip
+        params = {k: v.detach() for k, v in layer.named_parameters()}
+
+        def loss(p, x):
+            return torch.func.functional_call(layer, p, (x,)).square().sum()
+
+        got = torch.func.grad(loss)(params, x)
+        want = torch.autograd.grad(loss(dict(layer.named_parameters()), x), list(layer.parameters()))
+        for (name, g), w in zip(got.items(), want):
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=name)
+        torch.testing.assert_close(torch.func.vmap(layer)(x[:, None])[:, 0], layer(x), rtol=1e-10, atol=1e-12)
+
+
+def test_torch_jit_trace_runs_the_causal_layer():
+    """A trace hands call_mode 0-d tensors as shapes (it failed on int.bit_length) and saves no Python Function:
+    the traced layer equals the eager one at the traced length (float32 rounding, outputs ~1)."""
+    import warnings
+
+    from lambdanet.layers import CausalLambdaLayer
+
+    layer = CausalLambdaLayer(8, heads=2, dim_k=4, r=3).eval()
+    x = torch.randn(2, 9, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the trace's own warnings about Python values
+        traced = torch.jit.trace(layer, x)
+    torch.testing.assert_close(traced(x), layer(x), rtol=1e-5, atol=1e-5)
+
+
+def test_layers_built_on_the_meta_device_reset_to_their_own_initialisation():
+    """Meta construction, to_empty, then each module's reset_parameters through ``apply`` (children first, then
+    the layer, as large-model loaders do): every
+    parameter the layers own gets its initialisation back (position_bias 0; the causal layer's table, identity
+    convolution and decay rates), not the uninitialised memory to_empty leaves."""
+    from lambdanet.layers import CausalLambdaLayer
+
+    for make in (lambda: LambdaLayer(8, dim_k=4, heads=2, r=3, position_bias=True),
+                 lambda: CausalLambdaLayer(8, heads=2, dim_k=4, r=3, short_conv=3, decay="fixed"),
+                 lambda: CausalLambdaLayer(8, heads=2, dim_k=4, r=3, decay="gate")):  # fmt: skip
+        fresh = make()
+        with torch.device("meta"):
+            layer = make()
+        layer = layer.to_empty(device="cpu")
+        for p in layer.parameters():
+            torch.nn.init.constant_(p, 7.0)  # what to_empty may leave
+        layer.apply(lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None)
+        for name, p in layer.named_parameters():
+            assert (p != 7.0).any(), name
+        if isinstance(layer, CausalLambdaLayer):  # the deterministic parts equal a fresh layer's
+            mine, theirs = dict(layer.named_parameters()), dict(fresh.named_parameters())
+            for name in ("conv.weight", "decay_rate", "gate.weight", "gate.bias"):
+                if name in theirs:
+                    torch.testing.assert_close(mine[name], theirs[name])
+            torch.manual_seed(3)
+            layer.reset_parameters()  # the table: the same draws as the constructor's N(0, 1 / (r k))
+            torch.manual_seed(3)
+            torch.testing.assert_close(layer.emb.detach(), torch.randn(3, 4, 1) / math.sqrt(3 * 4))
+        else:
+            assert torch.equal(layer.position_bias, torch.zeros(4))

@@ -450,6 +450,12 @@ def test_naive_mode_refuses_a_state_without_reading_it():
         with pytest.raises(ValueError, match="initial_state must be None with mode='naive'") as err:
             causal_lambda(q, keys, values, emb, mode="naive", initial_state=given)
         assert "\n" not in str(err.value)
+    from lambdanet.layers import CausalLambdaLayer  # the layer names its own argument, state
+
+    layer = CausalLambdaLayer(8, heads=2, dim_k=4, r=3, mode="naive")
+    _, carried = CausalLambdaLayer(8, heads=2, dim_k=4, r=3)(torch.randn(1, 4, 8), return_state=True)
+    with pytest.raises(ValueError, match="^state must be None with mode='naive'"):
+        layer(torch.randn(1, 3, 8), carried)
 
 
 def test_auto_is_the_pytorch_chunk_form_on_the_cpu_and_the_kernels_on_cuda():

@@ -50,12 +50,15 @@ def content_lambda(normalized_keys: Tensor, values: Tensor) -> Tensor:
 
 
 def causal_content_lambdas(keys: Tensor, values: Tensor, method: str = "softmax") -> Tensor:
-    """Per-query content lambdas of a causal (masked, App. B.2) layer with cumulative sums.
+    """Per-query content lambdas of a causal (masked, App. B.2) layer.
 
     Query ``n`` sees context ``m <= n``; its keys are normalised over that context only:
-    ``lambda^c_n = sum_u (sum_{m<=n} w[m] V[m]^T) / Z_n`` with ``w = exp(K - max K)`` and
-    ``Z_n = sum_{m<=n} w[m]`` for the softmax (``w = K``, ``Z_n = ||K[:n+1]||_2`` for L2). No ``n x m``
-    tensor is formed: memory ``Theta(b n g k v u)``, computed in float32 or wider.
+    ``lambda^c_n = sum_u (sum_{m<=n} w[m] V[m]^T) / Z_n`` with ``w = exp(K)`` and ``Z_n = sum_{m<=n} w[m]`` for the
+    softmax (``w = K``, ``Z_n = ||K[:n+1]||_2`` for L2; ``w = K``, no ``Z`` for none). The softmax is taken
+    against each query's own running maximum ``c_n = max_{m<=n} K[m]`` (:func:`_prefix_softmax_sums`), never a
+    later key: a key far above the earlier ones cannot underflow their weights (nor reach them). No ``n x m``
+    tensor is formed: memory ``Theta(b n g k u (v + C))`` for chunks of ``C >= 32`` positions (``C ~ (2 n)^(1/3)``
+    beyond 16k), computed in float32 or wider.
 
     Args:
         keys: ``[b, n, g, k, u]`` raw keys.
@@ -70,19 +73,51 @@ def causal_content_lambdas(keys: Tensor, values: Tensor, method: str = "softmax"
         bind_shapes(keys=(keys, "b n g k u"), values=(values, "b n g v u"))
     dtype = compute_dtype(keys.dtype, values.dtype)
     keys, values = keys.to(dtype), values.to(dtype)
-    tiny = torch.finfo(dtype).tiny
+    z: Tensor | None
     if method == "softmax":
-        # the shift cancels between numerator and denominator; detached so no gradient reaches the future
-        w = torch.exp(keys - keys.amax(dim=1, keepdim=True).detach())  # b n g k u
-        z = w.cumsum(dim=1).clamp_min(tiny)  # b n g k u
-    elif method == "l2":
-        w, z = keys, keys.square().cumsum(dim=1).sqrt().clamp_min(1e-12)  # b n g k u
+        num, z = _prefix_softmax_sums(keys, values)  # b n g k u v, b n g k u
     else:
-        w, z = keys, None
-    num = torch.einsum("bngku,bngvu->bngkuv", w, values).cumsum(dim=1)  # b n g k u v
+        num = torch.einsum("bngku,bngvu->bngkuv", keys, values).cumsum(dim=1)  # b n g k u v
+        z = keys.square().cumsum(dim=1).sqrt().clamp_min(1e-12) if method == "l2" else None  # b n g k u
     if z is not None:
         num = num / z.unsqueeze(-1)
     return num.sum(dim=4)  # b n g k v
+
+
+def _prefix_softmax_sums(keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+    """``(sum_{m<=n} exp(K[m] - c_n) V[m]^T, sum_{m<=n} exp(K[m] - c_n))`` (``[b, n, g, k, u, v]``,
+    ``[b, n, g, k, u]``) with ``c_n`` the running maximum of the keys (detached: the shift cancels in the ratio).
+    Every exponent is <= 0 and ``Z_n >= 1``, whatever the keys' spread. Chunks of ``C`` positions: within one, the
+    ``C x C`` masked weights ``exp(K[m] - c_n)``; across them, each chunk's sums relative to the maximum at its
+    end, carried to a later chunk by the ``N x N`` masked factors between those maxima (``N = n / C``), then to
+    each query by ``exp(c_before - c_n)``."""
+    b, n, g, k, u = keys.shape
+    v = values.shape[3]
+    C = 32  # positions per chunk: the C x C weights take n C, the N x N factors (n / C)^2: C ~ (2 n)^(1/3) at long n
+    while C**3 < 2 * n:
+        C *= 2
+    N, pad = -(-n // C), -n % C
+    c = keys.detach().cummax(dim=1).values  # b n g k u
+    if pad:  # padded keys weigh nothing; the maximum stays the last one
+        keys = torch.cat([keys, keys.new_full((b, pad, g, k, u), float("-inf"))], dim=1)
+        values = torch.cat([values, values.new_zeros(b, pad, g, v, u)], dim=1)
+        c = torch.cat([c, c[:, -1:].expand(b, pad, g, k, u)], dim=1)
+    K, cc = keys.view(b, N, C, g, k, u), c.view(b, N, C, g, k, u)  # b N C g k u
+    V1 = torch.cat([values, values.new_ones(b, N * C, g, 1, u)], dim=3).view(b, N, C, g, v + 1, u)  # Z: the 1s
+    later = torch.ones(C, C, dtype=torch.bool, device=keys.device).triu(1)  # [n, m]: m > n
+    arg = K[:, :, None] - cc[:, :, :, None]  # b N C(n) C(m) g k u
+    intra = torch.einsum("bNnmgku,bNmgvu->bNngkuv", arg.masked_fill(later[:, :, None, None, None], -torch.inf).exp(),
+                         V1)  # b N C g k u (v+1)  # fmt: skip
+    end = cc[:, :, -1]  # b N g k u: the maximum at each chunk's end
+    sums = torch.einsum("bNmgku,bNmgvu->bNgkuv", (K - end[:, :, None]).exp(), V1)  # b N g k u (v+1)
+    before = torch.cat([end.new_full(end[:, :1].shape, float("-inf")), end[:, :-1]], dim=1)  # b N g k u
+    arg = end[:, None] - before[:, :, None]  # b N(j) N(i) g k u: chunk i's sums carried to chunk j
+    carry = torch.ones(N, N, dtype=torch.bool, device=keys.device).tril(-1).logical_not()  # i >= j: none
+    carried = torch.einsum("bjigku,bigkuv->bjgkuv", arg.masked_fill(carry[:, :, None, None, None], -torch.inf).exp(),
+                           sums)  # b N g k u (v+1)  # fmt: skip
+    total = intra + (before[:, :, None] - cc).exp().unsqueeze(-1) * carried[:, :, None]  # b N C g k u (v+1)
+    total = total.reshape(b, N * C, g, k, u, v + 1)[:, :n]  # b n g k u (v+1)
+    return total[..., :v], total[..., v]
 
 
 def apply_content_lambda(queries: Tensor, lam: Tensor) -> Tensor:

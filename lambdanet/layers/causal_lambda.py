@@ -137,19 +137,38 @@ class CausalLambdaLayer(nn.Module):
         width = heads * dim_k + lambdas * (dim_k * dim_u * content + dim_v * dim_u)
         self.qkv = nn.Linear(dim, width, bias=False)
         self.proj = nn.Linear(heads * dim_v, dim, bias=False)
-        self.emb = nn.Parameter(torch.randn(r, dim_k, dim_u) / math.sqrt(max(r, 1) * dim_k)) if r else None
+        self.emb = nn.Parameter(torch.empty(r, dim_k, dim_u)) if r else None
+        self._reset_table()  # before the modules below draw their own (the random numbers of a seed as before)
         self.conv = nn.Conv1d(width, width, short_conv, groups=width, bias=False) if short_conv else None
-        if self.conv is not None:  # starts as the identity (the last tap), so the option starts as the plain layer
-            nn.init.zeros_(self.conv.weight)
-            with torch.no_grad():
-                self.conv.weight[:, 0, -1] = 1.0
-        rates = torch.logspace(-9, -5, dim_k * dim_u, base=2.0).view(dim_k, dim_u)  # k u
-        self.decay_rate = nn.Parameter(_inverse_softplus(rates)) if decay == "fixed" else None
+        self.decay_rate = nn.Parameter(torch.empty(dim_k, dim_u)) if decay == "fixed" else None
         self.gate = nn.Linear(dim, dim_k * dim_u) if decay == "gate" else None
-        if self.gate is not None:
-            nn.init.zeros_(self.gate.weight)
+        self._reset_options()
+
+    def reset_parameters(self) -> None:
+        """The layer's own initialisation (also after ``to_empty`` from the meta device): the position table
+        ``N(0, 1 / (r k))``, the short convolution the identity (its last tap: the option starts as the plain
+        layer), the decay rates ``2^-9 .. 2^-5`` per key channel (fixed, or the gate's bias with zero weights).
+        The projections keep ``nn.Linear``'s own initialisation (its ``reset_parameters``)."""
+        self._reset_table()
+        self._reset_options()
+
+    def _reset_table(self) -> None:
+        if self.emb is not None:
             with torch.no_grad():
-                self.gate.bias.copy_(_inverse_softplus(rates).flatten())
+                self.emb.copy_(torch.randn(self.emb.shape) / math.sqrt(max(self.r, 1) * self.dim_k))
+
+    def _reset_options(self) -> None:
+        k, u = self.dim_k, self.dim_u
+        with torch.no_grad():
+            if self.conv is not None:
+                nn.init.zeros_(self.conv.weight)
+                self.conv.weight[:, 0, -1] = 1.0
+            rates = _inverse_softplus(torch.logspace(-9, -5, k * u, base=2.0)).view(k, u)  # k u
+            if self.decay_rate is not None:
+                self.decay_rate.copy_(rates)
+            if self.gate is not None:
+                nn.init.zeros_(self.gate.weight)
+                self.gate.bias.copy_(rates.flatten())
 
     def _project(self, x: Tensor, state: dict[str, Tensor] | None, keep: bool = True) -> tuple[Tensor, Tensor | None]:
         """``x [b, n, d]`` -> the projections ``[b, n, h k + k u + v u]`` (through the short convolution, which
@@ -272,6 +291,11 @@ class CausalLambdaLayer(nn.Module):
         ``state``: the context before ``x`` (default: none)."""
         self._check_x(x, "[batch, length, dim={}]", 3)
         if state is not None:
+            if self.mode == "naive" and self.fused:
+                raise ValueError(
+                    "state must be None with mode='naive' (the definition starts from an empty context); "
+                    "continue a sequence with mode='auto', 'chunk' or 'fused_recurrent'"
+                )
             self._check_state(state, x.shape[0])
         qkv, conv = self._project(x, state, keep=return_state)
         q, keys, values = self._split(qkv)  # b n h k, b n L k u, b n L v u

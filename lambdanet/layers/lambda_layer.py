@@ -95,8 +95,9 @@ class LambdaLayer(LambdaPositionMixin, nn.Module):
         position_embedding: ``"relative"`` (translation equivariant, default) or ``"absolute"``
             (one embedding per (n, m) pair, Fig. 3 literally; needs ``feat_size`` and ``r=None``).
         embedding: an existing :class:`RelativePositionEmbedding` / :class:`AbsolutePositionEmbedding`
-            to share between layers (Table 4); it then defines the scope, so leave ``r`` at its default
-            or pass the matching value.
+            to share between layers (Table 4); it defines the scope, and ``r`` must say the same: its local
+            scope (``r=7`` for a 7 x 7 table), or ``None`` for a global one (a mismatch is a one-line error
+            naming the value to pass).
         multihead: the multi-head formulation of Fig. 7 (one lambda per head; for comparison).
         key_norm: ``"softmax"`` over context positions (default), ``"l2"`` or ``"none"`` (Table 12).
         query_softmax: also softmax the queries over ``k`` (Table 12).
@@ -298,11 +299,15 @@ class LambdaLayer(LambdaPositionMixin, nn.Module):
                 raise ValueError(f"feat_size={feat} does not match the shared embedding's feat_size {emb.feat_size}")
 
     def reset_parameters(self) -> None:
-        """Paper initialisation (App. E.1): ``Wq ~ N(0, (d k)^-1/2)``, ``Wk, Wv ~ N(0, d^-1/2)`` (std)."""
+        """Paper initialisation (App. E.1): ``Wq ~ N(0, (d k)^-1/2)``, ``Wk, Wv ~ N(0, d^-1/2)`` (std); the
+        position bias (where the layer has one) 0. The position table and the norms reset themselves."""
         with torch.no_grad():
             w, nq = self.qkv.weight, self.dim_qk_total
             w[:nq].normal_(0.0, (self.dim * self.dim_k) ** -0.5)
             w[nq:].normal_(0.0, self.dim**-0.5)
+            bias = getattr(self, "position_bias", None)  # (set after the first call, from __init__)
+            if bias is not None:
+                bias.zero_()
 
     def extra_repr(self) -> str:
         scope = f"r={self.r}" if self.r is not None else f"feat_size={self.feat_size}"

@@ -127,20 +127,23 @@ class RelativePositionEmbedding(_FlatTable):
         """``E[g, k, u, n, m]`` for an input of size ``spatial`` (see ``functional.gather_relative_embeddings``),
         in ``dtype`` (default: the table's; a half-precision table is read in its layer's float32).
 
-        Without autograd (inference) the result is cached until the table changes (its version counter moves
-        with every optimiser step or ``load_state_dict``); layers sharing this module share it too."""
+        On the CPU without autograd (inference) the result is cached while the table holds the same values: a copy
+        of the table (``r^d k u`` numbers, far fewer than ``E``'s) is compared at each call, so writes the version
+        counter does not see (``weight.data.mul_(...)``, as EMA teachers are often updated) rebuild it too;
+        layers sharing this module share it. On a GPU, where the comparison would wait for the device, ``E`` is
+        gathered at every call (one kernel)."""
         from lambdanet.functional import gather_relative_embeddings
 
         spatial, w = tuple(spatial), self.weight
         dtype = w.dtype if dtype is None else dtype
-        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or w.device.type != "cpu":
             return gather_relative_embeddings(self.table.to(dtype), self.center, spatial)
-        key = (w.data_ptr(), w._version, w.dtype, dtype, w.device, spatial)
-        cache = self.__dict__.setdefault("_cache", {})
-        if key not in cache:
-            cache.clear()  # one entry per embedding: the current weights at the last size used
-            cache[key] = gather_relative_embeddings(self.table.detach().to(dtype), self.center, spatial)
-        return cache[key]
+        key = (w.dtype, dtype, spatial)
+        cached = self.__dict__.get("_cache")  # (key, the table's values then, E)
+        if cached is None or cached[0] != key or not torch.equal(cached[1], w):
+            E = gather_relative_embeddings(self.table.detach().to(dtype), self.center, spatial)
+            self.__dict__["_cache"] = cached = (key, w.detach().clone(), E)  # one entry: the last size used
+        return cached[2]
 
     def extra_repr(self) -> str:
         scope = f"feat_size={self.feat_size}" if self.feat_size else f"scope={self.kernel_size}"

@@ -46,7 +46,8 @@ def call_mode(mode: str, q: Tensor, r: int, chunk_size: int | None = None) -> st
     mode checked; ``"fused_chunk"`` outside the kernels' limits is a one-line error."""
     if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-    unfit = _fused.fits(q.shape[2], q.shape[3], r, chunk_size or _fused.default_chunk(q.shape[2]), q.dtype)
+    heads, dim_k = int(q.shape[2]), int(q.shape[3])  # ints also where a tracer hands over 0-d tensors
+    unfit = _fused.fits(heads, dim_k, r, chunk_size or _fused.default_chunk(heads), q.dtype)
     mode = resolve_mode(mode, q.device, fits=unfit is None)
     if mode == "fused_chunk" and unfit:
         raise ValueError(f"mode='fused_chunk' does not serve {unfit}; use mode='chunk' (or 'auto', which does)")

@@ -20,7 +20,15 @@ from lambdanet.functional.content import (  # re-exported: the fast path's conte
     content_lambda,
     normalize_keys,
 )
-from lambdanet.helpers import autocast_active, bind_shapes, check_choice, conv_nd, leave_autocast, no_autocast
+from lambdanet.helpers import (
+    autocast_active,
+    bind_shapes,
+    check_choice,
+    conv_nd,
+    functorch_active,
+    leave_autocast,
+    no_autocast,
+)
 
 __all__ = [
     "POSITION_IMPLS",
@@ -241,7 +249,7 @@ class _PermuteCopy(torch.autograd.Function):
 
 def permute_copy(x: Tensor, dims: tuple[int, ...]) -> Tensor:
     """Permute into a contiguous tensor; the gradient flows back contiguous in ``x``'s layout."""
-    if torch.jit.is_scripting() or torch.jit.is_tracing() or torch.compiler.is_compiling():
+    if torch.jit.is_scripting() or torch.jit.is_tracing() or torch.compiler.is_compiling() or functorch_active():
         return x.permute(dims).contiguous()  # a graph, not a Python autograd.Function (see position_output_qe)
     return _PermuteCopy.apply(x, tuple(dims))
 
@@ -354,10 +362,11 @@ def position_output_qe(
     q_n = permute_copy(queries, (1, 0, 2, 3)).view(n, b * h, k)  # n (b h) k
     e_n = embeddings.transpose(0, 1)  # n k m (a strided view)
     values = values.contiguous()
-    if torch.jit.is_tracing():
+    if torch.jit.is_tracing() or functorch_active():
         # torch.jit.trace reads shapes as traced 0-dim tensors, which as the Function's b and h belong to the
         # outer graph (the tracer fails with "unordered_map::at"), and a traced Python Function could not be
-        # saved anyway: plain chunked GEMMs instead (whose backward keeps the q . E chunks; export does not mind)
+        # saved anyway; torch.func's transforms take no Function without setup_context: plain chunked GEMMs
+        # instead (whose backward keeps the q . E chunks; export does not mind)
         chunks = [
             _qe_chunk_output(q_n[i : i + chunk], e_n[i : i + chunk], values, b, h)  # b h nc v
             for i in range(0, n, chunk)

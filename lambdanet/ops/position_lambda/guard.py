@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lambdanet.helpers import functorch_active
+
 __all__ = ["tracing", "plain_eager", "timing_allowed"]
 
 
@@ -30,7 +32,7 @@ def plain_eager(*tensors: Tensor, types: tuple[type, ...] = (torch.Tensor,)) -> 
         return False
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-    if _get_current_dispatch_mode() is not None or torch._C._functorch.peek_interpreter_stack() is not None:
+    if _get_current_dispatch_mode() is not None or functorch_active():
         return False
     return all(type(t) in types for t in tensors)
 

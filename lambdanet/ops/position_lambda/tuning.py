@@ -378,8 +378,7 @@ def _measure(layer: TunedLayer, plans: dict[str, Any], static: str, q: Tensor, v
     speed affects them alike) after one warm-up call each, and return the fastest by median; the static pick
     unless another took under :data:`SWITCH_MARGIN` of its time. The eval cache of ``E`` is left as it was."""
     params = [p for p in layer.embedding.parameters() if p.requires_grad] if grad else []
-    cache = layer.embedding.__dict__.get("_cache")
-    saved = dict(cache) if cache is not None else None
+    saved = layer.embedding.__dict__.get("_cache")  # (key, table values, E) or None: restored below
     order = [static] + [impl for impl in plans if impl != static]
     runs = {impl: _runner(layer, plans[impl], q, vals, spatial, grad, params) for impl in order}
     times: dict[str, list[float]] = {impl: [] for impl in order}
@@ -405,10 +404,10 @@ def _measure(layer: TunedLayer, plans: dict[str, Any], static: str, q: Tensor, v
             live = [impl for impl in live if times[impl][-1] <= DROP_FACTOR * fastest]
     finally:
         hooks.__exit__(None, None, None)
-        after = layer.embedding.__dict__.get("_cache")
-        if after is not None:
-            after.clear()
-            after.update(saved or {})
+        if saved is None:
+            layer.embedding.__dict__.pop("_cache", None)
+        else:
+            layer.embedding.__dict__["_cache"] = saved
     medians = {impl: statistics.median(t) for impl, t in times.items() if t}
     if not medians:
         return static
