@@ -335,6 +335,9 @@ def test_lm_train_options_out_of_range_are_one_line(tmp_path, capsys, args, need
     (["--momentum", "1", "--optimizer", "sgd"], "momentum must be in [0, 1)"),
     (["--workers", "-1"], "workers must be a non-negative int, got -1"),
     (["--max-train-batches", "0"], "max_train_batches must be a positive int (batches per epoch) or null, got 0"),
+    (["--no-masks", "--loss-weights", "loss_mask=2"], "loss_weights sets loss_mask, which --no-masks (Faster R-CNN)"),
+    (["--backbone-kwargs", "num_classes=5,features_only=false"],
+     "backbone_kwargs must not set ['features_only', 'num_classes']: the detector builds its backbone with them"),
     (["--seed", "-1"], "seed must be a non-negative int below 2**32"),
 ])
 def test_detect_options_out_of_range_are_one_line(tmp_path, capsys, args, needle):

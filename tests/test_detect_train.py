@@ -254,3 +254,22 @@ def test_loss_weights_scale_the_losses_trained_on(tmp_path):
         assert not torch.equal(trained[box_bias], initial[box_bias])
         assert torch.equal(trained[mask_bias], initial[mask_bias]) is not mask_moves, weights
     assert main([*args, "--loss-weights", "{loss_mask: -1}", "--out", str(tmp_path / "bad")]) == 2
+
+
+def test_detect_resume_refuses_a_coco_folder_whose_categories_changed(tmp_path, capsys):
+    """Label k is the training file's k-th category: ids renumbered after the run would relabel it silently."""
+    from test_detection import write_coco_folder
+
+    data, out = tmp_path / "coco", tmp_path / "run"
+    write_coco_folder(data)
+    args = ["detect", "--backbone", "resnet26", "--data", f"coco:{data}", *TINY, "--out", str(out)]
+    assert main(args) == 0
+    for split in ("train", "val"):  # the ids 3 and 7 swapped: "cat" is label 2 now
+        path = data / "annotations" / f"instances_{split}.json"
+        path.write_text(path.read_text().replace('"id": 3', '"id": 99').replace('"id": 7', '"id": 3')
+                        .replace('"id": 99', '"id": 7'))  # fmt: skip
+    capsys.readouterr()
+    assert main(["detect", "--out", str(out), "--resume", "--epochs", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "was trained on the categories [[3, 'cat'], [7, 'dog']]" in err and "[[3, 'dog'], [7, 'cat']]" in err
+    assert "\n" not in err

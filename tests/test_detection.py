@@ -24,6 +24,7 @@ from lambdanet.tasks.detection.data import (
     size_statistics,
 )
 from lambdanet.tasks.detection.evaluate import METRICS, evaluate_detector, evaluate_predictions
+from lambdanet.tasks.detection.coco import coco_ground_truth
 from lambdanet.tasks.detection.model import (
     BACKBONE_PRESETS,
     DetectorOptions,
@@ -342,7 +343,9 @@ def test_evaluate_detector_reports_every_metric():
     pytest.importorskip("pycocotools")
     tiny = generate_glyph_scenes(GlyphSceneConfig(train_images=1, test_images=2, glyphs="digits"), 0)
     model = create_detector("resnet26", 10, min_size=128, max_size=128, options=SMALL, base_width=8)
+    rng = torch.get_rng_state()
     metrics = evaluate_detector(model, GlyphInstances("test", scenes=tiny), batch_size=2)
+    assert torch.equal(torch.get_rng_state(), rng)  # --eval-every between epochs leaves the training's draws alone
     assert model.training  # the mode it had
     assert sorted(metrics) == sorted(ALL_METRICS)
     assert all(math.isnan(v) or 0.0 <= v <= 1.0 for v in metrics.values())
@@ -412,6 +415,11 @@ def test_coco_folder_loads_in_detection_format(tmp_path):
     ("no_annotations", "has no annotations"),
     ("missing_image", r"1 of 3 image files are missing under .*val \(first: c.png\)"),
     ("unknown_category", r"annotation 2 has category_id 9, not among the categories \[3, 7\]"),
+    ("short_polygon", r"annotation 1's segmentation has a polygon of 4 numbers \(at least 3 points"),
+    ("empty_segmentation", r"annotation 1's segmentation is an empty list"),
+    ("rle_size", r"annotation 2's segmentation is an RLE of size \[10, 10\], not its image's .* = \[40, 50\]"),
+    ("no_width", r"image 2 needs file_name and positive integer width and height"),
+    ("string_category", r"category ids must be integers, got \{'id': '3'"),
 ])
 def test_coco_folder_errors_are_one_line(tmp_path, case, match):
     pytest.importorskip("pycocotools")
@@ -425,14 +433,69 @@ def test_coco_folder_errors_are_one_line(tmp_path, case, match):
         write_args = {"annotations": []}
     elif case == "missing_image":
         write_args = {"images": images + [{"id": 3, "file_name": "c.png", "width": 50, "height": 40}]}
-    else:
+    elif case == "unknown_category":
         anns[1]["category_id"] = 9
         write_args = {"annotations": anns}
+    elif case in ("short_polygon", "empty_segmentation", "rle_size"):  # pycocotools' own tracebacks before
+        which, seg = {"short_polygon": (0, [[2.0, 20.0, 12.0, 20.0]]), "empty_segmentation": (0, []),
+                      "rle_size": (1, {**anns[1]["segmentation"], "size": [10, 10]})}[case]  # fmt: skip
+        anns[which]["segmentation"] = seg
+        write_args = {"annotations": anns}
+    elif case == "no_width":
+        write_args = {"images": [images[0], {k: v for k, v in images[1].items() if k != "width"}]}
+    else:
+        write_args = {"categories": [{"id": "3", "name": "cat"}, {"id": 7, "name": "dog"}]}
     root = tmp_path / "coco"
     write_coco_folder(root, **write_args)
     with pytest.raises(ValueError, match=match) as err:
         build_detection_datasets(f"coco:{root}")
     assert "\n" not in str(err.value)
+
+
+def perfect_predictions(test):
+    return [{"image_id": t["image_id"], "boxes": t["boxes"], "labels": t["labels"], "masks": t["masks"],
+             "scores": torch.ones(len(t["labels"]))} for t in (test[i][1] for i in range(len(test)))]
+
+
+def test_a_val_file_with_other_categories_or_ids_keeps_the_models_labels(tmp_path):
+    """The model's label k is the training file's k-th category: a val file listing one more (unused) category
+    shifted every label of the evaluation (AP of perfect predictions well below 1); annotation ids from 0 made
+    COCOeval drop a match (id 0 counts as unmatched); a val annotation of a category the model lacks is refused."""
+    pytest.importorskip("pycocotools")
+    write_coco_folder(tmp_path)
+    good = json.loads((tmp_path / "annotations" / "instances_train.json").read_text())
+    cats = [{"id": 1, "name": "bird"}] + good["categories"]  # an unused category before the model's two
+    anns = [{**a, "id": a["id"] - 1} for a in good["annotations"]]  # ids from 0, as some exporters write them
+    root = tmp_path / "other"
+    write_coco_folder(root, categories=cats, annotations=anns)
+    train, test = build_detection_datasets(f"coco:{root}")
+    assert test.categories == train.categories == ["cat", "dog"] and test[0][1]["labels"].tolist() == [1, 2]
+    gt = test.to_coco()
+    assert [a["id"] for a in gt["annotations"]] == [1, 2] and [c["id"] for c in gt["categories"]] == [1, 2]
+    metrics = evaluate_predictions(gt, perfect_predictions(test))
+    assert metrics["bbox_AP"] == pytest.approx(1.0) and metrics["segm_AP"] == pytest.approx(1.0)
+    subset = torch.utils.data.Subset(test, [0])  # --max-eval-images: that image's own annotations, from the file
+    fresh = test.to_coco()  # (pycocotools' evaluation edits the dict it is given)
+    assert coco_ground_truth(subset)["annotations"] == [a for a in fresh["annotations"] if a["image_id"] == 1]
+    bird = tmp_path / "bird"
+    write_coco_folder(bird, categories=cats, annotations=[{**anns[0], "category_id": 1}])
+    with pytest.raises(ValueError, match=r"annotation 0 has category_id 1, which .*instances_train.json does not "
+                                         r"list \(the model's categories: \[3, 7\]\)"):
+        build_detection_datasets(f"coco:{bird}")
+
+
+def test_coco_images_are_read_as_training_reads_images(tmp_path):
+    """16-bit images scaled to 8 bits (torchvision's reader clipped them to white), as classification reads them."""
+    pytest.importorskip("pycocotools")
+    import numpy as np
+    from PIL import Image
+
+    write_coco_folder(tmp_path)
+    wide = np.linspace(0, 65535, 40 * 50).reshape(40, 50).astype(np.uint16)
+    Image.fromarray(wide).save(tmp_path / "train" / "a.png")
+    image, _ = build_detection_datasets(f"coco:{tmp_path}")[0][0]
+    want = torch.from_numpy(np.rint(wide / 257.0)).float() / 255  # H W, every channel
+    assert torch.equal(image, want.expand(3, -1, -1))
 
 
 def test_unknown_detection_dataset_names_the_valid_ones(tmp_path):

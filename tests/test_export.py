@@ -664,3 +664,20 @@ def test_every_registered_model_exports_in_every_format_and_batch_mode(name, fmt
         scale = eager.abs().max().item()
         assert scale > 0
         torch.testing.assert_close(got, eager, rtol=0, atol=tolerance(fmt, path, scale))
+
+
+def test_an_export_size_the_models_global_layers_were_not_built_for_names_img_size(tmp_path, capsys):
+    """A run's weights built for 32 px with global position layers (BoTNet's): --img-size 64 is refused in one
+    line that names the option and the size to pass, not only the layer's feat_size."""
+    from lambdanet.engine.checkpoint import export_safetensors
+    from lambdanet.files import weights_metadata
+
+    model = create_model("botnet26t_256", num_classes=3, img_size=32)
+    meta = weights_metadata(model="botnet26t_256", model_kwargs={"img_size": 32}, num_classes=3, in_chans=3,
+                            classes=None, data="imagefolder:x", image_size=32, mean=(0.5,) * 3, std=(0.5,) * 3)
+    export_safetensors(model, tmp_path / "model.safetensors", meta)
+    assert main(["export", "--checkpoint", str(tmp_path / "model.safetensors"), "--img-size", "64", "--format",
+                 "torchscript", "--out", str(tmp_path / "m.pt")]) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert "--img-size 64 does not suit this model, built for 32 px (export at --img-size 32)" in err
+    assert "\n" not in err

@@ -141,3 +141,13 @@ def test_output_to_a_closed_pipe_ends_quietly():
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # output flushed at exit, buffered
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 141 and "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr
+
+
+def test_weights_files_get_the_mode_of_the_runs_other_files(tmp_path):
+    """safetensors creates its files 0600; the run's weights take the mode any new file gets (the umask's)."""
+    from lambdanet.engine.checkpoint import export_safetensors
+
+    export_safetensors(torch.nn.Linear(2, 2), tmp_path / "model.safetensors")
+    (tmp_path / "other.txt").write_text("x")
+    modes = [os.stat(tmp_path / name).st_mode & 0o777 for name in ("model.safetensors", "other.txt")]
+    assert modes[0] == modes[1]

@@ -107,16 +107,22 @@ def _cmd_export(args: argparse.Namespace) -> int:
     size = args.img_size or cfg_size or model_info(name).input_size
     out = args.out or default_export_path(name, args.format)
     check_output_file(out, "--out")
-    res = export_model(
-        model,
-        out,
-        args.format,
-        input_size=size,
-        in_chans=in_chans,
-        check=not args.no_check,
-        batch_size=args.batch_size,
-        dynamic_batch=not args.static_batch,
-    )
+    try:
+        res = export_model(
+            model,
+            out,
+            args.format,
+            input_size=size,
+            in_chans=in_chans,
+            check=not args.no_check,
+            batch_size=args.batch_size,
+            dynamic_batch=not args.static_batch,
+        )
+    except ValueError as err:  # a size the model's global position layers were not built for: name the option
+        if args.img_size is not None and cfg_size and args.img_size != cfg_size:
+            raise ValueError(f"--img-size {args.img_size} does not suit this model, built for {cfg_size} px "
+                             f"(export at --img-size {cfg_size}): {err}") from None  # fmt: skip
+        raise
     shape = (["batch"] if res["dynamic_batch"] else []) + res["input_shape"][1 if res["dynamic_batch"] else 0 :]
     batches = " and ".join(map(str, res["check_batches"]))
     if res["checked"]:

@@ -135,4 +135,12 @@ def export_safetensors(model: nn.Module, path: str | os.PathLike, metadata: dict
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     save_model(unwrap(model), str(tmp), metadata=metadata, force_contiguous=True)  # channels-last weights too
+    os.chmod(tmp, 0o666 & ~_umask())  # safetensors creates its files 0600: the mode of the run's other files
     os.replace(tmp, path)
+
+
+def _umask() -> int:
+    """The process's file-creation mask (read by setting it, then put back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import io
 import json
 import os
@@ -92,9 +93,15 @@ def dataset_to_coco(dataset: Dataset) -> dict:
 
 def coco_ground_truth(dataset: Dataset) -> dict:
     """The COCO ground truth to evaluate ``dataset`` against: its own ``to_coco()`` when it has one (a COCO
-    folder keeps its crowd regions), else :func:`dataset_to_coco`."""
+    folder keeps its crowd regions, its file's areas and boxes), also for a ``Subset`` of one (its images'
+    annotations), else :func:`dataset_to_coco`."""
     to_coco = getattr(dataset, "to_coco", None)
-    return to_coco() if callable(to_coco) else dataset_to_coco(dataset)
+    if callable(to_coco):
+        return to_coco()
+    base = getattr(dataset, "dataset", None)
+    if isinstance(dataset, torch.utils.data.Subset) and isinstance(base, CocoInstances):
+        return base.to_coco({base.ids[int(i)] for i in dataset.indices})
+    return dataset_to_coco(dataset)
 
 
 def read_coco_annotations(ann_file: Path, image_dir: Path) -> dict:
@@ -117,7 +124,13 @@ def read_coco_annotations(ann_file: Path, image_dir: Path) -> dict:
         )
     if not data["categories"]:
         raise ValueError(f"COCO annotation file {ann_file} has no categories")
+    for img in data["images"]:
+        if not all(isinstance(img.get(k), int) and img[k] > 0 for k in ("width", "height")) or "file_name" not in img:
+            raise ValueError(f"COCO annotation file {ann_file}: image {img.get('id')!r} needs file_name and positive "
+                             f"integer width and height, got {img!r}"[:300])  # fmt: skip
     images = {img["id"]: img for img in data["images"]}
+    if bad := next((c for c in data["categories"] if not isinstance(c.get("id"), int)), None):
+        raise ValueError(f"COCO annotation file {ann_file}: category ids must be integers, got {bad!r}")
     category_ids = {c["id"] for c in data["categories"]}
     for ann in data["annotations"]:
         aid = ann.get("id")
@@ -150,12 +163,40 @@ def read_coco_annotations(ann_file: Path, image_dir: Path) -> dict:
                     "instances format gives every annotation a segmentation, polygons or RLE, and "
                     "iscrowd)"
                 )
+        if why := _segmentation_problem(ann["segmentation"], height, width):
+            raise ValueError(f"COCO annotation file {ann_file}: annotation {aid}'s segmentation {why}")
     if absent := [img["file_name"] for img in data["images"] if not (image_dir / img["file_name"]).is_file()]:
         raise ValueError(
             f"COCO annotation file {ann_file}: {len(absent)} of {len(data['images'])} image files are "
             f"missing under {image_dir} (first: {absent[0]})"
         )
     return data
+
+
+def _segmentation_problem(seg, height: int, width: int) -> str | None:
+    """Why a COCO ``segmentation`` cannot be decoded (``None``: it can): polygons need 3 points or more each
+    (6 numbers, an even count), an RLE its image's ``size`` [height, width] and ``counts``."""
+    if isinstance(seg, list):
+        if not seg:
+            return "is an empty list (polygons [[x1, y1, x2, y2, x3, y3, ...], ...] or an RLE {size, counts})"
+        for poly in seg:
+            if not isinstance(poly, list) or len(poly) < 6 or len(poly) % 2:
+                n = len(poly) if isinstance(poly, list) else type(poly).__name__
+                return f"has a polygon of {n} numbers (at least 3 points: 6 numbers, x and y alternating)"
+        return None
+    if isinstance(seg, dict):
+        if list(seg.get("size") or []) != [height, width] or "counts" not in seg:
+            return f"is an RLE of size {seg.get('size')!r}, not its image's [height, width] = [{height}, {width}]"
+        return None
+    return f"is a {type(seg).__name__} (polygons or an RLE expected)"
+
+
+def _read_coco_image(base, image_id: int):
+    """``CocoDetection``'s image reader through :func:`lambdanet.files.read_image` (16-bit images scaled, not
+    clipped to white; an unreadable file named in one line)."""
+    from lambdanet.files import read_image
+
+    return read_image(os.path.join(base.root, base.coco.loadImgs(image_id)[0]["file_name"]), "RGB")
 
 
 class CocoInstances(Dataset):
@@ -170,19 +211,33 @@ class CocoInstances(Dataset):
     Args:
         image_dir: folder of the images (``file_name`` is relative to it).
         ann_file: the instances JSON, checked by :func:`read_coco_annotations`.
+        labels_of: the split whose labels this one takes (the training split, for its test split): the model's
+            label ``k`` is that split's ``k``-th category, whatever this file lists besides; an annotation of a
+            category it lacks is a one-line error.
     """
 
-    def __init__(self, image_dir: str | os.PathLike, ann_file: str | os.PathLike):
+    def __init__(
+        self, image_dir: str | os.PathLike, ann_file: str | os.PathLike, labels_of: CocoInstances | None = None
+    ):
         from torchvision.datasets import CocoDetection, wrap_dataset_for_transforms_v2
 
         self.image_dir, self.ann_file = Path(image_dir), Path(ann_file)
         self.data = read_coco_annotations(self.ann_file, self.image_dir)
-        cats = sorted(self.data["categories"], key=lambda c: c["id"])
-        self.categories = [c["name"] for c in cats]
-        self.category_ids = [c["id"] for c in cats]
+        if labels_of is None:
+            cats = sorted(self.data["categories"], key=lambda c: c["id"])
+            self.categories, self.category_ids = [c["name"] for c in cats], [c["id"] for c in cats]
+        else:
+            self.categories, self.category_ids = list(labels_of.categories), list(labels_of.category_ids)
         self.label_of = {cid: k + 1 for k, cid in enumerate(self.category_ids)}
+        if unknown := next((a for a in self.data["annotations"] if a["category_id"] not in self.label_of), None):
+            raise ValueError(
+                f"COCO annotation file {self.ann_file}: annotation {unknown.get('id')} has category_id "
+                f"{unknown['category_id']}, which {labels_of.ann_file if labels_of else 'it'} does not list "
+                f"(the model's categories: {self.category_ids})"
+            )
         with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints its loading progress
             base = CocoDetection(str(self.image_dir), str(self.ann_file))
+        base._load_image = functools.partial(_read_coco_image, base)  # an instance attribute: over the method
         self.base = wrap_dataset_for_transforms_v2(
             base, target_keys={"image_id", "boxes", "masks", "labels", "iscrowd"}
         )
@@ -219,14 +274,19 @@ class CocoInstances(Dataset):
             "iscrowd": torch.zeros(len(labels), dtype=torch.int64),
         }
 
-    def to_coco(self) -> dict:
-        """The annotation file with category ids replaced by the labels (crowd regions kept)."""
+    def to_coco(self, image_ids: set[int] | None = None) -> dict:
+        """The annotation file with category ids replaced by the labels (crowd regions kept; the categories the
+        model's, :attr:`categories`) and annotation ids counted from 1 (COCOeval treats id 0 as unmatched);
+        ``image_ids``: those images only (an evaluation of the first ones)."""
         data = copy.deepcopy(self.data)
-        for ann in data["annotations"]:
+        if image_ids is not None:
+            data["images"] = [img for img in data["images"] if img["id"] in image_ids]
+            data["annotations"] = [a for a in data["annotations"] if a["image_id"] in image_ids]
+        for i, ann in enumerate(data["annotations"]):
+            ann["id"] = i + 1
             ann["category_id"] = self.label_of[ann["category_id"]]
             ann.setdefault("area", float(ann["bbox"][2] * ann["bbox"][3]))  # COCOeval's size classes read it
-        for cat in data["categories"]:
-            cat["id"] = self.label_of[cat["id"]]
+        data["categories"] = [{"id": k + 1, "name": name} for k, name in enumerate(self.categories)]
         return data
 
 

@@ -171,6 +171,9 @@ class DetectConfig(RunConfig):
 
     def validate(self) -> None:
         super().validate()  # the shared options (epochs, batch sizes, lr, grad_clip, seed, ...) and the types
+        if taken := sorted(set(self.backbone_kwargs) & DETECTOR_SETS):
+            raise ValueError(f"backbone_kwargs must not set {taken}: the detector builds its backbone with them "
+                             "(features_only=True, num_classes=0; --pretrained-backbone, --max-size)")  # fmt: skip
         for name, low, note in (
             ("img_size", 1, ""),
             ("eval_every", 0, " (0: after the last epoch only)"),
@@ -201,6 +204,8 @@ class DetectConfig(RunConfig):
                 f"loss_weights must map loss names ({', '.join(DETECTOR_LOSSES)}) to non-negative "
                 f"numbers, got {self.loss_weights!r}"
             )
+        if not self.masks and "loss_mask" in self.loss_weights:  # Faster R-CNN has no mask loss to weigh
+            raise ValueError("loss_weights sets loss_mask, which --no-masks (Faster R-CNN) does not have")
         from lambdanet.tasks.detection.data import list_detection_datasets
         from lambdanet.tasks.detection.model import BACKBONE_PRESETS, detector_options
 
@@ -306,6 +311,10 @@ def pretrain_mismatch(cfg: DetectConfig) -> str | None:
     return transfer_mismatch(
         cfg.backbone, cfg.backbone_kwargs, img_size=PretrainConfig().img_size, max_size=max_image_size(cfg)
     )
+
+
+# the backbone's create_model arguments the detector sets itself (create_feature_backbone)
+DETECTOR_SETS = {"num_classes", "features_only", "pretrained", "max_size", "size_divisible"}
 
 
 def quick_backbone_kwargs(backbone: str) -> dict:

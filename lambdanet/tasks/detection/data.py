@@ -138,7 +138,8 @@ def build_detection_datasets(
         if not root.is_dir():
             raise ValueError(f"coco:DIR needs an existing folder, got {name!r}")
         files = coco_split_files(root)
-        return CocoInstances(*files["train"]), CocoInstances(*files["test"])
+        train = CocoInstances(*files["train"])
+        return train, CocoInstances(*files["test"], labels_of=train)  # the model's labels: the training file's
     raise ValueError(f"unknown detection dataset {name!r}; valid: {', '.join(list_detection_datasets())}")
 
 

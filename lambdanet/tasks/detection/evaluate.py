@@ -131,7 +131,9 @@ def evaluate_detector(
     device = torch.device(device) if device is not None else next(model.parameters()).device
     was_training, predictions = model.training, []
     model.eval()
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=collate_detection)
+    # a generator of its own: an evaluation between epochs must not draw from the training's random numbers
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=collate_detection,
+                        generator=torch.Generator())  # fmt: skip
     bar = progress_bar(progress, len(loader), desc="evaluate")
     try:
         for images, targets in loader:

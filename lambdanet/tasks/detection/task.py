@@ -223,7 +223,23 @@ class DetectionTask(Task):
     extras = (("matplotlib", "train"), ("pycocotools", "detect"))
 
     def upgrade_checkpoint(self, saved: dict) -> dict:
+        """An earlier version's checkpoint in today's form; one that names its categories (since 0.2.0) must
+        find the same ones, in the same order, in the data (renumbered category ids would relabel the run)."""
+        mine = self._categories()
+        if isinstance(saved.get("categories"), list) and saved["categories"] != mine:
+            raise ValueError(
+                f"{self.checkpoint_path} was trained on the categories {saved['categories']} (label k is the k-th), "
+                f"{self.cfg.data} now has {mine}: resume on the same data, or start a new run"
+            )
         return upgrade_detection_checkpoint(saved)
+
+    def save(self, state: RunState) -> None:
+        """``last.pt`` with the configuration and the categories of the labels (``[[id, name], ...]``)."""
+        state.save(self.checkpoint_path, self.cfg, categories=self._categories())
+
+    def _categories(self) -> list:
+        ids = getattr(self.train_set, "category_ids", None) or range(1, self.train_set.num_classes + 1)
+        return [[int(i), str(name)] for i, name in zip(ids, self.train_set.categories)]
 
     def build_state(self) -> RunState:
         cfg, ctx, out = self.cfg, self.ctx, self.out
