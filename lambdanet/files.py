@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "give_usual_mode",
     "absolute_data",
     "IMAGE_SUFFIXES",
     "read_image",
@@ -330,3 +331,20 @@ def absolute_data(data: str) -> str:
     if not sep or kind not in DATA_PATH_KINDS or not path:
         return data
     return f"{kind}:{Path(path).expanduser().absolute()}"
+
+
+def give_usual_mode(path: str | os.PathLike) -> None:
+    """Give the file ``path`` the mode a newly created file gets (``0o666`` less the process's umask):
+    safetensors creates its files ``0600``, unlike the run's other outputs. The umask is read from
+    ``/proc/self/status`` where there is one (setting it to read it would race with other threads); a
+    filesystem that refuses the change keeps the file as it is."""
+    try:
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("Umask:"))
+        mask = int(line.split()[1], 8)
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+    try:
+        os.chmod(path, 0o666 & ~mask)
+    except OSError:
+        pass

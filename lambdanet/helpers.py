@@ -261,8 +261,9 @@ def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
 
 def functorch_active() -> bool:
     """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jacrev``, ...) runs this code: the package's
-    Python ``autograd.Function``s and host reads then give way to plain differentiable ops."""
-    return torch._C._functorch.peek_interpreter_stack() is not None
+    Python ``autograd.Function``s and host reads then give way to plain differentiable ops. Not under
+    ``torch.compile``, whose tracing keeps an interpreter on the same stack (and takes the Functions)."""
+    return not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None
 
 
 AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")  # the device types torch.autocast serves (meta tensors: none)

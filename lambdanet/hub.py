@@ -25,7 +25,7 @@ from typing import cast
 
 from torch import nn
 
-from lambdanet.files import error_reason, run_file, run_metadata, task_of_config, weights_metadata
+from lambdanet.files import error_reason, give_usual_mode, run_file, run_metadata, task_of_config, weights_metadata
 from lambdanet.models.hub import CONFIG_FILE, WEIGHTS_FILE, hub_unreachable
 from lambdanet.models.registry import run_image_cfg
 
@@ -55,6 +55,7 @@ def _from_model(model: nn.Module, folder: Path) -> dict:
         "std": list(cfg["std"]),
     }
     save_model(model, str(folder / WEIGHTS_FILE), metadata=weights_metadata(**meta), force_contiguous=True)
+    give_usual_mode(folder / WEIGHTS_FILE)  # not safetensors' 0600
     return meta
 
 

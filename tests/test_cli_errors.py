@@ -337,7 +337,8 @@ def test_lm_train_options_out_of_range_are_one_line(tmp_path, capsys, args, need
     (["--max-train-batches", "0"], "max_train_batches must be a positive int (batches per epoch) or null, got 0"),
     (["--no-masks", "--loss-weights", "loss_mask=2"], "loss_weights sets loss_mask, which --no-masks (Faster R-CNN)"),
     (["--backbone-kwargs", "num_classes=5,features_only=false"],
-     "backbone_kwargs must not set ['features_only', 'num_classes']: the detector builds its backbone with them"),
+     "backbone_kwargs must not set ['features_only', 'num_classes']: the detector and the backbone's pre-training"),
+    (["--backbone-kwargs", "min_size=64"], "backbone_kwargs must not set ['min_size']"),
     (["--seed", "-1"], "seed must be a non-negative int below 2**32"),
 ])
 def test_detect_options_out_of_range_are_one_line(tmp_path, capsys, args, needle):

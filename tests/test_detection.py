@@ -477,6 +477,10 @@ def test_a_val_file_with_other_categories_or_ids_keeps_the_models_labels(tmp_pat
     subset = torch.utils.data.Subset(test, [0])  # --max-eval-images: that image's own annotations, from the file
     fresh = test.to_coco()  # (pycocotools' evaluation edits the dict it is given)
     assert coco_ground_truth(subset)["annotations"] == [a for a in fresh["annotations"] if a["image_id"] == 1]
+    renamed = tmp_path / "renamed"  # the same ids, other names: the labels would mean other things
+    write_coco_folder(renamed, categories=[{"id": 3, "name": "dog"}, {"id": 7, "name": "cat"}])
+    with pytest.raises(ValueError, match="names category 3 'dog', .*instances_train.json names it 'cat'"):
+        build_detection_datasets(f"coco:{renamed}")
     bird = tmp_path / "bird"
     write_coco_folder(bird, categories=cats, annotations=[{**anns[0], "category_id": 1}])
     with pytest.raises(ValueError, match=r"annotation 0 has category_id 1, which .*instances_train.json does not "

@@ -205,6 +205,19 @@ def test_causal_content_lambdas_normalise_by_each_querys_own_context_whatever_co
     torch.testing.assert_close(low.double(), want, atol=bound, rtol=0)
 
 
+def test_causal_content_lambdas_of_a_masked_prefix_are_zero_then_the_softmax():
+    """Keys of -inf (left padding masked out) weigh nothing: the lambdas before the first finite key are 0, the
+    later ones the per-query softmax over the finite keys (the shift used to make -inf - -inf = NaN everywhere)."""
+    keys = torch.randn(1, 80, 1, 3, 1, dtype=torch.float64)
+    keys[:, :40] = float("-inf")
+    vals = torch.randn(1, 80, 1, 4, 1, dtype=torch.float64)
+    out = LF.causal_content_lambdas(keys, vals, "softmax")
+    want = torch.stack([torch.einsum("bmgku,bmgvu->bgkv", keys[:, 40 : t + 1].softmax(dim=1), vals[:, 40 : t + 1])
+                        for t in range(40, 80)], dim=1)  # fmt: skip
+    assert torch.equal(out[:, :40], torch.zeros_like(out[:, :40]))
+    torch.testing.assert_close(out[:, 40:], want, atol=1e-12, rtol=1e-12)
+
+
 def test_causal_content_lambdas_stay_finite_for_large_keys():
     keys = torch.randn(1, 64, 1, 4, 1) * 40  # key range far beyond exp's fp32 range
     out = LF.causal_content_lambdas(keys, torch.randn(1, 64, 1, 3, 1), "softmax")

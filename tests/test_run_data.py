@@ -147,7 +147,11 @@ def test_weights_files_get_the_mode_of_the_runs_other_files(tmp_path):
     """safetensors creates its files 0600; the run's weights take the mode any new file gets (the umask's)."""
     from lambdanet.engine.checkpoint import export_safetensors
 
-    export_safetensors(torch.nn.Linear(2, 2), tmp_path / "model.safetensors")
-    (tmp_path / "other.txt").write_text("x")
+    old = os.umask(0o022)  # the usual mask (0600 would pass under 077)
+    try:
+        export_safetensors(torch.nn.Linear(2, 2), tmp_path / "model.safetensors")
+        (tmp_path / "other.txt").write_text("x")
+    finally:
+        os.umask(old)
     modes = [os.stat(tmp_path / name).st_mode & 0o777 for name in ("model.safetensors", "other.txt")]
-    assert modes[0] == modes[1]
+    assert modes == [0o644, 0o644]

@@ -119,7 +119,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
             dynamic_batch=not args.static_batch,
         )
     except ValueError as err:  # a size the model's global position layers were not built for: name the option
-        if args.img_size is not None and cfg_size and args.img_size != cfg_size:
+        if args.img_size is not None and cfg_size and args.img_size != cfg_size and "feat_size" in str(err):
             raise ValueError(f"--img-size {args.img_size} does not suit this model, built for {cfg_size} px "
                              f"(export at --img-size {cfg_size}): {err}") from None  # fmt: skip
         raise

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lambdanet.files import error_reason, weights_file_kind
+from lambdanet.files import error_reason, give_usual_mode, weights_file_kind
 
 __all__ = [
     "CheckpointError",
@@ -135,12 +135,5 @@ def export_safetensors(model: nn.Module, path: str | os.PathLike, metadata: dict
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     save_model(unwrap(model), str(tmp), metadata=metadata, force_contiguous=True)  # channels-last weights too
-    os.chmod(tmp, 0o666 & ~_umask())  # safetensors creates its files 0600: the mode of the run's other files
+    give_usual_mode(tmp)  # safetensors creates its files 0600: the mode of the run's other files
     os.replace(tmp, path)
-
-
-def _umask() -> int:
-    """The process's file-creation mask (read by setting it, then put back)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask

@@ -76,6 +76,7 @@ def causal_content_lambdas(keys: Tensor, values: Tensor, method: str = "softmax"
     z: Tensor | None
     if method == "softmax":
         num, z = _prefix_softmax_sums(keys, values)  # b n g k u v, b n g k u
+        z = z.clamp_min(torch.finfo(dtype).tiny)  # 0 only before any finite key: those lambdas are 0
     else:
         num = torch.einsum("bngku,bngvu->bngkuv", keys, values).cumsum(dim=1)  # b n g k u v
         z = keys.square().cumsum(dim=1).sqrt().clamp_min(1e-12) if method == "l2" else None  # b n g k u
@@ -91,13 +92,15 @@ def _prefix_softmax_sums(keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
     ``C x C`` masked weights ``exp(K[m] - c_n)``; across them, each chunk's sums relative to the maximum at its
     end, carried to a later chunk by the ``N x N`` masked factors between those maxima (``N = n / C``), then to
     each query by ``exp(c_before - c_n)``."""
-    b, n, g, k, u = keys.shape
-    v = values.shape[3]
+    b, n, g, k, u = (int(d) for d in keys.shape)  # ints also where a tracer hands over 0-d tensors
+    v = int(values.shape[3])
     C = 32  # positions per chunk: the C x C weights take n C, the N x N factors (n / C)^2: C ~ (2 n)^(1/3) at long n
     while C**3 < 2 * n:
         C *= 2
+    C = min(C, 1 << max(n - 1, 0).bit_length())  # a short input: one chunk of its own length (a power of two)
     N, pad = -(-n // C), -n % C
     c = keys.detach().cummax(dim=1).values  # b n g k u
+    c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))  # a prefix of -inf keys (masked padding): weight 0
     if pad:  # padded keys weigh nothing; the maximum stays the last one
         keys = torch.cat([keys, keys.new_full((b, pad, g, k, u), float("-inf"))], dim=1)
         values = torch.cat([values, values.new_zeros(b, pad, g, v, u)], dim=1)

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from lambdanet.helpers import check_positive_int, to_ntuple
+from lambdanet.helpers import check_positive_int, functorch_active, to_ntuple
 
 __all__ = ["RelativePositionEmbedding", "AbsolutePositionEmbedding"]
 
@@ -131,12 +131,13 @@ class RelativePositionEmbedding(_FlatTable):
         of the table (``r^d k u`` numbers, far fewer than ``E``'s) is compared at each call, so writes the version
         counter does not see (``weight.data.mul_(...)``, as EMA teachers are often updated) rebuild it too;
         layers sharing this module share it. On a GPU, where the comparison would wait for the device, ``E`` is
-        gathered at every call (one kernel)."""
+        gathered at every call (one kernel), as in a trace, a compiled graph or a ``torch.func`` transform."""
         from lambdanet.functional import gather_relative_embeddings
 
         spatial, w = tuple(spatial), self.weight
         dtype = w.dtype if dtype is None else dtype
-        if torch.is_grad_enabled() or torch.compiler.is_compiling() or w.device.type != "cpu":
+        plain = not (torch.compiler.is_compiling() or torch.jit.is_tracing() or functorch_active())  # no graph
+        if torch.is_grad_enabled() or not plain or w.device.type != "cpu":  # (a trace would bake E in as a constant)
             return gather_relative_embeddings(self.table.to(dtype), self.center, spatial)
         key = (w.dtype, dtype, spatial)
         cached = self.__dict__.get("_cache")  # (key, the table's values then, E)

@@ -24,7 +24,14 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import Tensor, nn
 
-from lambdanet.files import WeightsMismatchError, error_reason, read_state_dict, run_file, run_metadata
+from lambdanet.files import (
+    WeightsMismatchError,
+    error_reason,
+    give_usual_mode,
+    read_state_dict,
+    run_file,
+    run_metadata,
+)
 from lambdanet.layers import HaloAttention, LambdaLayer, RelativeSelfAttention
 from lambdanet.models.hub import hub_download
 from lambdanet.models.registry import published_models, run_image_cfg
@@ -287,6 +294,7 @@ def load_pretrained(model: nn.Module, name: str) -> list[str]:
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_suffix(".tmp")
         save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp), metadata={"source": repo})
+        give_usual_mode(tmp)  # not safetensors' 0600
         os.replace(tmp, cached)  # whole file or none: a crash never leaves half a cache entry
     return load_weights(model, cached, name)
 

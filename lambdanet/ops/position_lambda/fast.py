@@ -20,15 +20,8 @@ from lambdanet.functional.content import (  # re-exported: the fast path's conte
     content_lambda,
     normalize_keys,
 )
-from lambdanet.helpers import (
-    autocast_active,
-    bind_shapes,
-    check_choice,
-    conv_nd,
-    functorch_active,
-    leave_autocast,
-    no_autocast,
-)
+from lambdanet.helpers import autocast_active, bind_shapes, check_choice, conv_nd, leave_autocast, no_autocast
+from lambdanet.helpers import functorch_active
 
 __all__ = [
     "POSITION_IMPLS",
@@ -363,10 +356,8 @@ def position_output_qe(
     e_n = embeddings.transpose(0, 1)  # n k m (a strided view)
     values = values.contiguous()
     if torch.jit.is_tracing() or functorch_active():
-        # torch.jit.trace reads shapes as traced 0-dim tensors, which as the Function's b and h belong to the
-        # outer graph (the tracer fails with "unordered_map::at"), and a traced Python Function could not be
-        # saved anyway; torch.func's transforms take no Function without setup_context: plain chunked GEMMs
-        # instead (whose backward keeps the q . E chunks; export does not mind)
+        # a trace reads shapes as 0-dim tensors of the outer graph ("unordered_map::at") and saves no Python
+        # Function, torch.func takes none without setup_context: plain chunked GEMMs (their backward keeps q . E)
         chunks = [
             _qe_chunk_output(q_n[i : i + chunk], e_n[i : i + chunk], values, b, h)  # b h nc v
             for i in range(0, n, chunk)
@@ -425,8 +416,8 @@ def relative_position_output_qe(
     for start in range(0, spatial[0], rows):
         stop = min(spatial[0], start + rows)
         q_c = q_n[start * row : stop * row]  # nc (b h) k
-        if torch.is_grad_enabled() and not torch.jit.is_tracing():  # keep q, R and V only; the chunk's E rows
-            # and scores are rebuilt in backward (a traced graph records plain ops, as in position_output_qe)
+        if torch.is_grad_enabled() and not torch.jit.is_tracing() and not functorch_active():  # q, R, V kept; E
+            # rows and scores rebuilt in backward (not in a trace, nor under torch.func: no saved-tensor hooks)
             outs.append(checkpoint(chunk_output, q_c, kernel, values, start, stop, use_reentrant=False))
         else:
             outs.append(chunk_output(q_c, kernel, values, start, stop))

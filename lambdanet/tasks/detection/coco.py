@@ -133,44 +133,49 @@ def read_coco_annotations(ann_file: Path, image_dir: Path) -> dict:
         raise ValueError(f"COCO annotation file {ann_file}: category ids must be integers, got {bad!r}")
     category_ids = {c["id"] for c in data["categories"]}
     for ann in data["annotations"]:
-        aid = ann.get("id")
-        if ann.get("category_id") not in category_ids:
-            raise ValueError(
-                f"COCO annotation file {ann_file}: annotation {aid} has category_id "
-                f"{ann.get('category_id')!r}, not among the categories {sorted(category_ids)}"
-            )
-        img = images.get(ann.get("image_id"))
-        if img is None:
-            raise ValueError(
-                f"COCO annotation file {ann_file}: annotation {aid} refers to image_id "
-                f"{ann.get('image_id')!r}, which is not in 'images'"
-            )
-        box = ann.get("bbox")
-        if not (isinstance(box, list) and len(box) == 4):
-            raise ValueError(f"COCO annotation file {ann_file}: annotation {aid} needs bbox [x, y, w, h], got {box!r}")
-        x, y, w, h = box
-        width, height = img["width"], img["height"]
-        t = BOX_TOLERANCE
-        if x < -t or y < -t or w < 0 or h < 0 or x + w > width + t or y + h > height + t:
-            raise ValueError(
-                f"COCO annotation file {ann_file}: annotation {aid} has bbox {box} (x, y, w, h) outside "
-                f"its image {img.get('file_name')!r} of {width}x{height} (tolerance {t} px)"
-            )
-        for key in ("segmentation", "iscrowd"):
-            if key not in ann:
-                raise ValueError(
-                    f"COCO annotation file {ann_file}: annotation {aid} has no {key!r} (the COCO "
-                    "instances format gives every annotation a segmentation, polygons or RLE, and "
-                    "iscrowd)"
-                )
-        if why := _segmentation_problem(ann["segmentation"], height, width):
-            raise ValueError(f"COCO annotation file {ann_file}: annotation {aid}'s segmentation {why}")
+        _check_annotation(ann, ann_file, images, category_ids)
     if absent := [img["file_name"] for img in data["images"] if not (image_dir / img["file_name"]).is_file()]:
         raise ValueError(
             f"COCO annotation file {ann_file}: {len(absent)} of {len(data['images'])} image files are "
             f"missing under {image_dir} (first: {absent[0]})"
         )
     return data
+
+
+def _check_annotation(ann: dict, ann_file: Path, images: dict, category_ids: set) -> None:
+    """One annotation of :func:`read_coco_annotations` (its category, image, box and segmentation)."""
+    aid = ann.get("id")
+    if ann.get("category_id") not in category_ids:
+        raise ValueError(
+            f"COCO annotation file {ann_file}: annotation {aid} has category_id "
+            f"{ann.get('category_id')!r}, not among the categories {sorted(category_ids)}"
+        )
+    img = images.get(ann.get("image_id"))
+    if img is None:
+        raise ValueError(
+            f"COCO annotation file {ann_file}: annotation {aid} refers to image_id "
+            f"{ann.get('image_id')!r}, which is not in 'images'"
+        )
+    box = ann.get("bbox")
+    if not (isinstance(box, list) and len(box) == 4):
+        raise ValueError(f"COCO annotation file {ann_file}: annotation {aid} needs bbox [x, y, w, h], got {box!r}")
+    x, y, w, h = box
+    width, height = img["width"], img["height"]
+    t = BOX_TOLERANCE
+    if x < -t or y < -t or w < 0 or h < 0 or x + w > width + t or y + h > height + t:
+        raise ValueError(
+            f"COCO annotation file {ann_file}: annotation {aid} has bbox {box} (x, y, w, h) outside "
+            f"its image {img.get('file_name')!r} of {width}x{height} (tolerance {t} px)"
+        )
+    for key in ("segmentation", "iscrowd"):
+        if key not in ann:
+            raise ValueError(
+                f"COCO annotation file {ann_file}: annotation {aid} has no {key!r} (the COCO "
+                "instances format gives every annotation a segmentation, polygons or RLE, and "
+                "iscrowd)"
+            )
+    if why := _segmentation_problem(ann["segmentation"], height, width):
+        raise ValueError(f"COCO annotation file {ann_file}: annotation {aid}'s segmentation {why}")
 
 
 def _segmentation_problem(seg, height: int, width: int) -> str | None:
@@ -228,6 +233,12 @@ class CocoInstances(Dataset):
             self.categories, self.category_ids = [c["name"] for c in cats], [c["id"] for c in cats]
         else:
             self.categories, self.category_ids = list(labels_of.categories), list(labels_of.category_ids)
+            names = dict(zip(labels_of.category_ids, labels_of.categories))
+            if other := [c for c in self.data["categories"] if c["id"] in names and c.get("name") != names[c["id"]]]:
+                raise ValueError(
+                    f"COCO annotation file {self.ann_file} names category {other[0]['id']} "
+                    f"{other[0].get('name')!r}, {labels_of.ann_file} names it {names[other[0]['id']]!r}"
+                )
         self.label_of = {cid: k + 1 for k, cid in enumerate(self.category_ids)}
         if unknown := next((a for a in self.data["annotations"] if a["category_id"] not in self.label_of), None):
             raise ValueError(

@@ -172,8 +172,8 @@ class DetectConfig(RunConfig):
     def validate(self) -> None:
         super().validate()  # the shared options (epochs, batch sizes, lr, grad_clip, seed, ...) and the types
         if taken := sorted(set(self.backbone_kwargs) & DETECTOR_SETS):
-            raise ValueError(f"backbone_kwargs must not set {taken}: the detector builds its backbone with them "
-                             "(features_only=True, num_classes=0; --pretrained-backbone, --max-size)")  # fmt: skip
+            raise ValueError(f"backbone_kwargs must not set {taken}: the detector and the backbone's pre-training "
+                             "set them (features_only=True, num_classes=0, --pretrained-backbone, ...)")  # fmt: skip
         for name, low, note in (
             ("img_size", 1, ""),
             ("eval_every", 0, " (0: after the last epoch only)"),
@@ -313,8 +313,11 @@ def pretrain_mismatch(cfg: DetectConfig) -> str | None:
     )
 
 
-# the backbone's create_model arguments the detector sets itself (create_feature_backbone)
-DETECTOR_SETS = {"num_classes", "features_only", "pretrained", "max_size", "size_divisible"}
+# the arguments the detector and the backbone's pre-training take beside the backbone's keyword arguments
+# (create_detector, create_feature_backbone, pretrain_backbone): a backbone_kwargs key among them would collide
+DETECTOR_SETS = {"num_classes", "features_only", "pretrained", "max_size", "size_divisible", "masks", "min_size",
+                 "pretrained_backbone", "options", "seed", "glyphs", "device", "progress", "log", "checkpoint",
+                 "checkpoint_every", "stop", "cfg"}  # fmt: skip
 
 
 def quick_backbone_kwargs(backbone: str) -> dict:
