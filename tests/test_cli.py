@@ -151,7 +151,7 @@ def test_unknown_model_names_the_close_ones_on_one_short_line(grey_image, capsys
 
 
 @pytest.mark.parametrize("argv", [["train", "--epochs", "1"], ["lm", "train"], ["detect", "--procs", "1"],
-                                  ["eval"], ["predict"], ["lm", "sample"]])
+                                  ["eval"], ["predict"], ["lm", "sample"], ["export"]])
 def test_threads_runs_the_command_with_that_many_threads_and_restores_them(argv, monkeypatch, tiny_digits_run,
                                                                            lm_run, grey_image, tmp_path, capsys):
     """``--threads N``: the library call behind each command runs with N intra-op threads, the count before
@@ -177,6 +177,11 @@ def test_threads_runs_the_command_with_that_many_threads_and_restores_them(argv,
     monkeypatch.setattr(lm_task, "train_lm", record({}))
     monkeypatch.setattr(lm_task, "sample", record(b"x"))
     monkeypatch.setattr(predict_module, "predict", record([]))
+    import lambdanet.export as export_module
+
+    exported = {"dynamic_batch": True, "input_shape": [2, 1, 16, 16], "check_batches": [1, 3], "checked": False,
+                "path": "m.pt", "dtype": "float32", "external_data": None}  # fmt: skip
+    monkeypatch.setattr(export_module, "export_model", record(exported))
     if argv[0] == "detect":
         pytest.importorskip("pycocotools")
         import lambdanet.tasks.detection.task as detect_trainer
@@ -184,7 +189,9 @@ def test_threads_runs_the_command_with_that_many_threads_and_restores_them(argv,
         monkeypatch.setattr(detect_trainer, "train_detector", record({}))
     extra = {"eval": ["--checkpoint", str(tiny_digits_run)],
              "predict": [str(grey_image), "--checkpoint", str(tiny_digits_run)],
-             "sample": ["--checkpoint", str(lm_run), "--prompt", "x"]}.get(argv[-1], ["--out", str(tmp_path / "r")])
+             "sample": ["--checkpoint", str(lm_run), "--prompt", "x"],
+             "export": ["--checkpoint", str(tiny_digits_run), "--format", "torchscript", "--out",
+                        str(tmp_path / "m.pt")]}.get(argv[-1], ["--out", str(tmp_path / "r")])  # fmt: skip
     assert main([*argv, *extra, "--threads", str(want)]) == 0
     assert seen == [want] and torch.get_num_threads() == before
     assert "--threads must be a positive int (CPU threads), got 0" in one_line_error(capsys, [*argv, *extra,

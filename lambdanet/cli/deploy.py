@@ -170,6 +170,7 @@ def _check_export_args(args: argparse.Namespace):
 
 
 def _add_export(sub) -> None:
+    from lambdanet.engine.config import add_threads_argument
     from lambdanet.export import FORMAT_DTYPES, FORMATS, ONNX_INSTALL, SUFFIXES
 
     ex = sub.add_parser(
@@ -215,6 +216,7 @@ def _add_export(sub) -> None:
     ex.add_argument(
         "--batch-size", type=int, default=None, help="batch the export is traced on (default: 2; 1 with --static-batch)"
     )
+    add_threads_argument(ex)
     ex.set_defaults(func=_cmd_export)
 
 
