@@ -288,6 +288,11 @@ def test_channels_last_input_gives_same_result_and_format():
     assert y_cl.is_contiguous(memory_format=torch.channels_last)
     assert y.is_contiguous()
     torch.testing.assert_close(y, y_cl)
+    strided = LambdaLayer(8, dim_k=4, heads=2, r=3, spatial_dims=3, stride=2).eval()  # 3-d, pooled
+    v = torch.randn(2, 8, 6, 6, 6)
+    v_cl = strided(v.contiguous(memory_format=torch.channels_last_3d))
+    assert v_cl.is_contiguous(memory_format=torch.channels_last_3d)  # avg_pool3d on the CPU returned NCDHW
+    torch.testing.assert_close(v_cl, strided(v))
 
 
 @pytest.mark.parametrize("kwargs", [dict(r=5), dict(r=None, feat_size=8), dict(r=3, causal=True)])

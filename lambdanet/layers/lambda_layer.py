@@ -418,6 +418,8 @@ class LambdaLayer(LambdaPositionMixin, nn.Module):
             if pad and self.spatial_dims == 3 and min(spatial) < 3:  # avg_pool3d refuses a padded window larger
                 out, pad = F.pad(out, (pad, pad) * 3), 0  # than the input: the same zeros, padded beforehand
             out = avg_pool_nd(self.spatial_dims)(out, kernel_size=self.stride_pool, stride=self.stride, padding=pad)
+            if not channels_first and self.spatial_dims == 3:  # torch's avg_pool3d on the CPU returns NCDHW
+                out = out.contiguous(memory_format=torch.channels_last_3d)
         return out
 
 
