@@ -169,6 +169,7 @@ def test_mapping_options_take_lists_in_the_key_value_form():
     # Python's None as YAML's null (the error used to say "must be one of None, ..., got 'None'")
     assert _parse_mapping("decay=None,short_conv=4,key_norm=none") == {"decay": None, "short_conv": 4,
                                                                         "key_norm": "none"}
+    assert _parse_mapping("{decay: None, key_norm: none}") == {"decay": None, "key_norm": "none"}
 
 
 @pytest.mark.parametrize("detector, needle", [

@@ -355,7 +355,7 @@ def _parse_mapping(text: str) -> dict:
         ) from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(expected)
-    return value
+    return {k: None if v == "None" else v for k, v in value.items()}  # Python's None as null here too
 
 
 def _top_level_items(text: str) -> list[str]:
