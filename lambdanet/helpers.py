@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import math
-import numbers
 import sys
 import warnings
 import operator
@@ -201,8 +200,9 @@ def check_dtype(x: Tensor, weight: Tensor, layer: str) -> None:
 
 
 def is_finite_real(value) -> bool:
-    """Whether ``value`` is a finite real number: an int or a float (numpy's too), not a bool, not inf or nan."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    """Whether ``value`` is a finite real number: a Python int or float (what a configuration file holds and
+    saves back), not a bool, not inf or nan."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _shown_number(x: float) -> str:

@@ -24,6 +24,7 @@ KV cache grows with the context.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import cast
@@ -348,6 +349,8 @@ class LanguageModel(nn.Module):
 
 def check_sampling(temperature: float, top_k: int | None, token_limit: int | None) -> None:
     """One-line errors naming the sampling argument that is out of range."""
+    if isinstance(temperature, numbers.Real) and not isinstance(temperature, bool):
+        temperature = float(temperature)  # numpy's numbers too
     if not (is_finite_real(temperature) and temperature > 0):
         raise ValueError(f"temperature must be > 0 and finite, got {temperature!r}")
     check_positive_int(top_k, "top_k", allow_none=True)
