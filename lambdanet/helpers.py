@@ -17,6 +17,7 @@ from torch import Tensor
 
 __all__ = [
     "functorch_active",
+    "in_graph",
     "check_int",
     "check_number",
     "MissingExtraError",
@@ -264,6 +265,13 @@ def functorch_active() -> bool:
     Python ``autograd.Function``s and host reads then give way to plain differentiable ops. Not under
     ``torch.compile``, whose tracing keeps an interpreter on the same stack (and takes the Functions)."""
     return not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def in_graph() -> bool:
+    """Whether this call is traced or compiled into a graph (``torch.compile``, ``torch.jit.trace``) or transformed
+    by ``torch.func`` (:func:`functorch_active`): then plain differentiable ops, no Python ``autograd.Function``,
+    no host read and no cached tensor (a trace would keep it as a constant)."""
+    return torch.compiler.is_compiling() or torch.jit.is_tracing() or functorch_active()
 
 
 AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")  # the device types torch.autocast serves (meta tensors: none)

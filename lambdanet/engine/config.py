@@ -21,7 +21,7 @@ from lambdanet.engine.optim import OPTIMIZERS
 from lambdanet.engine.rundir import checkpoints_in
 from lambdanet.engine.values import check_number, check_types, load_run_yaml, load_yaml, save_yaml
 from lambdanet.files import absolute_data, check_output_dir
-from lambdanet.helpers import check_int
+from lambdanet.helpers import check_int, is_finite_real
 from lambdanet.runtime import AMP_DTYPES
 
 __all__ = [
@@ -251,7 +251,7 @@ class RunConfig:
 
 def _is_fraction(value) -> bool:
     """A real number (not a bool) in [0, 1)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1
+    return is_finite_real(value) and 0 <= value < 1
 
 
 def _check_out(out) -> None:

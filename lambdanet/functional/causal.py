@@ -37,7 +37,7 @@ from typing import Literal, overload
 import torch
 from torch import Tensor
 
-from lambdanet.helpers import compute_dtype, functorch_active, leave_autocast, no_autocast
+from lambdanet.helpers import compute_dtype, functorch_active, in_graph, leave_autocast, no_autocast
 
 __all__ = [
     "causal_lambda_reference",
@@ -173,15 +173,9 @@ class _Scan(torch.autograd.Function):
         return None, dB, g
 
 
-def _plain_graph() -> bool:
-    """Whether this call is traced or compiled into a graph (``torch.compile``, ``torch.jit.trace``) or transformed
-    by ``torch.func``: then plain differentiable ops, no Python ``autograd.Function`` and no host read."""
-    return torch.compiler.is_compiling() or torch.jit.is_tracing() or functorch_active()
-
-
 def _scan_plain(d: Tensor, B: Tensor, T: Tensor) -> tuple[Tensor, Tensor]:
-    """:class:`_Scan` in plain differentiable ops (for ``torch.func`` transforms, which take no Function without
-    ``setup_context``): the same recurrence, its gradient by autograd."""
+    """:class:`_Scan` in plain differentiable ops (for traces and ``torch.func`` transforms, which take no Python
+    Function without ``setup_context``): the same recurrence, its gradient by autograd."""
     out = []
     for i in range(B.shape[-3]):
         out.append(T)
@@ -223,12 +217,13 @@ def _chunks(
     local = kw.transpose(3, 4) @ vals  # b u N k v
     local = torch.cat([local, kw.sum(dim=3).unsqueeze(-1)], dim=-1)  # b u N k (v + 1): [S | z] of the chunk
     carried = torch.cat([S, z.unsqueeze(-1)], dim=-1)  # b u k (v + 1)
-    scan = _scan_plain if _plain_graph() else _Scan.apply
+    # a trace saves no Python Function and torch.func takes none without setup_context; torch.compile takes it
+    scan = _scan_plain if torch.jit.is_tracing() or functorch_active() else _Scan.apply
     Sz, last = scan(shrink.unsqueeze(-1), grow.unsqueeze(-1) * local, carried)  # b u N k (v+1), b u k (v+1)
     Ss, zs, S, z = Sz[..., :v], Sz[..., v], last[..., :v], last[..., v]  # the states before each chunk; after all
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # C C
     # exact where exp(a_i - cm[n]) could overflow, and always in a graph or a torch.func transform (no host read)
-    if _plain_graph() or (top.unsqueeze(3) - cm).amax().item() > MAX_SPREAD:
+    if in_graph() or (top.unsqueeze(3) - cm).amax().item() > MAX_SPREAD:
         a = torch.exp((keys.unsqueeze(3) - cm.unsqueeze(4)).masked_fill(~causal[..., None], float("-inf")))
         zn = decay * zs.unsqueeze(3) + a.sum(dim=4)  # b u N C k, >= 1 (the maximum's own term); a: b u N C C k
         qz = qc / zn.unsqueeze(3)  # b u N h C k
@@ -401,7 +396,7 @@ def _causal_lambda(
             device=q.device,
         )
     state = {key: t.detach().to(q.dtype) for key, t in state.items()}
-    if _plain_graph():  # the graph's own autograd (the Function's recomputing
+    if in_graph():  # the graph's own autograd (the Function's recomputing
         # backward calls autograd.grad; torch.func takes no Function without setup_context, a trace saves none)
         y, out = _run(q, keys, values, emb, state, chunk)
         final = [out[key].detach() for key in _STATE_KEYS]

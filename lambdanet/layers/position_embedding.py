@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from lambdanet.helpers import check_positive_int, functorch_active, to_ntuple
+from lambdanet.helpers import check_positive_int, in_graph, to_ntuple
 
 __all__ = ["RelativePositionEmbedding", "AbsolutePositionEmbedding"]
 
@@ -136,8 +136,7 @@ class RelativePositionEmbedding(_FlatTable):
 
         spatial, w = tuple(spatial), self.weight
         dtype = w.dtype if dtype is None else dtype
-        plain = not (torch.compiler.is_compiling() or torch.jit.is_tracing() or functorch_active())  # no graph
-        if torch.is_grad_enabled() or not plain or w.device.type != "cpu":  # (a trace would bake E in as a constant)
+        if torch.is_grad_enabled() or in_graph() or w.device.type != "cpu":
             return gather_relative_embeddings(self.table.to(dtype), self.center, spatial)
         key = (w.dtype, dtype, spatial)
         cached = self.__dict__.get("_cache")  # (key, the table's values then, E)
