@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -35,6 +36,7 @@ __all__ = [
     "error_with_type",
     "weights_file_kind",
     "check_output_dir",
+    "make_output_dir",
     "check_output_file",
 ]
 
@@ -72,6 +74,22 @@ def check_output_dir(path: str | os.PathLike, name: str, what: str = "a folder")
     if existing is not None and not existing.is_dir():
         where = f"{name} {path}" if existing == target else f"{name} {path}: {existing}"
         raise ValueError(f"{where} is a file, not a directory; choose another {name} ({what})")
+
+
+def make_output_dir(path: str | os.PathLike, name: str, what: str = "a folder") -> Path:
+    """The folder ``path`` (``~`` expanded), created with its parents, once files can be written in it; a one-line
+    ``ValueError`` naming the option ``name`` otherwise (a file in the way, a read-only or missing filesystem),
+    before any work is done."""
+    check_output_dir(path, name, what)
+    target = Path(str(path)).expanduser()
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=target):
+            pass
+    except OSError as err:
+        raise ValueError(f"{name} {path}: cannot write there ({err.strerror or err}); choose another {name} "
+                         f"({what})") from None  # fmt: skip
+    return target
 
 
 def check_output_file(path: str | os.PathLike, name: str) -> None:

@@ -37,6 +37,7 @@ from torch.utils.flop_counter import FlopCounterMode
 __all__ = [
     "AMP_DTYPES",
     "check_amp",
+    "check_device",
     "autocast_context",
     "intra_op_threads",
     "PeakMemory",
@@ -51,6 +52,13 @@ __all__ = [
 
 # ----------------------------------------------------------------------------------------------- precision
 AMP_DTYPES: dict[str, torch.dtype | None] = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_device(device: str, name: str = "--device") -> None:
+    """A ``ValueError`` for ``--device cuda`` on a machine without a usable CUDA device (before anything is
+    loaded, instead of torch's traceback at the first tensor moved there)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{name} cuda but no CUDA device is available; use {name} cpu")
 
 
 def check_amp(amp: str, device: torch.device | str) -> None:

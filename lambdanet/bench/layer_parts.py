@@ -19,7 +19,7 @@ def targets(s: BenchSettings, out: Path, log: Log) -> PartResult:
     """``targets``: our ``LambdaLayer`` against timm's and lucidrains' at ``layer_bench.TARGET_POINTS``."""
     log("== targets: LambdaLayer against the peers (forward+backward)")
     points = [(2, 32, 8, 5), (2, 32, 8, None)] if s.quick else layer_bench.TARGET_POINTS
-    rows = layer_bench.lambda_vs_peers(points, device=s.device, repeats=2 if s.quick else s.repeats, amp=s.amp, log=log)
+    rows = layer_bench.lambda_vs_peers(points, device=s.device, repeats=s.value("repeats", 2), amp=s.amp, log=log)
     report = [
         "## LambdaLayer against the peers (forward+backward)",
         "",
@@ -60,7 +60,7 @@ def impls(s: BenchSettings, out: Path, log: Log) -> PartResult:
     :data:`AUTO_TARGET` of the fastest)."""
     log("== impls: every LambdaLayer position implementation and auto (forward+backward)")
     points = [(2, 32, 8, 5), (2, 32, 8, None)] if s.quick else layer_bench.IMPLS_PART_POINTS
-    rows = layer_bench.lambda_impls(points, device=s.device, repeats=2 if s.quick else s.repeats, amp=s.amp, log=log)
+    rows = layer_bench.lambda_impls(points, device=s.device, repeats=s.value("repeats", 2), amp=s.amp, log=log)
     return {"impls": rows}, [
         "## LambdaLayer implementations (forward+backward)",
         "",
@@ -119,9 +119,7 @@ def attention(s: BenchSettings, out: Path, log: Log) -> PartResult:
     """``attention``: our halo and global relative attention against timm's HaloAttn and BottleneckAttn."""
     log("== attention: halo and global relative attention against timm")
     points = [(2, 32, 16)] if s.quick else layer_bench.ATTENTION_POINTS
-    rows = layer_bench.attention_vs_peers(
-        points, device=s.device, repeats=2 if s.quick else s.repeats, amp=s.amp, log=log
-    )
+    rows = layer_bench.attention_vs_peers(points, device=s.device, repeats=s.value("repeats", 2), amp=s.amp, log=log)
     return {"attention": rows}, [
         "## Attention layers against timm (forward+backward)",
         "",

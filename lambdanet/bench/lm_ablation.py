@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -31,11 +32,22 @@ from pathlib import Path
 
 import torch
 
-from lambdanet.bench.lm_bench import train_run
+from lambdanet.bench.lm_bench import seed_stats, train_run
 from lambdanet.models import create_model
 from lambdanet.models.lm import LM_SIZES
+from lambdanet.runtime import check_device
 
-__all__ = ["ABLATIONS", "BUDGET_TOLERANCE", "matched_kwargs", "study", "summarize", "summary_table", "main"]
+__all__ = [
+    "ABLATIONS",
+    "BUDGET_TOLERANCE",
+    "DEFAULT_SEEDS",
+    "matched_kwargs",
+    "study",
+    "missing_runs",
+    "summarize",
+    "summary_table",
+    "main",
+]
 
 Log = Callable[[str], None]
 
@@ -71,6 +83,7 @@ ABLATIONS: dict[str, tuple[str, dict]] = {
     "hybrid": ("hybrid", {}),
 }
 BUDGET_TOLERANCE = 0.02  # parameters within 2% of the transformer's of the same size
+DEFAULT_SEEDS = (0, 1, 2)
 
 
 def _params(name: str, kwargs: dict) -> int:
@@ -110,33 +123,52 @@ def _matching(path: Path, settings: dict, matched: dict) -> list[dict]:
             and r.get("config") in matched and r["model_kwargs"] == matched[r["config"]][0]]  # fmt: skip
 
 
-def _alive(pid: int) -> bool:
+def _started(pid: int) -> str:
+    """When process ``pid`` started (``/proc/<pid>/stat``'s start time, in clock ticks since boot; with the boot's
+    id where there is one), ``""`` where unknown: with its id, it names one process even after the id is reused."""
     try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+    return f"{boot}:{stat.rsplit(')', 1)[1].split()[19]}"  # field 22; the name before ')' may hold spaces
+
+
+def _holder() -> str:
+    """What this process writes into a claim: ``<pid> <start>``."""
+    return f"{os.getpid()} {_started(os.getpid())}".strip()
+
+
+def _alive(holder: str) -> bool:
+    """Whether the process of a claim's ``<pid> [<start>]`` still runs (a reused id with another start: no)."""
+    pid_text, _, start = holder.partition(" ")
+    try:
+        pid = int(pid_text)
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ValueError, ProcessLookupError, OverflowError):
         return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    return True
+    except PermissionError:  # someone else's process: alive, if it is the one that claimed
+        pass
+    return not start or not _started(pid) or _started(pid) == start
 
 
 def _claim(claim: Path) -> bool:
-    """Whether this process may run the claim's configuration and seed: it creates ``claim`` with its process id,
-    or takes it over from a process that is gone; ``False`` while another live process holds it."""
+    """Whether this process may run the claim's configuration and seed: it creates ``claim`` with its process id
+    and start time, or takes it over from a process that is gone; ``False`` while another live process holds it."""
     claim.parent.mkdir(parents=True, exist_ok=True)
     try:
         fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
         try:
-            holder = int(claim.read_text().strip() or 0)
-        except (OSError, ValueError):
-            holder = 0
-        if holder and holder != os.getpid() and _alive(holder):
+            holder = claim.read_text().strip()
+        except OSError:
+            holder = ""
+        if holder and holder.split(" ")[0] != str(os.getpid()) and _alive(holder):
             return False
-        claim.write_text(str(os.getpid()))
+        claim.write_text(_holder())
         return True
     with os.fdopen(fd, "w") as f:
-        f.write(str(os.getpid()))
+        f.write(_holder())
     return True
 
 
@@ -145,7 +177,7 @@ def study(
     *,
     out: str | Path,
     size: str = "tiny",
-    seeds: Sequence[int] = (0, 1, 2),
+    seeds: Sequence[int] = DEFAULT_SEEDS,
     steps: int = 1200,
     context: int = 256,
     batch: int = 16,
@@ -181,8 +213,9 @@ def study(
             started = time.perf_counter()
             res = train_run(f"{family}_lm_{size}", corpus, context, batch, seed, steps=steps, seconds=None,
                             device=torch.device(device), eval_bytes=eval_bytes, model_kwargs=kwargs)  # fmt: skip
+            done = res.pop("steps")  # the settings' steps stay: a diverged run stops early, and still matches them
             row = {"config": config, "family": family, "model_kwargs": kwargs, "seed": seed, **settings,
-                   "params": params, "params_vs_transformer": params / reference, **res,
+                   "params": params, "params_vs_transformer": params / reference, **res, "steps_done": done,
                    "wall_s": time.perf_counter() - started}  # fmt: skip
             with path.open("a") as f:  # at once: a stopped study keeps every finished run
                 f.write(json.dumps(row) + "\n")
@@ -190,6 +223,13 @@ def study(
             log(f"  seed {seed} {config}: {res['val_bits_per_byte']:.4f} bits/byte, {params / 1e3:.0f}k params, "
                 f"{row['wall_s']:.0f}s")  # fmt: skip
     return _matching(path, settings, matched)
+
+
+def missing_runs(rows: Sequence[dict], configs: Sequence[str], seeds: Sequence[int]) -> list[str]:
+    """``"<config> seed <seed>"`` for each run of ``configs`` x ``seeds`` that ``rows`` lacks (another process held
+    its claim)."""
+    have = {(r["config"], r["seed"]) for r in rows}
+    return [f"{c} seed {s}" for s in seeds for c in configs if (c, s) not in have]
 
 
 def summarize(rows: Sequence[dict]) -> list[dict]:
@@ -203,25 +243,29 @@ def summarize(rows: Sequence[dict]) -> list[dict]:
     for config, mine in by.items():
         bpb = [r["val_bits_per_byte"] for r in mine]
         paired = [r["val_bits_per_byte"] / base[r["seed"]] for r in mine if r["seed"] in base]
+        mean, std, low, high = seed_stats(bpb)
         out.append({
             "config": config, "model_kwargs": mine[0]["model_kwargs"], "seeds": len(bpb),
             "rate_weight_decay": bool(mine[0].get("rate_weight_decay")),
-            "mean_bits_per_byte": statistics.fmean(bpb), "std_bits_per_byte": statistics.stdev(bpb) if len(bpb) > 1
-            else 0.0, "min_bits_per_byte": min(bpb), "max_bits_per_byte": max(bpb),
+            "mean_bits_per_byte": mean, "std_bits_per_byte": std, "min_bits_per_byte": low, "max_bits_per_byte": high,
             "vs_transformer": statistics.fmean(paired) if paired else float("nan"),
             "params_vs_transformer": mine[0]["params_vs_transformer"],
         })  # fmt: skip
-    return sorted(out, key=lambda r: r["mean_bits_per_byte"])
+    return sorted(out, key=lambda r: (math.isnan(r["mean_bits_per_byte"]), r["mean_bits_per_byte"]))  # NaN last
 
 
 def summary_table(rows: Sequence[dict]) -> str:
     """:func:`summarize` as a Markdown table (bits per byte to 4 decimals: the targets are differences of 3%; no
     spread for one seed; rows trained while the fixed decay's rates took weight decay say so)."""
+
+    def bits(v: float) -> str:
+        return "diverged" if math.isnan(v) else f"{v:.4f}"
+
     table = ["| config | options | seeds | mean bits/byte | std | / transformer | params / transformer |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
     table += [f"| {r['config']} | {r['model_kwargs'] or ''}{' (rates under weight decay)' * r['rate_weight_decay']} | "
-              f"{r['seeds']} | {r['mean_bits_per_byte']:.4f} | "
-              f"{format(r['std_bits_per_byte'], '.4f') if r['seeds'] > 1 else '-'} | {r['vs_transformer']:.3f} | "
+              f"{r['seeds']} | {bits(r['mean_bits_per_byte'])} | "
+              f"{bits(r['std_bits_per_byte']) if r['seeds'] > 1 else '-'} | {r['vs_transformer']:.3f} | "
               f"{r['params_vs_transformer']:.3f} |" for r in summarize(rows)]  # fmt: skip
     return "\n".join(table)
 
@@ -231,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--configs", nargs="+", default=list(ABLATIONS), metavar="CONFIG",
                         help=f"among {', '.join(ABLATIONS)} (default: all)")  # fmt: skip
     parser.add_argument("--size", default="tiny", help="model size: nano, tiny, small, base (default: %(default)s)")
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="(default: 0 1 2)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS), help="(default: 0 1 2)")
     parser.add_argument("--steps", type=int, default=1200, help="optimiser steps per run (default: %(default)s)")
     parser.add_argument("--context", type=int, default=256, help="bytes per sequence (default: %(default)s)")
     parser.add_argument("--batch", type=int, default=16, help="sequences per step (default: %(default)s)")
@@ -240,6 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default="bench_results/lm_ablation", help="folder of lm_ablation.jsonl/.md")
     args = parser.parse_args(argv)
     try:
+        check_device(args.device, "--device")
         rows = study(
             args.configs,
             out=args.out,

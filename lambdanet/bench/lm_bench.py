@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from lambdanet.bench.layer_bench import loglog_slope
+from lambdanet.bench.report import RowLog
 from lambdanet.engine.distributed import DistContext
 from lambdanet.engine.loop import NonFiniteLossError, train_epoch
 from lambdanet.engine.optim import build_optimizer, lr_at
@@ -48,6 +49,7 @@ __all__ = [
     "generation",
     "quality",
     "quality_summary",
+    "seed_stats",
     "plot_lm_study",
 ]
 
@@ -263,14 +265,21 @@ def quality(
     eval_bytes: int = 65536,
     device: str = "cpu",
     log: Log = print,
+    kept: RowLog | None = None,
 ) -> list[dict]:
     """Validation bits per byte of each family after ``steps`` steps and after ``seconds`` of training, per seed
-    (rows with ``budget`` ``"steps"`` or ``"time"``); the first ``eval_bytes`` of the validation split."""
+    (rows with ``budget`` ``"steps"`` or ``"time"``); the first ``eval_bytes`` of the validation split. With
+    ``kept``, each row is kept there as it is measured, and rows it already holds are not measured again."""
     device_ = torch.device(device)
     rows = []
     for budget in ("time", "steps"):
         for seed in seeds:
             for m in LM_MIXERS:
+                earlier = kept.done(budget=budget, seed=seed, mixer=m) if kept is not None else []
+                if kept is not None and earlier:
+                    rows += earlier
+                    log(f"  {budget} seed {seed} {m}: kept from {kept.path.name}")
+                    continue
                 res = train_run(
                     f"{m}_lm_{size}",
                     corpus,
@@ -293,11 +302,22 @@ def quality(
                         **res,
                     }
                 )
+                if kept is not None:
+                    kept.add(rows[-1:])
                 log(
                     f"  {budget} seed {seed} {m}: {res['val_bits_per_byte']:.3f} bits/byte after {res['steps']} "
                     f"steps, {res['train_s']:.0f}s"
                 )
     return rows
+
+
+def seed_stats(values: Sequence[float]) -> tuple[float, float, float, float]:
+    """Mean, sample standard deviation (0 for one value), minimum and maximum of a measure over seeds; all NaN
+    where one seed's is (a diverged run: no statistic of the others stands for the configuration)."""
+    if any(math.isnan(v) for v in values):
+        return (math.nan,) * 4
+    return (statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0, min(values),
+            max(values))  # fmt: skip
 
 
 def quality_summary(rows: Sequence[dict]) -> list[dict]:
@@ -309,16 +329,16 @@ def quality_summary(rows: Sequence[dict]) -> list[dict]:
         for m in dict.fromkeys(r["mixer"] for r in rows):
             mine = [r for r in rows if r["budget"] == budget and r["mixer"] == m]
             bpb = [r["val_bits_per_byte"] for r in mine]
-            means[m] = statistics.fmean(bpb)
+            means[m], std, low, high = seed_stats(bpb)
             out.append(
                 {
                     "budget": budget,
                     "mixer": m,
                     "seeds": len(bpb),
                     "mean_bits_per_byte": means[m],
-                    "std_bits_per_byte": statistics.stdev(bpb) if len(bpb) > 1 else 0.0,
-                    "min_bits_per_byte": min(bpb),
-                    "max_bits_per_byte": max(bpb),
+                    "std_bits_per_byte": std,
+                    "min_bits_per_byte": low,
+                    "max_bits_per_byte": high,
                     "mean_steps": statistics.fmean(r["steps"] for r in mine),
                     "mean_train_s": statistics.fmean(r["train_s"] for r in mine),
                 }
@@ -387,9 +407,7 @@ def plot_lm_study(train_rows: Sequence[dict], gen_rows: Sequence[dict], quality_
     return paths
 
 
-def check_finite(rows: Sequence[dict]) -> None:
-    """Raise if a study row holds a non-finite measurement (a diverged run or a broken timer)."""
-    for r in rows:
-        for k, v in r.items():
-            if isinstance(v, float) and not math.isfinite(v):
-                raise RuntimeError(f"lm study: non-finite {k} in {r}")
+def non_finite(rows: Sequence[dict]) -> list[str]:
+    """One line per study row that holds a non-finite measurement (a diverged run or a broken timer)."""
+    return [f"{r.get('model')} {r.get('budget', '')} seed {r.get('seed')}: {k} {v}".replace("  ", " ")
+            for r in rows for k, v in r.items() if isinstance(v, float) and not math.isfinite(v)]  # fmt: skip

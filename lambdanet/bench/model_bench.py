@@ -91,7 +91,9 @@ def _build(name: str, kwargs: dict, img: int) -> nn.Module | None:
 
 
 def _is_oom(err: BaseException) -> bool:
-    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+    """An allocation that failed: CUDA's out-of-memory error, or the CPU allocator's ``can't allocate memory``."""
+    text = str(err).lower()
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in text or "can't allocate memory" in text
 
 
 def bench_model(
@@ -122,10 +124,6 @@ def bench_model(
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9) if train else None
     scaler = torch.amp.GradScaler(device.type, enabled=train and amp == "fp16")
     while True:
-        x = torch.randn(batch, 3, img, img, device=device)
-        if channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
-        y = torch.randint(0, 1000, (batch,), device=device)
 
         def step():
             model.train(train)
@@ -140,7 +138,11 @@ def bench_model(
                 with torch.no_grad(), autocast_context(device, amp):
                     runner(x)
 
-        try:
+        try:  # the batch itself may not fit
+            x = torch.randn(batch, 3, img, img, device=device)
+            if channels_last:
+                x = x.contiguous(memory_format=torch.channels_last)
+            y = torch.randint(0, 1000, (batch,), device=device)
             timing = time_fn(step, device, warmup=2 if compile else 1, repeats=repeats, max_seconds=60)
             peak = peak_memory(step, device)
             break
@@ -191,13 +193,13 @@ def run_model_suite(
             log(f"  {label}: skipped (timm not installed)")
             continue
         params = sum(p.numel() for p in model.parameters())
-        with torch.no_grad():
-            model.eval()
-            x1 = torch.randn(1, 3, img, img)
-            flops = count_flops(lambda: model(x1))
-        row = {"suite": suite, "model": label, "params": params, "gflops": flops / 1e9, "image_size": img}
+        row = {"suite": suite, "model": label, "params": params, "gflops": None, "image_size": img}
         row.update(amp=amp, channels_last=channels_last, compile=compile)
         try:
+            with torch.no_grad():
+                model.eval()
+                x1 = torch.randn(1, 3, img, img)
+                row["gflops"] = count_flops(lambda: model(x1)) / 1e9
             for mode in modes:
                 res = bench_model(
                     model,
@@ -211,19 +213,21 @@ def run_model_suite(
                     compile=compile,
                 )
                 row.update({f"{mode}_{key}": res[key] for key in ("images_per_s", "batch", "peak_bytes")})
-        except (RuntimeError, NotImplementedError) as err:
-            if not name.startswith("timm:"):
-                raise
-            # a peer that cannot run this setting (timm's lambda_resnet26t has no channels_last: its 5-d
-            # position parameter is rejected by Module.to(memory_format=...)) is reported, not fatal
-            row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:100]}"
+        except (RuntimeError, NotImplementedError, ValueError) as err:
+            # a model that cannot run this setting is reported, not fatal: the suite's other models still run (timm's
+            # lambda_resnet26t has no channels_last: its 5-d position parameter is rejected by
+            # Module.to(memory_format=...); an --img-size too small for a model's strides; batch norm over a
+            # single value per channel at --batch-size 1)
+            row["error"] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:100]}"
             log(f"  {label}: failed ({row['error']})")
         else:
             log(
-                f"  {label}: {params / 1e6:.2f}M params, {flops / 1e9:.2f} GFLOPs, "
+                f"  {label}: {params / 1e6:.2f}M params, {row['gflops']:.2f} GFLOPs, "
                 + ", ".join(f"{m} {row[f'{m}_images_per_s']:.1f} img/s" for m in modes)
             )
         rows.append(row)
+    for row in rows:  # the ratios' baseline, named: without timm, the timm26 suite's first model is another
+        row["relative_to"] = rows[0]["model"]
     for mode in modes:
         base = rows[0].get(f"{mode}_images_per_s") if rows else None
         for row in rows:

@@ -28,10 +28,16 @@ class BenchSettings:
     channels_last: bool = False
     compile: bool = False
     layers: tuple[str, ...] | None = None
+    given: frozenset[str] = frozenset()  # the options set by the user: --quick keeps them
+
+    def value(self, name: str, quick):
+        """The option ``name``: the user's value where given (:attr:`given`), else ``quick`` under ``--quick``, else
+        its default."""
+        return getattr(self, name) if name in self.given or not self.quick else quick
 
     @property
     def model_suites(self) -> tuple[str, ...]:
-        return ("hybrid26",) if self.quick else self.suites
+        return self.value("suites", ("hybrid26",))
 
 
 Log = Callable[[str], None]
@@ -39,7 +45,10 @@ PartResult = tuple[dict[str, list[dict]], list[str]]  # rows per output file, li
 
 
 class Part(NamedTuple):
-    """A benchmark part: its function and the peer packages (import names) it compares against."""
+    """A benchmark part: its function, the peer packages (import names) it compares against, and the options of
+    :class:`BenchSettings` it reads beyond ``device`` and ``quick`` (recorded in its section of ``bench.md``; one
+    that no part of a run reads is a warning)."""
 
     run: Callable[[BenchSettings, Path, Log], PartResult]
     peers: Callable[[BenchSettings], tuple[str, ...]]
+    reads: tuple[str, ...] = ()

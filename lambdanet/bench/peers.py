@@ -40,7 +40,7 @@ def available_peers(modules: Iterable[str] = tuple(PEER_PACKAGES)) -> dict[str, 
                 warnings.simplefilter("ignore")
                 importlib.import_module(module)
             have[module] = True
-        except ImportError:
+        except Exception:  # noqa: BLE001 - not importable for any reason (a broken install) counts as missing
             have[module] = False
     return have
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from lambdanet.bench.report import RowLog
 from lambdanet.engine.loop import optimizer_step
 from lambdanet.engine.optim import lr_at
 from lambdanet.models import create_model
@@ -108,6 +109,7 @@ def recall(
     device: str = "cpu",
     seeds: Sequence[int] = (0, 1, 2),
     log: Callable[[str], None] = print,
+    kept: RowLog | None = None,
 ) -> list[dict]:
     """Recall accuracy of each family at each number of pairs (``Q = P`` queries). One model per family, peak
     learning rate of ``lrs`` and seed of ``seeds``, trained ``steps`` AdamW steps (warm-up over the first tenth,
@@ -118,7 +120,8 @@ def recall(
     at its best learning rate, with the mean and the best over seeds (:func:`summarize_recall`). A row per
     family, learning rate, seed and count: ``accuracy``, ``reached`` (the most pairs the curriculum trained it on:
     counts above it were never trained on) and ``chance`` (one value in ``VALUES``; guessing among the values in
-    the context gives ``1 / P``)."""
+    the context gives ``1 / P``). With ``kept``, each model's rows are kept there as they are measured, and the
+    models it already holds are not trained again."""
     if not pairs or min(pairs) < 1:
         raise ValueError(f"pairs must be a non-empty list of counts >= 1, got {list(pairs)!r}")
     if steps < 1:
@@ -131,6 +134,11 @@ def recall(
     rows = []
     for family, lr, seed in ((f, r, s) for f in families for r in lrs for s in seeds):
         name = f"{family}_lm_{size} lr {lr:g} seed {seed}"
+        earlier = kept.done(family=family, lr=lr, seed=seed) if kept is not None else []
+        if kept is not None and earlier:
+            rows += earlier
+            log(f"   recall {name}: kept from {kept.path.name}")
+            continue
         torch.manual_seed(seed)
         g = torch.Generator().manual_seed(seed)
         model = create_model(f"{family}_lm_{size}").to(dev)
@@ -167,6 +175,8 @@ def recall(
             rows.append(row)
             log(f"   recall {name:<36} pairs {p:>3}: accuracy {row['accuracy']:.3f} "
                 f"(trained up to {curriculum.reached} pairs, {train_s:.0f} s)")  # fmt: skip
+        if kept is not None:
+            kept.add(rows[-len(pairs) :])
     return rows
 
 

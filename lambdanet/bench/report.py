@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import platform
 from pathlib import Path
 
 import torch
 
-__all__ = ["environment", "write_rows", "markdown", "plot_scaling"]
+__all__ = ["environment", "write_rows", "RowLog", "partial_path", "markdown", "plot_scaling"]
 
 
 def environment(device: str) -> dict:
@@ -26,15 +27,65 @@ def environment(device: str) -> dict:
     return env
 
 
+def _json_value(v):
+    """``v`` with non-finite floats (a diverged run's NaN) as ``None``: JSON has no NaN."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _json_value(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json_value(x) for x in v]
+    return v
+
+
 def write_rows(rows: list[dict], out: Path, name: str) -> None:
+    """``<out>/<name>.json`` and ``<out>/<name>.csv`` of ``rows`` (no CSV, and an older one removed, without rows);
+    non-finite floats are ``null`` in the JSON, ``nan`` in the CSV."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(rows, indent=2, default=str))
+    (out / f"{name}.json").write_text(json.dumps(_json_value(rows), indent=2, default=str, allow_nan=False) + "\n")
+    (out / f"{name}.csv").unlink(missing_ok=True)
     if rows:
         keys = list(dict.fromkeys(k for r in rows for k in r))
         with open(out / f"{name}.csv", "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=keys)
             writer.writeheader()
             writer.writerows(rows)
+
+
+def partial_path(out: Path, name: str) -> Path:
+    """Where :class:`RowLog` keeps the rows of part ``name`` while it runs: ``<out>/<name>.partial.jsonl``."""
+    return Path(out) / f"{name}.partial.jsonl"
+
+
+class RowLog:
+    """The rows of a long part as they are measured, appended to ``<out>/<name>.partial.jsonl`` (its first line
+    the part's settings): a stop or a crash loses none of them, and a rerun with the same settings takes them up
+    (:meth:`done`) instead of measuring them again. The runner removes the file once the part is written whole."""
+
+    def __init__(self, out: Path, name: str, settings: dict):
+        self.path = partial_path(out, name)
+        self.rows: list[dict] = []
+        head = json.dumps({"settings": settings}, sort_keys=True, default=str)
+        lines = self.path.read_text().splitlines() if self.path.is_file() else []
+        if lines and lines[0] == head:
+            for line in lines[1:]:
+                try:
+                    self.rows += json.loads(line)["rows"]
+                except (json.JSONDecodeError, KeyError, TypeError):  # a line cut short by a crash mid-write
+                    continue
+        else:  # another part's settings, or none yet: start afresh
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(head + "\n")
+
+    def done(self, **key) -> list[dict]:
+        """The rows kept from an earlier run whose fields equal ``key``."""
+        return [r for r in self.rows if all(r.get(k) == v for k, v in key.items())]
+
+    def add(self, rows: list[dict]) -> None:
+        """Keep ``rows`` (one measurement's, written in one line: all of them or, cut short, none)."""
+        with self.path.open("a") as f:
+            f.write(json.dumps({"rows": rows}, default=str) + "\n")
+        self.rows += rows
 
 
 def _fmt(v) -> str:

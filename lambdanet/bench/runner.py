@@ -34,26 +34,23 @@ A missing peer package leaves out its rows; a line on stderr and in ``bench.md``
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
-from lambdanet.bench import (
-    causal_tune,
-    detection_bench,
-    kernel_bench,
-    layer_bench,
-    lm_ablation,
-    lm_bench,
-    model_bench,
-    recall_bench,
-)
+from lambdanet.bench import causal_tune, detection_bench, kernel_bench, layer_bench, model_bench
 from lambdanet.bench.layer_parts import attention, impls, scaling, targets
+from lambdanet.bench.lm_parts import lm, lm_ablation_part, lm_quality, lm_recall
 from lambdanet.bench.part import DEFAULT_SUITES, BenchSettings, Log, Part, PartResult
 from lambdanet.bench.peers import missing_peers_warning
-from lambdanet.bench.report import environment, markdown, write_rows
-from lambdanet.files import check_output_dir
+from lambdanet.bench.report import environment, markdown, partial_path, write_rows
+from lambdanet.engine.preempt import Preempted
+from lambdanet.files import make_output_dir
 from lambdanet.helpers import check_positive_int, require
 from lambdanet.runtime import check_amp
 
@@ -68,8 +65,8 @@ def _models(s: BenchSettings, out: Path, log: Log) -> PartResult:
         log(f"== models: {suite}")
         rows += model_bench.run_model_suite(
             suite,
-            img=32 if s.quick else s.img_size,
-            batch=2 if s.quick else s.batch_size,
+            img=s.value("img_size", 32),
+            batch=s.value("batch_size", 2),
             device=s.device,
             repeats=1 if s.quick else 3,
             amp=s.amp,
@@ -96,6 +93,7 @@ def _models(s: BenchSettings, out: Path, log: Log) -> PartResult:
                 ("infer_images_per_s", "infer img/s"),
                 ("infer_relative", "infer rel."),
                 ("train_peak_bytes", "train peak bytes"),
+                ("relative_to", "rel. to"),
             ]
             + ([("error", "failed")] if any("error" in r for r in rows) else []),
         ),
@@ -204,155 +202,114 @@ def _kernels(s: BenchSettings, out: Path, log: Log) -> PartResult:
     ]
 
 
-def _lm(s: BenchSettings, out: Path, log: Log) -> PartResult:
-    log("== lm: training throughput and memory against context, generation latency and state")
-    size, contexts, gen_contexts = (
-        ("nano", (64, 128), (64, 256))
-        if s.quick
-        else ("tiny", (256, 512, 1024, 2048, 4096, 8192), (1024, 2048, 4096, 8192, 16384))
-    )
-    train = lm_bench.throughput(
-        size, contexts, tokens_per_step=256 if s.quick else 4096, device=s.device, repeats=1 if s.quick else 3, log=log
-    )
-    gen = lm_bench.generation(size, gen_contexts, device=s.device, steps=3 if s.quick else 20, log=log)
-    slopes = lm_bench.memory_slopes(train, lo=contexts[0] if s.quick else 1024, hi=contexts[-1])
-    plots = lm_bench.plot_lm_study(train, gen, [], out)
-    return {"lm_train": train, "lm_memory_slopes": slopes, "lm_generation": gen}, [
-        f"## Language models: {size} (lambda, the plain lambda layer of before 0.2.0, transformer, linear attention)",
-        "",
-        "Training (forward+backward), `max(1, 4096 // context)` sequences per step; peak memory of one sequence.",
-        "",
-        markdown(
-            train,
-            [
-                ("mixer", "mixer"),
-                ("context", "context"),
-                ("batch", "B"),
-                ("tokens_per_s", "tokens/s"),
-                ("speed_vs_transformer", "x transformer"),
-                ("peak_bytes_one_sequence", "peak bytes (1 seq)"),
-            ],
-        ),
-        "",
-        markdown(
-            slopes,
-            [
-                ("mixer", "mixer"),
-                ("contexts", "contexts"),
-                ("memory_slope", "log-log memory slope"),
-                ("mib_per_1k_tokens", "MiB per 1k tokens"),
-            ],
-        ),
-        "",
-        "Generation, batch 1: one step after a context of n tokens.",
-        "",
-        markdown(
-            gen,
-            [
-                ("mixer", "mixer"),
-                ("context", "context"),
-                ("ms_per_token", "ms/token"),
-                ("speed_vs_transformer", "x transformer"),
-                ("state_bytes", "state bytes"),
-                ("step_peak_bytes", "step peak bytes"),
-            ],
-        ),
-        "",
-    ] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
-
-
-def _lm_quality(s: BenchSettings, out: Path, log: Log) -> PartResult:
-    from lambdanet.tasks.lm.data import load_corpus
-
-    log("== lm_quality: validation bits per byte at equal time and equal steps")
-    kw = (
-        dict(size="nano", context=64, batch=2, steps=3, seconds=0.5, seeds=(0, 1), eval_bytes=2048)
-        if s.quick
-        else dict(size="tiny")
-    )
-    rows = lm_bench.quality(load_corpus("stdlib"), device=s.device, log=log, **kw)
-    lm_bench.check_finite(rows)
-    summary = lm_bench.quality_summary(rows)
-    plots = lm_bench.plot_lm_study([], [], rows, out)
-    first = rows[0]
-    return {"lm_quality": rows, "lm_quality_summary": summary}, [
-        f"## Language models: bits per byte at equal time and equal steps ({first['model'].rsplit('_', 1)[1]}, "
-        f"context {first['context']}, batch {first['batch']}, stdlib)",
-        "",
-        markdown(
-            summary,
-            [
-                ("budget", "budget"),
-                ("mixer", "mixer"),
-                ("seeds", "seeds"),
-                ("mean_bits_per_byte", "mean bits/byte"),
-                ("std_bits_per_byte", "std"),
-                ("min_bits_per_byte", "min"),
-                ("max_bits_per_byte", "max"),
-                ("vs_transformer", "/ transformer"),
-                ("mean_steps", "steps"),
-                ("mean_train_s", "train s"),
-            ],
-        ),
-        "",
-    ] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
-
-
-def _lm_recall(s: BenchSettings, out: Path, log: Log) -> PartResult:
-    log("== lm_recall: associative recall against the number of key-value pairs (2 learning rates x 3 seeds)")
-    rows = (
-        recall_bench.recall(
-            pairs=(2,), steps=2, batch=4, eval_batches=1, device=s.device, seeds=(0,), lrs=(1e-3,), log=log
-        )
-        if s.quick
-        else recall_bench.recall(device=s.device, log=log)
-    )
-    cols = [("model", "model"), ("lr", "best lr"), ("pairs", "pairs"), ("sequence", "tokens"),
-            ("mean", "mean accuracy"), ("best", "best"), ("learnt", "seeds >= 90%"),
-            ("reached", "trained up to pairs")]  # fmt: skip
-    size, summary = rows[0]["model"].rsplit("_", 1)[1], recall_bench.summarize_recall(rows)
-    return {"lm_recall": rows, "lm_recall_summary": summary}, [
-        f"## Language models: associative recall ({size}, {rows[0]['steps']} steps, chance {rows[0]['chance']:.3f})",
-        "",
-        markdown(summary, cols),
-        "",
-    ]
-
-
-def _lm_ablation(s: BenchSettings, out: Path, log: Log) -> PartResult:
-    log("== lm_ablation: the lambda layer's knobs and options at one parameter budget (resumable in --out)")
-    if s.quick:
-        rows = lm_ablation.study(("transformer", "lambda"), size="nano", seeds=(0,), steps=2, context=32, batch=2,
-                                 out=out, eval_bytes=256, device=s.device, log=log)  # fmt: skip
-    else:
-        rows = lm_ablation.study(out=out, device=s.device, log=log)
-    return {"lm_ablation_summary": lm_ablation.summarize(rows)}, [
-        f"## Language models: ablations ({rows[0]['size']}, {rows[0]['steps']} steps, context {rows[0]['context']})",
-        "",
-        lm_ablation.summary_table(rows),
-        "",
-    ]
-
-
 PARTS: dict[str, Part] = {
-    "targets": Part(targets, lambda s: ("timm", "lambda_networks")),
-    "impls": Part(impls, lambda s: ()),
-    "attention": Part(attention, lambda s: ("timm",)),
-    "scaling": Part(scaling, lambda s: ()),
-    "models": Part(_models, lambda s: model_bench.suite_peers(s.model_suites)),
+    "targets": Part(targets, lambda s: ("timm", "lambda_networks"), ("repeats", "amp")),
+    "impls": Part(impls, lambda s: (), ("repeats", "amp")),
+    "attention": Part(attention, lambda s: ("timm",), ("repeats", "amp")),
+    "scaling": Part(scaling, lambda s: (), ("layers",)),
+    "models": Part(
+        _models,
+        lambda s: model_bench.suite_peers(s.model_suites),
+        ("suites", "img_size", "batch_size", "amp", "channels_last", "compile"),
+    ),  # fmt: skip
     "table4": Part(_table4, lambda s: ()),
     "detection": Part(_detection, lambda s: ()),
-    "lm": Part(_lm, lambda s: ()),
-    "lm_quality": Part(_lm_quality, lambda s: ()),
-    "lm_recall": Part(_lm_recall, lambda s: ()),
-    "lm_ablation": Part(_lm_ablation, lambda s: ()),
+    "lm": Part(lm, lambda s: ()),
+    "lm_quality": Part(lm_quality, lambda s: ()),
+    "lm_recall": Part(lm_recall, lambda s: ()),
+    "lm_ablation": Part(lm_ablation_part, lambda s: ()),
     "kernels": Part(_kernels, lambda s: ()),
     "causal_tune": Part(causal_tune.bench_part, lambda s: ()),
 }
+CUDA_PARTS = ("kernels", "causal_tune")  # measure nothing on a CPU
+PLOTTING_PARTS = ("scaling", "lm", "lm_quality")  # need matplotlib (the bench extra)
+OPTION_DEFAULTS: dict[str, Any] = dict(suites=DEFAULT_SUITES, img_size=224, batch_size=8, repeats=5, amp="none",
+                                       channels_last=False, compile=False, layers=None)  # fmt: skip
 
 
 def _stderr(message: str) -> None:
     print(message, file=sys.stderr)
+
+
+class _Terminated(BaseException):
+    """SIGTERM during a bench run (``timeout``, a scheduler): stops it as Ctrl-C does."""
+
+
+@contextmanager
+def _sigterm_stops() -> Iterator[None]:
+    """While entered, SIGTERM raises :class:`_Terminated` in the main thread (elsewhere: the handler stays)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def stop(signum, frame):
+        raise _Terminated
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _settings(parts: Sequence[str], device: str, quick: bool, options: dict, warn: Log) -> BenchSettings:
+    """The run's :class:`BenchSettings` from the options (``None``: not given, its default); a warning for a given
+    option that no part of ``parts`` reads, and for a CUDA-only part on the CPU."""
+    given = frozenset(k for k, v in options.items() if v is not None and v != OPTION_DEFAULTS[k])
+    given |= {k for k in ("suites", "img_size", "batch_size", "repeats") if options[k] is not None}
+    for name in sorted(given):
+        if not any(name in PARTS[p].reads for p in parts):
+            readers = ", ".join(p for p in PARTS if name in PARTS[p].reads)
+            warn(f"lambdanet bench: warning: --{name.replace('_', '-')} is read by {readers}, none of which runs; "
+                 "ignored")  # fmt: skip
+    for part in (p for p in CUDA_PARTS if p in parts and device != "cuda"):
+        warn(f"lambdanet bench: warning: {part} measures a CUDA device (--device cuda); skipped on the CPU")
+    values: dict[str, Any] = {k: OPTION_DEFAULTS[k] if v is None else v for k, v in options.items()}
+    values.update(suites=tuple(values["suites"]), layers=tuple(dict.fromkeys(values["layers"] or ())) or None)
+    return BenchSettings(device=device, quick=quick, given=given, **values)
+
+
+def _stamp(part: str, s: BenchSettings, env: str) -> str:
+    """The line under a part's title in ``bench.md``: when, where and with which options it was measured."""
+    options = [f"{name} {getattr(s, name)}" for name in PARTS[part].reads if name in s.given or not s.quick]
+    return f"_Measured {time.strftime('%Y-%m-%d %H:%M')}; {env}" + "; --quick" * s.quick + (
+        f"; {', '.join(options)}" if options else "") + "._"  # fmt: skip
+
+
+def _write_report(out: Path) -> None:
+    """``bench.md``: the sections of every part measured into ``out`` (``sections/<part>.md``), in the table's
+    order: parts run by earlier commands into the same folder stay in it, each with its own stamp."""
+    sections = [out / "sections" / f"{p}.md" for p in PARTS]
+    report = [f"# lambdanet bench ({out.name})", "",
+              "Each part's section says when, where and with which options it was measured.", ""]  # fmt: skip
+    report += [path.read_text() for path in sections if path.is_file()]
+    (out / "bench.md").write_text("\n".join(report))
+
+
+def _run_part(part: str, s: BenchSettings, out: Path, env: str, log: Log) -> dict[str, list[dict]]:
+    """Run ``part``; write its rows, its section and ``bench.md`` at once (a later part's stop loses nothing)."""
+    rows, lines = PARTS[part].run(s, out, log)
+    for name, table in rows.items():
+        write_rows(table, out, name)
+    partial_path(out, part).unlink(missing_ok=True)  # its rows kept as they were measured: now written whole
+    missing = missing_peers_warning({peer: [part] for peer in PARTS[part].peers(s)})
+    section = [lines[0], "", _stamp(part, s, env), *([f"**Warning:** {missing}.", ""] if missing else []), *lines[1:]]
+    (out / "sections").mkdir(exist_ok=True)
+    (out / "sections" / f"{part}.md").write_text("\n".join(section) + "\n")
+    _write_report(out)
+    return rows
+
+
+def _stopped(sig: signal.Signals, part: str, done: list[str], out: Path) -> Preempted:
+    """The one line of a run stopped by ``sig`` in ``part``: what was written and what a rerun continues from."""
+    written = f"{', '.join(done)} written to {out}" if done else f"no part finished in {out}"
+    kept = partial_path(out, part)
+    if part == "lm_ablation":
+        written += "; the finished runs of lm_ablation are kept in lm_ablation.jsonl: the same command continues"
+    elif kept.is_file():
+        written += f"; the rows of {part} measured so far are kept in {kept.name}: the same command continues"
+    return Preempted(f"stopped by {sig.name} in part {part}: {written}")
 
 
 def run_benchmarks(
@@ -361,10 +318,10 @@ def run_benchmarks(
     device: str = "cpu",
     out: str | Path = "bench_results",
     quick: bool = False,
-    suites: Sequence[str] = DEFAULT_SUITES,
-    img_size: int = 224,
-    batch_size: int = 8,
-    repeats: int = 5,
+    suites: Sequence[str] | None = None,
+    img_size: int | None = None,
+    batch_size: int | None = None,
+    repeats: int | None = None,
     amp: str = "none",
     channels_last: bool = False,
     compile: bool = False,
@@ -372,46 +329,36 @@ def run_benchmarks(
     log: Log = print,
     warn: Log = _stderr,
 ) -> dict:
-    """Run ``parts``; returns ``{name: rows}`` and writes ``<out>/<name>.{json,csv}``, plots and ``bench.md``.
+    """Run ``parts``; returns ``{name: rows}`` and writes ``<out>/<name>.{json,csv}``, plots, the part's section
+    ``<out>/sections/<part>.md`` and ``bench.md`` as each part ends (a stop loses no finished part; the long LM
+    parts keep their rows as they are measured, and the same call continues from them).
 
-    ``channels_last`` and ``compile`` apply to the models part (see ``model_bench.bench_model``), ``amp`` to it
-    and to the targets, impls and attention parts (the layers' forwards under autocast);
-    ``layers`` picks the scaling part's layers among ``layer_bench.LAYER_SUITE`` (default: all). Progress
-    goes to ``log``; a missing peer package to ``warn`` (stderr) and ``bench.md``.
+    ``suites``, ``img_size`` and ``batch_size`` apply to the models part, with ``channels_last`` and ``compile``
+    (see ``model_bench.bench_model``), ``amp`` to it and to the targets, impls and attention parts (the layers'
+    forwards under autocast), ``repeats`` to those three; ``layers`` picks the scaling part's layers among
+    ``layer_bench.LAYER_SUITE`` (default: all). ``None``: the default (``OPTION_DEFAULTS``), or under ``quick``
+    its tiny value; a value given is kept under ``quick`` too. Progress goes to ``log``; a missing peer package,
+    or an option no part of ``parts`` reads, to ``warn`` (stderr), and the former into ``bench.md``. SIGINT or
+    SIGTERM stops the run with :class:`~lambdanet.engine.preempt.Preempted` naming what was written.
     """
     check_amp(amp, device)
     for value, name in ((img_size, "img_size"), (batch_size, "batch_size"), (repeats, "repeats")):
-        check_positive_int(value, name)  # also with quick, which replaces them
-    check_output_dir(out, "out", "the folder of the results")
-    require("matplotlib", "bench", "lambdanet bench (its plots)")
+        if value is not None:
+            check_positive_int(value, name)
+    if any(p in PLOTTING_PARTS for p in parts):
+        require("matplotlib", "bench", "lambdanet bench (the plots of " + ", ".join(PLOTTING_PARTS) + ")")
     for what, asked, valid in (
         ("bench layer(s)", layers or (), layer_bench.LAYER_SUITE),
-        ("model suite(s)", suites, model_bench.MODEL_SUITES),
+        ("model suite(s)", suites or (), model_bench.MODEL_SUITES),
         ("bench part(s)", parts, PARTS),
     ):
         unknown = sorted(set(asked) - set(valid))
         if unknown:
             raise ValueError(f"unknown {what} {unknown}; valid: {', '.join(valid)}")
-    settings = BenchSettings(
-        device=device,
-        quick=quick,
-        suites=tuple(suites),
-        img_size=img_size,
-        batch_size=batch_size,
-        repeats=repeats,
-        amp=amp,
-        channels_last=channels_last,
-        compile=compile,
-        layers=tuple(layers) if layers else None,
-    )
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    report = [
-        f"# lambdanet bench ({time.strftime('%Y-%m-%d')})",
-        "",
-        "Environment: " + ", ".join(f"{k} {v}" for k, v in environment(device).items()),
-        "",
-    ]
+    out = make_output_dir(out, "out", "the folder of the results")
+    options = dict(suites=suites, img_size=img_size, batch_size=batch_size, repeats=repeats, amp=amp,
+                   channels_last=channels_last, compile=compile, layers=layers)  # fmt: skip
+    settings = _settings(parts, device, quick, options, warn)
     needed: dict[str, list[str]] = {}
     for part in parts:
         for peer in PARTS[part].peers(settings):
@@ -419,14 +366,18 @@ def run_benchmarks(
     missing = missing_peers_warning(needed)
     if missing:
         warn(f"lambdanet bench: warning: {missing}")
-        report += [f"**Warning:** {missing}.", ""]
+    env = ", ".join(f"{k} {v}" for k, v in environment(device).items())
     results: dict[str, list[dict]] = {}
-    for part in [p for p in PARTS if p in parts]:  # in the table's order, whatever the order asked
-        rows, lines = PARTS[part].run(settings, out, log)
-        results.update(rows)
-        report += lines
-    for name, table in results.items():
-        write_rows(table, out, name)
-    (out / "bench.md").write_text("\n".join(report) + "\n")
+    done: list[str] = []
+    part = ""
+    try:
+        with _sigterm_stops():
+            for part in [p for p in PARTS if p in parts]:  # in the table's order, whatever the order asked
+                results.update(_run_part(part, settings, out, env, log))
+                done.append(part)
+    except KeyboardInterrupt:
+        raise _stopped(signal.SIGINT, part, done, out) from None
+    except _Terminated:
+        raise _stopped(signal.SIGTERM, part, done, out) from None
     log(f"-> {out / 'bench.md'}")
     return results

@@ -11,13 +11,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     """Benchmarks (library: ``lambdanet.bench.runner.run_benchmarks``)."""
     from lambdanet.bench.runner import DEFAULT_PARTS, run_benchmarks
     from lambdanet.cli.common import check_device
-    from lambdanet.files import check_output_dir
+    from lambdanet.files import make_output_dir
     from lambdanet.helpers import check_positive_int
 
     check_device(args.device)
     for value, name in ((args.img_size, "--img-size"), (args.batch_size, "--batch-size"), (args.repeats, "--repeats")):
-        check_positive_int(value, name)  # also with --quick, which replaces them
-    check_output_dir(args.out, "--out", "the folder of the results")
+        if value is not None:  # None: not given (its default; under --quick, its tiny value)
+            check_positive_int(value, name)
+    make_output_dir(args.out, "--out", "the folder of the results")
     run_benchmarks(
         args.parts or DEFAULT_PARTS,
         device=args.device,
@@ -59,8 +60,12 @@ def _add_bench(sub) -> None:
         "hours), lm_ablation (the lambda layer's knobs and "
         "options at the transformer's parameter budget, three seeds: hours, resumable in --out), kernels (the "
         "Triton position kernels' roofline on a CUDA device, against its copy and matrix ceilings measured in the "
-        "same run). Writes CSV, JSON, PNG plots "
-        "and bench.md into --out. The peers come with the bench "
+        "same run), causal_tune (the fused causal lambda kernels' launch settings for a CUDA device: the fastest "
+        "of each, timed against the defaults). Writes CSV, JSON, PNG plots, each part's section and bench.md into "
+        "--out as each part ends; bench.md holds every part measured into that folder, each with its date, "
+        "environment and options. A stop (Ctrl-C, SIGTERM) loses no finished part; lm_quality, lm_recall and "
+        "lm_ablation keep each run as it ends, and the same command continues from them. --quick replaces the "
+        "options not given with tiny values. The peers come with the bench "
         f"extra ({INSTALL_HINT}); without it their rows are left out, with a warning.",
     )
     bench.add_argument(
@@ -96,23 +101,23 @@ def _add_part_options(bench) -> None:
     bench.add_argument(
         "--suites",
         nargs="+",
-        default=list(DEFAULT_SUITES),
+        default=None,
         choices=list(MODEL_SUITES),
         metavar="SUITE",
         help=f"models part: suites among {', '.join(MODEL_SUITES)} (default: {' '.join(DEFAULT_SUITES)})",
     )
-    bench.add_argument("--img-size", type=int, default=224, help="models part: input resolution (default: %(default)s)")
+    bench.add_argument("--img-size", type=int, default=None, help="models part: input resolution (default: 224)")
     bench.add_argument(
         "--batch-size",
         type=int,
-        default=8,
-        help="models part: batch size, halved on out-of-memory (default: %(default)s)",
+        default=None,
+        help="models part: batch size, halved on out-of-memory (default: 8)",
     )
     bench.add_argument(
         "--repeats",
         type=int,
-        default=5,
-        help="targets, impls and attention parts: timed rounds per implementation (default: %(default)s)",
+        default=None,
+        help="targets, impls and attention parts: timed rounds per implementation (default: 5)",
     )
     bench.add_argument(
         "--layers",
