@@ -64,12 +64,23 @@ def build_parser() -> CommandParser:
     return parser
 
 
+def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of subcommand ``name`` of ``parser`` (``lm`` -> ``lm train``), or ``parser`` itself."""
+    for action in parser._subparsers._group_actions if parser._subparsers else ():
+        if isinstance(action, argparse._SubParsersAction) and name in action.choices:
+            return action.choices[name]
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra:  # a mistyped option: the subcommand's usage, not the top-level one
+    if extra:  # a mistyped option: the (sub)command's usage, not the top-level one ('lm train': lm train's)
         where = parser.commands.get(getattr(args, "command", None), parser)
-        where.error(f"unrecognized arguments: {' '.join(extra)} (see 'lambdanet {args.command or ''} --help')")
+        command = " ".join(c for c in (args.command, getattr(args, "lm_command", None)) if c)
+        if getattr(args, "lm_command", None):
+            where = _subcommand(where, args.lm_command)
+        where.error(f"unrecognized arguments: {' '.join(extra)} (see 'lambdanet {command} --help')")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

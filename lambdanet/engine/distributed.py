@@ -57,6 +57,10 @@ class DistContext:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def shared(self, batch: int) -> str:
+        """How a global ``batch`` is split, in words: ``"32"``, or ``"32 (16 per process x 2)"``."""
+        return f"{batch}" + (f" ({batch // self.world} per process x {self.world})" if self.enabled else "")
+
 
 def data_parallel(model: nn.Module, ctx: DistContext) -> nn.Module:
     """``model`` wrapped in ``DistributedDataParallel`` when ``ctx`` spans processes (each trains on its share of
@@ -101,11 +105,19 @@ def in_process_group() -> bool:
     return "WORLD_SIZE" in os.environ
 
 
-def launch_local(fn: Callable[..., object], args: tuple, nprocs: int, relay: tuple[type[Exception], ...] = ()) -> None:
+def launch_local(
+    fn: Callable[..., object],
+    args: tuple,
+    nprocs: int,
+    relay: tuple[type[Exception], ...] = (),
+    stopped: Callable[[str], Exception] = ValueError,
+) -> None:
     """Run ``fn(*args)`` in ``nprocs`` new processes on this machine, joined as one process group: each gets
     torchrun's environment variables (so :func:`init_distributed` picks them up) and ``usable_cores() // nprocs``
     threads. A ``ValueError`` (a user error) in a worker is raised here as the same one-line error, and so is an
-    exception of a ``relay`` type (constructed from its message), with its own type. On a CPU, data parallelism
+    exception of a ``relay`` type (constructed from its message), with its own type; a SIGTERM / SIGINT that ends a
+    worker before it can save is ``stopped("stopped by SIGTERM ...")`` (the caller's
+    :class:`~lambdanet.engine.preempt.Preempted`: the signal's exit status). On a CPU, data parallelism
     over processes uses the cores better than one process's intra-op threads when the operations are small
     (small heads, RoI ops, lambda layers on small maps)."""
     import torch.multiprocessing as mp
@@ -135,7 +147,7 @@ def launch_local(fn: Callable[..., object], args: tuple, nprocs: int, relay: tup
                 pass
     except mp.ProcessExitedException as err:
         if forwarded:  # a worker ended by the signal before it could catch it (starting up, say): one line
-            raise ValueError(
+            raise stopped(
                 f"stopped by {signal.Signals(forwarded[0]).name} before the worker processes could "
                 f"save anything ({err}); run the command again (with --resume if a run was saved)"
             ) from None

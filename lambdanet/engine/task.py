@@ -11,6 +11,7 @@ override (:meth:`~Task.initialize`, :meth:`~Task.wrap`, :meth:`~Task.save_due`, 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable
 
@@ -21,6 +22,8 @@ from lambdanet.engine.checkpoint import load_checkpoint
 from lambdanet.engine.config import RunConfig
 from lambdanet.engine.contract import Task
 from lambdanet.engine.distributed import (
+    DistContext,
+    all_gather_objects,
     all_reduce_sum,
     barrier,
     cleanup,
@@ -38,7 +41,7 @@ from lambdanet.helpers import require
 from lambdanet.ops.position_lambda.tuning import set_impl_tuning
 from lambdanet.runtime import check_amp
 
-__all__ = ["Task", "run", "check_extras", "preflight"]
+__all__ = ["Task", "run", "check_extras", "check_same_config", "preflight"]
 
 
 def run(task_cls: type[Task], cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
@@ -56,6 +59,7 @@ def run(task_cls: type[Task], cfg: RunConfig, log: Callable[[str], None] = print
                 busy = err
         if all_reduce_sum([float(busy is not None)], ctx)[0]:  # every rank stops when rank 0 could not lock
             raise busy or RunDirBusyError(f"run directory {cfg.out} is in use by another process")
+        check_same_config(cfg, ctx)
         # implementations by the static policy, not measured: every rank and a resumed run then compute the same
         # function (a measured winner depends on the machine's load at the first call)
         previous = set_impl_tuning("static")
@@ -69,6 +73,18 @@ def run(task_cls: type[Task], cfg: RunConfig, log: Callable[[str], None] = print
     finally:
         lock.release()
         cleanup(ctx, synchronize=finished)
+
+
+def check_same_config(cfg: RunConfig, ctx: DistContext) -> None:
+    """Every process of a group runs one configuration: a one-line ``ValueError`` naming the options given
+    differently (a launcher script that varies them by rank), on every rank; else they would train on mismatched
+    shards, or wait for one another forever in a collective that only some reach."""
+    every = all_gather_objects(dataclasses.asdict(cfg), ctx)
+    differ = [k for k in every[0] if any(other.get(k) != every[0][k] for other in every[1:])]
+    if differ:
+        ranks = "; ".join(f"{k}: " + ", ".join(f"rank {i} {c.get(k)!r}" for i, c in enumerate(every)) for k in differ)
+        raise ValueError(f"the {ctx.world} processes were given different options ({ranks}); give every process "
+                         "the same command")  # fmt: skip
 
 
 def preflight(task_cls: type[Task], cfg: RunConfig) -> int:

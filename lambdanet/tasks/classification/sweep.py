@@ -3,39 +3,41 @@ learning rates for one or more models, then a table and a plot of accuracy again
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from lambdanet.engine.config import ConfigSource, config_differences, describe_differences, load_yaml
 from lambdanet.engine.logger import read_json, write_json
+from lambdanet.engine.loop import TrainingDivergedError
+from lambdanet.engine.preempt import Preempted
 from lambdanet.files import absolute_data
+from lambdanet.helpers import is_finite_real
 from lambdanet.tasks.classification.config import RESUME_FREE
 from lambdanet.tasks.classification.task import train
 
-__all__ = ["lr_sweep", "sweep_markdown", "plot_sweep"]
+__all__ = ["lr_sweep", "run_name", "sweep_markdown", "plot_sweep"]
 
 
-def lr_sweep(
-    source: ConfigSource,
-    lrs: Sequence[float],
-    models: Sequence[str] | None = None,
-    *,
-    log: Callable[[str], None] = print,
-) -> list[dict]:
-    """Train ``source`` once per (model, learning rate) into ``<out>/<model>/lr_<lr>``, each configuration
-    resolved for its model. Resumable: a finished run (``summary.json``) whose resolved configuration equals
-    the one asked for is read back instead of retrained, an unfinished one is resumed; a run directory
-    holding a different configuration is refused."""
-    if not lrs:
-        raise ValueError("lrs must list at least one learning rate")
-    if any(lr <= 0 for lr in lrs):
-        raise ValueError(f"learning rates must be positive, got {list(lrs)}")
-    base = source.resolve()
-    out = Path(base.out)
-    rows = []
-    for model in models or [base.model]:
+def run_name(lr: float) -> str:
+    """The run folder of ``lr``: ``lr_0.001`` (``:g``, as ever) where that names it exactly, else with every digit
+    (``lr_0.0010000001``: two rates never share a folder)."""
+    short = f"{lr:g}"
+    return f"lr_{short}" if float(short) == lr else f"lr_{lr!r}"
+
+
+def _plan(
+    source: ConfigSource, out: Path, lrs: Sequence[float], models: Sequence[str]
+) -> list[tuple[str, float, Path, Any]]:
+    """``(model, lr, run folder, resolved configuration)`` of every run, each checked against what its folder holds
+    (a typo in a model name or a clashing folder is an error before anything trains)."""
+    plan = []
+    for model in models:
         for lr in lrs:
-            run_dir = out / model / f"lr_{lr:g}"
+            run_dir = out / model / run_name(lr)
             cfg = source.resolve(model=model, lr=lr, out=str(run_dir))
             if (run_dir / "config.yaml").exists():
                 saved = load_yaml(run_dir / "config.yaml")
@@ -47,22 +49,73 @@ def lr_sweep(
                         f"{run_dir} holds a run with another configuration: "
                         f"{describe_differences(changed)}; choose another --out for this sweep"
                     )
-            if (run_dir / "summary.json").exists():
-                summary = read_json(run_dir / "summary.json")
-                log(f"{model} lr={lr:g}: already done with this configuration ({summary['final_acc']:.4f})")
-            else:
-                cfg.resume = (run_dir / "last.pt").exists()
-                log(f"--- {model} lr={lr:g} -> {run_dir}")
-                summary = train(cfg, log=log)
-            rows.append(
-                {
-                    "model": model,
-                    "lr": lr,
-                    "final_acc": summary["final_acc"],
-                    "best_acc": summary["best_acc"],
-                    "train_time_s": summary["train_time_s"],
-                }
-            )
+            plan.append((model, lr, run_dir, cfg))
+    return plan
+
+
+def _train_one(model: str, lr: float, run_dir: Path, cfg, log: Callable[[str], None]) -> dict:
+    """The summary of one run: read back when finished, else trained (resumed from ``last.pt``); a run that
+    diverged (``diverged.txt``, now or before) has NaN accuracies."""
+    if (run_dir / "summary.json").exists():
+        summary = read_json(run_dir / "summary.json")
+        log(f"{model} lr={lr:g}: already done with this configuration ({summary['final_acc']:.4f})")
+        return summary
+    if (run_dir / DIVERGED).exists():
+        log(f"{model} lr={lr:g}: diverged before ({(run_dir / DIVERGED).read_text().strip()})")
+        return {"final_acc": math.nan, "best_acc": math.nan, "train_time_s": None}
+    cfg.resume = (run_dir / "last.pt").exists()
+    log(f"--- {model} lr={lr:g} -> {run_dir}")
+    try:
+        return train(cfg, log=log)
+    except TrainingDivergedError as err:  # a rate too high is a result of the study, not its end
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / DIVERGED).write_text(f"{err}\n")
+        log(f"{model} lr={lr:g}: diverged ({err})")
+        return {"final_acc": math.nan, "best_acc": math.nan, "train_time_s": None}
+    except Preempted as err:  # the sweep, not that one run, is what continues
+        kept = str(err).split("; continue with")[0]
+        raise Preempted(f"{kept}; continue with the same lambdanet sweep command") from None
+
+
+DIVERGED = "diverged.txt"  # in a run folder whose training diverged: a rerun of the sweep does not train it again
+
+
+def lr_sweep(
+    source: ConfigSource,
+    lrs: Sequence[float],
+    models: Sequence[str] | None = None,
+    *,
+    log: Callable[[str], None] = print,
+) -> list[dict]:
+    """Train ``source`` once per (model, learning rate) into ``<out>/<model>/lr_<lr>``, each configuration
+    resolved for its model. Resumable: a finished run (``summary.json``) whose resolved configuration equals
+    the one asked for is read back instead of retrained, an unfinished one is resumed (``--resume`` changes
+    nothing); a run directory holding a different configuration is refused, before anything trains. A run that
+    diverges is a row with NaN accuracies ("diverged" in ``sweep.md``), and the sweep goes on. One process: the
+    runs train one after another (under torchrun, train each rate with ``lambdanet train``)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("lambdanet sweep trains its runs one after another in one process; under torchrun, run "
+                         "lambdanet train once per learning rate (--lr, --out) instead")  # fmt: skip
+    if not lrs:
+        raise ValueError("lrs must list at least one learning rate")
+    bad = [lr for lr in lrs if not (is_finite_real(lr) and lr > 0)]
+    if bad:
+        raise ValueError(f"lrs must be positive finite learning rates, got {bad}")
+    source = replace(source, overrides={k: v for k, v in source.overrides.items() if k != "resume"})
+    base = source.resolve()
+    out = Path(base.out)
+    rows = []
+    for model, lr, run_dir, cfg in _plan(source, out, list(dict.fromkeys(lrs)), models or [base.model]):
+        summary = _train_one(model, lr, run_dir, cfg, log)
+        rows.append(
+            {
+                "model": model,
+                "lr": lr,
+                "final_acc": summary["final_acc"],
+                "best_acc": summary["best_acc"],
+                "train_time_s": summary["train_time_s"],
+            }
+        )
     out.mkdir(parents=True, exist_ok=True)
     write_json({"rows": rows, "recipe": base.recipe, "data": base.data, "epochs": base.epochs}, out / "sweep.json")
     (out / "sweep.md").write_text(sweep_markdown(rows) + "\n")
@@ -76,7 +129,8 @@ def sweep_markdown(rows: list[dict]) -> str:
     acc = {(r["model"], r["lr"]): r["final_acc"] for r in rows}
     lines = ["| learning rate | " + " | ".join(models) + " |", "|---|" + "---|" * len(models)]
     for lr in lrs:
-        cells = [f"{acc[(m, lr)]:.4f}" if (m, lr) in acc else "-" for m in models]
+        cells = [("diverged" if math.isnan(acc[(m, lr)]) else f"{acc[(m, lr)]:.4f}") if (m, lr) in acc else "-"
+                 for m in models]  # fmt: skip
         lines.append(f"| {lr:g} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -249,7 +249,7 @@ class ClassificationTask(Task):
         return "".join(f"warning: {w}\n" for w in cfg.warnings()) + (
             f"{cfg.model} ({self.params / 1e6:.2f}M params, {cfg.model_kwargs}) on {cfg.data} at {cfg.img_size}x"
             f"{cfg.img_size}: {data.train.n} train / {data.test.n} test images, recipe {cfg.recipe}, {cfg.epochs} "
-            f"epochs, batch {cfg.batch_size} x {self.ctx.world} process(es), lr {cfg.effective_lr():.2e}, "
+            f"epochs, batch {self.ctx.shared(cfg.batch_size)}, lr {cfg.effective_lr():.2e}, "
             f"{hardware_string(self.ctx.device)}"
         )
 
@@ -258,9 +258,10 @@ class ClassificationTask(Task):
         history = read_history(self.out / "metrics.csv") if self.ctx.is_main else []
         final = row or (history[-1] if history else {})  # a resumed, already finished run trains no epoch
         summary = _summary(state, self.cfg, self.ctx, self.data, self.params, final, stopped)
-        if self.ctx.is_main:
-            self._sync_best(state, final=True)
-            _write_outputs(state, self.cfg, self.data, history, summary)
+        if not self.ctx.is_main:  # the history is the main process's (a resumed, finished run: none on the others)
+            return summary
+        self._sync_best(state, final=True)
+        _write_outputs(state, self.cfg, self.data, history, summary)
         self.log(
             f"done: final test top-1 {summary['final_acc']:.4f}, best {summary['best_acc']:.4f} (epoch "
             f"{summary['best_epoch']}), {summary['train_time_s']:.1f}s training, {summary['images_per_s']:.0f} "
@@ -355,8 +356,12 @@ def _summary(
 
 
 def _dry_run(model: nn.Module, loader: ImageLoader, cfg: TrainConfig, device: torch.device) -> None:
-    """One eval-mode forward on two test images, to turn shape problems into a clear error up front."""
-    x, _ = next(iter(loader))
+    """One eval-mode forward on two test images, to turn shape problems into a clear error up front (none on a
+    process whose share of a test split smaller than the process count is empty: the others try it)."""
+    batch = next(iter(loader), None)
+    if batch is None:
+        return
+    x, _ = batch
     x = to_device(x[:2], device, cfg.channels_last)
     model.eval()
     stride = max((f.get("reduction", 0) for f in getattr(unwrap(model), "feature_info", None) or []), default=0)

@@ -173,10 +173,12 @@ def train_detector(cfg: DetectConfig, log: Callable[[str], None] = print) -> dic
             f"batch_size {cfg.batch_size} must be a multiple of procs {procs} (one share per "
             f"process); set --procs or --batch-size"
         )
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA device is available; use --device cpu")
     if uses_cuda(cfg.device) and procs > torch.cuda.device_count():
         raise ValueError(f"procs {procs} needs one GPU per process, {torch.cuda.device_count()} visible")
     log(f"detect: {procs} local processes, {threads_per_process(procs)} threads each")
-    launch_local(_process_main, (cfg,), procs, relay=(TrainingDivergedError, Preempted))
+    launch_local(_process_main, (cfg,), procs, relay=(TrainingDivergedError, Preempted), stopped=Preempted)
     return read_json(Path(cfg.out) / "summary.json")
 
 

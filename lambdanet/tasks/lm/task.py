@@ -198,7 +198,7 @@ class LanguageModelTask(Task):
             f"{cfg.model} ({self.params / 1e6:.2f}M params, {cfg.model_kwargs}) on {cfg.data}: "
             f"{c.train.numel() / 1e6:.2f} MB train / {c.val.numel() / 1e6:.2f} MB validation ({files}), "
             f"context {cfg.context}, recipe {cfg.recipe}, {cfg.epochs} x "
-            f"{cfg.steps_per_epoch} steps of {cfg.batch_size} sequences x {self.ctx.world} process(es)"
+            f"{cfg.steps_per_epoch} steps of {self.ctx.shared(cfg.batch_size)} sequences"
         )
 
     def finish(self, state: RunState, row: dict, stopped: bool) -> dict:

@@ -1,0 +1,164 @@
+"""Runs of several processes and sweeps of several runs: a process group given different options refuses in one
+line instead of waiting forever, a finished run resumed by a group ends on every process, a launcher stopped
+before its workers could save exits with the signal's status; a sweep resolves every run first, keeps going past a
+diverged rate, and names each rate's folder exactly."""
+
+import contextlib
+import io
+import math
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from lambdanet.cli import main
+from lambdanet.engine.config import ConfigSource
+from lambdanet.engine.distributed import DistContext, launch_local
+from lambdanet.engine.loop import TrainingDivergedError
+from lambdanet.engine.preempt import Preempted, exit_status
+from lambdanet.tasks.classification import sweep
+from lambdanet.tasks.classification.config import TrainConfig
+
+TINY = ["train", "--data", "digits", "--model", "resnet26", "--model-kwargs", "base_width=8", "--epochs", "1",
+        "--batch-size", "16", "--max-train-batches", "2", "--no-progress", "--no-tensorboard", "--device", "cpu"]
+
+
+def _member(args: list[str], status: int, report: str, vary: bool = False) -> None:
+    """One process of a group: ``lambdanet ARGS`` (with ``--seed <rank>`` where ``vary``), its stderr kept in
+    ``<report>/<rank>.err``; its exit status must be ``status``."""
+    rank = int(os.environ["RANK"])
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        got = main([*args, *(["--seed", str(rank)] if vary else [])])
+    (Path(report) / f"{rank}.err").write_text(err.getvalue())
+    assert got == status, (got, err.getvalue())
+
+
+def test_a_group_given_different_options_refuses_in_one_line(tmp_path):
+    """Options that differ between the processes (a launcher script varying them by rank) would train mismatched
+    shards, or hang in a collective only some reach: every process stops with one line naming them, before any
+    file of the run is written."""
+    launch_local(_member, ([*TINY, "--out", str(tmp_path / "run")], 2, str(tmp_path), True), 2)
+    for rank in (0, 1):
+        err = (tmp_path / f"{rank}.err").read_text().strip()
+        assert err == ("lambdanet train: error: the 2 processes were given different options (seed: rank 0 0, rank 1 "
+                       "1); give every process the same command")  # fmt: skip
+    assert not (tmp_path / "run" / "config.yaml").exists()
+
+
+def test_a_group_resuming_a_finished_run_ends_on_every_process(tmp_path):
+    """A scheduler requeues a finished job: every process of the group ends it (the other processes have no history
+    to report: they formatted the main process's summary, missing there, and failed)."""
+    out = str(tmp_path / "run")
+    assert main([*TINY, "--out", out]) == 0
+    launch_local(_member, ([*TINY, "--out", out, "--resume"], 0, str(tmp_path)), 2)
+
+
+def test_the_batch_line_says_the_global_batch_and_its_share():
+    assert DistContext(world=1).shared(32) == "32"
+    assert DistContext(rank=1, world=2).shared(32) == "32 (16 per process x 2)"
+
+
+def _sleep() -> None:
+    time.sleep(60)
+
+
+def test_a_launcher_stopped_before_its_workers_could_save_exits_with_the_signals_status():
+    timer = threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    try:
+        with pytest.raises(Preempted, match="^stopped by SIGTERM before the worker processes could save") as caught:
+            launch_local(_sleep, (), 1, stopped=Preempted)
+    finally:
+        timer.cancel()
+    assert exit_status(caught.value) == 128 + signal.SIGTERM
+
+
+def test_an_empty_share_of_the_test_split_skips_the_dry_run():
+    from lambdanet.tasks.classification.task import _dry_run
+
+    assert _dry_run(None, [], None, None) is None  # a process with no test image: nothing to try
+
+
+def test_a_mistyped_option_of_lm_train_shows_lm_trains_usage(capsys):
+    with pytest.raises(SystemExit) as caught:
+        main(["lm", "train", "--procs", "2"])
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and err.startswith("usage: lambdanet lm train ")
+    assert err.strip().endswith("lambdanet lm train: error: unrecognized arguments: --procs 2 (see 'lambdanet lm "
+                                "train --help')")  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------------- sweeps
+
+
+def _source(tmp_path, **overrides) -> ConfigSource:
+    return ConfigSource(TrainConfig, "quick", {}, {"data": "digits", "out": str(tmp_path / "sweep"), **overrides})
+
+
+def _fake_train(calls: list, diverge_above: float = math.inf):
+    def train(cfg, log=print):
+        calls.append((cfg.model, cfg.lr))
+        if cfg.lr > diverge_above:
+            raise TrainingDivergedError(f"the training loss became nan at epoch 1, step 3 (lr {cfg.lr:g})")
+        return {"final_acc": 0.5, "best_acc": 0.6, "train_time_s": 1.0}
+
+    return train
+
+
+def test_a_sweep_goes_past_a_diverged_rate_and_does_not_train_it_again(tmp_path, monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(sweep, "train", _fake_train(calls, diverge_above=1.0))
+    monkeypatch.setattr(sweep, "plot_sweep", lambda rows, path: None)
+    rows = sweep.lr_sweep(_source(tmp_path), [1e4, 0.002], log=lambda s: None)
+    assert calls == [("lambda_resnet26", 1e4), ("lambda_resnet26", 0.002)]
+    assert math.isnan(rows[0]["final_acc"]) and rows[1]["final_acc"] == 0.5
+    run = tmp_path / "sweep" / "lambda_resnet26" / "lr_10000"
+    assert "loss became nan" in (run / "diverged.txt").read_text()
+    assert "| 10000 | diverged |" in (tmp_path / "sweep" / "sweep.md").read_text()
+    again: list = []
+    monkeypatch.setattr(sweep, "train", _fake_train(again, diverge_above=1.0))
+    assert math.isnan(sweep.lr_sweep(_source(tmp_path), [1e4], log=lambda s: None)[0]["final_acc"])
+    assert again == []
+
+
+def test_a_sweep_checks_every_run_before_training_any(tmp_path, monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(sweep, "train", _fake_train(calls))
+    with pytest.raises(ValueError, match="nosuchmodel"):
+        sweep.lr_sweep(_source(tmp_path), [0.002], ["resnet26", "nosuchmodel"], log=lambda s: None)
+    for bad in (math.nan, math.inf, -0.1, 0.0):
+        with pytest.raises(ValueError, match=r"^lrs must be positive finite learning rates, got \["):
+            sweep.lr_sweep(_source(tmp_path), [0.002, bad], log=lambda s: None)
+    assert calls == []
+
+
+def test_sweep_rates_get_folders_of_their_own_and_duplicates_train_once(tmp_path, monkeypatch):
+    assert sweep.run_name(0.001) == "lr_0.001" and sweep.run_name(1e-4) == "lr_0.0001"  # as every earlier version
+    assert sweep.run_name(0.0010000001) == "lr_0.0010000001"  # %g would give lr_0.001: another rate's folder
+    calls: list = []
+    monkeypatch.setattr(sweep, "train", _fake_train(calls))
+    monkeypatch.setattr(sweep, "plot_sweep", lambda rows, path: None)
+    rows = sweep.lr_sweep(_source(tmp_path, resume=True), [1e-3, 0.001, 0.0010000001], log=lambda s: None)
+    assert calls == [("lambda_resnet26", 0.001), ("lambda_resnet26", 0.0010000001)] and len(rows) == 2
+
+
+def test_a_stopped_sweep_says_to_rerun_the_sweep(tmp_path, monkeypatch):
+    def stopped(cfg, log=print):
+        raise Preempted(f"stopped by SIGTERM at epoch 1, step 3: saved {cfg.out}/last.pt; continue with --resume "
+                        f"--out {cfg.out}")  # fmt: skip
+
+    monkeypatch.setattr(sweep, "train", stopped)
+    with pytest.raises(Preempted) as caught:
+        sweep.lr_sweep(_source(tmp_path), [0.002], log=lambda s: None)
+    assert str(caught.value).endswith("/last.pt; continue with the same lambdanet sweep command")
+    assert exit_status(caught.value) == 128 + signal.SIGTERM
+
+
+def test_a_sweep_under_torchrun_is_refused_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="^lambdanet sweep trains its runs one after another in one process"):
+        sweep.lr_sweep(_source(tmp_path), [0.002], log=lambda s: None)
