@@ -59,11 +59,18 @@ def _from_model(model: nn.Module, folder: Path) -> dict:
     return meta
 
 
-def save_for_hub(source: str | os.PathLike | nn.Module, folder: str | os.PathLike) -> Path:
+def _check_repo_id(repo_id) -> None:
+    if not isinstance(repo_id, str) or repo_id.count("/") != 1 or "" in repo_id.split("/"):
+        raise ValueError(f"repo_id must be 'owner/name', got {repo_id!r}")
+
+
+def save_for_hub(source: str | os.PathLike | nn.Module, folder: str | os.PathLike, repo_id: str | None = None) -> Path:
     """Write the hub repository of ``source`` (a ``lambdanet train`` or ``lambdanet lm train`` run directory, its
     ``.safetensors`` weights, or an image model from ``create_model`` / ``load_model``) into ``folder`` (see the
     module docstring; a language model's ``config.json`` holds ``architecture``, ``vocab_size``, ``model_args``,
-    ``context`` and ``data``)."""
+    ``context`` and ``data``); the model card's loading code names ``repo_id`` (``OWNER/NAME`` without one)."""
+    if repo_id is not None:
+        _check_repo_id(repo_id)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     summary, run_dir = {}, None
@@ -86,7 +93,7 @@ def save_for_hub(source: str | os.PathLike | nn.Module, folder: str | os.PathLik
         if (run_dir / "summary.json").is_file():
             summary = json.loads((run_dir / "summary.json").read_text())
     if task_of_config(meta) == "lm":
-        return _lm_repository(folder, meta, summary)
+        return _lm_repository(folder, meta, summary, repo_id or "OWNER/NAME")
     cfg = run_image_cfg(meta)
     config = {
         "architecture": meta["model"],
@@ -97,11 +104,12 @@ def save_for_hub(source: str | os.PathLike | nn.Module, folder: str | os.PathLik
         "library_name": "lambdanet",
     }
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    (folder / "README.md").write_text(model_card(meta, summary, has_config=(folder / "config.yaml").is_file()))
+    has_config = (folder / "config.yaml").is_file()
+    (folder / "README.md").write_text(model_card(meta, summary, repo_id=repo_id or "OWNER/NAME", has_config=has_config))
     return folder
 
 
-def _lm_repository(folder: Path, meta: dict, summary: dict) -> Path:
+def _lm_repository(folder: Path, meta: dict, summary: dict, repo_id: str) -> Path:
     """``config.json`` and the model card of a language model's repository (its weights are in ``folder``)."""
     config = {
         "architecture": meta["model"],
@@ -112,7 +120,8 @@ def _lm_repository(folder: Path, meta: dict, summary: dict) -> Path:
         "library_name": "lambdanet",
     }
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    (folder / "README.md").write_text(lm_card(meta, summary, has_config=(folder / "config.yaml").is_file()))
+    has_config = (folder / "config.yaml").is_file()
+    (folder / "README.md").write_text(lm_card(meta, summary, repo_id=repo_id, has_config=has_config))
     return folder
 
 
@@ -226,13 +235,10 @@ def push_to_hub(
     from huggingface_hub import HfApi
     from huggingface_hub.utils import HfHubHTTPError  # (huggingface_hub.errors only from 0.23)
 
-    if not isinstance(repo_id, str) or repo_id.count("/") != 1:
-        raise ValueError(f"repo_id must be 'owner/name', got {repo_id!r}")
+    _check_repo_id(repo_id)
     api = HfApi(token=token)
     with tempfile.TemporaryDirectory() as tmp:
-        folder = save_for_hub(source, tmp)
-        card = (folder / "README.md").read_text().replace("OWNER/NAME", repo_id)
-        (folder / "README.md").write_text(card)
+        folder = save_for_hub(source, tmp, repo_id)
         try:
             api.create_repo(repo_id, private=private, exist_ok=True)
             info = api.upload_folder(

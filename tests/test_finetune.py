@@ -129,7 +129,7 @@ def test_adapt_input_conv_follows_timm_rule():
     assert adapt_input_conv(g, 3, torch.float64).dtype == torch.float64
 
 
-def test_grey_run_into_an_rgb_model_sees_a_replicated_grey_image_as_the_run_does(tiny_digits_run):
+def test_grey_run_into_an_rgb_model_sees_a_replicated_grey_image_as_the_run_does(tiny_digits_run, tmp_path):
     """The 1-channel digits run loaded into a 3-channel model (create_model(in_chans=3, checkpoint_path=...)):
     the stem is the run's repeated over the channels and divided by 3, so an image whose three channels are
     the same grey image gives the run's logits. In float64: the adapted weight is rounded once (2^-53
@@ -151,6 +151,15 @@ def test_grey_run_into_an_rgb_model_sees_a_replicated_grey_image_as_the_run_does
     with torch.no_grad():
         want, got = grey_model(grey), rgb_model(grey.expand(4, 3, 16, 16))
     assert (got - want).abs().max() <= 1e-10 * want.abs().max()
+    # its preprocessing too: the run's grey statistics for each of the 3 channels (predict refused 1 for 3)
+    cfg, run_cfg = rgb_model.pretrained_cfg, grey_model.pretrained_cfg
+    assert cfg["input_size"][0] == 3 and cfg["mean"] == run_cfg["mean"] * 3 and cfg["std"] == run_cfg["std"] * 3
+    from PIL import Image
+
+    from lambdanet.predict import predict
+
+    Image.fromarray((torch.rand(20, 20, 3) * 255).byte().numpy()).save(tmp_path / "rgb.png")
+    assert len(predict(rgb_model.float(), [tmp_path / "rgb.png"], top_k=1)) == 1
 
 
 def test_fine_tune_a_grey_run_directory_on_rgb_images(tiny_digits_run, folder, tmp_path, capsys):
@@ -235,3 +244,21 @@ def test_fine_tuning_takes_a_run_s_settings_unless_given(tiny_digits_run, folder
     # so the bound is absolute
     torch.testing.assert_close(model.state_dict()["stem.0.weight"], want, rtol=0,
                                atol=9 * 2 ** -24 * float(w.abs().max()))
+
+
+def test_a_timm_checkpoint_sets_the_input_size_of_its_architecture(folder, timm_file):
+    """docs/pretrained.md: fine-tuning takes the checkpoint's input size by default, from ``--checkpoint FILE`` of a
+    timm architecture as from ``--pretrained`` (it took the data's, 224 for a folder: global attention then
+    refused the checkpoint), and ``--img-size`` overrides it."""
+    from lambdanet.tasks.classification.config import resolve_config
+
+    path, _ = timm_file
+    data = f"imagefolder:{folder}"
+    assert resolve_config(overrides={"model": "lambda_resnet26t", "checkpoint": str(path), "data": data}).img_size \
+        == lambdanet.models.model_info("lambda_resnet26t").input_size == 256
+    assert resolve_config(overrides={"model": "lambda_resnet26t", "pretrained": True, "data": data}).img_size == 256
+    given = resolve_config(overrides={"model": "lambda_resnet26t", "checkpoint": str(path), "data": data,
+                                      "img_size": 160})  # fmt: skip
+    assert given.img_size == 160
+    no_weights = resolve_config(overrides={"model": "lambda_resnet26t", "data": data})
+    assert no_weights.img_size == 224  # the data's size

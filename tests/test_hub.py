@@ -66,6 +66,13 @@ def test_the_model_card_renders_the_runs_metrics_and_how_to_load_it(tmp_path):
     assert f"| test top-1 | {summary['final_acc']:.2%} |" in card
     assert f"| parameters | {summary['params']:,} |" in card and "lambdanet train --config config.yaml" in card
     assert 'create_model("hf-hub:OWNER/NAME")' in card
+    named = (save_for_hub(RUN, tmp_path / "named", "you/digits") / "README.md").read_text()  # push-to-hub --folder
+    assert 'create_model("hf-hub:you/digits")' in named and "OWNER/NAME" not in named
+    lm_card = (save_for_hub(LM_RUN, tmp_path / "lm", "you/lm") / "README.md").read_text()
+    assert 'create_model("hf-hub:you/lm")' in lm_card and "OWNER/NAME" not in lm_card
+    for bad in ("noslash", "a/b/c", "/name", "owner/"):
+        with pytest.raises(ValueError, match=r"^repo_id must be 'owner/name', got '"):
+            save_for_hub(RUN, tmp_path / "bad", bad)
 
 
 def test_a_model_object_is_shared_with_its_arguments(tmp_path, hub_cache):

@@ -1155,3 +1155,20 @@ def test_layers_built_on_the_meta_device_reset_to_their_own_initialisation():
             torch.testing.assert_close(layer.emb.detach(), torch.randn(3, 4, 1) / math.sqrt(3 * 4))
         else:
             assert torch.equal(layer.position_bias, torch.zeros(4))
+
+
+def test_the_2x2_stride_pool_rounds_an_odd_side_up_as_a_strided_shortcut_does():
+    """``stride_pool=2`` on a 7 x 5 map: a 4 x 3 output, the shape of a 1x1 stride-2 convolution's (a block's
+    shortcut, which it is added to), each window the mean of the positions it covers (the last row and column:
+    of the one or two there are)."""
+    torch.manual_seed(0)
+    layer = LambdaLayer(32, dim_k=8, heads=4, r=5, stride=2, stride_pool=2).eval()
+    plain = LambdaLayer(32, dim_k=8, heads=4, r=5).eval()
+    plain.load_state_dict(layer.state_dict())
+    x = torch.randn(2, 32, 7, 5)
+    with torch.no_grad():
+        y, full = layer(x), plain(x).double()
+    assert y.shape == torch.nn.Conv2d(32, 32, 1, stride=2)(x).shape == (2, 32, 4, 3)
+    expected = torch.stack([torch.stack([full[:, :, i : i + 2, j : j + 2].mean((2, 3)) for j in range(0, 5, 2)], -1)
+                            for i in range(0, 7, 2)], -2)  # fmt: skip
+    torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-6)  # float32 sums of <= 4 terms of O(1)

@@ -97,3 +97,17 @@ def test_timm_model_utilities_work_on_our_models():
     assert all(p.requires_grad for p in model.fc.parameters())
     unfreeze(model, ["stem"])
     assert all(p.requires_grad for p in model.stem.parameters())
+
+
+@pytest.mark.parametrize("name", ["lambda_resnet26t", "lambda_resnet26rpt_256", "botnet26t_256"])
+@pytest.mark.parametrize("size", [97, 225])
+def test_timm_architectures_take_odd_input_sizes(name, size):
+    """A map of odd side entering a strided block: the lambda layer's 2x2 pool and the block's 1x1 stride-2
+    shortcut both give ``ceil(side / 2)`` (the pool gave the floor: a shape mismatch, as timm's own models fail),
+    and a global layer built for ``img_size`` is sized by those rounded-up maps (it was built one smaller)."""
+    model = create_model(name, img_size=size, num_classes=10).eval()
+    with torch.no_grad():
+        assert model(torch.randn(1, 3, size, size)).shape == (1, 10)
+    if name != "botnet26t_256":  # local lambdas take any size: the model built at the default size too
+        with torch.no_grad():
+            assert create_model(name, num_classes=10).eval()(torch.randn(1, 3, size, size)).shape == (1, 10)

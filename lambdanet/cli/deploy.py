@@ -227,7 +227,7 @@ def _cmd_push(args: argparse.Namespace) -> int:
 
     if args.folder:
         check_output_dir(args.folder, "--folder", "the folder receiving the repository's files")
-        folder = save_for_hub(args.run, args.folder)
+        folder = save_for_hub(args.run, args.folder, args.repo_id)
         print(
             f"{args.run} -> {folder} ({', '.join(sorted(p.name for p in folder.iterdir()))}); upload it with "
             f"lambdanet push-to-hub {args.run} {args.repo_id}"

@@ -79,6 +79,8 @@ def check_same_config(cfg: RunConfig, ctx: DistContext) -> None:
     """Every process of a group runs one configuration: a one-line ``ValueError`` naming the options given
     differently (a launcher script that varies them by rank), on every rank; else they would train on mismatched
     shards, or wait for one another forever in a collective that only some reach."""
+    if not ctx.enabled:
+        return
     every = all_gather_objects(dataclasses.asdict(cfg), ctx)
     differ = [k for k in every[0] if any(other.get(k) != every[0][k] for other in every[1:])]
     if differ:

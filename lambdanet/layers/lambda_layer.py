@@ -81,7 +81,8 @@ class LambdaLayer(LambdaPositionMixin, nn.Module):
         feat_size: spatial size of the global context (``r=None`` or absolute embeddings).
         stride: 1, or 2 for an average pool of stride 2 after the layer (3x3, App. E.1).
         stride_pool: the kernel of that pool: 3 (App. E.1, padded by 1) or 2 (non-overlapping 2x2 windows, the
-            convention of timm's LambdaResNet checkpoints).
+            convention of timm's LambdaResNet checkpoints). Either gives ``ceil(side / 2)``, as a block's padded
+            stride-2 shortcut does: on an odd side the 2x2 pool's last window averages the one row there is.
         position_bias: a learned offset ``b[k]`` added to every position lambda, ``lambda^p_n[k, v] += b[k]``
             (the bias of the lambda convolution in timm's checkpoints; not in the paper). It adds
             ``q_n . b`` to every value channel of the output.
@@ -417,7 +418,11 @@ class LambdaLayer(LambdaPositionMixin, nn.Module):
             pad = (self.stride_pool - 1) // 2  # 3x3: padded by 1 (App. E.1), the zeros counted; 2x2: none
             if pad and self.spatial_dims == 3 and min(spatial) < 3:  # avg_pool3d refuses a padded window larger
                 out, pad = F.pad(out, (pad, pad) * 3), 0  # than the input: the same zeros, padded beforehand
-            out = avg_pool_nd(self.spatial_dims)(out, kernel_size=self.stride_pool, stride=self.stride, padding=pad)
+            # an odd side rounds up with either pool, as a padded stride-2 convolution's (a block's shortcut) does:
+            # the 2x2 pool's last window then averages the one row or column there is
+            out = avg_pool_nd(self.spatial_dims)(
+                out, kernel_size=self.stride_pool, stride=self.stride, padding=pad, ceil_mode=not pad
+            )
             if not channels_first and self.spatial_dims == 3:  # torch's avg_pool3d on the CPU returns NCDHW
                 out = out.contiguous(memory_format=torch.channels_last_3d)
         return out

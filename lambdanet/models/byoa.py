@@ -207,7 +207,8 @@ class ByoaNet(Backbone):
         self.stem, ch, reduction, stem_map = _stem(spec, in_chans, act)
         self.stem_split = 0 if spec.stem == "3x3" else int(stem_map["module"][-1])
         info = [{**stem_map, "stage": "stem", "reduction": 2}]
-        feat, total = (img // reduction, img // reduction), sum(len(s.blocks) for s in spec.stages)
+        side = -(-img // reduction)  # every stride rounds up (padded convolutions, the pools of the lambda layers)
+        feat, total = (side, side), sum(len(s.blocks) for s in spec.stages)
         k, stages = 0, []
         for i, stage in enumerate(spec.stages):
             blocks = []
@@ -241,7 +242,7 @@ class ByoaNet(Backbone):
                 )
                 ch, k = stage.channels, k + 1
                 if stride > 1:
-                    feat, reduction = (feat[0] // stride, feat[1] // stride), reduction * stride
+                    feat, reduction = (-(-feat[0] // stride), -(-feat[1] // stride)), reduction * stride
             stages.append(nn.Sequential(*blocks))
             info.append({"module": f"stages.{i}", "stage": f"c{i + 2}", "num_chs": ch, "reduction": reduction})
         self.stages = nn.Sequential(*stages)

@@ -317,15 +317,16 @@ def run_image_cfg(meta: dict) -> dict:
     """:func:`image_cfg` of a ``lambdanet train`` run's weights from their metadata (``model``, ``num_classes``,
     ``in_chans``, ``image_size``, ``mean``, ``std``, ``classes``, ``data``), preprocessed as the run evaluated:
     files (``imagefolder:`` data) with the shorter side resized to ``size / DEFAULT_CROP_PCT`` and centre-cropped,
-    the built-in small datasets resized straight (``crop_pct`` 1)."""
+    the built-in small datasets resized straight (``crop_pct`` 1). ``mean`` and ``std`` get ``in_chans`` entries
+    (the model's, where the weights were adapted to another count of channels), as :func:`pretrained_cfg`'s."""
     files = str(meta.get("data") or "").startswith("imagefolder:")
     return image_cfg(
         meta["model"],
         num_classes=meta["num_classes"],
         in_chans=meta["in_chans"],
         image_size=meta["image_size"],
-        mean=meta["mean"],
-        std=meta["std"],
+        mean=_per_channel(meta["mean"], meta["in_chans"]),  # a grey run loaded into an RGB model: repeated
+        std=_per_channel(meta["std"], meta["in_chans"]),
         crop_pct=DEFAULT_CROP_PCT if files else 1.0,
         classes=meta.get("classes"),
         data=meta.get("data"),

@@ -330,8 +330,11 @@ def _resolve_model_values(cfg: TrainConfig) -> None:
     ``model_kwargs`` (unless given) the small-image stem for images up to 64 px, the compact width and the
     image size where the model takes them; ``drop_rate`` / ``drop_path_rate`` from the model's defaults."""
     accepted = model_args(cfg.model)
-    if cfg.img_size is None:  # published weights: the size they were trained at (global attention is sized by it)
-        cfg.img_size = model_info(cfg.model).input_size if cfg.pretrained else dataset_spec(cfg.data).image_size
+    if cfg.img_size is None:  # published weights, or a timm checkpoint of their architecture: the size they were
+        # trained at (global attention is sized by it); a lambdanet run's weights have set it from their metadata
+        info = model_info(cfg.model)
+        published = cfg.pretrained or (cfg.checkpoint is not None and info.pretrained is not None)
+        cfg.img_size = info.input_size if published else dataset_spec(cfg.data).image_size
     kwargs = dict(cfg.model_kwargs)
     for key in ("drop_rate", "drop_path_rate"):
         if key in kwargs:

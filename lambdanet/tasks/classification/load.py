@@ -92,7 +92,8 @@ def _read_metadata(path: Path) -> dict:
         raise ValueError(
             f"{path} holds weights without lambdanet's model description (written by an older "
             "lambdanet or another tool); load it into create_model(...) yourself with "
-            "safetensors.torch.load_model, or pass the run's last.pt"
+            "safetensors.torch.load_model, or pass the run's last.pt (a timm checkpoint: name its architecture, "
+            "create_model(NAME, checkpoint_path=FILE), --model NAME at the command line)"
         )
     return meta
 
