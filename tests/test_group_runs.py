@@ -162,3 +162,32 @@ def test_a_sweep_under_torchrun_is_refused_in_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="^lambdanet sweep trains its runs one after another in one process"):
         sweep.lr_sweep(_source(tmp_path), [0.002], log=lambda s: None)
+
+
+def test_a_run_that_fails_before_writing_anything_leaves_no_folder(tmp_path, capsys):
+    """An error found after the run directory is locked (a class folder without images, found as the data is
+    read) left a folder holding only ``.lock``; a folder that existed before stays."""
+    for split in ("train", "val"):
+        (tmp_path / "images" / split / "cats").mkdir(parents=True)
+    out, data = tmp_path / "new" / "run", f"imagefolder:{tmp_path / 'images'}"
+    assert main([*TINY, "--data", data, "--out", str(out)]) == 2
+    assert "Found no valid file for the classes cats" in capsys.readouterr().err and not out.exists()
+    out.mkdir(parents=True)
+    assert main([*TINY, "--data", data, "--out", str(out)]) == 2
+    assert out.is_dir()  # the user's folder: kept
+
+
+@pytest.mark.parametrize("family", ["lambda", "plain_lambda", "linear", "hybrid", "transformer"])
+def test_every_language_model_parameter_gets_a_gradient_of_its_own_layout(family):
+    """DistributedDataParallel copies each gradient into a bucket laid out as its parameter, and warns on every
+    step of every process where the strides differ (the position embeddings' gradient had a stride on their size-1
+    axis, from a permute in the causal op)."""
+    import torch
+
+    from lambdanet.models import create_model
+
+    model = create_model(f"{family}_lm_nano")
+    model(torch.randint(0, 256, (2, 40))).float().sum().backward()
+    odd = {n: (p.stride(), p.grad.stride()) for n, p in model.named_parameters()
+           if p.grad is not None and p.grad.stride() != p.stride()}  # fmt: skip
+    assert not odd

@@ -5,6 +5,7 @@ a second process (duplicate rows in ``metrics.csv``, two trainers on one ``last.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -28,11 +29,13 @@ class RunDirLock:
         self.out = Path(out)
         self.path = self.out / ".lock"
         self._fd: int | None = None
+        self._made = False  # this lock made the folder: one left with nothing but the lock is removed on release
 
     def acquire(self) -> RunDirLock:
         if fcntl is None or self._fd is not None:
             return self
         try:
+            self._made = not self.out.exists()
             self.out.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as err:  # a folder that cannot be made or written (read-only, /proc, no permission)
@@ -56,6 +59,10 @@ class RunDirLock:
 
     def release(self) -> None:
         if self._fd is not None:
+            if self._made and [p.name for p in self.out.iterdir()] == [self.path.name]:  # a run that wrote nothing
+                self.path.unlink(missing_ok=True)  # (an error before its first file): no empty folder left behind
+                with contextlib.suppress(OSError):
+                    self.out.rmdir()
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None

@@ -268,7 +268,10 @@ def _prepare(q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None):
     q = q.to(dtype).transpose(1, 2)  # b h n k
     keys = keys.to(dtype).permute(0, 3, 1, 2)  # b u n k
     values = values.to(dtype).permute(0, 3, 1, 2)  # b u n v
-    emb = None if emb is None else emb.to(dtype).permute(2, 0, 1)  # u r k
+    if emb is not None:  # u r k; for u = 1 a reshape, whose backward gives the parameter's own strides (a permute's
+        # put a stride on the size-1 axis: DistributedDataParallel warned on every step)
+        emb = emb.to(dtype)
+        emb = emb.reshape(1, *emb.shape[:2]) if emb.shape[2] == 1 else emb.permute(2, 0, 1)  # u r k
     return q, keys, values, emb
 
 
