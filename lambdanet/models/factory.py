@@ -85,9 +85,9 @@ class ImageAdapter(ModelAdapter):
 
     def create(self, name, build, kwargs, *, num_classes, in_chans, pretrained, checkpoint_path) -> nn.Module:
         num_classes, in_chans = 1000 if num_classes is None else num_classes, 3 if in_chans is None else in_chans
-        if not isinstance(num_classes, int) or num_classes < 0:
+        if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 0:
             raise ValueError(f"num_classes must be a non-negative int, got {num_classes!r}")
-        if not isinstance(in_chans, int) or in_chans <= 0:
+        if not isinstance(in_chans, int) or isinstance(in_chans, bool) or in_chans <= 0:
             raise ValueError(f"in_chans must be a positive int, got {in_chans!r}")
         if pretrained and checkpoint_path is not None:
             raise ValueError("pass pretrained=True (the published checkpoint) or checkpoint_path=FILE, not both")

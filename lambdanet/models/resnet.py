@@ -270,6 +270,8 @@ class ResNet(Backbone):
     ):
         super().__init__()
         img = _check_args(cfg, img_size, drop_path_rate, share_embeddings)
+        if layer_kwargs is not None and not isinstance(layer_kwargs, Mapping):
+            raise ValueError(f"layer_kwargs must be a mapping of the spatial layers' options, got {layer_kwargs!r}")
         self.cfg, self.img_size = cfg, img
         act = cast("type[nn.Module]", get_act(cfg.act))  # a name (validated): never None
         self.stem, ch, reduction = _stem(cfg.stem, in_chans, act)
