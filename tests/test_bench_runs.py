@@ -253,3 +253,14 @@ def test_a_layer_named_twice_is_measured_once():
     options = {**dict.fromkeys(runner.OPTION_DEFAULTS), "layers": ["lambda", "conv_3x3", "lambda"]}
     s = runner._settings(["scaling"], "cpu", True, options, print)
     assert s.layers == ("lambda", "conv_3x3") and s.given == {"layers"}
+
+
+def test_impls_takes_up_the_points_it_kept(tmp_path, monkeypatch):
+    from lambdanet.bench import layer_bench
+
+    points = [(2, 16, 6, 3)]
+    first = layer_bench.lambda_impls(points, repeats=1, log=lambda s: None, kept=RowLog(tmp_path, "impls", {"a": 1}))
+    assert {r["impl"] for r in first} >= {"auto", "einsum", "conv"}
+    monkeypatch.setattr(layer_bench, "interleaved_fwd_bwd", lambda *a, **k: pytest.fail("measured a kept point"))
+    again = layer_bench.lambda_impls(points, repeats=1, log=lambda s: None, kept=RowLog(tmp_path, "impls", {"a": 1}))
+    assert again == json.loads(json.dumps(first))

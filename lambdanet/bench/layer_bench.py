@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from lambdanet.bench.peers import peer_attention_layers, peer_lambda_layers
+from lambdanet.bench.report import RowLog
 from lambdanet.bench.timing import (  # re-exported: their old home
     MAX_TIMING_SPREAD,
     bench_layer,
@@ -218,6 +219,7 @@ def lambda_impls(
     dim_u: int = 1,
     amp: str = "none",
     log=print,
+    kept: RowLog | None = None,
 ) -> list[dict]:
     """Forward+backward time and peak memory of every position implementation of our ``LambdaLayer`` at each
     point (``(batch, channels, side, r)``; ``r=None`` global) and of ``impl="auto"`` itself, timed round-robin:
@@ -225,10 +227,17 @@ def lambda_impls(
     ``auto``. Its tuner starts afresh at every point (no winners, no cache file; the mode is the process's,
     :func:`~lambdanet.ops.position_lambda.tuning.impl_tuning_mode`), and its first call, where it times the
     candidates, is in the untimed warm-up. The ``"auto"`` row carries ``auto_impl`` (what it ran), ``static_impl`` (the
-    static cost model's pick) and ``auto_over_fastest`` (its time over the fastest implementation's)."""
+    static cost model's pick) and ``auto_over_fastest`` (its time over the fastest implementation's). With
+    ``kept``, each point's rows are kept there as they are measured, and the points it holds are not measured again."""
     impls = ["einsum_qe", "einsum", "depthwise_conv", "conv"] + (["triton"] if triton_runs(device) else [])
-    rows = []
+    rows: list[dict] = []
     for b, c, side, r in points:
+        point = {"batch": b, "channels": c, "side": side, "scope": "global" if r is None else f"{r}x{r}"}
+        earlier = kept.done(**point) if kept is not None else []
+        if earlier:
+            rows += earlier
+            log(f"  {(b, c, side, r)}: kept from an earlier run")
+            continue
         torch.manual_seed(0)
         x = torch.randn(b, c, side, side, device=device)
         kwargs = dict(dim_k=dim_k, heads=heads, dim_u=dim_u, r=r, feat_size=side)
@@ -241,9 +250,10 @@ def lambda_impls(
         except torch.OutOfMemoryError:
             log(f"  out of memory at {(b, c, side, r)}: skipped")
             continue
-        point = {"batch": b, "channels": c, "side": side, "scope": "global" if r is None else f"{r}x{r}"}
         static = auto.choose_impl((side, side), torch.device(device).type)
         rows += _impl_rows({**point, "dim_u": dim_u, "amp": amp}, results, picked, static)
+        if kept is not None:
+            kept.add(rows[-len(results) :])
         auto_row = next((row for row in rows[-len(results) :] if row["impl"] == "auto"), None)
         if auto_row is not None and "auto_over_fastest" in auto_row:
             log(

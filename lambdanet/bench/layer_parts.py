@@ -9,7 +9,7 @@ from pathlib import Path
 
 from lambdanet.bench import layer_bench
 from lambdanet.bench.part import BenchSettings, Log, PartResult
-from lambdanet.bench.report import markdown, plot_scaling
+from lambdanet.bench.report import RowLog, markdown, plot_scaling
 from lambdanet.ops.position_lambda.tuning import impl_tuning_mode
 
 __all__ = ["AUTO_TARGET", "targets", "impls", "attention", "scaling"]
@@ -60,7 +60,9 @@ def impls(s: BenchSettings, out: Path, log: Log) -> PartResult:
     :data:`AUTO_TARGET` of the fastest)."""
     log("== impls: every LambdaLayer position implementation and auto (forward+backward)")
     points = [(2, 32, 8, 5), (2, 32, 8, None)] if s.quick else layer_bench.IMPLS_PART_POINTS
-    rows = layer_bench.lambda_impls(points, device=s.device, repeats=s.value("repeats", 2), amp=s.amp, log=log)
+    repeats = s.value("repeats", 2)
+    kept = RowLog(out, "impls", {"points": points, "repeats": repeats, "amp": s.amp, "device": s.device})
+    rows = layer_bench.lambda_impls(points, device=s.device, repeats=repeats, amp=s.amp, log=log, kept=kept)
     return {"impls": rows}, [
         "## LambdaLayer implementations (forward+backward)",
         "",

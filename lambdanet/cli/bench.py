@@ -63,9 +63,9 @@ def _add_bench(sub) -> None:
         "same run), causal_tune (the fused causal lambda kernels' launch settings for a CUDA device: the fastest "
         "of each, timed against the defaults). Writes CSV, JSON, PNG plots, each part's section and bench.md into "
         "--out as each part ends; bench.md holds every part measured into that folder, each with its date, "
-        "environment and options. A stop (Ctrl-C, SIGTERM) loses no finished part; lm_quality, lm_recall and "
-        "lm_ablation keep each run as it ends, and the same command continues from them. --quick replaces the "
-        "options not given with tiny values. The peers come with the bench "
+        "environment and options. A stop (Ctrl-C, SIGTERM) loses no finished part; impls, lm_quality, lm_recall "
+        "and lm_ablation keep each point or run as it ends, and the same command continues from them. --quick "
+        "replaces the options not given with tiny values. The peers come with the bench "
         f"extra ({INSTALL_HINT}); without it their rows are left out, with a warning.",
     )
     bench.add_argument(
