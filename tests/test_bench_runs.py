@@ -64,6 +64,27 @@ def test_bench_md_keeps_the_parts_of_earlier_runs_into_the_folder(tmp_path, monk
     assert report.count("_Measured ") == 2 and "device cpu" in report
 
 
+def test_a_cuda_part_on_the_cpu_leaves_a_section_measured_on_a_gpu_alone(tmp_path, monkeypatch):
+    """``kernels`` on the CPU measures nothing: it is skipped (with a warning), not written as "Skipped" over the
+    section a GPU run put into the same folder."""
+    monkeypatch.setitem(runner.PARTS, "kernels", _part("kernels", 5))
+    (tmp_path / "sections").mkdir()
+    (tmp_path / "sections" / "kernels.md").write_text("## kernels\n\nmeasured on an H100\n")
+    warnings: list[str] = []
+    runner.run_benchmarks(["kernels"], out=tmp_path, log=lambda s: None, warn=warnings.append)
+    assert warnings == ["lambdanet bench: warning: kernels measures a CUDA device (--device cuda); skipped on the CPU"]
+    assert (tmp_path / "sections" / "kernels.md").read_text() == "## kernels\n\nmeasured on an H100\n"
+    assert not (tmp_path / "kernels.json").exists()
+
+
+def test_a_report_of_an_earlier_version_is_kept_aside(tmp_path, monkeypatch):
+    (tmp_path / "bench.md").write_text("# lambdanet bench (an earlier version)\n")  # no sections/
+    monkeypatch.setitem(runner.PARTS, "table4", _part("table4", 2))
+    runner.run_benchmarks(["table4"], out=tmp_path, log=lambda s: None)
+    assert (tmp_path / "bench_earlier.md").read_text() == "# lambdanet bench (an earlier version)\n"
+    assert "value 2" in (tmp_path / "bench.md").read_text()
+
+
 def test_a_part_that_finishes_removes_its_kept_rows(tmp_path, monkeypatch):
     RowLog(tmp_path, "table4", {}).add([{"old": 1}])
     monkeypatch.setitem(runner.PARTS, "table4", _part("table4", 2))
@@ -80,8 +101,12 @@ def test_kept_rows_come_back_for_the_same_settings_only(tmp_path):
     again = RowLog(tmp_path, "part", {"steps": 3})
     assert again.done(seed=0) == [{"seed": 0, "v": 1.0}, {"seed": 0, "v": 2.0}]
     assert math.isnan(again.done(seed=1)[0]["v"]) and again.done(seed=2) == []
+    again.add([{"seed": 2, "v": 3.0}])  # after the cut line, on a line of its own: kept
+    assert RowLog(tmp_path, "part", {"steps": 3}).done(seed=2) == [{"seed": 2, "v": 3.0}]
     assert RowLog(tmp_path, "part", {"steps": 4}).done(seed=0) == []  # other settings: started afresh
-    assert RowLog(tmp_path, "part", {"steps": 3}).done(seed=0) == []  # ... and the old rows are gone
+    aside = tmp_path / "part.partial-other.jsonl"  # ... the other command's rows set aside, not lost
+    assert '{"seed": 2, "v": 3.0}' in aside.read_text()
+    assert RowLog(tmp_path, "part", {"steps": 3}).done(seed=0) == []
 
 
 def test_lm_quality_takes_up_the_runs_it_kept_and_keeps_a_diverged_one(tmp_path, monkeypatch):
@@ -145,6 +170,7 @@ def test_a_diverged_ablation_run_is_kept_shown_and_not_rerun(tmp_path, monkeypat
     assert "| diverged |" in table[3]
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="process start times come from /proc (Linux)")
 def test_an_ablation_claim_of_a_reused_process_id_is_taken_over(tmp_path):
     claim = tmp_path / "claims" / "lambda-seed0"
     claim.parent.mkdir()
@@ -185,6 +211,7 @@ def test_quick_keeps_the_options_given_and_warns_of_options_no_part_reads(tmp_pa
     assert seen["hybrid26"] == (32, 2) and len(warnings) == 1
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc, where no folder can be made (Linux)")
 def test_an_output_folder_that_cannot_be_written_is_one_line_before_any_work(capsys):
     assert main(["bench", "table4", "--out", "/proc/lambdanet-bench"]) == 2
     err = capsys.readouterr().err.strip()
@@ -195,10 +222,10 @@ def test_an_output_folder_that_cannot_be_written_is_one_line_before_any_work(cap
 def test_a_model_that_cannot_run_is_a_failed_row_and_the_suite_goes_on(monkeypatch):
     """torch's error for batch norm over one value per channel (``--batch-size 1`` at a tiny ``--img-size``) on the
     suite's second model: its row says so, the first keeps its numbers and is named as the ratios' baseline."""
-    built = []
+    built, runs = [], [0]  # the index of the model that runs (each is timed right after it is built)
 
     def bench_model(model, img, batch, **kw):
-        if model is not built[0]:
+        if model is not built[-1] or len(built) - 1 != runs[0]:
             raise ValueError("Expected more than 1 value per channel when training, got input size [1, 64, 1, 1]")
         return {"images_per_s": 10.0, "batch": batch, "peak_bytes": 1}
 
@@ -211,6 +238,10 @@ def test_a_model_that_cannot_run_is_a_failed_row_and_the_suite_goes_on(monkeypat
     assert rows[1]["error"] == "ValueError: Expected more than 1 value per channel when training, got input size " \
         "[1, 64, 1, 1]"
     assert all(r["gflops"] > 0 and r["relative_to"] == "mobilenet_v2" for r in rows)
+    built.clear()
+    runs[0] = 1  # now the first model fails: the ratios are to the second, the first that ran
+    rows = model_bench.run_model_suite("mobilenet", img=32, batch=1, log=lambda s: None)
+    assert "error" in rows[0] and rows[1]["relative_to"] == "mobilenet_v2_lambda" and rows[1]["train_relative"] == 1.0
 
 
 def test_the_cpu_allocator_running_out_halves_the_batch(monkeypatch):

@@ -116,6 +116,10 @@ def test_a_sweep_goes_past_a_diverged_rate_and_does_not_train_it_again(tmp_path,
     rows = sweep.lr_sweep(_source(tmp_path), [1e4, 0.002], log=lambda s: None)
     assert calls == [("lambda_resnet26", 1e4), ("lambda_resnet26", 0.002)]
     assert math.isnan(rows[0]["final_acc"]) and rows[1]["final_acc"] == 0.5
+    import json
+
+    saved = json.loads((tmp_path / "sweep" / "sweep.json").read_text())  # valid JSON: null, not NaN
+    assert saved["rows"][0]["final_acc"] is None and saved["rows"][1]["final_acc"] == 0.5
     run = tmp_path / "sweep" / "lambda_resnet26" / "lr_10000"
     assert "loss became nan" in (run / "diverged.txt").read_text()
     assert "| 10000 | diverged |" in (tmp_path / "sweep" / "sweep.md").read_text()
@@ -144,6 +148,29 @@ def test_sweep_rates_get_folders_of_their_own_and_duplicates_train_once(tmp_path
     monkeypatch.setattr(sweep, "plot_sweep", lambda rows, path: None)
     rows = sweep.lr_sweep(_source(tmp_path, resume=True), [1e-3, 0.001, 0.0010000001], log=lambda s: None)
     assert calls == [("lambda_resnet26", 0.001), ("lambda_resnet26", 0.0010000001)] and len(rows) == 2
+
+
+def test_a_sweep_of_an_earlier_version_resumes_in_its_folders_and_numpy_rates_work(tmp_path, monkeypatch):
+    """0.1 named every rate's folder ``lr_<:g>``: a rate ``%g`` rounds (3.1622777e-4 -> lr_0.000316228) keeps that
+    folder where it holds a run at exactly that rate; a numpy rate (``np.logspace``) is a float like any other."""
+    import numpy as np
+    import yaml
+
+    rate = 0.00031622777
+    earlier = tmp_path / "sweep" / "lambda_resnet26" / "lr_0.000316228"
+    earlier.mkdir(parents=True)
+    (earlier / "config.yaml").write_text(yaml.safe_dump({"lr": rate}))
+    assert sweep.run_name(rate, tmp_path / "sweep", "lambda_resnet26") == "lr_0.000316228"
+    assert sweep.run_name(rate, tmp_path / "sweep", "resnet26") == "lr_0.00031622777"  # no earlier run there
+    assert sweep.run_name(0.000316228, tmp_path / "sweep", "lambda_resnet26") == "lr_0.000316228"  # its own name
+    assert sweep.run_name(np.float64(0.001)) == "lr_0.001" and sweep.lr_text(np.float64(rate)) == "0.00031622777"
+    calls: list = []
+    monkeypatch.setattr(sweep, "train", _fake_train(calls))
+    monkeypatch.setattr(sweep, "plot_sweep", lambda rows, path: None)
+    monkeypatch.setattr(sweep, "config_differences", lambda *a, **k: {})  # the bare config.yaml above
+    rows = sweep.lr_sweep(_source(tmp_path), list(np.array([rate, 1e-3])), log=lambda s: None)
+    assert [r["lr"] for r in rows] == [rate, 0.001] and all(type(r["lr"]) is float for r in rows)
+    assert "| 0.00031622777 |" in (tmp_path / "sweep" / "sweep.md").read_text()
 
 
 def test_a_stopped_sweep_says_to_rerun_the_sweep(tmp_path, monkeypatch):
@@ -191,3 +218,31 @@ def test_every_language_model_parameter_gets_a_gradient_of_its_own_layout(family
     odd = {n: (p.stride(), p.grad.stride()) for n, p in model.named_parameters()
            if p.grad is not None and p.grad.stride() != p.stride()}  # fmt: skip
     assert not odd
+
+
+def test_options_of_each_process_own_may_differ(monkeypatch):
+    """Multi-node groups: each node's own copy of the data (another folder, same name), its own loader workers and
+    output settings are no mismatch; another dataset is."""
+    import dataclasses
+
+    from lambdanet.engine import task as engine_task
+
+    ctx = DistContext(rank=1, world=2)
+
+    def sent(cfg):  # what a process contributes to the comparison
+        seen: list = []
+        monkeypatch.setattr(engine_task, "all_gather_objects", lambda obj, ctx: (seen.append(obj), [obj, obj])[1])
+        engine_task.check_same_config(cfg, ctx)
+        return seen[0]
+
+    def check(rank0, mine):
+        payload = sent(rank0)
+        monkeypatch.setattr(engine_task, "all_gather_objects", lambda obj, ctx: [payload, obj])
+        engine_task.check_same_config(mine, ctx)
+
+    base = dataclasses.replace(TrainConfig(), data="imagefolder:/node0/pets", out="/runs/a", workers=2)
+    check(base, dataclasses.replace(base, data="imagefolder:/scratch/node1/pets", out="/b", workers=7, progress=False))
+    with pytest.raises(ValueError, match=r"^the 2 processes were given different options \(data: rank 0 "):
+        check(base, dataclasses.replace(base, data="imagefolder:/node0/flowers"))
+    with pytest.raises(ValueError, match=r"\(lr: rank 0 0.1, rank 1 0.2\)"):
+        check(dataclasses.replace(base, lr=0.1), dataclasses.replace(base, lr=0.2))

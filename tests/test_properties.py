@@ -155,12 +155,21 @@ def reference_norm(mod, t):
 
 
 def reference_avg_pool(x, kernel, stride, pad):
-    """Average pool that counts the zero padding (``count_include_pad``), floor mode, over every spatial axis."""
+    """Average pool over every spatial axis: with padding (the 3x3 pool) counting the zeros (``count_include_pad``),
+    floor mode; without (the 2x2 pool) in ceil mode, a window past the end averaging the positions it holds (an odd
+    side rounds up, as a block's stride-2 shortcut does)."""
     dims = x.dim() - 2
     x = F.pad(x, [pad] * (2 * dims))
+    held = torch.ones_like(x)
+    if pad == 0:
+        for a in range(dims):
+            n = x.shape[2 + a]
+            past = (-(-max(n - kernel, 0) // stride)) * stride + kernel - n  # ceil mode: the last window's overhang
+            x, held = (F.pad(t.movedim(2 + a, -1), (0, past)).movedim(-1, 2 + a) for t in (x, held))
     for a in range(dims):
-        x = x.unfold(2 + a, kernel, stride)
-    return x.sum(dim=tuple(range(-dims, 0))) / kernel ** dims
+        x, held = x.unfold(2 + a, kernel, stride), held.unfold(2 + a, kernel, stride)
+    count = held.sum(dim=tuple(range(-dims, 0))) if pad == 0 else kernel**dims
+    return x.sum(dim=tuple(range(-dims, 0))) / count
 
 
 def reference_pool_ceil(x, stride):

@@ -217,8 +217,9 @@ def study(
             row = {"config": config, "family": family, "model_kwargs": kwargs, "seed": seed, **settings,
                    "params": params, "params_vs_transformer": params / reference, **res, "steps_done": done,
                    "wall_s": time.perf_counter() - started}  # fmt: skip
+            cut = path.is_file() and path.stat().st_size and not path.read_bytes().endswith(b"\n")
             with path.open("a") as f:  # at once: a stopped study keeps every finished run
-                f.write(json.dumps(row) + "\n")
+                f.write("\n" * bool(cut) + json.dumps(row) + "\n")  # after a line cut short by a crash: its own
             claim.unlink(missing_ok=True)
             log(f"  seed {seed} {config}: {res['val_bits_per_byte']:.4f} bits/byte, {params / 1e3:.0f}k params, "
                 f"{row['wall_s']:.0f}s")  # fmt: skip

@@ -226,10 +226,12 @@ def run_model_suite(
                 + ", ".join(f"{m} {row[f'{m}_images_per_s']:.1f} img/s" for m in modes)
             )
         rows.append(row)
-    for row in rows:  # the ratios' baseline, named: without timm, the timm26 suite's first model is another
-        row["relative_to"] = rows[0]["model"]
+    first = next((r for r in rows if "error" not in r), None)  # the ratios' baseline: the first model that ran
+    for row in rows:  # (named: without timm, the timm26 suite's first is another)
+        if first is not None:
+            row["relative_to"] = first["model"]
     for mode in modes:
-        base = rows[0].get(f"{mode}_images_per_s") if rows else None
+        base = first.get(f"{mode}_images_per_s") if first is not None else None
         for row in rows:
             if base and f"{mode}_images_per_s" in row:
                 row[f"{mode}_relative"] = row[f"{mode}_images_per_s"] / base

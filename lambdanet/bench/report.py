@@ -60,20 +60,28 @@ def partial_path(out: Path, name: str) -> Path:
 class RowLog:
     """The rows of a long part as they are measured, appended to ``<out>/<name>.partial.jsonl`` (its first line
     the part's settings): a stop or a crash loses none of them, and a rerun with the same settings takes them up
-    (:meth:`done`) instead of measuring them again. The runner removes the file once the part is written whole."""
+    (:meth:`done`) instead of measuring them again. Rows kept under other settings (another command into the same
+    folder) are set aside in ``<name>.partial-other.jsonl``, not mixed in. The runner removes the file once the part
+    is written whole."""
 
     def __init__(self, out: Path, name: str, settings: dict):
         self.path = partial_path(out, name)
         self.rows: list[dict] = []
         head = json.dumps({"settings": settings}, sort_keys=True, default=str)
-        lines = self.path.read_text().splitlines() if self.path.is_file() else []
+        text = self.path.read_text() if self.path.is_file() else ""
+        lines = text.splitlines()
         if lines and lines[0] == head:
             for line in lines[1:]:
                 try:
                     self.rows += json.loads(line)["rows"]
                 except (json.JSONDecodeError, KeyError, TypeError):  # a line cut short by a crash mid-write
                     continue
-        else:  # another part's settings, or none yet: start afresh
+            if not text.endswith("\n"):  # the next line starts on its own, after a cut-short one
+                with self.path.open("a") as f:
+                    f.write("\n")
+        else:  # none yet, or another command's (other settings): started afresh, the other's rows set aside
+            if lines:
+                self.path.replace(self.path.with_name(self.path.name.replace(".partial.", ".partial-other.")))
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text(head + "\n")
 

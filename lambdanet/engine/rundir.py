@@ -59,9 +59,9 @@ class RunDirLock:
 
     def release(self) -> None:
         if self._fd is not None:
-            if self._made and [p.name for p in self.out.iterdir()] == [self.path.name]:  # a run that wrote nothing
-                self.path.unlink(missing_ok=True)  # (an error before its first file): no empty folder left behind
-                with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError):  # (a folder removed meanwhile: nothing to tidy)
+                if self._made and [p.name for p in self.out.iterdir()] == [self.path.name]:  # a run that wrote
+                    self.path.unlink(missing_ok=True)  # nothing (an error before its first file): no empty folder
                     self.out.rmdir()
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -75,13 +76,25 @@ def run(task_cls: type[Task], cfg: RunConfig, log: Callable[[str], None] = print
         cleanup(ctx, synchronize=finished)
 
 
+# options that may differ between the processes of a group: paths of each node's own (data folders, weights to start
+# from, the run folder only the main process writes) and how each process works (loader workers, progress output)
+PER_PROCESS = frozenset(
+    {"out", "data_dir", "checkpoint", "pseudo_labels", "glyphs", "workers", "progress", "tensorboard"}
+)
+
+
 def check_same_config(cfg: RunConfig, ctx: DistContext) -> None:
     """Every process of a group runs one configuration: a one-line ``ValueError`` naming the options given
     differently (a launcher script that varies them by rank), on every rank; else they would train on mismatched
-    shards, or wait for one another forever in a collective that only some reach."""
+    shards, or wait for one another forever in a collective that only some reach. The options of
+    :data:`PER_PROCESS`, and the folder of a ``kind:path`` ``data`` (only its kind and last name), may differ."""
     if not ctx.enabled:
         return
-    every = all_gather_objects(dataclasses.asdict(cfg), ctx)
+    mine = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in PER_PROCESS}
+    if isinstance(mine.get("data"), str):  # a path of this node's own (its working directory, its copy): the kind
+        kind, sep, path = mine["data"].partition(":")
+        mine["data"] = f"{kind}:{Path(path).name}" if sep else kind
+    every = all_gather_objects(mine, ctx)
     differ = [k for k in every[0] if any(other.get(k) != every[0][k] for other in every[1:])]
     if differ:
         ranks = "; ".join(f"{k}: " + ", ".join(f"rank {i} {c.get(k)!r}" for i, c in enumerate(every)) for k in differ)

@@ -421,7 +421,7 @@ class LambdaLayer(LambdaPositionMixin, nn.Module):
             # an odd side rounds up with either pool, as a padded stride-2 convolution's (a block's shortcut) does:
             # the 2x2 pool's last window then averages the one row or column there is
             out = avg_pool_nd(self.spatial_dims)(
-                out, kernel_size=self.stride_pool, stride=self.stride, padding=pad, ceil_mode=not pad
+                out, kernel_size=self.stride_pool, stride=self.stride, padding=pad, ceil_mode=self.stride_pool == 2
             )
             if not channels_first and self.spatial_dims == 3:  # torch's avg_pool3d on the CPU returns NCDHW
                 out = out.contiguous(memory_format=torch.channels_last_3d)

@@ -4,6 +4,7 @@ learning rates for one or more models, then a table and a plot of accuracy again
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -19,14 +20,25 @@ from lambdanet.helpers import is_finite_real
 from lambdanet.tasks.classification.config import RESUME_FREE
 from lambdanet.tasks.classification.task import train
 
-__all__ = ["lr_sweep", "run_name", "sweep_markdown", "plot_sweep"]
+__all__ = ["lr_sweep", "lr_text", "run_name", "sweep_markdown", "plot_sweep"]
 
 
-def run_name(lr: float) -> str:
-    """The run folder of ``lr``: ``lr_0.001`` (``:g``, as ever) where that names it exactly, else with every digit
-    (``lr_0.0010000001``: two rates never share a folder)."""
-    short = f"{lr:g}"
-    return f"lr_{short}" if float(short) == lr else f"lr_{lr!r}"
+def lr_text(lr: float) -> str:
+    """``lr`` in a folder name, a table or a log line: ``:g`` (``0.001``) where that names it exactly, else every
+    digit of the float (``0.0010000001``: two rates never read the same)."""
+    short, lr = f"{lr:g}", float(lr)  # a numpy rate: its repr would name its type
+    return short if float(short) == lr else repr(lr)
+
+
+def run_name(lr: float, out: Path | None = None, model: str = "") -> str:
+    """The run folder of ``lr`` (``lr_<lr_text>``). A folder of an earlier version, ``lr_<:g>``, that holds a run at
+    exactly ``lr`` (``config.yaml``) under ``out / model`` is that rate's: an earlier sweep resumes there."""
+    earlier = out / model / f"lr_{float(lr):g}" if out is not None else None
+    if earlier is not None and (earlier / "config.yaml").is_file():
+        saved = load_yaml(earlier / "config.yaml").get("lr")
+        if isinstance(saved, (int, float)) and float(saved) == float(lr):
+            return earlier.name
+    return f"lr_{lr_text(lr)}"
 
 
 def _plan(
@@ -37,7 +49,7 @@ def _plan(
     plan = []
     for model in models:
         for lr in lrs:
-            run_dir = out / model / run_name(lr)
+            run_dir = out / model / run_name(lr, out, model)
             cfg = source.resolve(model=model, lr=lr, out=str(run_dir))
             if (run_dir / "config.yaml").exists():
                 saved = load_yaml(run_dir / "config.yaml")
@@ -58,19 +70,19 @@ def _train_one(model: str, lr: float, run_dir: Path, cfg, log: Callable[[str], N
     diverged (``diverged.txt``, now or before) has NaN accuracies."""
     if (run_dir / "summary.json").exists():
         summary = read_json(run_dir / "summary.json")
-        log(f"{model} lr={lr:g}: already done with this configuration ({summary['final_acc']:.4f})")
+        log(f"{model} lr={lr_text(lr)}: already done with this configuration ({summary['final_acc']:.4f})")
         return summary
     if (run_dir / DIVERGED).exists():
-        log(f"{model} lr={lr:g}: diverged before ({(run_dir / DIVERGED).read_text().strip()})")
+        log(f"{model} lr={lr_text(lr)}: diverged before ({(run_dir / DIVERGED).read_text().strip()})")
         return {"final_acc": math.nan, "best_acc": math.nan, "train_time_s": None}
     cfg.resume = (run_dir / "last.pt").exists()
-    log(f"--- {model} lr={lr:g} -> {run_dir}")
+    log(f"--- {model} lr={lr_text(lr)} -> {run_dir}")
     try:
         return train(cfg, log=log)
     except TrainingDivergedError as err:  # a rate too high is a result of the study, not its end
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / DIVERGED).write_text(f"{err}\n")
-        log(f"{model} lr={lr:g}: diverged ({err})")
+        log(f"{model} lr={lr_text(lr)}: diverged ({err})")
         return {"final_acc": math.nan, "best_acc": math.nan, "train_time_s": None}
     except Preempted as err:  # the sweep, not that one run, is what continues
         kept = str(err).split("; continue with")[0]
@@ -98,14 +110,20 @@ def lr_sweep(
                          "lambdanet train once per learning rate (--lr, --out) instead")  # fmt: skip
     if not lrs:
         raise ValueError("lrs must list at least one learning rate")
+    lrs = [float(lr) if isinstance(lr, numbers.Real) and not isinstance(lr, bool) else lr for lr in lrs]  # numpy
     bad = [lr for lr in lrs if not (is_finite_real(lr) and lr > 0)]
     if bad:
         raise ValueError(f"lrs must be positive finite learning rates, got {bad}")
-    source = replace(source, overrides={k: v for k, v in source.overrides.items() if k != "resume"})
+    source = replace(  # the sweep resumes by itself: --resume (or resume: true in --config) changes nothing
+        source,
+        yaml_values={k: v for k, v in source.yaml_values.items() if k != "resume"},
+        overrides={k: v for k, v in source.overrides.items() if k != "resume"},
+    )
     base = source.resolve()
     out = Path(base.out)
     rows = []
-    for model, lr, run_dir, cfg in _plan(source, out, list(dict.fromkeys(lrs)), models or [base.model]):
+    unique = list(dict.fromkeys(lrs))
+    for model, lr, run_dir, cfg in _plan(source, out, unique, list(dict.fromkeys(models or [base.model]))):
         summary = _train_one(model, lr, run_dir, cfg, log)
         rows.append(
             {
@@ -117,7 +135,8 @@ def lr_sweep(
             }
         )
     out.mkdir(parents=True, exist_ok=True)
-    write_json({"rows": rows, "recipe": base.recipe, "data": base.data, "epochs": base.epochs}, out / "sweep.json")
+    shown = [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in r.items()} for r in rows]
+    write_json({"rows": shown, "recipe": base.recipe, "data": base.data, "epochs": base.epochs}, out / "sweep.json")
     (out / "sweep.md").write_text(sweep_markdown(rows) + "\n")
     plot_sweep(rows, out / "sweep.png")
     return rows
@@ -131,7 +150,7 @@ def sweep_markdown(rows: list[dict]) -> str:
     for lr in lrs:
         cells = [("diverged" if math.isnan(acc[(m, lr)]) else f"{acc[(m, lr)]:.4f}") if (m, lr) in acc else "-"
                  for m in models]  # fmt: skip
-        lines.append(f"| {lr:g} | " + " | ".join(cells) + " |")
+        lines.append(f"| {lr_text(lr)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
