@@ -102,6 +102,7 @@ class RunConfig:
 
     RECIPES: ClassVar[dict[str, dict]] = {"quick": {}}
     CHECKPOINTS: ClassVar[tuple[str, ...]] = ("last.pt",)  # what a run continues from
+    PER_PROCESS: ClassVar[frozenset[str]] = frozenset({"out", "workers", "progress", "tensorboard"})  # may differ
 
     # Options the engine reads that not every task offers, with what a task without them runs as: a task that
     # offers one declares it as a dataclass field (``shared(name, default)``), which takes the place of this.

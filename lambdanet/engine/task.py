@@ -76,21 +76,15 @@ def run(task_cls: type[Task], cfg: RunConfig, log: Callable[[str], None] = print
         cleanup(ctx, synchronize=finished)
 
 
-# options that may differ between the processes of a group: paths of each node's own (data folders, weights to start
-# from, the run folder only the main process writes) and how each process works (loader workers, progress output)
-PER_PROCESS = frozenset(
-    {"out", "data_dir", "checkpoint", "pseudo_labels", "glyphs", "workers", "progress", "tensorboard"}
-)
-
-
 def check_same_config(cfg: RunConfig, ctx: DistContext) -> None:
     """Every process of a group runs one configuration: a one-line ``ValueError`` naming the options given
     differently (a launcher script that varies them by rank), on every rank; else they would train on mismatched
-    shards, or wait for one another forever in a collective that only some reach. The options of
-    :data:`PER_PROCESS`, and the folder of a ``kind:path`` ``data`` (only its kind and last name), may differ."""
+    shards, or wait for one another forever in a collective that only some reach. The configuration's
+    ``PER_PROCESS`` options (each node's own paths, the run folder only the main process writes, loader workers,
+    progress output) and the folder of a ``kind:path`` ``data`` (only its kind and last name) may differ."""
     if not ctx.enabled:
         return
-    mine = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in PER_PROCESS}
+    mine = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in type(cfg).PER_PROCESS}
     if isinstance(mine.get("data"), str):  # a path of this node's own (its working directory, its copy): the kind
         kind, sep, path = mine["data"].partition(":")
         mine["data"] = f"{kind}:{Path(path).name}" if sep else kind

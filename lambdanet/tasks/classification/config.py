@@ -24,7 +24,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import ClassVar, cast
 
 from lambdanet.engine.config import RunConfig, config_source_from_args, flag, option, shared
 from lambdanet.files import run_file, weights_file_kind
@@ -47,6 +47,9 @@ __all__ = [
 @dataclass
 class TrainConfig(RunConfig):
     """Every option of ``lambdanet train`` (each is also a ``--flag`` and a YAML key; ``null`` = unset)."""
+
+    # may differ between the processes of a group: each node's own copies of the data and of the weights
+    PER_PROCESS: ClassVar[frozenset[str]] = RunConfig.PER_PROCESS | {"data_dir", "checkpoint", "pseudo_labels"}
 
     # model and data
     model: str = option("lambda_resnet26", "registered model name (lambdanet models lists them)")
