@@ -103,10 +103,13 @@ def test_kept_rows_come_back_for_the_same_settings_only(tmp_path):
     assert math.isnan(again.done(seed=1)[0]["v"]) and again.done(seed=2) == []
     again.add([{"seed": 2, "v": 3.0}])  # after the cut line, on a line of its own: kept
     assert RowLog(tmp_path, "part", {"steps": 3}).done(seed=2) == [{"seed": 2, "v": 3.0}]
-    assert RowLog(tmp_path, "part", {"steps": 4}).done(seed=0) == []  # other settings: started afresh
-    aside = tmp_path / "part.partial-other.jsonl"  # ... the other command's rows set aside, not lost
-    assert '{"seed": 2, "v": 3.0}' in aside.read_text()
-    assert RowLog(tmp_path, "part", {"steps": 3}).done(seed=0) == []
+    other = RowLog(tmp_path, "part", {"steps": 4})  # other settings: started afresh, the first command's set aside
+    assert other.done(seed=0) == [] and len(list(tmp_path.glob("part.partial-*.jsonl"))) == 1
+    other.add([{"seed": 0, "v": 9.0}])
+    back = RowLog(tmp_path, "part", {"steps": 3})  # the first command again: its rows come back, the other's wait
+    assert back.done(seed=2) == [{"seed": 2, "v": 3.0}] and len(back.done(seed=0)) == 2
+    assert RowLog(tmp_path, "part", {"steps": 4}).done(seed=0) == [{"seed": 0, "v": 9.0}]  # and so on, none lost
+    assert RowLog(tmp_path, "part", {"steps": 3}).done(seed=2) == [{"seed": 2, "v": 3.0}]
 
 
 def test_lm_quality_takes_up_the_runs_it_kept_and_keeps_a_diverged_one(tmp_path, monkeypatch):

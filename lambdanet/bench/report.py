@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import math
 import platform
@@ -61,29 +62,37 @@ class RowLog:
     """The rows of a long part as they are measured, appended to ``<out>/<name>.partial.jsonl`` (its first line
     the part's settings): a stop or a crash loses none of them, and a rerun with the same settings takes them up
     (:meth:`done`) instead of measuring them again. Rows kept under other settings (another command into the same
-    folder) are set aside in ``<name>.partial-other.jsonl``, not mixed in. The runner removes the file once the part
-    is written whole."""
+    folder) are set aside in ``<name>.partial-<their settings' digest>.jsonl``, and come back when a command with
+    those settings runs again. The runner removes the file once the part is written whole."""
 
     def __init__(self, out: Path, name: str, settings: dict):
         self.path = partial_path(out, name)
         self.rows: list[dict] = []
         head = json.dumps({"settings": settings}, sort_keys=True, default=str)
         text = self.path.read_text() if self.path.is_file() else ""
-        lines = text.splitlines()
-        if lines and lines[0] == head:
-            for line in lines[1:]:
-                try:
-                    self.rows += json.loads(line)["rows"]
-                except (json.JSONDecodeError, KeyError, TypeError):  # a line cut short by a crash mid-write
-                    continue
-            if not text.endswith("\n"):  # the next line starts on its own, after a cut-short one
-                with self.path.open("a") as f:
-                    f.write("\n")
-        else:  # none yet, or another command's (other settings): started afresh, the other's rows set aside
-            if lines:
-                self.path.replace(self.path.with_name(self.path.name.replace(".partial.", ".partial-other.")))
+        if text and text.splitlines()[0] != head:  # another command's rows: set aside under their settings
+            self.path.replace(self._aside(text.splitlines()[0]))
+            text = ""
+        if not text and self._aside(head).is_file():  # this command's rows, set aside by another: back
+            self._aside(head).replace(self.path)
+            text = self.path.read_text()
+        if not text:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text(head + "\n")
+            return
+        for line in text.splitlines()[1:]:
+            try:
+                self.rows += json.loads(line)["rows"]
+            except (json.JSONDecodeError, KeyError, TypeError):  # a line cut short by a crash mid-write
+                continue
+        if not text.endswith("\n"):  # the next line starts on its own, after a cut-short one
+            with self.path.open("a") as f:
+                f.write("\n")
+
+    def _aside(self, head: str) -> Path:
+        """Where the rows of the settings line ``head`` wait while another command's run in :attr:`path`."""
+        digest = hashlib.sha256(head.encode()).hexdigest()[:12]
+        return self.path.with_name(self.path.name.replace(".partial.", f".partial-{digest}."))
 
     def done(self, **key) -> list[dict]:
         """The rows kept from an earlier run whose fields equal ``key``."""
