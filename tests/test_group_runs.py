@@ -162,7 +162,8 @@ def test_a_sweep_of_an_earlier_version_resumes_in_its_folders_and_numpy_rates_wo
     (earlier / "config.yaml").write_text(yaml.safe_dump({"lr": rate}))
     assert sweep.run_name(rate, tmp_path / "sweep", "lambda_resnet26") == "lr_0.000316228"
     assert sweep.run_name(rate, tmp_path / "sweep", "resnet26") == "lr_0.00031622777"  # no earlier run there
-    assert sweep.run_name(0.000316228, tmp_path / "sweep", "lambda_resnet26") == "lr_0.000316228"  # its own name
+    # the rate that folder's name spells, asked beside it: a folder of its own, never the other rate's
+    assert sweep.run_name(0.000316228, tmp_path / "sweep", "lambda_resnet26") == f"lr_{0.000316228.hex()}"
     assert sweep.run_name(np.float64(0.001)) == "lr_0.001" and sweep.lr_text(np.float64(rate)) == "0.00031622777"
     calls: list = []
     monkeypatch.setattr(sweep, "train", _fake_train(calls))
@@ -171,6 +172,11 @@ def test_a_sweep_of_an_earlier_version_resumes_in_its_folders_and_numpy_rates_wo
     rows = sweep.lr_sweep(_source(tmp_path), list(np.array([rate, 1e-3])), log=lambda s: None)
     assert [r["lr"] for r in rows] == [rate, 0.001] and all(type(r["lr"]) is float for r in rows)
     assert "| 0.00031622777 |" in (tmp_path / "sweep" / "sweep.md").read_text()
+    folders: list = []
+    monkeypatch.setattr(sweep, "train", lambda cfg, log=print: folders.append(cfg.out) or
+                        {"final_acc": 0.5, "best_acc": 0.6, "train_time_s": 1.0})  # fmt: skip
+    sweep.lr_sweep(_source(tmp_path), [rate, 0.000316228], log=lambda s: None)  # both: a folder each
+    assert len(set(folders)) == 2 and folders[0].endswith("lr_0.000316228")
 
 
 def test_a_stopped_sweep_says_to_rerun_the_sweep(tmp_path, monkeypatch):

@@ -30,15 +30,24 @@ def lr_text(lr: float) -> str:
     return short if float(short) == lr else repr(lr)
 
 
+def _saved_lr(folder: Path) -> float | None:
+    """The learning rate of the run in ``folder`` (its ``config.yaml``), ``None`` without one."""
+    saved = load_yaml(folder / "config.yaml").get("lr") if (folder / "config.yaml").is_file() else None
+    return float(saved) if isinstance(saved, (int, float)) and not isinstance(saved, bool) else None
+
+
 def run_name(lr: float, out: Path | None = None, model: str = "") -> str:
-    """The run folder of ``lr`` (``lr_<lr_text>``). A folder of an earlier version, ``lr_<:g>``, that holds a run at
-    exactly ``lr`` (``config.yaml``) under ``out / model`` is that rate's: an earlier sweep resumes there."""
-    earlier = out / model / f"lr_{float(lr):g}" if out is not None else None
-    if earlier is not None and (earlier / "config.yaml").is_file():
-        saved = load_yaml(earlier / "config.yaml").get("lr")
-        if isinstance(saved, (int, float)) and float(saved) == float(lr):
-            return earlier.name
-    return f"lr_{lr_text(lr)}"
+    """The run folder of ``lr`` (``lr_<lr_text>``) under ``out / model``. A folder of an earlier version, ``lr_<:g>``,
+    that holds a run at exactly ``lr`` is that rate's: an earlier sweep resumes there. Where such a folder holds
+    another rate that ``:g`` rounded to this one, this rate takes ``lr_<its float.hex()>``: never the same folder."""
+    if out is None:
+        return f"lr_{lr_text(lr)}"
+    earlier = out / model / f"lr_{float(lr):g}"
+    if _saved_lr(earlier) == float(lr):
+        return earlier.name
+    name = f"lr_{lr_text(lr)}"
+    saved = _saved_lr(out / model / name)
+    return f"lr_{float(lr).hex()}" if saved is not None and saved != float(lr) else name
 
 
 def _plan(
