@@ -75,6 +75,9 @@ def test_a_cuda_part_on_the_cpu_leaves_a_section_measured_on_a_gpu_alone(tmp_pat
     assert warnings == ["lambdanet bench: warning: kernels measures a CUDA device (--device cuda); skipped on the CPU"]
     assert (tmp_path / "sections" / "kernels.md").read_text() == "## kernels\n\nmeasured on an H100\n"
     assert not (tmp_path / "kernels.json").exists()
+    monkeypatch.setattr(runner.layer_bench, "triton_runs", lambda device: False)  # a GPU without Triton: the same
+    runner.run_benchmarks(["kernels"], device="cuda", out=tmp_path, log=lambda s: None, warn=lambda s: None)
+    assert (tmp_path / "sections" / "kernels.md").read_text() == "## kernels\n\nmeasured on an H100\n"
 
 
 def test_a_report_of_an_earlier_version_is_kept_aside(tmp_path, monkeypatch):

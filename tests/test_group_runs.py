@@ -134,7 +134,7 @@ def test_a_sweep_checks_every_run_before_training_any(tmp_path, monkeypatch):
     monkeypatch.setattr(sweep, "train", _fake_train(calls))
     with pytest.raises(ValueError, match="nosuchmodel"):
         sweep.lr_sweep(_source(tmp_path), [0.002], ["resnet26", "nosuchmodel"], log=lambda s: None)
-    for bad in (math.nan, math.inf, -0.1, 0.0):
+    for bad in (math.nan, math.inf, -0.1, 0.0, 10**400):
         with pytest.raises(ValueError, match=r"^lrs must be positive finite learning rates, got \["):
             sweep.lr_sweep(_source(tmp_path), [0.002, bad], log=lambda s: None)
     assert calls == []

@@ -376,8 +376,10 @@ def run_benchmarks(
     part = ""
     try:
         with _sigterm_stops():
-            # (warned) a CUDA part on the CPU writes its "Skipped" section, but never over one measured on a GPU
-            skipped = [p for p in CUDA_PARTS if device != "cuda" and (out / "sections" / f"{p}.md").is_file()]
+            # (warned) a CUDA part that cannot measure here (the CPU, or no Triton) writes its "Skipped" section,
+            # but never over one measured on a GPU
+            here = layer_bench.triton_runs(device)
+            skipped = [p for p in CUDA_PARTS if not here and (out / "sections" / f"{p}.md").is_file()]
             for part in [p for p in PARTS if p in parts and p not in skipped]:  # the table's order
                 results.update(_run_part(part, settings, out, env, log))
                 done.append(part)

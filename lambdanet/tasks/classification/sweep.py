@@ -30,6 +30,14 @@ def lr_text(lr: float) -> str:
     return short if float(short) == lr else repr(lr)
 
 
+def _as_float(lr: numbers.Real) -> float:
+    """A rate as a Python float (a numpy rate too); one too large for a float is ``inf`` (then refused)."""
+    try:
+        return float(lr)
+    except OverflowError:
+        return math.inf
+
+
 def _saved_lr(folder: Path) -> float | None:
     """The learning rate of the run in ``folder`` (its ``config.yaml``), ``None`` without one."""
     saved = load_yaml(folder / "config.yaml").get("lr") if (folder / "config.yaml").is_file() else None
@@ -119,7 +127,7 @@ def lr_sweep(
                          "lambdanet train once per learning rate (--lr, --out) instead")  # fmt: skip
     if not lrs:
         raise ValueError("lrs must list at least one learning rate")
-    lrs = [float(lr) if isinstance(lr, numbers.Real) and not isinstance(lr, bool) else lr for lr in lrs]  # numpy
+    lrs = [_as_float(lr) if isinstance(lr, numbers.Real) and not isinstance(lr, bool) else lr for lr in lrs]
     bad = [lr for lr in lrs if not (is_finite_real(lr) and lr > 0)]
     if bad:
         raise ValueError(f"lrs must be positive finite learning rates, got {bad}")
