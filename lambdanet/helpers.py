@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import numbers
 import sys
 import warnings
 import operator
@@ -20,6 +21,7 @@ __all__ = [
     "in_graph",
     "check_int",
     "check_number",
+    "plain_real",
     "MissingExtraError",
     "require",
     "compute_dtype",
@@ -198,6 +200,17 @@ def check_dtype(x: Tensor, weight: Tensor, layer: str) -> None:
             f"{layer}'s parameters are {str(weight.dtype).removeprefix('torch.')} but its input is "
             f"{str(x.dtype).removeprefix('torch.')}: cast the input, or the layer with .to({x.dtype})"
         )
+
+
+def plain_real(value):
+    """``value`` as a Python float where it is a real number of another kind (numpy's, or an int; one too large for
+    a float: ``inf``), anything else (a bool, a string, ``None``) as it is: for the check that follows."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except OverflowError:
+            return math.inf
+    return value
 
 
 def is_finite_real(value) -> bool:

@@ -21,7 +21,6 @@ busy without running anything twice::
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -33,6 +32,7 @@ from pathlib import Path
 import torch
 
 from lambdanet.bench.lm_bench import seed_stats, train_run
+from lambdanet.bench.report import append_jsonl, read_jsonl
 from lambdanet.models import create_model
 from lambdanet.models.lm import LM_SIZES
 from lambdanet.runtime import check_device
@@ -106,20 +106,10 @@ def matched_kwargs(family: str, size: str, kwargs: dict) -> tuple[dict, int, int
     return {**kwargs, "dim_v": best}, params, reference
 
 
-def _done(path: Path) -> list[dict]:
-    """The rows of a study's file; a last line cut short by a crash mid-write is left out (its run reruns)."""
-    rows = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
-
-
 def _matching(path: Path, settings: dict, matched: dict) -> list[dict]:
     """The finished rows of ``path`` with the study's settings, device and options."""
-    return [r for r in _done(path) if all(r.get(k, "cpu" if k == "device" else None) == v for k, v in settings.items())
+    return [r for r in read_jsonl(path)  # a line cut short by a crash is left out: its run reruns
+            if all(r.get(k, "cpu" if k == "device" else None) == v for k, v in settings.items())
             and r.get("config") in matched and r["model_kwargs"] == matched[r["config"]][0]]  # fmt: skip
 
 
@@ -217,9 +207,7 @@ def study(
             row = {"config": config, "family": family, "model_kwargs": kwargs, "seed": seed, **settings,
                    "params": params, "params_vs_transformer": params / reference, **res, "steps_done": done,
                    "wall_s": time.perf_counter() - started}  # fmt: skip
-            cut = path.is_file() and path.stat().st_size and not path.read_bytes().endswith(b"\n")
-            with path.open("a") as f:  # at once: a stopped study keeps every finished run
-                f.write("\n" * bool(cut) + json.dumps(row) + "\n")  # after a line cut short by a crash: its own
+            append_jsonl(path, row)  # at once: a stopped study keeps every finished run
             claim.unlink(missing_ok=True)
             log(f"  seed {seed} {config}: {res['val_bits_per_byte']:.4f} bits/byte, {params / 1e3:.0f}k params, "
                 f"{row['wall_s']:.0f}s")  # fmt: skip

@@ -227,14 +227,13 @@ def run_model_suite(
             )
         rows.append(row)
     first = next((r for r in rows if "error" not in r), None)  # the ratios' baseline: the first model that ran
+    if first is None:
+        return rows
     for row in rows:  # (named: without timm, the timm26 suite's first is another)
-        if first is not None:
-            row["relative_to"] = first["model"]
-    for mode in modes:
-        base = first.get(f"{mode}_images_per_s") if first is not None else None
-        for row in rows:
-            if base and f"{mode}_images_per_s" in row:
-                row[f"{mode}_relative"] = row[f"{mode}_images_per_s"] / base
+        row["relative_to"] = first["model"]
+        for mode in modes:
+            if f"{mode}_images_per_s" in row:
+                row[f"{mode}_relative"] = row[f"{mode}_images_per_s"] / first[f"{mode}_images_per_s"]
     return rows
 
 

@@ -6,12 +6,22 @@ import csv
 import hashlib
 import json
 import math
+import os
 import platform
 from pathlib import Path
 
 import torch
 
-__all__ = ["environment", "write_rows", "RowLog", "partial_path", "markdown", "plot_scaling"]
+__all__ = [
+    "environment",
+    "write_rows",
+    "read_jsonl",
+    "append_jsonl",
+    "RowLog",
+    "partial_path",
+    "markdown",
+    "plot_scaling",
+]
 
 
 def environment(device: str) -> dict:
@@ -53,6 +63,27 @@ def write_rows(rows: list[dict], out: Path, name: str) -> None:
             writer.writerows(rows)
 
 
+def read_jsonl(path: Path) -> list:
+    """The records of the JSON-lines file ``path`` (none where it is missing); a line cut short by a crash
+    mid-write is left out."""
+    records = []
+    for line in Path(path).read_text().splitlines() if Path(path).is_file() else []:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def append_jsonl(path: Path, record) -> None:
+    """Append ``record`` to ``path`` as one line, at once (a stop keeps it); after a last line cut short by a crash
+    (no newline at the end), on a line of its own."""
+    with Path(path).open("ab+") as f:
+        end = f.seek(0, os.SEEK_END)
+        cut = end > 0 and f.seek(end - 1) >= 0 and f.read(1) != b"\n"
+        f.write(b"\n" * cut + (json.dumps(record, default=str) + "\n").encode())
+
+
 def partial_path(out: Path, name: str) -> Path:
     """Where :class:`RowLog` keeps the rows of part ``name`` while it runs: ``<out>/<name>.partial.jsonl``."""
     return Path(out) / f"{name}.partial.jsonl"
@@ -67,31 +98,23 @@ class RowLog:
 
     def __init__(self, out: Path, name: str, settings: dict):
         self.path = partial_path(out, name)
-        self.rows: list[dict] = []
-        head = json.dumps({"settings": settings}, sort_keys=True, default=str)
-        text = self.path.read_text() if self.path.is_file() else ""
-        if text and text.splitlines()[0] != head:  # another command's rows: set aside under their settings
-            self.path.replace(self._aside(text.splitlines()[0]))
-            text = ""
-        if not text and self._aside(head).is_file():  # this command's rows, set aside by another: back
+        head = {"settings": json.loads(json.dumps(settings, default=str))}  # as it reads back from the file
+        records = read_jsonl(self.path)
+        if records and records[0] != head:  # another command's rows: set aside under their settings
+            self.path.replace(self._aside(records[0]))
+            records = []
+        if not records and self._aside(head).is_file():  # this command's rows, set aside by another: back
             self._aside(head).replace(self.path)
-            text = self.path.read_text()
-        if not text:
+            records = read_jsonl(self.path)
+        if not records:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text(head + "\n")
-            return
-        for line in text.splitlines()[1:]:
-            try:
-                self.rows += json.loads(line)["rows"]
-            except (json.JSONDecodeError, KeyError, TypeError):  # a line cut short by a crash mid-write
-                continue
-        if not text.endswith("\n"):  # the next line starts on its own, after a cut-short one
-            with self.path.open("a") as f:
-                f.write("\n")
+            self.path.write_text("")
+            append_jsonl(self.path, head)
+        self.rows: list[dict] = [row for record in records[1:] for row in record.get("rows", [])]
 
-    def _aside(self, head: str) -> Path:
-        """Where the rows of the settings line ``head`` wait while another command's run in :attr:`path`."""
-        digest = hashlib.sha256(head.encode()).hexdigest()[:12]
+    def _aside(self, head: dict) -> Path:
+        """Where the rows of the settings ``head`` wait while another command's run in :attr:`path`."""
+        digest = hashlib.sha256(json.dumps(head, sort_keys=True).encode()).hexdigest()[:12]
         return self.path.with_name(self.path.name.replace(".partial.", f".partial-{digest}."))
 
     def done(self, **key) -> list[dict]:
@@ -100,8 +123,7 @@ class RowLog:
 
     def add(self, rows: list[dict]) -> None:
         """Keep ``rows`` (one measurement's, written in one line: all of them or, cut short, none)."""
-        with self.path.open("a") as f:
-            f.write(json.dumps({"rows": rows}, default=str) + "\n")
+        append_jsonl(self.path, {"rows": rows})
         self.rows += rows
 
 

@@ -279,10 +279,7 @@ def _stamp(part: str, s: BenchSettings, env: str) -> str:
 
 def _write_report(out: Path) -> None:
     """``bench.md``: the sections of every part measured into ``out`` (``sections/<part>.md``), in the table's
-    order: parts run by earlier commands into the same folder stay in it, each with its own stamp. A ``bench.md`` of
-    an earlier version (a folder without ``sections``) is kept as ``bench_earlier.md``."""
-    if (out / "bench.md").is_file() and not (out / "sections").is_dir():
-        (out / "bench.md").replace(out / "bench_earlier.md")
+    order: parts run by earlier commands into the same folder stay in it, each with its own stamp."""
     sections = [out / "sections" / f"{p}.md" for p in PARTS]
     report = [f"# lambdanet bench ({out.name})", "",
               "Each part's section says when, where and with which options it was measured.", ""]  # fmt: skip
@@ -298,7 +295,8 @@ def _run_part(part: str, s: BenchSettings, out: Path, env: str, log: Log) -> dic
     partial_path(out, part).unlink(missing_ok=True)  # its rows kept as they were measured: now written whole
     missing = missing_peers_warning({peer: [part] for peer in PARTS[part].peers(s)})
     section = [lines[0], "", _stamp(part, s, env), *([f"**Warning:** {missing}.", ""] if missing else []), *lines[1:]]
-    _write_report(out)  # first: an earlier version's bench.md set aside before sections/ exists
+    if (out / "bench.md").is_file() and not (out / "sections").is_dir():  # an earlier version's report: kept
+        (out / "bench.md").replace(out / "bench_earlier.md")
     (out / "sections").mkdir(exist_ok=True)
     (out / "sections" / f"{part}.md").write_text("\n".join(section) + "\n")
     _write_report(out)

@@ -32,6 +32,7 @@ __all__ = [
     "convert_sync_batchnorm",
     "barrier",
     "cleanup",
+    "check_cuda",
     "uses_cuda",
     "usable_cores",
     "threads_per_process",
@@ -75,14 +76,19 @@ def init_distributed(device: str = "auto") -> DistContext:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = uses_cuda(device)
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but no CUDA device is available; use --device cpu")
+    check_cuda(device)
     if use_cuda:
         torch.cuda.set_device(local_rank)
     dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
     return DistContext(rank, world, local_rank, dev)
+
+
+def check_cuda(device: str) -> None:
+    """The ``device`` option ``"cuda"`` on a machine without a usable CUDA device: a one-line ``ValueError``."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA device is available; use --device cpu")
 
 
 def uses_cuda(device: str) -> bool:

@@ -24,7 +24,6 @@ KV cache grows with the context.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import cast
@@ -33,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lambdanet.helpers import check_choice, check_int, check_positive_int, is_finite_real
+from lambdanet.helpers import check_choice, check_int, check_positive_int, is_finite_real, plain_real
 from lambdanet.layers.causal_attention import CausalSelfAttention, step_arguments
 from lambdanet.layers.causal_lambda import CausalLambdaLayer
 from lambdanet.models.lm_graph import StepGraph
@@ -349,8 +348,7 @@ class LanguageModel(nn.Module):
 
 def check_sampling(temperature: float, top_k: int | None, token_limit: int | None) -> None:
     """One-line errors naming the sampling argument that is out of range."""
-    if isinstance(temperature, numbers.Real) and not isinstance(temperature, bool):
-        temperature = float(temperature)  # numpy's numbers too
+    temperature = plain_real(temperature)  # numpy's numbers too
     if not (is_finite_real(temperature) and temperature > 0):
         raise ValueError(f"temperature must be > 0 and finite, got {temperature!r}")
     check_positive_int(top_k, "top_k", allow_none=True)

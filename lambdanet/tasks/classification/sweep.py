@@ -4,7 +4,6 @@ learning rates for one or more models, then a table and a plot of accuracy again
 from __future__ import annotations
 
 import math
-import numbers
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -16,7 +15,7 @@ from lambdanet.engine.logger import read_json, write_json
 from lambdanet.engine.loop import TrainingDivergedError
 from lambdanet.engine.preempt import Preempted
 from lambdanet.files import absolute_data
-from lambdanet.helpers import is_finite_real
+from lambdanet.helpers import is_finite_real, plain_real
 from lambdanet.tasks.classification.config import RESUME_FREE
 from lambdanet.tasks.classification.task import train
 
@@ -28,14 +27,6 @@ def lr_text(lr: float) -> str:
     digit of the float (``0.0010000001``: two rates never read the same)."""
     short, lr = f"{lr:g}", float(lr)  # a numpy rate: its repr would name its type
     return short if float(short) == lr else repr(lr)
-
-
-def _as_float(lr: numbers.Real) -> float:
-    """A rate as a Python float (a numpy rate too); one too large for a float is ``inf`` (then refused)."""
-    try:
-        return float(lr)
-    except OverflowError:
-        return math.inf
 
 
 def _saved_lr(folder: Path) -> float | None:
@@ -82,6 +73,10 @@ def _plan(
     return plan
 
 
+DIVERGED = "diverged.txt"  # in a run folder whose training diverged: a rerun of the sweep does not train it again
+DIVERGED_SUMMARY = {"final_acc": math.nan, "best_acc": math.nan, "train_time_s": None}  # what its row shows
+
+
 def _train_one(model: str, lr: float, run_dir: Path, cfg, log: Callable[[str], None]) -> dict:
     """The summary of one run: read back when finished, else trained (resumed from ``last.pt``); a run that
     diverged (``diverged.txt``, now or before) has NaN accuracies."""
@@ -91,7 +86,7 @@ def _train_one(model: str, lr: float, run_dir: Path, cfg, log: Callable[[str], N
         return summary
     if (run_dir / DIVERGED).exists():
         log(f"{model} lr={lr_text(lr)}: diverged before ({(run_dir / DIVERGED).read_text().strip()})")
-        return {"final_acc": math.nan, "best_acc": math.nan, "train_time_s": None}
+        return dict(DIVERGED_SUMMARY)
     cfg.resume = (run_dir / "last.pt").exists()
     log(f"--- {model} lr={lr_text(lr)} -> {run_dir}")
     try:
@@ -100,13 +95,10 @@ def _train_one(model: str, lr: float, run_dir: Path, cfg, log: Callable[[str], N
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / DIVERGED).write_text(f"{err}\n")
         log(f"{model} lr={lr_text(lr)}: diverged ({err})")
-        return {"final_acc": math.nan, "best_acc": math.nan, "train_time_s": None}
+        return dict(DIVERGED_SUMMARY)
     except Preempted as err:  # the sweep, not that one run, is what continues
         kept = str(err).split("; continue with")[0]
         raise Preempted(f"{kept}; continue with the same lambdanet sweep command") from None
-
-
-DIVERGED = "diverged.txt"  # in a run folder whose training diverged: a rerun of the sweep does not train it again
 
 
 def lr_sweep(
@@ -127,7 +119,7 @@ def lr_sweep(
                          "lambdanet train once per learning rate (--lr, --out) instead")  # fmt: skip
     if not lrs:
         raise ValueError("lrs must list at least one learning rate")
-    lrs = [_as_float(lr) if isinstance(lr, numbers.Real) and not isinstance(lr, bool) else lr for lr in lrs]
+    lrs = [plain_real(lr) for lr in lrs]  # numpy rates too
     bad = [lr for lr in lrs if not (is_finite_real(lr) and lr > 0)]
     if bad:
         raise ValueError(f"lrs must be positive finite learning rates, got {bad}")

@@ -23,6 +23,7 @@ from lambdanet.engine.checkpoint import export_safetensors, unwrap
 from lambdanet.engine.distributed import (
     DistContext,
     all_threads_on_main,
+    check_cuda,
     convert_sync_batchnorm,
     in_process_group,
     launch_local,
@@ -173,8 +174,7 @@ def train_detector(cfg: DetectConfig, log: Callable[[str], None] = print) -> dic
             f"batch_size {cfg.batch_size} must be a multiple of procs {procs} (one share per "
             f"process); set --procs or --batch-size"
         )
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but no CUDA device is available; use --device cpu")
+    check_cuda(cfg.device)  # (before counting GPUs: their number is no question without one)
     if uses_cuda(cfg.device) and procs > torch.cuda.device_count():
         raise ValueError(f"procs {procs} needs one GPU per process, {torch.cuda.device_count()} visible")
     log(f"detect: {procs} local processes, {threads_per_process(procs)} threads each")
