@@ -98,9 +98,23 @@ def check_output_file(path: str | os.PathLike, name: str) -> None:
     target = Path(str(path)).expanduser()
     if target.is_dir():
         raise ValueError(f"{name} {path} is a directory; give a file path (e.g. {target / 'out.pt'})")
+    if target.is_file() and is_run_record(target):
+        raise ValueError(f"{name} {path} is a file of the run {target.parent} (its weights or records), which this "
+                         f"would overwrite; choose another {name}")  # fmt: skip
     existing = next((p for p in target.parents if p.exists()), None)
     if existing is not None and not existing.is_dir():
         raise ValueError(f"{name} {path}: {existing} is a file, not a directory; choose another {name}")
+
+
+# what a run directory holds of its own (beside RUN_FILES): its other checkpoint and weights, and its records
+RUN_RECORDS = RUN_FILES + ("pretrain.pt", "model_best.safetensors", "model_best_ema.safetensors", "config.yaml",
+                           "metrics.csv", "summary.json")  # fmt: skip
+
+
+def is_run_record(path: Path) -> bool:
+    """Whether ``path`` is one of a run directory's own files (:data:`RUN_RECORDS`, beside its ``config.yaml``),
+    which no other command's output may replace."""
+    return path.name in RUN_RECORDS and (path.parent / "config.yaml").is_file()
 
 
 def read_safetensors(path: Path, tensors: bool = True) -> tuple[dict[str, Tensor], dict[str, str]]:
@@ -323,7 +337,8 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tif
 def read_image(path: str | os.PathLike, mode: str):
     """The PIL image at ``path`` in ``mode`` (``"L"``, ``"RGB"``, ...), its pixels read (a truncated file fails
     here). 16-bit and 32-bit integer images (``I;16``, ``I``: scientific and medical PNG / TIFF) are scaled to 8
-    bits first (``x / 257``, clipped), where PIL's own conversion would clip every value above 255 to white.
+    bits first (``x / 257``, clipped), where PIL's own conversion would clip every value above 255 to white;
+    float images (``F``) in [0, 1] are scaled by 255, in [0, 255] kept, others refused.
     An unreadable file is a one-line ``ValueError`` naming it."""
     import numpy as np
     from PIL import Image
@@ -333,9 +348,23 @@ def read_image(path: str | os.PathLike, mode: str):
             if img.mode.startswith("I;16") or img.mode == "I":
                 wide = np.asarray(img, dtype=np.float64)  # h w: 0 .. 65535
                 return Image.fromarray(np.clip(np.rint(wide / 257.0), 0, 255).astype(np.uint8)).convert(mode)
+            if img.mode == "F":  # float pixels (TIFF): in [0, 1] scaled to 0 .. 255, in [0, 255] as they are
+                return Image.fromarray(_float_pixels(np.asarray(img, dtype=np.float64), path)).convert(mode)
             return img.convert(mode)
     except OSError as err:  # PIL.UnidentifiedImageError is an OSError
         raise ValueError(f"{path} is not a readable image ({type(err).__name__}: {error_reason(err)})") from None
+
+
+def _float_pixels(x, path):
+    """8-bit pixels of a float image ``x`` whose values lie in [0, 1] or in [0, 255] (PIL's own conversion turns
+    [0, 1] into black); other values are a one-line ``ValueError``: their scale is unknown."""
+    import numpy as np
+
+    top = float(x.max()) if x.size else 0.0
+    if not np.isfinite(x).all() or x.size and float(x.min()) < 0 or top > 255:
+        raise ValueError(f"{path} holds float pixels outside [0, 1] and [0, 255] (or not finite), whose scale is "
+                         "unknown; save it as an 8- or 16-bit image")  # fmt: skip
+    return np.rint(x * (255.0 if top <= 1 else 1.0)).astype(np.uint8)
 
 
 DATA_PATH_KINDS = ("imagefolder", "text", "coco")  # --data KIND:PATH of the tasks (a folder or a file)

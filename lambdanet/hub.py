@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -59,9 +60,39 @@ def _from_model(model: nn.Module, folder: Path) -> dict:
     return meta
 
 
+# the hub's names: letters, digits, '-', '_', '.', at most 96 characters, no '--' or '..', not starting or ending
+# with '-' or '.' (huggingface_hub's validate_repo_id)
+_HUB_NAME = re.compile(r"(?!.*(--|\.\.))[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?")
+REPOSITORY_FILES = (WEIGHTS_FILE, CONFIG_FILE, "README.md", "summary.json", "config.yaml")
+
+
 def _check_repo_id(repo_id) -> None:
-    if not isinstance(repo_id, str) or repo_id.count("/") != 1 or "" in repo_id.split("/"):
-        raise ValueError(f"repo_id must be 'owner/name', got {repo_id!r}")
+    parts = repo_id.split("/") if isinstance(repo_id, str) else []
+    if len(parts) != 2 or not all(_HUB_NAME.fullmatch(part) for part in parts):
+        raise ValueError(
+            f"repo_id must be 'owner/name' (letters, digits, '-', '_' or '.', each at most 96), got {repo_id!r}"
+        )
+
+
+def _check_folder(folder: Path, run_dir: Path | None) -> None:
+    """A one-line ``ValueError`` unless ``folder`` may receive the repository's files: not the run's own directory
+    (its weights would be replaced), and new, empty, or an earlier repository folder of :func:`save_for_hub`
+    (lambdanet's ``config.json`` and none but :data:`REPOSITORY_FILES`): other files are never overwritten."""
+    if run_dir is not None and folder.resolve() == run_dir.resolve():
+        raise ValueError(f"folder {folder} is the run directory itself: pass another folder for the repository")
+    present = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    if not present:
+        return
+    try:
+        ours = json.loads((folder / CONFIG_FILE).read_text()).get("library_name") == "lambdanet"
+    except (OSError, ValueError, AttributeError):
+        ours = False
+    if not ours or set(present) - set(REPOSITORY_FILES):
+        shown = ", ".join(present[:5]) + (", ..." if len(present) > 5 else "")
+        raise ValueError(
+            f"folder {folder} is not empty ({shown}) and is not an earlier repository folder of lambdanet: pass a "
+            "new or empty folder (nothing in it is overwritten)"
+        )
 
 
 def save_for_hub(source: str | os.PathLike | nn.Module, folder: str | os.PathLike, repo_id: str | None = None) -> Path:
@@ -71,11 +102,12 @@ def save_for_hub(source: str | os.PathLike | nn.Module, folder: str | os.PathLik
     ``context`` and ``data``); the model card's loading code names ``repo_id`` (``OWNER/NAME`` without one)."""
     if repo_id is not None:
         _check_repo_id(repo_id)
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = Path(folder).expanduser()
     summary, run_dir = {}, None
     meta: dict | None
     if isinstance(source, nn.Module):
+        _check_folder(folder, None)
+        folder.mkdir(parents=True, exist_ok=True)
         meta = _from_model(source, folder)
     else:
         weights = run_file(source)
@@ -85,8 +117,10 @@ def save_for_hub(source: str | os.PathLike | nn.Module, folder: str | os.PathLik
                 f"{source}: not the weights of a lambdanet train or lambdanet lm train run (a run directory or its "
                 "model.safetensors / model_ema.safetensors)"
             )
-        shutil.copyfile(weights, folder / WEIGHTS_FILE)
         run_dir = weights.parent
+        _check_folder(folder, run_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(weights, folder / WEIGHTS_FILE)
         for name in ("summary.json", "config.yaml"):
             if (run_dir / name).is_file():
                 shutil.copyfile(run_dir / name, folder / name)

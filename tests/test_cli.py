@@ -24,6 +24,23 @@ def test_models_unknown_pattern_fails(capsys):
     assert "no registered model matches" in capsys.readouterr().err
 
 
+def test_models_pretrained_builds_only_the_published_and_refuses_paper(capsys, monkeypatch):
+    """``--pretrained`` lists the models with published weights and builds only those (every model takes
+    minutes); with ``--paper`` (tables without weights) it is a one-line error instead of being ignored."""
+    from lambdanet.models import summary
+    from lambdanet.models.registry import published_models
+
+    built = []
+    real = summary.model_summary
+    monkeypatch.setattr(summary, "model_summary", lambda name, **kw: built.append(name) or real(name, **kw))
+    assert main(["models", "--pretrained", "--no-flops"]) == 0
+    listed = {line.split("|")[1].strip() for line in capsys.readouterr().out.splitlines()[2:]}
+    assert listed == set(built) == set(published_models())
+    assert main(["models", "--paper", "--pretrained", "--no-flops"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--paper lists the papers' tables" in err and "--pretrained" in err
+
+
 def test_demo_runs(capsys):
     assert main(["demo", "--dim", "32", "--size", "8", "--batch", "2"]) == 0
     assert "input (2, 32, 8, 8) -> output (2, 32, 8, 8)" in capsys.readouterr().out

@@ -452,6 +452,77 @@ def test_coco_folder_errors_are_one_line(tmp_path, case, match):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("case, match", [
+    ("top_level_list", r"holds a JSON list, not an object with the lists images, annotations and categories"),
+    ("image_without_id", r"image ids must be integers, got \{'file_name': 'b.png'"),
+    ("string_image_id", r"image ids must be integers, got \{'id': 'i'"),
+    ("duplicate_image_id", r"image id 1 is given twice \('a.png' and 'b.png'\); ids must be unique"),
+    ("category_without_name", r"category 7 needs a name, got \{'id': 7\}"),
+    ("string_bbox", r"annotation 1 needs bbox \[x, y, w, h\] of four numbers, got \['2', '20', '10', '12'\]"),
+    ("nan_bbox", r"annotation 1 needs bbox \[x, y, w, h\] of four numbers, got \[nan, "),
+    ("word_iscrowd", r"annotation 1 has iscrowd 'no', not 0 or 1"),
+])
+def test_malformed_coco_files_are_one_line_errors_not_tracebacks(tmp_path, case, match):
+    """What pycocotools or torchvision would fail on deep inside (AttributeError, KeyError, TypeError) or silently
+    get wrong (two images of one id: the annotations of one trained on the other's file), named in one line."""
+    pytest.importorskip("pycocotools")
+    write_coco_folder(tmp_path)
+    path = tmp_path / "annotations" / "instances_train.json"
+    data = json.loads(path.read_text())
+    images, anns, cats = data["images"], data["annotations"], data["categories"]
+    if case == "top_level_list":
+        data = [data]
+    elif case == "image_without_id":
+        del images[1]["id"]
+    elif case == "string_image_id":
+        images[1]["id"] = "i"
+    elif case == "duplicate_image_id":
+        images[1]["id"] = 1
+    elif case == "category_without_name":
+        del cats[1]["name"]
+    elif case == "string_bbox":
+        anns[0]["bbox"] = ["2", "20", "10", "12"]
+    elif case == "nan_bbox":
+        anns[0]["bbox"] = [float("nan"), 20, 10, 12]
+    else:
+        anns[0]["iscrowd"] = "no"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=match) as err:
+        build_detection_datasets(f"coco:{tmp_path}")
+    assert "\n" not in str(err.value)
+
+
+def test_boxes_only_coco_files_train_faster_rcnn_and_images_of_another_size_are_named(tmp_path):
+    """Without masks (``--no-masks``: Faster R-CNN) segmentations are neither needed nor read: a file of boxes
+    alone (empty or missing ``segmentation``, as detection exports write) loads with the same boxes and labels and
+    areas of the boxes; Mask R-CNN still refuses it. An image file whose size is not the one the file declares
+    (against which its boxes were checked) is named when read, instead of its boxes being clamped away."""
+    from PIL import Image
+
+    pytest.importorskip("pycocotools")
+    write_coco_folder(tmp_path)
+    for split in ("train", "val"):
+        path = tmp_path / "annotations" / f"instances_{split}.json"
+        data = json.loads(path.read_text())
+        data["annotations"][0]["segmentation"] = []
+        del data["annotations"][1]["segmentation"]
+        path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="annotation 1's segmentation is an empty list"):
+        build_detection_datasets(f"coco:{tmp_path}")
+    train, test = build_detection_datasets(f"coco:{tmp_path}", masks=False)
+    _, target = test[0]
+    assert target["boxes"].tolist() == [[2.0, 20.0, 12.0, 32.0], [20.0, 5.0, 40.0, 15.0]]
+    assert target["labels"].tolist() == [1, 2] and "masks" not in target
+    assert target["area"].tolist() == [120.0, 200.0]
+    gt = test.to_coco()
+    boxes = [{"image_id": t["image_id"], "boxes": t["boxes"], "labels": t["labels"],
+              "scores": torch.ones(len(t["labels"]))} for t in (test[i][1] for i in range(len(test)))]  # fmt: skip
+    assert evaluate_predictions(gt, boxes, iou_types=("bbox",))["bbox_AP"] == pytest.approx(1.0)
+    Image.new("RGB", (25, 20)).save(tmp_path / "val" / "a.png")  # the file says 50 x 40
+    with pytest.raises(ValueError, match=r"image 'a.png' is 25x20 pixels, the file says 50x40"):
+        test[0]
+
+
 def perfect_predictions(test):
     return [{"image_id": t["image_id"], "boxes": t["boxes"], "labels": t["labels"], "masks": t["masks"],
              "scores": torch.ones(len(t["labels"]))} for t in (test[i][1] for i in range(len(test)))]

@@ -21,6 +21,7 @@ independent in sign and add in quadrature (the probabilistic rounding-error boun
 import io
 import json
 import math
+import shutil
 import sys
 import warnings
 
@@ -356,6 +357,31 @@ def test_export_user_errors_are_one_line_and_exit_2(argv, needle, capsys, tmp_pa
     assert captured.out == "" and captured.err.count("\n") == 1
     assert captured.err.startswith("lambdanet export: error: ") and needle in captured.err
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_an_export_never_overwrites_a_runs_files_or_its_checkpoint_and_expands_home(run, tmp_path, capsys,
+                                                                                     monkeypatch):
+    """``--out`` naming the run's own weights, checkpoint or records (or the weights file exported) is refused
+    before anything is written; ``~`` in ``--out`` is the home folder, where the check looked, not a ``~`` folder."""
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    before = {p.name: p.read_bytes() for p in copy.iterdir() if p.is_file()}
+    weights = tmp_path / "weights.safetensors"
+    shutil.copy(copy / "model.safetensors", weights)
+    for checkpoint, out in ((copy, copy / "model.safetensors"), (copy, copy / "last.pt"),
+                            (copy / "last.pt", copy / "summary.json"), (weights, weights)):  # fmt: skip
+        assert main(["export", "--checkpoint", str(checkpoint), "--format", "torchscript", "--no-check",
+                     "--out", str(out)]) == 2  # fmt: skip
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--out " in err
+        assert "is a file of the run" in err or "is the --checkpoint" in err
+    assert {p.name: p.read_bytes() for p in copy.iterdir() if p.is_file()} == before
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", "--checkpoint", str(run), "--format", "torchscript", "--no-check", "--out", "~/m.pt"]) == 0
+    assert (home / "m.pt").is_file() and not (tmp_path / "~").exists()
 
 
 @pytest.mark.parametrize("package", ["onnxscript", "onnxruntime"])

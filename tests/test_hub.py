@@ -70,9 +70,38 @@ def test_the_model_card_renders_the_runs_metrics_and_how_to_load_it(tmp_path):
     assert 'create_model("hf-hub:you/digits")' in named and "OWNER/NAME" not in named
     lm_card = (save_for_hub(LM_RUN, tmp_path / "lm", "you/lm") / "README.md").read_text()
     assert 'create_model("hf-hub:you/lm")' in lm_card and "OWNER/NAME" not in lm_card
-    for bad in ("noslash", "a/b/c", "/name", "owner/"):
-        with pytest.raises(ValueError, match=r"^repo_id must be 'owner/name', got '"):
+    for bad in ("noslash", "a/b/c", "/name", "owner/", "me/bad name", "me/a--b", "me/-a", "me/a.", "me/" + "x" * 97):
+        with pytest.raises(ValueError, match=r"^repo_id must be 'owner/name' \(letters, .*, got '"):
             save_for_hub(RUN, tmp_path / "bad", bad)
+    for good in ("me/a.b-c_d", "Me_9/" + "x" * 96):  # the hub's own rule (huggingface_hub's validate_repo_id)
+        save_for_hub(RUN, tmp_path / "good" / good.split("/")[0], good)
+
+
+def test_the_repository_folder_never_overwrites_the_run_or_other_files(tmp_path):
+    """``--folder`` must not be the run directory (its ``model.safetensors`` would be replaced by the EMA weights
+    that the repository takes) nor a folder holding other files; an earlier repository folder is rewritten."""
+    run = tmp_path / "run"
+    shutil.copytree(RUN, run)
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    with pytest.raises(ValueError, match=r"^folder .*run is the run directory itself: pass another folder"):
+        save_for_hub(run, run)
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+    mine = tmp_path / "project"
+    mine.mkdir()
+    (mine / "README.md").write_text("my project")
+    (mine / "config.json").write_text('{"mine": 1}')
+    with pytest.raises(ValueError, match=r"^folder .*project is not empty \(README.md, config.json\) and is not an"):
+        save_for_hub(RUN, mine)
+    assert (mine / "README.md").read_text() == "my project"
+    repo = save_for_hub(RUN, tmp_path / "repo")
+    (repo / "README.md").write_text("stale")
+    assert save_for_hub(RUN, repo, "you/digits") == repo and "you/digits" in (repo / "README.md").read_text()
+    (repo / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"is not empty \(.*notes.txt"):
+        save_for_hub(RUN, repo)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert (save_for_hub(RUN, empty) / "model.safetensors").is_file()
 
 
 def test_a_model_object_is_shared_with_its_arguments(tmp_path, hub_cache):

@@ -8,6 +8,7 @@ the issue's bound is ``1e-10``."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import shutil
@@ -407,6 +408,30 @@ def test_training_learns_and_sampling_continues_the_prompt(tmp_path, corpus_dir,
 
     with pytest.raises(ValueError, match="is a language-model run .lambdanet lm train., not an image-classification"):
         load_classifier(tmp_path / "run")
+
+
+def test_a_configuration_built_directly_trains_as_the_resolved_one_and_loads_back(tmp_path, corpus_dir):
+    """``train_lm(LMConfig(...))`` without :meth:`LMConfig.resolve` records what the resolved configuration records
+    (the ``lambda_lm_<size>`` defaults pinned, the data path absolute), so the run loads as the model it trained;
+    a recipe named directly gives its values to the fields left at their defaults, as on the command line."""
+    values = {"data": f"text:{corpus_dir}", "model": "lambda_lm_nano", "context": 32, "epochs": 1,
+              "steps_per_epoch": 2, "batch_size": 2, "eval_bytes": 200, "out": str(tmp_path / "direct"),
+              "tensorboard": False, "progress": False}  # fmt: skip
+    summary = train_lm(LMConfig(**values), log=lambda _: None)
+    recorded = load_checkpoint(tmp_path / "direct" / "last.pt")["config"]
+    expected = dataclasses.asdict(LMConfig.resolve(overrides={**values, "out": str(tmp_path / "other")}))
+    assert {**recorded, "out": None} == {**expected, "out": None}
+    assert summary["model_kwargs"] == {"short_conv": 4, "decay": "fixed", "dim_v": 64}
+    model = load_lm(tmp_path / "direct")
+    assert model.lm_cfg["model"] == "lambda_lm_nano" and math.isfinite(summary["val_bits_per_byte"])
+    long = LMConfig(recipe="long", out=str(tmp_path / "long"))
+    from lambdanet.engine.task import resolved
+
+    assert dataclasses.asdict(resolved(long)) == dataclasses.asdict(
+        LMConfig.resolve("long", overrides={"out": str(tmp_path / "long")})
+    )
+    with pytest.raises(ValueError, match=r"^context must be a positive int, got 0$"):
+        train_lm(LMConfig(**{**values, "context": 0}), log=lambda _: None)
 
 
 def test_a_crashed_run_resumes_to_the_uninterrupted_weights(tmp_path, corpus_dir, power_cut):

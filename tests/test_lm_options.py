@@ -161,6 +161,34 @@ def test_bad_options_are_one_line_errors():
         create_model("hybrid_lm_nano", attention_every=0)
 
 
+def test_options_a_family_has_no_use_for_are_refused_and_old_records_of_them_dropped():
+    """The linear mixer has no position lambdas (``r``, ``content=False`` would leave it nothing), a hybrid with
+    ``attention_every`` above its depth no attention block, a rotary transformer no length limit: each is a one-line
+    error instead of a model that silently ignores it (``linear_lm_nano r=8`` built the same 116,992 weights as
+    ``r=500``). A run that recorded one of them (it trained without it) loads as the model it trained."""
+    from lambdanet.models import model_args
+    from lambdanet.models.lm_zoo import saved_lm
+
+    depth = len(create_model("hybrid_lm_tiny").blocks)
+    for name, kw, match in (("linear_lm_nano", {"r": 8}, r"does not take \['r'\]"),
+                            ("linear_lm_nano", {"content": False}, r"does not take \['content'\]"),
+                            ("hybrid_lm_tiny", {"attention_every": depth + 1},
+                             f"^attention_every must be at most depth={depth} .*got {depth + 1}"),
+                            ("transformer_lm_nano", {"max_len": 16}, "^max_len is for the transformer's positions="),
+                            ):  # fmt: skip
+        with pytest.raises(ValueError, match=match) as err:
+            create_model(name, **kw)
+        assert "\n" not in str(err.value)
+    assert "r" not in model_args("linear_lm_tiny") and "r" in model_args("hybrid_lm_tiny")
+    hybrid = create_model("hybrid_lm_tiny", attention_every=depth)  # the last block attends
+    assert [type(b.mixer).__name__ == "CausalSelfAttention" for b in hybrid.blocks] == [False] * (depth - 1) + [True]
+    assert saved_lm("linear_lm_tiny", {"r": 8, "content": True, "dim_u": 2}) == ("linear_lm_tiny", {"dim_u": 2})
+    assert saved_lm("transformer_lm_nano", {"max_len": 16}) == ("transformer_lm_nano", {})
+    kept = {"positions": "learned", "max_len": 16}
+    assert saved_lm("transformer_lm_nano", kept) == ("transformer_lm_nano", kept)
+    assert saved_lm("hybrid_lm_tiny", {"r": 8}) == ("hybrid_lm_tiny", {"r": 8})
+
+
 def test_bad_inputs_and_states_are_one_line_errors_in_forward_step_and_init_state():
     """What the projection or the op would reject deep inside (torch's shape, dtype or key errors), named at the
     layer's entry: ``x``'s layout and dtype, a state of another batch size or layer (in ``forward`` and in ``step``,

@@ -322,3 +322,38 @@ def test_a_stopped_language_model_run_of_a_later_default_resumes_to_the_weights_
     assert saved["model"] == "lambda_lm_nano"
     assert saved["model_kwargs"] == kwargs == load_yaml(new / "config.yaml")["model_kwargs"]
     assert relative_difference(load_file(old / "model.safetensors"), load_file(new / "model.safetensors")) < RTOL
+
+
+def test_a_detect_run_written_before_glyphs_existed_resumes_on_the_auto_sets_it_trained_on(tmp_path):
+    """0.1.0 had no ``--glyphs``: its scenes were always the ``auto`` sets. A saved ``config.yaml`` without the
+    key is that, not today's default (``digits``): the run resumes on its own scenes, and ``--glyphs auto`` is no
+    change; a run that records its glyphs keeps them."""
+    import yaml
+
+    from lambdanet.engine.config import load_run_yaml
+    from lambdanet.tasks.detection.config import DetectConfig
+    from lambdanet.tasks.detection.glyphs import DEFAULT_GLYPHS
+
+    assert DEFAULT_GLYPHS != "auto"  # else the test shows nothing
+    out = copy_run("detect", tmp_path)
+    saved = load_run_yaml(out / "config.yaml")
+    assert DetectConfig.resolve(overrides={"out": str(out), "resume": True}).glyphs == saved["glyphs"]
+    del saved["glyphs"]
+    (out / "config.yaml").write_text(yaml.safe_dump(saved))
+    cfg = DetectConfig.resolve(overrides={"out": str(out), "resume": True})
+    assert cfg.glyphs == "auto" and cfg.check_resume() == saved["epochs"]
+    again = DetectConfig.resolve(overrides={"out": str(out), "resume": True, "glyphs": "auto"})
+    assert again.check_resume() == saved["epochs"]
+
+
+def test_a_refused_resume_leaves_the_runs_configuration_as_it_was(tmp_path, capsys):
+    """``--resume --epochs N`` below the epochs done is refused, and the run's ``config.yaml`` is not rewritten
+    with N first (every later plain ``--resume`` would then be refused too)."""
+    out = copy_run("train", tmp_path)
+    main(["train", "--out", str(out), "--resume", "--no-progress"])  # the v1 run ends its 2 epochs
+    before = (out / "config.yaml").read_bytes()
+    capsys.readouterr()
+    assert main(["train", "--out", str(out), "--resume", "--epochs", "1"]) == 2
+    assert "--epochs 1 is fewer than the 2 epochs" in capsys.readouterr().err
+    assert (out / "config.yaml").read_bytes() == before
+    assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 0

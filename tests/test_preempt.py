@@ -354,3 +354,83 @@ def test_a_second_ctrl_c_interrupts_at_once(monkeypatch):
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, outside)
+
+
+@pytest.mark.parametrize("how", ["signal", "ctrl-c twice", "error"])
+def test_a_stop_or_a_failure_while_an_epoch_evaluates_keeps_its_training_and_resumes_exactly(tmp_path, capsys,
+                                                                                             monkeypatch, how,
+                                                                                             uninterrupted):
+    """Epoch 1 trained, its evaluation then: a signal (heard, not acted on until the evaluation ends) saves the
+    epoch and stops there; Ctrl-C twice (``KeyboardInterrupt`` inside it) or an error (an unreadable image, out of
+    memory) saves the epoch's training as a signal after its last batch would, so ``--resume`` evaluates it again
+    instead of losing it. Each resumed run ends with the weights and figures of one that never stopped."""
+    from lambdanet.tasks.classification import task as classification_task
+
+    real, calls = classification_task.evaluate, [0]
+
+    def evaluate(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 1:  # epoch 1's test split
+            if how == "signal":
+                signal.raise_signal(signal.SIGINT)
+            elif how == "ctrl-c twice":
+                raise KeyboardInterrupt
+            else:
+                raise ValueError("image 3.png is not a readable image")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(classification_task, "evaluate", evaluate)
+    out = tmp_path / "stopped"
+    status = main([*TRAIN, "--out", str(out)])
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    saved = load_checkpoint(out / "last.pt")
+    if how == "signal":  # the evaluation ran to its end: the epoch is closed and its row written
+        assert status == 130 and "stopped by SIGINT after epoch 1/2: saved" in err and "--resume" in err
+        assert saved["epoch"] == 1 and not saved["epoch_partial"]
+        assert len((out / "metrics.csv").read_text().strip().splitlines()) == 2
+    else:
+        assert saved["epoch"] == 0 and saved["epoch_partial"]["batches"] == 5
+        assert saved["epoch_partial"]["sums"]["n"] == 5 * 16 and saved["samples_seen"] == 0
+        if how == "error":
+            assert status == 2 and "image 3.png is not a readable image" in err
+            assert "--resume evaluates it again" in captured.out
+        else:
+            assert status == 130 and "stopped by SIGINT while evaluating epoch 1/2: saved" in err
+    monkeypatch.setattr(classification_task, "evaluate", real)
+    assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 0
+    for name in ("model.safetensors", "model_ema.safetensors"):
+        a, b = load_file(uninterrupted / name), load_file(out / name)
+        assert all(torch.equal(a[key], b[key]) for key in a), name
+    rows = [(d / "metrics.csv").read_text().splitlines() for d in (out, uninterrupted)]
+    header = rows[1][0].split(",")
+    for col in ("epoch", "train_loss", "test_top1", "test_top1_ema"):  # one row per epoch, the same figures
+        i = header.index(col)
+        assert [r.split(",")[i] for r in rows[0][1:]] == [r.split(",")[i] for r in rows[1][1:]], col
+    summaries = [json.loads((d / "summary.json").read_text()) for d in (out, uninterrupted)]
+    for key in ("final_acc", "epochs", "best_acc", "best_epoch"):
+        assert summaries[0][key] == summaries[1][key], key
+
+
+def test_ctrl_c_twice_in_the_final_evaluation_is_one_line_and_resume_ends_the_run(tmp_path, capsys, monkeypatch,
+                                                                                  uninterrupted):
+    """The last epoch is saved before the run's final evaluation (``Task.finish``): Ctrl-C twice there is one line
+    that says so, and ``--resume`` writes the final files of the run that never stopped."""
+    from lambdanet.tasks.classification.task import ClassificationTask
+
+    real = ClassificationTask.finish
+
+    def interrupted(self, *args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ClassificationTask, "finish", interrupted)
+    out = tmp_path / "final"
+    assert main([*TRAIN, "--out", str(out)]) == 130
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "stopped by SIGINT in the run's final evaluation: saved" in err
+    assert not (out / "summary.json").exists() and load_checkpoint(out / "last.pt")["epoch"] == 2
+    monkeypatch.setattr(ClassificationTask, "finish", real)
+    assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 0
+    a, b = load_file(uninterrupted / "model.safetensors"), load_file(out / "model.safetensors")
+    assert all(torch.equal(a[key], b[key]) for key in a)

@@ -107,6 +107,21 @@ def test_sixteen_bit_images_are_scaled_not_clipped(tmp_path):
     assert np.asarray(load_image(tmp_path / "g16.png", 3)).shape == (4, 64, 3)
 
 
+def test_float_images_in_either_scale_read_as_their_8_bit_values_and_others_are_refused(tmp_path):
+    """A float TIFF (``F``) in [0, 1] is the 8-bit image times 1/255 (PIL's own conversion made it black), one in
+    [0, 255] the 8-bit values; negative, non-finite or larger values have no known scale: one line naming it."""
+    from PIL import Image
+
+    grey = np.arange(256, dtype=np.uint8).reshape(16, 16)
+    for name, scale in (("unit.tiff", 1 / 255), ("byte.tiff", 1.0)):
+        Image.fromarray((grey * scale).astype(np.float32)).save(tmp_path / name)
+        assert np.array_equal(np.asarray(read_image(tmp_path / name, "L")), grey), name
+    for bad in (-0.5, 300.0, np.nan):
+        Image.fromarray(np.full((4, 4), bad, np.float32)).save(tmp_path / "bad.tiff")
+        with pytest.raises(ValueError, match=r"bad.tiff holds float pixels outside \[0, 1\] and \[0, 255\]"):
+            read_image(tmp_path / "bad.tiff", "RGB")
+
+
 def test_relative_data_paths_are_stored_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert absolute_data("imagefolder:imgs") == f"imagefolder:{tmp_path / 'imgs'}"

@@ -124,6 +124,42 @@ def test_fashion_mnist_from_the_debian_package():
     spec, train_ds, test_ds = build_datasets("fashion-mnist", download=False)
     assert (len(train_ds), len(test_ds)) == (60000, 10000)
     assert sorted(set(train_ds.labels.tolist())) == list(range(10))
+    # the label names, in torchvision's order (label 6 is a shirt, 9 an ankle boot), which predict prints
+    from torchvision.datasets import FashionMNIST
+
+    assert spec.classes == FashionMNIST.classes and spec.classes[6] == "Shirt"
+
+
+def test_runs_of_built_in_datasets_name_their_classes_even_when_written_before_the_names_were_kept():
+    """Weights of a fashion-mnist or cifar10 run written without class names (lambdanet <= this change) are
+    labelled with the dataset's names; other data, or another number of classes, keep the label numbers."""
+    from lambdanet.models.registry import run_image_cfg
+
+    meta = {"model": "resnet26", "num_classes": 10, "in_chans": 1, "image_size": 28, "mean": [0.3], "std": [0.4],
+            "classes": None, "data": "fashion-mnist"}  # fmt: skip
+    assert run_image_cfg(meta)["classes"][9] == "Ankle boot"
+    assert run_image_cfg({**meta, "data": "cifar10", "in_chans": 3})["classes"][0] == "airplane"
+    assert run_image_cfg({**meta, "data": "digits"})["classes"] is None
+    assert run_image_cfg({**meta, "num_classes": 5})["classes"] is None
+    assert run_image_cfg({**meta, "classes": list("abcdefghij")})["classes"][0] == "a"
+
+
+
+def test_cifar100s_class_names_come_from_its_files(monkeypatch):
+    """CIFAR-100's hundred names are read with its files (torchvision's ``classes``) into the run's spec."""
+    import types
+
+    import numpy as np
+
+    from lambdanet.tasks.classification import datasets
+
+    names = [f"class{i}" for i in range(100)]
+    fake = types.SimpleNamespace(data=np.zeros((4, 32, 32, 3), np.uint8), targets=[0, 1, 2, 99], classes=names)
+    images = datasets._from_torchvision(fake)
+    assert images.classes == names and images.images.shape == (4, 3, 32, 32)
+    monkeypatch.setattr(datasets, "_cifar", lambda name, data_dir, download: (images, images))
+    assert datasets.build_datasets("cifar100", download=False)[0].classes == names
+    assert datasets.dataset_spec("cifar100").classes is None  # the static spec has none: nothing read yet
 
 
 # ------------------------------------------------------------------------------------------------ runs
@@ -261,6 +297,8 @@ def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(
           "--img-size", "16"], "cannot take 16x16 images from digits"),
         (["--batch-size", "4096"], "larger than the 1438 training images"),
         (["--val-split", "1.5"], "val_split must be in [0, 1)"),
+        (["--val-split", "0.9999"], "larger than the 0 training images of digits left by --val-split 0.9999; lower "
+                                    "--batch-size or change it"),  # fmt: skip
         (["--early-stop-patience", "2"], "needs a held-out validation set"),
     ],
 )
@@ -310,6 +348,41 @@ def test_pseudo_labels_teacher_then_student(tmp_path, capsys):
     with pytest.raises(ValueError, match="were made for labeled_fraction=0.3"):
         train(resolve_config(overrides={**FAST, "labeled_fraction": 0.5, "pseudo_labels": str(labels),
                                         "out": str(tmp_path / "bad")}))
+    # the teacher's own files are never an --out; the student resumes only on the pseudo-labels it trained on
+    before = (teacher / "last.pt").read_bytes()
+    capsys.readouterr()
+    assert main(["pseudo-label", "--checkpoint", str(teacher), "--out", str(teacher / "last.pt")]) == 2
+    assert "--out " in capsys.readouterr().err and (teacher / "last.pt").read_bytes() == before
+    original = labels.read_bytes()
+    assert main(["pseudo-label", "--checkpoint", str(teacher), "--out", str(labels), "--threshold", "0.5"]) == 0
+    resume = {"out": str(tmp_path / "student"), "resume": True, "epochs": 3}
+    with pytest.raises(ValueError, match=r"^pseudo_labels .*pl.pt are not the ones .*student.last.pt trained on"):
+        train(resolve_config(overrides=resume))
+    labels.write_bytes(original)
+    assert train(resolve_config(overrides=resume))["epochs"] == 3
+
+
+def test_pseudo_labels_of_an_image_folder_are_refused_before_any_work(tmp_path, image_folder):
+    """A student trains on pseudo-labels of in-memory datasets only: a teacher of an image folder is refused before
+    its labelling pass (a whole pass over a real folder), and a student on one names --pseudo-labels."""
+    import dataclasses
+
+    from lambdanet.engine.checkpoint import save_checkpoint
+    from lambdanet.tasks.classification.config import TrainConfig
+    from lambdanet.tasks.classification.pseudo import make_pseudo_labels
+
+    data = f"imagefolder:{image_folder}"
+    teacher = tmp_path / "teacher.pt"
+    save_checkpoint({"config": dataclasses.asdict(TrainConfig(data=data, labeled_fraction=0.5)), "model": {}}, teacher)
+    with pytest.raises(ValueError, match=r"^the teacher .* was trained on imagefolder:.*: pseudo-labels are made "
+                                         r"for the in-memory datasets a student can train on \(digits, mnist5k"):
+        make_pseudo_labels(teacher, tmp_path / "pl.pt")
+    torch.save({"indices": torch.tensor([0]), "labels": torch.tensor([1]), "data": data, "labeled_fraction": 0.5,
+                "seed": 0}, tmp_path / "pl.pt")  # fmt: skip
+    cfg = resolve_config(overrides={**FAST, "data": data, "img_size": 16, "batch_size": 2, "labeled_fraction": 0.5,
+                                    "pseudo_labels": str(tmp_path / "pl.pt"), "out": str(tmp_path / "s")})
+    with pytest.raises(ValueError, match=r"^pseudo_labels \(--pseudo-labels\) are supported for in-memory datasets"):
+        train(cfg)
 
 
 # ----------------------------------------------------------------------------------------- distributed

@@ -87,8 +87,10 @@ def _add_predict(sub) -> None:
 
 def _cmd_export(args: argparse.Namespace) -> int:
     """Export a model to ONNX, TorchScript or an ExportedProgram (library: ``lambdanet.export.export_model``)."""
+    from pathlib import Path
+
     from lambdanet.export import default_export_path, export_model
-    from lambdanet.files import check_output_file
+    from lambdanet.files import check_output_file, run_file
     from lambdanet.models import model_info
     from lambdanet.predict import load_for_inference
 
@@ -105,8 +107,10 @@ def _cmd_export(args: argparse.Namespace) -> int:
     name = cfg.get("architecture") or args.model
     in_chans, _, cfg_size = cfg.get("input_size") or (3, None, None)
     size = args.img_size or cfg_size or model_info(name).input_size
-    out = args.out or default_export_path(name, args.format)
+    out = Path(args.out or default_export_path(name, args.format)).expanduser()
     check_output_file(out, "--out")
+    if args.checkpoint and out.resolve() == run_file(args.checkpoint).expanduser().resolve():
+        raise ValueError(f"--out {args.out} is the --checkpoint being exported; choose another --out")
     try:
         res = export_model(
             model,

@@ -103,6 +103,9 @@ class RunConfig:
     RECIPES: ClassVar[dict[str, dict]] = {"quick": {}}
     CHECKPOINTS: ClassVar[tuple[str, ...]] = ("last.pt",)  # what a run continues from
     PER_PROCESS: ClassVar[frozenset[str]] = frozenset({"out", "workers", "progress", "tensorboard"})  # may differ
+    # what a saved config.yaml that lacks an option ran with, where that is not the option's default today (the
+    # option came later, fixing the behaviour of the runs before it)
+    SAVED_DEFAULTS: ClassVar[dict[str, Any]] = {}
 
     # Options the engine reads that not every task offers, with what a task without them runs as: a task that
     # offers one declares it as a dataclass field (``shared(name, default)``), which takes the place of this.
@@ -160,8 +163,10 @@ class RunConfig:
         if isinstance(getattr(cfg, "data", None), str):  # a path found from any working directory later
             cfg.data = absolute_data(cfg.data)  # type: ignore[attr-defined]
         cfg.validate()
-        _check_out(cfg.out)
+        # --out, or the nearest of its parents that exists, a file: every worker process of a run would fail
+        check_output_dir(cfg.out, "--out", "a folder for the run")
         cfg.complete(explicit)
+        cfg._resolved = True  # type: ignore[attr-defined]  # engine.task.run resolves a configuration built directly
         return cfg
 
     @classmethod
@@ -255,16 +260,10 @@ def _is_fraction(value) -> bool:
     return is_finite_real(value) and 0 <= value < 1
 
 
-def _check_out(out) -> None:
-    """A one-line ``ValueError`` when the run directory ``out`` cannot be one: it, or the nearest of its parents
-    that exists, is a file (before any process starts: every worker process of a run would fail)."""
-    check_output_dir(out, "--out", "a folder for the run")
-
-
 def _saved_config(cls: type[RunConfig], path: Path) -> dict:
     """The options of a run's ``config.yaml`` that ``--resume`` continues it with, each checked (a one-line
     ``ValueError`` naming the file: it is empty, not YAML, or holds an unknown option or a value out of range)."""
-    saved = load_run_yaml(path)
+    saved = {**cls.SAVED_DEFAULTS, **load_run_yaml(path)}
     _check_keys(cls, saved, str(path))
     try:
         check_types(cls, saved)

@@ -219,17 +219,57 @@ def fit(
                 path,
                 cfg.out,
             )
-        state.epoch += 1
-        state.train_time_s += result["seconds"]
-        row = {"epoch": state.epoch, **task.epoch_row(state, model, result)}
+        evaluated = _epoch_row(task, state, model, result, log)  # state.epoch now counts the epoch
+        row = {"epoch": state.epoch, **evaluated}
         stopped = task.stops_early(state)
         logger.log_epoch(row)
         log(task.epoch_line(row))
         if task.save_due(state.epoch) or state.epoch == cfg.epochs or stopped:  # the same on every process
-            state.gather_rng(ctx)
-            if ctx.is_main:
-                task.save(state)
-                task.drop_superseded()
+            _save(task, state)
             last_saved = state.epoch
         barrier(ctx)
+        if stop is not None and stop.requested(ctx) is not None:  # a signal while it evaluated or saved
+            _stop_after_epoch(task, state, stop, saved=last_saved == state.epoch)
     return row, stopped
+
+
+def _stop_after_epoch(task: Task, state: RunState, stop: StopSignals, saved: bool) -> None:
+    """Raise :class:`Preempted` at the end of the epoch a signal came in (saved first where it was not)."""
+    if not saved:
+        _save(task, state)
+    barrier(task.ctx)
+    cfg = task.cfg
+    last = " (the last), before the run's final evaluation" if state.epoch == cfg.epochs else ""
+    where = f"after epoch {state.epoch}/{cfg.epochs}{last}"
+    raise Preempted.at(cast(signal.Signals, stop.received), where, task.checkpoint_path, cfg.out)
+
+
+def _save(task: Task, state: RunState) -> None:
+    """The run's checkpoint where it stands (every process gathers its generators; the main one writes)."""
+    state.gather_rng(task.ctx)
+    if task.ctx.is_main:
+        task.save(state)
+        task.drop_superseded()
+
+
+def _epoch_row(task: Task, state: RunState, model: nn.Module, result: dict, log: Callable[[str], None]) -> dict:
+    """The epoch just trained closed (``state.epoch`` counts it) and ``task.epoch_row`` (its evaluation). Where the
+    evaluation fails or is stopped (Ctrl-C twice) in a single process, the epoch's training is saved first, as a
+    signal after its last batch saves it: ``--resume`` evaluates it again instead of training it again. (A process
+    group's ranks cannot agree on a save there: they raise at once.)"""
+    counters = state.epoch, state.train_time_s, state.samples_seen, dict(state.best), state.bad_epochs
+    state.epoch += 1
+    state.train_time_s += result["seconds"]
+    try:
+        return task.epoch_row(state, model, result)
+    except BaseException as err:
+        if task.ctx.enabled:
+            raise
+        state.epoch, state.train_time_s, state.samples_seen, state.best, state.bad_epochs = counters
+        state.epoch_partial = {"batches": task.steps_per_epoch, "sums": result["sums"], "seconds": result["seconds"]}
+        _save(task, state)
+        where = f"while evaluating epoch {state.epoch + 1}/{task.cfg.epochs}"
+        if isinstance(err, KeyboardInterrupt):
+            raise Preempted.at(signal.SIGINT, where, task.checkpoint_path, task.cfg.out) from None
+        log(f"{where}: the epoch's training is saved in {task.checkpoint_path}; --resume evaluates it again")
+        raise

@@ -9,6 +9,7 @@ shell reports a process killed by that signal. ``--resume`` continues from that 
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -56,6 +57,14 @@ def resume_point(epochs_done: int, partial: dict | None, batches: int = 0) -> st
     return f", epoch {epochs_done + 1} from batch {partial['batches'] + 1}"
 
 
+def _say(text: str) -> None:
+    """``text`` on stderr from a signal handler (a raw write: the stream may be in the middle of a write)."""
+    try:
+        os.write(2, text.encode())
+    except OSError:
+        pass
+
+
 def exit_status(err: Preempted) -> int:
     """``128 + signal number`` of the signal ``err`` names (143 for SIGTERM, 130 for SIGINT)."""
     return 128 + int(next((sig for sig in STOP_SIGNALS if sig.name in str(err)), signal.SIGTERM))
@@ -68,7 +77,8 @@ class StopSignals:
     thread: elsewhere (a run started from a worker thread) the process keeps its handlers and :meth:`requested`
     reports only what :meth:`request` was told."""
 
-    def __init__(self) -> None:
+    def __init__(self, notice: bool = False) -> None:
+        self.notice = notice  # say on a terminal that the first signal was heard (the stop can wait for an evaluation)
         self.received: signal.Signals | None = None
         self._first = 0.0
         self._previous: dict[signal.Signals, _Handler] = {}
@@ -100,6 +110,9 @@ class StopSignals:
             return
         if self.received is None:
             self._first = now
+            if self.notice and os.isatty(2):
+                _say(f"\n{signal.Signals(signum).name}: stopping after the current step or evaluation, which is then "
+                     f"saved; the same again (after a second) stops at once\n")  # fmt: skip
         self.request(signal.Signals(signum))
 
     def request(self, sig: signal.Signals = signal.SIGTERM) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import signal
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from lambdanet.engine.distributed import (
 )
 from lambdanet.engine.logger import RunLogger, truncate_history
 from lambdanet.engine.loop import fit
-from lambdanet.engine.preempt import StopSignals, resume_point
+from lambdanet.engine.preempt import Preempted, StopSignals, resume_point
 from lambdanet.engine.rundir import RunDirBusyError, RunDirLock, check_new_run
 from lambdanet.engine.state import RunState
 from lambdanet.files import RUN_FILES
@@ -48,7 +49,9 @@ __all__ = ["Task", "run", "check_extras", "check_same_config", "preflight"]
 def run(task_cls: type[Task], cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
     """Run ``task_cls`` on the resolved configuration ``cfg`` in this process (one rank under torchrun):
     the run directory locked by the main process (every rank stops when it is busy), SIGTERM / SIGINT turned
-    into a step-level checkpoint and :class:`lambdanet.engine.preempt.Preempted`. Returns the summary."""
+    into a step-level checkpoint and :class:`lambdanet.engine.preempt.Preempted`. Returns the summary.
+    A configuration built directly rather than by :meth:`RunConfig.resolve` is resolved first (:func:`resolved`)."""
+    cfg = resolved(cfg)
     ctx = init_distributed(cfg.device)
     finished, lock = False, RunDirLock(cfg.out)
     try:
@@ -65,7 +68,7 @@ def run(task_cls: type[Task], cfg: RunConfig, log: Callable[[str], None] = print
         # function (a measured winner depends on the machine's load at the first call)
         previous = set_impl_tuning("static")
         try:
-            with StopSignals() as stop:
+            with StopSignals(notice=ctx.is_main) as stop:
                 summary = _run(task_cls(cfg, ctx, log if ctx.is_main else (lambda _: None), stop))
         finally:
             set_impl_tuning(previous)
@@ -94,6 +97,18 @@ def check_same_config(cfg: RunConfig, ctx: DistContext) -> None:
         ranks = "; ".join(f"{k}: " + ", ".join(f"rank {i} {c.get(k)!r}" for i, c in enumerate(every)) for k in differ)
         raise ValueError(f"the {ctx.world} processes were given different options ({ranks}); give every process "
                          "the same command")  # fmt: skip
+
+
+def resolved(cfg: RunConfig) -> RunConfig:
+    """``cfg`` as :meth:`RunConfig.resolve` makes it. One built directly (``SomeConfig(model=..., epochs=1)``) is
+    resolved with the fields that differ from the class's defaults as its explicit options, over its recipe's
+    values as on the command line: validated, its data path made absolute and what its options imply written in
+    (the task's :meth:`RunConfig.complete`), so that the run it records loads and resumes."""
+    if getattr(cfg, "_resolved", False):
+        return cfg
+    default = type(cfg)()
+    given = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    return type(cfg).resolve(overrides={k: v for k, v in given.items() if v != getattr(default, k)})
 
 
 def preflight(task_cls: type[Task], cfg: RunConfig) -> int:
@@ -125,13 +140,13 @@ def _run(task: Task) -> dict:
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     state = task.build_state()
+    resumed = cfg.resume and task.checkpoint_path.is_file()
+    if resumed:  # before config.yaml is written: a refused --epochs leaves the run as it was
+        _restore(task, state, saved_epochs)
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
         cfg.save_yaml(out / "config.yaml")
     barrier(ctx)
-    resumed = cfg.resume and task.checkpoint_path.is_file()
-    if resumed:
-        _restore(task, state, saved_epochs)
     task.initialize(state, resumed)
     model = data_parallel(task.wrap(state.model), ctx)
     logger = RunLogger(out, enabled=ctx.is_main, tensorboard=cfg.tensorboard)
@@ -140,7 +155,10 @@ def _run(task: Task) -> dict:
         row, stopped = fit(task, state, model, ctx=ctx, logger=logger, log=task.log, stop=task.stop)
     finally:
         logger.close()
-    return task.finish(state, row, stopped)
+    try:
+        return task.finish(state, row, stopped)
+    except KeyboardInterrupt:  # Ctrl-C twice in the final evaluation: the last epoch is saved, --resume ends the run
+        raise Preempted.at(signal.SIGINT, "in the run's final evaluation", task.checkpoint_path, cfg.out) from None
 
 
 def _restore(task: Task, state: RunState, saved_epochs: int) -> None:

@@ -138,7 +138,9 @@ def require_format(format: str, *, check: bool = True, dtype: torch.dtype | None
         except ImportError:
             missing.append(name)
     if missing:
-        raise MissingDependencyError(f"ONNX export needs {', '.join(missing)}, which is not installed: {ONNX_INSTALL}")
+        verb = "is" if len(missing) == 1 else "are"
+        names = ", ".join(missing)
+        raise MissingDependencyError(f"ONNX export needs {names}, which {verb} not installed: {ONNX_INSTALL}")
 
 
 def default_export_path(name: str, format: str) -> Path:
@@ -234,7 +236,7 @@ def export_model(
     """
     dtype = floating_dtype(model)
     batch_size = _check_arguments(format, dtype, check, input_size, in_chans, batch_size, dynamic_batch)
-    path = Path(path)
+    path = Path(path).expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")

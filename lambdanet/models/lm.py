@@ -52,7 +52,7 @@ class LMSize:
         depth: blocks.
         heads: query heads (the transformer's attention heads, the lambda layer's ``|h|``).
         dim_k: the lambda layer's query/key depth ``|k|``.
-        r: the lambda layer's causal local scope.
+        r: the lambda layer's causal local scope (the linear mixer has none: it ignores ``r``).
         mlp_ratio: MLP hidden width / ``d``.
     """
 
@@ -113,14 +113,14 @@ class LanguageModel(nn.Module):
         depth: blocks.
         heads: query heads.
         dim_k: the lambda layer's query/key depth ``|k|``.
-        r: the lambda layer's causal local scope.
+        r: the lambda layer's causal local scope (the linear mixer has none: it ignores ``r``).
         mlp_ratio: MLP hidden width / ``d``.
         vocab_size: tokens (256: bytes).
         dim_v: the lambda layer's value depth (default :func:`matched_dim_v`); ignored by the transformer.
         dim_u: the lambda layer's intra-depth ``|u|``.
         chunk: the lambda layer's chunk length in training.
         positions: the transformer's position signal, ``"rotary"`` or ``"learned"`` (needs ``max_len``).
-        max_len: the longest sequence a model with learnt positions takes (``None``: unlimited otherwise).
+        max_len: the longest sequence a model with learnt positions takes (only with them: the others take any).
         dropout: dropout on the residual branches.
         decay: the lambda layers' content decay (:class:`~lambdanet.layers.causal_lambda.CausalLambdaLayer`:
             ``None``, ``"fixed"`` or ``"gate"``).
@@ -168,6 +168,9 @@ class LanguageModel(nn.Module):
             raise ValueError("positions='learned' needs max_len (the longest sequence the model takes)")
         if max_len is not None:
             check_positive_int(max_len, "max_len")
+            if not learned:
+                raise ValueError(f"max_len is for the transformer's positions='learned' (got mixer={mixer!r}, "
+                                 f"positions={positions!r}, which take any length); leave max_len out")  # fmt: skip
         self.mixer, self.vocab_size, self.dim = mixer, vocab_size, dim
         self.max_len = max_len if learned else None
         self.embed = nn.Embedding(vocab_size, dim)
@@ -175,6 +178,11 @@ class LanguageModel(nn.Module):
         if mixer != "transformer":
             dim_v = matched_dim_v(dim, heads, dim_k) if dim_v is None else dim_v
         check_positive_int(attention_every, "attention_every")
+        if mixer == "hybrid" and attention_every > depth:
+            raise ValueError(f"attention_every must be at most depth={depth} (every attention_every-th block "
+                             f"attends), got {attention_every}: the model would have no attention block")  # fmt: skip
+        if mixer == "linear" and not content:
+            raise ValueError("content=False leaves the linear mixer nothing (it has no position lambdas)")
         attention = [mixer == "transformer" or (mixer == "hybrid" and (i + 1) % attention_every == 0)
                      for i in range(depth)]  # fmt: skip
         lambda_r = 0 if mixer == "linear" else r

@@ -38,10 +38,12 @@ def _lm(mixer: str, size: str, **kwargs) -> LanguageModel:
 
 def _size_args(args: dict, size: str, mixer: str = "lambda") -> dict:
     """A family's architecture arguments with the size's own defaults: ``heads`` and ``mlp_ratio``, and for the
-    lambda mixers ``dim_k`` and ``r`` (the ablations of docs/language_models.md vary them)."""
+    lambda mixers ``dim_k`` and ``r`` (the ablations of docs/language_models.md vary them; the linear mixer has
+    no position lambdas, so no ``r``)."""
     s = LM_SIZES[size]
     own = {"heads": s.heads, "mlp_ratio": s.mlp_ratio}
-    return {**args, **own, **({} if mixer == "transformer" else {"dim_k": s.dim_k, "r": s.r})}
+    lambdas = {"dim_k": s.dim_k, **({} if mixer == "linear" else {"r": s.r})}
+    return {**args, **own, **({} if mixer == "transformer" else lambdas)}
 
 
 _PAPER = "LambdaNetworks App. B.2 (masked lambdas) on sequences; baselines of the same size"
@@ -49,6 +51,7 @@ LAMBDA_ARGS = {"vocab_size": 256, "dim_v": None, "dim_u": 1, "chunk": 64, "dropo
                "short_conv": 0, "lambdas": 1, "content": True, "key_norm": "softmax",
                "query_softmax": False}  # fmt: skip
 HYBRID_ARGS = {**LAMBDA_ARGS, "attention_every": 4}
+LINEAR_ARGS = {k: v for k, v in LAMBDA_ARGS.items() if k != "content"}  # content lambdas only: no r, no content=False
 LAMBDA_SHORT_CONV = 4  # lambda_lm_<size>'s short convolution: 1.1% lower bits per byte over 3 seeds (the study)
 LAMBDA_DECAY = "fixed"  # and its decay: with the convolution, 0.7% below the convolution alone, lower in 3 of 3 seeds
 # what lambda_lm_<size> sets over plain_lambda_lm_<size>: the convolution, the decay (dim_k x dim_u rates per layer),
@@ -91,8 +94,14 @@ def saved_lm(model: str, model_kwargs: Mapping) -> tuple[str, dict]:
     * ``short_conv`` but no ``decay``: written while the convolution alone was the default (``short_conv4``), the
       same model with ``decay=None``.
 
-    Any other model and options are themselves."""
+    Options that never had an effect are dropped: ``r`` and ``content`` of a ``linear_lm_<size>`` (whose mixer had no
+    position lambdas), ``max_len`` of a transformer with rotary positions. Any other model and options are
+    themselves."""
     kwargs = dict(model_kwargs)
+    if model.startswith("linear_lm_"):
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("r", "content")}
+    if model.startswith("transformer_lm_") and kwargs.get("positions", "rotary") != "learned":
+        kwargs.pop("max_len", None)
     if not _DEFAULT_LAMBDA.fullmatch(model):
         return model, kwargs
     if "short_conv" not in kwargs:
@@ -186,22 +195,22 @@ def plain_lambda_lm_base(**kwargs) -> LanguageModel:
     return _lm("lambda", "base", **kwargs)
 
 
-@register_model(info=_info("linear_lm_nano"), args=_size_args(LAMBDA_ARGS, "nano"))
+@register_model(info=_info("linear_lm_nano"), args=_size_args(LINEAR_ARGS, "nano", "linear"))
 def linear_lm_nano(**kwargs) -> LanguageModel:
     return _lm("linear", "nano", **kwargs)
 
 
-@register_model(info=_info("linear_lm_tiny"), args=_size_args(LAMBDA_ARGS, "tiny"))
+@register_model(info=_info("linear_lm_tiny"), args=_size_args(LINEAR_ARGS, "tiny", "linear"))
 def linear_lm_tiny(**kwargs) -> LanguageModel:
     return _lm("linear", "tiny", **kwargs)
 
 
-@register_model(info=_info("linear_lm_small"), args=_size_args(LAMBDA_ARGS, "small"))
+@register_model(info=_info("linear_lm_small"), args=_size_args(LINEAR_ARGS, "small", "linear"))
 def linear_lm_small(**kwargs) -> LanguageModel:
     return _lm("linear", "small", **kwargs)
 
 
-@register_model(info=_info("linear_lm_base"), args=_size_args(LAMBDA_ARGS, "base"))
+@register_model(info=_info("linear_lm_base"), args=_size_args(LINEAR_ARGS, "base", "linear"))
 def linear_lm_base(**kwargs) -> LanguageModel:
     return _lm("linear", "base", **kwargs)
 

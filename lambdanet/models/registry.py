@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 
-from lambdanet.constants import DEFAULT_CROP_PCT, DEFAULT_INTERPOLATION, IMAGENET_MEAN, IMAGENET_STD
+from lambdanet.constants import DATASET_CLASSES, DEFAULT_CROP_PCT, DEFAULT_INTERPOLATION, IMAGENET_MEAN, IMAGENET_STD
 from lambdanet.helpers import check_choice
 
 __all__ = [
@@ -328,9 +328,15 @@ def run_image_cfg(meta: dict) -> dict:
         mean=_per_channel(meta["mean"], meta["in_chans"]),  # a grey run loaded into an RGB model: repeated
         std=_per_channel(meta["std"], meta["in_chans"]),
         crop_pct=DEFAULT_CROP_PCT if files else 1.0,
-        classes=meta.get("classes"),
+        # a run written before its dataset's names were kept: the names of its built-in dataset
+        classes=meta.get("classes") or _known_classes(meta.get("data"), meta["num_classes"]),
         data=meta.get("data"),
     )
+
+
+def _known_classes(data, num_classes: int) -> list[str] | None:
+    names = DATASET_CLASSES.get(data) if isinstance(data, str) else None
+    return list(names) if names is not None and len(names) == num_classes else None
 
 
 def pretrained_cfg(name: str, num_classes: int = 1000, in_chans: int = 3) -> dict:

@@ -1,4 +1,4 @@
-"""Moved to :mod:`lambdanet.tasks.classification.sweep`; this import path is kept for one release."""
+"""Moved to :mod:`lambdanet.tasks.classification.sweep`; this import path works until 0.4 (with a warning)."""
 
 from lambdanet.helpers import moved_module
 

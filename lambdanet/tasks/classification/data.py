@@ -12,6 +12,7 @@ resume: distributed and resumed runs reproduce single-process runs exactly. A da
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Sized
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from lambdanet.constants import DEFAULT_CROP_PCT
 from lambdanet.constants import IMAGENET_MEAN, IMAGENET_STD  # noqa: F401  (lambdanet.data had them)
 from lambdanet.tasks.classification.datasets import (
     FASHION_MNIST_DIR,
+    IN_MEMORY,
     DatasetSpec,
     DatasetUnavailableError,
     ImageFolderTensors,
@@ -313,6 +315,7 @@ class RunData:
     train: ImageLoader
     val: ImageLoader | None
     test: ImageLoader
+    pseudo_digest: str | None = None  # the pseudo-labels trained on (their images and labels), checked on resume
 
 
 def prepare_run_data(cfg: TrainConfig, ctx: DistContext) -> RunData:
@@ -327,12 +330,13 @@ def prepare_run_data(cfg: TrainConfig, ctx: DistContext) -> RunData:
         val_ds = Subset(train_ds, pool[held])
         pool = pool[keep]
     fit_ds: Dataset = Subset(train_ds, pool)
+    digest = None
     if cfg.pseudo_labels:
-        pl = load_pseudo_labels(cfg.pseudo_labels, cfg)
         if not isinstance(train_ds, TensorImages):
-            raise ValueError(
-                "pseudo-labels are supported for in-memory datasets (digits, mnist5k, fashion-mnist, cifar10/100)"
-            )
+            raise ValueError(f"pseudo_labels (--pseudo-labels) are supported for in-memory datasets ({IN_MEMORY}), "
+                             f"not {cfg.data}")  # fmt: skip
+        pl = load_pseudo_labels(cfg.pseudo_labels, cfg)
+        digest = pseudo_labels_digest(pl)
         kept = torch.as_tensor(pool)
         fit_ds = TensorImages(
             torch.cat([train_ds.images[kept], train_ds.images[torch.as_tensor(pl["indices"])]]),
@@ -355,9 +359,12 @@ def prepare_run_data(cfg: TrainConfig, ctx: DistContext) -> RunData:
         randaugment=ra,
     )
     if len(train_loader) == 0:
+        narrowed = [f"{flag} {value}" for flag, value in (("--val-split", cfg.val_split), ("--labeled-fraction",
+                cfg.labeled_fraction)) if value != (0.0 if flag == "--val-split" else 1.0)]  # fmt: skip
         raise ValueError(
             f"batch_size={cfg.batch_size} is larger than the {train_loader.n} training images of "
-            f"{cfg.data}; lower --batch-size"
+            f"{cfg.data}{' left by ' + ' and '.join(narrowed) if narrowed else ''}; lower --batch-size"
+            + (f" or change {'it' if len(narrowed) == 1 else 'them'}" if narrowed else "")
         )
 
     def eval_loader(ds):
@@ -365,4 +372,13 @@ def prepare_run_data(cfg: TrainConfig, ctx: DistContext) -> RunData:
             ds, spec, img, train=False, batch_size=eval_bs, rank=ctx.rank, world=world, workers=cfg.workers
         )
 
-    return RunData(spec, train_loader, eval_loader(val_ds) if val_ds is not None else None, eval_loader(test_ds))
+    val = eval_loader(val_ds) if val_ds is not None else None
+    return RunData(spec, train_loader, val, eval_loader(test_ds), digest)
+
+
+def pseudo_labels_digest(pl: dict) -> str:
+    """What a student trains on from a pseudo-label file: its images (indices) and labels, as a SHA-256."""
+    h = hashlib.sha256()
+    for key in ("indices", "labels"):
+        h.update(torch.as_tensor(pl[key]).to(torch.int64).contiguous().numpy().tobytes())
+    return h.hexdigest()

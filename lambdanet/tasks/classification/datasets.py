@@ -17,6 +17,7 @@ their images on demand. :func:`build_datasets` gives raw uint8 images, augmented
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gzip
 import os
@@ -30,7 +31,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from lambdanet.constants import IMAGENET_MEAN, IMAGENET_STD
+from lambdanet.constants import DATASET_CLASSES, IMAGENET_MEAN, IMAGENET_STD
 from lambdanet.files import error_reason, read_image
 from lambdanet.helpers import require
 
@@ -46,6 +47,7 @@ __all__ = [
     "Subset",
     "ImageFolderTensors",
     "DatasetUnavailableError",
+    "IN_MEMORY",
 ]
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -69,10 +71,16 @@ class DatasetSpec:
 _SPECS = {
     "digits": DatasetSpec("digits", 10, 1, 16, (0.30,), (0.38,), False, True),
     "mnist5k": DatasetSpec("mnist5k", 10, 1, 28, (0.13,), (0.31,), False, True),
-    "fashion-mnist": DatasetSpec("fashion-mnist", 10, 1, 28, (0.286,), (0.353,), True, True),
-    "cifar10": DatasetSpec("cifar10", 10, 3, 32, (0.491, 0.482, 0.447), (0.247, 0.243, 0.262), True, True),
+    "fashion-mnist": DatasetSpec(
+        "fashion-mnist", 10, 1, 28, (0.286,), (0.353,), True, True, list(DATASET_CLASSES["fashion-mnist"])
+    ),
+    "cifar10": DatasetSpec(
+        "cifar10", 10, 3, 32, (0.491, 0.482, 0.447), (0.247, 0.243, 0.262), True, True, list(DATASET_CLASSES["cifar10"])
+    ),
     "cifar100": DatasetSpec("cifar100", 100, 3, 32, (0.507, 0.487, 0.441), (0.267, 0.256, 0.276), True, True),
 }
+
+IN_MEMORY = ", ".join(_SPECS)  # the datasets held in memory (every --data but imagefolder:PATH)
 
 
 class DatasetUnavailableError(ValueError):
@@ -91,6 +99,7 @@ class TensorImages(Dataset):
         if images.dtype != torch.uint8 or images.dim() != 4:
             raise ValueError(f"images must be a uint8 [N, C, H, W] tensor, got {images.dtype} {tuple(images.shape)}")
         self.images, self.labels = images, labels.long()
+        self.classes: list[str] | None = None  # the names of the labels, where the files have them
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -195,7 +204,9 @@ def _torchvision_pair(
 def _from_torchvision(ds) -> TensorImages:
     data = ds.data if isinstance(ds.data, Tensor) else torch.from_numpy(np.asarray(ds.data))
     images = data.unsqueeze(1) if data.dim() == 3 else data.permute(0, 3, 1, 2)  # N C H W
-    return TensorImages(images.contiguous(), torch.as_tensor(ds.targets))
+    found = TensorImages(images.contiguous(), torch.as_tensor(ds.targets))
+    found.classes = list(getattr(ds, "classes", None) or []) or None  # CIFAR-100's names come with its files
+    return found
 
 
 def _cifar(name: str, data_dir: Path, download: bool) -> tuple[TensorImages, TensorImages]:
@@ -290,4 +301,6 @@ def build_datasets(
         "fashion-mnist": lambda: _fashion_mnist(data_dir, download),
     }
     train, test = loaders.get(name, lambda: _cifar(name, data_dir, download))()
+    if spec.classes is None and train.classes and len(train.classes) == spec.num_classes:
+        spec = dataclasses.replace(spec, classes=train.classes)
     return spec, train, test

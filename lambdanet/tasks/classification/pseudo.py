@@ -13,10 +13,10 @@ from typing import cast
 
 import torch
 
-from lambdanet.engine.checkpoint import CheckpointError, load_checkpoint
+from lambdanet.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from lambdanet.engine.values import check_number
 from lambdanet.files import absolute_data, run_file
-from lambdanet.tasks.classification.data import ImageLoader, Subset, build_datasets, labeled_split
+from lambdanet.tasks.classification.data import IN_MEMORY, ImageLoader, Subset, build_datasets, labeled_split
 from lambdanet.tasks.classification.config import TrainConfig
 from lambdanet.tasks.classification.load import restore_model
 
@@ -34,6 +34,9 @@ def make_pseudo_labels(
     if not isinstance(state.get("config"), dict):
         raise CheckpointError(f"checkpoint {checkpoint} has no training configuration (not a lambdanet train run)")
     cfg = TrainConfig(**state["config"])
+    if cfg.data.startswith("imagefolder:"):
+        raise ValueError(f"the teacher {checkpoint} was trained on {cfg.data}: pseudo-labels are made for the "
+                         f"in-memory datasets a student can train on ({IN_MEMORY})")  # fmt: skip
     if cfg.labeled_fraction >= 1.0:
         raise ValueError(
             f"the teacher {checkpoint} was trained on all labels (labeled_fraction=1.0): there are no "
@@ -62,5 +65,5 @@ def make_pseudo_labels(
         "agreement_with_true_labels": float((labels == truth)[keep].float().mean()) if keep.any() else math.nan,
     }
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    torch.save(result, out)
+    save_checkpoint(result, out)  # whole or not at all
     return result

@@ -84,9 +84,15 @@ class ClassificationTask(Task):
 
     def upgrade_checkpoint(self, saved: dict) -> dict:
         """lambdanet <= 0.1 kept a preempted epoch's sums as ``loss_sum`` / ``correct`` / ``seen``. A checkpoint
-        that says what it classifies (``run_meta``) must still fit the data (renamed class folders included)."""
+        that says what it classifies (``run_meta``) must still fit the data (renamed class folders included), one
+        that names its pseudo-labels' digest the same pseudo-labels."""
         if isinstance(saved.get("run_meta"), dict):
             check_data_fits(saved["run_meta"], self.data.spec, self.checkpoint_path)
+        if saved.get("pseudo_labels_digest", self.data.pseudo_digest) != self.data.pseudo_digest:
+            raise ValueError(
+                f"pseudo_labels {self.cfg.pseudo_labels} are not the ones {self.checkpoint_path} trained on (the file "
+                "was written again since): restore them, or train a new student with another --out"
+            )
         partial = saved.get("epoch_partial")
         if not partial or "loss_sum" not in partial:
             return saved
@@ -139,8 +145,9 @@ class ClassificationTask(Task):
     def save(self, state: RunState) -> None:
         """``last.pt`` with the model's build arguments and what it classifies (``run_meta``: the weights header's
         values, so that the checkpoint loads without its data, and refuses data that changed)."""
+        pseudo = {"pseudo_labels_digest": self.data.pseudo_digest} if self.data.pseudo_digest else {}
         state.save(self.checkpoint_path, self.cfg, model_kwargs=model_build_kwargs(self.cfg),
-                   run_meta=_run_meta(self.cfg, self.data.spec))  # fmt: skip
+                   run_meta=_run_meta(self.cfg, self.data.spec), **pseudo)  # fmt: skip
 
     def initialize(self, state: RunState, resumed: bool) -> None:
         if resumed and self.ctx.is_main:

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from lambdanet.helpers import is_finite_real
 from lambdanet.tasks.detection.targets import empty_target
 
 __all__ = [
@@ -104,17 +105,22 @@ def coco_ground_truth(dataset: Dataset) -> dict:
     return dataset_to_coco(dataset)
 
 
-def read_coco_annotations(ann_file: Path, image_dir: Path) -> dict:
+def read_coco_annotations(ann_file: Path, image_dir: Path, *, masks: bool = True) -> dict:
     """Read and check a COCO instances file: one ``ValueError`` line for a missing or unparsable file,
-    missing sections, no annotations at all (an image without any is fine), an annotation of an unknown
-    image or category id, a box outside its image (by more than :data:`BOX_TOLERANCE` px), an annotation
-    without ``segmentation`` or ``iscrowd``, or image files missing under ``image_dir``."""
+    missing sections, no annotations at all (an image without any is fine), an image without an integer ``id``
+    (or one used twice), a category without an integer ``id`` or a ``name``, an annotation of an unknown image or
+    category id, a box of other than four numbers or outside its image (by more than :data:`BOX_TOLERANCE` px),
+    an annotation without ``iscrowd`` (0 or 1) or, with ``masks`` (Mask R-CNN), a ``segmentation``, or image files
+    missing under ``image_dir``. Without ``masks`` (Faster R-CNN) segmentations are not read: boxes alone do."""
     if not ann_file.is_file():
         raise ValueError(f"COCO annotation file {ann_file} does not exist")
     try:
         data = json.loads(ann_file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"COCO annotation file {ann_file} is not readable JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"COCO annotation file {ann_file} holds a JSON {type(data).__name__}, not an object with "
+                         "the lists images, annotations and categories (COCO instances format)")  # fmt: skip
     if missing := [k for k in ("images", "annotations", "categories") if not isinstance(data.get(k), list)]:
         raise ValueError(f"COCO annotation file {ann_file} needs the lists {missing} (COCO instances format)")
     if not data["annotations"]:
@@ -124,16 +130,16 @@ def read_coco_annotations(ann_file: Path, image_dir: Path) -> dict:
         )
     if not data["categories"]:
         raise ValueError(f"COCO annotation file {ann_file} has no categories")
-    for img in data["images"]:
-        if not all(isinstance(img.get(k), int) and img[k] > 0 for k in ("width", "height")) or "file_name" not in img:
-            raise ValueError(f"COCO annotation file {ann_file}: image {img.get('id')!r} needs file_name and positive "
-                             f"integer width and height, got {img!r}"[:300])  # fmt: skip
-    images = {img["id"]: img for img in data["images"]}
-    if bad := next((c for c in data["categories"] if not isinstance(c.get("id"), int)), None):
-        raise ValueError(f"COCO annotation file {ann_file}: category ids must be integers, got {bad!r}")
+    images = _check_images(data["images"], ann_file)
+    if bad := next((c for c in data["categories"] if not (isinstance(c, dict) and _is_int(c.get("id")))), None):
+        raise ValueError(f"COCO annotation file {ann_file}: category ids must be integers, got {bad!r}"[:300])
+    if bad := next((c for c in data["categories"] if not isinstance(c.get("name"), str)), None):
+        raise ValueError(f"COCO annotation file {ann_file}: category {bad['id']} needs a name, got {bad!r}"[:300])
     category_ids = {c["id"] for c in data["categories"]}
     for ann in data["annotations"]:
-        _check_annotation(ann, ann_file, images, category_ids)
+        if not isinstance(ann, dict):
+            raise ValueError(f"COCO annotation file {ann_file}: an annotation is a {type(ann).__name__}, not an object")
+        _check_annotation(ann, ann_file, images, category_ids, masks)
     if absent := [img["file_name"] for img in data["images"] if not (image_dir / img["file_name"]).is_file()]:
         raise ValueError(
             f"COCO annotation file {ann_file}: {len(absent)} of {len(data['images'])} image files are "
@@ -142,8 +148,32 @@ def read_coco_annotations(ann_file: Path, image_dir: Path) -> dict:
     return data
 
 
-def _check_annotation(ann: dict, ann_file: Path, images: dict, category_ids: set) -> None:
-    """One annotation of :func:`read_coco_annotations` (its category, image, box and segmentation)."""
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_images(images: list, ann_file: Path) -> dict:
+    """``{id: image}`` of the file's ``images``, each with a unique integer ``id``, a ``file_name`` and positive
+    integer ``width`` and ``height`` (pycocotools keeps the last of two images of one id: their annotations would
+    be trained on the other's file)."""
+    by_id: dict = {}
+    for img in images:
+        if not isinstance(img, dict) or not _is_int(img.get("id")):
+            raise ValueError(f"COCO annotation file {ann_file}: image ids must be integers, got {img!r}"[:300])
+        if "file_name" not in img or not all(_is_int(img.get(k)) and img[k] > 0 for k in ("width", "height")):
+            raise ValueError(f"COCO annotation file {ann_file}: image {img['id']!r} needs file_name and positive "
+                             f"integer width and height, got {img!r}"[:300])  # fmt: skip
+        if img["id"] in by_id:
+            first = by_id[img["id"]]["file_name"]
+            raise ValueError(f"COCO annotation file {ann_file}: image id {img['id']} is given twice ({first!r} and "
+                             f"{img['file_name']!r}); ids must be unique")  # fmt: skip
+        by_id[img["id"]] = img
+    return by_id
+
+
+def _check_annotation(ann: dict, ann_file: Path, images: dict, category_ids: set, masks: bool = True) -> None:
+    """One annotation of :func:`read_coco_annotations` (its category, image, box, crowd flag and, with ``masks``,
+    segmentation)."""
     aid = ann.get("id")
     if ann.get("category_id") not in category_ids:
         raise ValueError(
@@ -157,8 +187,9 @@ def _check_annotation(ann: dict, ann_file: Path, images: dict, category_ids: set
             f"{ann.get('image_id')!r}, which is not in 'images'"
         )
     box = ann.get("bbox")
-    if not (isinstance(box, list) and len(box) == 4):
-        raise ValueError(f"COCO annotation file {ann_file}: annotation {aid} needs bbox [x, y, w, h], got {box!r}")
+    if not (isinstance(box, list) and len(box) == 4 and all(is_finite_real(v) for v in box)):
+        raise ValueError(f"COCO annotation file {ann_file}: annotation {aid} needs bbox [x, y, w, h] of four numbers, "
+                         f"got {box!r}")  # fmt: skip
     x, y, w, h = box
     width, height = img["width"], img["height"]
     t = BOX_TOLERANCE
@@ -167,14 +198,17 @@ def _check_annotation(ann: dict, ann_file: Path, images: dict, category_ids: set
             f"COCO annotation file {ann_file}: annotation {aid} has bbox {box} (x, y, w, h) outside "
             f"its image {img.get('file_name')!r} of {width}x{height} (tolerance {t} px)"
         )
-    for key in ("segmentation", "iscrowd"):
+    for key in ("segmentation", "iscrowd") if masks else ("iscrowd",):
         if key not in ann:
             raise ValueError(
                 f"COCO annotation file {ann_file}: annotation {aid} has no {key!r} (the COCO "
                 "instances format gives every annotation a segmentation, polygons or RLE, and "
-                "iscrowd)"
+                "iscrowd; --no-masks, Faster R-CNN, needs no segmentation)"
             )
-    if why := _segmentation_problem(ann["segmentation"], height, width):
+    if ann["iscrowd"] not in (0, 1) or isinstance(ann["iscrowd"], float):
+        raise ValueError(f"COCO annotation file {ann_file}: annotation {aid} has iscrowd {ann['iscrowd']!r}, "
+                         "not 0 or 1")  # fmt: skip
+    if masks and (why := _segmentation_problem(ann["segmentation"], height, width)):
         raise ValueError(f"COCO annotation file {ann_file}: annotation {aid}'s segmentation {why}")
 
 
@@ -222,12 +256,17 @@ class CocoInstances(Dataset):
     """
 
     def __init__(
-        self, image_dir: str | os.PathLike, ann_file: str | os.PathLike, labels_of: CocoInstances | None = None
+        self,
+        image_dir: str | os.PathLike,
+        ann_file: str | os.PathLike,
+        labels_of: CocoInstances | None = None,
+        *,
+        masks: bool = True,
     ):
         from torchvision.datasets import CocoDetection, wrap_dataset_for_transforms_v2
 
-        self.image_dir, self.ann_file = Path(image_dir), Path(ann_file)
-        self.data = read_coco_annotations(self.ann_file, self.image_dir)
+        self.image_dir, self.ann_file, self.masks = Path(image_dir), Path(ann_file), masks
+        self.data = read_coco_annotations(self.ann_file, self.image_dir, masks=masks)
         if labels_of is None:
             cats = sorted(self.data["categories"], key=lambda c: c["id"])
             self.categories, self.category_ids = [c["name"] for c in cats], [c["id"] for c in cats]
@@ -249,10 +288,10 @@ class CocoInstances(Dataset):
         with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints its loading progress
             base = CocoDetection(str(self.image_dir), str(self.ann_file))
         base._load_image = functools.partial(_read_coco_image, base)  # an instance attribute: over the method
-        self.base = wrap_dataset_for_transforms_v2(
-            base, target_keys={"image_id", "boxes", "masks", "labels", "iscrowd"}
-        )
+        keys = {"image_id", "boxes", "labels", "iscrowd"} | ({"masks"} if masks else set())
+        self.base = wrap_dataset_for_transforms_v2(base, target_keys=keys)
         self.ids = list(base.ids)
+        self.data_images = {img["id"]: img for img in self.data["images"]}
 
     @property
     def num_classes(self) -> int:
@@ -267,6 +306,10 @@ class CocoInstances(Dataset):
         pil, raw = self.base[i]
         image = pil_to_tensor(pil).float() / 255  # 3 H W
         height, width = image.shape[-2:]
+        info = self.data_images[int(raw["image_id"])]
+        if (info["height"], info["width"]) != (height, width):  # the boxes were checked against the declared size
+            raise ValueError(f"COCO annotation file {self.ann_file}: image {info['file_name']!r} is {width}x{height} "
+                             f"pixels, the file says {info['width']}x{info['height']}")  # fmt: skip
         if "boxes" not in raw:  # an image without annotations
             return image, empty_target(height, width, raw["image_id"])
         boxes = raw["boxes"].as_subclass(Tensor).float().clamp(min=0)  # n 4
@@ -274,16 +317,16 @@ class CocoInstances(Dataset):
         boxes[:, 1::2] = boxes[:, 1::2].clamp(max=height)
         crowd = torch.as_tensor(raw["iscrowd"], dtype=torch.int64)  # n
         keep = (crowd == 0) & (boxes[:, 2] - boxes[:, 0] >= 1) & (boxes[:, 3] - boxes[:, 1] >= 1)  # n
-        masks = raw["masks"].as_subclass(Tensor)[keep].to(torch.uint8)  # k H W
         labels = torch.tensor([self.label_of[int(c)] for c in raw["labels"][keep].tolist()], dtype=torch.int64)
-        return image, {
-            "boxes": boxes[keep],
-            "labels": labels,
-            "masks": masks,
-            "image_id": int(raw["image_id"]),
-            "area": masks.flatten(1).sum(dim=1).float() if len(masks) else torch.zeros(0),
-            "iscrowd": torch.zeros(len(labels), dtype=torch.int64),
-        }
+        target = {"boxes": boxes[keep], "labels": labels, "image_id": int(raw["image_id"])}
+        if self.masks:
+            masks = raw["masks"].as_subclass(Tensor)[keep].to(torch.uint8)  # k H W
+            target["masks"] = masks
+            target["area"] = masks.flatten(1).sum(dim=1).float() if len(masks) else torch.zeros(0)
+        else:  # Faster R-CNN: the boxes' areas
+            kept = target["boxes"]  # k 4
+            target["area"] = (kept[:, 2] - kept[:, 0]) * (kept[:, 3] - kept[:, 1])
+        return image, {**target, "iscrowd": torch.zeros(len(labels), dtype=torch.int64)}
 
     def to_coco(self, image_ids: set[int] | None = None) -> dict:
         """The annotation file with category ids replaced by the labels (crowd regions kept; the categories the

@@ -283,6 +283,7 @@ QUICK_PRETRAIN_STEPS = PretrainConfig().steps
 # a run's pre-training saves itself here this often (steps), and --resume continues it; gone once last.pt holds it
 PRETRAIN_CHECKPOINT, PRETRAIN_CHECKPOINT_EVERY = "pretrain.pt", 100
 RUN_CHECKPOINTS = DetectConfig.CHECKPOINTS = ("last.pt", PRETRAIN_CHECKPOINT)  # what a detect run continues from
+DetectConfig.SAVED_DEFAULTS = {"glyphs": "auto"}  # 0.1.0 had no --glyphs: its scenes were the "auto" sets
 
 
 def resolve_detect_config(

@@ -127,9 +127,11 @@ def build_detection_datasets(
     config: GlyphSceneConfig = GlyphSceneConfig(),
     cache_dir: str | os.PathLike = CACHE_DIR,
     progress: bool = True,
+    masks: bool = True,
 ) -> tuple[GlyphInstances | CocoInstances, GlyphInstances | CocoInstances]:
     """(train, test) of ``name``: ``"glyphs"`` (:class:`GlyphInstances` of ``config`` and ``seed``) or
-    ``"coco:DIR"`` (:class:`CocoInstances` of a COCO folder, see :func:`coco_split_files`)."""
+    ``"coco:DIR"`` (:class:`CocoInstances` of a COCO folder, see :func:`coco_split_files`; without ``masks``,
+    for Faster R-CNN, its segmentations are not read)."""
     if name == "glyphs":
         scenes = glyph_scenes(config, seed, cache_dir=cache_dir, progress=progress)
         return GlyphInstances("train", scenes=scenes), GlyphInstances("test", scenes=scenes)
@@ -138,8 +140,9 @@ def build_detection_datasets(
         if not root.is_dir():
             raise ValueError(f"coco:DIR needs an existing folder, got {name!r}")
         files = coco_split_files(root)
-        train = CocoInstances(*files["train"])
-        return train, CocoInstances(*files["test"], labels_of=train)  # the model's labels: the training file's
+        train = CocoInstances(*files["train"], masks=masks)
+        # the model's labels: the training file's
+        return train, CocoInstances(*files["test"], labels_of=train, masks=masks)
     raise ValueError(f"unknown detection dataset {name!r}; valid: {', '.join(list_detection_datasets())}")
 
 

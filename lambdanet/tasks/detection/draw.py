@@ -48,7 +48,8 @@ def draw_predictions(
             labels = [
                 f"{_category(dataset, int(c))} {s:.2f}" for c, s in zip(pred["labels"][keep], pred["scores"][keep])
             ]
-            canvas = draw_bounding_boxes(canvas, pred["boxes"][keep].cpu(), labels=labels, colors="yellow")
+            if keep.any():  # torchvision warns on an image without boxes
+                canvas = draw_bounding_boxes(canvas, pred["boxes"][keep].cpu(), labels=labels, colors="yellow")
             tiles.append(canvas.float() / 255)
     size = max(t.shape[-1] for t in tiles), max(t.shape[-2] for t in tiles)
     tiles = [nn.functional.pad(t, (0, size[0] - t.shape[-1], 0, size[1] - t.shape[-2])) for t in tiles]

@@ -12,6 +12,7 @@ from typing import cast
 
 import numpy as np
 
+from lambdanet.constants import DATASET_CLASSES
 from lambdanet.tasks.classification.data import DatasetUnavailableError, TensorImages, build_datasets
 
 __all__ = [
@@ -32,18 +33,7 @@ __all__ = [
     "glyph_colour",
 ]
 
-FASHION_MNIST_CLASSES = (
-    "T-shirt/top",
-    "Trouser",
-    "Pullover",
-    "Dress",
-    "Coat",
-    "Sandal",
-    "Shirt",
-    "Sneaker",
-    "Bag",
-    "Ankle boot",
-)
+FASHION_MNIST_CLASSES = DATASET_CLASSES["fashion-mnist"]
 DIGIT_CLASSES = tuple(str(d) for d in range(10))
 
 

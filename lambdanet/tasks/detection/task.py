@@ -246,7 +246,11 @@ class DetectionTask(Task):
     def build_state(self) -> RunState:
         cfg, ctx, out = self.cfg, self.ctx, self.out
         self.train_set, self.test = build_detection_datasets(
-            cfg.data, seed=cfg.seed, progress=cfg.progress and ctx.is_main, config=GlyphSceneConfig(glyphs=cfg.glyphs)
+            cfg.data,
+            seed=cfg.seed,
+            progress=cfg.progress and ctx.is_main,
+            config=GlyphSceneConfig(glyphs=cfg.glyphs),
+            masks=cfg.masks,
         )
         model = build_detector(cfg, self.train_set.num_classes)
         if cfg.sync_bn and ctx.enabled:

@@ -17,9 +17,9 @@ __all__ = ["LMConfig"]
 class LMConfig(RunConfig):
     """Every option of ``lambdanet lm train`` (each is also a ``--flag`` and a YAML key; ``null`` = unset).
 
-    Recipes: ``quick`` (the default: ``lambda_lm_tiny`` at context 256, 1,200 steps of 16 sequences: 1.66 bits per
-    byte in 6 minutes on 2 CPU cores), ``long`` (the same model, 3,000 steps of 32 sequences: 1.33, below gzip -9's
-    1.61 on the standard library, in 33 minutes on 2 CPU cores; docs/language_models.md) and ``long_small``
+    Recipes: ``quick`` (the default: ``lambda_lm_tiny`` at context 256, 1,200 steps of 16 sequences: 1.645 bits per
+    byte in 8 minutes on 2 CPU cores), ``long`` (the same model, 3,000 steps of 32 sequences: 1.317, below gzip -9's
+    1.61 on the standard library, in 34 minutes on 2 CPU cores; docs/language_models.md) and ``long_small``
     (``lambda_lm_small``, context 512, 15,000 steps of 32: a GPU's recipe, days on a CPU)."""
 
     RECIPES = {

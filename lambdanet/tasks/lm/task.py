@@ -27,7 +27,7 @@ from lambdanet.engine.optim import build_optimizer, lr_at
 from lambdanet.engine.state import RunState
 from lambdanet.engine.task import Task, run
 from lambdanet.files import encode_metadata, read_safetensors, run_metadata
-from lambdanet.helpers import check_positive_int
+from lambdanet.helpers import check_int, check_positive_int
 from lambdanet.models import create_model
 from lambdanet.models.lm_zoo import saved_lm
 from lambdanet.models.lm import LanguageModel
@@ -291,6 +291,7 @@ def sample(
     """Continue ``prompt`` (text is UTF-8 encoded) with the language model of a run: the prompt's bytes and the
     ``max_new_tokens`` sampled after them (``cuda_graph``: each step replayed from a CUDA graph, for the
     constant-state families on CUDA; :meth:`~lambdanet.models.lm.LanguageModel.generate`)."""
+    check_int(seed, "seed", 0, 2**32 - 1, note=" below 2**32")  # as lm train's
     model = cast(LanguageModel, load_lm(path, device))  # a language model: load_lm builds only those
     data = prompt.encode() if isinstance(prompt, str) else bytes(prompt)
     if not data:
