@@ -76,23 +76,25 @@ def _check_repo_id(repo_id) -> None:
 
 def _check_folder(folder: Path, run_dir: Path | None) -> None:
     """A one-line ``ValueError`` unless ``folder`` may receive the repository's files: not the run's own directory
-    (its weights would be replaced), and new, empty, or an earlier repository folder of :func:`save_for_hub`
-    (lambdanet's ``config.json`` and none but :data:`REPOSITORY_FILES`): other files are never overwritten."""
+    (its weights would be replaced), and new, empty (but for git's dot-files: a clone of the hub repository), or an
+    earlier repository folder of :func:`save_for_hub` (lambdanet's ``config.json`` and none but
+    :data:`REPOSITORY_FILES`): other files are never overwritten."""
     if run_dir is not None and folder.resolve() == run_dir.resolve():
         raise ValueError(f"folder {folder} is the run directory itself: pass another folder for the repository")
-    present = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    # a clone of a hub repository: .git, .gitattributes, ... are git's, never written here
+    present = sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) if folder.is_dir() else []
     if not present:
         return
     try:
         ours = json.loads((folder / CONFIG_FILE).read_text()).get("library_name") == "lambdanet"
     except (OSError, ValueError, AttributeError):
         ours = False
-    if not ours or set(present) - set(REPOSITORY_FILES):
-        shown = ", ".join(present[:5]) + (", ..." if len(present) > 5 else "")
-        raise ValueError(
-            f"folder {folder} is not empty ({shown}) and is not an earlier repository folder of lambdanet: pass a "
-            "new or empty folder (nothing in it is overwritten)"
-        )
+    other = sorted(set(present) - set(REPOSITORY_FILES)) if ours else present
+    if other:
+        shown = ", ".join(other[:5]) + (", ..." if len(other) > 5 else "")
+        what = "holds other files than lambdanet's repository" if ours else "is not empty and is not a repository"
+        raise ValueError(f"folder {folder} {what} ({shown}): pass a new or empty folder, a clone of the hub "
+                         "repository, or one lambdanet wrote (nothing else in it is overwritten)")  # fmt: skip
 
 
 def save_for_hub(source: str | os.PathLike | nn.Module, folder: str | os.PathLike, repo_id: str | None = None) -> Path:

@@ -46,6 +46,18 @@ def test_demo_runs(capsys):
     assert "input (2, 32, 8, 8) -> output (2, 32, 8, 8)" in capsys.readouterr().out
 
 
+def test_demo_errors_name_the_flags(capsys):
+    """The layer's own message names its arguments; the demo adds the flags that gave them, and refuses one
+    position (BatchNorm's "Expected more than 1 value per channel") naming --batch and --size."""
+    assert main(["demo", "--dim", "10", "--heads", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "heads=4 must divide dim_out=10" in err and "--dim 10" in err and "--heads 4" in err
+    assert main(["demo", "--size", "1", "--batch", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--batch 1 with --size 1 is one position" in err
+    assert main(["demo", "--size", "1", "--batch", "2", "--dim", "16", "--heads", "2"]) == 0
+
+
 def test_no_command_prints_help(capsys):
     assert main([]) == 2
     assert "usage: lambdanet" in capsys.readouterr().out

@@ -251,6 +251,10 @@ def test_apply_lambdas_multiquery_and_multihead():
         (lambda: LF.relative_position_output_qe(torch.randn(1, 12, 2, 3), torch.randn(1, 3, 1, 5, 5), (2, 2),
                                                 (3, 5), torch.randn(1, 12, 5)), "n = m = prod(spatial) = 15"),
         # the fast path's building blocks (lambdanet.functional re-exports them) name their arguments too
+        (lambda: LF.position_output_qe(torch.randn(2, 6, 3, 4), torch.randn(4, 9, 6), torch.randn(2, 6, 5)),
+         "embeddings must be [k, n, m] = (4, 6, 6) and values [b=2, m, v]"),
+        (lambda: LF.position_output_qe(torch.randn(2, 6, 3, 4), torch.randn(4, 6, 6), torch.randn(3, 6, 5)),
+         "got (4, 6, 6) and (3, 6, 5)"),
         (lambda: LF.content_lambda(torch.randn(2, 6, 8), torch.randn(2, 7, 5)),
          "normalized_keys must have shape [b, m, g, k, u], got shape (2, 6, 8)"),
         (lambda: LF.content_lambda(torch.randn(2, 6, 1, 8, 1), torch.randn(2, 7, 1, 5, 1)),

@@ -90,18 +90,21 @@ def test_the_repository_folder_never_overwrites_the_run_or_other_files(tmp_path)
     mine.mkdir()
     (mine / "README.md").write_text("my project")
     (mine / "config.json").write_text('{"mine": 1}')
-    with pytest.raises(ValueError, match=r"^folder .*project is not empty \(README.md, config.json\) and is not an"):
+    with pytest.raises(ValueError, match=r"^folder .*project is not empty and is not a repository \(README.md, "
+                                         r"config.json\): pass a new or empty folder"):
         save_for_hub(RUN, mine)
     assert (mine / "README.md").read_text() == "my project"
     repo = save_for_hub(RUN, tmp_path / "repo")
     (repo / "README.md").write_text("stale")
     assert save_for_hub(RUN, repo, "you/digits") == repo and "you/digits" in (repo / "README.md").read_text()
     (repo / "notes.txt").write_text("mine")
-    with pytest.raises(ValueError, match=r"is not empty \(.*notes.txt"):
+    with pytest.raises(ValueError, match=r"holds other files than lambdanet's repository \(notes.txt\)"):
         save_for_hub(RUN, repo)
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    assert (save_for_hub(RUN, empty) / "model.safetensors").is_file()
+    clone = tmp_path / "clone"  # git clone of an empty hub repository, and again after the first upload
+    (clone / ".git").mkdir(parents=True)
+    (clone / ".gitattributes").write_text("*.safetensors filter=lfs")
+    assert (save_for_hub(RUN, clone) / "model.safetensors").is_file()
+    assert save_for_hub(RUN, clone) == clone and (clone / ".gitattributes").read_text().startswith("*.safetensors")
 
 
 def test_a_model_object_is_shared_with_its_arguments(tmp_path, hub_cache):

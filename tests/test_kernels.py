@@ -264,3 +264,20 @@ def test_kernels_compile_for_hopper_and_the_table_gradient_does_not_spill():
         # it launches with maxnreg
         assert r["registers"] > 32, r
     assert control[0]["spill_stores"] > 0, control
+
+
+def test_shapes_that_do_not_fit_each_other_are_one_line_errors_before_any_kernel():
+    """The kernels index q, the values and the table by the sizes the arguments give: a table of another k or u,
+    values or a spatial size of another n, or a centre outside the table would read other entries (on a GPU past
+    the buffers). Each is refused, naming the argument, before a kernel runs."""
+    q, vals, table = torch.randn(1, 6, 2, 4), torch.randn(1, 6, 3, 1), torch.randn(4, 1, 3, 3)
+    lambda_position_output(q, vals, table, (1, 1), (2, 3))  # fits
+    for args, needle in (((q, vals, torch.randn(6, 1, 3, 3), (1, 1), (2, 3)), "table needs [k, u, ...]"),
+                         ((q, vals, torch.randn(4, 2, 3, 3), (1, 1), (2, 3)), "table needs [k, u, ...]"),
+                         ((q, torch.randn(1, 8, 3, 1), table, (1, 1), (2, 4)), "n = prod(spatial) = 8"),
+                         ((q, vals, table, (1, 1), (2, 2)), "n = prod(spatial) = 4"),
+                         ((q, vals, table, (1, 3), (2, 3)), "center (1, 3) must index the table's (3, 3)"),
+                         ((q, vals, torch.randn(4, 1, 3), (1, 1), (2, 3)), "table [k, u, *T] of 2 table dims")):
+        with pytest.raises(ValueError, match="^lambda_position_output: ") as err:
+            lambda_position_output(*args)
+        assert needle in str(err.value) and "\n" not in str(err.value)

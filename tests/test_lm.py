@@ -413,7 +413,7 @@ def test_training_learns_and_sampling_continues_the_prompt(tmp_path, corpus_dir,
 def test_a_configuration_built_directly_trains_as_the_resolved_one_and_loads_back(tmp_path, corpus_dir):
     """``train_lm(LMConfig(...))`` without :meth:`LMConfig.resolve` records what the resolved configuration records
     (the ``lambda_lm_<size>`` defaults pinned, the data path absolute), so the run loads as the model it trained;
-    a recipe named directly gives its values to the fields left at their defaults, as on the command line."""
+    a copy of a resolved configuration is left as it is."""
     values = {"data": f"text:{corpus_dir}", "model": "lambda_lm_nano", "context": 32, "epochs": 1,
               "steps_per_epoch": 2, "batch_size": 2, "eval_bytes": 200, "out": str(tmp_path / "direct"),
               "tensorboard": False, "progress": False}  # fmt: skip
@@ -424,12 +424,14 @@ def test_a_configuration_built_directly_trains_as_the_resolved_one_and_loads_bac
     assert summary["model_kwargs"] == {"short_conv": 4, "decay": "fixed", "dim_v": 64}
     model = load_lm(tmp_path / "direct")
     assert model.lm_cfg["model"] == "lambda_lm_nano" and math.isfinite(summary["val_bits_per_byte"])
-    long = LMConfig(recipe="long", out=str(tmp_path / "long"))
     from lambdanet.engine.task import resolved
 
-    assert dataclasses.asdict(resolved(long)) == dataclasses.asdict(
-        LMConfig.resolve("long", overrides={"out": str(tmp_path / "long")})
-    )
+    # a copy of a resolved configuration (dataclasses.replace) keeps its values, the recipe's included, even those
+    # equal to the class's defaults
+    long = LMConfig.resolve("long", overrides={"out": str(tmp_path / "long"), "context": LMConfig.context})
+    copied = dataclasses.replace(long, out=str(tmp_path / "copy"))
+    assert dataclasses.asdict(resolved(copied)) == {**dataclasses.asdict(long), "out": str(tmp_path / "copy")}
+    assert long.steps_per_epoch != LMConfig.steps_per_epoch  # the recipe's values differ from the defaults
     with pytest.raises(ValueError, match=r"^context must be a positive int, got 0$"):
         train_lm(LMConfig(**{**values, "context": 0}), log=lambda _: None)
 

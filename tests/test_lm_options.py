@@ -187,6 +187,9 @@ def test_options_a_family_has_no_use_for_are_refused_and_old_records_of_them_dro
     kept = {"positions": "learned", "max_len": 16}
     assert saved_lm("transformer_lm_nano", kept) == ("transformer_lm_nano", kept)
     assert saved_lm("hybrid_lm_tiny", {"r": 8}) == ("hybrid_lm_tiny", {"r": 8})
+    plain = saved_lm("hybrid_lm_tiny", {"attention_every": depth + 1, "r": 8})  # recorded before it was refused
+    assert plain == ("plain_lambda_lm_tiny", {"r": 8})
+    assert not any(type(b.mixer).__name__ == "CausalSelfAttention" for b in create_model(plain[0], **plain[1]).blocks)
 
 
 def test_bad_inputs_and_states_are_one_line_errors_in_forward_step_and_init_state():

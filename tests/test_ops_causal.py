@@ -736,3 +736,69 @@ def test_the_kernels_serve_the_decayed_layer_with_float32_keys():
     out = causal_lambda(q, keys, values, None, mode="fused_chunk", chunk_size=16)
     ref = causal_lambda_reference(q.double(), keys.double(), values.double())
     assert out.dtype == torch.float16 and rel(out, ref) < 3 * 2.0**-11 * 4
+
+
+def test_auto_keeps_float64_inputs_in_float64_arithmetic(monkeypatch):
+    """The kernels' products are float32 whatever the inputs (the precision rule): ``"auto"`` on a GPU takes them
+    for float32 / half inputs, the PyTorch chunk form (float64 throughout) for float64 ones, so a float64 gradcheck
+    with the default mode holds on any device."""
+    from lambdanet.ops.causal_lambda import call_mode
+
+    monkeypatch.setattr(FC, "available", lambda device: (True, ""))  # as on a GPU
+    q = torch.empty(1, 4, 8, 16, device="meta")
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda")))
+    assert call_mode("auto", q, 8) == "fused_chunk" and call_mode("auto", q.to(torch.bfloat16), 8) == "fused_chunk"
+    assert call_mode("auto", q.double(), 8) == "chunk"
+
+
+def test_states_of_another_dtype_device_or_type_are_one_line_errors_in_every_entry():
+    """A state is read by the op or the layer deep inside (an integer state gave a wrong output, one on another
+    device torch's own message, a number an AttributeError): ``causal_lambda``, the two terms apart and the layer
+    each name the argument and what it must be. A state made under ``inference_mode`` continues with autograd on
+    (the layer's step and forward alike), equal to the whole sequence."""
+    from lambdanet.ops.lambda_terms import content_lambda, init_content_state, init_position_state, position_lambda
+
+    q, keys, values, emb = inputs(6, k=4, v=8, u=1, r=3)
+    _, state = causal_lambda(q, keys, values, emb, mode="chunk", output_final_state=True)
+    for key, bad, needle in (("S", state["S"].long(), "S must be a floating-point tensor on cpu, got a torch.int64"),
+                             ("z", state["z"].to("meta"), "z must be a floating-point tensor on cpu, got a "
+                                                          "torch.float32 tensor on meta"),
+                             ("c", 1.0, "c must be a floating-point tensor on cpu, got float")):  # fmt: skip
+        with pytest.raises(ValueError, match="^initial_state does not fit this call") as err:
+            causal_lambda(q, keys, values, emb, mode="chunk", initial_state={**state, key: bad})
+        assert needle in str(err.value) and "\n" not in str(err.value)
+    content = init_content_state(2, 4, 8, 1)
+    window = init_position_state(2, 8, 1, 3)
+    for call, good, misfit, needle in (
+        (lambda s: content_lambda(q, keys, values, initial_state=s), content, {**content, "ss": torch.zeros(1, 1, 4)},
+         r"ss \(1, 1, 4\) \(expected \(2, 1, 4\)\)"),
+        (lambda s: content_lambda(q, keys, values, initial_state=s), content, {"S": content["S"]},
+         r"keys \['S', 'ss'\]"),
+        (lambda s: position_lambda(q, values, emb, initial_state=s), window, {"window": torch.zeros(2, 1, 5, 8)},
+         r"window \(2, 1, 5, 8\) \(expected \(2, 1, 2, 8\)\)"),
+    ):  # fmt: skip
+        call(good)
+        with pytest.raises(ValueError, match=needle) as err:
+            call(misfit)
+        assert str(err.value).startswith("initial_state ") and "\n" not in str(err.value)
+    layer = CausalLambdaLayer(16, heads=2, dim_k=4, r=5, short_conv=3, decay="gate")
+    x = torch.randn(2, 9, 16)
+    with torch.inference_mode():
+        _, made = layer(x[:, :8], return_state=True)
+    whole = layer(x)
+    stepped, _ = layer.step(made, x[:, 8])
+    assert torch.allclose(stepped, whole[:, 8], atol=1e-5)  # float32 sums of a few dozen O(1) terms: ~1e-6
+    more = layer(x[:, 8:], made)
+    assert torch.allclose(more[:, 0], whole[:, 8], atol=1e-5) and more.requires_grad
+    with pytest.raises(ValueError, match=r"^state does not fit a batch of 2 in this layer: S must be a floating-point"):
+        layer.step({**made, "S": made["S"].long()}, x[:, 8])
+
+
+def test_the_terms_definitions_of_an_empty_sequence_are_empty_as_their_chunk_forms():
+    from lambdanet.ops.lambda_terms import content_lambda, position_lambda
+    from lambdanet.ops.lambda_terms.naive import naive_content_lambda, naive_position_lambda
+
+    q, keys, values, emb = inputs(0, k=4, v=8, u=1, r=3)
+    for naive, chunked in ((naive_content_lambda(q, keys, values, "l2"), content_lambda(q, keys, values)),
+                           (naive_position_lambda(q, values, emb), position_lambda(q, values, emb))):  # fmt: skip
+        assert naive.shape == chunked.shape == (2, 0, 3, 8) and naive.dtype == chunked.dtype

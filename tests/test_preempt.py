@@ -434,3 +434,31 @@ def test_ctrl_c_twice_in_the_final_evaluation_is_one_line_and_resume_ends_the_ru
     assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 0
     a, b = load_file(uninterrupted / "model.safetensors"), load_file(out / "model.safetensors")
     assert all(torch.equal(a[key], b[key]) for key in a)
+
+
+def test_a_signal_in_the_epoch_that_stops_early_ends_the_run_as_it_would_have(tmp_path, capsys, monkeypatch):
+    """The epoch whose evaluation stops the run early (``--early-stop-patience``) ends it, signal or not: the run
+    writes its end (no second ``--resume`` needed, no epoch trained past the early stop)."""
+    from lambdanet.tasks.classification.task import ClassificationTask
+
+    args = ["train", "--model", "resnet26", "--epochs", "6", "--max-train-batches", "2", "--batch-size", "16",
+            "--no-progress", "--no-tensorboard", "--val-split", "0.1", "--early-stop-patience", "1", "--lr", "5",
+            "--optimizer", "sgd"]  # fmt: skip
+    whole = tmp_path / "whole"
+    assert main([*args, "--out", str(whole)]) == 0
+    expected = json.loads((whole / "summary.json").read_text())
+    assert expected["stopped_early"] and expected["epochs"] < 6  # else the test shows nothing
+    real = ClassificationTask.stops_early
+
+    def signalled(self, state):
+        if state.epoch == expected["epochs"]:  # while the epoch that stops early is evaluated and judged
+            signal.raise_signal(signal.SIGINT)
+        return real(self, state)
+
+    monkeypatch.setattr(ClassificationTask, "stops_early", signalled)
+    out = tmp_path / "signalled"
+    assert main([*args, "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["epochs"], summary["stopped_early"]) == (expected["epochs"], True)
+    a, b = load_file(whole / "model.safetensors"), load_file(out / "model.safetensors")
+    assert all(torch.equal(a[key], b[key]) for key in a)

@@ -19,7 +19,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     for value, name in ((args.size, "--size"), (args.batch, "--batch")):
         check_positive_int(value, name)
-    layer = LambdaLayer(args.dim, dim_k=args.dim_k, heads=args.heads, r=args.r)
+    if args.batch * args.size**2 == 1:
+        raise ValueError("--batch 1 with --size 1 is one position: the layer's BatchNorm needs two values per channel "
+                         "in training; use --batch 2 or --size 2")  # fmt: skip
+    try:
+        layer = LambdaLayer(args.dim, dim_k=args.dim_k, heads=args.heads, r=args.r)
+    except ValueError as err:  # the layer names its arguments: say which flags gave them
+        given = f"--dim {args.dim} --dim-k {args.dim_k} --heads {args.heads} --r {args.r}"
+        raise ValueError(f"{err} (from {given})") from None
     x = torch.randn(args.batch, args.dim, args.size, args.size)
     t0 = time.perf_counter()
     y = layer(x)

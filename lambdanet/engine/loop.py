@@ -13,6 +13,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
+from lambdanet.engine.checkpoint import rng_state, set_rng_state
 from lambdanet.engine.contract import Task
 from lambdanet.engine.distributed import DistContext, all_reduce_sum, barrier
 from lambdanet.engine.logger import RunLogger
@@ -228,7 +229,8 @@ def fit(
             _save(task, state)
             last_saved = state.epoch
         barrier(ctx)
-        if stop is not None and stop.requested(ctx) is not None:  # a signal while it evaluated or saved
+        # a signal while it evaluated or saved (a run that stops early here ends as it would have)
+        if stop is not None and stop.requested(ctx) is not None and not stopped:
             _stop_after_epoch(task, state, stop, saved=last_saved == state.epoch)
     return row, stopped
 
@@ -258,6 +260,7 @@ def _epoch_row(task: Task, state: RunState, model: nn.Module, result: dict, log:
     signal after its last batch saves it: ``--resume`` evaluates it again instead of training it again. (A process
     group's ranks cannot agree on a save there: they raise at once.)"""
     counters = state.epoch, state.train_time_s, state.samples_seen, dict(state.best), state.bad_epochs
+    rng = rng_state() if not task.ctx.enabled else None  # the generators as the epoch's training left them
     state.epoch += 1
     state.train_time_s += result["seconds"]
     try:
@@ -266,6 +269,7 @@ def _epoch_row(task: Task, state: RunState, model: nn.Module, result: dict, log:
         if task.ctx.enabled:
             raise
         state.epoch, state.train_time_s, state.samples_seen, state.best, state.bad_epochs = counters
+        set_rng_state(cast(dict, rng))  # what the evaluation drew is drawn again when it runs again
         state.epoch_partial = {"batches": task.steps_per_epoch, "sums": result["sums"], "seconds": result["seconds"]}
         _save(task, state)
         where = f"while evaluating epoch {state.epoch + 1}/{task.cfg.epochs}"

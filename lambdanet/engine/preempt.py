@@ -111,8 +111,8 @@ class StopSignals:
         if self.received is None:
             self._first = now
             if self.notice and os.isatty(2):
-                _say(f"\n{signal.Signals(signum).name}: stopping after the current step or evaluation, which is then "
-                     f"saved; the same again (after a second) stops at once\n")  # fmt: skip
+                _say(f"\n{signal.Signals(signum).name}: stopping where the run can be saved and resumed (after this "
+                     f"step or evaluation); the same again (after a second) stops at once\n")  # fmt: skip
         self.request(signal.Signals(signum))
 
     def request(self, sig: signal.Signals = signal.SIGTERM) -> None:

@@ -11,11 +11,13 @@ override (:meth:`~Task.initialize`, :meth:`~Task.wrap`, :meth:`~Task.save_due`, 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import random
 import signal
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -38,12 +40,14 @@ from lambdanet.engine.loop import fit
 from lambdanet.engine.preempt import Preempted, StopSignals, resume_point
 from lambdanet.engine.rundir import RunDirBusyError, RunDirLock, check_new_run
 from lambdanet.engine.state import RunState
-from lambdanet.files import RUN_FILES
+from lambdanet.files import RUN_FILES, absolute_data, check_output_dir
 from lambdanet.helpers import require
 from lambdanet.ops.position_lambda.tuning import set_impl_tuning
 from lambdanet.runtime import check_amp
 
-__all__ = ["Task", "run", "check_extras", "check_same_config", "preflight"]
+C = TypeVar("C", bound=RunConfig)
+
+__all__ = ["Task", "run", "resolved", "check_extras", "check_same_config", "preflight"]
 
 
 def run(task_cls: type[Task], cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
@@ -99,16 +103,22 @@ def check_same_config(cfg: RunConfig, ctx: DistContext) -> None:
                          "the same command")  # fmt: skip
 
 
-def resolved(cfg: RunConfig) -> RunConfig:
-    """``cfg`` as :meth:`RunConfig.resolve` makes it. One built directly (``SomeConfig(model=..., epochs=1)``) is
-    resolved with the fields that differ from the class's defaults as its explicit options, over its recipe's
-    values as on the command line: validated, its data path made absolute and what its options imply written in
-    (the task's :meth:`RunConfig.complete`), so that the run it records loads and resumes."""
-    if getattr(cfg, "_resolved", False):
+def resolved(cfg: C) -> C:
+    """``cfg`` ready to run as :meth:`RunConfig.resolve` makes it. One that did not come from ``resolve`` (built
+    directly, ``SomeConfig(model=..., epochs=1)``, or a ``dataclasses.replace`` copy of a resolved one) runs its
+    field values as they are (its ``recipe`` names a recipe, it does not apply one): a copy of them validated, its
+    data path made absolute and what its options imply written in (the task's :meth:`RunConfig.complete`, every
+    field counting as given), so that the run it records loads and resumes. A resolved copy is unchanged."""
+    if getattr(cfg, "_resolved", False) or not isinstance(cfg, RunConfig):  # (a stand-in a test passes)
         return cfg
-    default = type(cfg)()
-    given = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    return type(cfg).resolve(overrides={k: v for k, v in given.items() if v != getattr(default, k)})
+    cfg = copy.deepcopy(cfg)
+    if isinstance(getattr(cfg, "data", None), str):
+        cfg.data = absolute_data(cfg.data)  # type: ignore[attr-defined]
+    cfg.validate()
+    check_output_dir(cfg.out, "--out", "a folder for the run")
+    cfg.complete({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
+    cfg._resolved = True  # type: ignore[attr-defined]
+    return cfg
 
 
 def preflight(task_cls: type[Task], cfg: RunConfig) -> int:

@@ -118,17 +118,23 @@ def check_state(state: dict[str, Tensor], q: Tensor, keys: Tensor, values: Tenso
     want = {"S": (b, u, k, v), "z": (b, u, k), "c": (b, u, k), "window": (b, u, max(r - 1, 0), v)}
     check_state_shapes(state, want, "initial_state must be a dict with keys {keys} (a returned state)",
                        "initial_state does not fit this call (b={b}, u={u}, k={k}, v={v}, r={r})",
-                       b=b, u=u, k=k, v=v, r=r)  # fmt: skip
+                       device=q.device, b=b, u=u, k=k, v=v, r=r)  # fmt: skip
 
 
 def check_state_shapes(state: dict[str, Tensor], want: dict[str, tuple[int, ...]], missing: str, misfit: str,
-                       **fields: object) -> None:  # fmt: skip
-    """A one-line ``ValueError`` unless ``state`` is a dict with ``want``'s keys and shapes: ``missing`` (with
-    ``{keys}``, the keys wanted) or ``misfit`` (formatted with ``fields``, the shapes that differ follow), formatted
-    only when raised (generation checks its state every step)."""
+                       device: torch.device | None = None, **fields: object) -> None:  # fmt: skip
+    """A one-line ``ValueError`` unless ``state`` is a dict with ``want``'s keys and shapes, each a floating-point
+    tensor (on ``device`` where given): ``missing`` (with ``{keys}``, the keys wanted) or ``misfit`` (formatted with
+    ``fields``, what differs follows), formatted only when raised (generation checks its state every step)."""
     if not isinstance(state, dict) or set(want) - set(state):
         got = sorted(state) if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"{missing.format(keys=sorted(want), **fields)}, got {got}")
+    for key in want:
+        t = state[key]
+        if not isinstance(t, Tensor) or not t.is_floating_point() or device is not None and t.device != device:
+            found = f"a {t.dtype} tensor on {t.device}" if isinstance(t, Tensor) else type(t).__name__
+            where = f" on {device}" if device is not None else ""
+            raise ValueError(f"{misfit.format(**fields)}: {key} must be a floating-point tensor{where}, got {found}")
     bad = [f"{key} {tuple(state[key].shape)} (expected {want[key]})" for key in want
            if tuple(state[key].shape) != want[key]]  # fmt: skip
     if bad:
@@ -276,7 +282,7 @@ def _prepare(q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None):
 
 
 def _check(q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None) -> None:
-    for name, t in (("q", q), ("keys", keys), ("values", values), ("emb", emb)):
+    for name, t in (("q", q), ("k", keys), ("v", values), ("emb", emb)):
         if t is None and name == "emb":
             continue
         if not isinstance(t, Tensor) or not t.is_floating_point():
@@ -284,13 +290,13 @@ def _check(q: Tensor, keys: Tensor, values: Tensor, emb: Tensor | None) -> None:
             raise ValueError(f"{name} must be a floating-point tensor{' or None' if name == 'emb' else ''}, got {got}")
     if q.dim() != 4 or keys.dim() != 4 or values.dim() != 4:
         raise ValueError(
-            f"q, keys and values must be [b, n, h, k], [b, n, k, u] and [b, n, v, u], got shapes "
+            f"q, k and v must be [b, n, h, k], [b, n, k, u] and [b, n, v, u], got shapes "
             f"{tuple(q.shape)}, {tuple(keys.shape)} and {tuple(values.shape)}"
         )
     (b, n, _, k), u = q.shape, keys.shape[3]
     if keys.shape[:3] != (b, n, k) or values.shape[:2] != (b, n) or values.shape[3] != u:
         raise ValueError(
-            f"q [b, n, h, k], keys [b, n, k, u] and values [b, n, v, u] disagree: "
+            f"q [b, n, h, k], k [b, n, k, u] and v [b, n, v, u] disagree: "
             f"{tuple(q.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}"
         )
     if emb is not None and (emb.dim() != 3 or emb.shape[1:] != (k, u) or emb.shape[0] < 1):

@@ -296,7 +296,9 @@ class CausalLambdaLayer(nn.Module):
                     "state must be None with mode='naive' (the definition starts from an empty context); "
                     "continue a sequence with mode='auto', 'chunk' or 'fused_recurrent'"
                 )
-            self._check_state(state, x.shape[0])
+            self._check_state(state, x.shape[0], x.device)
+            if not torch.is_inference_mode_enabled():  # made under inference_mode, continued with autograd on
+                state = {key: t.clone() if t.is_inference() else t for key, t in state.items()}
         qkv, conv = self._project(x, state, keep=return_state)
         q, keys, values = self._split(qkv)  # b n h k, b n L k u, b n L v u
         keys, total = self._offsets(x, keys)
@@ -318,7 +320,9 @@ class CausalLambdaLayer(nn.Module):
         ``step(x, state)`` still works for one release, with a warning)."""
         state, x = step_arguments(state, x, "CausalLambdaLayer.step")
         self._check_x(x, "[batch, dim={}]", 2)
-        self._check_state(state, x.shape[0])
+        self._check_state(state, x.shape[0], x.device)
+        if not torch.is_inference_mode_enabled():  # a state made under inference_mode, stepped with autograd on
+            state = {key: t.clone() if t.is_inference() else t for key, t in state.items()}
         qkv, conv = self._project(x[:, None], state)
         q, keys, values = self._split(qkv)  # b 1 h k, b 1 L k u, b 1 L v u
         keys, total = self._offsets(x[:, None], keys)
@@ -342,16 +346,18 @@ class CausalLambdaLayer(nn.Module):
             raise ValueError(f"x must be a floating-point tensor {layout.format(self.dim)}, got {got}")
         check_dtype(x, self.qkv.weight, "CausalLambdaLayer")
 
-    def _check_state(self, state: dict[str, Tensor], batch_size: int) -> None:
+    def _check_state(self, state: dict[str, Tensor], batch_size: int, device: torch.device) -> None:
         """A one-line ``ValueError`` unless ``state`` has the keys and shapes of :meth:`init_state` for
-        ``batch_size`` (shapes only; the expected ones kept per batch size, as generation checks every step)."""
+        ``batch_size``, floating-point tensors on ``device`` (the expected shapes kept per batch size, as generation
+        checks every step)."""
         known = getattr(self, "_state_shapes", {})  # (a layer pickled by an earlier version has none)
         want = known.get(batch_size)
         if want is None:
             want = {key: tuple(t.shape) for key, t in self.init_state(batch_size, device="meta").items()}
             self._state_shapes = {**known, batch_size: want}
         LC.check_state_shapes(state, want, "state must be this layer's state (keys {keys}: init_state, or a returned "
-                              "state)", "state does not fit a batch of {b} in this layer", b=batch_size)  # fmt: skip
+                              "state)", "state does not fit a batch of {b} in this layer", device=device,
+                              b=batch_size)  # fmt: skip
 
     def extra_repr(self) -> str:
         return (

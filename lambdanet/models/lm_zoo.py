@@ -95,13 +95,16 @@ def saved_lm(model: str, model_kwargs: Mapping) -> tuple[str, dict]:
       same model with ``decay=None``.
 
     Options that never had an effect are dropped: ``r`` and ``content`` of a ``linear_lm_<size>`` (whose mixer had no
-    position lambdas), ``max_len`` of a transformer with rotary positions. Any other model and options are
-    themselves."""
+    position lambdas), ``max_len`` of a transformer with rotary positions; a hybrid whose ``attention_every`` exceeds
+    its depth had no attention block: it is the plain lambda model. Any other model and options are themselves."""
     kwargs = dict(model_kwargs)
     if model.startswith("linear_lm_"):
         kwargs = {k: v for k, v in kwargs.items() if k not in ("r", "content")}
     if model.startswith("transformer_lm_") and kwargs.get("positions", "rotary") != "learned":
         kwargs.pop("max_len", None)
+    hybrid = re.fullmatch(rf"hybrid_lm_({'|'.join(LM_SIZES)})", model)
+    if hybrid and kwargs.get("attention_every", 0) > LM_SIZES[hybrid[1]].depth:  # it had no attention block
+        return f"plain_lambda_lm_{hybrid[1]}", {k: v for k, v in kwargs.items() if k != "attention_every"}
     if not _DEFAULT_LAMBDA.fullmatch(model):
         return model, kwargs
     if "short_conv" not in kwargs:

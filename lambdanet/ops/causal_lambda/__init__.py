@@ -13,7 +13,8 @@ returns ``(o, state)``, and ``initial_state=state`` continues that sequence. Mod
   launch for the whole call where the kernels run and no gradient is needed, else the PyTorch step per position.
 * ``"auto"``: ``"fused_chunk"`` where the kernels run (CUDA with Triton) and serve the sizes
   (:data:`~lambdanet.ops.causal_lambda.fused_chunk.LIMITS`: causal scopes up to 64, key depths up to 32, up to 512
-  rows of heads x chunk), else ``"chunk"``.
+  rows of heads x chunk) in float32, bf16 or fp16, else ``"chunk"`` (float64 inputs: the kernels' products are
+  float32).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def call_mode(mode: str, q: Tensor, r: int, chunk_size: int | None = None) -> st
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     heads, dim_k = int(q.shape[2]), int(q.shape[3])  # ints also where a tracer hands over 0-d tensors
     unfit = _fused.fits(heads, dim_k, r, chunk_size or _fused.default_chunk(heads), q.dtype)
-    mode = resolve_mode(mode, q.device, fits=unfit is None)
+    # float64 inputs ask for float64 arithmetic, which the kernels' float32 products do not give: auto takes chunk
+    mode = resolve_mode(mode, q.device, fits=unfit is None and q.dtype != torch.float64)
     if mode == "fused_chunk" and unfit:
         raise ValueError(f"mode='fused_chunk' does not serve {unfit}; use mode='chunk' (or 'auto', which does)")
     return mode

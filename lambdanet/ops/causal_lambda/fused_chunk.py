@@ -5,8 +5,9 @@ synchronisation: ``torch.library`` custom ops with autograd and fake kernels, so
 ``TRITON_INTERPRET=1`` (the tests).
 
 Precision: operands of every product in the inputs' dtype (bf16/fp16 on the tensor cores; float32 inputs keep
-float32 products), float32 accumulation; states, maxima, normalisers and exponents in float32. The output and the
-gradients come back in the inputs' dtype.
+float32 products; float64 inputs run float32 products: ``"auto"`` takes the PyTorch ``chunk`` form for them),
+float32 accumulation; states, maxima, normalisers and exponents in float32. The output and the gradients come
+back in the inputs' dtype.
 """
 
 from __future__ import annotations

@@ -3,14 +3,15 @@
 Inside a chunk of ``C`` positions each term is one exact masked product; across chunks the content term carries
 ``(S, ss)`` and the position term the last ``r - 1`` values. The chunks run in a Python loop (``n / C``
 iterations, static shapes: ``torch.compile`` unrolls it), and autograd differentiates the ops as they are.
-Computed in :func:`~lambdanet.helpers.compute_dtype` (float32 for half inputs)."""
+Computed in :func:`~lambdanet.helpers.compute_dtype` (float32 for half inputs), the dtype of the outputs and
+states (a layer adds the two terms before it rounds to its own dtype)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from lambdanet.functional.causal import _band, _check
+from lambdanet.functional.causal import _band, _check, check_state_shapes
 from lambdanet.helpers import check_choice, compute_dtype
 from lambdanet.ops.lambda_terms.naive import L2_EPS
 
@@ -62,6 +63,11 @@ def content_lambda(
     C = _chunk_size(chunk_size)
     dtype = compute_dtype(q.dtype, k.dtype, v.dtype)
     (b, n, h, dk), u, dv = q.shape, k.shape[3], v.shape[2]
+    if initial_state is not None:
+        check_state_shapes(initial_state, {"S": (b, u, dk, dv), "ss": (b, u, dk)},
+                           "initial_state must be a dict with keys {keys} (init_content_state, or a returned state)",
+                           "initial_state does not fit this call (b={b}, u={u}, k={k}, v={v})", device=q.device,
+                           b=b, u=u, k=dk, v=dv)  # fmt: skip
     q = q.to(dtype).transpose(1, 2)  # b h n k
     keys, values = k.to(dtype).permute(0, 3, 1, 2), v.to(dtype).permute(0, 3, 1, 2)  # b u n k, b u n v
     state = initial_state or init_content_state(b, dk, dv, u, dtype=dtype, device=q.device)
@@ -102,6 +108,11 @@ def position_lambda(
     C = _chunk_size(chunk_size)
     dtype = compute_dtype(q.dtype, v.dtype, emb.dtype)
     r, u = emb.shape[0], emb.shape[2]
+    if initial_state is not None:
+        check_state_shapes(initial_state, {"window": (b, u, max(r - 1, 0), dv)},
+                           "initial_state must be a dict with keys {keys} (init_position_state, or a returned state)",
+                           "initial_state does not fit this call (b={b}, u={u}, v={v}, r={r})", device=q.device,
+                           b=b, u=u, v=dv, r=r)  # fmt: skip
     q, values, e = q.to(dtype).transpose(1, 2), v.to(dtype).permute(0, 3, 1, 2), emb.to(dtype).permute(2, 0, 1)
     window = (initial_state or init_position_state(b, dv, u, r, dtype=dtype, device=q.device))["window"]
     full = torch.cat([window.detach().to(dtype), values], dim=2)  # b u (r - 1 + n) v

@@ -26,7 +26,14 @@ def naive_content_lambda(q: Tensor, keys: Tensor, values: Tensor, key_norm: str 
             raise ValueError(f"key_norm must be 'softmax', 'l2' or 'none', got {key_norm!r}")
         lam = torch.einsum("bmku,bmvu->bkv", K, values[:, : n + 1])  # b k v
         out.append(torch.einsum("bhk,bkv->bhv", q[:, n], lam))  # b h v
-    return torch.stack(out, dim=1)  # b n h v
+    return _stacked(out, q, values)  # b n h v
+
+
+def _stacked(out: list[Tensor], q: Tensor, values: Tensor) -> Tensor:
+    """The queries' outputs ``[b, h, v]`` as ``[b, n, h, v]`` (an empty sequence: ``[b, 0, h, v]``)."""
+    if out:
+        return torch.stack(out, dim=1)
+    return torch.zeros(q.shape[0], 0, q.shape[2], values.shape[2], dtype=torch.result_type(q, values), device=q.device)
 
 
 def naive_position_lambda(q: Tensor, values: Tensor, emb: Tensor) -> Tensor:
@@ -38,4 +45,4 @@ def naive_position_lambda(q: Tensor, values: Tensor, emb: Tensor) -> Tensor:
         for j in range(min(emb.shape[0], n + 1)):
             lam = lam + torch.einsum("ku,bvu->bkv", emb[j], values[:, n - j])  # b k v
         out.append(torch.einsum("bhk,bkv->bhv", q[:, n], lam))  # b h v
-    return torch.stack(out, dim=1)  # b n h v
+    return _stacked(out, q, values)  # b n h v

@@ -332,7 +332,7 @@ def _qe_chunk(b: int, n: int, h: int, k: int, m: int, v: int, max_chunk_elements
 def position_output_qe(
     queries: Tensor, embeddings: Tensor, values: Tensor, *, max_chunk_elements: int | None = None
 ) -> Tensor:
-    """Position output ``y^p[b, n, h] = (lambda^p_n)^T q^h_n`` contracted queries-first (multi-query, ``u = 1``).
+    """Position output ``y^p[b, h, n] = (lambda^p_n)^T q^h_n``, ``[b, h, n, v]``, contracted queries-first (``u = 1``).
 
     ``lambda^p_n = sum_m E[n, m] V[m]^T`` costs ``b n m k v`` multiply-adds; contracting
     ``sum_m (sum_k q[n, h, k] E[k, n, m]) V[m]`` instead costs ``b n m h (k + v)`` (3.2x fewer at ``k = 16,
@@ -345,12 +345,13 @@ def position_output_qe(
         queries: ``[b, n, h, k]``.
         embeddings: ``[k, n, m]``.
         values: ``[b, m, v]``.
-
-    Returns:
-        ``[b, h, n, v]``.
     """
     b, n, h, k = queries.shape
     m, v = values.shape[1], values.shape[2]
+    if tuple(embeddings.shape) != (k, n, m) or values.dim() != 3 or values.shape[0] != b:
+        raise ValueError(f"position_output_qe: embeddings must be [k, n, m] = {(k, n, m)} and values [b={b}, m, v] "
+                         f"for queries {tuple(queries.shape)}, got {tuple(embeddings.shape)} and "
+                         f"{tuple(values.shape)}")  # fmt: skip
     chunk = _qe_chunk(b, n, h, k, m, v, max_chunk_elements)
     q_n = permute_copy(queries, (1, 0, 2, 3)).view(n, b * h, k)  # n (b h) k
     e_n = embeddings.transpose(0, 1)  # n k m (a strided view)

@@ -12,6 +12,7 @@ Op ``lambdanet::lambda_position_output_backward(grad, q, values, table, ...) -> 
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -114,8 +115,27 @@ def lambda_position_output(
         spatial: the input's spatial size (1 or 2 dims).
     """
     c0, c1, height, width = _geometry(center, spatial)
+    _check_shapes(q, values, table, center, spatial)
     table = table.unsqueeze(2) if len(spatial) == 1 else table  # k u T0 T1 (1-d: k u 1 T)
     return _position_output(q, values, table, c0, c1, height, width)
+
+
+def _check_shapes(q: Tensor, values: Tensor, table: Tensor, center: Sequence[int], spatial: Sequence[int]) -> None:
+    """A one-line ``ValueError`` naming the argument whose shape does not fit the others (the kernels index the
+    buffers by these sizes: a mismatch would read past them)."""
+    n = math.prod(int(s) for s in spatial)
+    got = f"q {tuple(q.shape)}, values {tuple(values.shape)}, table {tuple(table.shape)}, spatial {tuple(spatial)}"
+    if q.dim() != 4 or values.dim() != 4 or table.dim() != 2 + len(spatial):
+        problem = f"q [b, n, h, k], values [b, n, v, u] and table [k, u, *T] of {len(spatial)} table dims expected"
+    elif q.shape[1] != n or values.shape[:2] != q.shape[:2]:
+        problem = f"q and values need [b, n] with n = prod(spatial) = {n} and the same b"
+    elif table.shape[0] != q.shape[3] or table.shape[1] != values.shape[3]:
+        problem = "table needs [k, u, ...] with q's k and values' u"
+    elif any(not 0 <= int(c) < t for c, t in zip(center, table.shape[2:])):
+        problem = f"center {tuple(center)} must index the table's {tuple(table.shape[2:])} entries"
+    else:
+        return
+    raise ValueError(f"lambda_position_output: {problem}; got {got}")
 
 
 def lambda_position_output_reference(

@@ -36,7 +36,7 @@ from lambdanet.engine.loop import TrainingDivergedError
 from lambdanet.engine.optim import build_optimizer
 from lambdanet.engine.preempt import Preempted, StopSignals
 from lambdanet.engine.state import RunState
-from lambdanet.engine.task import Task, preflight, run
+from lambdanet.engine.task import Task, preflight, resolved, run
 
 # the names lambdanet.detection.trainer had are importable from here (the noqa ones are not used here)
 from lambdanet.tasks.detection.config import (
@@ -165,6 +165,7 @@ def local_processes(cfg: DetectConfig) -> int:
 def train_detector(cfg: DetectConfig, log: Callable[[str], None] = print) -> dict:
     """Train and evaluate on the engine (:class:`DetectionTask`), without torchrun on :func:`local_processes`
     processes (the main one's output printed); returns the summary written to ``<out>/summary.json``."""
+    cfg = resolved(cfg)  # a configuration built directly: its processes and batch checked as it runs
     procs = local_processes(cfg)
     if procs == 1:
         return run(DetectionTask, cfg, log)
