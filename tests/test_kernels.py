@@ -277,7 +277,8 @@ def test_shapes_that_do_not_fit_each_other_are_one_line_errors_before_any_kernel
                          ((q, torch.randn(1, 8, 3, 1), table, (1, 1), (2, 4)), "n = prod(spatial) = 8"),
                          ((q, vals, table, (1, 1), (2, 2)), "n = prod(spatial) = 4"),
                          ((q, vals, table, (1, 3), (2, 3)), "center (1, 3) must index the table's (3, 3)"),
-                         ((q, vals, torch.randn(4, 1, 3), (1, 1), (2, 3)), "table [k, u, *T] of 2 table dims")):
+                         ((q, vals, torch.randn(4, 1, 3), (1, 1), (2, 3)), "table [k, u, *T] of 2 table dims"),
+                         ((q, vals, table, (1,), (2, 3)), "a center per spatial dim expected")):
         with pytest.raises(ValueError, match="^lambda_position_output: ") as err:
             lambda_position_output(*args)
         assert needle in str(err.value) and "\n" not in str(err.value)

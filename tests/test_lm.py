@@ -428,10 +428,13 @@ def test_a_configuration_built_directly_trains_as_the_resolved_one_and_loads_bac
 
     # a copy of a resolved configuration (dataclasses.replace) keeps its values, the recipe's included, even those
     # equal to the class's defaults
-    long = LMConfig.resolve("long", overrides={"out": str(tmp_path / "long"), "context": LMConfig.context})
+    long = LMConfig.resolve("long_small", overrides={"out": str(tmp_path / "long"), "context": LMConfig.context})
+    assert LMConfig.RECIPES["long_small"]["context"] != LMConfig.context  # the recipe would change what was given
     copied = dataclasses.replace(long, out=str(tmp_path / "copy"))
     assert dataclasses.asdict(resolved(copied)) == {**dataclasses.asdict(long), "out": str(tmp_path / "copy")}
-    assert long.steps_per_epoch != LMConfig.steps_per_epoch  # the recipe's values differ from the defaults
+    # resume: the run's config.yaml, as --resume reads it
+    again = resolved(LMConfig(out=str(tmp_path / "direct"), resume=True))
+    assert again.model_kwargs == summary["model_kwargs"] and again.check_resume() == 1
     with pytest.raises(ValueError, match=r"^context must be a positive int, got 0$"):
         train_lm(LMConfig(**{**values, "context": 0}), log=lambda _: None)
 

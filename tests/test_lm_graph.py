@@ -198,3 +198,19 @@ def test_generate_with_cuda_graph_on_the_cpu_or_a_bad_value_is_a_one_line_error(
         model.generate(prompt, 4, cuda_graph="yes")
     with pytest.raises(ValueError, match="CUDA device"):
         StepGraph(model._advance, model.init_state(1), prompt[:, 0])
+
+
+def test_a_layer_continuing_a_state_compiles_without_graph_breaks():
+    """``step`` and ``forward(x, state)`` under ``torch.compile(fullgraph=True)`` (the state checks and the copy of
+    inference-mode states are eager-only Python), equal to eager."""
+    from lambdanet.layers.causal_lambda import CausalLambdaLayer
+
+    torch.manual_seed(0)
+    layer = CausalLambdaLayer(16, heads=2, dim_k=4, r=5, short_conv=3, decay="gate")
+    x = torch.randn(2, 9, 16)
+    _, state = layer(x[:, :8], return_state=True)
+    step = torch.compile(lambda s, t: layer.step(s, t)[0], fullgraph=True, backend="aot_eager")
+    more = torch.compile(lambda s, t: layer(t, s), fullgraph=True, backend="aot_eager")
+    eager = layer.step(state, x[:, 8])[0]
+    assert torch.allclose(step(state, x[:, 8]), eager, atol=1e-6)  # the same ops in the same order: float32 rounding
+    assert torch.allclose(more(state, x[:, 8:])[:, 0], eager, atol=1e-5)

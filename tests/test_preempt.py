@@ -436,9 +436,10 @@ def test_ctrl_c_twice_in_the_final_evaluation_is_one_line_and_resume_ends_the_ru
     assert all(torch.equal(a[key], b[key]) for key in a)
 
 
-def test_a_signal_in_the_epoch_that_stops_early_ends_the_run_as_it_would_have(tmp_path, capsys, monkeypatch):
-    """The epoch whose evaluation stops the run early (``--early-stop-patience``) ends it, signal or not: the run
-    writes its end (no second ``--resume`` needed, no epoch trained past the early stop)."""
+def test_a_run_stopped_in_the_epoch_that_stops_early_resumes_to_its_end_not_past_it(tmp_path, capsys, monkeypatch):
+    """A signal while the epoch that stops the run early (``--early-stop-patience``) is evaluated stops it there
+    (saved), and Ctrl-C twice in the final evaluation after an early stop stops it too; ``--resume`` then ends the
+    run where it stopped early, with the weights of the run that never stopped (no epoch trained past it)."""
     from lambdanet.tasks.classification.task import ClassificationTask
 
     args = ["train", "--model", "resnet26", "--epochs", "6", "--max-train-batches", "2", "--batch-size", "16",
@@ -457,8 +458,20 @@ def test_a_signal_in_the_epoch_that_stops_early_ends_the_run_as_it_would_have(tm
 
     monkeypatch.setattr(ClassificationTask, "stops_early", signalled)
     out = tmp_path / "signalled"
-    assert main([*args, "--out", str(out)]) == 0
-    summary = json.loads((out / "summary.json").read_text())
-    assert (summary["epochs"], summary["stopped_early"]) == (expected["epochs"], True)
-    a, b = load_file(whole / "model.safetensors"), load_file(out / "model.safetensors")
-    assert all(torch.equal(a[key], b[key]) for key in a)
+    assert main([*args, "--out", str(out)]) == 130
+    assert f"after epoch {expected['epochs']}/6" in capsys.readouterr().err
+    monkeypatch.setattr(ClassificationTask, "stops_early", real)
+
+    def interrupted(self, *rest):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ClassificationTask, "finish", interrupted)
+    final = tmp_path / "final"
+    assert main([*args, "--out", str(final)]) == 130
+    monkeypatch.undo()
+    for run in (out, final):
+        assert main(["train", "--out", str(run), "--resume", "--no-progress"]) == 0
+        summary = json.loads((run / "summary.json").read_text())
+        assert (summary["epochs"], summary["stopped_early"]) == (expected["epochs"], True)
+        a, b = load_file(whole / "model.safetensors"), load_file(run / "model.safetensors")
+        assert all(torch.equal(a[key], b[key]) for key in a)

@@ -176,7 +176,9 @@ def fit(
     raises :class:`Preempted`; a non-finite loss raises :class:`TrainingDivergedError` naming the last good
     checkpoint. Returns (the last epoch's row, ``{}`` when none was left; whether the run stopped early)."""
     cfg, path = task.cfg, task.checkpoint_path
-    row, stopped, last_saved = {}, False, state.epoch
+    # a run resumed at the end of an epoch that stopped it early (stopped by a signal there, or extended) ends there
+    stopped = state.epoch > 0 and not state.epoch_partial and task.stops_early(state)
+    row, last_saved = {}, state.epoch
     while state.epoch < cfg.epochs and not stopped:
         bar = progress_bar(
             cfg.progress and ctx.is_main,
@@ -229,8 +231,7 @@ def fit(
             _save(task, state)
             last_saved = state.epoch
         barrier(ctx)
-        # a signal while it evaluated or saved (a run that stops early here ends as it would have)
-        if stop is not None and stop.requested(ctx) is not None and not stopped:
+        if stop is not None and stop.requested(ctx) is not None:  # a signal while it evaluated or saved
             _stop_after_epoch(task, state, stop, saved=last_saved == state.epoch)
     return row, stopped
 

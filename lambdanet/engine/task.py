@@ -108,9 +108,16 @@ def resolved(cfg: C) -> C:
     directly, ``SomeConfig(model=..., epochs=1)``, or a ``dataclasses.replace`` copy of a resolved one) runs its
     field values as they are (its ``recipe`` names a recipe, it does not apply one): a copy of them validated, its
     data path made absolute and what its options imply written in (the task's :meth:`RunConfig.complete`, every
-    field counting as given), so that the run it records loads and resumes. A resolved copy is unchanged."""
+    field counting as given), so that the run it records loads and resumes; one with ``resume`` continues the
+    run's ``config.yaml`` with the values given that differ from the defaults (as ``--resume`` with flags). A
+    resolved one is unchanged. (A direct fine-tuning configuration names its ``model``: the command line's
+    ``--checkpoint`` alone takes the checkpoint's.)"""
     if getattr(cfg, "_resolved", False) or not isinstance(cfg, RunConfig):  # (a stand-in a test passes)
         return cfg
+    if cfg.resume:  # the run's config.yaml, with the values given that differ from the defaults over it
+        default = type(cfg)()
+        given = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+        return type(cfg).resolve(overrides={k: v for k, v in given.items() if v != getattr(default, k)})
     cfg = copy.deepcopy(cfg)
     if isinstance(getattr(cfg, "data", None), str):
         cfg.data = absolute_data(cfg.data)  # type: ignore[attr-defined]

@@ -40,6 +40,14 @@ def _inverse_softplus(x: Tensor) -> Tensor:
     return x + torch.log(-torch.expm1(-x))
 
 
+def _outside_inference(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``state`` usable with autograd on: tensors made under ``inference_mode`` copied (autograd cannot save them).
+    Not while compiling (no graph break: a compiled step takes states of its own) or without autograd (no copy)."""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return state
+    return {key: t.clone() if t.is_inference() else t for key, t in state.items()}
+
+
 class CausalLambdaLayer(nn.Module):
     """Causal multi-query lambda layer on ``[b, n, dim]`` token sequences.
 
@@ -297,8 +305,7 @@ class CausalLambdaLayer(nn.Module):
                     "continue a sequence with mode='auto', 'chunk' or 'fused_recurrent'"
                 )
             self._check_state(state, x.shape[0], x.device)
-            if not torch.is_inference_mode_enabled():  # made under inference_mode, continued with autograd on
-                state = {key: t.clone() if t.is_inference() else t for key, t in state.items()}
+            state = _outside_inference(state)
         qkv, conv = self._project(x, state, keep=return_state)
         q, keys, values = self._split(qkv)  # b n h k, b n L k u, b n L v u
         keys, total = self._offsets(x, keys)
@@ -321,8 +328,7 @@ class CausalLambdaLayer(nn.Module):
         state, x = step_arguments(state, x, "CausalLambdaLayer.step")
         self._check_x(x, "[batch, dim={}]", 2)
         self._check_state(state, x.shape[0], x.device)
-        if not torch.is_inference_mode_enabled():  # a state made under inference_mode, stepped with autograd on
-            state = {key: t.clone() if t.is_inference() else t for key, t in state.items()}
+        state = _outside_inference(state)
         qkv, conv = self._project(x[:, None], state)
         q, keys, values = self._split(qkv)  # b 1 h k, b 1 L k u, b 1 L v u
         keys, total = self._offsets(x[:, None], keys)

@@ -346,12 +346,12 @@ def position_output_qe(
         embeddings: ``[k, n, m]``.
         values: ``[b, m, v]``.
     """
-    b, n, h, k = queries.shape
-    m, v = values.shape[1], values.shape[2]
-    if tuple(embeddings.shape) != (k, n, m) or values.dim() != 3 or values.shape[0] != b:
-        raise ValueError(f"position_output_qe: embeddings must be [k, n, m] = {(k, n, m)} and values [b={b}, m, v] "
-                         f"for queries {tuple(queries.shape)}, got {tuple(embeddings.shape)} and "
-                         f"{tuple(values.shape)}")  # fmt: skip
+    b, n, h, k = queries.shape if queries.dim() == 4 else (-1,) * 4
+    m, v = values.shape[1:] if values.dim() == 3 else (-1, -1)
+    if tuple(embeddings.shape) != (k, n, m) or values.shape[0] != b or min(b, m) < 0:
+        got = f"{tuple(queries.shape)}, {tuple(embeddings.shape)} and {tuple(values.shape)}"
+        raise ValueError(f"position_output_qe: queries [b, n, h, k], embeddings [k, n, m] and values [b, m, v] must "
+                         f"agree, got {got}")  # fmt: skip
     chunk = _qe_chunk(b, n, h, k, m, v, max_chunk_elements)
     q_n = permute_copy(queries, (1, 0, 2, 3)).view(n, b * h, k)  # n (b h) k
     e_n = embeddings.transpose(0, 1)  # n k m (a strided view)

@@ -114,8 +114,8 @@ def lambda_position_output(
         center: per axis, the table index of offset zero (``T // 2``; ``T - 1`` for causal tables).
         spatial: the input's spatial size (1 or 2 dims).
     """
-    c0, c1, height, width = _geometry(center, spatial)
     _check_shapes(q, values, table, center, spatial)
+    c0, c1, height, width = _geometry(center, spatial)
     table = table.unsqueeze(2) if len(spatial) == 1 else table  # k u T0 T1 (1-d: k u 1 T)
     return _position_output(q, values, table, c0, c1, height, width)
 
@@ -124,9 +124,11 @@ def _check_shapes(q: Tensor, values: Tensor, table: Tensor, center: Sequence[int
     """A one-line ``ValueError`` naming the argument whose shape does not fit the others (the kernels index the
     buffers by these sizes: a mismatch would read past them)."""
     n = math.prod(int(s) for s in spatial)
-    got = f"q {tuple(q.shape)}, values {tuple(values.shape)}, table {tuple(table.shape)}, spatial {tuple(spatial)}"
-    if q.dim() != 4 or values.dim() != 4 or table.dim() != 2 + len(spatial):
-        problem = f"q [b, n, h, k], values [b, n, v, u] and table [k, u, *T] of {len(spatial)} table dims expected"
+    got = (f"q {tuple(q.shape)}, values {tuple(values.shape)}, table {tuple(table.shape)}, center {tuple(center)}, "
+           f"spatial {tuple(spatial)}")  # fmt: skip
+    if q.dim() != 4 or values.dim() != 4 or table.dim() != 2 + len(spatial) or len(center) != len(spatial):
+        problem = (f"q [b, n, h, k], values [b, n, v, u], table [k, u, *T] of {len(spatial)} table dims and a "
+                   "center per spatial dim expected")  # fmt: skip
     elif q.shape[1] != n or values.shape[:2] != q.shape[:2]:
         problem = f"q and values need [b, n] with n = prod(spatial) = {n} and the same b"
     elif table.shape[0] != q.shape[3] or table.shape[1] != values.shape[3]:
