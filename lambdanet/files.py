@@ -21,6 +21,10 @@ __all__ = [
     "WeightsMismatchError",
     "METADATA_FORMAT",
     "RUN_FILES",
+    "BEST_WEIGHTS",
+    "PRETRAIN_CHECKPOINT",
+    "RUN_RECORDS",
+    "is_run_record",
     "run_file",
     "read_safetensors",
     "read_state_dict",
@@ -106,9 +110,11 @@ def check_output_file(path: str | os.PathLike, name: str) -> None:
         raise ValueError(f"{name} {path}: {existing} is a file, not a directory; choose another {name}")
 
 
+# the weights of a classification run's best epoch (summary.json's best_epoch), raw and EMA, beside model(_ema)
+BEST_WEIGHTS = ("model_best.safetensors", "model_best_ema.safetensors")
+PRETRAIN_CHECKPOINT = "pretrain.pt"  # a detect run's pre-training, until last.pt holds it
 # what a run directory holds of its own (beside RUN_FILES): its other checkpoint and weights, and its records
-RUN_RECORDS = RUN_FILES + ("pretrain.pt", "model_best.safetensors", "model_best_ema.safetensors", "config.yaml",
-                           "metrics.csv", "summary.json")  # fmt: skip
+RUN_RECORDS = RUN_FILES + (PRETRAIN_CHECKPOINT, *BEST_WEIGHTS, "config.yaml", "metrics.csv", "summary.json")
 
 
 def is_run_record(path: Path) -> bool:

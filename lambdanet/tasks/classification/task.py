@@ -21,7 +21,7 @@ from lambdanet.engine.loop import TrainingDivergedError, to_device
 from lambdanet.engine.optim import build_ema, build_optimizer, build_scheduler, set_bn_momentum
 from lambdanet.engine.state import RunState
 from lambdanet.engine.task import Task, run
-from lambdanet.files import WeightsMismatchError, read_safetensors, run_file, weights_metadata
+from lambdanet.files import BEST_WEIGHTS, WeightsMismatchError, read_safetensors, run_file, weights_metadata
 from lambdanet.models import create_model
 from lambdanet.tasks.classification.config import TrainConfig, model_build_kwargs
 from lambdanet.tasks.classification.data import (
@@ -49,9 +49,6 @@ __all__ = [
     "load_pseudo_labels",
     "BEST_WEIGHTS",
 ]
-
-# the weights of the best epoch (summary.json's best_epoch), raw and EMA, beside model(_ema).safetensors
-BEST_WEIGHTS = ("model_best.safetensors", "model_best_ema.safetensors")
 
 
 def hardware_string(device: torch.device) -> str:

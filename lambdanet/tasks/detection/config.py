@@ -27,6 +27,7 @@ from torch import nn
 from lambdanet.engine.checkpoint import unwrap
 from lambdanet.engine.config import RunConfig, option, shared
 from lambdanet.engine.optim import lr_at
+from lambdanet.files import PRETRAIN_CHECKPOINT
 from lambdanet.helpers import is_finite_real
 from lambdanet.tasks.detection.glyphs import DEFAULT_GLYPHS, GLYPH_SETS
 from lambdanet.tasks.detection.pretrain import PretrainConfig, transfer_mismatch
@@ -281,7 +282,7 @@ QUICK_DETECTOR = {
 # --pretrained-backbone, or for a backbone whose weights do not carry over from crops to scenes)
 QUICK_PRETRAIN_STEPS = PretrainConfig().steps
 # a run's pre-training saves itself here this often (steps), and --resume continues it; gone once last.pt holds it
-PRETRAIN_CHECKPOINT, PRETRAIN_CHECKPOINT_EVERY = "pretrain.pt", 100
+PRETRAIN_CHECKPOINT_EVERY = 100  # (PRETRAIN_CHECKPOINT: lambdanet.files's, beside the other run files' names)
 RUN_CHECKPOINTS = DetectConfig.CHECKPOINTS = ("last.pt", PRETRAIN_CHECKPOINT)  # what a detect run continues from
 DetectConfig.SAVED_DEFAULTS = {"glyphs": "auto"}  # 0.1.0 had no --glyphs: its scenes were the "auto" sets
 
