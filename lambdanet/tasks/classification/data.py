@@ -359,8 +359,8 @@ def prepare_run_data(cfg: TrainConfig, ctx: DistContext) -> RunData:
         randaugment=ra,
     )
     if len(train_loader) == 0:
-        narrowed = [f"{flag} {value}" for flag, value in (("--val-split", cfg.val_split), ("--labeled-fraction",
-                cfg.labeled_fraction)) if value != (0.0 if flag == "--val-split" else 1.0)]  # fmt: skip
+        narrowing = (("--val-split", cfg.val_split, 0.0), ("--labeled-fraction", cfg.labeled_fraction, 1.0))
+        narrowed = [f"{flag} {value}" for flag, value, neutral in narrowing if value != neutral]
         raise ValueError(
             f"batch_size={cfg.batch_size} is larger than the {train_loader.n} training images of "
             f"{cfg.data}{' left by ' + ' and '.join(narrowed) if narrowed else ''}; lower --batch-size"
