@@ -349,6 +349,8 @@ def test_a_model_that_freezes_the_batch_is_refused_with_a_dynamic_batch(tmp_path
      "--batch-size must be at least 2 with a dynamic batch"),
     (["--model", "resnet26", "--format", "torchscript", "--static-batch", "--batch-size", "0"],
      "--batch-size must be a positive int, got 0"),
+    (["--model", "resnet26", "--format", "torchscript", "--num-classes", "-1"],
+     "--num-classes must be a non-negative int (0: the pooled features), got -1"),
 ])
 def test_export_user_errors_are_one_line_and_exit_2(argv, needle, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -446,6 +448,28 @@ def test_a_bfloat16_onnx_export_is_refused_naming_the_supported_dtypes(tmp_path)
                                          r"convolution\)$"):
         export_model(tiny_convnet().to(torch.bfloat16), tmp_path / "b.onnx", "onnx", input_size=6, in_chans=2)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_onnx_files_name_their_input_and_output(tmp_path):
+    """The input is ``image`` and the output ``logits`` (``features`` for a model without a classifier,
+    ``num_classes=0``), not the name of the exporter's last op; a session fed by those names gives the eager
+    model's output."""
+    pytest.importorskip("onnxruntime")
+    import onnxruntime as ort
+
+    headless = lambdanet.create_model("lambda_resnet26", num_classes=0, in_chans=2, base_width=16)
+    cases = ((tiny_convnet(), "logits", 3, 6), (headless, "features", headless.num_features, 16))
+    for model, name, width, size in cases:
+        out = tmp_path / f"{name}.onnx"
+        export_model(model, out, "onnx", input_size=size, in_chans=2)
+        session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+        assert [i.name for i in session.get_inputs()] == ["image"]
+        assert [o.name for o in session.get_outputs()] == [name] and session.get_outputs()[0].shape == ["batch", width]
+        x = torch.randn(2, 2, size, size)
+        with torch.no_grad():
+            eager = model.eval()(x)
+        got = torch.from_numpy(session.run([name], {"image": x.numpy()})[0])
+        torch.testing.assert_close(got, eager, rtol=0, atol=tolerance("onnx", out, eager.abs().max().item()))
 
 
 def test_onnx_weights_over_the_single_file_limit_go_to_one_data_file(tmp_path, monkeypatch):

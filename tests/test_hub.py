@@ -141,6 +141,30 @@ def test_a_language_model_run_shared_and_loaded_back_gives_its_own_logits(tmp_pa
     assert "lambdanet lm train --config config.yaml" in card and 'create_model("hf-hub:OWNER/NAME")' in card
 
 
+def test_lm_sample_continues_a_prompt_with_a_shared_language_model(tmp_path, hub_cache, capsys):
+    """``lambdanet lm sample --checkpoint hf-hub:...`` samples what the run itself samples (same weights, seed and
+    prompt); an image model's repository is refused naming it, and another ``vocab_size`` than the weights' is a
+    one-line error, not torch's size mismatch."""
+    from lambdanet.cli import main
+
+    hub_cache(save_for_hub(LM_RUN, tmp_path / "lm"), "someone/tiny-lm")
+    hub_cache(save_for_hub(RUN, tmp_path / "img"), "someone/digits")
+    argv = ["lm", "sample", "--prompt", "def f(", "--max-new-tokens", "12", "--seed", "3"]
+    assert main([*argv, "--checkpoint", str(LM_RUN)]) == 0
+    own = capsys.readouterr().out
+    assert main([*argv, "--checkpoint", "hf-hub:someone/tiny-lm"]) == 0
+    assert capsys.readouterr().out == own and own.startswith("def f(") and len(own.encode()) >= len("def f(") + 1
+    assert main([*argv, "--checkpoint", "hf-hub:someone/digits"]) == 2
+    err = capsys.readouterr().err
+    assert err == "lambdanet lm sample: error: hf-hub:someone/digits is not a language model written by lambdanet " \
+                  "lm train\n"
+    vocab = create_model("hf-hub:someone/tiny-lm").vocab_size
+    with pytest.raises(ValueError, match=rf"^vocab_size={vocab + 1} does not fit hf-hub:someone/tiny-lm, trained "
+                                         rf"with vocab_size={vocab} \(leave it out: the repository's is used\)$"):
+        create_model("hf-hub:someone/tiny-lm", vocab_size=vocab + 1)
+    assert create_model("hf-hub:someone/tiny-lm", vocab_size=vocab).vocab_size == vocab  # the same one: fine
+
+
 def test_push_to_hub_uploads_the_repository_in_one_commit(monkeypatch, tmp_path):
     calls = []
 

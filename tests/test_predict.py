@@ -141,6 +141,17 @@ def test_cli_table_lists_every_image_with_its_top_k(run, digits, capsys):
             assert line.split() == [f"{rank}.", f"{c['prob']:.2%}", c["label"]]
 
 
+def test_cli_table_columns_line_up_past_nine_ranks(run, digits, capsys):
+    """At ``--top-k 10`` rank 10 is one character wider than the others: the ranks are right-aligned, so every
+    line's percentage and label start where the first line's do."""
+    image = str(digits / "0.png")
+    assert main(["predict", image, "--checkpoint", str(run / "model.safetensors"), "--top-k", "10"]) == 0
+    lines = capsys.readouterr().out.splitlines()[1:]
+    assert len(lines) == 10 and lines[-1].lstrip().startswith("10.")
+    assert len({line.index(".") for line in lines}) == 1  # the ranks end in one column
+    assert len({line.index("%") for line in lines}) == 1  # and so do the percentages (labels follow them)
+
+
 class Probe(nn.Module):
     """Records its input; logits rise with the class index (``0.01 i``), so the ranking is known."""
 

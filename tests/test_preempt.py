@@ -3,7 +3,9 @@
 
 import contextlib
 import json
+import os
 import random
+import select
 import signal
 
 import pytest
@@ -105,6 +107,47 @@ def test_a_run_stopped_in_its_first_epoch_resumes(tmp_path, capsys, step, uninte
     for col in ("train_loss", "train_top1", "test_top1"):  # the epoch's sums carried across the stop
         i = header.index(col)
         assert [r.split(",")[i] for r in rows[0][1:]] == [r.split(",")[i] for r in rows[1][1:]], col
+
+
+@pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
+def test_the_first_signal_is_acknowledged_on_a_terminal_only(tmp_path):
+    """With ``notice=True`` (the main process of a run) a first SIGINT writes one line saying the run stops where it
+    can be saved, when stderr (file descriptor 2) is a terminal, a pseudo-terminal here; redirected to a file,
+    nothing is written (a log gets the run's own lines only). The signal is caught either way, and ``notice=False``
+    is silent on a terminal."""
+
+    def caught(notice: bool, terminal: bool) -> str:
+        main_fd, side = os.openpty() if terminal else (None, os.open(tmp_path / "err.txt", os.O_RDWR | os.O_CREAT))
+        saved = os.dup(2)
+        os.dup2(side, 2)
+        try:
+            with StopSignals(notice=notice) as stop:
+                signal.raise_signal(signal.SIGINT)
+                assert stop.requested() is signal.SIGINT
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            os.close(side)
+        if main_fd is None:
+            return (tmp_path / "err.txt").read_text()
+        said = b""
+        while select.select([main_fd], [], [], 0.2)[0]:
+            try:
+                chunk = os.read(main_fd, 4096)
+            except OSError:  # the terminal's other side is closed and drained
+                break
+            if not chunk:
+                break
+            said += chunk
+        os.close(main_fd)
+        return said.decode().replace("\r\n", "\n")  # the terminal's line discipline ends lines with \r\n
+
+    assert caught(notice=True, terminal=True) == (
+        "\nSIGINT: stopping where the run can be saved and resumed (after this step or evaluation); the same again "
+        "(after a second) stops at once\n"
+    )
+    assert caught(notice=True, terminal=False) == ""
+    assert caught(notice=False, terminal=True) == ""
 
 
 def test_stop_signals_flag_restore_and_exit_status():

@@ -38,9 +38,10 @@ def _cmd_predict(args: argparse.Namespace) -> int:
         return 0
     for r in results:
         print(r["image"])
+        width = len(str(len(r["top_k"])))  # ranks right-aligned: the columns line up at --top-k 10 and beyond
         for rank, c in enumerate(r["top_k"], 1):
             index = "" if c["label"] == str(c["index"]) else f" (class {c['index']})"
-            print(f"  {rank}. {c['prob']:8.2%}  {c['label']}{index}")
+            print(f"  {rank:>{width}}. {c['prob']:8.2%}  {c['label']}{index}")
     return 0
 
 
@@ -151,7 +152,7 @@ def _check_export_args(args: argparse.Namespace):
     option); returns the dtype asked for."""
     from lambdanet.export import FORMATS, check_dtype, require_format, trace_batch
     from lambdanet.files import check_output_file
-    from lambdanet.helpers import check_choice, check_positive_int
+    from lambdanet.helpers import check_choice, check_int, check_positive_int
     from lambdanet.models import list_models
     from lambdanet.predict import resolve_dtype
 
@@ -162,6 +163,8 @@ def _check_export_args(args: argparse.Namespace):
     check_choice(args.format, "--format", FORMATS)
     if args.img_size is not None:
         check_positive_int(args.img_size, "--img-size")
+    if args.num_classes is not None:
+        check_int(args.num_classes, "--num-classes", 0, note=" (0: the pooled features)")
     if args.model in list_models(task="lm"):
         raise ValueError(f"{args.model} is a language model; lambdanet export takes image models")
     if args.out is not None:

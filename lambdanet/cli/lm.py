@@ -73,7 +73,10 @@ def register(sub) -> None:
         "with the model's streaming state.",
     )
     smp.add_argument(
-        "--checkpoint", required=True, help="run directory of lambdanet lm train (or its model.safetensors / last.pt)"
+        "--checkpoint",
+        required=True,
+        help="run directory of lambdanet lm train (or its model.safetensors / last.pt), or hf-hub:OWNER/NAME (a run "
+        "shared with lambdanet push-to-hub)",
     )
     smp.add_argument("--prompt", required=True, help="text to continue (UTF-8)")
     smp.add_argument("--max-new-tokens", type=int, default=256, help="bytes to generate (default: 256)")

@@ -67,14 +67,18 @@ def without_reshape_matmul_rewrites() -> Iterator[None]:
 
 
 def onnx_export(model: nn.Module, x: Tensor, path: Path, dynamic_shapes, max_single_file_bytes: int) -> str | None:
-    """Write ``model`` to ``path`` with the dynamo exporter, in one file unless its weights exceed
+    """Write ``model`` to ``path`` with the dynamo exporter (input ``image``, output ``logits``, or ``features``
+    for a model without a classifier: ``num_classes=0``), in one file unless its weights exceed
     ``max_single_file_bytes`` (see :mod:`lambdanet.export`); the external data file it wrote next to ``path``,
     or ``None``."""
     import onnx
 
     weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     external = weight_bytes > max_single_file_bytes
-    kwargs = {"dynamo": True, "verbose": False, "input_names": ["image"], "dynamic_shapes": dynamic_shapes}
+    # named for the reader of the file (the exporter names the output after its last op: "linear_12", "mean")
+    output = "logits" if getattr(model, "num_classes", 1) else "features"
+    kwargs = {"dynamo": True, "verbose": False, "input_names": ["image"], "output_names": [output],
+              "dynamic_shapes": dynamic_shapes}  # fmt: skip
     single_file_flag = "external_data" in inspect.signature(torch.onnx.export).parameters
     if single_file_flag:
         kwargs["external_data"] = external

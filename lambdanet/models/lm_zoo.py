@@ -137,6 +137,9 @@ class LanguageModelAdapter(ModelAdapter):
         :meth:`saved` read them."""
         from safetensors.torch import load_model
 
+        if kwargs.get("vocab_size", meta["vocab_size"]) != meta["vocab_size"]:  # the embedding's rows are the weights'
+            raise ValueError(f"vocab_size={kwargs['vocab_size']!r} does not fit hf-hub:{repo}, trained with vocab_size="
+                             f"{meta['vocab_size']} (leave it out: the repository's is used)")  # fmt: skip
         kwargs = {"vocab_size": meta["vocab_size"], **kwargs}
         model = self._build(name, entry_point(name, kwargs), kwargs)
         load_model(model, str(path))

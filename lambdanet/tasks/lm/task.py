@@ -29,6 +29,7 @@ from lambdanet.engine.task import Task, run
 from lambdanet.files import encode_metadata, read_safetensors, run_metadata
 from lambdanet.helpers import check_int, check_positive_int
 from lambdanet.models import create_model
+from lambdanet.models.hub import download_hub_weights, hub_repo
 from lambdanet.models.lm_zoo import saved_lm
 from lambdanet.models.lm import LanguageModel
 from lambdanet.runtime import autocast_context
@@ -250,8 +251,13 @@ def train_lm(cfg: LMConfig, log: Callable[[str], None] = print) -> dict:
 
 
 def load_lm(path: str | Path, device: torch.device | str = "cpu") -> nn.Module:
-    """A trained language model from a run directory (its ``model.safetensors``, else ``last.pt``) or either file,
-    in eval mode, with ``lm_cfg`` (model, model_kwargs, vocab_size, data, context)."""
+    """A trained language model from a run directory (its ``model.safetensors``, else ``last.pt``), either file, or
+    ``"hf-hub:owner/name"`` (a run shared with :func:`lambdanet.hub.push_to_hub`, downloaded once into
+    huggingface_hub's cache), in eval mode, with ``lm_cfg`` (model, model_kwargs, vocab_size, data, context)."""
+    repo = hub_repo(path)
+    name = str(path)
+    if repo is not None:
+        path = download_hub_weights(repo)[0]  # a one-line error when it cannot be had or is not lambdanet's
     path = Path(path)
     weights = path / "model.safetensors" if path.is_dir() else path
     if path.is_dir() and not weights.is_file():
@@ -261,7 +267,7 @@ def load_lm(path: str | Path, device: torch.device | str = "cpu") -> nn.Module:
     if weights.suffix == ".safetensors":
         meta = run_metadata(weights)
         if not meta or "vocab_size" not in meta:
-            raise CheckpointError(f"{weights} is not a language model written by lambdanet lm train")
+            raise CheckpointError(f"{name if repo else weights} is not a language model written by lambdanet lm train")
         state = read_safetensors(weights)[0]
     else:
         ckpt = load_checkpoint(weights)
@@ -288,7 +294,8 @@ def sample(
     device: torch.device | str = "cpu",
     cuda_graph: bool = False,
 ) -> bytes:
-    """Continue ``prompt`` (text is UTF-8 encoded) with the language model of a run: the prompt's bytes and the
+    """Continue ``prompt`` (text is UTF-8 encoded) with the language model of a run (``path``: as :func:`load_lm`
+    takes it, ``"hf-hub:owner/name"`` included): the prompt's bytes and the
     ``max_new_tokens`` sampled after them (``cuda_graph``: each step replayed from a CUDA graph, for the
     constant-state families on CUDA; :meth:`~lambdanet.models.lm.LanguageModel.generate`)."""
     check_int(seed, "seed", 0, 2**32 - 1, note=" below 2**32")  # as lm train's
