@@ -40,7 +40,7 @@ from lambdanet.engine.loop import fit
 from lambdanet.engine.preempt import Preempted, StopSignals, resume_point
 from lambdanet.engine.rundir import RunDirBusyError, RunDirLock, check_new_run
 from lambdanet.engine.state import RunState
-from lambdanet.files import RUN_FILES, absolute_data, check_output_dir
+from lambdanet.files import RUN_FILES
 from lambdanet.helpers import require
 from lambdanet.ops.position_lambda.tuning import set_impl_tuning
 from lambdanet.runtime import check_amp
@@ -119,12 +119,7 @@ def resolved(cfg: C) -> C:
         given = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
         return type(cfg).resolve(overrides={k: v for k, v in given.items() if v != getattr(default, k)})
     cfg = copy.deepcopy(cfg)
-    if isinstance(getattr(cfg, "data", None), str):
-        cfg.data = absolute_data(cfg.data)  # type: ignore[attr-defined]
-    cfg.validate()
-    check_output_dir(cfg.out, "--out", "a folder for the run")
-    cfg.complete({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
-    cfg._resolved = True  # type: ignore[attr-defined]
+    cfg.finish({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})  # every field counts as given
     return cfg
 
 
