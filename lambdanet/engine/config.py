@@ -162,10 +162,10 @@ class RunConfig:
             if name not in cls.RECIPES:
                 raise ValueError(f"unknown recipe {name!r}; valid recipes: {', '.join(cls.RECIPES)}")
             cfg = cls(**cls.recipe_values(name, explicit))
-        cfg.finish(explicit)
+        cfg.finalize(explicit)
         return cfg
 
-    def finish(self, explicit: dict) -> None:
+    def finalize(self, explicit: dict) -> None:
         """The end of every resolution (:meth:`resolve`, and :func:`lambdanet.engine.task.resolved` for a
         configuration built directly), in place: the data path made absolute, the values validated, ``out``
         checked, what the ``explicit`` values imply written in (:meth:`complete`), the configuration marked

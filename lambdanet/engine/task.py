@@ -119,7 +119,7 @@ def resolved(cfg: C) -> C:
         given = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
         return type(cfg).resolve(overrides={k: v for k, v in given.items() if v != getattr(default, k)})
     cfg = copy.deepcopy(cfg)
-    cfg.finish({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})  # every field counts as given
+    cfg.finalize({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})  # every field counts as given
     return cfg
 
 
