@@ -289,7 +289,8 @@ def _backward_impl(
     dq = torch.empty(B, U, m["n"], m["H"], K, device=dev, dtype=q.dtype if U == 1 else torch.float32)
     rho = torch.empty(BU, m["n"], K, **f32)
     G, g, dzb = torch.empty(BU, N1, K, m["V"], **f32), torch.empty(BU, N1, K, **f32), torch.empty(BU, N1, K, **f32)
-    demb = torch.zeros(BU, N, K, m["RP"], **f32) if emb is not None else q.new_zeros(0)
+    # every (stream, chunk) program writes its k x RP block: no zero fill (~17 MB a layer at 2048 x 32)
+    demb = torch.empty(BU, N, K, m["RP"], **f32) if emb is not None else q.new_zeros(0)
     e = q if emb is None else emb
     grid = (N, BU)
     T._grad_local[grid](q, keys, values, e, win, cb, zb, Sb, dy, dq, rho, G, g, demb, m["n"], r, N, N1,
