@@ -323,6 +323,10 @@ BAD = [
     (dict(dim=16, content=False, position=False), "cannot both be False"),
     (dict(dim=16, content="no"), "content must be True or False, got 'no'"),
     (dict(dim=16, position=1), "position must be True or False, got 1"),
+    (dict(dim=16, causal="no"), "causal must be True or False, got 'no'"),  # was a causal 1-d layer
+    (dict(dim=16, multihead="no"), "multihead must be True or False, got 'no'"),  # was multi-head
+    (dict(dim=16, query_softmax=1), "query_softmax must be True or False, got 1"),
+    (dict(dim=16, position_bias="yes"), "position_bias must be True or False, got 'yes'"),
     (dict(dim=16, position_embedding="absolute", r=5, feat_size=4), "needs feat_size and r=None"),
     (dict(dim=16, feat_size=(4, 4, 4), r=None, spatial_dims=2), "feat_size must have 2 entries"),
 ]

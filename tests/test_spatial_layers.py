@@ -18,6 +18,7 @@ from lambdanet.layers import (
     spatial_layer_info,
 )
 from lambdanet.layers.linear_attention import ConvPlusAttention
+from lambdanet.layers.local_attention import BlockedLocalAttention
 
 DTYPES = [torch.float32, torch.float64]
 
@@ -320,6 +321,12 @@ def test_global_layers_need_and_check_feat_size(name):
         (lambda: create_spatial_layer("halo_attention", 8, block_size=0), "block_size must be a positive int"),
         (lambda: create_spatial_layer("halo_attention", 8, block_size=6, stride=4), "stride=4 must divide block"),
         (lambda: create_spatial_layer("halo_attention", 8, halo_size=-1), "halo_size must be a non-negative"),
+        (lambda: create_spatial_layer("halo_attention", 8, pixel_centered="yes"),
+         "pixel_centered must be True or False, got 'yes'"),
+        (lambda: create_spatial_layer("halo_attention", 8, mask_padding=0),
+         "mask_padding must be True or False, got 0"),
+        (lambda: BlockedLocalAttention(8, 8, block_size=4, halo_size=1, heads=2, rel_max_offset=-1),
+         "rel_max_offset must be a non-negative int or None, got -1"),
         (lambda: create_spatial_layer("halo_attention", 32, heads=5), "heads=5 must divide"),
         (lambda: create_spatial_layer("conv", 8, kernel_size=2), "kernel_size must be a positive odd"),
         (lambda: create_spatial_layer("attention_augmented_conv", 8, 8, feat_size=4), "too small"),
@@ -331,6 +338,45 @@ def test_bad_arguments_raise_value_error_naming_argument(build, needle):
     with pytest.raises(ValueError) as err:
         build()
     assert needle in str(err.value)
+
+
+def test_integer_sizes_of_any_integer_type_build_the_same_layer():
+    """A numpy integer (a size read from an array) is an int: the halo builds the layer a Python int builds."""
+    np = pytest.importorskip("numpy")
+    torch.manual_seed(0)
+    plain = BlockedLocalAttention(16, 16, block_size=4, halo_size=2, heads=2, rel_max_offset=5)
+    torch.manual_seed(0)
+    numpy_sized = BlockedLocalAttention(16, 16, block_size=np.int64(4), halo_size=np.int64(2), heads=2,
+                                        rel_max_offset=np.int64(5))  # fmt: skip
+    x = torch.randn(1, 16, 8, 8)
+    assert numpy_sized.halo_size == 2 and torch.equal(numpy_sized(x), plain(x))
+
+
+def test_drop_path_drops_whole_examples_and_rescales_the_rest():
+    """Per example, all or nothing: the survivors scaled by ``1 / (1 - p)``, so the mean is kept; ``p = 1`` gives
+    zeros (timm's drop_path), not ``0 / 0``; in eval mode the input itself; a rate outside its range is one line."""
+    from lambdanet.layers.drop import DropPath, drop_path
+
+    torch.manual_seed(0)
+    x = torch.ones(4000, 3)
+    y = drop_path(x, 0.25, True)
+    kept = y[:, 0] != 0
+    assert torch.equal(y[kept], torch.full_like(y[kept], 1 / 0.75))
+    assert torch.equal(y[~kept], torch.zeros_like(y[~kept]))
+    assert abs(kept.float().mean().item() - 0.75) < 5 * (0.75 * 0.25 / 4000) ** 0.5  # 5 standard deviations
+    assert torch.equal(drop_path(x, 1.0, True), torch.zeros_like(x)) and drop_path(x, 0.9, False) is x
+    with pytest.raises(ValueError, match=r"^p must be in \[0, 1\] \(the probability of dropping an example\), "
+                                         r"got 1.5$"):
+        drop_path(x, 1.5, True)
+    for bad in (1.0, -0.1, "0.1", float("nan")):
+        with pytest.raises(ValueError, match=r"^p must be (a finite number )?in \[0, 1\) \(the drop path rate"):
+            DropPath(bad)
+    assert DropPath(np_float(0.5)).p == 0.5
+
+
+def np_float(value: float):
+    np = pytest.importorskip("numpy")
+    return np.float32(value)
 
 
 GRADCHECK_KWARGS = {

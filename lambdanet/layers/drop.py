@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import Tensor, nn
+
+from lambdanet.helpers import check_number
 
 __all__ = ["DropPath", "drop_path"]
 
 
 def drop_path(x: Tensor, p: float, training: bool) -> Tensor:
-    """Zero the whole example with probability ``p`` and rescale survivors by ``1 / (1 - p)``."""
+    """Zero the whole example with probability ``p`` (in ``[0, 1]``) and rescale survivors by ``1 / (1 - p)``;
+    ``p = 1`` drops every example (zeros, as timm's)."""
     if p == 0.0 or not training:
         return x
+    check_number(_real(p), "p", 0, 1, note=" (the probability of dropping an example)")
     keep = 1.0 - p
     mask = torch.empty((x.shape[0],) + (1,) * (x.dim() - 1), dtype=x.dtype, device=x.device).bernoulli_(keep)
-    return x * mask / keep
+    return x * mask / keep if keep > 0 else x * mask
+
+
+def _real(p):
+    """A real number of any kind (numpy's too) as a Python float, for the range check; anything else as it is."""
+    return float(p) if isinstance(p, numbers.Real) and not isinstance(p, bool) else p
 
 
 class DropPath(nn.Module):
@@ -22,8 +33,8 @@ class DropPath(nn.Module):
 
     def __init__(self, p: float = 0.0):
         super().__init__()
-        if not 0.0 <= p < 1.0:
-            raise ValueError(f"drop path rate must be in [0, 1), got {p}")
+        p = _real(p)
+        check_number(p, "p", 0, 1, high_open=True, note=" (the drop path rate: the probability of dropping a branch)")
         self.p = p
 
     def forward(self, x: Tensor) -> Tensor:

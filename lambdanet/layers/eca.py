@@ -13,7 +13,8 @@ __all__ = ["EfficientChannelAttention", "eca_kernel_size"]
 
 
 def eca_kernel_size(channels: int, gamma: float = 2.0, beta: float = 1.0) -> int:
-    """ECA-Net Eq. 12: ``k = |log2(C) / gamma + beta / gamma|`` rounded down to an odd number, at least 3."""
+    """ECA-Net Eq. 12: ``k = |log2(C) / gamma + beta / gamma|_odd``: truncated to an int, an even one raised to
+    the next odd number, at least 3 (timm's rule; C = 256: 4.5 -> 4 -> 5)."""
     t = int(abs(math.log2(channels) + beta) / gamma)
     return max(t if t % 2 else t + 1, 3)
 

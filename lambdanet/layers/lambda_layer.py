@@ -163,7 +163,9 @@ class LambdaLayer(LambdaPositionMixin, nn.Module):
         check_choice(qv_norm, "qv_norm", _QV_NORMS)
         check_choice(position_embedding, "position_embedding", _POS_EMBS)
         check_choice(impl, "impl", _IMPLS)
-        for name, flag in (("content", content), ("position", position)):
+        flags = dict(content=content, position=position, causal=causal, multihead=multihead,
+                     query_softmax=query_softmax, position_bias=position_bias)  # fmt: skip
+        for name, flag in flags.items():
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
         if not (content or position):

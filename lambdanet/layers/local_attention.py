@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lambdanet.helpers import check_choice, check_input, check_positive_int
+from lambdanet.helpers import check_choice, check_input, check_int, check_positive_int
 from lambdanet.layers.pooling import pool_after
 from lambdanet.layers.relative_position import RelativePosition2d, attend
 
@@ -51,7 +51,8 @@ class BlockedLocalAttention(nn.Module):
         dim_qk: total query/key channels (default ``dim_out``).
         stride: query subsampling factor (must divide ``block_size``).
         window: if set (odd, ``<= 2 h + 1``), every query only sees the ``window x window`` pixels centred on it.
-        rel_max_offset: relative table size (default: every offset the geometry can produce).
+        rel_max_offset: relative table size (default: every offset the geometry can produce). A smaller table
+            clips the offsets beyond it to its last entry (Shaw et al.'s clipping): those keys are still attended.
         rel_split: ``"half"`` (HaloNet App. A: half a head's channels per axis) or ``"full"`` (full-depth tables,
             as in timm's checkpoints).
         rel_geometry: ``"pixel"``: true pixel offsets between query and key. ``"window"`` (timm's checkpoints):
@@ -91,12 +92,11 @@ class BlockedLocalAttention(nn.Module):
             ("stride", stride),
         ):
             check_positive_int(val, name)
-        if isinstance(halo_size, bool) or not isinstance(halo_size, int) or halo_size < 0:
-            raise ValueError(f"halo_size must be a non-negative int, got {halo_size!r}")
-        if rel_max_offset is not None and (
-            isinstance(rel_max_offset, bool) or not isinstance(rel_max_offset, int) or rel_max_offset < 0
-        ):
-            raise ValueError(f"rel_max_offset must be a non-negative int or None, got {rel_max_offset!r}")
+        check_int(halo_size, "halo_size", 0)
+        if rel_max_offset is not None:
+            check_int(rel_max_offset, "rel_max_offset", 0, note=" or None")
+        if not isinstance(mask_padding, bool):
+            raise ValueError(f"mask_padding must be True or False, got {mask_padding!r}")
         if dim_out % heads or dim_qk % heads:
             raise ValueError(f"heads={heads} must divide dim_out={dim_out} and dim_qk={dim_qk}")
         if (dim_qk // heads) < 2:
@@ -187,7 +187,7 @@ class HaloAttention(BlockedLocalAttention):
 
     Args:
         dim, dim_out: input / output channels.
-        stride: 1 or 2: query subsampling (HaloNet Fig. 2; ``stride`` must divide ``block_size``), or a 2x2
+        stride: query subsampling (HaloNet Fig. 2 uses 1 or 2; any divisor of ``block_size``), or a 2x2
             average pool after the stride-1 layer with ``downsample="pool"``.
         block_size: ``b`` (8).
         halo_size: ``h`` (3).
@@ -219,6 +219,8 @@ class HaloAttention(BlockedLocalAttention):
     ):
         dim_out = dim if dim_out is None else dim_out
         check_positive_int(dim_out, "dim_out")
+        if not isinstance(pixel_centered, bool):
+            raise ValueError(f"pixel_centered must be True or False, got {pixel_centered!r}")
         check_choice(downsample, "downsample", ("subsample", "pool"))
         heads = max(1, dim_out // 16) if heads is None else heads
         pool = downsample == "pool" and stride > 1

@@ -70,8 +70,8 @@ class RelativePosition2d(nn.Module):
         return f"max_offset={self.max_offset}, dim_head={self.dim_head}, split={self.split!r}"
 
     def tables(self, q_coords: tuple[Tensor, Tensor], k_coords: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-        """Gather ``T_h[i, a] = r^H[k_a - q_i]`` and ``T_w[j, c]``; offsets beyond the table are clamped (callers
-        mask those keys)."""
+        """Gather ``T_h[i, a] = r^H[k_a - q_i]`` and ``T_w[j, c]``; offsets beyond the table are clipped to its
+        last entry (Shaw et al.; the keys there are not masked)."""
         (qh, qw), (kh, kw) = q_coords, k_coords
         oh, ow = self.max_offset
         idx_h = (kh[None, :] - qh[:, None] + oh).clamp(0, 2 * oh)  # Qh Kh
