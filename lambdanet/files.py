@@ -57,6 +57,8 @@ def run_file(path: str | os.PathLike, *, ema: bool = True, checkpoint: bool = Fa
     weights (default): ``model_ema.safetensors`` when present and ``ema``, else ``model.safetensors``, else
     ``last.pt`` (a run stopped before its end). With ``checkpoint``: its ``last.pt``, the training checkpoint
     (configuration, raw and EMA weights). ``ValueError`` for a directory without such a file."""
+    if not str(path):  # Path("") is the working folder: say what was given
+        raise ValueError("the checkpoint path is empty; pass a run directory of lambdanet train or a file in it")
     path = Path(path).expanduser()
     if not path.is_dir():
         return path
@@ -64,9 +66,9 @@ def run_file(path: str | os.PathLike, *, ema: bool = True, checkpoint: bool = Fa
     found = next((path / n for n in names if (path / n).is_file()), None)
     if found is None:
         what = "training checkpoint (last.pt)" if checkpoint else f"trained model ({', '.join(names)})"
-        raise ValueError(
-            f"{path} is a directory but holds no {what}; pass a run directory of lambdanet train or a weights file"
-        )
+        instead = "its last.pt" if checkpoint else "a weights file"
+        raise ValueError(f"{path} is a directory but holds no {what}; pass a run directory of lambdanet train or "
+                         f"{instead}")  # fmt: skip
     return found
 
 
@@ -281,7 +283,7 @@ RUN_TASKS = {
         "lambdanet lm train",
         "continue a prompt with lambdanet lm sample --checkpoint {path}",
     ),
-    "detect": ("a detection run", "lambdanet detect", "its box and mask AP are in {path}/summary.json"),
+    "detect": ("a detection run", "lambdanet detect", "its box AP (and mask AP) are in {path}/summary.json"),
 }
 
 
@@ -325,14 +327,32 @@ def run_task(path: str | os.PathLike) -> str | None:
 def check_run_task(path: str | os.PathLike, task: str) -> None:
     """A one-line ``ValueError`` when ``path`` was written by another task than ``task`` (a key of
     :data:`RUN_TASKS`), naming both and what the run is for instead."""
-    found = run_task(path)
-    if found is not None and found != task:
-        kind, writer, advice = RUN_TASKS[found]
-        folder, is_dir = (Path(path), True) if Path(path).is_dir() else (Path(path).parent, False)
-        raise ValueError(
-            f"{path} is {'' if is_dir else 'from '}{kind} ({writer}), not {RUN_TASKS[task][0]} ({RUN_TASKS[task][1]}); "
-            f"{advice.format(path=folder)}"
+    _refuse_other_task(path, run_task(path), task)
+
+
+def check_checkpoint_task(config: object, path: str | os.PathLike, task: str) -> None:
+    """:func:`check_run_task` for a checkpoint already loaded from ``path`` (its saved ``config``): a ``last.pt``
+    away from its run directory, whose task no ``config.yaml`` beside it tells."""
+    _refuse_other_task(path, task_of_config(config) if isinstance(config, dict) else None, task)
+
+
+def _refuse_other_task(path: str | os.PathLike, found: str | None, task: str) -> None:
+    if found is None or found == task:
+        return
+    kind, writer, advice = RUN_TASKS[found]
+    folder, is_dir = (Path(path), True) if Path(path).is_dir() else (Path(path).parent, False)
+    in_run = (folder / "config.yaml").is_file()  # else a file away from its run: no run folder to point at
+    if found == "detect" and not (folder / "summary.json").is_file():
+        advice = (
+            "its box AP (and mask AP) will be in {path}/summary.json when it ends (lambdanet detect --resume --out "
+            "{path} continues it)"
+            if in_run  # not finished (or a backbone's pre-training)
+            else "its box AP (and mask AP) are in the summary.json of the run that wrote it"
         )
+    raise ValueError(
+        f"{path} is {'' if is_dir else 'from '}{kind} ({writer}), not {RUN_TASKS[task][0]} ({RUN_TASKS[task][1]}); "
+        f"{advice.format(path=folder if in_run else path)}"
+    )
 
 
 # ------------------------------------------------------------------------------ image files

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from lambdanet.helpers import check_choice, check_positive_int
 from lambdanet.models import create_model, model_args
+from lambdanet.models.hub import hub_repo
 from lambdanet.files import IMAGE_SUFFIXES, check_run_task, is_run_weights, read_image
 from lambdanet.tasks.classification.load import load_model
 
@@ -90,8 +91,9 @@ def load_for_inference(
 
     Args:
         checkpoint: what ``lambdanet train`` wrote (a run directory, its ``.safetensors`` weights or its
-            ``last.pt``: :func:`lambdanet.load_model`, which attaches ``pretrained_cfg`` with the run's classes
-            and preprocessing), or, with ``model``, another weights file for ``create_model(model,
+            ``last.pt``), or ``"hf-hub:owner/name"`` (such a run shared with :func:`lambdanet.hub.push_to_hub`):
+            :func:`lambdanet.load_model`, which attaches ``pretrained_cfg`` with the run's classes and
+            preprocessing; or, with ``model``, another weights file for ``create_model(model,
             checkpoint_path=...)``.
         model: a registered name (:func:`lambdanet.list_models`); with ``checkpoint`` pointing at a run it must
             be the run's model.
@@ -117,16 +119,20 @@ def load_for_inference(
         if img_size is not None and "img_size" in accepted:
             kwargs["img_size"] = img_size
     if checkpoint is not None:
+        hub = hub_repo(checkpoint)  # a run shared on the Hugging Face hub
         path = Path(checkpoint)
-        if not path.exists():
+        if hub is None and not path.exists():
             raise ValueError(
                 f"checkpoint {str(path)!r} does not exist; pass a run directory, its .safetensors "
-                "weights or its last.pt"
+                "weights, its last.pt or hf-hub:OWNER/NAME"
             )
-        if model is None or _is_run_output(path):
+        if hub is not None or model is None or _is_run_output(path):
             check_run_task(path, "classify")  # a language-model or detection run: say so, not a KeyError
-            net = load_model(path, ema=ema)
+            net = load_model(checkpoint if hub is not None else path, ema=ema)
             pretrained_cfg = cast("dict[str, Any]", net.pretrained_cfg)
+            if "vocab_size" in pretrained_cfg:  # a shared language model
+                raise ValueError(f"{checkpoint} is a language model (lambdanet lm train), not an image classifier; "
+                                 f"continue a prompt with lambdanet lm sample --checkpoint {checkpoint}")  # fmt: skip
             trained = pretrained_cfg["architecture"]
             if model is not None and model != trained:
                 raise ValueError(f"model {model!r} does not match checkpoint {str(path)!r}, which holds {trained!r}")

@@ -438,3 +438,44 @@ def test_the_python_api_still_takes_a_path_object_for_out_and_refuses_a_number_f
     assert Path(cfg.out) == tmp_path / "run"
     with pytest.raises(ValueError, match=r"^data must be a string, got 5$"):
         resolve_config(overrides={"data": 5, "out": str(tmp_path / "x")})
+
+
+def test_a_checkpoint_of_another_task_away_from_its_run_is_named_by_every_image_command(tmp_path, capsys):
+    """A ``last.pt`` copied out of its run folder has no ``config.yaml`` beside it: the commands that take an image
+    classifier's checkpoint read its task from the checkpoint's own configuration and refuse it in one line (eval
+    raised a TypeError, predict and export named the corpus as an unknown dataset). In a run folder the message also
+    says what to do with the run (a detection run's ``summary.json``: where it is, or will be once it ends)."""
+    import numpy as np
+    from PIL import Image
+
+    fixtures = Path(__file__).parent / "fixtures"
+    lm, det = tmp_path / "lm.pt", tmp_path / "det" / "last.pt"
+    det.parent.mkdir()
+    shutil.copy(fixtures / "lm_runs_fixed" / "lm" / "last.pt", lm)
+    shutil.copy(fixtures / "runs_v1" / "detect" / "last.pt", det)
+    image = tmp_path / "x.png"
+    Image.fromarray(np.zeros((8, 8), dtype=np.uint8), mode="L").save(image)
+    lm_says = (f"{lm} is from a language-model run (lambdanet lm train), not an image-classification run "
+               "(lambdanet train)")
+    for argv in (["eval", "--checkpoint", str(lm)], ["predict", str(image), "--checkpoint", str(lm)],
+                 ["export", "--checkpoint", str(lm), "--format", "torchscript", "--out", str(tmp_path / "m.pt")]):
+        assert main(argv) == 2
+        assert capsys.readouterr().err == (f"lambdanet {argv[0]}: error: {lm_says}; continue a prompt with lambdanet "
+                                           f"lm sample --checkpoint {lm}\n")  # the file: it loads  # fmt: skip
+    assert main(["eval", "--checkpoint", str(det.parent)]) == 2  # the folder: its last.pt, read
+    assert capsys.readouterr().err == (f"lambdanet eval: error: {det} is from a detection run (lambdanet detect), not "
+                                       "an image-classification run (lambdanet train); its box AP (and mask AP) are "
+                                       "in the summary.json of the run that wrote it\n")  # fmt: skip
+    run = tmp_path / "detect_run"  # the run folder itself, unfinished: no summary.json yet
+    shutil.copytree(fixtures / "runs_v1" / "detect", run)
+    assert main(["eval", "--checkpoint", str(run)]) == 2
+    assert capsys.readouterr().err.endswith(f"; its box AP (and mask AP) will be in {run}/summary.json when it ends "
+                                            f"(lambdanet detect --resume --out {run} continues it)\n")  # fmt: skip
+    (run / "summary.json").write_text("{}")
+    assert main(["eval", "--checkpoint", str(run)]) == 2
+    assert capsys.readouterr().err.endswith(f"; its box AP (and mask AP) are in {run}/summary.json\n")
+    assert main(["eval", "--checkpoint", str(tmp_path)]) == 2  # a folder without last.pt: no weights-file advice
+    assert capsys.readouterr().err.endswith("holds no training checkpoint (last.pt); pass a run directory of "
+                                            "lambdanet train or its last.pt\n")  # fmt: skip
+    assert main(["eval", "--checkpoint", ""]) == 2
+    assert "the checkpoint path is empty" in capsys.readouterr().err

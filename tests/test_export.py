@@ -452,24 +452,28 @@ def test_a_bfloat16_onnx_export_is_refused_naming_the_supported_dtypes(tmp_path)
 
 def test_onnx_files_name_their_input_and_output(tmp_path):
     """The input is ``image`` and the output ``logits`` (``features`` for a model without a classifier,
-    ``num_classes=0``), not the name of the exporter's last op; a session fed by those names gives the eager
-    model's output."""
+    ``num_classes=0``; ``features_0``, ... for a feature pyramid), not the name of the exporter's last op; a session
+    fed by those names gives the eager model's outputs."""
     pytest.importorskip("onnxruntime")
     import onnxruntime as ort
 
     headless = lambdanet.create_model("lambda_resnet26", num_classes=0, in_chans=2, base_width=16)
-    cases = ((tiny_convnet(), "logits", 3, 6), (headless, "features", headless.num_features, 16))
-    for model, name, width, size in cases:
-        out = tmp_path / f"{name}.onnx"
+    pyramid = lambdanet.create_model("resnet26", features_only=True, in_chans=2, base_width=4)
+    cases = ((tiny_convnet(), ["logits"], 6), (headless, ["features"], 16),
+             (pyramid, [f"features_{i}" for i in range(len(pyramid.feature_info))], 16))  # fmt: skip
+    for model, names, size in cases:
+        out = tmp_path / f"{names[0]}.onnx"
         export_model(model, out, "onnx", input_size=size, in_chans=2)
         session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
-        assert [i.name for i in session.get_inputs()] == ["image"]
-        assert [o.name for o in session.get_outputs()] == [name] and session.get_outputs()[0].shape == ["batch", width]
+        assert [i.name for i in session.get_inputs()] == ["image"] and [o.name for o in session.get_outputs()] == names
         x = torch.randn(2, 2, size, size)
         with torch.no_grad():
             eager = model.eval()(x)
-        got = torch.from_numpy(session.run([name], {"image": x.numpy()})[0])
-        torch.testing.assert_close(got, eager, rtol=0, atol=tolerance("onnx", out, eager.abs().max().item()))
+        eager = [eager] if isinstance(eager, torch.Tensor) else eager
+        assert [o.shape for o in session.get_outputs()] == [["batch", *e.shape[1:]] for e in eager]
+        for name, want in zip(names, eager):
+            got = torch.from_numpy(session.run([name], {"image": x.numpy()})[0])
+            torch.testing.assert_close(got, want, rtol=0, atol=tolerance("onnx", out, want.abs().max().item()))
 
 
 def test_onnx_weights_over_the_single_file_limit_go_to_one_data_file(tmp_path, monkeypatch):

@@ -165,6 +165,52 @@ def test_lm_sample_continues_a_prompt_with_a_shared_language_model(tmp_path, hub
     assert create_model("hf-hub:someone/tiny-lm", vocab_size=vocab).vocab_size == vocab  # the same one: fine
 
 
+def test_predict_export_and_eval_take_a_shared_run(tmp_path, hub_cache, capsys):
+    """``predict --checkpoint hf-hub:...`` prints what the run itself predicts (its classes and preprocessing come
+    with the weights); ``export`` writes the same model; ``eval`` (which needs a training checkpoint, not on the
+    hub) and ``predict`` of a shared language model are one line each, saying what to use instead."""
+    from PIL import Image
+
+    from lambdanet.cli import main
+
+    hub_cache(save_for_hub(RUN, tmp_path / "img"), "someone/digits")
+    hub_cache(save_for_hub(LM_RUN, tmp_path / "lm"), "someone/tiny-lm")
+    image = tmp_path / "seven.png"
+    Image.fromarray((torch.rand(20, 20) * 255).to(torch.uint8).numpy(), mode="L").save(image)
+    assert main(["predict", str(image), "--checkpoint", str(RUN), "--json"]) == 0
+    own = json.loads(capsys.readouterr().out)
+    assert main(["predict", str(image), "--checkpoint", "hf-hub:someone/digits", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == own
+    out = tmp_path / "digits.pt"
+    assert main(["export", "--checkpoint", "hf-hub:someone/digits", "--format", "torchscript", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out  # the file loaded back against the shared model, within export's tolerance
+    channels, size = load_model(RUN).pretrained_cfg["input_size"][:2]
+    assert printed.startswith(f"{out}: torchscript float32, input [batch, {channels}, {size}, {size}]; check passed")
+    assert main(["eval", "--checkpoint", "hf-hub:someone/digits"]) == 2
+    assert capsys.readouterr().err == (
+        "lambdanet eval: error: hf-hub:someone/digits holds weights without a training checkpoint; evaluate the run "
+        "that wrote it, or classify images with lambdanet predict --checkpoint hf-hub:someone/digits\n"
+    )
+    assert main(["predict", str(image), "--checkpoint", "hf-hub:someone/tiny-lm"]) == 2
+    assert capsys.readouterr().err == (
+        "lambdanet predict: error: hf-hub:someone/tiny-lm is a language model (lambdanet lm train), not an image "
+        "classifier; continue a prompt with lambdanet lm sample --checkpoint hf-hub:someone/tiny-lm\n"
+    )
+
+
+def test_hub_names_take_a_revision_with_slashes():
+    """A revision (``@v1``, a commit, a pull request's ``refs/pr/1``) follows the repository id, which alone must
+    be ``owner/name``."""
+    from lambdanet.models.hub import hub_repo
+
+    assert hub_repo("hf-hub:someone/tiny@refs/pr/1") == "someone/tiny@refs/pr/1"
+    assert hub_repo("hf-hub:someone/tiny@v1") == "someone/tiny@v1" and hub_repo("resnet26") is None
+    for bad in ("hf-hub:someone@x/tiny", "hf-hub:someone", "hf-hub:/tiny", "hf-hub:a/b/c"):
+        with pytest.raises(ValueError, match=r"^a hub model is named 'hf-hub:owner/name' \(or "
+                                             r"'hf-hub:owner/name@revision'\), got "):
+            hub_repo(bad)
+
+
 def test_push_to_hub_uploads_the_repository_in_one_commit(monkeypatch, tmp_path):
     calls = []
 

@@ -67,8 +67,9 @@ def _add_predict(sub) -> None:
     pr.add_argument(
         "--checkpoint",
         default=None,
-        help="a run directory, its .safetensors weights or its last.pt (lambdanet train); with --model, "
-        "a weights file of that model (timm's checkpoint or lambdanet's own)",
+        help="a run directory, its .safetensors weights or its last.pt (lambdanet train), or hf-hub:OWNER/NAME (a run "
+        "shared with lambdanet push-to-hub); with --model, a weights file of that model (timm's checkpoint or "
+        "lambdanet's own)",
     )
     pr.add_argument("--top-k", type=int, default=5, help="classes shown per image (default: %(default)s)")
     pr.add_argument("--json", action="store_true", help="print the predictions as JSON")
@@ -196,8 +197,9 @@ def _add_export(sub) -> None:
     ex.add_argument(
         "--checkpoint",
         default=None,
-        help="a run directory, its .safetensors weights or its last.pt (lambdanet train); with --model, "
-        "a weights file of that model (timm's checkpoint or lambdanet's own)",
+        help="a run directory, its .safetensors weights or its last.pt (lambdanet train), or hf-hub:OWNER/NAME (a run "
+        "shared with lambdanet push-to-hub); with --model, a weights file of that model (timm's checkpoint or "
+        "lambdanet's own)",
     )
     ex.add_argument("--format", required=True, metavar="FORMAT", help=f"one of {', '.join(FORMATS)}")
     ex.add_argument(

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-__all__ = ["onnx_export", "external_locations", "without_reshape_matmul_rewrites"]
+__all__ = ["onnx_export", "output_names", "external_locations", "without_reshape_matmul_rewrites"]
 
 
 @contextlib.contextmanager
@@ -67,17 +67,15 @@ def without_reshape_matmul_rewrites() -> Iterator[None]:
 
 
 def onnx_export(model: nn.Module, x: Tensor, path: Path, dynamic_shapes, max_single_file_bytes: int) -> str | None:
-    """Write ``model`` to ``path`` with the dynamo exporter (input ``image``, output ``logits``, or ``features``
-    for a model without a classifier: ``num_classes=0``), in one file unless its weights exceed
+    """Write ``model`` to ``path`` with the dynamo exporter (input ``image``, outputs named by
+    :func:`output_names`), in one file unless its weights exceed
     ``max_single_file_bytes`` (see :mod:`lambdanet.export`); the external data file it wrote next to ``path``,
     or ``None``."""
     import onnx
 
     weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     external = weight_bytes > max_single_file_bytes
-    # named for the reader of the file (the exporter names the output after its last op: "linear_12", "mean")
-    output = "logits" if getattr(model, "num_classes", 1) else "features"
-    kwargs = {"dynamo": True, "verbose": False, "input_names": ["image"], "output_names": [output],
+    kwargs = {"dynamo": True, "verbose": False, "input_names": ["image"], "output_names": output_names(model),
               "dynamic_shapes": dynamic_shapes}  # fmt: skip
     single_file_flag = "external_data" in inspect.signature(torch.onnx.export).parameters
     if single_file_flag:
@@ -94,6 +92,18 @@ def onnx_export(model: nn.Module, x: Tensor, path: Path, dynamic_shapes, max_sin
     if len(locations) > 1:
         raise ValueError(f"{path}: the ONNX exporter wrote its weights to {len(locations)} files, expected one")
     return str(path.parent / locations[0]) if locations else None
+
+
+def output_names(model: nn.Module) -> list[str]:
+    """The ONNX file's output names, for its reader (the exporter would name them after their last ops:
+    ``linear_12``, ``mean``, ``relu_12``): a classifier's ``logits``, a model without a classifier's
+    (``num_classes=0``) ``features``, a feature pyramid's (``features_only=True``: a list of maps, one per entry
+    of its ``feature_info``) ``features_0``, ``features_1``, ... Told from the model's attributes, without calling
+    it (a forward may change a model's state). A model of another origin that returns several tensors gets its
+    first one named."""
+    if getattr(model, "features_only", False) and hasattr(model, "feature_info"):
+        return [f"features_{i}" for i in range(len(model.feature_info))]
+    return ["logits" if getattr(model, "num_classes", 1) else "features"]
 
 
 def external_locations(path: Path) -> list[str]:

@@ -37,8 +37,9 @@ def hub_repo(name) -> str | None:
     if not isinstance(name, str) or not name.startswith(HF_PREFIX):
         return None
     repo = name[len(HF_PREFIX) :]
-    if repo.count("/") != 1 or not all(repo.split("@")[0].split("/")):
-        raise ValueError(f"a hub model is named 'hf-hub:owner/name', got {name!r}")
+    repo_id = repo.partition("@")[0]  # a revision may hold slashes itself: refs/pr/1
+    if repo_id.count("/") != 1 or not all(repo_id.split("/")):
+        raise ValueError(f"a hub model is named 'hf-hub:owner/name' (or 'hf-hub:owner/name@revision'), got {name!r}")
     return repo
 
 

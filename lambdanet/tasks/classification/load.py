@@ -16,7 +16,7 @@ from typing import Any, cast
 
 from torch import nn
 
-from lambdanet.files import check_run_task, read_state_dict, run_file, run_metadata
+from lambdanet.files import check_checkpoint_task, check_run_task, read_state_dict, run_file, run_metadata
 from lambdanet.models import create_model
 from lambdanet.models.hub import hub_repo
 from lambdanet.models.registry import run_image_cfg
@@ -133,6 +133,7 @@ def load_model(path: str | os.PathLike, *, ema: bool = True) -> nn.Module:
         )
     else:  # the checkpoint's own classes (saved in it since 0.2.0: its data need not be at hand)
         state = load_checkpoint(path)
+        check_checkpoint_task(state.get("config"), path, "classify")  # away from its run: config.yaml told none
         meta = checkpoint_meta(state, path)
         model, _ = restore_model(state, ema=ema, path=path, meta=meta)
     cast("dict[str, Any]", model.pretrained_cfg).update(run_image_cfg(meta))

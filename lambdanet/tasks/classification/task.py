@@ -21,7 +21,15 @@ from lambdanet.engine.loop import TrainingDivergedError, to_device
 from lambdanet.engine.optim import build_ema, build_optimizer, build_scheduler, set_bn_momentum
 from lambdanet.engine.state import RunState
 from lambdanet.engine.task import Task, run
-from lambdanet.files import BEST_WEIGHTS, WeightsMismatchError, read_safetensors, run_file, weights_metadata
+from lambdanet.files import (
+    BEST_WEIGHTS,
+    WeightsMismatchError,
+    check_checkpoint_task,
+    read_safetensors,
+    run_file,
+    weights_metadata,
+)
+from lambdanet.models.hub import hub_repo
 from lambdanet.models import create_model
 from lambdanet.tasks.classification.config import TrainConfig, model_build_kwargs
 from lambdanet.tasks.classification.data import (
@@ -397,8 +405,12 @@ def evaluate_checkpoint(
     ``path`` is a ``last.pt`` or a run directory (its ``last.pt``: :func:`lambdanet.files.run_file`)."""
     if split not in ("test", "train"):
         raise ValueError(f"split must be one of ['test', 'train'], got {split!r}")
+    if hub_repo(path) is not None:  # weights alone: no configuration to rebuild the data from
+        raise ValueError(f"{path} holds weights without a training checkpoint; evaluate the run that wrote it, or "
+                         f"classify images with lambdanet predict --checkpoint {path}")  # fmt: skip
     path = run_file(path, checkpoint=True)  # a run directory: its last.pt (raw and EMA weights, configuration)
     state = load_checkpoint(path)
+    check_checkpoint_task(state.get("config"), path, "classify")  # a language-model or detection checkpoint
     saved = dict(state.get("config") or {})
     if not saved:
         raise CheckpointError(f"checkpoint {path} has no training configuration")
