@@ -53,6 +53,19 @@ def test_a_checkpoint_keeps_its_classes_when_its_data_folder_changes(folder_run,
     assert torch.equal(lambdanet.load_model(out / "last.pt")(x), before(x))
 
 
+def test_the_classes_message_counts_one_class_in_the_singular(tmp_path):
+    """A data folder left with one class reads "1 class (cats)", not "1 classes"."""
+    from types import SimpleNamespace
+
+    from lambdanet.tasks.classification.load import check_data_fits
+
+    meta = {"num_classes": 2, "in_chans": 3, "classes": ["cats", "dogs"]}
+    spec = SimpleNamespace(name="imagefolder:x", num_classes=1, in_chans=3, classes=["cats"])
+    with pytest.raises(ValueError, match=r"classifies 2 classes \(cats, dogs\) of 3-channel images; imagefolder:x has "
+                                         r"1 class \(cats\) of 3-channel images: "):
+        check_data_fits(meta, spec, tmp_path / "last.pt")
+
+
 def test_renamed_class_folders_are_refused_and_older_checkpoints_checked_by_their_classifier(folder_run, capsys):
     out, data = folder_run
     for split in ("train", "val"):  # as many classes, other names: the labels' meaning changed

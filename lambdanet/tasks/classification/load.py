@@ -60,7 +60,7 @@ def check_data_fits(meta: dict, spec, path: str | os.PathLike) -> None:
 
     def what(n, chans, classes):
         shown = "" if classes is None else f" ({', '.join(map(str, classes[:5]))}{', ...' if len(classes) > 5 else ''})"
-        return f"{n} classes{shown} of {chans}-channel images"
+        return f"{n} class{'' if n == 1 else 'es'}{shown} of {chans}-channel images"
 
     raise ValueError(
         f"checkpoint {path} classifies {what(meta['num_classes'], meta['in_chans'], meta.get('classes'))}; "
