@@ -458,7 +458,8 @@ def test_a_checkpoint_of_another_task_away_from_its_run_is_named_by_every_image_
     lm_says = (f"{lm} is from a language-model run (lambdanet lm train), not an image-classification run "
                "(lambdanet train)")
     for argv in (["eval", "--checkpoint", str(lm)], ["predict", str(image), "--checkpoint", str(lm)],
-                 ["export", "--checkpoint", str(lm), "--format", "torchscript", "--out", str(tmp_path / "m.pt")]):
+                 ["export", "--checkpoint", str(lm), "--format", "torchscript", "--out", str(tmp_path / "m.pt")],
+                 ["pseudo-label", "--checkpoint", str(lm), "--out", str(tmp_path / "p.pt")]):
         assert main(argv) == 2
         assert capsys.readouterr().err == (f"lambdanet {argv[0]}: error: {lm_says}; continue a prompt with lambdanet "
                                            f"lm sample --checkpoint {lm}\n")  # the file: it loads  # fmt: skip

@@ -476,6 +476,17 @@ def test_onnx_files_name_their_input_and_output(tmp_path):
             torch.testing.assert_close(got, want, rtol=0, atol=tolerance("onnx", out, want.abs().max().item()))
 
 
+def test_onnx_output_names_of_timm_feature_models_are_features():
+    """timm's feature models (``features_only=True``: no ``features_only`` or ``num_classes`` attribute of their
+    own) return a list of maps: one name per map, not a classifier's ``logits``."""
+    timm = pytest.importorskip("timm")
+    from lambdanet.export.onnx_format import output_names
+
+    model = timm.create_model("resnet18", features_only=True, out_indices=(1, 3), pretrained=False)
+    assert output_names(model) == ["features_0", "features_1"] and len(model(torch.randn(1, 3, 32, 32))) == 2
+    assert output_names(timm.create_model("resnet18", num_classes=4, pretrained=False)) == ["logits"]
+
+
 def test_onnx_weights_over_the_single_file_limit_go_to_one_data_file(tmp_path, monkeypatch):
     """Above ``ONNX_SINGLE_FILE_MAX_BYTES`` (protobuf's 2 GB cap on a file; lowered to 0 here to stand for a
     large model) the weights are in ``<file>.data`` next to the file, which the result names; ONNX Runtime,

@@ -191,6 +191,11 @@ def test_predict_export_and_eval_take_a_shared_run(tmp_path, hub_cache, capsys):
         "lambdanet eval: error: hf-hub:someone/digits holds weights without a training checkpoint; evaluate the run "
         "that wrote it, or classify images with lambdanet predict --checkpoint hf-hub:someone/digits\n"
     )
+    assert main(["pseudo-label", "--checkpoint", "hf-hub:someone/digits", "--out", str(tmp_path / "p.pt")]) == 2
+    assert capsys.readouterr().err == (
+        "lambdanet pseudo-label: error: hf-hub:someone/digits holds weights without a training checkpoint; "
+        "pseudo-label with the run that wrote it (its directory or last.pt)\n"
+    )
     assert main(["predict", str(image), "--checkpoint", "hf-hub:someone/tiny-lm"]) == 2
     assert capsys.readouterr().err == (
         "lambdanet predict: error: hf-hub:someone/tiny-lm is a language model (lambdanet lm train), not an image "

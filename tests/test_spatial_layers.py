@@ -374,6 +374,25 @@ def test_drop_path_drops_whole_examples_and_rescales_the_rest():
     assert DropPath(np_float(0.5)).p == 0.5
 
 
+def test_drop_path_compiles_as_one_graph_when_its_rate_varies():
+    """A rate that changes between calls is a symbolic float to the compiler: the range check (Python's
+    ``math.isfinite``) is left to eager calls, so the compiled step has no graph break."""
+    from lambdanet.layers.drop import DropPath, drop_path
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 3)
+    compiled = torch.compile(lambda x, p: drop_path(x, p, True), fullgraph=True, backend="eager")
+    for p in (0.2, 0.3, 0.6):
+        y = compiled(x, p)
+        kept = y[:, 0] != 0
+        assert torch.equal(y[kept], x[kept] / (1 - p)) and torch.equal(y[~kept], torch.zeros_like(y[~kept]))
+    layer = DropPath(0.2).train()
+    step = torch.compile(layer, fullgraph=True, backend="eager")
+    step(x)
+    layer.p = 0.3
+    assert step(x).shape == x.shape
+
+
 def np_float(value: float):
     np = pytest.importorskip("numpy")
     return np.float32(value)

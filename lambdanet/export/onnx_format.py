@@ -97,12 +97,14 @@ def onnx_export(model: nn.Module, x: Tensor, path: Path, dynamic_shapes, max_sin
 def output_names(model: nn.Module) -> list[str]:
     """The ONNX file's output names, for its reader (the exporter would name them after their last ops:
     ``linear_12``, ``mean``, ``relu_12``): a classifier's ``logits``, a model without a classifier's
-    (``num_classes=0``) ``features``, a feature pyramid's (``features_only=True``: a list of maps, one per entry
-    of its ``feature_info``) ``features_0``, ``features_1``, ... Told from the model's attributes, without calling
-    it (a forward may change a model's state). A model of another origin that returns several tensors gets its
-    first one named."""
-    if getattr(model, "features_only", False) and hasattr(model, "feature_info"):
-        return [f"features_{i}" for i in range(len(model.feature_info))]
+    (``num_classes=0``) ``features``, a feature pyramid's (``features_only=True``, or timm's feature models: a
+    list of maps, one per entry of its ``feature_info``) ``features_0``, ``features_1``, ... Told from the
+    model's attributes, without calling it (a forward may change a model's state). A model of another origin
+    that returns several tensors gets its first one named."""
+    pyramid = getattr(model, "features_only", False) or not hasattr(model, "num_classes")  # (timm's FeatureListNet)
+    info = getattr(model, "feature_info", None)
+    if pyramid and info is not None:  # timm's FeatureInfo lists every stage; channels() the maps returned
+        return [f"features_{i}" for i in range(len(info.channels() if hasattr(info, "channels") else info))]
     return ["logits" if getattr(model, "num_classes", 1) else "features"]
 
 

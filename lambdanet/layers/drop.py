@@ -17,7 +17,8 @@ def drop_path(x: Tensor, p: float, training: bool) -> Tensor:
     ``p = 1`` drops every example (zeros, as timm's)."""
     if p == 0.0 or not training:
         return x
-    check_number(_real(p), "p", 0, 1, note=" (the probability of dropping an example)")
+    if not torch.compiler.is_compiling():  # (a rate that varies is a symbolic float there: DropPath checked it)
+        check_number(_real(p), "p", 0, 1, note=" (the probability of dropping an example)")
     keep = 1.0 - p
     mask = torch.empty((x.shape[0],) + (1,) * (x.dim() - 1), dtype=x.dtype, device=x.device).bernoulli_(keep)
     return x * mask / keep if keep > 0 else x * mask

@@ -15,7 +15,8 @@ import torch
 
 from lambdanet.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from lambdanet.engine.values import check_number
-from lambdanet.files import absolute_data, run_file
+from lambdanet.files import absolute_data, check_checkpoint_task, run_file
+from lambdanet.models.hub import hub_repo
 from lambdanet.tasks.classification.data import IN_MEMORY, ImageLoader, Subset, build_datasets, labeled_split
 from lambdanet.tasks.classification.config import TrainConfig
 from lambdanet.tasks.classification.load import restore_model
@@ -30,7 +31,12 @@ def make_pseudo_labels(
     """Label the unlabelled training images of the teacher run ``checkpoint`` (its directory or its ``last.pt``)
     with its EMA weights when it has them; keep those with confidence >= ``threshold`` (in [0, 1])."""
     check_number(threshold, "threshold", 0, 1)
-    state = load_checkpoint(run_file(checkpoint, checkpoint=True))  # a run directory: its last.pt
+    if hub_repo(checkpoint) is not None:  # weights alone: no configuration to rebuild the teacher's data from
+        raise ValueError(f"{checkpoint} holds weights without a training checkpoint; pseudo-label with the run that "
+                         "wrote it (its directory or last.pt)")  # fmt: skip
+    path = run_file(checkpoint, checkpoint=True)  # a run directory: its last.pt
+    state = load_checkpoint(path)
+    check_checkpoint_task(state.get("config"), path, "classify")  # a language-model or detection checkpoint
     if not isinstance(state.get("config"), dict):
         raise CheckpointError(f"checkpoint {checkpoint} has no training configuration (not a lambdanet train run)")
     cfg = TrainConfig(**state["config"])
