@@ -326,3 +326,80 @@ def test_under_autocast_the_lambdas_output_goes_to_proj_without_a_round_trip():
         old = layer.proj(layer._unfold(yb).to(x.dtype))
     assert out.dtype == old.dtype == torch.bfloat16 and torch.equal(out, old)
     assert layer(x).dtype == torch.float32
+
+
+def test_the_language_models_keep_the_gates_own_initialisation():
+    """The models' GPT-2 initialisation of their linear layers leaves the gate as the layer documents it (zero
+    weights, the fixed decay's rates ``2^-9 .. 2^-5`` as its bias: it starts as the fixed decay), where it reset
+    the gate to random weights and a zero bias (a rate of 0.69 per position); every other weight is as before."""
+    torch.manual_seed(0)
+    model = create_model("lambda_lm_nano", decay="gate")
+    alone = CausalLambdaLayer(64, 2, decay="gate")  # the layer's own initialisation, the independent expectation
+    for block in model.blocks:
+        gate = block.mixer.gate
+        assert torch.equal(gate.weight, torch.zeros_like(gate.weight)) and torch.equal(gate.bias, alone.gate.bias)
+    rates = F.softplus(model.blocks[0].mixer.gate.bias.detach().double())
+    k = rates.numel()
+    torch.testing.assert_close(rates, torch.logspace(-9, -5, k, base=2.0, dtype=torch.float64), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"key_norm": "l2"}, {"content": False}])
+def test_truncated_backprop_through_returned_states(kwargs):
+    """A state carries no autograd history (as the docs say: it receives no gradient): a training loop that backs
+    up through each piece of a stream and carries the state on works, with the short convolution's projections in
+    the state too (the default ``lambda_lm_*``'s), and the terms apart (``key_norm``, ``content=False``)."""
+    torch.manual_seed(0)
+    layer = CausalLambdaLayer(16, heads=2, dim_k=4, r=3, short_conv=3, **kwargs)
+    state = None
+    for piece in torch.randn(3, 2, 5, 16):
+        y, state = layer(piece, state, return_state=True)
+        y.square().sum().backward()  # raised on the second piece: the convolution's state kept the first's graph
+        assert not any(t.requires_grad for t in state.values())
+    model = create_model("lambda_lm_nano")
+    state = model.init_state(2)
+    for piece in torch.randint(0, 256, (2, 2, 6)):
+        logits, state = model(piece, state, return_state=True)
+        logits.logsumexp(-1).sum().backward()
+
+
+def test_a_language_models_state_and_sizes_are_checked_in_one_line():
+    model = create_model("lambda_lm_nano").eval()
+    tokens = torch.randint(0, 256, (1, 4))
+    state = model.init_state(1)
+    short = {"position": state["position"], "layers": state["layers"][:1]}  # skipped a block silently
+    with pytest.raises(ValueError, match=r"^state\['layers'\] must hold 2 layer states \(one per block\), got 1$"):
+        model(tokens, short)
+    with pytest.raises(ValueError, match=r"^state\['layers'\] must hold 2 layer states"):
+        model.step(short, tokens[:, 0])
+    with pytest.raises(ValueError, match=r"^state must be this model's state \(a dict of 'position' and 'layers'"):
+        model(tokens, {"layers": state["layers"]})
+    for ratio in (-1.0, "4", 0.001):
+        with pytest.raises(ValueError, match=r"^mlp_ratio must be a number > 0 with dim \* mlp_ratio >= 1"):
+            create_model("lambda_lm_nano", mlp_ratio=ratio)
+
+
+def test_the_attention_layers_cache_and_options_are_checked_in_one_line():
+    """The transformer's mixer checks what the lambda layer checks: its options, the cache's keys, shape, dtype and
+    device against ``x``; a cache of another floating dtype (made outside autocast) is used in the call's dtype."""
+    from lambdanet.layers import CausalSelfAttention
+
+    torch.manual_seed(0)
+    attn = CausalSelfAttention(16, heads=2)
+    x = torch.randn(2, 5, 16)
+    cases = [
+        (lambda: attn(x, attn.init_state(3)), r"^state\['k'\] must be \[batch=2, heads=2, length, 8\]"),
+        (lambda: attn(x, {"k": torch.zeros(2, 2, 0, 8)}), r"^state must be this layer's KV cache \(keys \['k', 'v'\]"),
+        (lambda: attn(x.long()), r"^x must be a floating-point tensor \[batch, length, dim=16\]"),
+        (lambda: attn.step(attn.init_state(2), torch.randn(2, 17)), r"^x must be a floating-point tensor \[batch, dim"),
+        (lambda: attn.init_state(-1), r"^batch_size must be a non-negative int, got -1$"),
+        (lambda: attn.init_state(2, dtype=torch.long), r"^dtype must be a floating-point dtype"),
+        (lambda: CausalSelfAttention(16, rotary="no"), r"^rotary must be True or False, got 'no'$"),
+    ]
+    for build, message in cases:
+        with pytest.raises(ValueError, match=message):
+            build()
+    with torch.no_grad():
+        assert torch.equal(attn(x, attn.init_state(2, dtype=torch.float64)), attn(x))  # an empty cache: as none
+        first, cache = attn(x[:, :3], return_state=True)
+        wide = {key: t.double() for key, t in cache.items()}  # exact: float32 values widened
+        assert torch.equal(attn(x[:, 3:], wide), attn(x[:, 3:], cache))

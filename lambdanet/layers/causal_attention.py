@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lambdanet.helpers import check_positive_int
+from lambdanet.helpers import check_int, check_positive_int
 
 __all__ = ["CausalSelfAttention", "rotary", "step_arguments"]
 
@@ -61,6 +61,8 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         check_positive_int(dim, "dim")
         check_positive_int(heads, "heads")
+        if not isinstance(rotary, bool):
+            raise ValueError(f"rotary must be True or False, got {rotary!r}")
         if dim % heads or (rotary and (dim // heads) % 2):
             raise ValueError(f"heads={heads} must divide dim={dim} into an even head depth (rotary needs pairs)")
         self.dim, self.heads, self.rotary = dim, heads, rotary
@@ -69,6 +71,9 @@ class CausalSelfAttention(nn.Module):
 
     def init_state(self, batch_size: int, dtype: torch.dtype | None = None, device=None) -> dict[str, Tensor]:
         """The empty KV cache: ``k`` and ``v`` of shape ``[b, heads, 0, dim / heads]``."""
+        check_int(batch_size, "batch_size", 0)
+        if dtype is not None and not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
         p = self.qkv.weight
         empty = torch.zeros(
             batch_size, self.heads, 0, self.dim // self.heads, dtype=dtype or p.dtype, device=device or p.device
@@ -84,12 +89,14 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: Tensor, state: dict[str, Tensor] | None = None, return_state: bool = False):
         """``x [b, n, dim]`` -> ``[b, n, dim]``; with ``state`` (a KV cache) ``x`` continues its context,
         and ``return_state`` also returns the cache extended by ``x``'s keys and values."""
-        if x.dim() != 3 or x.shape[-1] != self.dim:
-            raise ValueError(f"x must be [batch, length, dim={self.dim}], got shape {tuple(x.shape)}")
-        start = 0 if state is None else state["k"].shape[2]
+        if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.dim or not x.is_floating_point():
+            got = f"shape {tuple(x.shape)}, {x.dtype}" if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"x must be a floating-point tensor [batch, length, dim={self.dim}], got {got}")
+        start = 0 if state is None else self._check_state(state, x)
         q, k, v = self._heads(x, start)  # b h n dh
-        if state is not None:
-            k, v = torch.cat([state["k"], k], dim=2), torch.cat([state["v"], v], dim=2)  # b h (t + n) dh
+        if state is not None:  # the cache in this call's dtype (one made outside autocast, or of another dtype)
+            k = torch.cat([state["k"].to(k.dtype), k], dim=2)  # b h (t + n) dh
+            v = torch.cat([state["v"].to(v.dtype), v], dim=2)  # b h (t + n) dh
         if start == 0:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # b h n dh
         else:  # query i sees the cache and the new positions up to its own
@@ -103,8 +110,29 @@ class CausalSelfAttention(nn.Module):
         """One position: ``x [b, dim]`` after the cache ``state`` -> ``([b, dim], the cache one position longer)``
         (the earlier order ``step(x, state)`` still works for one release, with a warning)."""
         state, x = step_arguments(state, x, "CausalSelfAttention.step")
+        if not isinstance(x, Tensor) or x.dim() != 2 or x.shape[-1] != self.dim or not x.is_floating_point():
+            got = f"shape {tuple(x.shape)}, {x.dtype}" if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"x must be a floating-point tensor [batch, dim={self.dim}], got {got}")
         out, state = self.forward(x.unsqueeze(1), state, return_state=True)
         return out[:, 0], state
+
+    def _check_state(self, state, x: Tensor) -> int:
+        """A one-line ``ValueError`` unless ``state`` is a KV cache for ``x`` (:meth:`init_state`'s keys; ``[b,
+        heads, t, dim / heads]`` floating-point tensors on ``x``'s device); returns its length ``t``."""
+        want = (x.shape[0], self.heads, self.dim // self.heads)
+        k, v = (state.get(key) if isinstance(state, dict) else None for key in ("k", "v"))
+        if not isinstance(k, Tensor) or not isinstance(v, Tensor):
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"state must be this layer's KV cache (keys ['k', 'v']: init_state, or a returned "
+                             f"state), got {got}")  # fmt: skip
+        for name, t in (("k", k), ("v", v)):
+            if t.dim() != 4 or (t.shape[0], t.shape[1], t.shape[3]) != want or t.shape[2] != k.shape[2]:
+                raise ValueError(f"state['{name}'] must be [batch={want[0]}, heads={want[1]}, length, "
+                                 f"{want[2]}] (as long as the other), got {tuple(t.shape)}")  # fmt: skip
+            if not t.is_floating_point() or t.device != x.device:
+                raise ValueError(f"state['{name}'] must be a floating-point tensor on {x.device}, got {t.dtype} on "
+                                 f"{t.device}")  # fmt: skip
+        return k.shape[2]
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, heads={self.heads}, rotary={self.rotary}"

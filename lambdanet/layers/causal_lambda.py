@@ -150,7 +150,7 @@ class CausalLambdaLayer(nn.Module):
         self.conv = nn.Conv1d(width, width, short_conv, groups=width, bias=False) if short_conv else None
         self.decay_rate = nn.Parameter(torch.empty(dim_k, dim_u)) if decay == "fixed" else None
         self.gate = nn.Linear(dim, dim_k * dim_u) if decay == "gate" else None
-        self._reset_options()
+        self.reset_options()
 
     def reset_parameters(self) -> None:
         """The layer's own initialisation (also after ``to_empty`` from the meta device): the position table
@@ -158,14 +158,17 @@ class CausalLambdaLayer(nn.Module):
         layer), the decay rates ``2^-9 .. 2^-5`` per key channel (fixed, or the gate's bias with zero weights).
         The projections keep ``nn.Linear``'s own initialisation (its ``reset_parameters``)."""
         self._reset_table()
-        self._reset_options()
+        self.reset_options()
 
     def _reset_table(self) -> None:
         if self.emb is not None:
             with torch.no_grad():
                 self.emb.copy_(torch.randn(self.emb.shape) / math.sqrt(max(self.r, 1) * self.dim_k))
 
-    def _reset_options(self) -> None:
+    def reset_options(self) -> None:
+        """The options' own initialisation, drawing no random numbers: the short convolution the identity, the
+        decay rates ``2^-9 .. 2^-5`` (fixed, or the gate's bias with zero weights). A model that initialises its
+        linear layers its own way calls it after (the gate is an ``nn.Linear`` that must start at zero)."""
         k, u = self.dim_k, self.dim_u
         with torch.no_grad():
             if self.conv is not None:
@@ -200,7 +203,8 @@ class CausalLambdaLayer(nn.Module):
             out = self.conv(full.transpose(1, 2)).transpose(1, 2)  # b n c
         if not keep:
             return out, None
-        return out, full[:, full.shape[1] - (s - 1) :].to(torch.promote_types(qkv.dtype, torch.float32))
+        last = full[:, full.shape[1] - (s - 1) :].detach()  # the state receives no gradient (truncated backprop)
+        return out, last.to(torch.promote_types(qkv.dtype, torch.float32))
 
     def _split(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``[b, n, c]`` -> ``q [b, n, h, k]``, ``K [b, n, L, k, u]``, ``V [b, n, L, v, u]`` (``L`` lambdas; without
@@ -251,7 +255,7 @@ class CausalLambdaLayer(nn.Module):
                                             output_final_state=True)  # fmt: skip
             y = p if y is None else y + p
             new.update(mine)
-        return cast(Tensor, y), new
+        return cast(Tensor, y), {key: t.detach() for key, t in new.items()}  # as the fused op's: no gradient
 
     def no_weight_decay(self) -> set[str]:
         """The parameters that take no weight decay (timm's method; :func:`lambdanet.engine.optim.param_groups`

@@ -178,6 +178,9 @@ class LanguageModel(nn.Module):
         if mixer != "transformer":
             dim_v = matched_dim_v(dim, heads, dim_k) if dim_v is None else dim_v
         check_positive_int(attention_every, "attention_every")
+        if not (is_finite_real(plain_real(mlp_ratio)) and int(dim * plain_real(mlp_ratio)) >= 1):
+            raise ValueError(f"mlp_ratio must be a number > 0 with dim * mlp_ratio >= 1 (the MLP's hidden width), got "
+                             f"{mlp_ratio!r} at dim={dim}")  # fmt: skip
         if mixer == "hybrid" and attention_every > depth:
             raise ValueError(f"attention_every must be at most depth={depth} (every attention_every-th block "
                              f"attends), got {attention_every}: the model would have no attention block")  # fmt: skip
@@ -212,7 +215,8 @@ class LanguageModel(nn.Module):
 
     def _init_weights(self, depth: int) -> None:
         """GPT-2's: linear and embedding weights ``N(0, 0.02)``, biases 0, the residual branches' last layers
-        ``N(0, 0.02 / sqrt(2 depth))``; the lambda layers' position embeddings keep their own."""
+        ``N(0, 0.02 / sqrt(2 depth))``; the lambda layers' position embeddings and options (the gate, the decay
+        rates, the short convolution) keep their own."""
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, std=0.02)
@@ -221,6 +225,8 @@ class LanguageModel(nn.Module):
         for block in cast("Iterable[_Block]", self.blocks):
             for last in (block.mixer.proj, cast(nn.Linear, block.mlp[2])):
                 nn.init.normal_(last.weight, std=0.02 / math.sqrt(2 * depth))
+            if isinstance(block.mixer, CausalLambdaLayer):  # the gate (an nn.Linear) starts at zero weights and the
+                block.mixer.reset_options()  # decay rates as its bias, not as the loop above left it (no draws)
         if self.pos_embed is not None:
             nn.init.normal_(self.pos_embed, std=0.02)
 
@@ -258,7 +264,7 @@ class LanguageModel(nn.Module):
     def forward(self, tokens: Tensor, state: dict | None = None, return_state: bool = False):
         """``tokens [b, n]`` -> logits ``[b, n, vocab_size]``; with ``state`` the tokens continue that context,
         and ``return_state`` also returns the state after them."""
-        start = 0 if state is None else int(state["position"])
+        start = 0 if state is None else self._check_state(state)
         self._check_tokens(tokens, start)
         x = self.embed(_as_index(tokens))  # b n d
         if self.pos_embed is not None:
@@ -282,8 +288,21 @@ class LanguageModel(nn.Module):
         tokens = tokens.reshape(-1, 1) if tokens.dim() == 1 else tokens
         if tokens.dim() != 2 or tokens.shape[1] != 1:
             raise ValueError(f"step takes one token per sequence, [batch] or [batch, 1], got {tuple(tokens.shape)}")
-        self._check_tokens(tokens, int(state["position"]))
+        self._check_tokens(tokens, self._check_state(state))
         return self._advance(state, _as_index(tokens))
+
+    def _check_state(self, state) -> int:
+        """A one-line ``ValueError`` unless ``state`` is this model's (:meth:`init_state`'s layout: a position and
+        one state per block; each block's mixer checks its own); returns the position."""
+        layers = state.get("layers") if isinstance(state, dict) else None
+        if not isinstance(layers, (list, tuple)) or "position" not in state:
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"state must be this model's state (a dict of 'position' and 'layers': init_state, or a "
+                             f"returned state), got {got}")  # fmt: skip
+        if len(layers) != len(self.blocks):
+            raise ValueError(f"state['layers'] must hold {len(self.blocks)} layer states (one per block), got "
+                             f"{len(layers)}")  # fmt: skip
+        return int(state["position"])
 
     def _advance(self, state: dict, tokens: Tensor) -> tuple[Tensor, dict]:
         """:meth:`step` without its checks: nothing read on the host (the position stays a device tensor), the
