@@ -373,6 +373,8 @@ def test_a_language_models_state_and_sizes_are_checked_in_one_line():
         model.step(short, tokens[:, 0])
     with pytest.raises(ValueError, match=r"^state must be this model's state \(a dict of 'position' and 'layers'"):
         model(tokens, {"layers": state["layers"]})
+    with pytest.raises(ValueError, match=r"^dtype must be a floating-point dtype \(the state is float32 or wider\)"):
+        model.blocks[0].mixer.init_state(1, dtype=torch.long)  # was a float32 state, silently
     for ratio in (-1.0, "4", 0.001):
         with pytest.raises(ValueError, match=r"^mlp_ratio must be a number > 0 with dim \* mlp_ratio >= 1"):
             create_model("lambda_lm_nano", mlp_ratio=ratio)
