@@ -355,11 +355,12 @@ def test_truncated_backprop_through_returned_states(kwargs):
         y, state = layer(piece, state, return_state=True)
         y.square().sum().backward()  # raised on the second piece: the convolution's state kept the first's graph
         assert not any(t.requires_grad for t in state.values())
-    model = create_model("lambda_lm_nano")
-    state = model.init_state(2)
-    for piece in torch.randint(0, 256, (2, 2, 6)):
-        logits, state = model(piece, state, return_state=True)
-        logits.logsumexp(-1).sum().backward()
+    for name in ("lambda_lm_nano", "hybrid_lm_nano", "transformer_lm_nano"):  # the attention's cache too
+        model = create_model(name)
+        state = model.init_state(2)
+        for piece in torch.randint(0, 256, (2, 2, 6)):
+            logits, state = model(piece, state, return_state=True)
+            logits.logsumexp(-1).sum().backward()
 
 
 def test_a_language_models_state_and_sizes_are_checked_in_one_line():
@@ -405,3 +406,8 @@ def test_the_attention_layers_cache_and_options_are_checked_in_one_line():
         first, cache = attn(x[:, :3], return_state=True)
         wide = {key: t.double() for key, t in cache.items()}  # exact: float32 values widened
         assert torch.equal(attn(x[:, 3:], wide), attn(x[:, 3:], cache))
+        assert attn(x[:, 3:], wide, return_state=True)[1]["k"].dtype == torch.float64  # the cache keeps its dtype
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # a float32 cache stays float32 under autocast
+            assert attn(x[:, 3:], cache, return_state=True)[1]["k"].dtype == torch.float32
+    with pytest.raises(ValueError, match=r"^dtype must be a floating-point dtype"):
+        attn.init_state(2, dtype="float16")

@@ -72,7 +72,7 @@ class CausalSelfAttention(nn.Module):
     def init_state(self, batch_size: int, dtype: torch.dtype | None = None, device=None) -> dict[str, Tensor]:
         """The empty KV cache: ``k`` and ``v`` of shape ``[b, heads, 0, dim / heads]``."""
         check_int(batch_size, "batch_size", 0)
-        if dtype is not None and not dtype.is_floating_point:
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
         p = self.qkv.weight
         empty = torch.zeros(
@@ -94,17 +94,18 @@ class CausalSelfAttention(nn.Module):
             raise ValueError(f"x must be a floating-point tensor [batch, length, dim={self.dim}], got {got}")
         start = 0 if state is None else self._check_state(state, x)
         q, k, v = self._heads(x, start)  # b h n dh
-        if state is not None:  # the cache in this call's dtype (one made outside autocast, or of another dtype)
-            k = torch.cat([state["k"].to(k.dtype), k], dim=2)  # b h (t + n) dh
-            v = torch.cat([state["v"].to(v.dtype), v], dim=2)  # b h (t + n) dh
+        if state is not None:  # the cache keeps its dtype (the wider of the two, as before)
+            k, v = torch.cat([state["k"], k], dim=2), torch.cat([state["v"], v], dim=2)  # b h (t + n) dh
+        kq, vq = k.to(q.dtype), v.to(q.dtype)  # attended in the queries' dtype (a cache of another dtype)
         if start == 0:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # b h n dh
+            y = F.scaled_dot_product_attention(q, kq, vq, is_causal=True)  # b h n dh
         else:  # query i sees the cache and the new positions up to its own
             n, t = q.shape[2], k.shape[2]
             mask = torch.ones(n, t, dtype=torch.bool, device=x.device).tril(t - n)  # n t
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # b h n dh
+            y = F.scaled_dot_product_attention(q, kq, vq, attn_mask=mask)  # b h n dh
         out = self.proj(y.transpose(1, 2).flatten(2))  # b n d
-        return (out, {"k": k, "v": v}) if return_state else out
+        # the cache receives no gradient, as the lambda layers' states (truncated backprop across calls)
+        return (out, {"k": k.detach(), "v": v.detach()}) if return_state else out
 
     def step(self, state: dict[str, Tensor], x: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         """One position: ``x [b, dim]`` after the cache ``state`` -> ``([b, dim], the cache one position longer)``

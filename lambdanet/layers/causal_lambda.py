@@ -269,7 +269,7 @@ class CausalLambdaLayer(nn.Module):
         ``short_conv - 1`` projections as zeros)."""
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 0:
             raise ValueError(f"batch_size must be a non-negative int, got {batch_size!r}")
-        if dtype is not None and not dtype.is_floating_point:
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(f"dtype must be a floating-point dtype (the state is float32 or wider), got {dtype}")
         p = self.qkv.weight
         dtype = torch.promote_types(dtype or p.dtype, torch.float32)
