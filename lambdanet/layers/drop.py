@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 from torch import Tensor, nn
 
-from lambdanet.helpers import check_number
+from lambdanet.helpers import check_number, plain_real
 
 __all__ = ["DropPath", "drop_path"]
 
@@ -18,15 +16,10 @@ def drop_path(x: Tensor, p: float, training: bool) -> Tensor:
     if p == 0.0 or not training:
         return x
     if not torch.compiler.is_compiling():  # (a rate that varies is a symbolic float there: DropPath checked it)
-        check_number(_real(p), "p", 0, 1, note=" (the probability of dropping an example)")
+        check_number(plain_real(p), "p", 0, 1, note=" (the probability of dropping an example)")
     keep = 1.0 - p
     mask = torch.empty((x.shape[0],) + (1,) * (x.dim() - 1), dtype=x.dtype, device=x.device).bernoulli_(keep)
     return x * mask / keep if keep > 0 else x * mask
-
-
-def _real(p):
-    """A real number of any kind (numpy's too) as a Python float, for the range check; anything else as it is."""
-    return float(p) if isinstance(p, numbers.Real) and not isinstance(p, bool) else p
 
 
 class DropPath(nn.Module):
@@ -34,7 +27,7 @@ class DropPath(nn.Module):
 
     def __init__(self, p: float = 0.0):
         super().__init__()
-        p = _real(p)
+        p = plain_real(p)
         check_number(p, "p", 0, 1, high_open=True, note=" (the drop path rate: the probability of dropping a branch)")
         self.p = p
 
