@@ -79,6 +79,7 @@ ABLATIONS: dict[str, tuple[str, dict]] = {
     "gate_conv4": ("plain_lambda", {"decay": "gate", "short_conv": 4}),
     "fixed_conv4": ("plain_lambda", {"decay": "fixed", "short_conv": 4}),  # lambda_lm_<size>'s default
     "fixed_conv4_heads8": ("plain_lambda", {"decay": "fixed", "short_conv": 4, "heads": 8}),  # + heads8's queries
+    "gate_conv4_heads8": ("plain_lambda", {"decay": "gate", "short_conv": 4, "heads": 8}),  # the gate, 8 queries
     "fixed_conv4_u2": ("plain_lambda", {"decay": "fixed", "short_conv": 4, "dim_u": 2}),  # + u2's intra-depth
     "hybrid": ("hybrid", {}),
 }
