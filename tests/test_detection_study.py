@@ -294,3 +294,25 @@ def test_study_table_has_table6_columns_in_percent(tmp_path, capsys):
     assert main([str(tmp_path / "none")]) == 2 and "no " in capsys.readouterr().err
     assert main([str(tmp_path), str(tmp_path / "missing.json")]) == 2
     assert "no benchmark rows" in capsys.readouterr().err
+
+
+def test_study_refuses_runs_of_different_recipes_and_ignores_where_they_ran(tmp_path, capsys):
+    """Table 6 compares backbones trained alike: the study reads each run's config.yaml (as ``lambdanet detect``
+    writes it) and refuses rows whose recipes differ, naming the option; where and how a run ran does not count."""
+    from lambdanet.tasks.detection.study import main
+
+    summary = {"backbone_params": 1, "train_time_s": 1.0, "bbox_AP": 0.3}
+    runs = {"resnet26": {"out": str(tmp_path / "resnet26"), "device": "cpu", "workers": 1},
+            "lambda_resnet26": {"out": str(tmp_path / "lambda_resnet26"), "eval_every": 2, "progress": False}}
+    for name, overrides in runs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps(summary))
+        resolve_detect_config(overrides={"backbone": name, **overrides}).save_yaml(tmp_path / name / "config.yaml")
+    assert main([str(tmp_path)]) == 0 and "30.0" in capsys.readouterr().out
+    shorter = resolve_detect_config(overrides={"backbone": "resnet26", "epochs": 3})
+    shorter.save_yaml(tmp_path / "resnet26" / "config.yaml")
+    assert main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "epochs differs" in err and "resnet26 3" in err and "lambda_resnet26 9" in err
+    (tmp_path / "resnet26" / "config.yaml").write_text("epochs: [")
+    assert main([str(tmp_path)]) == 2 and "not valid YAML" in capsys.readouterr().err

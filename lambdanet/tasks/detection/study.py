@@ -19,11 +19,16 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from lambdanet.engine.values import load_yaml
 from lambdanet.tasks.detection.model import STUDY_BACKBONES
 
-__all__ = ["study_rows", "study_table"]
+__all__ = ["recipe_mismatch", "study_rows", "study_table"]
 
 SIZE = 1024  # LambdaNetworks Table 6 and HaloNet Table 5 detect at 1024 x 1024
+# the options of a run's config.yaml that may differ between the study's rows: the backbone compared, where the
+# run lives and how it is run (none changes what is trained or how it is scored)
+PER_RUN = frozenset({"backbone", "out", "resume", "workers", "device", "progress", "tensorboard", "eval_batch_size",
+                     "eval_every"})  # fmt: skip
 
 
 def _ap(value) -> str:
@@ -75,6 +80,17 @@ def study_table(summaries: Mapping[str, dict], bench: Sequence[dict] = ()) -> st
     return "\n".join(lines)
 
 
+def recipe_mismatch(configs: Mapping[str, dict]) -> str | None:
+    """``None`` when the runs' configurations (backbone name -> its ``config.yaml``) agree on every option but
+    :data:`PER_RUN`, else a one-line description of the first option that differs and each run's value."""
+    keys = sorted({k for cfg in configs.values() for k in cfg} - PER_RUN)
+    for key in keys:
+        values = {name: cfg.get(key, "(unset)") for name, cfg in configs.items()}
+        if len({json.dumps(v, sort_keys=True, default=str) for v in values.values()}) > 1:
+            return f"{key} differs: " + ", ".join(f"{name} {value!r}" for name, value in values.items())
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not 1 <= len(args) <= 2:
@@ -88,6 +104,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     if not summaries:
         print(f"error: no {runs}/<backbone>/summary.json for any of {', '.join(STUDY_BACKBONES)}", file=sys.stderr)
+        return 2
+    try:
+        configs = {name: load_yaml(runs / name / "config.yaml", "the run's configuration")
+                   for name in summaries if (runs / name / "config.yaml").is_file()}  # fmt: skip
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if (mismatch := recipe_mismatch(configs)) is not None:
+        print(f"error: the runs in {runs} do not share one recipe ({mismatch}); Table 6 compares backbones trained "
+              "alike: train them again with the same options", file=sys.stderr)  # fmt: skip
         return 2
     if len(args) == 2 and not Path(args[1]).is_file():
         print(
