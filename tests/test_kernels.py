@@ -176,6 +176,39 @@ def test_the_table_gradient_is_the_same_however_the_batch_is_split(monkeypatch, 
     assert ((got.double() - want).abs() <= (_table_terms(q, vals, splits) + 4) * EPS32 * bound + 1e-30).all()
 
 
+def _far_apart(x: torch.Tensor, stride: int) -> torch.Tensor:
+    """``x`` copied into a tensor whose batch elements lie ``stride`` elements apart: the storage is reserved,
+    not written (the pages between the elements are never touched), so 2^31 float32 elements cost a few KB."""
+    far = torch.empty_strided(x.shape, (stride, *x.stride()[1:]), dtype=x.dtype, device=x.device)
+    return far.copy_(x)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the storage is reserved, not used, on the CPU only")
+def test_batch_offsets_past_two_to_the_31_elements_are_addressed_in_int64():
+    """A batch element 2^31 elements or more from the first (a large batch of large maps) is addressed with
+    int64 offsets: in int32, ``b * stride`` wraps and the kernels read and write outside the tensors (under the
+    interpreter, as on a GPU: a crash or wrong numbers). Every kernel, forward and backward, on tensors whose
+    three batch elements lie 2^30 elements apart gives what it gives on the same values stored contiguously,
+    bit for bit (each batch element's arithmetic is the same; the table gradient's items are split alike)."""
+    from lambdanet.ops.position_lambda.triton_position import launch_backward, launch_forward
+
+    q, vals, table, center, spatial = _inputs(CASES["causal-1d-13"], b=3)
+    grad = torch.randn(*q.shape[:3], vals.shape[2], generator=torch.Generator().manual_seed(3))
+    stride = 2**30  # below 2^31, so Triton passes it as int32; the third element starts at 2^31
+    results = []
+    for place in (lambda x: x.contiguous(), lambda x: _far_apart(x, stride)):
+        qq, vv, gg = place(q), place(vals), place(grad)
+        out = place(torch.zeros_like(grad))
+        dq, dv = place(torch.zeros_like(q)), place(torch.zeros_like(vals))
+        dtable = torch.zeros_like(table)
+        launch_forward(qq, vv, table, center, spatial, out)
+        launch_backward(gg, qq, vv, table, center, spatial, dq, dv, dtable)
+        results.append([t.clone() for t in (out, dq, dv, dtable)])
+        del qq, vv, gg, out, dq, dv
+    for near, far, label in zip(*results, ("output", "q", "values", "table")):
+        assert torch.equal(near, far), label
+
+
 LAYERS = {
     "global": (dict(r=None, feat_size=(6, 7)), (2, 16, 5, 7)),
     "local-u2": (dict(r=5, dim_u=2), (2, 16, 6, 9)),

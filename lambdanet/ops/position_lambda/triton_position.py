@@ -134,7 +134,7 @@ def _forward(
     HALF_DOT: tl.constexpr,
     F32_DOT: tl.constexpr,
 ):
-    pid_n, b = tl.program_id(0), tl.program_id(1)
+    pid_n, b = tl.program_id(0), tl.program_id(1).to(tl.int64)  # b * stride past 2^31
     T = T0 * T1
     q_ptr, v_ptr = q_ptr + b * s_qb, v_ptr + b * s_vb
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -203,15 +203,15 @@ def _backward_q(
 ):
     """dq[n, h, k] = sum_{m, u} (dy[n, h] . V[m, :, u]) R[k, u, off(n, m)]; dq (fp32, zeroed, q's strides)
     is owned by this program's rows: read-modify-write without atomics."""
-    pid_n, b = tl.program_id(0), tl.program_id(1)
+    pid_n, b = tl.program_id(0), tl.program_id(1).to(tl.int64)  # b * stride past 2^31
     T = T0 * T1
     v_ptr, dq_ptr = v_ptr + b * s_vb, dq_ptr + b * s_qb
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_h, offs_v = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_V)
     n_ok, h_ok, v_ok = offs_n < N, offs_h < H, offs_v < V
     row_ok = n_ok[:, None] & h_ok[None, :]
-    dy_offs = b * s_yb + offs_n[:, None, None] * s_yn + offs_h[None, :, None] * s_yh + offs_v[None, None, :]
-    dy = tl.load(dy_ptr + dy_offs, mask=row_ok[:, :, None] & v_ok[None, None, :], other=0.0)
+    dy_ptrs = dy_ptr + b * s_yb + offs_n[:, None, None] * s_yn + offs_h[None, :, None] * s_yh + offs_v[None, None, :]
+    dy = tl.load(dy_ptrs, mask=row_ok[:, :, None] & v_ok[None, None, :], other=0.0)
     dy2 = tl.reshape(dy, (BLOCK_N * BLOCK_H, BLOCK_V))
     lo, hi = _band(pid_n * BLOCK_N // W, (tl.minimum(pid_n * BLOCK_N + BLOCK_N, N) - 1) // W, c0, T0, S0, W)
     for m0 in range(lo, hi, BLOCK_M):
@@ -271,7 +271,7 @@ def _backward_kv(
     F32_DOT: tl.constexpr,
 ):
     """Per context tile: dV[m, v, u] = sum_{n, h} S[(n, h), m] dy[n, h, v] (owned rows, fp32, V's strides)."""
-    pid_m, b = tl.program_id(0), tl.program_id(1)
+    pid_m, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
     T = T0 * T1
     q_ptr = q_ptr + b * s_qb
     dv_ptr, dy_ptr = dv_ptr + b * s_vb, dy_ptr + b * s_yb

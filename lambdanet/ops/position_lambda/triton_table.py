@@ -26,7 +26,7 @@ def _backward_table(q_ptr, v_ptr, dy_ptr, part_ptr, N, H, K, V, U, S0, W, T0, T1
     di, dj = offs_t // T1 - c0, offs_t % T1 - c1  # the 2-d offset of each table entry
     acc = tl.zeros((BLOCK_K, BLOCK_T), dtype=tl.float32)
     for item in range(split * PER_SPLIT, tl.minimum(split * PER_SPLIT + PER_SPLIT, ITEMS)):
-        b = item // tiles
+        b = (item // tiles).to(tl.int64)  # b * stride past 2^31 elements: int64 offsets
         offs_n = (item % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         row_ok = n_ok[:, None] & h_ok[None, :]
