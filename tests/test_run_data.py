@@ -19,7 +19,7 @@ from lambdanet.engine.checkpoint import load_checkpoint
 from lambdanet.files import absolute_data, read_image
 from lambdanet.predict import load_image, preprocess_transform
 from lambdanet.tasks.classification import evaluate_checkpoint, resolve_config, train
-from lambdanet.tasks.classification.data import build_datasets, build_transforms
+from lambdanet.tasks.classification.data import build_datasets, build_transforms, split_indices
 
 QUICK = dict(epochs=1, max_train_batches=2, batch_size=4, img_size=16, progress=False, tensorboard=False)
 
@@ -183,3 +183,53 @@ def test_weights_files_get_the_mode_of_the_runs_other_files(tmp_path):
         os.umask(old)
     modes = [os.stat(tmp_path / name).st_mode & 0o777 for name in ("model.safetensors", "other.txt")]
     assert modes == [0o644, 0o644]
+
+
+def test_eval_on_another_dataset_normalises_images_as_the_model_trained(tiny_digits_run):
+    """``eval --data`` of a digits run on MNIST: the images are normalised with the run's mean and std (those of
+    its training, which predict applies too), not with the evaluated dataset's (it used MNIST's 0.13 / 0.31)."""
+    from lambdanet.tasks.classification.data import resize_images
+
+    res = evaluate_checkpoint(tiny_digits_run, data="mnist5k")
+    model = lambdanet.load_model(tiny_digits_run / "last.pt")
+    cfg = model.pretrained_cfg
+    _, _, test = build_datasets("mnist5k")
+    x = resize_images(test.images, cfg["input_size"][-1]).double() / 255  # n 1 16 16, as the run's images
+    mean, std = torch.tensor(cfg["mean"]).view(1, -1, 1, 1), torch.tensor(cfg["std"]).view(1, -1, 1, 1)
+    assert cfg["mean"] == [0.3] and cfg["std"] == [0.38]  # digits' statistics, not MNIST's
+    with torch.no_grad():
+        logits = model(((x - mean) / std).float()).double()
+    loss = torch.nn.functional.cross_entropy(logits, test.labels).item()
+    top1 = (logits.argmax(1) == test.labels).double().mean().item()
+    # float32 logits of order 1-10, summed over 1000 images in another order: 1e-4 covers the rounding
+    assert res["samples"] == len(test.labels) and res["loss"] == pytest.approx(loss, rel=1e-4)
+    assert res["top1"] == pytest.approx(top1, abs=1.5 / len(test.labels))
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [  # 1438 training images: 0.0003 of them rounds to none (and 0.0003 of 719 too)
+        (["--val-split", "0.0003"], "val_split=0.0003 holds out none of the 1438 training images of digits; pass "
+                                    "--val-split 0.0007 or more (one image), or 0 for no validation split"),
+        (["--val-split", "0.0003", "--labeled-fraction", "0.5"],
+         "holds out none of the 719 training images of digits left by --labeled-fraction 0.5; pass --val-split 0.0014"),
+    ],
+)  # fmt: skip
+def test_a_validation_split_of_no_image_is_refused_in_one_line(tmp_path, capsys, args, needle):
+    """It used to train, report a validation top-1 of 0 (over no images) and select the first epoch as the best."""
+    code = main(["train", *args, "--epochs", "1", "--out", str(tmp_path / "run"), "--no-progress", "--no-tensorboard"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and needle in err and "\n" not in err
+    assert split_indices(719, 0.0014, 1)[1].size == split_indices(1438, 0.0007, 1)[1].size == 1  # the advice holds
+
+
+def test_an_image_folder_of_one_class_is_refused_in_one_line(tmp_path, image_folder, capsys):
+    """One class folder trains a classifier whose loss is 0 from the first step: nothing to learn."""
+    data = tmp_path / "imgs"
+    for split in ("train", "val"):
+        shutil.copytree(image_folder / split / "cats", data / split / "cats")
+    code = main(["train", "--data", f"imagefolder:{data}", "--epochs", "1", "--batch-size", "4", "--img-size", "16",
+                 "--no-progress", "--no-tensorboard", "--out", str(tmp_path / "run")])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err
+    assert f"imagefolder:{data} has one class folder (cats): classification needs two or more" in err

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import Dataset
@@ -323,12 +324,12 @@ def prepare_run_data(cfg: TrainConfig, ctx: DistContext) -> RunData:
     (``--labeled-fraction``) less the held-out validation part, plus the pseudo-labelled images
     (``--pseudo-labels``); a batch larger than the training set is a one-line error."""
     spec, train_ds, test_ds = build_datasets(cfg.data, data_dir=cfg.data_dir, download=cfg.download)
-    pool = labeled_split(len(cast(Sized, train_ds)), cfg.labeled_fraction, cfg.seed)[0]
-    val_ds = None
-    if cfg.val_split:
-        keep, held = split_indices(len(pool), cfg.val_split, cfg.seed + 1)
-        val_ds = Subset(train_ds, pool[held])
-        pool = pool[keep]
+    if spec.num_classes < 2:  # an ImageFolder of one class folder: the loss is 0 and nothing is learnt
+        raise ValueError(
+            f"{cfg.data} has one class folder ({', '.join(spec.classes or [])}): classification needs two or more "
+            "(ImageNet layout: train/<class>/*.jpg and val/<class>/*.jpg, a folder per class)"
+        )
+    pool, val_ds = _split_training_set(cfg, train_ds)
     fit_ds: Dataset = Subset(train_ds, pool)
     digest = None
     if cfg.pseudo_labels:
@@ -374,6 +375,23 @@ def prepare_run_data(cfg: TrainConfig, ctx: DistContext) -> RunData:
 
     val = eval_loader(val_ds) if val_ds is not None else None
     return RunData(spec, train_loader, val, eval_loader(test_ds), digest)
+
+
+def _split_training_set(cfg: TrainConfig, train_ds: Dataset) -> tuple[np.ndarray, Subset | None]:
+    """The indices a run trains on (the labelled part, ``--labeled-fraction``, less the held-out validation part)
+    and its validation set (``--val-split``; else ``None``); a validation split too small to hold out one image is
+    a one-line error (its accuracy would be 0 on no images, and would select the best epoch)."""
+    pool = labeled_split(len(cast(Sized, train_ds)), cfg.labeled_fraction, cfg.seed)[0]
+    if not cfg.val_split:
+        return pool, None
+    keep, held = split_indices(len(pool), cfg.val_split, cfg.seed + 1)
+    if len(held) == 0 and len(pool) > 1:  # (one labelled image or none: the batch's message below says so)
+        left = f" left by --labeled-fraction {cfg.labeled_fraction}" if cfg.labeled_fraction != 1.0 else ""
+        raise ValueError(
+            f"val_split={cfg.val_split} holds out none of the {len(pool)} training images of {cfg.data}{left}; "
+            f"pass --val-split {1 / len(pool):.2g} or more (one image), or 0 for no validation split"
+        )
+    return pool[keep], Subset(train_ds, pool[held])
 
 
 def pseudo_labels_digest(pl: dict) -> str:

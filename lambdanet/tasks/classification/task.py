@@ -6,6 +6,7 @@ run starts."""
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 from collections.abc import Callable
 from pathlib import Path
@@ -40,7 +41,7 @@ from lambdanet.tasks.classification.data import (
     load_pseudo_labels,
     prepare_run_data,
 )
-from lambdanet.tasks.classification.load import check_data_fits, restore_model
+from lambdanet.tasks.classification.load import check_data_fits, checkpoint_meta, restore_model
 from lambdanet.tasks.classification.metrics import CLASSIFICATION_PANELS, evaluate
 from lambdanet.tasks.classification.mix import BatchMix, soft_target_cross_entropy
 
@@ -418,7 +419,10 @@ def evaluate_checkpoint(
     cfg = TrainConfig(**saved)
     ctx = DistContext(device=torch.device("cuda" if uses_cuda(device) else "cpu"))
     spec, train_ds, test_ds = build_datasets(cfg.data, data_dir=cfg.data_dir, download=cfg.download)
-    model, kind = restore_model(state, spec, ema=ema, path=path)
+    meta = checkpoint_meta(state, path)
+    model, kind = restore_model(state, spec, ema=ema, path=path, meta=meta)
+    # normalised as the model trained (and as predict feeds it), whatever data it is evaluated on
+    spec = dataclasses.replace(spec, mean=tuple(meta["mean"]), std=tuple(meta["std"]))
     loader = ImageLoader(
         test_ds if split == "test" else train_ds,
         spec,
