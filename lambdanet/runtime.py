@@ -108,19 +108,33 @@ class PeakMemory(TorchDispatchMode):
         self.live -= self._sizes.pop(key, 0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # the storages the call reads: an output on one of them (a view, an in-place result) allocated nothing,
+        # and one that is not tracked already existed before the mode (an input, a parameter): not counted
+        given = {_storage_key(t) for t in tree_flatten((args, kwargs))[0]}
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor) or t.is_meta:
                 continue
             storage = t.untyped_storage()
             key, nbytes = storage.data_ptr(), storage.nbytes()
-            if nbytes == 0 or key in self._sizes:
+            if nbytes == 0 or key in self._sizes or key in given:
                 continue
             self._sizes[key] = nbytes
             self.live += nbytes
             self.peak = max(self.peak, self.live)
             weakref.finalize(storage, self._free, key)
         return out
+
+
+def _storage_key(t) -> int | None:
+    """The address of a tensor's storage (how :class:`PeakMemory` knows a storage), ``None`` for anything else (a
+    meta or sparse tensor has none)."""
+    if not isinstance(t, torch.Tensor) or t.is_meta:
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def peak_memory(fn: Callable[[], object], device: torch.device | str = "cpu") -> int:

@@ -12,7 +12,7 @@ from lambdanet.bench.model_bench import table4_memory
 from lambdanet.bench.peers import missing_peers_warning
 from lambdanet.bench.runner import run_benchmarks
 from lambdanet.cli import main
-from lambdanet.runtime import PeakMemory, autocast_context, check_amp, count_flops, time_round_robin
+from lambdanet.runtime import PeakMemory, autocast_context, check_amp, count_flops, peak_memory, time_round_robin
 
 
 def test_peak_memory_tracker_counts_live_storages():
@@ -23,6 +23,18 @@ def test_peak_memory_tracker_counts_live_storages():
         c = torch.empty(500)  # live 10000
         view = b[10:20]  # a view allocates nothing
     assert tracker.peak == 12000 and c.numel() == 500 and view.numel() == 10
+
+
+def test_peak_memory_does_not_count_the_tensors_that_existed_before():
+    """Views and in-place results of an input or a parameter allocate nothing; a linear layer allocates its output
+    alone (the weight's transpose is a view of it): 4 bytes per float32 output element, not its input or weight."""
+    x, linear = torch.randn(300, 200), torch.nn.Linear(200, 100)
+    assert peak_memory(lambda: x.view(-1)) == 0
+    assert peak_memory(lambda: x.t()) == 0
+    assert peak_memory(lambda: x.add_(1)) == 0
+    assert peak_memory(lambda: linear(x)) == 4 * 300 * 100
+    with torch.no_grad():
+        assert peak_memory(lambda: linear(x).relu_()) == 4 * 300 * 100
 
 
 def test_flop_counter_counts_two_per_multiply_add():

@@ -52,7 +52,9 @@ def test_train_help_shows_each_recipes_value():
     assert f"default: {TrainConfig.lr} (quick recipe)" in helps["lr"]
 
 
-@pytest.mark.parametrize("command", ["train", "sweep", "eval", "predict", "detect", "lm train", "lm sample"])
+@pytest.mark.parametrize(
+    "command", ["train", "sweep", "eval", "predict", "detect", "lm train", "lm sample", "pseudo-label", "bench"]
+)
 def test_the_commands_that_compute_take_threads(command):
     """--threads N (issue 40): on the training commands and on eval, predict and lm sample, documented."""
     import argparse

@@ -95,6 +95,7 @@ def _add_part_options(bench) -> None:
     """The options that only some parts read."""
     from lambdanet.bench.layer_bench import LAYER_SUITE
     from lambdanet.bench.model_bench import MODEL_SUITES
+    from lambdanet.engine.config import add_threads_argument
     from lambdanet.bench.runner import DEFAULT_SUITES
     from lambdanet.runtime import AMP_DTYPES
 
@@ -139,6 +140,7 @@ def _add_part_options(bench) -> None:
         action="store_true",
         help="models part: time torch.compile(model) (compilation is in the untimed warm-up)",
     )
+    add_threads_argument(bench)
 
 
 def register(sub) -> None:

@@ -145,6 +145,8 @@ def _cmd_pseudo(args: argparse.Namespace) -> int:
 
 
 def _add_pseudo_label(sub) -> None:
+    from lambdanet.engine.config import add_threads_argument
+
     ps = sub.add_parser(
         "pseudo-label",
         help="label a teacher's unlabelled images",
@@ -160,6 +162,7 @@ def _add_pseudo_label(sub) -> None:
     ps.add_argument(
         "--threshold", type=float, default=0.0, help="keep labels with at least this confidence, in [0, 1] (default: 0)"
     )
+    add_threads_argument(ps)
     ps.set_defaults(func=_cmd_pseudo)
 
 

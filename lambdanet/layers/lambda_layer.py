@@ -422,9 +422,15 @@ class LambdaLayer(LambdaPositionMixin, nn.Module):
                 out, pad = F.pad(out, (pad, pad) * 3), 0  # than the input: the same zeros, padded beforehand
             # an odd side rounds up with either pool, as a padded stride-2 convolution's (a block's shortcut) does:
             # the 2x2 pool's last window then averages the one row or column there is
+            dtype = out.dtype  # torch's avg_pool3d on the CPU has no float16 / bfloat16 kernel: pooled in float32
+            widen = self.spatial_dims == 3 and out.device.type == "cpu" and dtype in (torch.float16, torch.bfloat16)
             out = avg_pool_nd(self.spatial_dims)(
-                out, kernel_size=self.stride_pool, stride=self.stride, padding=pad, ceil_mode=self.stride_pool == 2
-            )
+                out.float() if widen else out,
+                kernel_size=self.stride_pool,
+                stride=self.stride,
+                padding=pad,
+                ceil_mode=self.stride_pool == 2,
+            ).to(dtype)
             if not channels_first and self.spatial_dims == 3:  # torch's avg_pool3d on the CPU returns NCDHW
                 out = out.contiguous(memory_format=torch.channels_last_3d)
         return out
