@@ -34,6 +34,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
+from lambdanet.helpers import check_int
+
 __all__ = [
     "AMP_DTYPES",
     "check_amp",
@@ -208,6 +210,8 @@ def time_round_robin(
     that slow drifts of the machine's speed fall on all of them alike and none always follows the same one (a
     callable run right after one that sweeps the caches, round after round, measured up to 15% slow). Fewer
     rounds (at least 3) are run when ``max_seconds`` would be exceeded."""
+    check_int(repeats, "repeats")  # a median of no rounds: statistics' StatisticsError
+    check_int(warmup, "warmup", low=0)
     names = list(fns)
     if not names:
         return {}

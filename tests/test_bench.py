@@ -37,6 +37,18 @@ def test_peak_memory_does_not_count_the_tensors_that_existed_before():
         assert peak_memory(lambda: linear(x).relu_()) == 4 * 300 * 100
 
 
+def test_timing_without_a_round_is_a_one_line_error():
+    """No timed round has no median (``statistics.StatisticsError`` before): ``repeats`` and ``warmup`` are checked
+    by name; one round is enough."""
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match=f"^repeats must be a positive int, got {bad!r}$"):
+            time_round_robin({"a": lambda: None}, repeats=bad)
+    with pytest.raises(ValueError, match="^warmup must be a non-negative int, got -1$"):
+        time_round_robin({"a": lambda: None}, warmup=-1)
+    calls = []
+    assert time_round_robin({"a": lambda: calls.append(1)}, warmup=0, repeats=1)["a"].repeats == 1 and calls == [1]
+
+
 def test_flop_counter_counts_two_per_multiply_add():
     a, b = torch.randn(8, 16), torch.randn(16, 4)
     assert count_flops(lambda: a @ b) == 2 * 8 * 16 * 4

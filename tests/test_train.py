@@ -195,6 +195,23 @@ def test_eval_cli(tmp_path, capsys):
     assert res["top1"] == pytest.approx(summary["final_acc"]) and res["samples"] == 359
 
 
+def test_a_compile_mode_without_compile_is_a_warning_and_compiles_nothing(tmp_path, monkeypatch):
+    """``--compile-mode reduce-overhead`` alone compiles nothing (``--compile`` turns compilation on); the run says
+    so in one warning line before training, and trains uncompiled."""
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: seen.append(kw) or model)
+    lines = []
+    train(resolve_config(overrides={**FAST, "epochs": 1, "warmup_epochs": 0, "compile_mode": "reduce-overhead",
+                                    "out": str(tmp_path)}),
+          log=lines.append)  # fmt: skip
+    warnings = [line for line in lines if line.startswith("warning:")]
+    assert warnings == ["warning: --compile-mode reduce-overhead has no effect without --compile"] and seen == []
+    lines.clear()
+    train(resolve_config(overrides={**FAST, "epochs": 1, "warmup_epochs": 0, "out": str(tmp_path / "plain")}),
+          log=lines.append)
+    assert not any(line.startswith("warning:") for line in lines)
+
+
 def test_resume_after_sigkill_completes_and_matches_uninterrupted_run(tmp_path):
     common = ["--epochs", "6", "--max-train-batches", "6", "--batch-size", "32", "--no-progress", "--no-tensorboard",
               "--optimizer", "sgd", "--lr", "0.05"]

@@ -163,6 +163,8 @@ def _run(task: Task) -> dict:
     model = data_parallel(task.wrap(state.model), ctx)
     logger = RunLogger(out, enabled=ctx.is_main, tensorboard=cfg.tensorboard)
     try:
+        if cfg.compile_mode != "default" and not cfg.compile:  # the mode is saved, and kept by --resume, all the same
+            task.log(f"warning: --compile-mode {cfg.compile_mode} has no effect without --compile")
         task.log(task.describe(state))
         row, stopped = fit(task, state, model, ctx=ctx, logger=logger, log=task.log, stop=task.stop)
     finally:
