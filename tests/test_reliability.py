@@ -86,6 +86,25 @@ def test_resume_extends_the_schedule_and_refuses_other_changes(tmp_path, capsys)
         train(resolve_config(overrides={"out": str(out), "resume": True, "epochs": 1, "progress": False}))
 
 
+
+def test_resume_of_another_commands_run_names_that_command_in_one_line(tmp_path, capsys):
+    """``train --resume --out`` a language-model run listed 6 unknown options and the 55 valid ones; the run is named
+    for what it is, with the command that continues it (and the same the other way round)."""
+    lm, classify = tmp_path / "lm", tmp_path / "classify"
+    for folder, config in ((lm, "model: lambda_lm_nano\nvocab_size: 256\n"), (classify, "model: resnet26\n")):
+        folder.mkdir()
+        (folder / "config.yaml").write_text(config)
+        (folder / "last.pt").write_bytes(b"PK")  # never read: the configuration tells
+    assert main(["train", "--resume", "--out", str(lm)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"lambdanet train: error: nothing to resume in {lm} for lambdanet train: it is a language-model run "
+        f"(lambdanet lm train); continue it with lambdanet lm train --resume --out {lm}"
+    )
+    assert main(["lm", "train", "--resume", "--out", str(classify)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(f"it is an image-classification run (lambdanet train); continue it with lambdanet train "
+                        f"--resume --out {classify}") and "\n" not in err  # fmt: skip
+
 def test_sweep_reuses_only_runs_of_the_same_configuration(tmp_path, capsys):
     out = tmp_path / "sweep"
     common = ["sweep", "--lrs", "0.002", "--model", "resnet26", "--epochs", "1", "--max-train-batches", "2",
@@ -189,6 +208,25 @@ def test_eval_of_a_file_that_is_not_a_checkpoint_says_what_it_is(tmp_path, capsy
     with pytest.raises(CheckpointError, match="an empty file"):
         (tmp_path / "empty.pt").write_bytes(b"")
         load_checkpoint(tmp_path / "empty.pt")
+
+
+def test_a_checkpoint_of_zeros_or_of_binary_bytes_is_not_called_a_text_file(tmp_path):
+    """A ``last.pt`` whose bytes became zeros (a filesystem's crash, a copy cut short) was "a text file, not a
+    training checkpoint; pass the last.pt that lambdanet train writes" (NUL bytes decode as UTF-8), and torch
+    names it a file of its legacy tar format: it is damaged. Other bytes holding NULs (a tar archive) are binary."""
+    import tarfile
+
+    path = tmp_path / "last.pt"
+    path.write_bytes(bytes(4096))
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(path)
+    assert str(caught.value) == (f"checkpoint {path} is corrupted or truncated and cannot be loaded (its first bytes "
+                                 "are zeros); delete it or restore a copy")  # fmt: skip
+    (tmp_path / "a.txt").write_text("not a checkpoint")
+    with tarfile.open(path, "w") as archive:
+        archive.add(tmp_path / "a.txt", arcname="a.txt")
+    with pytest.raises(CheckpointError, match=r"is not a torch checkpoint \(neither a zip archive nor a pickle\)"):
+        load_checkpoint(path)
 
 
 # ------------------------------------------------------------------------------------------------- help

@@ -266,6 +266,63 @@ def test_existing_run_is_not_overwritten_and_resume_needs_a_run(tmp_path):
         train(resolve_config(overrides={**FAST, "out": str(tmp_path / "empty"), "resume": True}))
 
 
+
+class _Crash(Exception):
+    """A process that dies (SIGKILL, a node lost) in the middle of a step, as far as its files are concerned."""
+
+
+def _crash_after_step(step: int):
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    count = [0]
+
+    def hook(optimizer, args, kwargs):
+        count[0] += 1
+        if count[0] == step:
+            raise _Crash
+
+    return register_optimizer_step_post_hook(hook)
+
+
+def _logged_epochs(out: Path) -> tuple[list[float], list[float], list[tuple[int, float]]]:
+    """(metrics.csv's epochs, its train losses, TensorBoard's (step, value) of train/loss as TensorBoard shows it)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rows = list(csv.DictReader((out / "metrics.csv").open()))
+    events = EventAccumulator(str(out / "tb"))
+    events.Reload()
+    shown = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    return [float(r["epoch"]) for r in rows], [float(r["train_loss"]) for r in rows], shown
+
+
+def test_epochs_an_attempt_logged_after_its_last_checkpoint_are_logged_once(tmp_path):
+    """With --checkpoint-every 2 an attempt that dies in epoch 4 has logged epoch 3, which its last.pt (epoch 2) does
+    not hold: the resumed run redoes it, and TensorBoard showed epoch 3 twice (metrics.csv once). An attempt that dies
+    before its first checkpoint cannot be resumed; the new run in its folder appended to its metrics.csv (epoch 1
+    twice) and TensorBoard. Each epoch is now logged once, with the values of the run that (re)did it."""
+    base = dict(model="resnet26", model_kwargs={"base_width": 8}, epochs=4, max_train_batches=2, batch_size=16,
+                progress=False, checkpoint_every=2, optimizer="sgd", lr=0.05)  # fmt: skip
+    out, fresh = tmp_path / "resumed", tmp_path / "fresh"
+    for folder, step, saved in ((out, 7, 2), (fresh, 3, None)):  # 2 steps per epoch: epoch 4's, epoch 2's first
+        handle = _crash_after_step(step)
+        try:
+            with pytest.raises(_Crash):
+                train(resolve_config(overrides={**base, "out": str(folder)}))
+        finally:
+            handle.remove()
+        assert (load_checkpoint(folder / "last.pt")["epoch"] if saved else (folder / "last.pt").exists()) == (
+            saved or False
+        )
+        assert _logged_epochs(folder)[0] == list(range(1, step // 2 + 1))  # epoch 3 / epoch 1 logged, not saved
+    train(resolve_config(overrides={"out": str(out), "resume": True, "progress": False}))
+    train(resolve_config(overrides={**base, "out": str(fresh)}))
+    for folder in (out, fresh):
+        epochs, losses, shown = _logged_epochs(folder)
+        assert epochs == [1, 2, 3, 4]
+        assert [step for step, _ in shown] == [1, 2, 3, 4]
+        assert [value for _, value in shown] == pytest.approx(losses, rel=1e-6)  # TensorBoard keeps float32
+
+
 class _NaNAfter(nn.Module):
     """A tiny classifier whose training forward returns NaN from its 5th call on."""
 

@@ -63,7 +63,12 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
         raise CheckpointError(f"checkpoint {path} is a directory; pass the training checkpoint in it (its last.pt)")
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
-    if (kind := _file_kind(path)) is not None:
+    if (kind := _file_kind(path)) == _ZEROS:  # torch.load would call it a file of its legacy tar format
+        raise CheckpointError(
+            f"checkpoint {path} is corrupted or truncated and cannot be loaded (its first bytes are zeros); delete "
+            "it or restore a copy"
+        )
+    if kind is not None:
         raise CheckpointError(
             f"{path} is {kind}, not a training checkpoint; pass the last.pt that lambdanet train "
             "writes into its run directory"
@@ -80,6 +85,9 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
     return state
 
 
+_ZEROS = "zeros"  # what _file_kind says of a file that begins with zero bytes
+
+
 def _file_kind(path: Path) -> str | None:
     """What a file that cannot be a torch checkpoint is (a torch checkpoint is a zip archive or, from old
     torch versions, a pickle), or ``None`` when it may be one."""
@@ -90,9 +98,13 @@ def _file_kind(path: Path) -> str | None:
         return kind
     if kind == "safetensors":
         return "a safetensors weights file (model weights only, no optimiser or training configuration)"
+    if not head.strip(b"\x00"):  # zeros where the data was (a filesystem's crash, a copy cut short): damaged
+        return _ZEROS
     try:
         text = head.decode("utf-8")
     except UnicodeDecodeError:
+        text = "\x00"
+    if "\x00" in text:  # binary (text holds no NUL bytes; a tar archive's header does)
         return "not a torch checkpoint (neither a zip archive nor a pickle)"
     if path.suffix in (".yaml", ".yml") or ":" in text.splitlines()[0]:
         return "a text file (YAML, e.g. a run's config.yaml)"

@@ -22,7 +22,7 @@ from lambdanet.engine.flags import describe_default as describe_default
 from lambdanet.engine.optim import OPTIMIZERS
 from lambdanet.engine.rundir import checkpoints_in
 from lambdanet.engine.values import check_number, check_types, load_run_yaml, load_yaml, save_yaml
-from lambdanet.files import absolute_data, check_output_dir
+from lambdanet.files import RUN_TASKS, absolute_data, check_output_dir, run_task
 from lambdanet.helpers import check_int, is_finite_real
 from lambdanet.runtime import AMP_DTYPES
 
@@ -104,6 +104,7 @@ class RunConfig:
 
     RECIPES: ClassVar[dict[str, dict]] = {"quick": {}}
     CHECKPOINTS: ClassVar[tuple[str, ...]] = ("last.pt",)  # what a run continues from
+    TASK: ClassVar[str | None] = None  # the key of lambdanet.files.RUN_TASKS of the runs it makes
     PER_PROCESS: ClassVar[frozenset[str]] = frozenset({"out", "workers", "progress", "tensorboard"})  # may differ
     # what a saved config.yaml that lacks an option ran with, where that is not the option's default today (the
     # option came later, fixing the behaviour of the runs before it)
@@ -151,7 +152,11 @@ class RunConfig:
                     f"nothing to resume in {out}: it needs config.yaml and "
                     f"{' or '.join(cls.CHECKPOINTS)} from an earlier run"
                 )
-            saved = _saved_config(cls, out / "config.yaml")
+            try:
+                saved = _saved_config(cls, out / "config.yaml")
+            except ValueError:  # options this task does not have: another command's run is named for what it is
+                _refuse_other_task(cls, out)
+                raise
             given = {
                 k: {**saved[k], **v} if isinstance(v, dict) and isinstance(saved.get(k), dict) else v
                 for k, v in explicit.items()
@@ -268,6 +273,17 @@ class RunConfig:
 def _is_fraction(value) -> bool:
     """A real number (not a bool) in [0, 1)."""
     return is_finite_real(value) and 0 <= value < 1
+
+
+def _refuse_other_task(cls: type[RunConfig], out: Path) -> None:
+    """A one-line ``ValueError`` when the run in ``out`` is another command's (its ``config.yaml`` tells), naming
+    it and the command that continues it."""
+    if cls.TASK is not None and (found := run_task(out)) not in (None, cls.TASK):
+        kind, writer = RUN_TASKS[found][:2]
+        raise ValueError(
+            f"nothing to resume in {out} for {RUN_TASKS[cls.TASK][1]}: it is {kind} ({writer}); continue it with "
+            f"{writer} --resume --out {out}"
+        ) from None
 
 
 def _saved_config(cls: type[RunConfig], path: Path) -> dict:

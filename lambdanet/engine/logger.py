@@ -24,16 +24,18 @@ class RunLogger:
     """Appends epoch rows to ``metrics.csv`` and scalars to TensorBoard (``tb/``). Rows may differ in their keys
     (a task may evaluate every few epochs only): a row with a key the file's header lacks rewrites the file
     (atomically) under the union of the keys; a missing key is an empty cell, which :func:`read_history` leaves out
-    of its row."""
+    of its row. ``first_epoch``: the first epoch this logger's run logs (a resumed run's, after its checkpoint);
+    TensorBoard hides what earlier event files of ``tb/`` hold from it on (``purge_step``), which an attempt that
+    died before its next checkpoint logged, so that the epochs a resumed run redoes are not shown twice."""
 
-    def __init__(self, out: Path, enabled: bool = True, tensorboard: bool = True):
+    def __init__(self, out: Path, enabled: bool = True, tensorboard: bool = True, first_epoch: int = 1):
         self.out, self.enabled = out, enabled
         self.writer = None
         if enabled and tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.writer = SummaryWriter(str(out / "tb"))
+                self.writer = SummaryWriter(str(out / "tb"), purge_step=first_epoch)
             except ImportError:  # tensorboard is a dependency, but stay usable without it
                 self.writer = None
 
@@ -97,10 +99,14 @@ def _num(v: str):
 
 
 def truncate_history(path: Path, epochs: int) -> None:
-    """Keep the rows of the first ``epochs`` epochs (a resumed run redoes the epoch it was killed in)."""
+    """Keep the rows of the first ``epochs`` epochs (a resumed run redoes the epoch it was killed in); none left (a
+    new run): no file, so that the run's first row writes its own header."""
     if not path.exists():
         return
     rows = [r for r in _cells(path) if float(r.get("epoch", 0)) <= epochs]
+    if not rows:
+        path.unlink()
+        return
     _write_rows(path, _header(path) or [], rows)
 
 

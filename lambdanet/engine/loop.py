@@ -257,22 +257,26 @@ def _save(task: Task, state: RunState) -> None:
 
 def _epoch_row(task: Task, state: RunState, model: nn.Module, result: dict, log: Callable[[str], None]) -> dict:
     """The epoch just trained closed (``state.epoch`` counts it) and ``task.epoch_row`` (its evaluation). Where the
-    evaluation fails or is stopped (Ctrl-C twice) in a single process, the epoch's training is saved first, as a
-    signal after its last batch saves it: ``--resume`` evaluates it again instead of training it again. (A process
-    group's ranks cannot agree on a save there: they raise at once.)"""
+    evaluation fails or is stopped (Ctrl-C twice), the epoch's training is saved first, as a signal after its last
+    batch saves it: ``--resume`` evaluates it again instead of training it again. In a process group the main
+    process saves it (its state is the group's; every process's generators are gathered before the evaluation,
+    the one collective a save needs, since the others may have failed) when its evaluation raises: its own
+    failure, or a peer's that the backend reports to it (gloo: the connection closed)."""
     counters = state.epoch, state.train_time_s, state.samples_seen, dict(state.best), state.bad_epochs
-    rng = rng_state() if not task.ctx.enabled else None  # the generators as the epoch's training left them
+    rng = rng_state()  # the generators as the epoch's training left them
+    state.gather_rng(task.ctx)  # every process's, for that save (no-op in one process)
+    state.share_ema(task.ctx)  # the EMA evaluated on every process is the one the checkpoint keeps
     state.epoch += 1
     state.train_time_s += result["seconds"]
     try:
         return task.epoch_row(state, model, result)
     except BaseException as err:
-        if task.ctx.enabled:
-            raise
         state.epoch, state.train_time_s, state.samples_seen, state.best, state.bad_epochs = counters
-        set_rng_state(cast(dict, rng))  # what the evaluation drew is drawn again when it runs again
+        set_rng_state(rng)  # what the evaluation drew is drawn again when it runs again
         state.epoch_partial = {"batches": task.steps_per_epoch, "sums": result["sums"], "seconds": result["seconds"]}
-        _save(task, state)
+        if task.ctx.is_main:  # no collective here: the other processes may be gone
+            task.save(state)
+            task.drop_superseded()
         where = f"while evaluating epoch {state.epoch + 1}/{task.cfg.epochs}"
         if isinstance(err, KeyboardInterrupt):
             raise Preempted.at(signal.SIGINT, where, task.checkpoint_path, task.cfg.out) from None

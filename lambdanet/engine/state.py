@@ -73,6 +73,17 @@ class RunState:
         nothing to gather."""
         self._rng_ranks = (self.step, all_gather_objects(rng_state(), ctx)) if ctx.enabled else None
 
+    def share_ema(self, ctx: DistContext) -> None:
+        """Every process of a group calls this (a collective) before the EMA is evaluated: the main process's EMA
+        buffers (BatchNorm statistics) on all. Each process's EMA averages its own model's statistics, which DDP
+        hands out from the main process before each forward and each process's batch then moves, so the copies
+        drift apart; an evaluation sharded over the processes then measured a mix of models, neither the one the
+        checkpoint keeps (the main one's), and a resumed group (every process given that one) measured another.
+        The parameters are the same everywhere already. One process, or no EMA: nothing to do."""
+        if ctx.enabled and self.ema is not None:
+            for buffer in self.ema.module.buffers():
+                dist.broadcast(buffer, 0)
+
     def state_dict(self, **extra) -> dict:
         """The checkpoint: every component's state, the counters, the RNG states, and ``extra`` (the run's
         configuration and whatever else its task keeps there)."""

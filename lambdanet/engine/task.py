@@ -158,10 +158,14 @@ def _run(task: Task) -> dict:
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
         cfg.save_yaml(out / "config.yaml")
+        # the rows of the epochs last.pt holds: a resumed run redoes the later ones, and a new run starts with none
+        # (an earlier attempt in this folder that died before its first checkpoint left its rows)
+        truncate_history(out / "metrics.csv", state.epoch)
     barrier(ctx)
     task.initialize(state, resumed)
     model = data_parallel(task.wrap(state.model), ctx)
-    logger = RunLogger(out, enabled=ctx.is_main, tensorboard=cfg.tensorboard)
+    # the same for TensorBoard: what an earlier attempt logged from the first epoch this run trains on is hidden
+    logger = RunLogger(out, enabled=ctx.is_main, tensorboard=cfg.tensorboard, first_epoch=state.epoch + 1)
     try:
         if cfg.compile_mode != "default" and not cfg.compile:  # the mode is saved, and kept by --resume, all the same
             task.log(f"warning: --compile-mode {cfg.compile_mode} has no effect without --compile")
@@ -181,8 +185,6 @@ def _restore(task: Task, state: RunState, saved_epochs: int) -> None:
     state.load_state_dict(task.upgrade_checkpoint(load_checkpoint(task.checkpoint_path, map_location=task.ctx.device)))
     if cfg.epochs < state.epoch:
         raise ValueError(f"--epochs {cfg.epochs} is fewer than the {state.epoch} epochs {out} has done")
-    if task.ctx.is_main:
-        truncate_history(out / "metrics.csv", state.epoch)
     where = resume_point(state.epoch, state.epoch_partial, task.steps_per_epoch)
     task.log(f"resuming {out}: {state.epoch}/{saved_epochs} epochs done{where}")
     if cfg.epochs != saved_epochs:

@@ -279,6 +279,7 @@ RECIPE_MODEL_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 TrainConfig.RECIPES = RECIPES
+TrainConfig.TASK = "classify"
 # what ``--resume`` lets change: how the run is watched and where it runs, never what it computes
 RESUME_FREE = TrainConfig.resume_free()
 

@@ -261,6 +261,7 @@ DETECT_RECIPES: dict[str, dict] = {
     },
 }
 DetectConfig.RECIPES = DETECT_RECIPES
+DetectConfig.TASK = "detect"
 DETECT_CHOICES = DetectConfig.choices()
 DETECT_RESUME_FREE = DetectConfig.resume_free()
 

@@ -22,6 +22,7 @@ class LMConfig(RunConfig):
     1.61 on the standard library, in 34 minutes on 2 CPU cores; docs/language_models.md) and ``long_small``
     (``lambda_lm_small``, context 512, 15,000 steps of 32: a GPU's recipe, days on a CPU)."""
 
+    TASK = "lm"
     RECIPES = {
         "quick": {},
         "long": {
