@@ -82,6 +82,12 @@ SHARED_OPTIONS: dict[str, tuple[str, tuple | None, bool]] = {
     "workers": ("data-loading worker processes", None, True),
     "out": ("run directory (config, metrics, checkpoints, weights, plots, summary)", None, True),
     "checkpoint_every": ("write last.pt every this many epochs (and at the end)", None, True),
+    "checkpoint_steps": (
+        "also write last.pt every this many optimiser steps inside an epoch (0: at the epochs' ends only); a crash "
+        "(SIGKILL, power) then loses at most these steps",
+        None,
+        True,
+    ),
     "resume": ("continue the run in --out where it stopped", None, True),
     "tensorboard": ("write TensorBoard event files to <out>/tb, beside metrics.csv", None, True),
     "progress": ("progress bar on stderr (on a terminal; a log gets one line per epoch)", None, True),
@@ -113,6 +119,7 @@ class RunConfig:
     # Options the engine reads that not every task offers, with what a task without them runs as: a task that
     # offers one declares it as a dataclass field (``shared(name, default)``), which takes the place of this.
     checkpoint_every: int = 1
+    checkpoint_steps: int = 0
     compile: bool = False
     compile_mode: str = "default"
     tensorboard: bool = False
@@ -311,6 +318,7 @@ _SHARED_INTS = (
     ("batch_size", 1, "", False),
     ("eval_batch_size", 1, "", False),
     ("checkpoint_every", 1, "", False),
+    ("checkpoint_steps", 0, " (0: at the epochs' ends only)", False),
     ("workers", 0, "", False),
     ("max_train_batches", 1, " (batches per epoch)", True),
     ("lr_batch_scale", 1, " (a batch size)", True),

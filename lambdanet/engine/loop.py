@@ -187,19 +187,8 @@ def fit(
             f"epoch {state.epoch + 1}/{cfg.epochs}",
         )
         try:
-            result = train_epoch(
-                state,
-                model,
-                task.batches(state),
-                task.step_loss,
-                ctx=ctx,
-                total=task.steps_per_epoch,
-                amp=cfg.amp,
-                clip=cfg.grad_clip,
-                lr=task.lr,
-                stop=stop,
-                bar=bar,
-            )
+            result = train_epoch(state, model, task.batches(state), task.step_loss, **_epoch_options(task), ctx=ctx,
+                                 stop=stop, bar=bar)  # fmt: skip
         except NonFiniteLossError as err:
             where = (
                 f"the last good checkpoint is {path} (epoch {last_saved})"
@@ -245,6 +234,20 @@ def _stop_after_epoch(task: Task, state: RunState, stop: StopSignals, saved: boo
     last = " (the last), before the run's final evaluation" if state.epoch == cfg.epochs else ""
     where = f"after epoch {state.epoch}/{cfg.epochs}{last}"
     raise Preempted.at(cast(signal.Signals, stop.received), where, task.checkpoint_path, cfg.out)
+
+
+def _epoch_options(task: Task) -> dict:
+    """:func:`train_epoch`'s options from the run's configuration; ``save`` is what the main process calls every
+    ``checkpoint_steps`` steps (the generators gathered, ``state.epoch_partial`` set): the run's checkpoint where
+    the epoch stands, as a signal saves it."""
+    cfg = task.cfg
+
+    def save(state: RunState) -> None:
+        task.save(state)
+        task.drop_superseded()
+
+    return dict(total=task.steps_per_epoch, amp=cfg.amp, clip=cfg.grad_clip, lr=task.lr, save=save,
+                save_every=cfg.checkpoint_steps)  # fmt: skip
 
 
 def _save(task: Task, state: RunState) -> None:

@@ -127,6 +127,7 @@ class TrainConfig(RunConfig):
     # run
     out: str = shared("out", "runs/lambdanet")
     checkpoint_every: int = shared("checkpoint_every", 1)
+    checkpoint_steps: int = shared("checkpoint_steps", 0)
     resume: bool = shared("resume", False)
     early_stop_patience: int | None = option(
         None, "stop after this many epochs without validation improvement (needs --val-split)"

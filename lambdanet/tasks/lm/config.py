@@ -72,6 +72,7 @@ class LMConfig(RunConfig):
     eval_batch_size: int = shared("eval_batch_size", 16, "sequences per evaluation batch")
     out: str = shared("out", "runs/lm")
     checkpoint_every: int = shared("checkpoint_every", 1)
+    checkpoint_steps: int = shared("checkpoint_steps", 0)
     resume: bool = shared("resume", False)
     tensorboard: bool = shared("tensorboard", True)
     progress: bool = shared("progress", True)
