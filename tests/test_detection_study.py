@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -299,7 +300,8 @@ def test_study_table_has_table6_columns_in_percent(tmp_path, capsys):
 def test_study_refuses_runs_of_different_recipes_and_ignores_where_they_ran(tmp_path, capsys):
     """Table 6 compares backbones trained alike: the study reads each run's config.yaml (as ``lambdanet detect``
     writes it) and refuses rows whose recipes differ, naming the option; where and how a run ran does not count."""
-    from lambdanet.tasks.detection.study import main
+    from lambdanet.engine.values import load_yaml
+    from lambdanet.tasks.detection.study import main, recipe_mismatch
 
     summary = {"backbone_params": 1, "train_time_s": 1.0, "bbox_AP": 0.3}
     runs = {"resnet26": {"out": str(tmp_path / "resnet26"), "device": "cpu", "workers": 1},
@@ -316,3 +318,11 @@ def test_study_refuses_runs_of_different_recipes_and_ignores_where_they_ran(tmp_
     assert err.count("\n") == 1 and "epochs differs" in err and "resnet26 3" in err and "lambda_resnet26 9" in err
     (tmp_path / "resnet26" / "config.yaml").write_text("epochs: [")
     assert main([str(tmp_path)]) == 2 and "not valid YAML" in capsys.readouterr().err
+    # what --resume may change (the local processes) does not count; an option a run written before it existed
+    # lacks counts as what that run ran with: 0.1.0's detect wrote no loss_weights (its default, {}, ran)
+    old = load_yaml(Path(__file__).parent / "fixtures" / "runs_v1" / "detect" / "config.yaml")
+    assert "loss_weights" not in old
+    same = resolve_detect_config(overrides={k: v for k, v in old.items() if k not in ("backbone", "out")}
+                                 | {"backbone": "lambda_resnet26", "procs": 2})  # fmt: skip
+    assert recipe_mismatch({"resnet26": old, "lambda_resnet26": dataclasses.asdict(same)}) is None
+    assert "lr differs" in recipe_mismatch({"resnet26": old, "lambda_resnet26": {**old, "lr": 0.01}})

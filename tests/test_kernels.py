@@ -179,7 +179,11 @@ def test_the_table_gradient_is_the_same_however_the_batch_is_split(monkeypatch, 
 def _far_apart(x: torch.Tensor, stride: int) -> torch.Tensor:
     """``x`` copied into a tensor whose batch elements lie ``stride`` elements apart: the storage is reserved,
     not written (the pages between the elements are never touched), so 2^31 float32 elements cost a few KB."""
-    far = torch.empty_strided(x.shape, (stride, *x.stride()[1:]), dtype=x.dtype, device=x.device)
+    try:
+        far = torch.empty_strided(x.shape, (stride, *x.stride()[1:]), dtype=x.dtype, device=x.device)
+    except RuntimeError as err:  # a host that refuses to reserve more than it has (strict overcommit)
+        gib = (x.shape[0] - 1) * stride * x.element_size() / 2**30
+        pytest.skip(f"cannot reserve {gib:.0f} GiB of address space here ({err})")
     return far.copy_(x)
 
 

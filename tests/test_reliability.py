@@ -104,6 +104,16 @@ def test_resume_of_another_commands_run_names_that_command_in_one_line(tmp_path,
     err = capsys.readouterr().err.strip()
     assert err.endswith(f"it is an image-classification run (lambdanet train); continue it with lambdanet train "
                         f"--resume --out {classify}") and "\n" not in err  # fmt: skip
+    # a detection run stopped in its backbone's pre-training has no last.pt (its checkpoint is pretrain.pt)
+    detect = tmp_path / "detect"
+    detect.mkdir()
+    (detect / "config.yaml").write_text("backbone: resnet26\n")
+    (detect / "pretrain.pt").write_bytes(b"PK")
+    assert main(["train", "--resume", "--out", str(detect)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(f"it is a detection run (lambdanet detect); continue it with lambdanet detect --resume --out "
+                        f"{detect}") and "\n" not in err  # fmt: skip
+
 
 def test_sweep_reuses_only_runs_of_the_same_configuration(tmp_path, capsys):
     out = tmp_path / "sweep"
@@ -207,6 +217,9 @@ def test_eval_of_a_file_that_is_not_a_checkpoint_says_what_it_is(tmp_path, capsy
         assert what in err and "not a training checkpoint" in err and "weights_only" not in err, err
     with pytest.raises(CheckpointError, match="an empty file"):
         (tmp_path / "empty.pt").write_bytes(b"")
+        load_checkpoint(tmp_path / "empty.pt")
+    damaged = r"is corrupted or truncated and cannot be loaded \(it is an empty file\); delete it or restore a copy$"
+    with pytest.raises(CheckpointError, match=damaged):  # a copy cut short: not a file of another kind
         load_checkpoint(tmp_path / "empty.pt")
 
 

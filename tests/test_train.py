@@ -214,18 +214,22 @@ def test_a_compile_mode_without_compile_is_a_warning_and_compiles_nothing(tmp_pa
 
 def test_checkpoint_steps_save_inside_the_epoch_and_a_crash_resumes_to_the_uninterrupted_weights(tmp_path,
                                                                                                    power_cut):
-    """``--checkpoint-steps 1``: last.pt is also written after every optimiser step inside an epoch (as a signal
-    writes it), so a process dying without warning in epoch 2 loses one step, not the epoch; the resumed run ends
-    with the uninterrupted run's weights, bit for bit. (0, the default: only the epochs' ends, as before.)"""
+    """``--checkpoint-steps N``: last.pt is also written at every N-th optimiser step of the run (as a signal
+    writes it, the epochs' ends crossed), so a process dying without warning loses fewer than N steps, whatever
+    ``--checkpoint-every`` is; the resumed run ends with the uninterrupted run's weights, bit for bit. (0, the
+    default: only the epochs' ends, as before.) Epochs of 3 steps; the power cut comes after step 5."""
     run = {**FAST, "epochs": 2, "max_train_batches": 3, "warmup_epochs": 0}
     whole = train(resolve_config(overrides={**run, "out": str(tmp_path / "whole")}))
-    for steps, saved_step in ((1, 4), (0, 3)):  # epoch 1: steps 1-3 (saved at its end); epoch 2: step 4, then 5 dies
+    # (N, --checkpoint-every, the step last.pt holds, epoch 2's batches in it): N 1 saves every step; N 2 with
+    # epoch ends unsaved saves steps 2 and 4 (epoch 1's 2nd, epoch 2's 1st); 0 the end of epoch 1 (step 3)
+    for steps, every, saved_step, batches in ((1, 1, 4, 1), (2, 2, 4, 1), (0, 1, 3, None)):
         out = tmp_path / f"cut{steps}"
         with power_cut(5), pytest.raises(RuntimeError, match="power cut"):
-            train(resolve_config(overrides={**run, "checkpoint_steps": steps, "out": str(out)}))
+            train(resolve_config(overrides={**run, "checkpoint_steps": steps, "checkpoint_every": every,
+                                            "out": str(out)}))  # fmt: skip
         saved = load_checkpoint(out / "last.pt")
         assert (saved["epoch"], saved["step"]) == (1, saved_step), steps
-        assert saved["epoch_partial"] == (None if steps == 0 else {**saved["epoch_partial"], "batches": 1})
+        assert (saved["epoch_partial"] or {}).get("batches") == batches, steps
         summary = train(resolve_config(overrides={"out": str(out), "resume": True}))
         assert summary["final_acc"] == whole["final_acc"]
         a, b = load_file(tmp_path / "whole" / "model.safetensors"), load_file(out / "model.safetensors")
@@ -381,6 +385,13 @@ def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(
     state = load_checkpoint(out / "last.pt")
     assert state["epoch"] == 1 and all(torch.isfinite(v).all() for v in state["model"].values()
                                        if v.is_floating_point())
+    # saved inside the epoch (--checkpoint-steps): the message says where last.pt stands, after epoch 2's first step
+    cfg = resolve_config(overrides={**FAST, "epochs": 3, "max_train_batches": 3, "model": nan_model,
+                                    "checkpoint_steps": 1, "out": str(tmp_path / "steps")})  # fmt: skip
+    with pytest.raises(TrainingDivergedError, match=r"last good checkpoint .*last.pt \(epoch 2 after batch 1/3\)"):
+        train(cfg)
+    state = load_checkpoint(tmp_path / "steps" / "last.pt")
+    assert (state["epoch"], state["step"], state["epoch_partial"]["batches"]) == (1, 4, 1)
 
 
 @pytest.mark.parametrize(

@@ -63,10 +63,10 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
         raise CheckpointError(f"checkpoint {path} is a directory; pass the training checkpoint in it (its last.pt)")
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
-    if (kind := _file_kind(path)) == _ZEROS:  # torch.load would call it a file of its legacy tar format
+    if (kind := _file_kind(path)) in (_ZEROS, "an empty file"):  # torch.load: "legacy tar format" for zeros
+        what = "its first bytes are zeros" if kind == _ZEROS else "it is an empty file"
         raise CheckpointError(
-            f"checkpoint {path} is corrupted or truncated and cannot be loaded (its first bytes are zeros); delete "
-            "it or restore a copy"
+            f"checkpoint {path} is corrupted or truncated and cannot be loaded ({what}); delete it or restore a copy"
         )
     if kind is not None:
         raise CheckpointError(

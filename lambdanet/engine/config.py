@@ -154,16 +154,14 @@ class RunConfig:
         explicit = {**(yaml_values or {}), **(overrides or {})}
         if explicit.get("resume"):
             out = Path(explicit.get("out", cls.out))
+            if (out / "config.yaml").is_file():  # another command's run (its own checkpoint or none) is named as such
+                _refuse_other_task(cls, out)
             if not (out / "config.yaml").is_file() or not checkpoints_in(out, cls.CHECKPOINTS):
                 raise ValueError(
                     f"nothing to resume in {out}: it needs config.yaml and "
                     f"{' or '.join(cls.CHECKPOINTS)} from an earlier run"
                 )
-            try:
-                saved = _saved_config(cls, out / "config.yaml")
-            except ValueError:  # options this task does not have: another command's run is named for what it is
-                _refuse_other_task(cls, out)
-                raise
+            saved = _saved_config(cls, out / "config.yaml")
             given = {
                 k: {**saved[k], **v} if isinstance(v, dict) and isinstance(saved.get(k), dict) else v
                 for k, v in explicit.items()

@@ -105,6 +105,7 @@ def train_epoch(
     bar=None,
     save: Callable[[RunState], None] | None = None,
     save_every: int = 0,
+    save_at_step: bool = False,
 ) -> dict | None:
     """One epoch of ``total`` optimiser steps, or the rest of one that stopped (``state.epoch_partial``).
     ``batches`` yields the epoch's batches from the first not yet trained (the task positions its loader);
@@ -112,8 +113,10 @@ def train_epoch(
     epoch and the ranks. Each step: learning rate ``lr(state.step)`` (else ``state.scheduler`` steps after it), the
     non-finite guard (:class:`NonFiniteLossError` before the step would spoil the weights), the step
     (:func:`optimizer_step`, ``clip`` the gradient norm), the EMA update, ``state.step + 1``. Every ``save_every``
-    steps the main process calls ``save(state)`` with ``state.epoch_partial`` saying where the epoch stands (and
-    every process's generators gathered: :meth:`RunState.gather_rng`). ``stop``
+    steps of the epoch, its last excepted, the main process calls ``save(state)`` with ``state.epoch_partial``
+    saying where the epoch stands (and every process's generators gathered: :meth:`RunState.gather_rng`);
+    ``save_at_step``: at every ``save_every``-th step of the run instead (``state.step``, across the epochs' ends,
+    the last step of an epoch included), and every process calls ``save`` (which writes on the main one). ``stop``
     (:class:`lambdanet.engine.preempt.StopSignals`) is asked after every step: on a signal the pass ends there and
     returns ``None``, ``state.epoch_partial`` set (the generators gathered). Returns ``{"sums", "seconds"}`` of
     the whole epoch, ``state.epoch_partial`` cleared."""
@@ -147,13 +150,18 @@ def train_epoch(
                 loss=f"{float(loss.detach()):.3f}", lr=f"{state.optimizer.param_groups[0]['lr']:.2e}", refresh=False
             )
         signalled = stop is not None and stop.requested(ctx) is not None
-        if signalled or (save is not None and save_every and (i + 1) % save_every == 0 and i + 1 < total):
+        due = (
+            save is not None
+            and save_every > 0
+            and (state.step % save_every == 0 if save_at_step else (i + 1) % save_every == 0 and i + 1 < total)
+        )
+        if signalled or due:
             total_sums, sums = _carried(sums, ctx)
             state.epoch_partial = {"batches": i + 1, "sums": total_sums, "seconds": time.perf_counter() - start}
             state.gather_rng(ctx)  # every process's generators for the checkpoint of this step (a collective)
             if signalled:
                 return None
-            if ctx.is_main:
+            if ctx.is_main or save_at_step:
                 cast("Callable[[RunState], None]", save)(state)  # not None: without a signal the test above needs it
             state.epoch_partial = None
     state.epoch_partial = None
@@ -179,6 +187,7 @@ def fit(
     # a run resumed at the end of an epoch that stopped it early (stopped by a signal there, or extended) ends there
     stopped = state.epoch > 0 and not state.epoch_partial and task.stops_early(state)
     row, last_saved = {}, state.epoch
+    saved_at = [f"epoch {state.epoch}"]  # where last.pt stands, for the divergence message (step saves update it)
     while state.epoch < cfg.epochs and not stopped:
         bar = progress_bar(
             cfg.progress and ctx.is_main,
@@ -187,11 +196,11 @@ def fit(
             f"epoch {state.epoch + 1}/{cfg.epochs}",
         )
         try:
-            result = train_epoch(state, model, task.batches(state), task.step_loss, **_epoch_options(task), ctx=ctx,
-                                 stop=stop, bar=bar)  # fmt: skip
+            result = train_epoch(state, model, task.batches(state), task.step_loss, **_epoch_options(task, saved_at),
+                                 ctx=ctx, stop=stop, bar=bar)  # fmt: skip
         except NonFiniteLossError as err:
             where = (
-                f"the last good checkpoint is {path} (epoch {last_saved})"
+                f"the last good checkpoint is {path} ({saved_at[0]})"
                 if path.is_file()
                 else "no checkpoint had been written yet"
             )
@@ -218,7 +227,7 @@ def fit(
         log(task.epoch_line(row))
         if task.save_due(state.epoch) or state.epoch == cfg.epochs or stopped:  # the same on every process
             _save(task, state)
-            last_saved = state.epoch
+            last_saved, saved_at[0] = state.epoch, f"epoch {state.epoch}"
         barrier(ctx)
         if stop is not None and stop.requested(ctx) is not None:  # a signal while it evaluated or saved
             _stop_after_epoch(task, state, stop, saved=last_saved == state.epoch)
@@ -236,18 +245,22 @@ def _stop_after_epoch(task: Task, state: RunState, stop: StopSignals, saved: boo
     raise Preempted.at(cast(signal.Signals, stop.received), where, task.checkpoint_path, cfg.out)
 
 
-def _epoch_options(task: Task) -> dict:
-    """:func:`train_epoch`'s options from the run's configuration; ``save`` is what the main process calls every
-    ``checkpoint_steps`` steps (the generators gathered, ``state.epoch_partial`` set): the run's checkpoint where
-    the epoch stands, as a signal saves it."""
+def _epoch_options(task: Task, saved_at: list[str]) -> dict:
+    """:func:`train_epoch`'s options from the run's configuration. ``save`` is what every process calls at each
+    ``checkpoint_steps``-th optimiser step of the run (the generators gathered, ``state.epoch_partial`` set): the
+    main process writes the run's checkpoint where the epoch stands, as a signal does, also after an epoch's last
+    step (the evaluation that follows is then covered too); ``saved_at[0]`` says where."""
     cfg = task.cfg
 
     def save(state: RunState) -> None:
-        task.save(state)
-        task.drop_superseded()
+        if task.ctx.is_main:
+            task.save(state)
+            task.drop_superseded()
+        partial = cast(dict, state.epoch_partial)
+        saved_at[0] = f"epoch {state.epoch + 1} after batch {partial['batches']}/{task.steps_per_epoch}"
 
     return dict(total=task.steps_per_epoch, amp=cfg.amp, clip=cfg.grad_clip, lr=task.lr, save=save,
-                save_every=cfg.checkpoint_steps)  # fmt: skip
+                save_every=cfg.checkpoint_steps, save_at_step=True)  # fmt: skip
 
 
 def _save(task: Task, state: RunState) -> None:

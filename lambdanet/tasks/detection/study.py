@@ -13,6 +13,7 @@ and prints the Markdown table (``scripts/detect_study.sh`` runs the whole study)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -20,15 +21,16 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from lambdanet.engine.values import load_yaml
+from lambdanet.tasks.detection.config import DETECT_RESUME_FREE, DetectConfig
 from lambdanet.tasks.detection.model import STUDY_BACKBONES
 
 __all__ = ["recipe_mismatch", "study_rows", "study_table"]
 
 SIZE = 1024  # LambdaNetworks Table 6 and HaloNet Table 5 detect at 1024 x 1024
-# the options of a run's config.yaml that may differ between the study's rows: the backbone compared, where the
-# run lives and how it is run (none changes what is trained or how it is scored)
-PER_RUN = frozenset({"backbone", "out", "resume", "workers", "device", "progress", "tensorboard", "eval_batch_size",
-                     "eval_every"})  # fmt: skip
+# the options of a run's config.yaml that may differ between the study's rows: the backbone compared, and where
+# and how the run is run (what --resume may change, and the evaluation's batch): none changes what is trained or
+# how it is scored
+PER_RUN = frozenset({"backbone", "eval_batch_size", *DETECT_RESUME_FREE})
 
 
 def _ap(value) -> str:
@@ -82,7 +84,11 @@ def study_table(summaries: Mapping[str, dict], bench: Sequence[dict] = ()) -> st
 
 def recipe_mismatch(configs: Mapping[str, dict]) -> str | None:
     """``None`` when the runs' configurations (backbone name -> its ``config.yaml``) agree on every option but
-    :data:`PER_RUN`, else a one-line description of the first option that differs and each run's value."""
+    :data:`PER_RUN`, else a one-line description of the first option that differs and each run's value. An option
+    a run's file lacks (written before the option existed) is what that run ran with: the value ``--resume`` reads
+    for it (:attr:`DetectConfig.SAVED_DEFAULTS`, else the default)."""
+    base = {**dataclasses.asdict(DetectConfig()), **DetectConfig.SAVED_DEFAULTS}
+    configs = {name: {**base, **cfg} for name, cfg in configs.items()}
     keys = sorted({k for cfg in configs.values() for k in cfg} - PER_RUN)
     for key in keys:
         values = {name: cfg.get(key, "(unset)") for name, cfg in configs.items()}
