@@ -189,6 +189,8 @@ def weights_file_kind(path: Path, head: bytes | None = None) -> str | None:
         return "safetensors"
     if not head:
         return "an empty file"
+    if not head.strip(b"\x00"):  # zeros where the data was: a filesystem's crash, a copy cut short
+        return "a damaged file (its first bytes are zeros: corrupted or truncated; restore a copy)"
     return "not a torch checkpoint or safetensors file"
 
 

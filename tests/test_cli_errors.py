@@ -385,7 +385,8 @@ def test_create_model_checkpoint_path_that_is_no_weights_file_is_one_line(tmp_pa
     from lambdanet.files import WeightsMismatchError, read_state_dict
 
     path = tmp_path / "w.pth"
-    for content, needle in ((b"", "is an empty file"), (b"\x9b\x00 random", "is not a torch checkpoint")):
+    for content, needle in ((b"", "is an empty file"), (b"\x9b\x00 random", "is not a torch checkpoint"),
+                            (bytes(64), r"is a damaged file \(its first bytes are zeros")):
         path.write_bytes(content)
         with pytest.raises(WeightsMismatchError, match=needle) as err:
             read_state_dict(path)
