@@ -15,6 +15,7 @@ from torch import Tensor
 
 __all__ = [
     "give_usual_mode",
+    "ZEROED_FILE",
     "absolute_data",
     "IMAGE_SUFFIXES",
     "read_image",
@@ -176,6 +177,9 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
     return obj
 
 
+ZEROED_FILE = "a damaged file (its first bytes are zeros: corrupted or truncated; restore a copy)"
+
+
 def weights_file_kind(path: Path, head: bytes | None = None) -> str | None:
     """What a file is when its first bytes (``head``: read here if not given) tell it: ``"safetensors"``, or why
     it cannot be a torch checkpoint (empty, or neither a zip archive nor a pickle); ``None`` when it may be a
@@ -190,7 +194,7 @@ def weights_file_kind(path: Path, head: bytes | None = None) -> str | None:
     if not head:
         return "an empty file"
     if not head.strip(b"\x00"):  # zeros where the data was: a filesystem's crash, a copy cut short
-        return "a damaged file (its first bytes are zeros: corrupted or truncated; restore a copy)"
+        return ZEROED_FILE
     return "not a torch checkpoint or safetensors file"
 
 

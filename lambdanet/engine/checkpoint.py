@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lambdanet.files import error_reason, give_usual_mode, weights_file_kind
+from lambdanet.files import ZEROED_FILE, error_reason, give_usual_mode, weights_file_kind
 
 __all__ = [
     "CheckpointError",
@@ -63,8 +63,8 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
         raise CheckpointError(f"checkpoint {path} is a directory; pass the training checkpoint in it (its last.pt)")
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
-    if (kind := _file_kind(path)) in (_ZEROS, "an empty file"):  # torch.load: "legacy tar format" for zeros
-        what = "its first bytes are zeros" if kind == _ZEROS else "it is an empty file"
+    if (kind := _file_kind(path)) in (ZEROED_FILE, "an empty file"):  # torch.load: "legacy tar format" for zeros
+        what = "its first bytes are zeros" if kind == ZEROED_FILE else "it is an empty file"
         raise CheckpointError(
             f"checkpoint {path} is corrupted or truncated and cannot be loaded ({what}); delete it or restore a copy"
         )
@@ -85,21 +85,16 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
     return state
 
 
-_ZEROS = "zeros"  # what _file_kind says of a file that begins with zero bytes
-
-
 def _file_kind(path: Path) -> str | None:
     """What a file that cannot be a torch checkpoint is (a torch checkpoint is a zip archive or, from old
     torch versions, a pickle), or ``None`` when it may be one."""
     with open(path, "rb") as f:
         head = f.read(64)
     kind = weights_file_kind(path, head)
-    if kind is None or kind == "an empty file":
+    if kind in (None, "an empty file", ZEROED_FILE):
         return kind
     if kind == "safetensors":
         return "a safetensors weights file (model weights only, no optimiser or training configuration)"
-    if not head.strip(b"\x00"):  # zeros where the data was (a filesystem's crash, a copy cut short): damaged
-        return _ZEROS
     try:
         text = head.decode("utf-8")
     except UnicodeDecodeError:

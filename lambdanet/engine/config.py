@@ -83,8 +83,8 @@ SHARED_OPTIONS: dict[str, tuple[str, tuple | None, bool]] = {
     "out": ("run directory (config, metrics, checkpoints, weights, plots, summary)", None, True),
     "checkpoint_every": ("write last.pt every this many epochs (and at the end)", None, True),
     "checkpoint_steps": (
-        "also write last.pt every this many optimiser steps inside an epoch (0: at the epochs' ends only); a crash "
-        "(SIGKILL, power) then loses at most these steps",
+        "also write last.pt at every this many optimiser steps of the run, across the epochs' ends (0: at the "
+        "epochs' ends only); a crash (SIGKILL, power) then loses fewer than these steps",
         None,
         True,
     ),

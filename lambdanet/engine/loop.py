@@ -209,9 +209,7 @@ def fit(
             if bar is not None:
                 bar.close()
         if result is None:  # a signal: save where the epoch stands, then stop
-            if ctx.is_main:
-                task.save(state)
-                task.drop_superseded()
+            _write(task, state)
             barrier(ctx)  # the others wait for the save: a process that ends first gets the rest stopped
             raise Preempted.at(
                 cast(signal.Signals, cast(StopSignals, stop).received),
@@ -253,9 +251,7 @@ def _epoch_options(task: Task, saved_at: list[str]) -> dict:
     cfg = task.cfg
 
     def save(state: RunState) -> None:
-        if task.ctx.is_main:
-            task.save(state)
-            task.drop_superseded()
+        _write(task, state)
         partial = cast(dict, state.epoch_partial)
         saved_at[0] = f"epoch {state.epoch + 1} after batch {partial['batches']}/{task.steps_per_epoch}"
 
@@ -266,6 +262,12 @@ def _epoch_options(task: Task, saved_at: list[str]) -> dict:
 def _save(task: Task, state: RunState) -> None:
     """The run's checkpoint where it stands (every process gathers its generators; the main one writes)."""
     state.gather_rng(task.ctx)
+    _write(task, state)
+
+
+def _write(task: Task, state: RunState) -> None:
+    """The main process writes the run's checkpoint as ``state`` stands (no collective: the generators were
+    gathered before) and drops the final weights it supersedes; the other processes do nothing."""
     if task.ctx.is_main:
         task.save(state)
         task.drop_superseded()
@@ -290,9 +292,7 @@ def _epoch_row(task: Task, state: RunState, model: nn.Module, result: dict, log:
         state.epoch, state.train_time_s, state.samples_seen, state.best, state.bad_epochs = counters
         set_rng_state(rng)  # what the evaluation drew is drawn again when it runs again
         state.epoch_partial = {"batches": task.steps_per_epoch, "sums": result["sums"], "seconds": result["seconds"]}
-        if task.ctx.is_main:  # no collective here: the other processes may be gone
-            task.save(state)
-            task.drop_superseded()
+        _write(task, state)  # no collective here: the other processes may be gone
         where = f"while evaluating epoch {state.epoch + 1}/{task.cfg.epochs}"
         if isinstance(err, KeyboardInterrupt):
             raise Preempted.at(signal.SIGINT, where, task.checkpoint_path, task.cfg.out) from None
