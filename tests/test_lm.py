@@ -397,6 +397,7 @@ def test_training_learns_and_sampling_continues_the_prompt(tmp_path, corpus_dir,
     assert main(["lm", "sample", "--checkpoint", str(tmp_path / "run"), "--prompt", "def", "--cuda-graph"]) == 2
     err = capsys.readouterr().err.strip()
     assert "cuda_graph=True needs the model and tokens on a CUDA device, got cpu" in err and "\n" not in err
+    assert "error: --cuda-graph needs --device cuda:" in err  # the flag the user typed leads, then the API's words
     probe = torch.tensor([list(b"def add(a")])
     (tmp_path / "away").mkdir()  # a checkpoint copied away from its run directory (no config.yaml beside it)
     shutil.copy(tmp_path / "run" / "last.pt", tmp_path / "away" / "lm.pt")

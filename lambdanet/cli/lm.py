@@ -25,6 +25,9 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     from lambdanet.tasks.lm.task import sample
 
     check_device(args.device)
+    if args.cuda_graph and args.device != "cuda":  # (the API's own message, led by the flag that asked for it)
+        raise ValueError(f"--cuda-graph needs --device cuda: cuda_graph=True needs the model and tokens on a CUDA "
+                         f"device, got {args.device}")  # fmt: skip
     try:
         args.prompt.encode("utf-8")
     except UnicodeEncodeError:  # bytes the terminal passed that are not UTF-8 (Python keeps them as surrogates)

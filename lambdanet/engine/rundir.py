@@ -81,9 +81,14 @@ def checkpoints_in(out: str | os.PathLike, names: tuple[str, ...] = ("last.pt",)
 
 def check_new_run(out: str | os.PathLike, resume: bool, names: tuple[str, ...] = ("last.pt",)) -> None:
     """A run that does not ``resume`` must not write over one: a one-line ``ValueError`` when ``out`` holds
-    one of the checkpoints ``names``."""
+    one of the checkpoints ``names``, or a finished run's ``summary.json`` (its weights and figures) without one."""
     found = checkpoints_in(out, names)
     if not resume and found:
         raise ValueError(
             f"{out} already holds a run ({found[0]}); pass --resume to continue it or choose another --out"
+        )
+    if not resume and (Path(out) / "summary.json").is_file():  # a finished run whose checkpoint was deleted
+        raise ValueError(
+            f"{out} already holds a finished run (summary.json, no {' or '.join(names)} to continue); choose "
+            "another --out, or delete the run's files to train afresh there"
         )
