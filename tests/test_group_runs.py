@@ -67,13 +67,23 @@ def _sleep() -> None:
 
 
 def test_a_launcher_stopped_before_its_workers_could_save_exits_with_the_signals_status():
-    timer = threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGTERM))
+    before, done = signal.getsignal(signal.SIGTERM), threading.Event()
+
+    def stop_once_forwarded():  # SIGTERM only once the launcher forwards it (not a fixed delay: a loaded machine may
+        deadline = time.monotonic() + 120  # start it later, and the signal would then end this test process)
+        while not done.is_set() and time.monotonic() < deadline:
+            if signal.getsignal(signal.SIGTERM) is not before:
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.01)
+
+    timer = threading.Thread(target=stop_once_forwarded, daemon=True)
     timer.start()
     try:
         with pytest.raises(Preempted, match="^stopped by SIGTERM before the worker processes could save") as caught:
             launch_local(_sleep, (), 1, stopped=Preempted)
     finally:
-        timer.cancel()
+        done.set()
     assert exit_status(caught.value) == 128 + signal.SIGTERM
 
 
