@@ -90,17 +90,9 @@ def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.double() - ref).norm() / ref.norm())
 
 
-def out_of_range(model: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> str | None:
-    """Why the float64 forward of ``model`` on ``x`` cannot be represented in ``dtype`` (``None`` if it can):
-    a module output beyond the format's largest number (with a margin of 16 for the rounding on the way),
-    or logits whose RMS scale ``s`` is below 16 times its smallest normal number ``tiny``. Then the format, not
-    the implementation, decides the output. The 16: a logit below ``tiny`` rounds to a subnormal with an
-    absolute error of at most ``tiny u`` (half the subnormal spacing ``2 u tiny``), adding at most ``tiny u / s``
-    to the output's relative error, where the format's own rounding of the output gives up to ``u``: at
-    ``s >= 16 tiny``, 1/16 of it. (It was 1024 times ``tiny``, which left eval mode in float16 unchecked for
-    nine of the default suite's models, logits of scale 220 to 830 ``tiny``, whose errors are 0.14 to 0.35
-    ``e_u``; MobileNet's logits of 1e-10 stay out, off by 260 ``e_u``.)"""
-    info, top = torch.finfo(dtype), [0.0]
+def reference_forward(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """The float64 output of ``model`` on ``x`` and the largest magnitude any of its leaf modules output."""
+    top = [0.0]
     hooks = [m.register_forward_hook(lambda m, i, o: top.__setitem__(0, max(top[0], float(o.abs().max())))
                                      if torch.is_tensor(o) and o.numel() else None)
              for m in model.modules() if not list(m.children())]
@@ -110,9 +102,24 @@ def out_of_range(model: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> str |
     finally:
         for h in hooks:
             h.remove()
+    return y, top[0]
+
+
+def out_of_range(y: torch.Tensor, top: float, dtype: torch.dtype) -> str | None:
+    """Why the float64 forward (:func:`reference_forward`: output ``y``, largest activation ``top``) cannot be
+    represented in ``dtype`` (``None`` if it can):
+    a module output beyond the format's largest number (with a margin of 16 for the rounding on the way),
+    or logits whose RMS scale ``s`` is below 16 times its smallest normal number ``tiny``. Then the format, not
+    the implementation, decides the output. The 16: a logit below ``tiny`` rounds to a subnormal with an
+    absolute error of at most ``tiny u`` (half the subnormal spacing ``2 u tiny``), adding at most ``tiny u / s``
+    to the output's relative error, where the format's own rounding of the output gives up to ``u``: at
+    ``s >= 16 tiny``, 1/16 of it. (It was 1024 times ``tiny``, which left eval mode in float16 unchecked for
+    nine of the default suite's models, logits of scale 220 to 830 ``tiny``, whose errors are 0.14 to 0.35
+    ``e_u``; MobileNet's logits of 1e-10 stay out, off by 260 ``e_u``.)"""
+    info = torch.finfo(dtype)
     scale = float(y.norm()) / math.sqrt(y.numel())
-    if top[0] > info.max / 16:
-        return f"activations reach {top[0]:.3g}, beyond {info.max / 16:.3g}"
+    if top > info.max / 16:
+        return f"activations reach {top:.3g}, beyond {info.max / 16:.3g}"
     if scale < info.tiny * 16:
         return f"logits of scale {scale:.3g}, below {info.tiny * 16:.3g}"
     return None
@@ -126,11 +133,10 @@ def test_half_precision_model_is_within_its_formats_rounding_error_of_float64(na
     for train in (False, True):
         model.train(train)
         state = {k: v.clone() for k, v in model.state_dict().items()}  # train mode moves the statistics
+        ref, top = reference_forward(model, x)  # (one float64 forward serves both formats' range checks)
         with torch.no_grad():
-            ref = model(x)
             for dtype, u in UNIT_ROUNDOFF.items():
-                model.load_state_dict(state)
-                outside = out_of_range(model, x, dtype)
+                outside = out_of_range(ref, top, dtype)
                 model.load_state_dict(state)
                 e_u = relative_error(perturbed_output(model, x, u, seed=2), ref)
                 model.load_state_dict(state)
