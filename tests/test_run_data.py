@@ -233,3 +233,53 @@ def test_an_image_folder_of_one_class_is_refused_in_one_line(tmp_path, image_fol
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err
     assert f"imagefolder:{data} has one class folder (cats): classification needs two or more" in err
+
+
+# One level of uint8 (1/255) before the normalisation: torchvision resizes uint8 images in fixed point and rounds the
+# result to integers (<= 0.5 level each), predict resizes the float image; divided by the smallest std.
+LEVEL = 1 / 255
+
+
+@pytest.mark.parametrize("crop_pct", [1.0, 0.875])
+def test_eval_transforms_of_files_crop_as_predict_does(crop_pct):
+    """``build_transforms`` (evaluation) of an image file crops as ``predict`` does with the same ``crop_pct``: the
+    0.875 centre crop of a run on files, the straight resize of a run on a small built-in dataset (a CIFAR run
+    evaluated on an image folder was centre-cropped, which it never saw in training, where predict is not)."""
+    from lambdanet.tasks.classification.datasets import DatasetSpec
+
+    spec = DatasetSpec("imagefolder:x", 2, 3, 24, (0.5, 0.4, 0.3), (0.25, 0.2, 0.3), True, False)
+    img = (torch.rand(3, 40, 52, generator=torch.Generator().manual_seed(0)) * 255).to(torch.uint8)
+    got = build_transforms(spec, 24, train=False, crop_pct=crop_pct)(img)
+    cfg = {"input_size": (3, 24, 24), "mean": spec.mean, "std": spec.std, "crop_pct": crop_pct}
+    want = preprocess_transform(cfg)(img.permute(1, 2, 0).numpy())
+    other = preprocess_transform({**cfg, "crop_pct": 1.875 - crop_pct})(img.permute(1, 2, 0).numpy())
+    assert got.shape == want.shape == (3, 24, 24)
+    assert (got - want).abs().max() <= LEVEL / min(spec.std) + 1e-6
+    assert (got - other).abs().max() > 10 * LEVEL / min(spec.std)  # the other crop: far apart (the check can fail)
+
+
+def test_eval_of_a_file_run_on_small_images_crops_as_the_run_evaluated(folder_run, monkeypatch):
+    """``eval --data OTHER`` of a run on image files, evaluated on small in-memory images (as CIFAR is): the images
+    are resized to ``size / 0.875`` and centre-cropped, as the run evaluated and as predict feeds its model; they
+    were resized straight."""
+    from lambdanet.tasks.classification import task as task_module
+    from lambdanet.tasks.classification.datasets import DatasetSpec, TensorImages
+
+    out, data = folder_run
+    g = torch.Generator().manual_seed(4)
+    images = (torch.rand(6, 3, 40, 40, generator=g) * 255).to(torch.uint8)
+    labels = torch.tensor([0, 1, 0, 1, 1, 0])
+    small = DatasetSpec("small-rgb", 2, 3, 32, (0.5,) * 3, (0.25,) * 3, True, True)  # (its own statistics unused)
+    monkeypatch.setattr(task_module, "build_datasets", lambda *a, **k: (small, None, TensorImages(images, labels)))
+    fed, evaluate = [], task_module.evaluate
+    monkeypatch.setattr(task_module, "evaluate", lambda model, loader, **kw: fed.append(next(iter(loader))[0])
+                        or evaluate(model, loader, **kw))  # fmt: skip
+    res = evaluate_checkpoint(out, data="small-rgb")
+    cfg = lambdanet.load_model(out / "last.pt").pretrained_cfg
+    assert res["samples"] == 6 and cfg["crop_pct"] == 0.875
+    want = torch.stack([preprocess_transform(cfg)(im.permute(1, 2, 0).numpy()) for im in images])
+    straight = torch.stack([preprocess_transform({**cfg, "crop_pct": 1.0})(im.permute(1, 2, 0).numpy())
+                            for im in images])  # fmt: skip
+    assert fed[0].shape == want.shape == (6, 3, 16, 16)
+    assert (fed[0] - want).abs().max() <= LEVEL / min(cfg["std"]) + 1e-6  # the images predict feeds the model
+    assert (fed[0] - straight).abs().max() > 10 * LEVEL / min(cfg["std"])  # (what it was fed before)

@@ -102,12 +102,19 @@ class SeededTransformDataset(Dataset):
 
 
 def build_transforms(
-    spec: DatasetSpec, image_size: int, *, train: bool, augment: bool = True, randaugment: tuple[int, int] | None = None
+    spec: DatasetSpec,
+    image_size: int,
+    *,
+    train: bool,
+    augment: bool = True,
+    randaugment: tuple[int, int] | None = None,
+    crop_pct: float = DEFAULT_CROP_PCT,
 ) -> Callable:
     """torchvision v2 pipeline from a uint8 tensor image of a file dataset (large images) to a normalised
     float tensor: (train) random-resized crop + flip; (eval) the shorter side resized to
-    ``floor(image_size / DEFAULT_CROP_PCT)`` (0.875) and centre-cropped, as timm's evaluation and
-    :func:`lambdanet.predict.predict` do with the run's ``pretrained_cfg``.
+    ``floor(image_size / crop_pct)`` (0.875 by default) and centre-cropped, as timm's evaluation and
+    :func:`lambdanet.predict.predict` do with the run's ``pretrained_cfg`` (``crop_pct`` 1: resized straight to
+    ``image_size x image_size``, as a run on a built-in small dataset evaluated).
     ``randaugment = (layers, magnitude)`` adds RandAugment. Small in-memory images are augmented by
     :class:`ImageLoader` instead."""
     from torchvision.transforms import v2
@@ -118,7 +125,10 @@ def build_transforms(
     if train and augment:
         ops.append(v2.RandomResizedCrop(image_size, antialias=True))
     else:
-        ops += [v2.Resize(math.floor(image_size / DEFAULT_CROP_PCT), antialias=True), v2.CenterCrop(image_size)]
+        if crop_pct >= 1.0:
+            ops.append(v2.Resize((image_size, image_size), antialias=True))
+        else:
+            ops += [v2.Resize(math.floor(image_size / crop_pct), antialias=True), v2.CenterCrop(image_size)]
     if train and augment and spec.hflip:
         ops.append(v2.RandomHorizontalFlip())
     if train and randaugment:
@@ -177,7 +187,10 @@ class ImageLoader:
     every sample of the epoch from a generator seeded by ``(seed, epoch)`` and applied to whole batches;
     RandAugment, when asked for, then runs per sample under a generator seeded by ``(seed, epoch, index)``. File
     datasets (large images) go through :func:`build_transforms`, :class:`SeededTransformDataset` and a
-    ``DataLoader``. Both are deterministic per ``(seed, epoch, index)``."""
+    ``DataLoader``. Both are deterministic per ``(seed, epoch, index)``. ``crop_pct`` (evaluation): as a run
+    evaluated, by the kind of data it trained on (``None``: this data's own way, straight resizing of small
+    images, the 0.875 centre crop of files; otherwise the shorter side to ``image_size / crop_pct`` and a centre
+    crop, 1: straight), so that ``eval --data OTHER`` feeds the model what it learnt from, as ``predict`` does."""
 
     def __init__(
         self,
@@ -193,6 +206,7 @@ class ImageLoader:
         workers: int = 0,
         augment: bool = True,
         randaugment: tuple[int, int] | None = None,
+        crop_pct: float | None = None,
     ):
         if batch_size % world:
             raise ValueError(f"batch_size={batch_size} must be divisible by the number of processes ({world})")
@@ -208,11 +222,16 @@ class ImageLoader:
             tensors = cast(TensorImages, base)  # self.fast: base is a TensorImages
             images = tensors.images if indices is None else tensors.images[indices]
             labels = tensors.labels if indices is None else tensors.labels[indices]
+            if not train and crop_pct is not None and crop_pct < 1.0:  # a run that evaluated with a centre crop
+                from torchvision.transforms.v2.functional import center_crop
+
+                images = center_crop(resize_images(images, math.floor(image_size / crop_pct)), [image_size] * 2)
             self.images, self.labels, self.n = resize_images(images, image_size), labels, len(labels)
             self.mean = torch.tensor(spec.mean).view(1, -1, 1, 1)
             self.std = torch.tensor(spec.std).view(1, -1, 1, 1)
         else:
-            tf = build_transforms(spec, image_size, train=train, augment=augment, randaugment=randaugment)
+            crop = {} if crop_pct is None else {"crop_pct": crop_pct}
+            tf = build_transforms(spec, image_size, train=train, augment=augment, randaugment=randaugment, **crop)
             self.dataset = SeededTransformDataset(dataset, tf, seed)
             self.n, self.workers = len(cast(Sized, dataset)), workers
 

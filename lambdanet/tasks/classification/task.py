@@ -32,6 +32,7 @@ from lambdanet.files import (
 )
 from lambdanet.models.hub import hub_repo
 from lambdanet.models import create_model
+from lambdanet.models.registry import run_image_cfg
 from lambdanet.tasks.classification.config import TrainConfig, model_build_kwargs
 from lambdanet.tasks.classification.data import (
     DatasetSpec,
@@ -429,6 +430,7 @@ def evaluate_checkpoint(
         cfg.img_size or spec.image_size,
         train=False,
         batch_size=batch_size,
+        crop_pct=run_image_cfg(meta)["crop_pct"],  # cropped as the run evaluated (and as predict does)
     )
     res = evaluate(model.to(ctx.device), loader, device=ctx.device, ctx=ctx)
     return res | {
