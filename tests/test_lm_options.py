@@ -216,6 +216,9 @@ def test_bad_inputs_and_states_are_one_line_errors_in_forward_step_and_init_stat
         with pytest.raises(ValueError, match=match) as err:
             call()
         assert "\n" not in str(err.value)
+    import numpy as np  # a batch size numpy gives (as the attention layer's init_state takes it): the same state
+
+    assert {k: t.shape for k, t in layer.init_state(np.int64(2)).items()} == {k: t.shape for k, t in state.items()}
     with torch.autocast("cpu", dtype=torch.bfloat16):  # float32 parameters meet a bf16 input under autocast
         y, after = layer(torch.randn(2, 8, 32, dtype=torch.bfloat16), return_state=True)
         layer.step(after, torch.randn(2, 32, dtype=torch.bfloat16))

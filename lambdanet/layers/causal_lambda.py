@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lambdanet.functional import causal as LC
-from lambdanet.helpers import autocast_active, check_choice, check_dtype, check_positive_int
+from lambdanet.helpers import autocast_active, check_choice, check_dtype, check_int, check_positive_int
 from lambdanet.layers.causal_attention import step_arguments
 from lambdanet.ops import lambda_terms as terms
 from lambdanet.ops.causal_lambda import call_mode, causal_lambda, resolve_mode
@@ -267,8 +267,8 @@ class CausalLambdaLayer(nn.Module):
     def init_state(self, batch_size: int, dtype: torch.dtype | None = None, device=None) -> dict[str, Tensor]:
         """The empty context's state (:func:`lambdanet.functional.causal.init_causal_lambda_state`, and the last
         ``short_conv - 1`` projections as zeros)."""
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 0:
-            raise ValueError(f"batch_size must be a non-negative int, got {batch_size!r}")
+        check_int(batch_size, "batch_size", 0)  # (numpy's integers too, as the attention layer's init_state)
+        batch_size = int(batch_size)
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(f"dtype must be a floating-point dtype (the state is float32 or wider), got {dtype}")
         p = self.qkv.weight
