@@ -87,6 +87,20 @@ def test_a_stopped_v1_train_run_resumes_to_the_weights_of_this_version(tmp_path,
             assert not (old / name).exists(), name
 
 
+def test_a_v1_train_run_resumed_with_checkpoint_steps_counts_the_runs_steps(tmp_path, power_cut):
+    """A v1 checkpoint kept no step count (epoch 1 of 3 steps and 2 of epoch 2 done: 5 steps); ``--checkpoint-steps
+    3`` saves at the run's 6th step (epoch 2's last), as it does in a run of this version, not 3 steps after the
+    resume (the count started again from 0)."""
+    from lambdanet.engine.checkpoint import load_checkpoint
+
+    old = copy_run("train", tmp_path)
+    with power_cut(2), pytest.raises(RuntimeError, match="power cut"):
+        main(["train", "--out", str(old), "--resume", "--no-progress", "--epochs", "3", "--checkpoint-steps", "3",
+              "--checkpoint-every", "5"])  # fmt: skip
+    saved = load_checkpoint(old / "last.pt")  # the epochs' ends unsaved; the power cut after the run's 7th step
+    assert (saved["epoch"], saved.get("step"), saved["epoch_partial"]["batches"]) == (1, 6, 3)
+
+
 def test_a_finished_v1_train_run_loads_and_fine_tunes(tmp_path, capsys):
     from lambdanet import load_model
 

@@ -238,6 +238,26 @@ def test_checkpoint_steps_save_inside_the_epoch_and_a_crash_resumes_to_the_unint
         resolve_config(overrides={"checkpoint_steps": -1})
 
 
+def test_resume_with_the_epochs_done_refuses_a_checkpoint_inside_the_next_epoch(tmp_path, power_cut, capsys):
+    """``--resume --epochs E`` where last.pt is E epochs and some steps of epoch E + 1 (a step save, a signal) ended the
+    run at once: its weights held those steps, its summary reported epoch E's figures (another model's) and said it
+    was "extending the run from 3 to 1 epochs". It is refused in one line; fewer epochs say they shorten the run."""
+    out = tmp_path / "run"
+    with power_cut(6), pytest.raises(RuntimeError, match="power cut"):  # last.pt after step 5: epoch 2's 2nd batch
+        train(resolve_config(overrides={**FAST, "epochs": 3, "checkpoint_steps": 1, "out": str(out)}))
+    kept = (out / "last.pt").read_bytes()
+    capsys.readouterr()
+    assert main(["train", "--resume", "--out", str(out), "--epochs", "1", "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"lambdanet train: error: --epochs 1 is fewer than {out} has trained: 1 epochs and 2 batches of epoch 2; "
+        "give --epochs 2 or more"]  # fmt: skip
+    assert (out / "last.pt").read_bytes() == kept and not (out / "summary.json").exists()
+    lines = []
+    summary = train(resolve_config(overrides={"out": str(out), "resume": True, "epochs": 2}), log=lines.append)
+    assert any(line.startswith("shortening the run from 3 to 2 epochs") for line in lines)
+    assert summary["epochs"] == 2 and summary["final_acc"] == evaluate_checkpoint(out, device="cpu")["top1"]
+
+
 def test_resume_after_sigkill_completes_and_matches_uninterrupted_run(tmp_path):
     common = ["--epochs", "6", "--max-train-batches", "6", "--batch-size", "32", "--no-progress", "--no-tensorboard",
               "--optimizer", "sgd", "--lr", "0.05"]
@@ -313,6 +333,24 @@ def test_a_finished_run_whose_checkpoint_was_deleted_is_not_overwritten(tmp_path
                                         "choose another --out, or delete the run's files to train afresh there")
     assert files() == kept and "model.safetensors" in kept
 
+
+
+def test_a_new_run_into_a_detect_runs_pretraining_is_refused(tmp_path, capsys):
+    """A detect run stopped in its glyph pre-training holds config.yaml and pretrain.pt, no last.pt: a new ``train``
+    run there wrote its own config.yaml over the detect run's, which could no longer be resumed."""
+    import shutil
+
+    out = tmp_path / "detect"
+    shutil.copytree(Path(__file__).parent / "fixtures" / "runs_v1" / "detect_pretrain", out)
+    kept = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert main(["train", "--epochs", "1", "--max-train-batches", "2", "--no-progress", "--no-tensorboard",
+                 "--out", str(out)]) == 2  # fmt: skip
+    assert capsys.readouterr().err.strip().endswith(f"{out} already holds a run (pretrain.pt); pass --resume to "
+                                                    "continue it or choose another --out")  # fmt: skip
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != ".lock"} == kept
+    assert main(["train", "--resume", "--out", str(out)]) == 2  # --resume names the command that continues it
+    assert f"it is a detection run (lambdanet detect); continue it with lambdanet detect --resume --out {out}" in (
+        capsys.readouterr().err)  # fmt: skip
 
 
 class _Crash(Exception):
@@ -414,6 +452,22 @@ def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(
         train(cfg)
     state = load_checkpoint(tmp_path / "steps" / "last.pt")
     assert (state["epoch"], state["step"], state["epoch_partial"]["batches"]) == (1, 4, 1)
+
+
+def test_a_run_resumed_inside_an_epoch_that_diverges_names_where_its_checkpoint_stands(tmp_path, nan_model):
+    """The divergence message names where last.pt stands; a run resumed from a step-level checkpoint (a step save,
+    a signal) that diverged before its next save said ``(epoch 1)`` for the checkpoint of epoch 2's first step."""
+    out = tmp_path / "run"
+    run = {**FAST, "epochs": 3, "max_train_batches": 3, "model": nan_model, "out": str(out)}
+    with pytest.raises(TrainingDivergedError, match=r"epoch 2, step 2"):  # the 5th step: last.pt after the 4th
+        train(resolve_config(overrides={**run, "checkpoint_steps": 4, "checkpoint_every": 3}))
+    state = load_checkpoint(out / "last.pt")
+    assert (state["epoch"], state["epoch_partial"]["batches"]) == (1, 1)
+    # resumed (a new model: NaN from its 5th step, epoch 3's 3rd) without saving again before it diverges
+    with pytest.raises(TrainingDivergedError, match=r"epoch 3, step 3; .*last good checkpoint is .*last\.pt "
+                                                    r"\(epoch 2 after batch 1/3\)"):  # fmt: skip
+        train(resolve_config(overrides={"out": str(out), "resume": True, "checkpoint_steps": 0}))
+    assert load_checkpoint(out / "last.pt")["step"] == state["step"]
 
 
 @pytest.mark.parametrize(

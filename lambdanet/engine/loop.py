@@ -187,7 +187,7 @@ def fit(
     # a run resumed at the end of an epoch that stopped it early (stopped by a signal there, or extended) ends there
     stopped = state.epoch > 0 and not state.epoch_partial and task.stops_early(state)
     row, last_saved = {}, state.epoch
-    saved_at = [f"epoch {state.epoch}"]  # where last.pt stands, for the divergence message (step saves update it)
+    saved_at = [_position(task, state)]  # where last.pt stands, for the divergence message (step saves update it)
     while state.epoch < cfg.epochs and not stopped:
         bar = progress_bar(
             cfg.progress and ctx.is_main,
@@ -252,11 +252,18 @@ def _epoch_options(task: Task, saved_at: list[str]) -> dict:
 
     def save(state: RunState) -> None:
         _write(task, state)
-        partial = cast(dict, state.epoch_partial)
-        saved_at[0] = f"epoch {state.epoch + 1} after batch {partial['batches']}/{task.steps_per_epoch}"
+        saved_at[0] = _position(task, state)
 
     return dict(total=task.steps_per_epoch, amp=cfg.amp, clip=cfg.grad_clip, lr=task.lr, save=save,
                 save_every=cfg.checkpoint_steps, save_at_step=True)  # fmt: skip
+
+
+def _position(task: Task, state: RunState) -> str:
+    """Where a checkpoint of ``state`` stands, for the divergence message: ``"epoch 2"`` at an epoch's end,
+    ``"epoch 3 after batch 1/30"`` inside one (a step save, or the step-level checkpoint a run resumed from)."""
+    if not state.epoch_partial:
+        return f"epoch {state.epoch}"
+    return f"epoch {state.epoch + 1} after batch {state.epoch_partial['batches']}/{task.steps_per_epoch}"
 
 
 def _save(task: Task, state: RunState) -> None:

@@ -9,6 +9,8 @@ import contextlib
 import os
 from pathlib import Path
 
+from lambdanet.files import PRETRAIN_CHECKPOINT
+
 __all__ = ["RunDirLock", "RunDirBusyError", "checkpoints_in", "check_new_run"]
 
 try:
@@ -81,8 +83,9 @@ def checkpoints_in(out: str | os.PathLike, names: tuple[str, ...] = ("last.pt",)
 
 def check_new_run(out: str | os.PathLike, resume: bool, names: tuple[str, ...] = ("last.pt",)) -> None:
     """A run that does not ``resume`` must not write over one: a one-line ``ValueError`` when ``out`` holds
-    one of the checkpoints ``names``, or a finished run's ``summary.json`` (its weights and figures) without one."""
-    found = checkpoints_in(out, names)
+    one of the checkpoints ``names`` or another task's (a pre-training's ``pretrain.pt``), or a finished
+    run's ``summary.json`` (its weights and figures) without one."""
+    found = checkpoints_in(out, tuple(dict.fromkeys((*names, "last.pt", PRETRAIN_CHECKPOINT))))
     if not resume and found:
         raise ValueError(
             f"{out} already holds a run ({found[0]}); pass --resume to continue it or choose another --out"

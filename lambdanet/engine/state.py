@@ -132,7 +132,9 @@ class RunState:
             component = getattr(self, name)
             if component is not None and state.get(name):
                 component.load_state_dict(state[name])
-        self.epoch, self.step = int(state.get("epoch", 0)), int(state.get("step", 0))
+        # the checkpoints of lambdanet <= 0.1 kept no step count where a per-step schedule counted the steps
+        self.epoch = int(state.get("epoch", 0))
+        self.step = int(state.get("step", (state.get("scheduler") or {}).get("last_epoch", 0)))
         self.train_time_s = float(state.get("train_time_s", 0.0))
         self.samples_seen = int(state.get("samples_seen", 0))
         self.best, self.bad_epochs = dict(state.get("best") or _no_best()), int(state.get("bad_epochs", 0))

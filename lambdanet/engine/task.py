@@ -185,12 +185,19 @@ def _restore(task: Task, state: RunState, saved_epochs: int) -> None:
     state.load_state_dict(task.upgrade_checkpoint(load_checkpoint(task.checkpoint_path, map_location=task.ctx.device)))
     if cfg.epochs < state.epoch:
         raise ValueError(f"--epochs {cfg.epochs} is fewer than the {state.epoch} epochs {out} has done")
+    if cfg.epochs == state.epoch and state.epoch_partial:  # its weights hold steps of the next epoch
+        raise ValueError(
+            f"--epochs {cfg.epochs} is fewer than {out} has trained: {state.epoch} epochs and "
+            f"{state.epoch_partial['batches']} batches of epoch {state.epoch + 1}; give --epochs {state.epoch + 1} "
+            "or more"
+        )
     where = resume_point(state.epoch, state.epoch_partial, task.steps_per_epoch)
     task.log(f"resuming {out}: {state.epoch}/{saved_epochs} epochs done{where}")
     if cfg.epochs != saved_epochs:
         task.log(
-            f"extending the run from {saved_epochs} to {cfg.epochs} epochs: the learning-rate schedule is "
-            f"recomputed over {cfg.epochs} epochs and continues from epoch {state.epoch}"
+            f"{'extending' if cfg.epochs > saved_epochs else 'shortening'} the run from {saved_epochs} to "
+            f"{cfg.epochs} epochs: the learning-rate schedule is recomputed over {cfg.epochs} epochs and continues "
+            f"from epoch {state.epoch}"
         )
     # the final weights of the run's earlier end (a shorter or early-stopped run) stop being its end at the first
     # checkpoint past it (Task.drop_superseded): a loader of the run directory prefers them to last.pt
