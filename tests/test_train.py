@@ -502,6 +502,12 @@ def test_early_stopping_on_the_validation_split(tmp_path):
                                               "lr": 1e-12, "schedule": "constant", "warmup_epochs": 0.0,
                                               "out": str(tmp_path / "run")}))
     assert summary["stopped_early"] and summary["epochs"] == 2 and summary["best_selected_by"] == "validation top-1"
+    said = []  # resumed with more epochs while its patience is still spent: it says it ends, not that it extends
+    again = train(resolve_config(overrides={"out": str(tmp_path / "run"), "resume": True, "epochs": 8}),
+                  log=said.append)  # fmt: skip
+    assert again["epochs"] == 2 and again["stopped_early"] and (tmp_path / "run" / "model.safetensors").is_file()
+    assert any("stopped early after epoch 2 and its rule to stop still holds: it ends there" in s for s in said), said
+    assert not any("extending the run" in s for s in said), said
 
 
 def test_sweep_writes_table_and_plot(tmp_path, capsys):
