@@ -326,3 +326,9 @@ def test_study_refuses_runs_of_different_recipes_and_ignores_where_they_ran(tmp_
                                  | {"backbone": "lambda_resnet26", "procs": 2})  # fmt: skip
     assert recipe_mismatch({"resnet26": old, "lambda_resnet26": dataclasses.asdict(same)}) is None
     assert "lr differs" in recipe_mismatch({"resnet26": old, "lambda_resnet26": {**old, "lr": 0.01}})
+    # one COCO at two mount points (backbones trained on two machines) is the same data; another folder is not
+    here, there = {**old, "data": "coco:/mnt/a/coco"}, {**old, "data": "coco:/data/coco"}
+    assert recipe_mismatch({"resnet26": here, "lambda_resnet26": there}) is None
+    other = recipe_mismatch({"resnet26": here, "lambda_resnet26": {**old, "data": "coco:/mnt/a/coco_small"}})
+    assert other is not None and other.startswith("data differs")
+    assert recipe_mismatch({"resnet26": here, "lambda_resnet26": {**old, "data": "glyphs"}}).startswith("data differs")

@@ -47,7 +47,7 @@ from lambdanet.runtime import check_amp
 
 C = TypeVar("C", bound=RunConfig)
 
-__all__ = ["Task", "run", "resolved", "check_extras", "check_same_config", "preflight"]
+__all__ = ["Task", "run", "resolved", "check_extras", "check_same_config", "data_identity", "preflight"]
 
 
 def run(task_cls: type[Task], cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
@@ -83,6 +83,14 @@ def run(task_cls: type[Task], cfg: RunConfig, log: Callable[[str], None] = print
         cleanup(ctx, synchronize=finished)
 
 
+def data_identity(data: str) -> str:
+    """What of a ``data`` value must agree between runs or processes that claim the same data: a ``kind:path``'s
+    kind and the folder's last name (``coco:/mnt/a/coco`` and ``coco:/data/coco`` are one dataset at two mount
+    points), a built-in name whole."""
+    kind, sep, path = data.partition(":")
+    return f"{kind}:{Path(path).name}" if sep else kind
+
+
 def check_same_config(cfg: RunConfig, ctx: DistContext) -> None:
     """Every process of a group runs one configuration: a one-line ``ValueError`` naming the options given
     differently (a launcher script that varies them by rank), on every rank; else they would train on mismatched
@@ -93,8 +101,7 @@ def check_same_config(cfg: RunConfig, ctx: DistContext) -> None:
         return
     mine = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in type(cfg).PER_PROCESS}
     if isinstance(mine.get("data"), str):  # a path of this node's own (its working directory, its copy): the kind
-        kind, sep, path = mine["data"].partition(":")
-        mine["data"] = f"{kind}:{Path(path).name}" if sep else kind
+        mine["data"] = data_identity(mine["data"])
     every = all_gather_objects(mine, ctx)
     differ = [k for k in every[0] if any(other.get(k) != every[0][k] for other in every[1:])]
     if differ:

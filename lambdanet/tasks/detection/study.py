@@ -20,6 +20,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from lambdanet.engine.task import data_identity
 from lambdanet.engine.values import load_yaml
 from lambdanet.tasks.detection.config import DETECT_RESUME_FREE, DetectConfig
 from lambdanet.tasks.detection.model import STUDY_BACKBONES
@@ -89,6 +90,9 @@ def recipe_mismatch(configs: Mapping[str, dict]) -> str | None:
     for it (:attr:`DetectConfig.SAVED_DEFAULTS`, else the default)."""
     base = {**dataclasses.asdict(DetectConfig()), **DetectConfig.SAVED_DEFAULTS}
     configs = {name: {**base, **cfg} for name, cfg in configs.items()}
+    for cfg in configs.values():  # one COCO at two mount points (runs on two machines) is one recipe's data
+        if isinstance(cfg.get("data"), str):
+            cfg["data"] = data_identity(cfg["data"])
     keys = sorted({k for cfg in configs.values() for k in cfg} - PER_RUN)
     for key in keys:
         values = {name: cfg.get(key, "(unset)") for name, cfg in configs.items()}
