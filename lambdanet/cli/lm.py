@@ -25,9 +25,15 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     from lambdanet.tasks.lm.task import sample
 
     check_device(args.device)
-    if args.cuda_graph and args.device != "cuda":  # (the API's own message, led by the flag that asked for it)
-        raise ValueError(f"--cuda-graph needs --device cuda: cuda_graph=True needs the model and tokens on a CUDA "
-                         f"device, got {args.device}")  # fmt: skip
+    if args.cuda_graph:  # before the run is loaded: the API's own check, led by the flag that asked for it
+        import torch
+
+        from lambdanet.models.lm_graph import StepGraph
+
+        try:
+            StepGraph.check_device(torch.device(args.device))
+        except ValueError as err:
+            raise ValueError(f"--cuda-graph needs --device cuda: {err}") from None
     try:
         args.prompt.encode("utf-8")
     except UnicodeEncodeError:  # bytes the terminal passed that are not UTF-8 (Python keeps them as surrogates)

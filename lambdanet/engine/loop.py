@@ -225,7 +225,7 @@ def fit(
         log(task.epoch_line(row))
         if task.save_due(state.epoch) or state.epoch == cfg.epochs or stopped:  # the same on every process
             _save(task, state)
-            last_saved, saved_at[0] = state.epoch, f"epoch {state.epoch}"
+            last_saved, saved_at[0] = state.epoch, _position(task, state)
         barrier(ctx)
         if stop is not None and stop.requested(ctx) is not None:  # a signal while it evaluated or saved
             _stop_after_epoch(task, state, stop, saved=last_saved == state.epoch)

@@ -230,8 +230,8 @@ class ImageLoader:
             self.mean = torch.tensor(spec.mean).view(1, -1, 1, 1)
             self.std = torch.tensor(spec.std).view(1, -1, 1, 1)
         else:
-            crop = {} if crop_pct is None else {"crop_pct": crop_pct}
-            tf = build_transforms(spec, image_size, train=train, augment=augment, randaugment=randaugment, **crop)
+            tf = build_transforms(spec, image_size, train=train, augment=augment, randaugment=randaugment,
+                                  crop_pct=DEFAULT_CROP_PCT if crop_pct is None else crop_pct)  # fmt: skip
             self.dataset = SeededTransformDataset(dataset, tf, seed)
             self.n, self.workers = len(cast(Sized, dataset)), workers
 
