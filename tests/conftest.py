@@ -92,3 +92,24 @@ def power_cut():
             handle.remove()
 
     return cut
+
+
+@pytest.fixture
+def reverse_grid(monkeypatch):
+    """``reverse_grid()``: from then on Triton's interpreter runs each launch's programs in the reverse of grid
+    order (every axis). The interpreter runs them one after another, so a kernel whose programs read what other
+    programs of the same launch write, or write the same elements, works in grid order; on a GPU they run at the
+    same time (a race). Reversed, such a kernel gives other results. Skips where the kernels are compiled."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the program order is the interpreter's (TRITON_INTERPRET=1)")
+    from triton.runtime.interpreter import interpreter_builder as builder
+
+    set_index = builder.set_grid_idx
+
+    def reverse() -> None:
+        def mirrored(*index: int) -> None:
+            set_index(*(size - 1 - i for size, i in zip(builder.grid_dim, index)))
+
+        monkeypatch.setattr(builder, "set_grid_idx", mirrored)
+
+    return reverse

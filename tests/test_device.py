@@ -201,6 +201,34 @@ def test_triton_op_in_half_precision_against_float64(dtype):
     assert ((y - ref).abs() <= 2 * eps * bound + eps * ref.abs() + 1e-5).all()
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda" or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_the_kernels_run_on_their_tensors_gpu_whichever_is_current():
+    """Triton launches on the current device and its stream: every kernel launch makes its tensors' GPU current,
+    so tensors on the second GPU with the first current give the same bits as with the second current (without
+    it the first GPU would run them on the second's memory: an illegal address, or reads unordered with the second
+    GPU's stream). The causal kernels (forward, backward, recurrent) and the position op (forward, backward)."""
+    from lambdanet.ops import causal_lambda
+    from lambdanet.ops.position_lambda import lambda_position_output
+
+    g = torch.Generator().manual_seed(0)
+    causal = [torch.randn(*s, generator=g) for s in ((2, 40, 3, 5), (2, 40, 5, 2), (2, 40, 24, 2), (7, 5, 2))]
+    position = [torch.randn(*s, generator=g) for s in ((2, 54, 3, 4), (2, 54, 12, 2), (4, 2, 3, 3))]
+
+    def run(current: int) -> list[torch.Tensor]:
+        with torch.cuda.device(current):
+            xs = [t.to("cuda:1").requires_grad_() for t in causal]
+            y = causal_lambda(*xs, mode="fused_chunk", chunk_size=16)
+            y.backward(torch.linspace(-1, 1, y.numel(), device="cuda:1").view_as(y))
+            rec = causal_lambda(*(t.detach() for t in xs), mode="fused_recurrent")
+            ps = [t.to("cuda:1").requires_grad_() for t in position]
+            p = lambda_position_output(*ps, (1, 1), (6, 9))
+            p.backward(torch.linspace(-1, 1, p.numel(), device="cuda:1").view_as(p))
+            return [t.detach().cpu() for t in (y, rec, p, *(x.grad for x in xs + ps))]
+
+    for a, b in zip(run(0), run(1), strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need CUDA")
 @pytest.mark.parametrize("amp", [False, True])
 @pytest.mark.parametrize("name", ["lambda_lm_nano", "linear_lm_nano"])

@@ -176,6 +176,27 @@ def test_the_table_gradient_is_the_same_however_the_batch_is_split(monkeypatch, 
     assert ((got.double() - want).abs() <= (_table_terms(q, vals, splits) + 4) * EPS32 * bound + 1e-30).all()
 
 
+def test_no_kernel_program_reads_or_writes_what_another_of_its_launch_writes(reverse_grid):
+    """A launch's programs run at the same time on a GPU, one after another in grid order in Triton's interpreter
+    (tests/test_ops_causal.py has the same check): in the reverse order the forward, the query gradient (each
+    program adds into its own rows of dq), the value gradient and the table gradient (three splits of partial
+    sums) give the same bits, on a 2-d map with u = 2 and on five query tiles of a 1-d causal table."""
+
+    def call(name):
+        q, vals, table, center, spatial = _inputs(CASES[name])
+        xs = [t.clone().requires_grad_() for t in (q, vals, table)]
+        y = lambda_position_output(*xs, center, spatial)
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE))
+        return [y, *(t.grad for t in xs)]
+
+    names = ("local3-6x9-u2", "causal-1d-70")
+    in_order = [call(name) for name in names]
+    reverse_grid()
+    for name, before in zip(names, in_order):
+        for a, b in zip(before, call(name), strict=True):
+            assert torch.equal(a, b), name
+
+
 def _far_apart(x: torch.Tensor, stride: int) -> torch.Tensor:
     """``x`` copied into a tensor whose batch elements lie ``stride`` elements apart: the storage is reserved,
     not written (the pages between the elements are never touched), so 2^31 float32 elements cost a few KB."""

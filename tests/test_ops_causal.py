@@ -100,6 +100,32 @@ def test_fused_chunk_launch_settings_keep_the_result(monkeypatch, products, scan
         assert rel(got, t.grad) < 1e-3, name
 
 
+@needs_kernels
+def test_no_kernel_program_reads_or_writes_what_another_of_its_launch_writes(reverse_grid):
+    """A launch's programs run at the same time on a GPU, one after another in grid order in Triton's interpreter:
+    a program reading an element another program of its launch writes, or two writing one element, would work here
+    and race there. In the reverse order every kernel gives the same bits (each program's own arithmetic does not
+    depend on the order): the six fused_chunk kernels, forward and backward (3 chunks x 4 streams, scans of 2 and 3
+    value blocks per stream, a scope wider than a chunk, a carried state), and the recurrent one (two value blocks
+    per stream, which both read the state's z and c)."""
+
+    def continued(q, keys, values, emb, **kw):  # continues a state of finite maxima (an empty one has -inf)
+        _, state = causal_lambda(q[:, :5], keys[:, :5], values[:, :5], emb, mode="chunk", output_final_state=True)
+        return causal_lambda(q, keys, values, emb, initial_state=state, output_final_state=True, **kw)
+
+    def call():
+        xs = [t.clone().requires_grad_() for t in inputs(40, r=40)]
+        out, final = continued(*xs, mode="fused_chunk", chunk_size=16)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
+        y, after = continued(*inputs(9, v=40), mode="fused_recurrent")
+        return [out, *final.values(), *(t.grad for t in xs), y, *after.values()]
+
+    in_order = call()
+    reverse_grid()
+    for a, b in zip(in_order, call(), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_fused_chunk_launch_settings_from_the_environment(monkeypatch):
     for var in [v for v in os.environ if v.startswith("LAMBDANET_CAUSAL_")]:
         monkeypatch.delenv(var)

@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from lambdanet.ops.position_lambda.fused import kernels_available as available  # CUDA, or the interpreter
+from lambdanet.ops.position_lambda.fused import on_device
 
 __all__ = ["fused_chunk_causal_lambda", "available", "default_chunk", "fits", "LIMITS"]
 
@@ -247,13 +248,13 @@ def _forward_impl(
     amax, lsum = torch.empty(BU, N1, m["K"], **f32), torch.empty(BU, N1, m["K"], **f32)
     cb, zb = torch.empty(BU, N1, m["K"], **f32), torch.empty(BU, N1, m["K"], **f32)
     Sb = torch.empty(BU, N1, m["K"], m["V"], **f32)  # chunk sums, then the state before each chunk
-    grid = (m["N"], BU)
-    T._chunk_sums[grid](keys, values, amax, lsum, Sb, m["n"], N1, **kw["chunk_sums"])
-    scan = kw["state_scan"]
-    T._state_scan[(BU, -(-m["V"] // scan["BV"]))](amax, lsum, cb, zb, Sb, S0, z0, c0, m["N"], N1, **scan)
+    grid, scan = (m["N"], BU), kw["state_scan"]
     y = torch.empty(m["B"], m["U"], m["n"], m["H"], m["V"], device=dev, dtype=q.dtype if m["U"] == 1 else torch.float32)
     e = q if emb is None else emb
-    T._chunk_output[grid](q, keys, values, e, win, cb, zb, Sb, y, m["n"], r, N1, **kw["chunk_output"])
+    with on_device(dev):  # the tensors' GPU and stream, whichever is current
+        T._chunk_sums[grid](keys, values, amax, lsum, Sb, m["n"], N1, **kw["chunk_sums"])
+        T._state_scan[(BU, -(-m["V"] // scan["BV"]))](amax, lsum, cb, zb, Sb, S0, z0, c0, m["N"], N1, **scan)
+        T._chunk_output[grid](q, keys, values, e, win, cb, zb, Sb, y, m["n"], r, N1, **kw["chunk_output"])
     return y.sum(1).to(q.dtype) if m["U"] > 1 else y[:, 0], Sb, cb, zb
 
 
@@ -291,15 +292,14 @@ def _backward_impl(
     G, g, dzb = torch.empty(BU, N1, K, m["V"], **f32), torch.empty(BU, N1, K, **f32), torch.empty(BU, N1, K, **f32)
     # every (stream, chunk) program writes its k x RP block: no zero fill (~17 MB a layer at 2048 x 32)
     demb = torch.empty(BU, N, K, m["RP"], **f32) if emb is not None else q.new_zeros(0)
-    e = q if emb is None else emb
-    grid = (N, BU)
-    T._grad_local[grid](q, keys, values, e, win, cb, zb, Sb, dy, dq, rho, G, g, demb, m["n"], r, N, N1,
-                        **kw["grad_local"])  # fmt: skip
-    scan = kw["grad_scan"]
-    T._grad_scan[(BU, -(-m["V"] // scan["BV"]))](cb, G, g, dzb, N, N1, **scan)
+    e, grid, scan = q if emb is None else emb, (N, BU), kw["grad_scan"]
     dkeys, dvalues = torch.empty_like(keys), torch.empty_like(values)
-    T._grad_keys_values[grid](q, keys, values, e, win, cb, zb, dy, rho, G, dzb, dkeys, dvalues, m["n"], r, N1,
-                              **kw["grad_keys_values"])  # fmt: skip
+    with on_device(dev):  # as in _forward_impl
+        T._grad_local[grid](q, keys, values, e, win, cb, zb, Sb, dy, dq, rho, G, g, demb, m["n"], r, N, N1,
+                            **kw["grad_local"])  # fmt: skip
+        T._grad_scan[(BU, -(-m["V"] // scan["BV"]))](cb, G, g, dzb, N, N1, **scan)
+        T._grad_keys_values[grid](q, keys, values, e, win, cb, zb, dy, rho, G, dzb, dkeys, dvalues, m["n"], r, N1,
+                                  **kw["grad_keys_values"])  # fmt: skip
     dq = dq.sum(1).to(q.dtype) if U > 1 else dq[:, 0]
     if emb is not None:
         # r k u, contiguous as the fake kernel says (compiled graphs check the strides a custom op returns)

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from lambdanet.ops.causal_lambda.fused_chunk import _pow2
 from lambdanet.ops.causal_lambda.triton_chunk import _block_values
+from lambdanet.ops.position_lambda.fused import on_device
 
 __all__ = ["fused_recurrent_causal_lambda"]
 
@@ -76,22 +77,9 @@ def fused_recurrent_causal_lambda(
     y = torch.empty(B, U, n, H, V, device=q.device, dtype=q.dtype if U == 1 else torch.float32)
     BV = min(32, _pow2(V, 16))
     meta: dict[str, Any] = dict(H=H, HP=_pow2(H), K=K, V=V, U=U, KP=_pow2(K), JB=16, BV=BV, HAS_EMB=r > 0)
-    _recurrent[(B * U, -(-V // BV))](
-        q,
-        keys,
-        values,
-        q if emb is None else emb.contiguous(),
-        win if win.numel() else q,
-        S,
-        z,
-        c,
-        z_out,
-        c_out,
-        y,
-        n,
-        r,
-        **meta,
-    )
+    e, w = q if emb is None else emb.contiguous(), win if win.numel() else q
+    with on_device(q.device):  # the tensors' GPU and stream, whichever is current
+        _recurrent[(B * U, -(-V // BV))](q, keys, values, e, w, S, z, c, z_out, c_out, y, n, r, **meta)
     full = torch.cat([win, values.permute(0, 3, 1, 2)], dim=2)  # b u (r - 1 + n) v
     window = full[:, :, full.shape[2] - win.shape[2] :].float()
     return (y.sum(1).to(q.dtype) if U > 1 else y[:, 0]), {"S": S, "z": z_out, "c": c_out, "window": window}

@@ -12,6 +12,7 @@ Op ``lambdanet::lambda_position_output_backward(grad, q, values, table, ...) -> 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Sequence
@@ -37,6 +38,13 @@ def kernels_available(device: torch.device | str) -> tuple[bool, str]:
     )
 
 
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """The context a launch on ``device``'s tensors runs in: Triton launches on the *current* CUDA device and its
+    stream, so a tensor on another GPU would be read from the wrong device, unordered with its own stream's work
+    (an illegal address, or a race where peer access is on); ``device`` is made current. Nothing on the CPU."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _check(device: torch.device) -> None:
     ok, why = kernels_available(device)
     if not ok:
@@ -52,7 +60,8 @@ def _position_output(
     _check(q.device)
     q, values, table = q.contiguous(), values.contiguous(), table.contiguous()
     out = q.new_empty(*q.shape[:3], values.shape[2])  # b n h v
-    return launch_forward(q, values, table, (center0, center1), (height, width), out)
+    with on_device(q.device):
+        return launch_forward(q, values, table, (center0, center1), (height, width), out)
 
 
 @_position_output.register_fake
@@ -70,7 +79,8 @@ def _position_output_backward(
     grad, q, values, table = grad.contiguous(), q.contiguous(), values.contiguous(), table.contiguous()
     f32: dict[str, Any] = dict(device=q.device, dtype=torch.float32)
     dq, dvalues, dtable = torch.zeros(q.shape, **f32), torch.zeros(values.shape, **f32), torch.zeros(table.shape, **f32)
-    launch_backward(grad, q, values, table, (center0, center1), (height, width), dq, dvalues, dtable)
+    with on_device(q.device):
+        launch_backward(grad, q, values, table, (center0, center1), (height, width), dq, dvalues, dtable)
     return dq.to(q.dtype), dvalues.to(values.dtype), dtable.to(table.dtype)
 
 
