@@ -336,7 +336,10 @@ def test_shapes_that_do_not_fit_each_other_are_one_line_errors_before_any_kernel
                          ((q, vals, table, (1, 1), (2, 2)), "n = prod(spatial) = 4"),
                          ((q, vals, table, (1, 3), (2, 3)), "center (1, 3) must index the table's (3, 3)"),
                          ((q, vals, torch.randn(4, 1, 3), (1, 1), (2, 3)), "table [k, u, *T] of 2 table dims"),
-                         ((q, vals, table, (1,), (2, 3)), "a center per spatial dim expected")):
+                         ((q, vals, table, (1,), (2, 3)), "a center per spatial dim expected"),
+                         # the batch on the grids' second axis: at most 65535 programs there on a GPU
+                         ((torch.empty(65536, 1, 1, 4), torch.empty(65536, 1, 3, 1), torch.randn(4, 1, 1), (0,),
+                           (1,)), "a batch b of at most 65535")):
         with pytest.raises(ValueError, match="^lambda_position_output: ") as err:
             lambda_position_output(*args)
         assert needle in str(err.value) and "\n" not in str(err.value)

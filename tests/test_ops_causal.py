@@ -526,6 +526,27 @@ def test_auto_takes_the_pytorch_form_where_the_sizes_exceed_the_kernels(monkeypa
 
 
 
+def test_more_streams_than_a_grid_axis_holds_take_the_pytorch_form(monkeypatch):
+    """The chunk kernels hold the streams (batch x ``dim_u``) on their grids' second axis, which holds at most 65535
+    programs on a GPU (the interpreter has no such limit, so this is checked before any launch): more streams make
+    ``"auto"`` take the PyTorch form, and ``"fused_chunk"`` a one-line error naming batch x dim_u."""
+    from lambdanet.ops import causal_lambda
+    from lambdanet.ops.causal_lambda import call_mode
+
+    assert FC.fits(8, 16, 64, 16, torch.bfloat16, streams=65535) is None
+    assert "65536 streams (at most 65535" in FC.fits(8, 16, 64, 16, torch.bfloat16, streams=65536)
+    package = importlib.import_module("lambdanet.ops.causal_lambda")  # (lambdanet.ops.causal_lambda: the function)
+    seen: list[bool] = []
+    monkeypatch.setattr(package, "resolve_mode", lambda mode, device, fits=True: seen.append(fits) or mode)
+    q = torch.empty(32768, 1, 1, 1)  # b n h k: 65,536 streams with u = 2
+    call_mode("auto", q, 0, dim_u=1)
+    call_mode("auto", q, 0, dim_u=2)
+    assert seen == [True, False]  # the kernels serve 32,768 streams, not 65,536
+    keys, values = torch.empty(32768, 1, 1, 2), torch.empty(32768, 1, 1, 2)  # b n k u, b n v u
+    with pytest.raises(ValueError, match=r"^mode='fused_chunk' does not serve batch x dim_u = 65536 streams"):
+        causal_lambda(q, keys, values, mode="fused_chunk")
+
+
 def test_auto_takes_the_pytorch_form_for_a_chunk_size_the_kernels_do_not_take(monkeypatch):
     """The kernels' chunks are powers of two >= 16; any other ``chunk_size`` makes ``"auto"`` take the PyTorch form
     (which takes any positive chunk), as the sizes beyond ``LIMITS`` do, and is an error only for ``"fused_chunk"``."""

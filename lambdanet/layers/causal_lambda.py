@@ -319,7 +319,7 @@ class CausalLambdaLayer(nn.Module):
         if not self.fused:
             y, op_state = self._terms(q, keys, values, state)
         else:
-            mode = call_mode(self.mode, q, self.r if self.emb is not None else 0)
+            mode = call_mode(self.mode, q, self.r if self.emb is not None else 0, dim_u=self.dim_u)
             res = causal_lambda(q, keys, values, self.emb, mode=mode,
                                 chunk_size=self.chunk if mode == "chunk" else None,
                                 initial_state=None if state is None else {key: state[key] for key in _OP_KEYS},

@@ -41,14 +41,16 @@ def resolve_mode(mode: str, device: torch.device | str, *, fits: bool = True) ->
     return "fused_chunk" if cuda and fits and _fused.available(device)[0] else "chunk"
 
 
-def call_mode(mode: str, q: Tensor, r: int, chunk_size: int | None = None) -> str:
-    """The mode a call on ``q [b, n, h, k]`` with the causal scope ``r`` runs: ``"auto"`` resolved on its device
-    and sizes (the kernels where they serve them: :func:`~lambdanet.ops.causal_lambda.fused_chunk.fits`), any other
-    mode checked; ``"fused_chunk"`` outside the kernels' limits is a one-line error."""
+def call_mode(mode: str, q: Tensor, r: int, chunk_size: int | None = None, dim_u: int = 1) -> str:
+    """The mode a call on ``q [b, n, h, k]`` (keys of ``dim_u``) with the causal scope ``r`` runs: ``"auto"``
+    resolved on its device and sizes (the kernels where they serve them:
+    :func:`~lambdanet.ops.causal_lambda.fused_chunk.fits`), any other mode checked; ``"fused_chunk"`` outside the
+    kernels' limits is a one-line error."""
     if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     heads, dim_k = int(q.shape[2]), int(q.shape[3])  # ints also where a tracer hands over 0-d tensors
-    unfit = _fused.fits(heads, dim_k, r, chunk_size or _fused.default_chunk(heads), q.dtype)
+    streams = int(q.shape[0]) * dim_u
+    unfit = _fused.fits(heads, dim_k, r, chunk_size or _fused.default_chunk(heads), q.dtype, streams)
     # float64 inputs ask for float64 arithmetic, which the kernels' float32 products do not give: auto takes chunk
     mode = resolve_mode(mode, q.device, fits=unfit is None and q.dtype != torch.float64)
     if mode == "fused_chunk" and unfit:
@@ -102,7 +104,7 @@ def causal_lambda(
     """
     _causal._check(q, k, v, emb)
     r = 0 if emb is None else emb.shape[0]
-    mode = call_mode(mode, q, r, chunk_size)
+    mode = call_mode(mode, q, r, chunk_size, int(k.shape[3]))
     if mode == "naive" and initial_state is not None:  # checked without reading the state back from the device
         raise ValueError("initial_state must be None with mode='naive' (the definition starts from an empty context)")
     if initial_state is not None:

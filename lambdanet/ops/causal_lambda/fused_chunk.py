@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from lambdanet.ops.position_lambda.fused import kernels_available as available  # CUDA, or the interpreter
-from lambdanet.ops.position_lambda.fused import on_device
+from lambdanet.ops.position_lambda.fused import GRID_Y, on_device
 
 __all__ = ["fused_chunk_causal_lambda", "available", "default_chunk", "fits", "LIMITS"]
 
@@ -43,9 +43,11 @@ def default_chunk(heads: int) -> int:
 LIMITS = {"rows": 512, "dim_k": 32, "r": 64, "rows_x_k_float32": 8192}
 
 
-def fits(heads: int, dim_k: int, r: int, chunk: int, dtype: torch.dtype) -> str | None:
-    """``None`` where the kernels serve these sizes (:data:`LIMITS`; chunks of a power of two >= 16), else what
-    exceeds them (one line)."""
+def fits(heads: int, dim_k: int, r: int, chunk: int, dtype: torch.dtype, streams: int = 1) -> str | None:
+    """``None`` where the kernels serve these sizes (:data:`LIMITS`; chunks of a power of two >= 16; ``streams``:
+    batch x ``dim_u``, the second axis of the chunk kernels' grids), else what exceeds them (one line)."""
+    if streams > GRID_Y:
+        return f"batch x dim_u = {streams} streams (at most {GRID_Y}: a CUDA grid's second axis)"
     if chunk < 16 or chunk & (chunk - 1):
         return f"chunk_size={chunk} (chunk_size must be a power of two >= 16)"
     rows = _pow2(heads) * chunk

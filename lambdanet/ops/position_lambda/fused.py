@@ -130,6 +130,9 @@ def lambda_position_output(
     return _position_output(q, values, table, c0, c1, height, width)
 
 
+GRID_Y = 65535  # the most programs a CUDA grid's second (and third) axis holds (the first: 2^31 - 1)
+
+
 def _check_shapes(q: Tensor, values: Tensor, table: Tensor, center: Sequence[int], spatial: Sequence[int]) -> None:
     """A one-line ``ValueError`` naming the argument whose shape does not fit the others (the kernels index the
     buffers by these sizes: a mismatch would read past them)."""
@@ -145,6 +148,8 @@ def _check_shapes(q: Tensor, values: Tensor, table: Tensor, center: Sequence[int
         problem = "table needs [k, u, ...] with q's k and values' u"
     elif any(not 0 <= int(c) < t for c, t in zip(center, table.shape[2:])):
         problem = f"center {tuple(center)} must index the table's {tuple(table.shape[2:])} entries"
+    elif q.shape[0] > GRID_Y:  # the kernels' grids hold the batch on their second axis
+        problem = f"a batch b of at most {GRID_Y} (a CUDA grid's second axis; split the batch)"
     else:
         return
     raise ValueError(f"lambda_position_output: {problem}; got {got}")
