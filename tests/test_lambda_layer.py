@@ -851,7 +851,7 @@ def test_auto_times_nothing_under_compile_export_tracing_or_a_dispatch_mode():
         explanation = torch._dynamo.explain(layer)(x)
         assert explanation.graph_break_count == 0 and not has_conv(explanation.graphs[0])  # einsum_qe: GEMMs
         assert not has_conv(torch.export.export(layer, (x,)).graph_module)
-        with pytest.warns(FutureWarning):  # torch.jit.trace is deprecated
+        with pytest.warns((FutureWarning, DeprecationWarning)):  # torch.jit.trace is deprecated (2.11: Deprecation)
             torch.jit.trace(layer, (x,), check_trace=False)
         with FlopCounterMode(display=False):
             layer(x)

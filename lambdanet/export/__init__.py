@@ -175,7 +175,8 @@ def _quiet_torchscript() -> Iterator[None]:
     the example's shape, which the module docstring states once)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
-        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.jit")
+        for category in (FutureWarning, DeprecationWarning):  # torch 2.14 warns with the first, 2.11 the second
+            warnings.filterwarnings("ignore", category=category, module=r"torch\.jit")
         yield
 
 

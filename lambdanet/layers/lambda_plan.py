@@ -24,6 +24,7 @@ from lambdanet.ops.position_lambda.dispatch import (  # re-exported: their histo
     whole_embeddings_fit,
 )
 from lambdanet.ops.position_lambda.policy import ImplPolicy, impl_policy
+from lambdanet.ops.position_lambda.tuning import TunedLayer, measured_winners
 
 __all__ = ["LambdaPlan", "LambdaPositionMixin", "QUERIES_FIRST_STEPS", "LAMBDAS_FIRST_STEPS", "CAUSAL_OP"]
 
@@ -152,6 +153,14 @@ class LambdaPositionMixin:
         chunked (linear in ``n``).
         """
         return self.plan(spatial, device_type).impl
+
+    @torch.compiler.assume_constant_result  # torch.compile calls it once while tracing and keeps the result
+    def _measured_winners(self, layer_id: int, dtype: torch.dtype, device: torch.device, inputs_grad: bool) -> tuple:
+        """:func:`~lambdanet.ops.position_lambda.tuning.measured_winners` of this layer, for traced calls. A
+        method: dynamo calls a constant method on the real module, where torch 2.11 cannot hand a module to a
+        constant function (``AsPythonConstantNotImplementedError``, a hard error); the caller passes ``id(self)``
+        as ``layer_id``, whose tracing guards the compiled code on this very layer (no other gets its result)."""
+        return measured_winners(cast(TunedLayer, self), dtype, device, inputs_grad)  # a LambdaLayer
 
     # ------------------------------------------------------------------------------------------ forward steps
 

@@ -235,6 +235,8 @@ class TunedLayer(Protocol):
 
     def _position(self, plan: Any, q: Tensor, vals: Tensor, spatial: tuple[int, ...]) -> tuple[Any, Any]: ...
 
+    def _measured_winners(self, layer_id: int, dtype, device, inputs_grad: bool) -> tuple[tuple[Any, str], ...]: ...
+
 
 def candidate_plans(layer: TunedLayer, spatial: tuple[int, ...], policy: ImplPolicy, static: str) -> dict[str, Any]:
     """The implementations worth timing for ``spatial``, ``{impl: plan}``, cheapest by multiply-adds first: those
@@ -301,17 +303,11 @@ def _records_grad(layer: TunedLayer, inputs_grad: bool) -> bool:
     return torch.is_grad_enabled() and params
 
 
-def _assume_constant(fn):
-    marker = getattr(torch.compiler, "assume_constant_result", None)
-    return fn if marker is None else marker(fn)
-
-
-@_assume_constant
-def _measured_winners(layer: TunedLayer, dtype, device, inputs_grad: bool) -> tuple[tuple[tuple[int, ...], str], ...]:
+def measured_winners(layer: TunedLayer, dtype, device, inputs_grad: bool) -> tuple[tuple[tuple[int, ...], str], ...]:
     """What traced, compiled and exported calls run: ``(spatial size, winner)`` for the sizes measured for the
     layer's configuration on which every batch size measured agrees (the batch and spatial sizes may be symbolic
-    there, so they are compared by the caller). ``torch.compile`` calls this once while tracing and keeps the
-    result as a constant."""
+    there, so they are compared by the caller). ``torch.compile`` calls it once while tracing, through the
+    layer's ``_measured_winners`` method, and keeps the result as a constant."""
     base = _base_key(layer, dtype, device, _records_grad(layer, inputs_grad))
     found: dict[str, set[str]] = {}
     for key, impl in _TUNER.winners.items():
@@ -328,13 +324,13 @@ def _measured_winners(layer: TunedLayer, dtype, device, inputs_grad: bool) -> tu
 def tuned_plan(layer: TunedLayer, plan: Any, q: Tensor, vals: Tensor, spatial: tuple[int, ...]) -> Any:
     """The plan an ``impl="auto"`` forward call runs, given the static ``plan`` and the call's queries and values
     (compute dtype): its key's measured winner, measured now if it has none and :func:`can_measure` (traced
-    calls: :func:`_measured_winners`); the static plan in ``"static"`` mode or with a single candidate."""
+    calls: :func:`measured_winners`); the static plan in ``"static"`` mode or with a single candidate."""
     if _TUNER.mode != "measure" or plan.position is None:
         return plan
     inputs_grad = q.requires_grad or vals.requires_grad
     if _tracing():  # compile, export, jit or FX tracing: what eager calls measured, else the static plan
         winner = plan.impl
-        for size, impl in _measured_winners(layer, q.dtype, q.device, inputs_grad):
+        for size, impl in layer._measured_winners(id(layer), q.dtype, q.device, inputs_grad):
             if size == spatial:
                 winner = impl
         return plan if winner == plan.impl else layer.plan_for(winner, spatial, impl_policy(q.device.type))
