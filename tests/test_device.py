@@ -297,3 +297,33 @@ def test_inductor_compiles_the_kernels_forward_and_backward(which):
 
     assert rel(out, eager) < 1e-5
     assert all(rel(a, b) < 1e-5 for a, b in zip(got, want))  # the same kernels: the graph's own sums reordered
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need CUDA")
+def test_a_cuda_graph_captures_an_auto_lambda_layer_without_timing_it():
+    """``LambdaLayer(impl="auto")`` times its candidates at the first call of a key (measuring tuner): inside a CUDA
+    graph capture that synchronised the GPU and ended the capture with CUDA's error. Warmed up without the tuner
+    (kernels compiled, cuBLAS set up), then captured with it on: the capture records the static choice, and a replay
+    equals an eager call of that choice to float32 rounding (the same implementation on the same values; 1e-5
+    relative allows another cuBLAS algorithm's summation order)."""
+    from lambdanet.ops.position_lambda.tuning import set_impl_tuning
+
+    torch.manual_seed(0)
+    layer = LambdaLayer(32, r=7).to(DEVICE).eval()
+    x = torch.randn(4, 32, 12, 11, device=DEVICE)
+    previous = set_impl_tuning("static")
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), torch.cuda.stream(side):
+            want = layer(x)
+        torch.cuda.current_stream().wait_stream(side)
+        set_impl_tuning("measure")
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(graph):
+            out = layer(x)
+        graph.replay()
+        torch.cuda.synchronize()
+    finally:
+        set_impl_tuning(previous)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)

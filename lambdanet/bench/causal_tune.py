@@ -15,6 +15,7 @@ from typing import cast
 import torch
 
 from lambdanet.ops.causal_lambda import fused_chunk as FC
+from lambdanet.runtime import timed_call
 
 __all__ = ["PRODUCTS", "SCANS", "POINTS", "variants", "compose", "tune_env", "kernel_times", "sweep", "agreement",
            "cuda_median_ms", "compare", "bench_part"]  # fmt: skip
@@ -74,16 +75,17 @@ def _inputs(n: int, b: int, device, heads=8, dim_k=16, dim_v=208, r=64, dtype=to
     return run
 
 
-def kernel_times(fn: Callable[[], None], reps: int = 3) -> dict[str, float]:
-    """Mean CUDA ms of each of the six kernels in one call of ``fn`` (after one call that compiles)."""
+def kernel_times(fn: Callable[[], None], reps: int = 3, device=None) -> dict[str, float]:
+    """Mean CUDA ms of each of the six kernels in one call of ``fn`` (after one call that compiles) on ``device``
+    (default: the current CUDA device), the GPU its work is waited for on."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
-    torch.cuda.synchronize()
+    torch.cuda.synchronize(device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             fn()
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
     per: dict[str, float] = {}
     for e in prof.events():
         name = e.name.lstrip("_")
@@ -112,7 +114,7 @@ def sweep(
         row: dict = {}
         for n, b in points:
             try:
-                row[f"{n}x{b}"] = _with(tune, lambda n=n, b=b: kernel_times(_inputs(n, b, device)))
+                row[f"{n}x{b}"] = _with(tune, lambda n=n, b=b: kernel_times(_inputs(n, b, device), device=device))
             except Exception as e:  # noqa: BLE001 - a setting the card cannot launch (shared memory) is left out
                 if "CUDA error" in str(e) or "illegal" in str(e):  # a fault poisons the context: stop, say so
                     raise
@@ -147,20 +149,15 @@ def agreement(settings: dict, device, n: int = 300, b: int = 2) -> dict[str, flo
             for name, a, r in zip(("out", "dq", "dkeys", "dvalues", "demb"), got, ref)}  # fmt: skip
 
 
-def cuda_median_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 10) -> float:
-    """Median ms of ``fn`` on the current CUDA stream (CUDA events, after ``warmup`` calls)."""
+def cuda_median_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 10, device=None) -> float:
+    """Median ms of ``fn`` on ``device``'s current CUDA stream (default: the current device's; CUDA events, after
+    ``warmup`` calls): the GPU ``fn``'s tensors are on, whichever is current (events on another GPU's stream time
+    none of its work)."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    device = torch.device("cuda") if device is None else torch.device(device)
+    times = sorted(timed_call(fn, device) * 1e3 for _ in range(reps))  # each call waited for, as ms
+    return times[len(times) // 2]
 
 
 def compare(settings: dict, device, points=POINTS + ((8192, 8),), reps: int = 10) -> list[dict]:
@@ -168,7 +165,7 @@ def compare(settings: dict, device, points=POINTS + ((8192, 8),), reps: int = 10
     out = []
     for n, b in points:
         for label, tune in (("default", dict(FC.tune())), ("tuned", settings)):
-            ms = _with(tune, lambda n=n, b=b: cuda_median_ms(_inputs(n, b, device), warmup=1, reps=reps))
+            ms = _with(tune, lambda n=n, b=b: cuda_median_ms(_inputs(n, b, device), warmup=1, reps=reps, device=device))
             out.append({"n": n, "b": b, "settings": label, "ms": ms, "tokens_per_s": n * b / ms * 1e3})
     return out
 

@@ -80,18 +80,20 @@ def position_counts(
     return {"fwd": fwd, "bwd": bwd}
 
 
-def _median_ms(fn: Callable[[], object]) -> float:
-    """Median milliseconds of ``fn`` by Triton's ``do_bench`` (CUDA events, the L2 cache flushed between calls)."""
+def _median_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """Median milliseconds of ``fn`` on ``device`` by Triton's ``do_bench`` (CUDA events, the L2 cache flushed
+    between calls), with ``device`` current: ``do_bench`` times, flushes and waits on the current GPU."""
     from triton.testing import do_bench
 
-    return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
+    with torch.cuda.device(device):
+        return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
 
 
 def _copy_rate(device: torch.device) -> float:
     """GB/s of a 1 GiB device-to-device copy, counting the bytes read and the bytes written."""
     src = torch.randn(1 << 28, device=device)
     dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / _median_ms(lambda: dst.copy_(src)) / 1e6
+    return 2 * src.numel() * 4 / _median_ms(lambda: dst.copy_(src), device) / 1e6
 
 
 def ceilings(device: str | torch.device = "cuda") -> dict[str, float]:
@@ -110,7 +112,7 @@ def ceilings(device: str | torch.device = "cuda") -> dict[str, float]:
         ):
             torch.backends.cuda.matmul.allow_tf32 = tf32
             a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
-            out[f"{name}_TFLOPs"] = 2 * size**3 / _median_ms(lambda: a @ b) / 1e9
+            out[f"{name}_TFLOPs"] = 2 * size**3 / _median_ms(lambda: a @ b, device) / 1e9
     finally:
         torch.backends.cuda.matmul.allow_tf32 = allow
     return out
@@ -156,7 +158,7 @@ def position_roofline(
             )
             matrix_rate = ceiling["bf16_TFLOPs"] if dtype != torch.float32 else ceiling["fp32_TFLOPs"]
             for name, fn in calls.items():
-                ms, c = _median_ms(fn), counts[name]
+                ms, c = _median_ms(fn, torch.device(device)), counts[name]
                 floors = {
                     "memory": c["bytes"] / ceiling["copy_GBps"] / 1e6,
                     "cuda_cores": 2 * c["scores_macs"] / ceiling["fp32_TFLOPs"] / 1e9,

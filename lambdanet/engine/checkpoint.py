@@ -126,7 +126,10 @@ def set_rng_state(state: dict) -> None:
     random.setstate(_to_tuple(state["python"]))
     torch.set_rng_state(state["torch"].cpu())  # a checkpoint loaded onto a GPU moved these too; they are bytes
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+        # one state per GPU the saving process saw: a machine with fewer GPUs sets those it has (torch's
+        # set_rng_state_all raised an IndexError at the first GPU past them, and the run could not resume)
+        for index, saved in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(saved.cpu(), index)
 
 
 def _to_tuple(x):

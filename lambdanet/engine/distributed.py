@@ -81,7 +81,11 @@ def init_distributed(device: str = "auto") -> DistContext:
         torch.cuda.set_device(local_rank)
     dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
+        # one timeout for both backends, gloo's (30 min; NCCL's own is 10): the other processes wait in a collective
+        # while the main one alone evaluates or writes the outputs, which NCCL's watchdog ended after 10 minutes,
+        # killing the group before the epoch was saved
+        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
+                                timeout=dist.default_pg_timeout)  # fmt: skip
     return DistContext(rank, world, local_rank, dev)
 
 
@@ -233,7 +237,14 @@ def all_gather_objects(obj: object, ctx: DistContext) -> list:
 
 def barrier(ctx: DistContext) -> None:
     if ctx.enabled:
-        dist.barrier()
+        _barrier(ctx)
+
+
+def _barrier(ctx: DistContext) -> None:
+    """``dist.barrier`` on this process's GPU under NCCL (named: else torch picks the current device, with a
+    warning on rank 0), on the CPU under gloo."""
+    index = ctx.device.index
+    dist.barrier(device_ids=[index] if ctx.device.type == "cuda" and index is not None else None)
 
 
 def cleanup(ctx: DistContext, synchronize: bool = False) -> None:
@@ -242,7 +253,7 @@ def cleanup(ctx: DistContext, synchronize: bool = False) -> None:
     process then); after an error there is no barrier, since the other ranks may never reach it."""
     if ctx.enabled and dist.is_initialized():
         if synchronize:
-            dist.barrier()
+            _barrier(ctx)
         dist.destroy_process_group()
 
 

@@ -1,6 +1,6 @@
 """When :mod:`~lambdanet.ops.position_lambda.tuning` may time candidate implementations: never while a compiler,
 exporter or tracer runs the code, under deterministic algorithms, a functorch transform, a Python dispatch mode (FLOP
-counters, fake tensors), inside a backward pass or on meta tensors."""
+counters, fake tensors), inside a backward pass, on meta tensors or while a CUDA graph is captured."""
 
 from __future__ import annotations
 
@@ -39,8 +39,19 @@ def plain_eager(*tensors: Tensor, types: tuple[type, ...] = (torch.Tensor,)) -> 
 
 def timing_allowed(*tensors: Tensor) -> bool:
     """Whether a forward call on ``tensors`` may be timed now: deterministic algorithms are off, the call is
-    :func:`plain_eager` on plain tensors, it does not run inside a backward pass, and the tensors are on a real
-    device."""
+    :func:`plain_eager` on plain tensors, it does not run inside a backward pass, the tensors are on a real
+    device, and no CUDA graph is being captured on their GPU's stream (:func:`_capturing`)."""
     if torch.are_deterministic_algorithms_enabled() or torch._C._current_graph_task_id() != -1:
         return False
-    return plain_eager(*tensors) and all(t.device.type != "meta" for t in tensors)
+    return plain_eager(*tensors) and all(t.device.type != "meta" for t in tensors) and not _capturing(*tensors)
+
+
+def _capturing(*tensors: Tensor) -> bool:
+    """Whether a CUDA graph is being captured on the current stream of a GPU that holds one of ``tensors``
+    (``torch.cuda.graph``, ``make_graphed_callables``): a timing there would synchronise the device, which ends
+    the capture with CUDA's error, and its candidates' calls would be recorded into the graph."""
+    for device in {t.device for t in tensors if t.device.type == "cuda"}:
+        with torch.cuda.device(device):
+            if torch.cuda.is_current_stream_capturing():
+                return True
+    return False
