@@ -43,6 +43,7 @@ __all__ = [
     "check_output_dir",
     "make_output_dir",
     "check_output_file",
+    "check_path_given",
 ]
 
 METADATA_FORMAT = "lambdanet.weights.v1"  # the header of the weights lambdanet train writes
@@ -58,8 +59,7 @@ def run_file(path: str | os.PathLike, *, ema: bool = True, checkpoint: bool = Fa
     weights (default): ``model_ema.safetensors`` when present and ``ema``, else ``model.safetensors``, else
     ``last.pt`` (a run stopped before its end). With ``checkpoint``: its ``last.pt``, the training checkpoint
     (configuration, raw and EMA weights). ``ValueError`` for a directory without such a file."""
-    if not str(path):  # Path("") is the working folder: say what was given
-        raise ValueError("the checkpoint path is empty; pass a run directory of lambdanet train or a file in it")
+    check_path_given(path, "the checkpoint path", "pass a run directory of lambdanet train or a file in it")
     path = Path(path).expanduser()
     if not path.is_dir():
         return path
@@ -73,14 +73,38 @@ def run_file(path: str | os.PathLike, *, ema: bool = True, checkpoint: bool = Fa
     return found
 
 
-def check_output_dir(path: str | os.PathLike, name: str, what: str = "a folder") -> None:
+def check_path_given(path: str | os.PathLike, name: str, expected: str) -> None:
+    """A one-line ``ValueError`` (``{name} is empty; {expected}``) for an empty path: ``Path("")`` is the working
+    folder, which no one asks for by giving nothing (``--out ''`` would write a run there)."""
+    if not str(path):
+        raise ValueError(f"{name} is empty; {expected}")
+
+
+def _check_writable(folder: Path, name: str, path, what: str = "", make: bool = False) -> None:
+    """A one-line ``ValueError`` naming the option ``name`` (given ``path``) unless a file can be made in ``folder``
+    (made with its parents first where ``make``): a file is made there and removed."""
+    try:
+        if make:
+            folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise ValueError(f"{name} {path}: cannot write there ({err.strerror or err}); choose another {name}"
+                         + (f" ({what})" if what else "")) from None  # fmt: skip
+
+
+def check_output_dir(path: str | os.PathLike, name: str, what: str = "a folder", *, writable: bool = False) -> None:
     """A one-line ``ValueError`` naming the option ``name`` when the folder ``path`` (created where missing)
-    cannot be one: it, or the nearest of its parents that exists, is a file (before any work is done)."""
+    cannot be one: it is empty, or it or the nearest of its parents that exists is a file, or (``writable``) that
+    one takes no files (a read-only or missing filesystem), before any work is done."""
+    check_path_given(path, name, f"give {what}")
     target = Path(str(path)).expanduser()
     existing = next((p for p in (target, *target.parents) if p.exists()), None)
     if existing is not None and not existing.is_dir():
         where = f"{name} {path}" if existing == target else f"{name} {path}: {existing}"
         raise ValueError(f"{where} is a file, not a directory; choose another {name} ({what})")
+    if writable:
+        _check_writable(existing or Path("."), name, path, what)
 
 
 def make_output_dir(path: str | os.PathLike, name: str, what: str = "a folder") -> Path:
@@ -89,19 +113,15 @@ def make_output_dir(path: str | os.PathLike, name: str, what: str = "a folder") 
     before any work is done."""
     check_output_dir(path, name, what)
     target = Path(str(path)).expanduser()
-    try:
-        target.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=target):
-            pass
-    except OSError as err:
-        raise ValueError(f"{name} {path}: cannot write there ({err.strerror or err}); choose another {name} "
-                         f"({what})") from None  # fmt: skip
+    _check_writable(target, name, path, what, make=True)
     return target
 
 
 def check_output_file(path: str | os.PathLike, name: str) -> None:
-    """A one-line ``ValueError`` naming the option ``name`` when the file ``path`` cannot be written: it is a
-    folder, or the nearest of its parents that exists is a file (before any work is done)."""
+    """A one-line ``ValueError`` naming the option ``name`` when the file ``path`` cannot be written: it is empty
+    or a folder, or the nearest of its parents that exists is a file or takes no files (a read-only or missing
+    filesystem: a file is made there and removed), before any work is done."""
+    check_path_given(path, name, "give a file path")
     target = Path(str(path)).expanduser()
     if target.is_dir():
         raise ValueError(f"{name} {path} is a directory; give a file path (e.g. {target / 'out.pt'})")
@@ -111,6 +131,7 @@ def check_output_file(path: str | os.PathLike, name: str) -> None:
     existing = next((p for p in target.parents if p.exists()), None)
     if existing is not None and not existing.is_dir():
         raise ValueError(f"{name} {path}: {existing} is a file, not a directory; choose another {name}")
+    _check_writable(existing or Path("."), name, path)
 
 
 # the weights of a classification run's best epoch (summary.json's best_epoch), raw and EMA, beside model(_ema)

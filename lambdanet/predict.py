@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from lambdanet.helpers import check_choice, check_positive_int
 from lambdanet.models import create_model, model_args
 from lambdanet.models.hub import hub_repo
-from lambdanet.files import IMAGE_SUFFIXES, check_run_task, is_run_weights, read_image
+from lambdanet.files import IMAGE_SUFFIXES, check_path_given, check_run_task, is_run_weights, read_image
 from lambdanet.tasks.classification.load import load_model
 
 __all__ = [
@@ -119,6 +119,8 @@ def load_for_inference(
         if img_size is not None and "img_size" in accepted:
             kwargs["img_size"] = img_size
     if checkpoint is not None:
+        check_path_given(checkpoint, "the checkpoint path", "pass a run directory, its .safetensors weights, its "
+                         "last.pt or hf-hub:OWNER/NAME")  # fmt: skip
         hub = hub_repo(checkpoint)  # a run shared on the Hugging Face hub
         path = Path(checkpoint)
         if hub is None and not path.exists():
@@ -155,7 +157,9 @@ def find_images(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     found: list[Path] = []
-    for p in map(Path, paths):
+    for given in paths:
+        check_path_given(given, "an image path", "give image files or folders of images")  # not the working folder
+        p = Path(given)
         if p.is_dir():
             files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
             if not files:

@@ -89,6 +89,8 @@ def intra_op_threads(threads: int | None, name: str = "threads") -> Iterator[Non
         return
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(f"{name} must be a positive int (CPU threads), got {threads!r}")
+    if threads >= 2**31:  # torch takes a C int (beyond it: "Overflow when unpacking long", naming nothing)
+        raise ValueError(f"{name} must be a positive int below 2**31 (CPU threads), got {threads!r}")
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

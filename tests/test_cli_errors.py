@@ -481,3 +481,101 @@ def test_a_checkpoint_of_another_task_away_from_its_run_is_named_by_every_image_
                                             "lambdanet train or its last.pt\n")  # fmt: skip
     assert main(["eval", "--checkpoint", ""]) == 2
     assert "the checkpoint path is empty" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------- A16: found by the bad-input fuzz of the CLI
+LM_RUN = Path(__file__).resolve().parent / "fixtures" / "lm_runs_fixed" / "lm_done"
+
+
+@pytest.mark.parametrize("command", [["train", *TINY], ["sweep", "--lrs", "0.1", *TINY]])
+@pytest.mark.parametrize("run, kind", [(LM_RUN, "a language-model run (lambdanet lm train)"),
+                                       (FIXTURES / "detect", "a detection run (lambdanet detect)")])
+def test_fine_tuning_from_another_tasks_run_is_one_line(tmp_path, capsys, command, run, kind):
+    """``--checkpoint`` of a language-model run raised a KeyError ('image_size', its header has none) and a
+    detection run listed 176 missing keys; both are named as the run they are, and nothing is written."""
+    err = error_line(capsys, [*command, "--checkpoint", str(run), "--out", str(tmp_path / "out")])
+    assert f"{run} is {kind}, not an image-classification run (lambdanet train)" in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["train", *TINY, "--out", ""], "--out is empty; give a folder for the run"),
+    (["lm", "train", *LM_TINY, "--out", ""], "--out is empty; give a folder for the run"),
+    (["detect", *DETECT_TINY, "--out", ""], "--out is empty; give a folder for the run"),
+    (["sweep", "--lrs", "0.1", *TINY, "--out", ""], "--out is empty; give a folder for the run"),
+    (["bench", "table4", "--quick", "--out", ""], "--out is empty; give the folder of the results"),
+    (["push-to-hub", str(FIXTURES / "train_done"), "someone/digits", "--folder", ""], "--folder is empty; give "),
+    (["pseudo-label", "--checkpoint", str(FIXTURES / "train"), "--out", ""], "--out is empty; give a file path"),
+    (["export", "--checkpoint", str(FIXTURES / "train_done"), "--format", "torchscript", "--out", ""],
+     "--out is empty; give a file path"),
+    (["train", *TINY, "--config", "", "--out", "run"], "the config file path is empty; give a YAML file"),
+    (["train", *TINY, "--pseudo-labels", "", "--out", "run"], "pseudo_labels is empty; give the file lambdanet "),
+    (["predict", "", "--checkpoint", str(FIXTURES / "train_done")], "an image path is empty; give image files"),
+    (["eval", "--checkpoint", str(FIXTURES / "train_done"), "--data-dir", ""], "--data-dir is empty; give a "),
+])
+def test_an_empty_path_is_refused_not_taken_for_the_working_folder(tmp_path, monkeypatch, capsys, argv, needle):
+    """``Path('')`` is the working folder: ``--out ''`` wrote a run (or the benchmark results) there, an empty
+    ``--folder`` uploaded to the hub instead, an empty ``--config`` or ``--pseudo-labels`` was dropped and an empty
+    IMAGE classified the working folder's images. Each is one line now, and the working folder stays as it was."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "x.png").write_bytes(b"")  # what an empty IMAGE found in the working folder
+    assert needle in error_line(capsys, argv)
+    assert [p.name for p in tmp_path.iterdir()] == ["x.png"]
+
+
+def test_predict_and_export_name_an_empty_checkpoint(tmp_path, capsys):
+    image = tmp_path / "x.png"
+    image.write_bytes(b"")
+    for argv in (["predict", str(image), "--checkpoint", ""],
+                 ["export", "--checkpoint", "", "--format", "torchscript", "--out", str(tmp_path / "m.pt")]):
+        assert "the checkpoint path is empty; pass a run directory" in error_line(capsys, argv)  # not ". is a folder"
+    assert [p.name for p in tmp_path.iterdir()] == ["x.png"]
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+@pytest.mark.parametrize("command, path", [
+    (["export", "--checkpoint", str(FIXTURES / "train_done"), "--format", "torchscript", "--out"], "x.pt"),
+    (["pseudo-label", "--checkpoint", str(FIXTURES / "train"), "--out"], "x.pt"),
+    (["push-to-hub", str(FIXTURES / "train_done"), "someone/digits", "--folder"], "repo"),
+])
+def test_an_output_where_nothing_can_be_written_names_the_option_first(capsys, command, path):
+    """An output under a folder that cannot be made (/proc takes none) was a bare ``[Errno 2] No such file or
+    directory: '/proc/lambdanet-none'``, for pseudo-label once its work was done; the output's place is tried
+    first."""
+    option, path = command[-1], f"/proc/lambdanet-none/{path}"
+    err = error_line(capsys, [*command, path])
+    assert f"{option} {path}: cannot write there (" in err and f"; choose another {option}" in err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["bogus"], "unknown bench part(s) ['bogus']; valid: targets"),
+    (["scaling", "--layers", "bogus"], "unknown bench layer(s) ['bogus']"),
+    (["table4", "--amp", "fp16"], "amp='fp16' needs device='cuda', got device='cpu'"),
+])
+def test_bench_checks_its_parts_before_making_out(tmp_path, capsys, argv, needle):
+    assert needle in error_line(capsys, ["bench", *argv, "--quick", "--out", str(tmp_path / "b")])
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["sweep", "--lrs", "0.1", *TINY, "--model", "lambda_lm_nano"],
+    ["sweep", "--lrs", "0.1", *TINY, "--labeled-fraction", "0.5", "--pseudo-labels", "none.pt"],
+    ["train", *TINY, "--batch-size", "4096"],
+])
+def test_a_run_that_fails_before_its_first_file_leaves_no_folders(tmp_path, capsys, argv):
+    """The run folder's lock made ``--out`` with its missing parents and removed only ``--out`` on an error before
+    the first file: a sweep left ``--out/<model>`` (and ``--out``), a nested ``--out`` its parents."""
+    out = tmp_path / "a" / "b" / "out"
+    error_line(capsys, [*argv, "--out", str(out)])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_pseudo_labels_that_are_a_folder_say_so(tmp_path, capsys):
+    err = error_line(capsys, ["train", *TINY, "--labeled-fraction", "0.5", "--pseudo-labels", str(tmp_path), "--out",
+                              str(tmp_path / "run")])
+    assert err.endswith(f"pseudo_labels file {tmp_path} is a directory")  # not "does not exist"
+
+
+def test_threads_beyond_a_c_int_names_threads(capsys):
+    err = error_line(capsys, ["eval", "--checkpoint", str(FIXTURES / "train_done"), "--threads", str(2**63)])
+    assert err.endswith(f"--threads must be a positive int below 2**31 (CPU threads), got {2**63}")

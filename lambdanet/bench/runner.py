@@ -54,7 +54,7 @@ from lambdanet.files import make_output_dir
 from lambdanet.helpers import check_positive_int, require
 from lambdanet.runtime import check_amp
 
-__all__ = ["BenchSettings", "Part", "PARTS", "DEFAULT_PARTS", "DEFAULT_SUITES", "run_benchmarks"]
+__all__ = ["BenchSettings", "Part", "PARTS", "DEFAULT_PARTS", "DEFAULT_SUITES", "check_request", "run_benchmarks"]
 
 DEFAULT_PARTS = ("targets", "scaling", "table4")  # what ``lambdanet bench`` runs without part names
 
@@ -314,6 +314,36 @@ def _stopped(sig: signal.Signals, part: str, done: list[str], out: Path) -> Pree
     return Preempted(f"stopped by {sig.name} in part {part}: {written}")
 
 
+def check_request(
+    parts: Sequence[str],
+    *,
+    device: str = "cpu",
+    amp: str = "none",
+    img_size: int | None = None,
+    batch_size: int | None = None,
+    repeats: int | None = None,
+    suites: Sequence[str] | None = None,
+    layers: Sequence[str] | None = None,
+) -> None:
+    """What :func:`run_benchmarks` checks before it writes anything (its arguments, the same names): the precision
+    on the device, the sizes, the names of the parts, suites and layers (a one-line ``ValueError``), and the
+    plotting package the parts need. ``lambdanet bench`` calls it before it makes ``--out``."""
+    check_amp(amp, device)
+    for value, name in ((img_size, "img_size"), (batch_size, "batch_size"), (repeats, "repeats")):
+        if value is not None:
+            check_positive_int(value, name)
+    if any(p in PLOTTING_PARTS for p in parts):
+        require("matplotlib", "bench", "lambdanet bench (the plots of " + ", ".join(PLOTTING_PARTS) + ")")
+    for what, asked, valid in (
+        ("bench layer(s)", layers or (), layer_bench.LAYER_SUITE),
+        ("model suite(s)", suites or (), model_bench.MODEL_SUITES),
+        ("bench part(s)", parts, PARTS),
+    ):
+        unknown = sorted(set(asked) - set(valid))
+        if unknown:
+            raise ValueError(f"unknown {what} {unknown}; valid: {', '.join(valid)}")
+
+
 def run_benchmarks(
     parts: Sequence[str] = tuple(PARTS),
     *,
@@ -343,20 +373,8 @@ def run_benchmarks(
     or an option no part of ``parts`` reads, to ``warn`` (stderr), and the former into ``bench.md``. SIGINT or
     SIGTERM stops the run with :class:`~lambdanet.engine.preempt.Preempted` naming what was written.
     """
-    check_amp(amp, device)
-    for value, name in ((img_size, "img_size"), (batch_size, "batch_size"), (repeats, "repeats")):
-        if value is not None:
-            check_positive_int(value, name)
-    if any(p in PLOTTING_PARTS for p in parts):
-        require("matplotlib", "bench", "lambdanet bench (the plots of " + ", ".join(PLOTTING_PARTS) + ")")
-    for what, asked, valid in (
-        ("bench layer(s)", layers or (), layer_bench.LAYER_SUITE),
-        ("model suite(s)", suites or (), model_bench.MODEL_SUITES),
-        ("bench part(s)", parts, PARTS),
-    ):
-        unknown = sorted(set(asked) - set(valid))
-        if unknown:
-            raise ValueError(f"unknown {what} {unknown}; valid: {', '.join(valid)}")
+    check_request(parts, device=device, amp=amp, img_size=img_size, batch_size=batch_size, repeats=repeats,
+                  suites=suites, layers=layers)  # fmt: skip
     out = make_output_dir(out, "out", "the folder of the results")
     options = dict(suites=suites, img_size=img_size, batch_size=batch_size, repeats=repeats, amp=amp,
                    channels_last=channels_last, compile=compile, layers=layers)  # fmt: skip

@@ -9,7 +9,7 @@ __all__ = ["register"]
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     """Benchmarks (library: ``lambdanet.bench.runner.run_benchmarks``)."""
-    from lambdanet.bench.runner import DEFAULT_PARTS, run_benchmarks
+    from lambdanet.bench.runner import DEFAULT_PARTS, check_request, run_benchmarks
     from lambdanet.cli.common import check_device
     from lambdanet.files import make_output_dir
     from lambdanet.helpers import check_positive_int
@@ -18,9 +18,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     for value, name in ((args.img_size, "--img-size"), (args.batch_size, "--batch-size"), (args.repeats, "--repeats")):
         if value is not None:  # None: not given (its default; under --quick, its tiny value)
             check_positive_int(value, name)
+    parts = args.parts or DEFAULT_PARTS
+    check_request(parts, device=args.device, amp=args.amp, suites=args.suites, layers=args.layers)  # before --out
     make_output_dir(args.out, "--out", "the folder of the results")
     run_benchmarks(
-        args.parts or DEFAULT_PARTS,
+        parts,
         device=args.device,
         out=args.out,
         quick=args.quick,

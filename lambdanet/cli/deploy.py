@@ -234,8 +234,8 @@ def _cmd_push(args: argparse.Namespace) -> int:
     from lambdanet.files import check_output_dir
     from lambdanet.hub import push_to_hub, save_for_hub
 
-    if args.folder:
-        check_output_dir(args.folder, "--folder", "the folder receiving the repository's files")
+    if args.folder is not None:  # an empty --folder is refused, not taken for none (an upload)
+        check_output_dir(args.folder, "--folder", "the folder receiving the repository's files", writable=True)
         folder = save_for_hub(args.run, args.folder, args.repo_id)
         print(
             f"{args.run} -> {folder} ({', '.join(sorted(p.name for p in folder.iterdir()))}); upload it with "

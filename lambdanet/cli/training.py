@@ -41,11 +41,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     import json
 
     from lambdanet.cli.common import check_device
-    from lambdanet.files import check_run_task
+    from lambdanet.files import check_path_given, check_run_task
     from lambdanet.helpers import check_positive_int
     from lambdanet.tasks.classification.task import evaluate_checkpoint
 
     check_positive_int(args.batch_size, "--batch-size")
+    if args.data_dir is not None:
+        check_path_given(args.data_dir, "--data-dir", "give a dataset folder, or leave it out (the checkpoint's)")
     check_device(args.device)
     check_run_task(args.checkpoint, "classify")  # a language-model or detection run: say so
     res = evaluate_checkpoint(

@@ -365,5 +365,5 @@ def config_source_from_args(args: argparse.Namespace, config_cls: type) -> Confi
     that were given, the YAML file's values and the recipe asked for."""
     names = {f.name for f in dataclasses.fields(config_cls)}
     overrides = {k: v for k, v in vars(args).items() if k in names and v is not None}
-    yaml_values = load_yaml(args.config) if getattr(args, "config", None) else {}
+    yaml_values = load_yaml(args.config) if getattr(args, "config", None) is not None else {}  # '': refused
     return ConfigSource(config_cls, overrides.get("recipe"), yaml_values, overrides)

@@ -6,6 +6,7 @@ a second process (duplicate rows in ``metrics.csv``, two trainers on one ``last.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 from pathlib import Path
 
@@ -31,13 +32,15 @@ class RunDirLock:
         self.out = Path(out)
         self.path = self.out / ".lock"
         self._fd: int | None = None
-        self._made = False  # this lock made the folder: one left with nothing but the lock is removed on release
+        # the folders this lock made (the run's, then its missing parents): left with nothing but the lock, they are
+        # removed on release (a sweep's --out/<model> too)
+        self._made: list[Path] = []
 
     def acquire(self) -> RunDirLock:
         if fcntl is None or self._fd is not None:
             return self
         try:
-            self._made = not self.out.exists()
+            self._made = list(itertools.takewhile(lambda p: not p.exists(), (self.out, *self.out.parents)))
             self.out.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as err:  # a folder that cannot be made or written (read-only, /proc, no permission)
@@ -64,7 +67,8 @@ class RunDirLock:
             with contextlib.suppress(OSError):  # (a folder removed meanwhile: nothing to tidy)
                 if self._made and [p.name for p in self.out.iterdir()] == [self.path.name]:  # a run that wrote
                     self.path.unlink(missing_ok=True)  # nothing (an error before its first file): no empty folder
-                    self.out.rmdir()
+                    for folder in self._made:  # deepest first; a parent something else wrote in stays (OSError)
+                        folder.rmdir()
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import yaml
 
+from lambdanet.files import check_path_given
 from lambdanet.helpers import check_number
 
 __all__ = ["check_number", "check_types", "load_yaml", "load_run_yaml", "save_yaml"]
@@ -47,6 +48,7 @@ def load_yaml(path: str | Path, what: str = "config file") -> dict:
     """The mapping of option: value a YAML file holds (an empty file: none); a one-line ``ValueError`` naming
     the file (``what``: how to call it) when it is missing, a folder, not text, not valid YAML or not a
     mapping."""
+    check_path_given(path, f"the {what} path", "give a YAML file of option: value")
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"{what} {path} is a directory, not a YAML file of option: value")

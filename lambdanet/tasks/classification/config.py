@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import ClassVar, cast
 
 from lambdanet.engine.config import RunConfig, config_source_from_args, flag, option, shared
-from lambdanet.files import run_file, weights_file_kind
+from lambdanet.files import check_path_given, run_file, weights_file_kind
 from lambdanet.models import model_args, model_info
 from lambdanet.tasks.classification.datasets import dataset_spec, list_datasets
 from lambdanet.tasks.classification.load import checkpoint_settings
@@ -176,6 +176,12 @@ class TrainConfig(RunConfig):
         if not (self.data.startswith("imagefolder:") or self.data in list_datasets()):
             raise ValueError(f"unknown dataset {self.data!r}; valid: {', '.join(list_datasets())}")
         self.check_number("labeled_fraction", 0, 1, low_open=True)
+        for name, what in (
+            ("pseudo_labels", "the file lambdanet pseudo-label wrote"),
+            ("data_dir", "a dataset folder"),
+        ):
+            if getattr(self, name) is not None:  # '' is no path (null leaves it out), never the working folder
+                check_path_given(getattr(self, name), name, f"give {what}, or leave it out")
         if self.pretrained and self.checkpoint:
             raise ValueError("pass --pretrained (the published weights) or --checkpoint FILE, not both")
         if self.checkpoint is not None:

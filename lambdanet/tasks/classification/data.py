@@ -308,7 +308,7 @@ def load_pseudo_labels(path: str | Path, cfg: TrainConfig) -> dict:
     """A pseudo-label file from ``lambdanet pseudo-label`` that matches this run's data and split."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"pseudo_labels file {path} does not exist")
+        raise ValueError(f"pseudo_labels file {path} {'is a directory' if path.is_dir() else 'does not exist'}")
     expected = "expected the .pt file lambdanet pseudo-label writes"
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)

@@ -144,8 +144,9 @@ def checkpoint_settings(path: str | os.PathLike) -> dict | None:
     """The model settings of what ``lambdanet train`` wrote (a run directory, its safetensors weights or a
     ``last.pt``): ``{"model", "model_kwargs", "image_size", "file"}`` (``file``: what
     :func:`lambdanet.files.run_file` picked), ``None`` for weights of another origin (timm's) or a file that
-    cannot be read (its loader reports why)."""
+    cannot be read (its loader reports why); a one-line ``ValueError`` for another task's run or checkpoint."""
     file = run_file(path)
+    check_run_task(path, "classify")  # a language-model or detection run: say so, not a KeyError on its header
     if file.suffix == ".safetensors" and file.is_file():
         meta = run_metadata(file)
         if meta is None:
@@ -161,6 +162,7 @@ def checkpoint_settings(path: str | os.PathLike) -> dict | None:
             state = load_checkpoint(file)
         except CheckpointError:  # not a run's checkpoint, or damaged: create_model's loader says which
             return None
+        check_checkpoint_task(state.get("config"), file, "classify")  # away from its run: config.yaml told none
         cfg = state.get("config") or {}
         if "model" not in cfg:
             return None
