@@ -195,7 +195,9 @@ def _load(path: Path, format: str, device: torch.device):
         with _quiet_torchscript():
             module = torch.jit.load(str(path), map_location=device)
     else:
-        module = torch.export.load(str(path)).module()
+        with warnings.catch_warnings():  # torch 2.11 warns that the file's bytes are read-only; the check only reads
+            warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+            module = torch.export.load(str(path)).module()
     return lambda x: _tensors(module(x))
 
 

@@ -9,6 +9,7 @@ import contextlib
 import importlib
 import inspect
 import logging
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,12 +21,16 @@ __all__ = ["onnx_export", "output_names", "external_locations", "without_reshape
 
 @contextlib.contextmanager
 def _quiet_onnx() -> Iterator[None]:
-    """Silence the ONNX optimiser's per-node log lines ("Skipping constant folding ...") during an export."""
+    """Silence the ONNX optimiser's per-node log lines ("Skipping constant folding ...") during an export, and
+    torch 2.11's own ``FutureWarning`` on its pytree's ``LeafSpec``, raised inside the exporter (nothing the
+    caller could change; newer torch no longer raises it)."""
     logger = logging.getLogger("onnxscript")
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)`", category=FutureWarning)
+            yield
     finally:
         logger.setLevel(level)
 
