@@ -485,6 +485,19 @@ def test_command_line_errors_are_one_line(tmp_path, corpus_dir, capsys):
     assert "must be a language model" in capsys.readouterr().err
 
 
+def test_a_last_step_that_diverges_is_an_error_not_a_result(tmp_path, corpus_dir, capsys):
+    """One step at lr 1e30: its loss was finite (before the update), the weights after it overflow every forward
+    pass. The loss guard would see it at a next step; the run had none, so it ended with exit 0, a NaN validation
+    figure and the diverged weights saved. Now it is the one-line divergence error, nothing saved."""
+    out = tmp_path / "run"
+    assert main(["lm", "train", "--data", f"text:{corpus_dir}", "--model", "lambda_lm_nano", "--context", "32",
+                 "--epochs", "1", "--steps-per-epoch", "1", "--warmup-steps", "0", "--lr", "1e30", "--batch-size",
+                 "8", "--out", str(out), "--no-progress", "--no-tensorboard"]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert "the validation loss became nan in the evaluation of epoch 1" in err and "Lower --lr" in err
+    assert err.count("\n") == 1 and not (out / "last.pt").exists()
+
+
 def test_bf16_autocast_forward_is_float32s_to_bf16_rounding_and_a_bf16_run_learns(tmp_path, corpus_dir):
     """Under CPU bf16 autocast the linear layers run in bf16 (unit roundoff 2^-8 = 3.9e-3) and the causal lambda
     in float32: the logits stay within 3e-2 relative RMS of float32's (a few roundings in sequence through two

@@ -470,6 +470,64 @@ def test_a_run_resumed_inside_an_epoch_that_diverges_names_where_its_checkpoint_
     assert load_checkpoint(out / "last.pt")["step"] == state["step"]
 
 
+class _InfGradAt(_NaNAfter):
+    """A tiny classifier with finite losses whose gradient is infinite at its ``at``-th training step, so that step's
+    update makes the weights NaN (AdamW: inf / inf) while its own loss was finite."""
+
+    at = 6
+
+    def __init__(self, num_classes, in_chans):
+        super().__init__(num_classes, in_chans)
+        self.spoiled = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+        spoiled = self.spoiled
+        if self.training and self.calls == self.at:
+            spoiled = spoiled.clone()
+            spoiled.register_hook(lambda g: torch.full_like(g, float("inf")))
+        return self.net(x) + 0 * spoiled  # 0 * NaN: the weights' NaN reaches every later output
+
+
+@pytest.mark.parametrize(
+    "at,steps,saved,where", [(6, 0, 3, r"last\.pt \(epoch 1\)"), (5, 1, 4, r"last\.pt \(epoch 2 after batch 1/3\)")]
+)
+def test_an_update_that_spoils_the_weights_at_a_saved_step_is_never_saved(tmp_path, monkeypatch, at, steps, saved,
+                                                                          where):  # fmt: skip
+    """The loss guard sees a spoiled update only at the next step's loss: the last step of a run (``at`` 6 of 6) would
+    end the run with NaN weights saved and a NaN evaluation (exit 0), a step save after it (``at`` 5, saved every
+    step) would write them as the "last good checkpoint". The weights are checked before every save."""
+    monkeypatch.setattr(_InfGradAt, "at", at)
+    def test_inf_grad_model(*, num_classes=10, in_chans=3, img_size=None):
+        return _InfGradAt(num_classes, in_chans)
+
+    register_model(test_inf_grad_model, info=ModelInfo("test_inf_grad_model", 16, "test"))
+    try:
+        out = tmp_path / "run"
+        cfg = resolve_config(overrides={**FAST, "model": "test_inf_grad_model", "checkpoint_steps": steps,
+                                        "out": str(out)})  # fmt: skip
+        with pytest.raises(TrainingDivergedError, match=rf"weights became NaN or infinite by epoch 2, step {at - 3}"
+                                                        rf".*last good checkpoint .*{where}"):  # fmt: skip
+            train(cfg)
+    finally:
+        unregister_model("test_inf_grad_model")
+    state = load_checkpoint(out / "last.pt")
+    assert state["step"] == saved and all(torch.isfinite(v).all() for v in state["model"].values()
+                                            if v.is_floating_point())  # fmt: skip
+
+
+def test_a_last_step_that_diverges_is_an_error_not_a_result(tmp_path, capsys):
+    """One step at lr 1e30 (no warm-up): its loss was finite, the finite weights after it overflow the evaluation.
+    The run used to print a test top-1 from NaN logits, exit 0 and save the weights; now it stops as diverged."""
+    out = tmp_path / "run"
+    assert main(["train", "--epochs", "1", "--max-train-batches", "1", "--warmup-epochs", "0", "--lr", "1e30",
+                 "--out", str(out), "--no-progress", "--no-tensorboard"]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert "the test loss became nan in the evaluation of epoch 1" in err and "no checkpoint had been written" in err
+    assert err.count("\n") == 1 and not list(out.glob("*.pt")) and not list(out.glob("*.safetensors"))
+
+
 @pytest.mark.parametrize(
     "args,needle",
     [

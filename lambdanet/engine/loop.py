@@ -24,6 +24,8 @@ from lambdanet.runtime import autocast_context  # the loops' autocast, validated
 __all__ = [
     "optimizer_step",
     "NonFiniteLossError",
+    "NonFiniteWeightsError",
+    "NonFiniteEvalError",
     "TrainingDivergedError",
     "train_epoch",
     "fit",
@@ -38,6 +40,28 @@ class NonFiniteLossError(RuntimeError):
     def __init__(self, epoch: int, step: int, value: float):
         self.epoch, self.step, self.value = epoch, step, value
         super().__init__(f"the training loss became {value} at epoch {epoch + 1}, step {step + 1}")
+
+
+class NonFiniteWeightsError(NonFiniteLossError):
+    """A step's update made the weights NaN or infinite, its loss finite (only the next step's loss would say it):
+    found before a checkpoint is written and at an epoch's end, so no checkpoint holds such weights."""
+
+    def __init__(self, epoch: int, step: int):
+        self.epoch, self.step, self.value = epoch, step, float("nan")
+        RuntimeError.__init__(
+            self, f"the weights became NaN or infinite by epoch {epoch + 1}, step {step + 1} (the losses were finite)"
+        )
+
+
+class NonFiniteEvalError(NonFiniteLossError):
+    """A task's evaluation of an epoch found a NaN or infinite loss, the training losses finite: the epoch's last
+    updates diverged (weights that are finite yet overflow a forward pass). ``epoch_row`` raises it; the epoch is
+    not saved."""
+
+    def __init__(self, epoch: int, what: str, value: float):
+        self.epoch, self.step, self.value = epoch, -1, value
+        RuntimeError.__init__(self, f"the {what} became {value} in the evaluation of epoch {epoch + 1} (the training "
+                                    f"losses were finite: the epoch's last updates diverged)")  # fmt: skip
 
 
 class TrainingDivergedError(RuntimeError):
@@ -126,6 +150,7 @@ def train_epoch(
     sums = saved if ctx.is_main else dict.fromkeys(saved, 0.0)  # the main process carries every rank's sums
     start = time.perf_counter() - float(partial.get("seconds", 0.0))
     model.train()
+    trained = done
     for i, batch in enumerate(batches, start=done):
         if i >= total:
             break
@@ -142,6 +167,7 @@ def train_epoch(
         if state.ema is not None:
             state.ema.update_parameters(model)
         state.step += 1
+        trained = i + 1
         for k, v in amounts.items():
             sums[k] = sums.get(k, 0.0) + v
         if bar is not None:
@@ -156,6 +182,7 @@ def train_epoch(
             and (state.step % save_every == 0 if save_at_step else (i + 1) % save_every == 0 and i + 1 < total)
         )
         if signalled or due:
+            _check_weights(model, state.epoch, i)  # the same on every process: their weights are one
             total_sums, sums = _carried(sums, ctx)
             state.epoch_partial = {"batches": i + 1, "sums": total_sums, "seconds": time.perf_counter() - start}
             state.gather_rng(ctx)  # every process's generators for the checkpoint of this step (a collective)
@@ -164,8 +191,17 @@ def train_epoch(
             if ctx.is_main or save_at_step:
                 cast("Callable[[RunState], None]", save)(state)  # not None: without a signal the test above needs it
             state.epoch_partial = None
+    if trained > done:  # before the epoch's save (or a failed evaluation's)
+        _check_weights(model, state.epoch, trained - 1)
     state.epoch_partial = None
     return {"sums": _carried(sums, ctx)[0], "seconds": time.perf_counter() - start}
+
+
+def _check_weights(model: nn.Module, epoch: int, step: int) -> None:
+    """Raise :class:`NonFiniteWeightsError` unless every weight of ``model`` is finite (one host sync)."""
+    weights = [p.detach() for p in model.parameters()]
+    if weights and not bool(torch.stack([torch.isfinite(p).all() for p in weights]).all()):
+        raise NonFiniteWeightsError(epoch, step)
 
 
 def fit(
@@ -199,12 +235,7 @@ def fit(
             result = train_epoch(state, model, task.batches(state), task.step_loss, **_epoch_options(task, saved_at),
                                  ctx=ctx, stop=stop, bar=bar)  # fmt: skip
         except NonFiniteLossError as err:
-            where = (
-                f"the last good checkpoint is {path} ({saved_at[0]})"
-                if path.is_file()
-                else "no checkpoint had been written yet"
-            )
-            raise TrainingDivergedError(f"{err}; training stopped, {where}. {task.diverged_hint}") from None
+            raise _diverged(task, err, saved_at[0]) from None
         finally:
             if bar is not None:
                 bar.close()
@@ -218,7 +249,10 @@ def fit(
                 path,
                 cfg.out,
             )
-        evaluated = _epoch_row(task, state, model, result, log)  # state.epoch now counts the epoch
+        try:
+            evaluated = _epoch_row(task, state, model, result, log)  # state.epoch now counts the epoch
+        except NonFiniteEvalError as err:
+            raise _diverged(task, err, saved_at[0]) from None
         row = {"epoch": state.epoch, **evaluated}
         stopped = task.stops_early(state)
         logger.log_epoch(row)
@@ -230,6 +264,15 @@ def fit(
         if stop is not None and stop.requested(ctx) is not None:  # a signal while it evaluated or saved
             _stop_after_epoch(task, state, stop, saved=last_saved == state.epoch)
     return row, stopped
+
+
+def _diverged(task: Task, err: NonFiniteLossError, saved_at: str) -> TrainingDivergedError:
+    """The run's one-line error for a divergence: what became non-finite, where the last good checkpoint stands."""
+    path = task.checkpoint_path
+    where = "no checkpoint had been written yet"
+    if path.is_file():
+        where = f"the last good checkpoint is {path} ({saved_at})"
+    return TrainingDivergedError(f"{err}; training stopped, {where}. {task.diverged_hint}")
 
 
 def _stop_after_epoch(task: Task, state: RunState, stop: StopSignals, saved: bool) -> None:
@@ -298,6 +341,8 @@ def _epoch_row(task: Task, state: RunState, model: nn.Module, result: dict, log:
     except BaseException as err:
         state.epoch, state.train_time_s, state.samples_seen, state.best, state.bad_epochs = counters
         set_rng_state(rng)  # what the evaluation drew is drawn again when it runs again
+        if isinstance(err, NonFiniteEvalError):
+            raise  # the weights diverged: nothing to save
         state.epoch_partial = {"batches": task.steps_per_epoch, "sums": result["sums"], "seconds": result["seconds"]}
         _write(task, state)  # no collective here: the other processes may be gone
         where = f"while evaluating epoch {state.epoch + 1}/{task.cfg.epochs}"

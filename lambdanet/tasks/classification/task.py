@@ -7,6 +7,7 @@ run starts."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import platform
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +19,7 @@ from torch import nn
 from lambdanet.engine.checkpoint import CheckpointError, export_safetensors, load_checkpoint, unwrap
 from lambdanet.engine.distributed import DistContext, convert_sync_batchnorm, uses_cuda
 from lambdanet.engine.logger import plot_history, read_history, write_json
-from lambdanet.engine.loop import TrainingDivergedError, to_device
+from lambdanet.engine.loop import NonFiniteEvalError, TrainingDivergedError, to_device
 from lambdanet.engine.optim import build_ema, build_optimizer, build_scheduler, set_bn_momentum
 from lambdanet.engine.state import RunState
 from lambdanet.engine.task import Task, run
@@ -196,6 +197,8 @@ class ClassificationTask(Task):
         splits = {"test": data.test} if data.val is None else {"test": data.test, "val": data.val}
         for split, loader in splits.items():
             res = evaluate(model, loader, device=ctx.device, ctx=ctx, amp=cfg.amp, channels_last=cfg.channels_last)
+            if not math.isfinite(res["loss"]):  # the same on every process (reduced)
+                raise NonFiniteEvalError(state.epoch - 1, f"{split} loss", res["loss"])
             row.update({f"{split}_loss": res["loss"], f"{split}_top1": res["top1"], f"{split}_top5": res["top5"]})
         if state.ema is not None:
             res = evaluate(

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from lambdanet.engine.checkpoint import CheckpointError, export_safetensors, load_checkpoint, unwrap
 from lambdanet.engine.distributed import all_reduce_sum
 from lambdanet.engine.logger import plot_history, read_history, write_json
+from lambdanet.engine.loop import NonFiniteEvalError
 from lambdanet.engine.optim import build_optimizer, lr_at
 from lambdanet.engine.state import RunState
 from lambdanet.engine.task import Task, run
@@ -175,6 +176,8 @@ class LanguageModelTask(Task):
         seen = max(sums.get("bytes", 0), 1)
         state.samples_seen += int(sums.get("bytes", 0))
         res = self._evaluate(model, self.cfg.eval_bytes)
+        if res["bytes"] and not math.isfinite(res["loss"]):  # (NaN for no byte predicted: no score, no divergence)
+            raise NonFiniteEvalError(state.epoch - 1, "validation loss", res["loss"])
         row = {
             "lr": state.optimizer.param_groups[0]["lr"],
             "train_loss": sums.get("loss", 0.0) / seen,
