@@ -35,7 +35,7 @@ from torch import nn
 
 from lambdanet.models import list_models
 
-from test_models import DEPTH_REPEATS, build_small, slow_repeats
+from test_models import DEEP_MODELS, DEPTH_REPEATS, build_small, slow_repeats
 
 UNIT_ROUNDOFF = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
 MARGIN = 4.0
@@ -151,7 +151,7 @@ def test_half_precision_model_is_within_its_formats_rounding_error_of_float64(na
     assert checked, f"{name}: no mode whose values fit float16 or bfloat16"
 
 
-@pytest.mark.parametrize("name", slow_repeats(list_models(task="image")))
+@pytest.mark.parametrize("name", slow_repeats(list_models(task="image"), DEPTH_REPEATS | DEEP_MODELS))
 def test_every_model_runs_in_half_precision_as_initialised(name):
     """``create_model(...).half()`` / ``.to(torch.bfloat16)`` as a user calls it: forward in eval and train
     mode, output in that dtype and finite (the issue's failure was a dtype error in the lambda layers)."""

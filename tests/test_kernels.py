@@ -287,6 +287,7 @@ def test_triton_impl_errors_are_clear(monkeypatch):
     assert not ok and "CUDA" in why and "TRITON_INTERPRET=1" in why
 
 
+@pytest.mark.slow  # (20-35 s of ptxas: a change to the kernels runs -m slow, CONTRIBUTING.md)
 def test_kernels_compile_for_hopper_and_the_table_gradient_does_not_spill():
     """The interpreter cannot tell whether the kernels compile for a GPU: compile them ahead of time for
     compute capability 9.0 (H100 / H200) with Triton's bundled ptxas, in fp32, bf16 and fp16, in a process

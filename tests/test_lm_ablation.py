@@ -20,6 +20,20 @@ def test_every_configuration_is_within_the_budget_and_keeps_its_options(config):
     assert sum(p.numel() for p in model.parameters()) == params  # counted on the model that trains
 
 
+@pytest.mark.parametrize("config", ["heads8", "gate_conv4", "hybrid"])
+def test_the_dim_v_bisection_finds_what_trying_every_value_finds(config):
+    """``matched_kwargs`` bisects over ``dim_v`` (the count grows with it): the same value and count as trying every
+    multiple of 8 up to ``4 dim``, as the study did before (nano: 32 models)."""
+    from lambdanet.bench.lm_ablation import _closest_dim_v, _params
+    from lambdanet.models.lm import LM_SIZES
+
+    family, kwargs = ABLATIONS[config]
+    name, reference, dim = f"{family}_lm_nano", _params("transformer_lm_nano", {}), LM_SIZES["nano"].dim
+    counts = {v: _params(name, {**kwargs, "dim_v": v}) for v in range(8, 4 * dim + 1, 8)}
+    best = min(counts, key=lambda v: abs(counts[v] - reference))
+    assert _closest_dim_v(name, kwargs, reference, dim) == (best, counts[best])
+
+
 def test_the_knobs_turn_the_plain_layer_and_the_chosen_one_is_the_registered_default():
     """The study's reference ``lambda`` is the paper's layer alone whatever the registered default is (rows written
     before the default moved keep their meaning), and ``fixed_conv4``, the default it chose, builds exactly the tiny

@@ -74,11 +74,17 @@ BYOA_REPEATS = {"lambda_resnet50ts", "halonet26t", "sehalonet33ts", "halonet50ts
 # of them (ResNet-RS 101-420 as resnet_rs50 / _se; LambdaResNet 101-420 as lambda_resnet50, whose c4 mixes conv and
 # lambda blocks too; lambda_resnet152_c4 as 101_c4; resnet101 / 152 as resnet50), and the HaloNets whose block size
 # and halo another keeps, at other widths and depths (h1, h2 as h0: b 8, halo 3; h7 as h3: b 10, halo 3; h5 as h4:
-# halo 2, a block size that does not divide the maps). The float64 rounding test, 2-14 s each, runs them with
-# -m slow; the cheaper sweeps run every model
+# halo 2, a block size that does not divide the maps). The sweeps over the zoo (features, channels last, a training
+# step, the small variants, half precision) run them with -m slow (2-14 s each, nothing their shallower model does
+# not test); the parameter counts of Tables 3, 4, 9-14 still build every model
 DEPTH_REPEATS = {*(f"resnet_rs{d}{se}" for d in (101, 152, 200, 270, 350, 420) for se in ("", "_se")),
                  *(f"lambda_resnet{d}" for d in (101, 152, 200, 270, 350, 420)), "lambda_resnet152_c4",
                  "resnet101", "resnet152", "halonet_h1", "halonet_h2", "halonet_h5", "halonet_h7"}  # fmt: skip
+
+
+# the 270- to 420-layer variants repeat the blocks of the shallower ones and take 5-9 s each to build even on the
+# meta device: they run with -m slow
+DEEP_MODELS = {n for n in list_models(task="image") if re.search(r"(270|350|420)", n)}
 
 
 def slow_repeats(names, repeats=frozenset()):
@@ -184,7 +190,7 @@ def test_resnet_rs_stem_and_shortcut_are_resnet_d():
     assert isinstance(short[0], torch.nn.AvgPool2d) and short[1].stride == (1, 1)
 
 
-@pytest.mark.parametrize("name", list_models(task="image"))
+@pytest.mark.parametrize("name", slow_repeats(list_models(task="image"), DEPTH_REPEATS | DEEP_MODELS))
 def test_small_variants_keep_the_architecture_but_not_the_width(name):
     """The fast variant of the behaviour tests keeps every block, layer type and placement of the registered
     model and divides its stage widths by :func:`narrowing`. (Only a shortcut may differ: the stem keeps its
@@ -196,7 +202,7 @@ def test_small_variants_keep_the_architecture_but_not_the_width(name):
     assert [f["num_chs"] // narrowing(name) for f in full.feature_info] == [f["num_chs"] for f in small.feature_info]
 
 
-@pytest.mark.parametrize("name", slow_repeats(list_models(task="image")))
+@pytest.mark.parametrize("name", slow_repeats(list_models(task="image"), DEPTH_REPEATS | DEEP_MODELS))
 def test_every_model_trains_a_step(name):
     """Forward and backward at a small size, no NaN, every parameter gets a (non-zero) gradient."""
     torch.manual_seed(0)
@@ -210,7 +216,7 @@ def test_every_model_trains_a_step(name):
     assert not missing, missing
 
 
-@pytest.mark.parametrize("name", slow_repeats(list_models(task="image")))
+@pytest.mark.parametrize("name", slow_repeats(list_models(task="image"), DEPTH_REPEATS | DEEP_MODELS))
 def test_every_model_converts_to_channels_last(name):
     """``model.to(memory_format=torch.channels_last)`` (the timm / torchvision idiom) works and changes
     nothing but the layout. Checked module by module: each layer of the converted model, given the
@@ -258,25 +264,19 @@ def test_every_model_converts_to_channels_last(name):
     assert spatial > 10
 
 
-# the 270- to 420-layer variants repeat the blocks of the shallower ones and take 5-9 s each to build even on the
-# meta device: they run with -m slow
-DEEP_MODELS = {n for n in list_models(task="image") if re.search(r"(270|350|420)", n)}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in DEEP_MODELS else n
-                                  for n in list_models(task="image")])
+@pytest.mark.parametrize("name", slow_repeats(list_models(task="image"), DEPTH_REPEATS | DEEP_MODELS))
 def test_every_model_features_and_classifier(name):
     info = model_info(name)
     assert info.input_size > 0 and info.paper
-    with torch.device("meta"):
-        feats_model = create_model(name, features_only=True)
+    with torch.device("meta"):  # eval mode: the shapes alike, half the time (training BN decomposes on meta)
+        feats_model = create_model(name, features_only=True).eval()
         x = torch.empty(1, 3, 128, 96)
         feats = feats_model(x)
         assert len(feats) == 4 == len(feats_model.feature_info)
         for f, fi, stride in zip(feats, feats_model.feature_info, (4, 8, 16, 32)):
             assert fi["reduction"] == stride
             assert f.shape == (1, fi["num_chs"], math.ceil(128 / stride), math.ceil(96 / stride))
-        model = create_model(name, num_classes=0, in_chans=1)
+        model = create_model(name, num_classes=0, in_chans=1).eval()
         pooled = model(torch.empty(2, 1, 64, 64))
         assert pooled.shape == (2, model.num_features)
         model.reset_classifier(5)

@@ -664,6 +664,7 @@ def test_the_kernels_limits_are_where_they_stop_fitting_hopper(heads, dtype, ins
     assert (FC.fits(heads, 32, 64, 16, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]) is None) == inside
 
 
+@pytest.mark.slow  # (20-35 s of ptxas: a change to the kernels runs -m slow, CONTRIBUTING.md)
 def test_fused_chunk_kernels_compile_for_hopper_within_its_shared_memory():
     """Compiled ahead of time for compute capability 9.0 at ``lambda_lm_base``'s sizes (8 heads, k 16, v 208,
     r 64; bf16 as training runs them): the products on the matrix units, and shared memory within an H100's

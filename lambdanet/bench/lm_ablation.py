@@ -88,7 +88,8 @@ DEFAULT_SEEDS = (0, 1, 2)
 
 
 def _params(name: str, kwargs: dict) -> int:
-    return sum(p.numel() for p in create_model(name, **kwargs).parameters())
+    with torch.device("meta"):  # counted without initialising them (the search builds up to 4 dim models)
+        return sum(p.numel() for p in create_model(name, **kwargs).parameters())
 
 
 def matched_kwargs(family: str, size: str, kwargs: dict) -> tuple[dict, int, int]:
@@ -99,12 +100,25 @@ def matched_kwargs(family: str, size: str, kwargs: dict) -> tuple[dict, int, int
     params = _params(name, kwargs)
     if abs(params / reference - 1) <= BUDGET_TOLERANCE or family == "transformer" or "dim_v" in kwargs:
         return dict(kwargs), params, reference
-    dim = LM_SIZES[size].dim
-    best = min(range(8, 4 * dim + 1, 8), key=lambda v: abs(_params(name, {**kwargs, "dim_v": v}) - reference))
-    params = _params(name, {**kwargs, "dim_v": best})
+    best, params = _closest_dim_v(name, kwargs, reference, LM_SIZES[size].dim)
     if abs(params / reference - 1) > BUDGET_TOLERANCE:
         raise ValueError(f"{name} with {kwargs} cannot be brought within 2% of {reference} parameters by dim_v")
     return {**kwargs, "dim_v": best}, params, reference
+
+
+def _closest_dim_v(name: str, kwargs: dict, reference: int, dim: int) -> tuple[int, int]:
+    """The ``dim_v`` among the multiples of 8 up to ``4 dim`` whose model's parameters come closest to ``reference``
+    (the smaller on a tie), and that count: the count grows with ``dim_v``, so a bisection finds the first one at or
+    above ``reference`` and the closest is it or the one before (a handful of models built, not ``dim / 2``)."""
+    values = range(8, 4 * dim + 1, 8)
+    lo, hi = 0, len(values) - 1
+    while lo < hi:  # the first value whose count reaches the reference (the last if none does)
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if _params(name, {**kwargs, "dim_v": values[mid]}) < reference else (lo, mid)
+    near = [(abs(count - reference), v, count) for v in values[max(lo - 1, 0) : lo + 1]
+            for count in [_params(name, {**kwargs, "dim_v": v})]]  # fmt: skip
+    _, best, params = min(near)
+    return best, params
 
 
 def _matching(path: Path, settings: dict, matched: dict) -> list[dict]:
