@@ -65,6 +65,17 @@ def to_ntuple(value: int | Sequence[int] | None, n: int, name: str) -> tuple[int
     return tuple(operator.index(v) for v in entries)
 
 
+def assume_constant_result(fn):
+    """``torch.compiler.assume_constant_result(fn)`` without importing ``torch._dynamo`` where nothing compiles:
+    torch's decorator imports it (2.5 s of every ``import lambdanet`` and command start on a CPU) to set one mark
+    on ``fn``, which dynamo reads when it traces a call (tests/test_compat.py checks the mark is torch's). Where
+    dynamo is loaded already, torch's own decorator."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True  # torch._dynamo.decorators.assume_constant_result's whole work (2.0 - 2.14)
+    return fn
+
+
 def _is_int(value) -> bool:
     """An integer that is not a bool (``operator.index`` accepts ints, numpy ints and 0-d integer tensors)."""
     if isinstance(value, bool):

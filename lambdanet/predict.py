@@ -32,6 +32,7 @@ from lambdanet.helpers import check_choice, check_positive_int
 from lambdanet.models import create_model, model_args
 from lambdanet.models.hub import hub_repo
 from lambdanet.files import IMAGE_SUFFIXES, check_path_given, check_run_task, is_run_weights, read_image
+from lambdanet.tasks.classification.data import eval_resize
 from lambdanet.tasks.classification.load import load_model
 
 __all__ = [
@@ -206,11 +207,11 @@ def preprocess_transform(cfg: dict):
     check_choice(interpolation, "pretrained_cfg['interpolation']", INTERPOLATIONS)
     mode = {"bilinear": v2.InterpolationMode.BILINEAR, "bicubic": v2.InterpolationMode.BICUBIC}[interpolation]
     ops = [v2.ToImage(), v2.ToDtype(torch.float32, scale=True)]  # uint8 HWC -> float32 [c, h, w] in [0, 1]
-    if crop_pct == 1.0:
+    resize = eval_resize(size, crop_pct)  # timm's eval transform, as the runs evaluated
+    if resize is None:
         ops.append(v2.Resize(size, interpolation=mode, antialias=True))
-    else:  # timm's eval transform: shorter side to size / crop_pct, centre crop
-        scale = int(size[0] / crop_pct) if size[0] == size[1] else [int(s / crop_pct) for s in size]
-        ops += [v2.Resize(scale, interpolation=mode, antialias=True), v2.CenterCrop(size)]
+    else:
+        ops += [v2.Resize(resize, interpolation=mode, antialias=True), v2.CenterCrop(size)]
     ops.append(v2.Normalize(mean, std))
     return v2.Compose(ops)
 

@@ -70,3 +70,36 @@ def test_a_command_missing_its_extra_names_it_in_one_line(missing, argv, extra, 
     if missing == "tensorboard":
         assert "--no-tensorboard" in err
     assert not (tmp_path / "run" / "last.pt").exists()
+
+
+def test_importing_the_package_or_the_command_line_loads_no_compiler():
+    """``import lambdanet`` and the command line's parser (every command's start, ``--help`` included) leave
+    ``torch._dynamo`` unloaded: torch's ``assume_constant_result`` decorator imported it at import time, 2.5 of
+    the 5.5 s ``import lambdanet`` took on 2 CPU cores."""
+    code = ("import sys\nimport lambdanet\nfrom lambdanet.cli import build_parser\nbuild_parser()\n"
+            "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo') or m.startswith('torch._inductor')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", (proc.stdout[-500:], proc.stderr[-2000:])
+
+
+def test_the_constant_mark_is_torchs_own(monkeypatch):
+    """:func:`lambdanet.helpers.assume_constant_result` sets what torch's decorator sets, and only that (a torch
+    release that marks another way fails here, and the compile tests' graph breaks say where)."""
+    import torch
+
+    from lambdanet.helpers import assume_constant_result
+
+    def ours():
+        return 0
+
+    def theirs():
+        return 0
+
+    import torch._dynamo
+
+    before = dict(ours.__dict__)
+    with monkeypatch.context() as m:
+        m.delitem(sys.modules, "torch._dynamo")  # as in a process that compiles nothing
+        assume_constant_result(ours)
+    torch._dynamo.assume_constant_result(theirs)
+    assert ours.__dict__ == theirs.__dict__ != before

@@ -557,15 +557,20 @@ def test_imagefolder_dataset_trains(tmp_path, image_folder):
 
 
 def test_early_stopping_on_the_validation_split(tmp_path):
+    first = []
     summary = train(resolve_config(overrides={**FAST, "epochs": 6, "val_split": 0.1, "early_stop_patience": 1,
                                               "lr": 1e-12, "schedule": "constant", "warmup_epochs": 0.0,
-                                              "out": str(tmp_path / "run")}))
+                                              "out": str(tmp_path / "run")}), log=first.append)  # fmt: skip
+    stop_line = "early stopping: no validation improvement for 1 epochs"
+    assert [s for s in first if "early stopping" in s] == [stop_line]  # said once, where it stopped
+    assert first.index(stop_line) < next(i for i, s in enumerate(first) if s.startswith("epoch 2/6"))
     assert summary["stopped_early"] and summary["epochs"] == 2 and summary["best_selected_by"] == "validation top-1"
     said = []  # resumed with more epochs while its patience is still spent: it says it ends, not that it extends
     again = train(resolve_config(overrides={"out": str(tmp_path / "run"), "resume": True, "epochs": 8}),
                   log=said.append)  # fmt: skip
     assert again["epochs"] == 2 and again["stopped_early"] and (tmp_path / "run" / "model.safetensors").is_file()
     assert any("stopped early after epoch 2 and its rule to stop still holds: it ends there" in s for s in said), said
+    assert [s for s in said if "early stopping" in s] == [stop_line]  # the loop says why, once
     assert not any("extending the run" in s for s in said), said
 
 

@@ -107,8 +107,13 @@ class Task(ABC):
         return epoch % self.cfg.checkpoint_every == 0
 
     def stops_early(self, state: RunState) -> bool:
-        """Called after every epoch: whether the run ends here (a converged search); never by default."""
+        """Called after every epoch and when a run resumes: whether the run ends here (a converged search); never by
+        default. It logs nothing: the loop logs :meth:`early_stop_reason` where it stops."""
         return False
+
+    def early_stop_reason(self, state: RunState) -> str:
+        """The line the loop logs when :meth:`stops_early` ends the run."""
+        return f"stopping early after epoch {state.epoch}"
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """Called once before the loop: the model it trains, before the DDP wrap (compiled when the configuration

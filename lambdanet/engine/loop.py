@@ -222,6 +222,8 @@ def fit(
     cfg, path = task.cfg, task.checkpoint_path
     # a run resumed at the end of an epoch that stopped it early (stopped by a signal there, or extended) ends there
     stopped = state.epoch > 0 and not state.epoch_partial and task.stops_early(state)
+    if stopped:
+        log(task.early_stop_reason(state))
     row, last_saved = {}, state.epoch
     saved_at = [_position(task, state)]  # where last.pt stands, for the divergence message (step saves update it)
     while state.epoch < cfg.epochs and not stopped:
@@ -255,6 +257,8 @@ def fit(
             raise _diverged(task, err, saved_at[0]) from None
         row = {"epoch": state.epoch, **evaluated}
         stopped = task.stops_early(state)
+        if stopped:
+            log(task.early_stop_reason(state))
         logger.log_epoch(row)
         log(task.epoch_line(row))
         if task.save_due(state.epoch) or state.epoch == cfg.epochs or stopped:  # the same on every process

@@ -186,15 +186,6 @@ def _run(task: Task) -> dict:
         raise Preempted.at(signal.SIGINT, "in the run's final evaluation", task.checkpoint_path, cfg.out) from None
 
 
-def _stops_quietly(task: Task, state: RunState) -> bool:
-    """``task.stops_early(state)`` without its log line (the loop says it once, when it stops)."""
-    log, task.log = task.log, lambda _: None
-    try:
-        return task.stops_early(state)
-    finally:
-        task.log = log
-
-
 def _restore(task: Task, state: RunState, saved_epochs: int) -> None:
     """``--resume``: ``last.pt`` into ``state``; more ``epochs`` than the run was planned with extend it."""
     cfg, out = task.cfg, task.out
@@ -209,7 +200,7 @@ def _restore(task: Task, state: RunState, saved_epochs: int) -> None:
         )
     where = resume_point(state.epoch, state.epoch_partial, task.steps_per_epoch)
     task.log(f"resuming {out}: {state.epoch}/{saved_epochs} epochs done{where}")
-    if cfg.epochs > state.epoch and not state.epoch_partial and _stops_quietly(task, state):  # fit ends it at once
+    if cfg.epochs > state.epoch and not state.epoch_partial and task.stops_early(state):  # fit ends it at once
         task.log(f"{out} stopped early after epoch {state.epoch} and its rule to stop still holds: it ends there "
                  f"(--epochs {cfg.epochs} trains nothing more)")  # fmt: skip
     elif cfg.epochs != saved_epochs:

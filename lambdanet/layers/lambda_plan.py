@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import Tensor, nn
 
+from lambdanet.helpers import assume_constant_result
 from lambdanet.layers.position_embedding import AbsolutePositionEmbedding, RelativePositionEmbedding
 from lambdanet.ops.position_lambda import fast as LF
 from lambdanet.ops.position_lambda.dispatch import (  # re-exported: their historical home
@@ -154,7 +155,7 @@ class LambdaPositionMixin:
         """
         return self.plan(spatial, device_type).impl
 
-    @torch.compiler.assume_constant_result  # torch.compile calls it once while tracing and keeps the result
+    @assume_constant_result  # torch.compile calls it once while tracing and keeps the result
     def _measured_winners(self, layer_id: int, dtype: torch.dtype, device: torch.device, inputs_grad: bool) -> tuple:
         """:func:`~lambdanet.ops.position_lambda.tuning.measured_winners` of this layer, for traced calls. A
         method: dynamo calls a constant method on the real module, where torch 2.11 cannot hand a module to a

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from lambdanet.helpers import check_choice, compute_dtype
+from lambdanet.helpers import assume_constant_result, check_choice, compute_dtype
 
 __all__ = [
     "RelativePosition2d",
@@ -183,7 +183,7 @@ def attend_math(
     return attn @ v  # ... Nq dv
 
 
-@torch.compiler.assume_constant_result  # torch.compile reads the switch while tracing (no graph break)
+@assume_constant_result  # torch.compile reads the switch while tracing (no graph break)
 def half_reductions_allowed() -> bool:
     """Whether SDPA's math backend may reduce float16 / bfloat16 inputs in half precision (the
     ``allow_fp16_bf16_reduction_math_sdp`` switch; torch versions without it always did)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Sized
+from collections.abc import Callable, Sequence, Sized
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -101,6 +101,17 @@ class SeededTransformDataset(Dataset):
             return self.transform(image), label
 
 
+def eval_resize(size: int | Sequence[int], crop_pct: float) -> int | list[int] | None:
+    """What an evaluation resizes an image to before its centre crop to ``size`` (``image_size``, or ``(h, w)``),
+    timm's rule, the one of training runs, ``eval`` and :func:`lambdanet.predict.predict`: ``None`` where
+    ``crop_pct >= 1`` (resized straight to ``size``, no crop); else the shorter side to ``floor(size / crop_pct)``
+    (each side its own for an ``(h, w)`` not square)."""
+    if crop_pct >= 1.0:
+        return None
+    h, w = (size, size) if isinstance(size, int) else size
+    return math.floor(h / crop_pct) if h == w else [math.floor(h / crop_pct), math.floor(w / crop_pct)]
+
+
 def build_transforms(
     spec: DatasetSpec,
     image_size: int,
@@ -125,10 +136,11 @@ def build_transforms(
     if train and augment:
         ops.append(v2.RandomResizedCrop(image_size, antialias=True))
     else:
-        if crop_pct >= 1.0:
+        resize = eval_resize(image_size, crop_pct)
+        if resize is None:
             ops.append(v2.Resize((image_size, image_size), antialias=True))
         else:
-            ops += [v2.Resize(math.floor(image_size / crop_pct), antialias=True), v2.CenterCrop(image_size)]
+            ops += [v2.Resize(resize, antialias=True), v2.CenterCrop(image_size)]
     if train and augment and spec.hflip:
         ops.append(v2.RandomHorizontalFlip())
     if train and randaugment:
@@ -222,10 +234,11 @@ class ImageLoader:
             tensors = cast(TensorImages, base)  # self.fast: base is a TensorImages
             images = tensors.images if indices is None else tensors.images[indices]
             labels = tensors.labels if indices is None else tensors.labels[indices]
-            if not train and crop_pct is not None and crop_pct < 1.0:  # a run that evaluated with a centre crop
+            resize = None if train or crop_pct is None else eval_resize(image_size, crop_pct)
+            if resize is not None:  # a run that evaluated with a centre crop (square images: one side)
                 from torchvision.transforms.v2.functional import center_crop
 
-                images = center_crop(resize_images(images, math.floor(image_size / crop_pct)), [image_size] * 2)
+                images = center_crop(resize_images(images, cast(int, resize)), [image_size] * 2)
             self.images, self.labels, self.n = resize_images(images, image_size), labels, len(labels)
             self.mean = torch.tensor(spec.mean).view(1, -1, 1, 1)
             self.std = torch.tensor(spec.std).view(1, -1, 1, 1)

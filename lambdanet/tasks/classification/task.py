@@ -255,10 +255,10 @@ class ClassificationTask(Task):
 
     def stops_early(self, state: RunState) -> bool:
         patience = self.cfg.early_stop_patience
-        if patience is not None and state.bad_epochs >= patience:
-            self.log(f"early stopping: no validation improvement for {patience} epochs")
-            return True
-        return False
+        return patience is not None and state.bad_epochs >= patience
+
+    def early_stop_reason(self, state: RunState) -> str:
+        return f"early stopping: no validation improvement for {self.cfg.early_stop_patience} epochs"
 
     def describe(self, state: RunState) -> str:
         cfg, data = self.cfg, self.data
