@@ -579,3 +579,29 @@ def test_pseudo_labels_that_are_a_folder_say_so(tmp_path, capsys):
 def test_threads_beyond_a_c_int_names_threads(capsys):
     err = error_line(capsys, ["eval", "--checkpoint", str(FIXTURES / "train_done"), "--threads", str(2**63)])
     assert err.endswith(f"--threads must be a positive int below 2**31 (CPU threads), got {2**63}")
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["train", *TINY, "--img-size", str(2**63)], "img_size"),
+    (["train", *TINY, "--compact-width", str(2**63)], "compact_width"),
+    (["lm", "train", *LM_TINY, "--vocab-size", str(2**63)], "vocab_size"),
+    (["lm", "train", *LM_TINY, "--steps-per-epoch", str(2**64)], "steps_per_epoch"),
+    (["lm", "train", *LM_TINY, "--batch-size", str(-(2**63) - 1)], "batch_size"),
+])
+def test_an_int_option_past_64_bits_is_named(tmp_path, capsys, argv, option):
+    """An int option past torch's 64-bit integers ended in torch's TypeError ("Overflow when unpacking long long")
+    where it first became a size; every int of a run's configuration is checked to fit first."""
+    err = error_line(capsys, [*argv, "--out", str(tmp_path / "run")])
+    assert f"{option} must be a 64-bit int (below 2**63" in err and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", *TINY, "--img-size", str(2**62)],
+    ["lm", "train", *LM_TINY, "--vocab-size", str(2**40)],
+])
+def test_sizes_no_memory_holds_say_so_in_one_line(tmp_path, capsys, argv):
+    """Sizes within 64 bits that no memory holds (a tensor past 2**63 bytes, or the allocator's refusal) end in one
+    line that says the memory ran out and what to lower, exit status 1; the traceback was torch's RuntimeError."""
+    assert main([*argv, "--out", str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "error: out of memory (" in err and "lower the sizes asked" in err, err

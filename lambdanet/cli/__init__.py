@@ -35,6 +35,19 @@ def _message(err: BaseException) -> str:
     return "\n".join([head.sub("", lines[start], count=1), *lines[start + 1 :]])
 
 
+def _out_of_memory(err: BaseException) -> str:
+    """What ran out, where ``err`` says a tensor did not fit (torch's ``OutOfMemoryError`` on a GPU, the CPU
+    allocator's failure, a size past 64 bits, Python's ``MemoryError``); ``""`` for any other error."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    if isinstance(err, MemoryError) or type(err).__name__ == "OutOfMemoryError":
+        return first[:200] or "MemoryError"
+    if "DefaultCPUAllocator: can't allocate memory" in first:
+        return "the CPU allocator " + first[first.index("can't allocate") :][:160]
+    if "Storage size calculation overflowed" in first:
+        return "a tensor larger than 2**63 bytes"
+    return ""
+
+
 def _user_errors() -> tuple[type[BaseException], ...]:
     from lambdanet.helpers import MissingExtraError
     from lambdanet.tasks.classification.task import TrainingDivergedError
@@ -99,6 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     except _user_errors() as err:
         print(f"lambdanet {command}: error: {_message(err)}", file=sys.stderr)
         return 2
+    except (MemoryError, RuntimeError) as err:
+        if not _out_of_memory(err):
+            raise
+        print(f"lambdanet {command}: error: out of memory ({_out_of_memory(err)}); lower the sizes asked (batch, "
+              "image or model size, context, vocabulary)", file=sys.stderr)  # fmt: skip
+        return 1
     except BrokenPipeError:  # the reader of the output went away (lambdanet predict --json | head): quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush writes nowhere
         return 128 + 13  # as a process killed by SIGPIPE

@@ -30,8 +30,8 @@ _KINDS: dict[type, tuple[tuple[type, ...], str]] = {
 def check_types(cls: type, values: dict) -> None:
     """A one-line ``ValueError`` for a value in ``values`` (options of the configuration dataclass ``cls``: a
     ``--config`` file, a run's ``config.yaml``, overrides) whose type is not its field's: a string, true or
-    false, a mapping or a list (``null`` where the field may be null). Numbers are checked with their ranges
-    (:meth:`RunConfig.check_int`, :func:`check_number`)."""
+    false, a mapping or a list (``null`` where the field may be null), and any int within 64 bits. Numbers are
+    checked with their ranges (:meth:`RunConfig.check_int`, :func:`check_number`)."""
     hints = typing.get_type_hints(cls)
     for name, value in values.items():
         hint = hints.get(name)
@@ -42,6 +42,8 @@ def check_types(cls: type, values: dict) -> None:
         base = typing.get_origin(base) or base
         if base in _KINDS and not isinstance(value, _KINDS[base][0]):
             raise ValueError(f"{name} must be {_KINDS[base][1]}, got {value!r}")
+        if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**63:
+            raise ValueError(f"{name} must be a 64-bit int (below 2**63: torch's sizes and counts), got {value}")
 
 
 def load_yaml(path: str | Path, what: str = "config file") -> dict:
