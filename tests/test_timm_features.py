@@ -15,6 +15,7 @@ import torch
 from lambdanet.engine.optim import build_optimizer
 from lambdanet.engine.state import RunState
 from lambdanet.models import byoa, create_model, list_models
+from test_models import DEEP_MODELS, DEPTH_REPEATS, slow_repeats
 
 timm = pytest.importorskip("timm")
 from timm.models import group_parameters  # noqa: E402
@@ -22,6 +23,8 @@ from timm.models import group_parameters  # noqa: E402
 # our models whose architecture timm has (the same name, or MobileNet-v2 as timm's mobilenetv2_100)
 TIMM_PEERS = {**{n: n for n in sorted(byoa.model_cfgs)}, **{f"resnet{d}": f"resnet{d}" for d in (26, 50, 101, 152)},
               "mobilenet_v2": "mobilenetv2_100"}
+# resnet101 / 152 (resnet50's blocks, more of them) with -m slow, as in the sweeps over the zoo (test_models.py)
+DEFAULT_PEERS = [pytest.param(n, marks=pytest.mark.slow) if n in DEPTH_REPEATS else n for n in sorted(TIMM_PEERS)]
 
 
 def one_line_error(fn, needle):
@@ -33,7 +36,7 @@ def one_line_error(fn, needle):
 # ------------------------------------------------------------------------------------------ features_only
 
 
-@pytest.mark.parametrize("name", sorted(TIMM_PEERS))
+@pytest.mark.parametrize("name", DEFAULT_PEERS)
 def test_feature_info_is_timms_for_the_same_architecture(name):
     """channels / reductions of every selection as timm's model of the architecture reports them (module names
     too for timm's byoa networks, whose module names we keep); our default selection is timm's (1, 2, 3, 4)."""
@@ -220,7 +223,7 @@ def test_grad_checkpointing_recomputes_blocks_and_keeps_the_gradients(name, kwar
 # ---------------------------------------------------------------------------------------- group_matcher
 
 
-@pytest.mark.parametrize("name", sorted(TIMM_PEERS))
+@pytest.mark.parametrize("name", DEFAULT_PEERS)
 def test_group_matcher_groups_like_timms_model(name):
     """Every parameter in exactly one group (timm's group_parameters), the stem first, the classifier last; the
     groups hold as many parameters as timm's model's groups, fine and coarse (for timm's byoa networks the
@@ -291,11 +294,11 @@ def test_optimizer_groups_are_timms_and_old_checkpoints_regroup():
     assert all(decay_of[id(p)] == 0.0 for p in embeddings)
 
 
-def test_every_image_model_has_the_interface():
-    for name in list_models(task="image"):
-        with torch.device("meta"):
-            model = create_model(name)
-        for method in ("forward_intermediates", "prune_intermediate_layers", "set_grad_checkpointing",
-                       "group_matcher", "no_weight_decay"):
-            assert callable(getattr(model, method)), (name, method)
-        assert len(model.feature_info.info) == 5 and model.feature_info.out_indices == (1, 2, 3, 4)
+@pytest.mark.parametrize("name", slow_repeats(list_models(task="image"), DEPTH_REPEATS | DEEP_MODELS))
+def test_every_image_model_has_the_interface(name):
+    with torch.device("meta"):
+        model = create_model(name)
+    for method in ("forward_intermediates", "prune_intermediate_layers", "set_grad_checkpointing",
+                   "group_matcher", "no_weight_decay"):
+        assert callable(getattr(model, method)), (name, method)
+    assert len(model.feature_info.info) == 5 and model.feature_info.out_indices == (1, 2, 3, 4)
