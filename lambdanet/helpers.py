@@ -68,7 +68,7 @@ def to_ntuple(value: int | Sequence[int] | None, n: int, name: str) -> tuple[int
 def assume_constant_result(fn):
     """``torch.compiler.assume_constant_result(fn)`` without importing ``torch._dynamo`` where nothing compiles:
     torch's decorator imports it (2.5 s of every ``import lambdanet`` and command start on a CPU) to set one mark
-    on ``fn``, which dynamo reads when it traces a call (tests/test_compat.py checks the mark is torch's). Where
+    on ``fn``, which dynamo reads when it traces a call (tests/test_extras.py checks the mark is torch's). Where
     dynamo is loaded already, torch's own decorator."""
     if "torch._dynamo" in sys.modules:
         return torch.compiler.assume_constant_result(fn)

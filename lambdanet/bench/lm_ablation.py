@@ -88,7 +88,7 @@ DEFAULT_SEEDS = (0, 1, 2)
 
 
 def _params(name: str, kwargs: dict) -> int:
-    with torch.device("meta"):  # counted without initialising them (the search builds up to 4 dim models)
+    with torch.device("meta"):  # counted, not initialised
         return sum(p.numel() for p in create_model(name, **kwargs).parameters())
 
 
@@ -111,14 +111,19 @@ def _closest_dim_v(name: str, kwargs: dict, reference: int, dim: int) -> tuple[i
     (the smaller on a tie), and that count: the count grows with ``dim_v``, so a bisection finds the first one at or
     above ``reference`` and the closest is it or the one before (a handful of models built, not ``dim / 2``)."""
     values = range(8, 4 * dim + 1, 8)
+    counts: dict[int, int] = {}
+
+    def count(v: int) -> int:  # each model built once
+        if v not in counts:
+            counts[v] = _params(name, {**kwargs, "dim_v": v})
+        return counts[v]
+
     lo, hi = 0, len(values) - 1
     while lo < hi:  # the first value whose count reaches the reference (the last if none does)
         mid = (lo + hi) // 2
-        lo, hi = (mid + 1, hi) if _params(name, {**kwargs, "dim_v": values[mid]}) < reference else (lo, mid)
-    near = [(abs(count - reference), v, count) for v in values[max(lo - 1, 0) : lo + 1]
-            for count in [_params(name, {**kwargs, "dim_v": v})]]  # fmt: skip
-    _, best, params = min(near)
-    return best, params
+        lo, hi = (mid + 1, hi) if count(values[mid]) < reference else (lo, mid)
+    best = min(values[max(lo - 1, 0) : lo + 1], key=lambda v: abs(count(v) - reference))  # the smaller on a tie
+    return best, count(best)
 
 
 def _matching(path: Path, settings: dict, matched: dict) -> list[dict]:

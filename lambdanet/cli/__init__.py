@@ -113,10 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lambdanet {command}: error: {_message(err)}", file=sys.stderr)
         return 2
     except (MemoryError, RuntimeError) as err:
-        if not _out_of_memory(err):
+        if not (ran_out := _out_of_memory(err)):
             raise
-        print(f"lambdanet {command}: error: out of memory ({_out_of_memory(err)}); lower the sizes asked (batch, "
-              "image or model size, context, vocabulary)", file=sys.stderr)  # fmt: skip
+        print(f"lambdanet {command}: error: out of memory ({ran_out}); lower the sizes asked (batch, image or model "
+              "size, context, vocabulary)", file=sys.stderr)  # fmt: skip
         return 1
     except BrokenPipeError:  # the reader of the output went away (lambdanet predict --json | head): quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush writes nowhere

@@ -221,9 +221,7 @@ def fit(
     checkpoint. Returns (the last epoch's row, ``{}`` when none was left; whether the run stopped early)."""
     cfg, path = task.cfg, task.checkpoint_path
     # a run resumed at the end of an epoch that stopped it early (stopped by a signal there, or extended) ends there
-    stopped = state.epoch > 0 and not state.epoch_partial and task.stops_early(state)
-    if stopped:
-        log(task.early_stop_reason(state))
+    stopped = state.epoch > 0 and not state.epoch_partial and _stops_early(task, state, log)
     row, last_saved = {}, state.epoch
     saved_at = [_position(task, state)]  # where last.pt stands, for the divergence message (step saves update it)
     while state.epoch < cfg.epochs and not stopped:
@@ -256,9 +254,7 @@ def fit(
         except NonFiniteEvalError as err:
             raise _diverged(task, err, saved_at[0]) from None
         row = {"epoch": state.epoch, **evaluated}
-        stopped = task.stops_early(state)
-        if stopped:
-            log(task.early_stop_reason(state))
+        stopped = _stops_early(task, state, log)
         logger.log_epoch(row)
         log(task.epoch_line(row))
         if task.save_due(state.epoch) or state.epoch == cfg.epochs or stopped:  # the same on every process
@@ -268,6 +264,14 @@ def fit(
         if stop is not None and stop.requested(ctx) is not None:  # a signal while it evaluated or saved
             _stop_after_epoch(task, state, stop, saved=last_saved == state.epoch)
     return row, stopped
+
+
+def _stops_early(task: Task, state: RunState, log: Callable[[str], None]) -> bool:
+    """``task.stops_early(state)``, its reason logged where it is true (the one place the loop says it)."""
+    if not task.stops_early(state):
+        return False
+    log(task.early_stop_reason(state))
+    return True
 
 
 def _diverged(task: Task, err: NonFiniteLossError, saved_at: str) -> TrainingDivergedError:
