@@ -230,19 +230,15 @@ def weights_metadata(
     image_size: int,
     mean,
     std,
+    crop_pct: float | None = None,
+    interpolation: str | None = None,
 ) -> dict[str, str]:
-    """The header of a run's safetensors weights (safetensors metadata holds strings: JSON values)."""
-    return encode_metadata(
-        model=model,
-        model_kwargs=model_kwargs,
-        num_classes=num_classes,
-        in_chans=in_chans,
-        classes=classes,
-        data=data,
-        image_size=image_size,
-        mean=list(mean),
-        std=list(std),
-    )
+    """The header of a run's safetensors weights (safetensors metadata holds strings: JSON values); ``crop_pct``
+    and ``interpolation`` where the weights' preprocessing is not their data's (a model's own ``pretrained_cfg``)."""
+    own = {k: v for k, v in (("crop_pct", crop_pct), ("interpolation", interpolation)) if v is not None}
+    return encode_metadata(model=model, model_kwargs=model_kwargs, num_classes=num_classes, in_chans=in_chans,
+                           classes=classes, data=data, image_size=image_size, mean=list(mean), std=list(std),
+                           **own)  # fmt: skip
 
 
 def encode_metadata(**values) -> dict[str, str]:

@@ -54,6 +54,8 @@ def _from_model(model: nn.Module, folder: Path) -> dict:
         "image_size": size,
         "mean": list(cfg["mean"]),
         "std": list(cfg["std"]),
+        "crop_pct": cfg.get("crop_pct"),  # the model's own preprocessing, not only its data's
+        "interpolation": cfg.get("interpolation"),
     }
     save_model(model, str(folder / WEIGHTS_FILE), metadata=weights_metadata(**meta), force_contiguous=True)
     give_usual_mode(folder / WEIGHTS_FILE)  # not safetensors' 0600
@@ -63,7 +65,8 @@ def _from_model(model: nn.Module, folder: Path) -> dict:
 # the hub's names: letters, digits, '-', '_', '.', at most 96 characters, no '--' or '..', not starting or ending
 # with '-' or '.' (huggingface_hub's validate_repo_id)
 _HUB_NAME = re.compile(r"(?!.*(--|\.\.))[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?")
-REPOSITORY_FILES = (WEIGHTS_FILE, CONFIG_FILE, "README.md", "summary.json", "config.yaml")
+RUN_FILES = ("summary.json", "config.yaml")  # copied from a run directory where it has them
+REPOSITORY_FILES = (WEIGHTS_FILE, CONFIG_FILE, "README.md", *RUN_FILES)
 
 
 def _check_repo_id(repo_id) -> None:
@@ -97,6 +100,13 @@ def _check_folder(folder: Path, run_dir: Path | None) -> None:
                          "repository, or one lambdanet wrote (nothing else in it is overwritten)")  # fmt: skip
 
 
+def _clear_run_files(folder: Path) -> None:
+    """Remove an earlier repository's copies of its run's files from ``folder``: a source without them (a model
+    object, a run without a ``config.yaml``) must not leave another run's beside its weights."""
+    for name in RUN_FILES:
+        (folder / name).unlink(missing_ok=True)
+
+
 def save_for_hub(source: str | os.PathLike | nn.Module, folder: str | os.PathLike, repo_id: str | None = None) -> Path:
     """Write the hub repository of ``source`` (a ``lambdanet train`` or ``lambdanet lm train`` run directory, its
     ``.safetensors`` weights, or an image model from ``create_model`` / ``load_model``) into ``folder`` (see the
@@ -110,9 +120,16 @@ def save_for_hub(source: str | os.PathLike | nn.Module, folder: str | os.PathLik
     if isinstance(source, nn.Module):
         _check_folder(folder, None)
         folder.mkdir(parents=True, exist_ok=True)
+        _clear_run_files(folder)
         meta = _from_model(source, folder)
     else:
         weights = run_file(source)
+        if not weights.exists():
+            raise ValueError(f"{source} does not exist; pass a run directory of lambdanet train or lambdanet lm train "
+                             "(or its model.safetensors / model_ema.safetensors)")  # fmt: skip
+        if weights.suffix == ".pt":
+            raise ValueError(f"{source}: a run stopped before its end holds only its training checkpoint "
+                             f"({weights.name}); finish it with --resume (its weights are what is shared)")  # fmt: skip
         meta = run_metadata(weights) if weights.is_file() else None
         if not meta or task_of_config(meta) not in ("classify", "lm"):
             raise ValueError(
@@ -122,8 +139,9 @@ def save_for_hub(source: str | os.PathLike | nn.Module, folder: str | os.PathLik
         run_dir = weights.parent
         _check_folder(folder, run_dir)
         folder.mkdir(parents=True, exist_ok=True)
+        _clear_run_files(folder)
         shutil.copyfile(weights, folder / WEIGHTS_FILE)
-        for name in ("summary.json", "config.yaml"):
+        for name in RUN_FILES:
             if (run_dir / name).is_file():
                 shutil.copyfile(run_dir / name, folder / name)
         if (run_dir / "summary.json").is_file():
@@ -282,6 +300,8 @@ def push_to_hub(
                 folder_path=str(folder),
                 revision=revision,
                 commit_message=commit_message or "Upload lambdanet model",
+                # an earlier upload's files this one lacks (another run's summary.json) go; the owner's others stay
+                delete_patterns=list(REPOSITORY_FILES),
             )
         except Exception as err:  # offline (connection errors of several libraries), refused (no token, ...)
             if (why := hub_unreachable()) is not None:

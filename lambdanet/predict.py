@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from lambdanet.helpers import check_choice, check_positive_int
 from lambdanet.models import create_model, model_args
 from lambdanet.models.hub import hub_repo
+from lambdanet.models.pretrained import dropped_classifier
 from lambdanet.files import IMAGE_SUFFIXES, check_path_given, check_run_task, is_run_weights, read_image
 from lambdanet.tasks.classification.data import eval_resize
 from lambdanet.tasks.classification.load import load_model
@@ -148,7 +149,18 @@ def load_for_inference(
         kwargs["checkpoint_path"] = str(path)
     elif pretrained:
         kwargs["pretrained"] = True
-    return create_model(cast(str, model), **kwargs).to(dtype).eval()  # model is given here (checked above)
+    net = create_model(cast(str, model), **kwargs)  # model is given here (checked above)
+    notes = cast("dict[str, Any]", getattr(net, "pretrained_cfg", {})).get("load_notes") or []
+    dropped = dropped_classifier(notes) if checkpoint is not None else None
+    if dropped is not None and num_classes is None:  # the file's classifier, not a random one of the default width
+        kwargs["num_classes"] = dropped
+        net = create_model(cast(str, model), **kwargs)
+    elif dropped is not None and num_classes:  # (num_classes 0: the features, the classifier left out on purpose)
+        raise ValueError(
+            f"num_classes={num_classes} does not match checkpoint {str(path)!r}, whose classifier has {dropped} "
+            "classes (the model's would be random); leave num_classes out to take the checkpoint's"
+        )
+    return net.to(dtype).eval()
 
 
 # --------------------------------------------------------------------------------------------------- images

@@ -107,13 +107,47 @@ def test_the_repository_folder_never_overwrites_the_run_or_other_files(tmp_path)
     assert save_for_hub(RUN, clone) == clone and (clone / ".gitattributes").read_text().startswith("*.safetensors")
 
 
+def test_a_repository_folder_used_again_keeps_no_file_of_the_earlier_source(tmp_path):
+    """A folder (or a clone of the hub repository) written for a run, then for a model object: the run's
+    ``summary.json`` and ``config.yaml`` go, and the card no longer says the model was trained with them."""
+    repo = save_for_hub(RUN, tmp_path / "repo")
+    assert {"summary.json", "config.yaml"} <= {p.name for p in repo.iterdir()}
+    save_for_hub(create_model("resnet26", num_classes=3, base_width=4), repo)
+    assert {p.name for p in repo.iterdir()} == {"model.safetensors", "config.json", "README.md"}
+    card = (repo / "README.md").read_text()
+    assert "config.yaml" not in card and "test top-1" not in card
+    assert json.loads((repo / "config.json").read_text())["num_classes"] == 3
+
+
+def test_a_stopped_run_or_a_missing_path_is_said_to_be_so(tmp_path, capsys):
+    """A run that stopped before its end (its ``last.pt`` only) or a path that does not exist: said so in one
+    line, not "not the weights of a lambdanet train run"."""
+    from lambdanet.cli import main
+
+    stopped = tmp_path / "stopped"
+    shutil.copytree(RUN, stopped)
+    for weights in stopped.glob("*.safetensors"):
+        weights.unlink()
+    with pytest.raises(ValueError, match=r"stopped before its end holds only its training checkpoint \(last.pt\); "
+                                         r"finish it with --resume"):  # fmt: skip
+        save_for_hub(stopped, tmp_path / "repo")
+    assert main(["push-to-hub", str(tmp_path / "gone"), "me/x", "--folder", str(tmp_path / "repo")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{tmp_path / 'gone'} does not exist; pass a run directory" in err
+    assert not (tmp_path / "repo").exists()
+
+
 def test_a_model_object_is_shared_with_its_arguments(tmp_path, hub_cache):
     torch.manual_seed(1)
     model = create_model("resnet26", num_classes=3, in_chans=2, base_width=4, stem="cifar").eval()
+    model.pretrained_cfg["interpolation"] = "bicubic"  # (as timm's ImageNet weights of lambda_resnet26t say)
     hub_cache(save_for_hub(model, tmp_path / "repo"), "someone/tiny")
     shared = create_model("hf-hub:someone/tiny").eval()
     x = torch.randn(2, 2, 32, 32)
     assert shared.model_kwargs == {"base_width": 4, "stem": "cifar"} and torch.equal(shared(x), model(x))
+    # its preprocessing too (crop_pct 0.875 and bicubic were 1.0 and bilinear, a run's on built-in data)
+    for key in ("input_size", "mean", "std", "crop_pct", "interpolation", "classes"):
+        assert shared.pretrained_cfg[key] == model.pretrained_cfg[key], key
     fresh_head = create_model("hf-hub:someone/tiny", num_classes=5)  # fine-tuning: the trunk shared, a new head
     first = model.pretrained_cfg["first_conv"]
     assert fresh_head.fc.out_features == 5
@@ -226,15 +260,18 @@ def test_push_to_hub_uploads_the_repository_in_one_commit(monkeypatch, tmp_path)
         def create_repo(self, repo_id, private=False, exist_ok=False):
             calls.append(("create_repo", repo_id, private, exist_ok))
 
-        def upload_folder(self, repo_id, folder_path, revision=None, commit_message=None):
+        def upload_folder(self, repo_id, folder_path, revision=None, commit_message=None, delete_patterns=None):
             shutil.copytree(folder_path, tmp_path / "uploaded")
-            calls.append(("upload_folder", repo_id, commit_message))
+            calls.append(("upload_folder", repo_id, commit_message, delete_patterns))
             return "https://huggingface.co/someone/digits/commit/abc"
 
     monkeypatch.setattr(huggingface_hub, "HfApi", RecordingApi)
     url = lambdanet.push_to_hub(RUN, "someone/digits", private=True, token="t")
     assert url.endswith("/commit/abc")
     assert [c[0] for c in calls] == ["init", "create_repo", "upload_folder"] and calls[1][2:] == (True, True)
+    # the remote files lambdanet writes are replaced as a whole: one an earlier upload had and this one lacks goes
+    assert sorted(calls[2][3]) == sorted(["model.safetensors", "config.json", "README.md", "summary.json",
+                                          "config.yaml"])  # fmt: skip
     card = (tmp_path / "uploaded" / "README.md").read_text()
     assert 'create_model("hf-hub:someone/digits")' in card and "OWNER/NAME" not in card
     with pytest.raises(ValueError, match="repo_id"):

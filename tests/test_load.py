@@ -153,3 +153,28 @@ def test_shared_embeddings_round_trip_through_every_loader(tmp_path):
         emb = model.state_dict()
         shared = emb["stages.3.1.spatial.embedding.weight"].data_ptr()
         assert emb["stages.2.0.spatial.embedding.weight"].data_ptr() == shared
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated")  # any category: 2.14 Future-, 2.11 Deprecation-
+def test_predict_and_export_take_a_runs_raw_weights_with_no_ema(run, tmp_path, capsys):
+    """``--no-ema`` (as ``eval``'s): the raw weights of a run that kept an EMA, ``load_model(run, ema=False)``."""
+    import json
+
+    from PIL import Image
+
+    from lambdanet.cli import main
+    from lambdanet.predict import predict
+
+    out, _ = run
+    image = tmp_path / "g.png"
+    Image.fromarray((torch.rand(8, 8) * 255).to(torch.uint8).numpy(), mode="L").save(image)
+    raw, ema = lambdanet.load_model(out, ema=False), lambdanet.load_model(out)
+    for flags, model in (([], ema), (["--no-ema"], raw)):
+        assert main(["predict", str(image), "--checkpoint", str(out), "--json", "--top-k", "10", *flags]) == 0
+        assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(predict(model, image, top_k=10)))
+    assert predict(raw, image, top_k=10) != predict(ema, image, top_k=10)  # the flag decides something
+    argv = ["export", "--checkpoint", str(out), "--format", "torchscript", "--no-check", "--no-ema"]
+    assert main([*argv, "--out", str(tmp_path / "raw.pt")]) == 0
+    x = torch.randn(2, 1, 16, 16)
+    with torch.no_grad():  # a trace replays the eager kernels: the same bits
+        assert torch.equal(torch.jit.load(str(tmp_path / "raw.pt"))(x), raw(x))

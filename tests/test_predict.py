@@ -204,6 +204,43 @@ def test_one_channel_models_read_grayscale_and_named_classes_label_the_output(tm
     assert [(c["label"], c["index"]) for c in result["top_k"]] == [("c", 2), ("b", 1), ("a", 0)]
 
 
+def test_a_weights_file_of_another_class_count_brings_its_classifier_never_a_random_one(tmp_path, capsys):
+    """``--model NAME --checkpoint FILE`` of a 3-class model: the model is built with the file's 3 classes (it was
+    built with the default 1000 and the file's classifier left out, so the predictions came from a random one); a
+    ``num_classes`` that contradicts the file is refused, 0 (the features) is what it asks."""
+    from lambdanet.predict import load_for_inference
+
+    trained = lambdanet.create_model("resnet26", num_classes=3).eval()
+    torch.save(trained.state_dict(), tmp_path / "three.pth")
+    loaded = load_for_inference(tmp_path / "three.pth", model="resnet26")
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), trained(x))  # the same weights, the same ops
+    assert loaded.pretrained_cfg["num_classes"] == 3 and loaded.pretrained_cfg["load_notes"] == []
+    with torch.no_grad():
+        assert load_for_inference(tmp_path / "three.pth", model="resnet26", num_classes=0)(x).shape == (2, 2048)
+    argv = ["export", "--model", "resnet26", "--checkpoint", str(tmp_path / "three.pth"), "--num-classes", "5",
+            "--format", "torchscript", "--out", str(tmp_path / "m.pt")]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "num_classes=5 does not match checkpoint" in err and "has 3 classes" in err
+    assert not (tmp_path / "m.pt").exists()
+
+
+def test_a_model_built_at_another_img_size_is_fed_images_of_that_size(run, tmp_path):
+    """``create_model(name, img_size=...)`` (with or without a run's weights) says the size it was built for in
+    ``pretrained_cfg``, which ``predict`` resizes to: it said the family's default (224) or the run's (16)."""
+    Image.new("L", (40, 30)).save(tmp_path / "g.png")
+    models = [lambdanet.create_model("resnet26", in_chans=1, num_classes=3, base_width=4, img_size=32),
+              lambdanet.create_model("lambda_resnet26", checkpoint_path=run, in_chans=1, num_classes=10,
+                                     **lambdanet.load_model(run).model_kwargs | {"img_size": 32})]  # fmt: skip
+    for model in models:
+        seen = []
+        model.register_forward_pre_hook(lambda module, args: seen.append(tuple(args[0].shape)))
+        predict(model, tmp_path / "g.png")
+        assert model.pretrained_cfg["input_size"] == (1, 32, 32) and seen == [(1, 1, 32, 32)]
+
+
 def test_find_images_expands_folders_and_rejects_what_is_not_there(digits, tmp_path):
     found = find_images([digits / "3.png", digits / "more"])
     assert found == [digits / "3.png", digits / "more" / "6.PNG", digits / "more" / "7.bmp"]

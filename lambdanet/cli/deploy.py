@@ -31,7 +31,9 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     check_device(args.device)
     device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
     images = find_images(args.images)  # before loading the model: a wrong path fails fast
-    model = load_for_inference(args.checkpoint, model=args.model, pretrained=args.pretrained, dtype=dtype).to(device)
+    model = load_for_inference(
+        args.checkpoint, model=args.model, pretrained=args.pretrained, ema=not args.no_ema, dtype=dtype
+    ).to(device)
     results = predict(model, images, top_k=args.top_k)
     if args.json:
         print(json.dumps(results, indent=2))
@@ -71,6 +73,11 @@ def _add_predict(sub) -> None:
         "shared with lambdanet push-to-hub); with --model, a weights file of that model (timm's checkpoint or "
         "lambdanet's own)",
     )
+    pr.add_argument(
+        "--no-ema",
+        action="store_true",
+        help="a run's raw weights even where it kept an EMA of them (default: the EMA's)",
+    )
     pr.add_argument("--top-k", type=int, default=5, help="classes shown per image (default: %(default)s)")
     pr.add_argument("--json", action="store_true", help="print the predictions as JSON")
     pr.add_argument(
@@ -103,6 +110,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         pretrained=args.pretrained,
         num_classes=args.num_classes,
         img_size=args.img_size,
+        ema=not args.no_ema,
         dtype=dtype,
     )
     cfg = getattr(model, "pretrained_cfg", None) or {}
@@ -201,6 +209,11 @@ def _add_export(sub) -> None:
         "shared with lambdanet push-to-hub); with --model, a weights file of that model (timm's checkpoint or "
         "lambdanet's own)",
     )
+    ex.add_argument(
+        "--no-ema",
+        action="store_true",
+        help="a run's raw weights even where it kept an EMA of them (default: the EMA's)",
+    )
     ex.add_argument("--format", required=True, metavar="FORMAT", help=f"one of {', '.join(FORMATS)}")
     ex.add_argument(
         "--out", default=None, help="output file (default: <model>" + "|".join(SUFFIXES.values()) + " in this folder)"
@@ -239,7 +252,7 @@ def _cmd_push(args: argparse.Namespace) -> int:
         folder = save_for_hub(args.run, args.folder, args.repo_id)
         print(
             f"{args.run} -> {folder} ({', '.join(sorted(p.name for p in folder.iterdir()))}); upload it with "
-            f"lambdanet push-to-hub {args.run} {args.repo_id}"
+            f"lambdanet push-to-hub {args.run} {args.repo_id}{' --private' * args.private}"
         )
         return 0
     url = push_to_hub(args.run, args.repo_id, private=args.private)

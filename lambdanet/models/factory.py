@@ -103,6 +103,9 @@ class ImageAdapter(ModelAdapter):
         model.default_cfg = model.pretrained_cfg  # timm's older name for the same dict
         if pretrained or checkpoint_path is not None:
             weights.load_into(model, name, pretrained=pretrained, checkpoint_path=checkpoint_path)
+        if kwargs.get("img_size") is not None:  # what it was built for, not its family's size (nor a loaded run's)
+            size = kwargs["img_size"]
+            model.pretrained_cfg["input_size"] = (in_chans, *((size, size) if isinstance(size, int) else size))
         return model
 
     def from_hub(self, repo, name, path, meta, kwargs, *, num_classes, in_chans) -> nn.Module:

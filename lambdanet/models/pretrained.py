@@ -17,7 +17,8 @@ timm's rule). A run directory of ``lambdanet train`` stands for its weights file
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -48,6 +49,7 @@ __all__ = [
     "adapt_input_conv",
     "tie_shared",
     "load_weights",
+    "dropped_classifier",
     "load_state",
     "load_pretrained",
     "load_into",
@@ -73,7 +75,7 @@ def hub_id(name: str) -> str:
     if name not in published:
         raise PretrainedUnavailableError(
             f"no pretrained weights are published for {name!r}; models with weights: {', '.join(sorted(published))} "
-            "(for your own weights pass checkpoint_path=FILE)"
+            "(for your own weights pass checkpoint_path=FILE; CLI: --checkpoint FILE)"
         )
     return cast(str, published[name].hub_id)  # published_models keeps the models with a hub_id
 
@@ -176,6 +178,17 @@ def tie_shared(model: nn.Module, sd: dict[str, Tensor]) -> dict[str, Tensor]:
     return sd
 
 
+_DROPPED = "the checkpoint's {}-class classifier is not loaded"
+
+
+def dropped_classifier(notes: Sequence[str]) -> int | None:
+    """The classes of the checkpoint's classifier that loading left out for one of another width (its note among
+    ``notes``, a model's ``pretrained_cfg["load_notes"]``), else ``None``."""
+    pattern = re.compile(re.escape(_DROPPED).replace(r"\{\}", r"(\d+)"))
+    found = (pattern.match(note) for note in notes)
+    return next((int(m.group(1)) for m in found if m), None)
+
+
 def _fit(model: nn.Module, own: dict[str, Tensor], sd: dict[str, Tensor]) -> tuple[dict[str, Tensor], list[str]]:
     """Drop a classifier of another width than ``model``'s (state dict ``own``) from ``sd`` and adapt its input
     convolution to the model's channels (:func:`adapt_input_conv`). Returns (state dict, notes)."""
@@ -185,8 +198,7 @@ def _fit(model: nn.Module, own: dict[str, Tensor], sd: dict[str, Tensor]) -> tup
         for key in _FC:
             sd.pop(key, None)
         notes.append(
-            f"the checkpoint's {classes}-class classifier is not loaded: the model has a new one "
-            f"({getattr(model, 'num_classes', '?')} classes)"
+            _DROPPED.format(classes) + f": the model has a new one ({getattr(model, 'num_classes', '?')} classes)"
         )
     conv_key = _input_conv_key(model)  # None: no plain input convolution
     value, mine = (sd.get(conv_key), own.get(conv_key)) if conv_key is not None else (None, None)

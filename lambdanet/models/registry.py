@@ -317,8 +317,10 @@ def run_image_cfg(meta: dict) -> dict:
     """:func:`image_cfg` of a ``lambdanet train`` run's weights from their metadata (``model``, ``num_classes``,
     ``in_chans``, ``image_size``, ``mean``, ``std``, ``classes``, ``data``), preprocessed as the run evaluated:
     files (``imagefolder:`` data) with the shorter side resized to ``size / DEFAULT_CROP_PCT`` and centre-cropped,
-    the built-in small datasets resized straight (``crop_pct`` 1). ``mean`` and ``std`` get ``in_chans`` entries
-    (the model's, where the weights were adapted to another count of channels), as :func:`pretrained_cfg`'s."""
+    the built-in small datasets resized straight (``crop_pct`` 1), bilinear; a ``crop_pct`` and an
+    ``interpolation`` in ``meta`` (weights shared from a model's own ``pretrained_cfg``) win. ``mean`` and ``std``
+    get ``in_chans`` entries (the model's, where the weights were adapted to another count of channels), as
+    :func:`pretrained_cfg`'s."""
     files = str(meta.get("data") or "").startswith("imagefolder:")
     return image_cfg(
         meta["model"],
@@ -327,7 +329,8 @@ def run_image_cfg(meta: dict) -> dict:
         image_size=meta["image_size"],
         mean=_per_channel(meta["mean"], meta["in_chans"]),  # a grey run loaded into an RGB model: repeated
         std=_per_channel(meta["std"], meta["in_chans"]),
-        crop_pct=DEFAULT_CROP_PCT if files else 1.0,
+        crop_pct=meta.get("crop_pct") or (DEFAULT_CROP_PCT if files else 1.0),
+        interpolation=meta.get("interpolation") or "bilinear",
         # a run written before its dataset's names were kept: the names of its built-in dataset
         classes=meta.get("classes") or _known_classes(meta.get("data"), meta["num_classes"]),
         data=meta.get("data"),
