@@ -247,6 +247,26 @@ def test_pseudo_label_takes_the_teachers_run_directory(tmp_path, capsys):
     assert "was trained on all labels (labeled_fraction=1.0)" in err and "does not exist" not in err
 
 
+def test_sweep_refuses_a_single_lr_flag_it_would_ignore(tmp_path, capsys):
+    """``sweep --lr`` was dropped in silence (every run trains at one of ``--lrs``)."""
+    err = error_line(capsys, ["sweep", "--lrs", "0.1", *TINY, "--lr", "0.2", "--out", str(tmp_path / "s")])
+    assert "--lr 0.2 does not apply to sweep, which trains once per rate of --lrs" in err
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_teacher_whose_fraction_leaves_no_unlabelled_image_says_so(tmp_path, capsys):
+    """--labeled-fraction 0.9997 of digits' 1,438 training images rounds to all of them labelled: said in one line
+    (it was torch's "torch.cat(): expected a non-empty list of Tensors")."""
+    teacher = tmp_path / "teacher"
+    assert main(["train", "--data", "digits", "--model", "resnet26", "--compact-width", "8", "--epochs", "1",
+                 "--max-train-batches", "1", "--labeled-fraction", "0.9997", "--no-progress", "--no-tensorboard",
+                 "--out", str(teacher)]) == 0  # fmt: skip
+    capsys.readouterr()
+    err = error_line(capsys, ["pseudo-label", "--checkpoint", str(teacher), "--out", str(tmp_path / "p.pt")])
+    assert "labeled_fraction=0.9997 of 1438 images: every one is labelled, none left to pseudo-label" in err
+    assert not (tmp_path / "p.pt").exists()
+
+
 def test_a_training_checkpoint_that_is_a_folder_says_so(tmp_path):
     from lambdanet.engine.checkpoint import CheckpointError, load_checkpoint
 

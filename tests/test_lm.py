@@ -460,7 +460,7 @@ def test_an_extended_run_cut_short_loads_as_its_checkpoint_not_its_old_end(tmp_p
     old = load_lm(out / "model.safetensors").state_dict()
     with power_cut(20), pytest.raises(RuntimeError):  # epoch 3's 5th step (15 an epoch), after epoch 2's checkpoint
         train_lm(LMConfig.resolve(overrides={"out": str(out), "resume": True, "epochs": 3}), log=lambda _: None)
-    assert not (out / "model.safetensors").exists()
+    assert not (out / "model.safetensors").exists() and not (out / "summary.json").exists()  # (the old end's)
     now, saved = load_lm(out).state_dict(), load_checkpoint(out / "last.pt")
     assert saved["epoch"] == 2 and all(torch.equal(now[k], saved["model"][k]) for k in now)
     assert any(not torch.equal(now[k], old[k]) for k in now)

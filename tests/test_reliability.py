@@ -131,6 +131,26 @@ def test_sweep_reuses_only_runs_of_the_same_configuration(tmp_path, capsys):
     assert "holds a run with another configuration" in err and "--model-kwargs" in err
 
 
+def test_a_sweep_resumes_a_run_whose_extension_was_cut_short_not_its_old_result(tmp_path, capsys, power_cut):
+    """A finished sweep run extended (``train --resume --epochs 3``, as the README suggests) and cut short: its old
+    ``summary.json`` went with its old weights, so the sweep at 3 epochs resumes it (it reported the 1-epoch
+    figure as "already done")."""
+    out = tmp_path / "sweep"
+    common = ["sweep", "--lrs", "0.002", "--model", "resnet26", "--compact-width", "8", "--max-train-batches", "2",
+              "--batch-size", "32", "--no-progress", "--no-tensorboard", "--out", str(out)]  # fmt: skip
+    assert main([*common, "--epochs", "1"]) == 0
+    run = out / "resnet26" / "lr_0.002"
+    with power_cut(3), pytest.raises(RuntimeError, match="power cut"):  # epoch 3's first step, after epoch 2's save
+        main(["train", "--out", str(run), "--resume", "--epochs", "3", "--no-progress"])
+    assert not (run / "summary.json").exists() and load_checkpoint(run / "last.pt")["epoch"] == 2
+    capsys.readouterr()
+    assert main([*common, "--epochs", "3"]) == 0
+    assert "already done" not in capsys.readouterr().out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["epochs"] == 3 and json.loads((out / "sweep.json").read_text())["rows"][0]["final_acc"] == (
+        summary["final_acc"])  # fmt: skip
+
+
 # ----------------------------------------------------------------------------------------------- the lock
 
 

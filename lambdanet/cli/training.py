@@ -103,7 +103,11 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     from lambdanet.tasks.classification.config import TrainConfig
     from lambdanet.tasks.classification.sweep import lr_sweep, sweep_markdown
 
-    print(sweep_markdown(lr_sweep(config_source_from_args(args, TrainConfig), args.lrs, args.models)))
+    source = config_source_from_args(args, TrainConfig)
+    if "lr" in source.overrides:  # (a --config file's lr is the one every sweep run replaces: no error)
+        raise ValueError(f"--lr {args.lr} does not apply to sweep, which trains once per rate of --lrs; give the "
+                         "rates there")  # fmt: skip
+    print(sweep_markdown(lr_sweep(source, args.lrs, args.models)))
     return 0
 
 
@@ -118,7 +122,7 @@ def _add_sweep(sub) -> None:
         "--out/<model>/lr_<lr>; writes sweep.md, sweep.json and sweep.png (accuracy vs "
         "learning rate) into --out. Rerunning reuses finished runs of the same resolved "
         "configuration and resumes unfinished ones; a run folder holding another "
-        "configuration is refused. Every train option applies.",
+        "configuration is refused. Every train option applies but --lr (the rates are --lrs).",
     )
     sw.add_argument("--lrs", type=float, nargs="+", required=True, help="learning rates")
     sw.add_argument("--models", nargs="+", default=None, help="models (default: --model)")

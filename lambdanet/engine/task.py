@@ -209,8 +209,10 @@ def _restore(task: Task, state: RunState, saved_epochs: int) -> None:
             f"{cfg.epochs} epochs: the learning-rate schedule is recomputed over {cfg.epochs} epochs and continues "
             f"from epoch {state.epoch}"
         )
-    # the final weights of the run's earlier end (a shorter or early-stopped run) stop being its end at the first
-    # checkpoint past it (Task.drop_superseded): a loader of the run directory prefers them to last.pt
-    final = [out / name for name in RUN_FILES if name != "last.pt" and (out / name).is_file()]
+    # the final weights and summary of the run's earlier end (a shorter or early-stopped run) stop being its end at
+    # the first checkpoint past it (Task.drop_superseded): a loader of the run directory prefers them to last.pt, a
+    # sweep takes the summary for the run's result
+    ends = (*(name for name in RUN_FILES if name != "last.pt"), "summary.json")
+    final = [out / name for name in ends if (out / name).is_file()]
     if final and state.epoch < cfg.epochs:
         task.superseded = tuple(final)

@@ -50,6 +50,12 @@ def make_pseudo_labels(
         )
     spec, train_ds, _ = build_datasets(cfg.data, data_dir=cfg.data_dir, download=cfg.download)
     _, unlabeled = labeled_split(len(cast(Sized, train_ds)), cfg.labeled_fraction, cfg.seed)
+    if not len(unlabeled):
+        raise ValueError(
+            f"the teacher {checkpoint} was trained with labeled_fraction={cfg.labeled_fraction} of "
+            f"{len(cast(Sized, train_ds))} images: every one is labelled, none left to pseudo-label; train the teacher "
+            "with a lower --labeled-fraction"
+        )
     model, _ = restore_model(state, spec, path=checkpoint)
     model.eval()
     loader = ImageLoader(
