@@ -215,7 +215,10 @@ def check_dtype(x: Tensor, weight: Tensor, layer: str) -> None:
 
 def plain_real(value):
     """``value`` as a Python float where it is a real number of another kind (numpy's, or an int; one too large for
-    a float: ``inf``), anything else (a bool, a string, ``None``) as it is: for the check that follows."""
+    a float: ``inf``; a 0-d tensor or array: its element), anything else (a bool, a string, ``None``) as it is: for
+    the check that follows."""
+    if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):  # torch's or numpy's scalar
+        value = value.item()
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         try:
             return float(value)

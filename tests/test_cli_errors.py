@@ -532,6 +532,7 @@ def test_fine_tuning_from_another_tasks_run_is_one_line(tmp_path, capsys, comman
     (["train", *TINY, "--pseudo-labels", "", "--out", "run"], "pseudo_labels is empty; give the file lambdanet "),
     (["predict", "", "--checkpoint", str(FIXTURES / "train_done")], "an image path is empty; give image files"),
     (["eval", "--checkpoint", str(FIXTURES / "train_done"), "--data-dir", ""], "--data-dir is empty; give a "),
+    (["lm", "sample", "--checkpoint", "", "--prompt", "ab"], "the checkpoint path is empty; pass a run directory "),
 ])
 def test_an_empty_path_is_refused_not_taken_for_the_working_folder(tmp_path, monkeypatch, capsys, argv, needle):
     """``Path('')`` is the working folder: ``--out ''`` wrote a run (or the benchmark results) there, an empty

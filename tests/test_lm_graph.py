@@ -214,3 +214,27 @@ def test_a_layer_continuing_a_state_compiles_without_graph_breaks():
     eager = layer.step(state, x[:, 8])[0]
     assert torch.allclose(step(state, x[:, 8]), eager, atol=1e-6)  # the same ops in the same order: float32 rounding
     assert torch.allclose(more(state, x[:, 8:])[:, 0], eager, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["transformer_lm_nano", "hybrid_lm_nano"])
+def test_a_graph_asked_of_a_model_with_attention_is_refused_before_the_prompt(monkeypatch, capsys, tmp_path, name):
+    """The families whose state grows (the transformer's cache, the hybrid's attention blocks) are refused at once,
+    before the prompt's pass (it was at the first step, after it), and ``lm sample --cuda-graph`` names its flag.
+    (A CUDA device is pretended: the refusal does not depend on it.)"""
+    import lambdanet.tasks.lm.task as lm_task
+    from lambdanet.cli import main
+
+    monkeypatch.setattr(StepGraph, "check_device", staticmethod(lambda device: None))
+    model = _model(name, {})
+    passes = []
+    model.register_forward_pre_hook(lambda module, args: passes.append(1))
+    with pytest.raises(ValueError, match="^cuda_graph=True needs a state that keeps its size .* attention blocks"):
+        model.generate(torch.zeros(1, 3, dtype=torch.long), 4, cuda_graph=True)
+    assert passes == []
+    model.lm_cfg = {}
+    monkeypatch.setattr(lm_task, "load_lm", lambda path, device: model)
+    monkeypatch.setattr("lambdanet.cli.common.check_device", lambda device: None)
+    (tmp_path / "config.yaml").write_text(f"model: {name}\nvocab_size: 256\n")  # what check_run_task reads
+    assert main(["lm", "sample", "--checkpoint", str(tmp_path), "--prompt", "ab", "--cuda-graph"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--cuda-graph needs a state" in err and "without --cuda-graph" in err

@@ -39,16 +39,22 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     except UnicodeEncodeError:  # bytes the terminal passed that are not UTF-8 (Python keeps them as surrogates)
         raise ValueError("--prompt must be valid UTF-8 text") from None
     check_run_task(args.checkpoint, "lm")  # an image-classification or detection run: say so
-    out = sample(
-        args.checkpoint,
-        args.prompt,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        seed=args.seed,
-        device="cuda" if args.device == "cuda" else "cpu",
-        cuda_graph=args.cuda_graph,
-    )
+    try:
+        out = sample(
+            args.checkpoint,
+            args.prompt,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            seed=args.seed,
+            device="cuda" if args.device == "cuda" else "cpu",
+            cuda_graph=args.cuda_graph,
+        )
+    except ValueError as err:  # the API's refusal of a graph, in the command's words
+        if not str(err).startswith("cuda_graph=True "):
+            raise
+        flag = str(err).replace("cuda_graph=True", "--cuda-graph").replace("without cuda_graph", "without --cuda-graph")
+        raise ValueError(flag) from None
     sys.stdout.write(out.decode("utf-8", errors="replace") + "\n")
     return 0
 

@@ -348,12 +348,17 @@ class LanguageModel(nn.Module):
         check_int(max_new_tokens, "max_new_tokens", 0)
         max_new_tokens = int(max_new_tokens)
         check_sampling(temperature, top_k, token_limit)
-        self._check_tokens(tokens[:, :1], tokens.shape[1] + max_new_tokens - 1)
+        # the model reads the prompt and every sampled token but the last: positions up to n + max_new_tokens - 2
+        self._check_tokens(tokens[:, :1], max(tokens.shape[1] - 1, tokens.shape[1] + max_new_tokens - 2))
         was_training = self.training
         self.eval()
         try:
             if cuda_graph:
                 StepGraph.check_device(tokens.device)
+                if any(isinstance(block.mixer, CausalSelfAttention) for block in self.blocks):  # before the prompt
+                    raise ValueError("cuda_graph=True needs a state that keeps its size from token to token (the "
+                                     "lambda and linear families); this model's attention blocks keep a cache that "
+                                     "grows with every token: generate without cuda_graph")  # fmt: skip
             logits, state = self(tokens, return_state=True)
             logits, out = logits[:, -1], [tokens]
             graph = None

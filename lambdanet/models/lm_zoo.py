@@ -67,10 +67,13 @@ def lambda_defaults(size: str, kwargs: Mapping) -> dict:
     """What ``lambda_lm_<size>`` sets over ``plain_lambda_lm_<size>`` when built with ``kwargs``:
     :data:`LAMBDA_DEFAULTS`, with ``decay=None`` where ``kwargs`` turn off what the decay needs (the content
     lambdas' prefix softmax: ``content=False``, or a ``key_norm`` other than ``"softmax"``), so those options build
-    the model without it instead of failing on a default the user never named."""
-    defaults = dict(LAMBDA_DEFAULTS[size])
+    the model without it instead of failing on a default the user never named; and without nano's value depth
+    where ``heads`` or ``dim_k`` are not the size's (the depth then follows them, as the plain model's does)."""
+    defaults, s = dict(LAMBDA_DEFAULTS[size]), LM_SIZES[size]
     if not kwargs.get("content", True) or kwargs.get("key_norm", "softmax") != "softmax":
         defaults["decay"] = None
+    if (kwargs.get("heads", s.heads), kwargs.get("dim_k", s.dim_k)) != (s.heads, s.dim_k):
+        defaults.pop("dim_v", None)  # nano's value depth was matched at its own shape: another follows matched_dim_v
     return defaults
 
 

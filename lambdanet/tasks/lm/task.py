@@ -27,7 +27,7 @@ from lambdanet.engine.loop import NonFiniteEvalError
 from lambdanet.engine.optim import build_optimizer, lr_at
 from lambdanet.engine.state import RunState
 from lambdanet.engine.task import Task, run
-from lambdanet.files import encode_metadata, read_safetensors, run_metadata
+from lambdanet.files import check_path_given, encode_metadata, read_safetensors, run_metadata
 from lambdanet.helpers import check_int, check_positive_int
 from lambdanet.models import create_model
 from lambdanet.models.hub import download_hub_weights, hub_repo
@@ -257,11 +257,13 @@ def load_lm(path: str | Path, device: torch.device | str = "cpu") -> nn.Module:
     """A trained language model from a run directory (its ``model.safetensors``, else ``last.pt``), either file, or
     ``"hf-hub:owner/name"`` (a run shared with :func:`lambdanet.hub.push_to_hub`, downloaded once into
     huggingface_hub's cache), in eval mode, with ``lm_cfg`` (model, model_kwargs, vocab_size, data, context)."""
+    check_path_given(path, "the checkpoint path", "pass a run directory of lambdanet lm train, a file in it or "
+                     "hf-hub:OWNER/NAME")  # not the working folder  # fmt: skip
     repo = hub_repo(path)
     name = str(path)
     if repo is not None:
         path = download_hub_weights(repo)[0]  # a one-line error when it cannot be had or is not lambdanet's
-    path = Path(path)
+    path = Path(path).expanduser()
     weights = path / "model.safetensors" if path.is_dir() else path
     if path.is_dir() and not weights.is_file():
         weights = path / "last.pt"
