@@ -146,11 +146,14 @@ def avg_pool_nd(spatial_dims: int) -> Callable[..., Tensor]:
     return _AVG_POOL[spatial_dims]
 
 
-def check_input(x: Tensor, dim: int, spatial_dims: int | None, layer: str, *, dim_name: str = "dim") -> None:
+def check_input(
+    x: Tensor, dim: int, spatial_dims: int | None, layer: str, *, dim_name: str = "dim", weight: Tensor | None = None
+) -> None:
     """Validate a ``[B, C, *spatial]`` input with a one-line ``ValueError``: a floating-point tensor with
     ``spatial_dims`` spatial axes (``None``: any of 1, 2 or 3), ``dim`` channels and no empty spatial axis. A
     rank mismatch names the ``spatial_dims`` the input has (``spatial_dims=3`` for a 5-d input), i.e. what a
-    layer would need to take it. ``dim_name``: the constructor argument that set ``dim``."""
+    layer would need to take it. ``dim_name``: the constructor argument that set ``dim``; ``weight``: the layer's
+    first parameter, whose dtype the input must have outside autocast (:func:`check_dtype`)."""
     if not isinstance(x, Tensor):
         raise ValueError(f"{layer} expects a tensor input [B, C, *spatial], got {type(x).__name__}")
     expected = (1, 2, 3) if spatial_dims is None else (spatial_dims,)
@@ -173,6 +176,8 @@ def check_input(x: Tensor, dim: int, spatial_dims: int | None, layer: str, *, di
         raise ValueError(f"{layer} expects a floating-point input, got dtype {x.dtype}")
     if any(s == 0 for s in x.shape[2:]):
         raise ValueError(f"{layer} expects a non-empty spatial size, got input of shape {tuple(x.shape)}")
+    if weight is not None:
+        check_dtype(x, weight, layer)
 
 
 _LAYOUTS = {1: "[B, C, L]", 2: "[B, C, H, W]", 3: "[B, C, D, H, W]"}
@@ -299,6 +304,15 @@ def in_graph() -> bool:
     by ``torch.func`` (:func:`functorch_active`): then plain differentiable ops, no Python ``autograd.Function``,
     no host read and no cached tensor (a trace would keep it as a constant)."""
     return torch.compiler.is_compiling() or torch.jit.is_tracing() or functorch_active()
+
+
+def host_readable(t: torch.Tensor) -> bool:
+    """Whether the host can read ``t``'s values (``.item()``): not a meta tensor nor a fake one (``FakeTensorMode``,
+    the shapes-only tracing of export and of compile's analysis), whose values do not exist."""
+    if t.is_meta:
+        return False
+    fake = sys.modules.get("torch._subclasses.fake_tensor")  # not loaded: no fake tensor exists
+    return fake is None or not fake.is_fake(t)
 
 
 AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")  # the device types torch.autocast serves (meta tensors: none)

@@ -13,6 +13,8 @@ Against the unrounded float64 inputs the rounding of the keys would count too: k
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -127,3 +129,23 @@ def test_bad_shapes_and_chunks_are_one_line_errors():
         causal_lambda(q.long(), keys, values, emb)
     with pytest.raises(ValueError, match="^emb must be a floating-point tensor or None, got list"):
         causal_lambda(q, keys, values, [[1.0]])
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"decay": "gate", "short_conv": 4}])
+def test_the_causal_layer_runs_on_meta_and_fake_tensors(kwargs):
+    """Shapes without values (a model sized on the meta device, export's and compile's fake tensors): the PyTorch
+    form takes its exact branch instead of reading the keys' spread on the host (``Tensor.item() cannot be called
+    on meta tensors``); the shape is the real call's. The non-causal layer already ran so."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lambdanet.layers import CausalLambdaLayer
+
+    torch.manual_seed(0)
+    layer = CausalLambdaLayer(16, heads=2, dim_k=4, r=5, **kwargs)
+    x = torch.randn(2, 70, 16)  # two chunks of 64 and a part
+    real = layer(x)
+    on_meta = copy.deepcopy(layer).to("meta")(x.to("meta"))
+    assert on_meta.device.type == "meta" and on_meta.shape == real.shape
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = layer(x)
+    assert fake.shape == real.shape and fake.dtype == real.dtype

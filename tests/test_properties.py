@@ -966,7 +966,7 @@ def test_invalid_channel_gate_arguments_raise_a_one_line_value_error_naming_them
 def bad_inputs(draw, spatial_dims, dim, feat_size=None, absolute=False, any_spatial_dims=False):
     """An input the layer must refuse, and what the message must name. ``any_spatial_dims``: the layer takes
     1-3 spatial dims (the channel gates), its channel argument is ``channels``."""
-    kind = draw(st.sampled_from(["rank", "channels", "dtype", "empty", "not_a_tensor"]
+    kind = draw(st.sampled_from(["rank", "channels", "dtype", "other_float", "empty", "not_a_tensor"]
                                 + (["too_large"] if feat_size else []) + (["other_size"] if absolute else [])))
     spatial = list(feat_size) if feat_size else [draw(st.integers(1, 5)) for _ in range(spatial_dims)]
     if kind == "rank":
@@ -981,6 +981,8 @@ def bad_inputs(draw, spatial_dims, dim, feat_size=None, absolute=False, any_spat
     if kind == "dtype":
         dtype = draw(st.sampled_from([torch.int64, torch.int32, torch.uint8, torch.bool, torch.complex64]))
         return torch.ones(1, dim, *spatial, dtype=dtype), ["floating-point", str(dtype)]
+    if kind == "other_float":  # float64 into a float32 layer outside autocast: torch's "expected scalar type" before
+        return torch.randn(1, dim, *spatial, dtype=torch.float64), ["parameters are float32", "input is float64"]
     if kind == "empty":
         spatial[draw(st.integers(0, spatial_dims - 1))] = 0
         return torch.randn(1, dim, *spatial), ["spatial size"]

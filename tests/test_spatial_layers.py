@@ -443,3 +443,25 @@ def test_lambda_conv_forwards_an_optional_feat_size():
     assert glob.r is None and glob.feat_size == (8, 8)
     with pytest.raises(ValueError, match="feat_size"):
         create_spatial_layer("lambda_conv", 16, 32, r=None)
+
+
+def test_argument_errors_name_what_the_user_gave_or_the_default_they_did_not():
+    """``HaloAttention(0)`` named ``dim_out`` (checked first, from ``dim``); a width that the default heads
+    (``dim_out // 16``) do not divide said "heads=3 must divide dim_out=56" to a user who never passed ``heads``.
+    ``CausalLambdaLayer`` takes numpy's integers for ``r`` and ``short_conv``, as ``LambdaLayer`` does."""
+    import numpy as np
+
+    from lambdanet.layers import CausalLambdaLayer, HaloAttention
+
+    with pytest.raises(ValueError, match=r"^dim must be a positive int, got 0$"):
+        HaloAttention(0)
+    with pytest.raises(ValueError, match=r"^heads \(by default dim_out // 16 = 3\) must divide dim_out=56; pass"):
+        create_spatial_layer("halo_attention", 64, 56)
+    assert create_spatial_layer("halo_attention", 64, 56, heads=4)(torch.randn(1, 64, 8, 8)).shape == (1, 56, 8, 8)
+    layer = CausalLambdaLayer(32, r=np.int64(5), short_conv=np.int64(4))
+    assert (layer.r, layer.short_conv) == (5, 4) and type(layer.r) is int
+    x = torch.randn(1, 7, 32)
+    torch.manual_seed(0)
+    same = CausalLambdaLayer(32, r=5, short_conv=4)
+    same.load_state_dict(layer.state_dict())
+    assert torch.equal(layer(x), same(x))

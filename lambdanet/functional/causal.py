@@ -37,7 +37,7 @@ from typing import Literal, overload
 import torch
 from torch import Tensor
 
-from lambdanet.helpers import compute_dtype, functorch_active, in_graph, leave_autocast, no_autocast
+from lambdanet.helpers import compute_dtype, functorch_active, host_readable, in_graph, leave_autocast, no_autocast
 
 __all__ = [
     "causal_lambda_reference",
@@ -228,8 +228,9 @@ def _chunks(
     Sz, last = scan(shrink.unsqueeze(-1), grow.unsqueeze(-1) * local, carried)  # b u N k (v+1), b u k (v+1)
     Ss, zs, S, z = Sz[..., :v], Sz[..., v], last[..., :v], last[..., v]  # the states before each chunk; after all
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # C C
-    # exact where exp(a_i - cm[n]) could overflow, and always in a graph or a torch.func transform (no host read)
-    if in_graph() or (top.unsqueeze(3) - cm).amax().item() > MAX_SPREAD:
+    # exact where exp(a_i - cm[n]) could overflow, and always in a graph, a torch.func transform or on meta / fake
+    # tensors (no host read)
+    if in_graph() or not host_readable(top) or (top.unsqueeze(3) - cm).amax().item() > MAX_SPREAD:
         a = torch.exp((keys.unsqueeze(3) - cm.unsqueeze(4)).masked_fill(~causal[..., None], float("-inf")))
         zn = decay * zs.unsqueeze(3) + a.sum(dim=4)  # b u N C k, >= 1 (the maximum's own term); a: b u N C C k
         qz = qc / zn.unsqueeze(3)  # b u N h C k

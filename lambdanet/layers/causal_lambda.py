@@ -120,12 +120,12 @@ class CausalLambdaLayer(nn.Module):
             raise ValueError(f"lambdas must divide heads={heads} (the queries are split among them), got {lambdas}")
         dim_v = dim // heads if dim_v is None else dim_v
         check_positive_int(dim_v, "dim_v")
-        if not isinstance(r, int) or isinstance(r, bool) or r < 0:
-            raise ValueError(f"r must be a non-negative int (0: content lambdas only), got {r!r}")
+        check_int(r, "r", 0, note=" (0: content lambdas only)")  # numpy's too, as LambdaLayer's
+        r = int(r)
         if decay not in DECAYS:
             raise ValueError(f"decay must be one of {', '.join(map(repr, DECAYS))}, got {decay!r}")
-        if not isinstance(short_conv, int) or isinstance(short_conv, bool) or short_conv < 0:
-            raise ValueError(f"short_conv must be a non-negative int (0: no convolution), got {short_conv!r}")
+        check_int(short_conv, "short_conv", 0, note=" (0: no convolution)")
+        short_conv = int(short_conv)
         self.dim, self.heads, self.dim_k, self.dim_v = dim, heads, dim_k, dim_v
         self._state_shapes: dict[int, dict[str, tuple[int, ...]]] = {}
         self.dim_u, self.r, self.chunk, self.decay, self.short_conv = dim_u, r, chunk, decay, short_conv

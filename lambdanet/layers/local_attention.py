@@ -133,7 +133,7 @@ class BlockedLocalAttention(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:
-        check_input(x, self.dim, 2, type(self).__name__)
+        check_input(x, self.dim, 2, type(self).__name__, weight=next(self.parameters(), None))
         b, _, hh, ww = x.shape
         bs, hs, s, h = self.block_size, self.halo_size, self.stride, self.heads
         dk, dv = self.dim_qk // h, self.dim_out // h
@@ -217,11 +217,15 @@ class HaloAttention(BlockedLocalAttention):
         rel_geometry: str = "pixel",
         mask_padding: bool = True,
     ):
+        check_positive_int(dim, "dim")
         dim_out = dim if dim_out is None else dim_out
         check_positive_int(dim_out, "dim_out")
         if not isinstance(pixel_centered, bool):
             raise ValueError(f"pixel_centered must be True or False, got {pixel_centered!r}")
         check_choice(downsample, "downsample", ("subsample", "pool"))
+        if heads is None and dim_out % max(1, dim_out // 16):  # the default the user never named: say it
+            raise ValueError(f"heads (by default dim_out // 16 = {dim_out // 16}) must divide dim_out={dim_out}; "
+                             "pass heads that do")  # fmt: skip
         heads = max(1, dim_out // 16) if heads is None else heads
         pool = downsample == "pool" and stride > 1
         super().__init__(
