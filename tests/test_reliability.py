@@ -60,6 +60,46 @@ def test_paper350_config_yaml_has_table20_values(tmp_path):
     assert saved["model_kwargs"]["img_size"] == 160
 
 
+def test_exponent_numbers_in_a_config_file_and_model_kwargs_are_numbers(tmp_path):
+    """``lr: 1e-3`` (and ``--model-kwargs drop_path_rate=1e-2``): PyYAML reads YAML 1.1, where a float needs a dot,
+    so they were the strings ``'1e-3'`` and the run refused "lr must be a positive finite number, got '1e-3'".
+    Quoted, a string stays a string."""
+    from lambdanet.engine.config import config_source_from_args
+
+    (tmp_path / "c.yaml").write_text("lr: 1e-3\nema_decay: 5E-4\nwarmup_epochs: 0\n")
+    args = build_parser().parse_args(["train", "--config", str(tmp_path / "c.yaml"), "--model-kwargs",
+                                      "drop_path_rate=1e-2", "--out", str(tmp_path / "r")])  # fmt: skip
+    cfg = config_source_from_args(args, TrainConfig).resolve()
+    assert (cfg.lr, cfg.ema_decay, cfg.drop_path_rate) == (0.001, 0.0005, 0.01)  # (the kwarg is the option)
+    from lambdanet.engine.values import read_yaml
+
+    assert read_yaml("a: '1e-3'\nb: 1e3x\nc: -2.5e+1") == {"a": "1e-3", "b": "1e3x", "c": -25.0}
+
+
+def test_a_fine_tuned_run_resumes_from_another_working_folder(tmp_path, monkeypatch):
+    """``--checkpoint r1`` (and ``--pseudo-labels``, ``--data-dir``) given relative were saved relative in
+    config.yaml: ``train --resume --out /abs/ft`` from another folder failed "checkpoint 'r1' does not exist".
+    They are saved absolute, ``~`` expanded, as ``--data`` already was."""
+    import shutil
+    from pathlib import Path
+
+    fixture = Path(__file__).resolve().parent / "fixtures" / "runs_v1" / "train_done"  # resnet26 on digits
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir(), elsewhere.mkdir()
+    shutil.copytree(fixture, work / "r1")
+    monkeypatch.chdir(work)
+    tiny = ["--max-train-batches", "1", "--batch-size", "32", "--no-progress", "--no-tensorboard"]
+    assert main(["train", "--checkpoint", "r1", "--epochs", "1", *tiny, "--out", "ft"]) == 0
+    saved = yaml.safe_load((work / "ft" / "config.yaml").read_text())
+    assert saved["checkpoint"] == str(work / "r1")
+    monkeypatch.chdir(elsewhere)
+    assert main(["train", "--resume", "--out", str(work / "ft"), "--epochs", "2", "--no-progress"]) == 0
+    assert json.loads((work / "ft" / "summary.json").read_text())["epochs"] == 2
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = resolve_config(overrides={"data_dir": "~/data", "out": str(tmp_path / "o")})
+    assert cfg.data_dir == str(tmp_path / "data")
+
+
 # ------------------------------------------------------------------------------------------------- resume
 
 

@@ -112,6 +112,7 @@ class RunConfig:
     CHECKPOINTS: ClassVar[tuple[str, ...]] = ("last.pt",)  # what a run continues from
     TASK: ClassVar[str | None] = None  # the key of lambdanet.files.RUN_TASKS of the runs it makes
     PER_PROCESS: ClassVar[frozenset[str]] = frozenset({"out", "workers", "progress", "tensorboard"})  # may differ
+    PATHS: ClassVar[tuple[str, ...]] = ()  # file or folder options made absolute (``~`` expanded) once resolved
     # what a saved config.yaml that lacks an option ran with, where that is not the option's default today (the
     # option came later, fixing the behaviour of the runs before it)
     SAVED_DEFAULTS: ClassVar[dict[str, Any]] = {}
@@ -183,6 +184,10 @@ class RunConfig:
         data = getattr(self, "data", None)
         if isinstance(data, str):  # a path found from any working directory later
             setattr(self, "data", absolute_data(data))  # noqa: B010 (a field of the tasks that read data)
+        for name in self.PATHS:  # so are these (--resume or eval from another folder): not '' (refused), nor hub ids
+            path = getattr(self, name)
+            if isinstance(path, str) and path and not path.startswith("hf-hub:"):
+                setattr(self, name, str(Path(path).expanduser().absolute()))
         self.validate()
         # --out, or the nearest of its parents that exists, a file: every worker process of a run would fail
         check_output_dir(self.out, "--out", "a folder for the run")

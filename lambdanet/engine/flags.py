@@ -11,6 +11,8 @@ from typing import Any
 
 import yaml
 
+from lambdanet.engine.values import read_yaml
+
 __all__ = [
     "flag",
     "add_config_arguments",
@@ -36,8 +38,8 @@ def _parse_mapping(text: str) -> dict:
             if any(not sep or not key.strip() for key, sep, _ in parts):
                 raise argparse.ArgumentTypeError(f"{expected} (each item key=value)")
             # Python's None reads as YAML's null there (YAML reads True / False alike already)
-            return {key.strip(): None if value.strip() == "None" else yaml.safe_load(value) for key, _, value in parts}
-        value = yaml.safe_load(text)
+            return {key.strip(): None if value.strip() == "None" else read_yaml(value) for key, _, value in parts}
+        value = read_yaml(text)
     except yaml.YAMLError as err:
         problem = getattr(err, "problem", None) or "not valid YAML"
         raise argparse.ArgumentTypeError(

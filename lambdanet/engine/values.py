@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import typing
 from pathlib import Path
 
@@ -15,7 +16,22 @@ import yaml
 from lambdanet.files import check_path_given
 from lambdanet.helpers import check_number
 
-__all__ = ["check_number", "check_types", "load_yaml", "load_run_yaml", "save_yaml"]
+__all__ = ["check_number", "check_types", "load_yaml", "load_run_yaml", "save_yaml", "read_yaml"]
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader (YAML 1.1), which also reads ``1e-3`` and ``5E+2`` as floats, as YAML 1.2 and Python
+    do (1.1 wants a dot: ``1.0e-3``; ``lr: 1e-3`` was the string ``'1e-3'``, refused as not a number)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
+)
+
+
+def read_yaml(text: str):
+    """The value a YAML text holds (safe: plain data only), ``1e-3`` a float (:class:`_Loader`)."""
+    return yaml.load(text, Loader=_Loader)  # noqa: S506  (a SafeLoader)
 
 
 # the annotations check_types checks (numbers are left to the ranges each configuration checks)
@@ -57,7 +73,7 @@ def load_yaml(path: str | Path, what: str = "config file") -> dict:
     if not path.is_file():
         raise ValueError(f"{what} {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        data = read_yaml(path.read_text(encoding="utf-8")) or {}
     except UnicodeDecodeError:
         raise ValueError(f"{what} {path} is not a text file (not UTF-8); expected YAML of option: value") from None
     except yaml.YAMLError as err:

@@ -50,6 +50,7 @@ class TrainConfig(RunConfig):
 
     # may differ between the processes of a group: each node's own copies of the data and of the weights
     PER_PROCESS: ClassVar[frozenset[str]] = RunConfig.PER_PROCESS | {"data_dir", "checkpoint", "pseudo_labels"}
+    PATHS: ClassVar[tuple[str, ...]] = ("data_dir", "checkpoint", "pseudo_labels")
 
     # model and data
     model: str = option("lambda_resnet26", "registered model name (lambdanet models lists them)")
