@@ -76,6 +76,31 @@ def test_exponent_numbers_in_a_config_file_and_model_kwargs_are_numbers(tmp_path
     assert read_yaml("a: '1e-3'\nb: 1e3x\nc: -2.5e+1") == {"a": "1e-3", "b": "1e3x", "c": -25.0}
 
 
+def test_a_flag_given_as_null_wins_over_the_recipe_and_the_config_file(tmp_path):
+    """Precedence defaults < recipe < config < flags holds for ``null`` too: a flag given as null parsed to ``None``,
+    every flag's "not given", so ``--ema-decay null`` left paper90's 0.9999 (and the file's 0.9) in place and
+    ``--compact-width null`` ("the paper's width") kept the compact one."""
+    from lambdanet.engine.config import config_source_from_args
+
+    def resolved(*argv):
+        args = build_parser().parse_args(["train", *argv, "--out", str(tmp_path / "o")])
+        return config_source_from_args(args, TrainConfig).resolve()
+
+    paper = resolved("--recipe", "paper90")
+    assert (paper.ema_decay, paper.lr_batch_scale) == (0.9999, 256)  # what null overrides
+    cfg = resolved("--recipe", "paper90", "--ema-decay", "none", "--lr-batch-scale", "null")
+    assert (cfg.ema_decay, cfg.lr_batch_scale) == (None, None)
+    assert resolved().model_kwargs["base_width"] == 16  # quick: compact
+    cfg = resolved("--compact-width", "null")
+    assert cfg.compact_width is None and "base_width" not in cfg.model_kwargs  # the paper's width
+    (tmp_path / "c.yaml").write_text("ema_decay: 0.9\nimg_size: 32\nmax_train_batches: 3\n")
+    assert (resolved("--config", str(tmp_path / "c.yaml")).ema_decay, resolved("--config", str(tmp_path / "c.yaml"))
+            .max_train_batches) == (0.9, 3)  # fmt: skip
+    cfg = resolved("--config", str(tmp_path / "c.yaml"), "--ema-decay", "null", "--img-size", "null",
+                   "--max-train-batches", "null")  # fmt: skip
+    assert (cfg.ema_decay, cfg.max_train_batches, cfg.img_size) == (None, None, 16)  # 16: the data's own size
+
+
 def test_a_fine_tuned_run_resumes_from_another_working_folder(tmp_path, monkeypatch):
     """``--checkpoint r1`` (and ``--pseudo-labels``, ``--data-dir``) given relative were saved relative in
     config.yaml: ``train --resume --out /abs/ft`` from another folder failed "checkpoint 'r1' does not exist".

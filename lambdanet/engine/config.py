@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from lambdanet.engine.flags import THREADS_HELP as THREADS_HELP  # the flags live there, importable from here
 from lambdanet.engine.flags import _parse_mapping as _parse_mapping
-from lambdanet.engine.flags import add_config_arguments, add_threads_argument, flag
+from lambdanet.engine.flags import add_config_arguments, add_threads_argument, flag, given_flags
 from lambdanet.engine.flags import describe_default as describe_default
 from lambdanet.engine.optim import OPTIMIZERS
 from lambdanet.engine.rundir import checkpoints_in
@@ -368,7 +368,8 @@ class ConfigSource:
 def config_source_from_args(args: argparse.Namespace, config_cls: type) -> ConfigSource:
     """What the flags (and ``--config FILE``) ask for, before resolution: the flags of ``config_cls``'s fields
     that were given, the YAML file's values and the recipe asked for."""
-    names = {f.name for f in dataclasses.fields(config_cls)}
-    overrides = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    names, given = {f.name for f in dataclasses.fields(config_cls)}, given_flags(args)
+    # a flag given as null (--ema-decay null) wins over the recipe and the file, as any flag does
+    overrides = {k: v for k, v in vars(args).items() if k in names and (v is not None or k in given)}
     yaml_values = load_yaml(args.config) if getattr(args, "config", None) is not None else {}  # '': refused
     return ConfigSource(config_cls, overrides.get("recipe"), yaml_values, overrides)

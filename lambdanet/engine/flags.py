@@ -62,6 +62,33 @@ def _top_level_items(text: str) -> list[str]:
     return [*items, text[start:]]
 
 
+GIVEN = "_flags_given"  # the Namespace attribute listing the options given on the command line (null ones too)
+
+
+def _recording(action: type[argparse.Action]) -> type[argparse.Action]:
+    """``action`` that also adds its option to the namespace's :data:`GIVEN` set: a flag given as ``null`` parses to
+    ``None``, which is also every flag's "not given" default; this tells them apart."""
+
+    class Recorded(action):  # type: ignore[valid-type,misc]
+        def __call__(self, parser, namespace, values, option_string=None):
+            super().__call__(parser, namespace, values, option_string)
+            given = getattr(namespace, GIVEN, None)
+            if given is None:
+                given = set()
+                setattr(namespace, GIVEN, given)
+            given.add(self.dest)
+
+    return Recorded
+
+
+_STORE, _BOOLEAN = _recording(argparse._StoreAction), _recording(argparse.BooleanOptionalAction)
+
+
+def given_flags(args: argparse.Namespace) -> set[str]:
+    """The destinations of the configuration flags given on the command line (``--ema-decay null`` included)."""
+    return set(getattr(args, GIVEN, None) or ())
+
+
 def _optional(conv):
     def parse(text: str):
         return None if text.lower() in ("none", "null") else conv(text)
@@ -105,14 +132,15 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_cls: Any) -> No
         help_text = f"{f.metadata['help']} ({describe_default(f.name, recipes)})"
         kind: dict[str, Any]
         if base is bool:
-            kind = {"action": argparse.BooleanOptionalAction}
+            kind = {"action": _BOOLEAN}
         elif base is dict or hint is dict:
-            kind = {"type": _parse_mapping, "metavar": "MAPPING"}
+            kind = {"action": _STORE, "type": _parse_mapping, "metavar": "MAPPING"}
         elif base is list or hint is list:
-            kind = {"type": float, "nargs": "+", "metavar": "X"}
+            kind = {"action": _STORE, "type": float, "nargs": "+", "metavar": "X"}
         else:
             conv = {int: int, float: float, str: str}.get(base, str)
             kind = {
+                "action": _STORE,
                 "type": _optional(conv) if type(None) in args else conv,
                 "choices": choices.get(f.name),
                 "metavar": "{" + ",".join(choices[f.name]) + "}" if f.name in choices else None,
