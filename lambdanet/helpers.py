@@ -222,8 +222,12 @@ def plain_real(value):
     """``value`` as a Python float where it is a real number of another kind (numpy's, or an int; one too large for
     a float: ``inf``; a 0-d tensor or array: its element), anything else (a bool, a string, ``None``) as it is: for
     the check that follows."""
-    if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):  # torch's or numpy's scalar
-        value = value.item()
+    if (
+        getattr(value, "ndim", None) == 0
+        and callable(getattr(value, "item", None))
+        and not getattr(value, "is_meta", 0)
+    ):
+        value = value.item()  # torch's or numpy's scalar (a meta tensor has no value: as it is)
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         try:
             return float(value)

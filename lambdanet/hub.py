@@ -65,8 +65,8 @@ def _from_model(model: nn.Module, folder: Path) -> dict:
 # the hub's names: letters, digits, '-', '_', '.', at most 96 characters, no '--' or '..', not starting or ending
 # with '-' or '.' (huggingface_hub's validate_repo_id)
 _HUB_NAME = re.compile(r"(?!.*(--|\.\.))[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?")
-RUN_FILES = ("summary.json", "config.yaml")  # copied from a run directory where it has them
-REPOSITORY_FILES = (WEIGHTS_FILE, CONFIG_FILE, "README.md", *RUN_FILES)
+SHARED_RUN_RECORDS = ("summary.json", "config.yaml")  # copied from a run directory where it has them
+REPOSITORY_FILES = (WEIGHTS_FILE, CONFIG_FILE, "README.md", *SHARED_RUN_RECORDS)
 
 
 def _check_repo_id(repo_id) -> None:
@@ -103,7 +103,7 @@ def _check_folder(folder: Path, run_dir: Path | None) -> None:
 def _clear_run_files(folder: Path) -> None:
     """Remove an earlier repository's copies of its run's files from ``folder``: a source without them (a model
     object, a run without a ``config.yaml``) must not leave another run's beside its weights."""
-    for name in RUN_FILES:
+    for name in SHARED_RUN_RECORDS:
         (folder / name).unlink(missing_ok=True)
 
 
@@ -127,9 +127,12 @@ def save_for_hub(source: str | os.PathLike | nn.Module, folder: str | os.PathLik
         if not weights.exists():
             raise ValueError(f"{source} does not exist; pass a run directory of lambdanet train or lambdanet lm train "
                              "(or its model.safetensors / model_ema.safetensors)")  # fmt: skip
-        if weights.suffix == ".pt":
+        if weights.suffix == ".pt" and Path(source).expanduser().is_dir():
             raise ValueError(f"{source}: a run stopped before its end holds only its training checkpoint "
                              f"({weights.name}); finish it with --resume (its weights are what is shared)")  # fmt: skip
+        if weights.suffix == ".pt":
+            raise ValueError(f"{source} is a training checkpoint; pass its run directory or the run's "
+                             "model.safetensors / model_ema.safetensors")  # fmt: skip
         meta = run_metadata(weights) if weights.is_file() else None
         if not meta or task_of_config(meta) not in ("classify", "lm"):
             raise ValueError(
@@ -141,7 +144,7 @@ def save_for_hub(source: str | os.PathLike | nn.Module, folder: str | os.PathLik
         folder.mkdir(parents=True, exist_ok=True)
         _clear_run_files(folder)
         shutil.copyfile(weights, folder / WEIGHTS_FILE)
-        for name in RUN_FILES:
+        for name in SHARED_RUN_RECORDS:
             if (run_dir / name).is_file():
                 shutil.copyfile(run_dir / name, folder / name)
         if (run_dir / "summary.json").is_file():

@@ -155,6 +155,9 @@ def load_for_inference(
     if dropped is not None and num_classes is None:  # the file's classifier, not a random one of the default width
         kwargs["num_classes"] = dropped
         net = create_model(cast(str, model), **kwargs)
+        if dropped_classifier(cast("dict[str, Any]", getattr(net, "pretrained_cfg", {})).get("load_notes") or []):
+            raise ValueError(f"checkpoint {str(path)!r}'s {dropped}-class classifier does not fit {model!r} (another "
+                             "feature width): build the model with the checkpoint's options")  # fmt: skip
     elif dropped is not None and num_classes:  # (num_classes 0: the features, the classifier left out on purpose)
         raise ValueError(
             f"num_classes={num_classes} does not match checkpoint {str(path)!r}, whose classifier has {dropped} "

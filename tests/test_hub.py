@@ -131,6 +131,8 @@ def test_a_stopped_run_or_a_missing_path_is_said_to_be_so(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"stopped before its end holds only its training checkpoint \(last.pt\); "
                                          r"finish it with --resume"):  # fmt: skip
         save_for_hub(stopped, tmp_path / "repo")
+    with pytest.raises(ValueError, match=r"last.pt is a training checkpoint; pass its run directory or the run's "):
+        save_for_hub(RUN / "last.pt", tmp_path / "repo")  # a finished run's, given by name: not "stopped"
     assert main(["push-to-hub", str(tmp_path / "gone"), "me/x", "--folder", str(tmp_path / "repo")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{tmp_path / 'gone'} does not exist; pass a run directory" in err

@@ -265,6 +265,8 @@ def test_sampling_is_seeded_and_top_k_restricts_it():
     assert torch.equal(c, a)
     with pytest.raises(ValueError, match=r"temperature must be > 0 and finite, got 0.0$"):
         model.generate(prompt, 2, temperature=torch.tensor(0.0))
+    with pytest.raises(ValueError, match=r"temperature must be > 0 and finite, got tensor\(\.\.\., device='meta'"):
+        model.generate(prompt, 2, temperature=torch.tensor(0.5, device="meta"))  # no value to read: refused
 
 
 def test_sampling_at_extreme_temperatures_tends_to_argmax_and_to_uniform():

@@ -225,6 +225,10 @@ def test_a_weights_file_of_another_class_count_brings_its_classifier_never_a_ran
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "num_classes=5 does not match checkpoint" in err and "has 3 classes" in err
     assert not (tmp_path / "m.pt").exists()
+    odd = dict(trained.state_dict(), **{"fc.weight": torch.randn(3, 1024)})  # a classifier of another feature width
+    torch.save(odd, tmp_path / "odd.pth")
+    with pytest.raises(ValueError, match=r"3-class classifier does not fit 'resnet26' \(another feature width\)"):
+        load_for_inference(tmp_path / "odd.pth", model="resnet26")
 
 
 def test_a_model_built_at_another_img_size_is_fed_images_of_that_size(run, tmp_path):

@@ -71,9 +71,13 @@ def test_exponent_numbers_in_a_config_file_and_model_kwargs_are_numbers(tmp_path
                                       "drop_path_rate=1e-2", "--out", str(tmp_path / "r")])  # fmt: skip
     cfg = config_source_from_args(args, TrainConfig).resolve()
     assert (cfg.lr, cfg.ema_decay, cfg.drop_path_rate) == (0.001, 0.0005, 0.01)  # (the kwarg is the option)
-    from lambdanet.engine.values import read_yaml
+    from lambdanet.engine.values import load_run_yaml, load_yaml, read_yaml, save_yaml
 
     assert read_yaml("a: '1e-3'\nb: 1e3x\nc: -2.5e+1") == {"a": "1e-3", "b": "1e3x", "c": -25.0}
+    # a string that reads as such a number is written quoted: it reads back as the string, as a file or as a run's
+    saved = resolve_config(overrides={"out": "1e-3"})
+    save_yaml(saved, tmp_path / "config.yaml")
+    assert load_yaml(tmp_path / "config.yaml")["out"] == load_run_yaml(tmp_path / "config.yaml")["out"] == "1e-3"
 
 
 def test_a_flag_given_as_null_wins_over_the_recipe_and_the_config_file(tmp_path):
@@ -120,9 +124,10 @@ def test_a_fine_tuned_run_resumes_from_another_working_folder(tmp_path, monkeypa
     monkeypatch.chdir(elsewhere)
     assert main(["train", "--resume", "--out", str(work / "ft"), "--epochs", "2", "--no-progress"]) == 0
     assert json.loads((work / "ft" / "summary.json").read_text())["epochs"] == 2
-    monkeypatch.setenv("HOME", str(tmp_path))
-    cfg = resolve_config(overrides={"data_dir": "~/data", "out": str(tmp_path / "o")})
-    assert cfg.data_dir == str(tmp_path / "data")
+    # a relative path is made absolute; a ~ path stays as written: each machine (or user) resuming expands its own
+    cfg = resolve_config(overrides={"data_dir": "d", "out": str(tmp_path / "o")})
+    assert cfg.data_dir == str(elsewhere / "d")
+    assert resolve_config(overrides={"data_dir": "~/d", "out": str(tmp_path / "o")}).data_dir == "~/d"
 
 
 # ------------------------------------------------------------------------------------------------- resume

@@ -22,6 +22,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     """Continue a prompt with a trained model (library: ``lambdanet.tasks.lm.sample``)."""
     from lambdanet.cli.common import check_device
     from lambdanet.files import check_run_task
+    from lambdanet.models.lm_graph import GrowingStateError
     from lambdanet.tasks.lm.task import sample
 
     check_device(args.device)
@@ -50,11 +51,8 @@ def _cmd_sample(args: argparse.Namespace) -> int:
             device="cuda" if args.device == "cuda" else "cpu",
             cuda_graph=args.cuda_graph,
         )
-    except ValueError as err:  # the API's refusal of a graph, in the command's words
-        if not str(err).startswith("cuda_graph=True "):
-            raise
-        flag = str(err).replace("cuda_graph=True", "--cuda-graph").replace("without cuda_graph", "without --cuda-graph")
-        raise ValueError(flag) from None
+    except GrowingStateError as err:  # the API's refusal of a graph, in the command's words
+        raise GrowingStateError(err.what, "--cuda-graph", "sample without --cuda-graph") from None
     sys.stdout.write(out.decode("utf-8", errors="replace") + "\n")
     return 0
 

@@ -181,18 +181,34 @@ class RunConfig:
         configuration built directly), in place: the data path made absolute, the values validated, ``out``
         checked, what the ``explicit`` values imply written in (:meth:`complete`), the configuration marked
         resolved."""
-        data = getattr(self, "data", None)
-        if isinstance(data, str):  # a path found from any working directory later
-            setattr(self, "data", absolute_data(data))  # noqa: B010 (a field of the tasks that read data)
-        for name in self.PATHS:  # so are these (--resume or eval from another folder): not '' (refused), nor hub ids
-            path = getattr(self, name)
-            if isinstance(path, str) and path and not path.startswith("hf-hub:"):
-                setattr(self, name, str(Path(path).expanduser().absolute()))
+        names = [name for name in ("data", *self.PATHS) if hasattr(self, name)]
+        for name, value in self.absolute_paths({name: getattr(self, name) for name in names}).items():
+            setattr(self, name, value)
         self.validate()
         # --out, or the nearest of its parents that exists, a file: every worker process of a run would fail
         check_output_dir(self.out, "--out", "a folder for the run")
         self.complete(explicit)
         self._resolved = True  # engine.task.run resolves a configuration built directly
+
+    @classmethod
+    def absolute_paths(cls, values: dict) -> dict:
+        """``values`` (option: value) with ``data``'s path and the :attr:`PATHS` options that are relative made
+        absolute, found from any working directory later (``--resume``, ``eval``, a sweep's rerun); ``~`` paths
+        stay as written (each machine expands its own), as do ``''`` (refused later) and hub ids. The rule for a
+        run's configuration, and for comparing one saved by an earlier version (which kept them as given)."""
+        out = dict(values)
+        if isinstance(out.get("data"), str):
+            out["data"] = absolute_data(out["data"])
+        for name in cls.PATHS:
+            path = out.get(name)
+            if (
+                isinstance(path, str)
+                and path
+                and not path.startswith(("hf-hub:", "~"))
+                and not Path(path).is_absolute()
+            ):
+                out[name] = str(Path(path).absolute())
+        return out
 
     @classmethod
     def recipe_values(cls, name: str, explicit: dict) -> dict:

@@ -20,13 +20,17 @@ __all__ = ["check_number", "check_types", "load_yaml", "load_run_yaml", "save_ya
 
 
 class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader (YAML 1.1), which also reads ``1e-3`` and ``5E+2`` as floats, as YAML 1.2 and Python
-    do (1.1 wants a dot: ``1.0e-3``; ``lr: 1e-3`` was the string ``'1e-3'``, refused as not a number)."""
+    """PyYAML's safe loader (YAML 1.1), which also reads ``1e-3`` and ``5E+2`` as floats, as Python does (1.1 wants
+    a dot: ``1.0e-3``; ``lr: 1e-3`` in a file written by hand was the string ``'1e-3'``, refused as not a number)."""
 
 
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
-)
+class _Dumper(yaml.SafeDumper):
+    """PyYAML's safe dumper, which quotes a string that :class:`_Loader` would read as a float (``out: '1e-3'``)."""
+
+
+_EXPONENT = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+for _kind in (_Loader, _Dumper):
+    _kind.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT, list("-+0123456789"))
 
 
 def read_yaml(text: str):
@@ -62,10 +66,11 @@ def check_types(cls: type, values: dict) -> None:
             raise ValueError(f"{name} must be a 64-bit int (below 2**63: torch's sizes and counts), got {value}")
 
 
-def load_yaml(path: str | Path, what: str = "config file") -> dict:
+def load_yaml(path: str | Path, what: str = "config file", *, written: bool = False) -> dict:
     """The mapping of option: value a YAML file holds (an empty file: none); a one-line ``ValueError`` naming
     the file (``what``: how to call it) when it is missing, a folder, not text, not valid YAML or not a
-    mapping."""
+    mapping. ``written``: a file lambdanet wrote (a run's ``config.yaml``), read as PyYAML wrote it (YAML 1.1: an
+    earlier version left a string ``1e-3`` unquoted); a file written by hand reads ``1e-3`` as a number."""
     check_path_given(path, f"the {what} path", "give a YAML file of option: value")
     path = Path(path)
     if path.is_dir():
@@ -73,7 +78,8 @@ def load_yaml(path: str | Path, what: str = "config file") -> dict:
     if not path.is_file():
         raise ValueError(f"{what} {path} does not exist")
     try:
-        data = read_yaml(path.read_text(encoding="utf-8")) or {}
+        text = path.read_text(encoding="utf-8")
+        data = (yaml.safe_load(text) if written else read_yaml(text)) or {}
     except UnicodeDecodeError:
         raise ValueError(f"{what} {path} is not a text file (not UTF-8); expected YAML of option: value") from None
     except yaml.YAMLError as err:
@@ -97,7 +103,7 @@ def load_run_yaml(path: str | Path) -> dict:
     """A run's ``config.yaml``, which ``--resume`` continues the run with: :func:`load_yaml`, and a one-line
     ``ValueError`` for an empty one (a file emptied or truncated outside lambdanet), which would otherwise
     resume under the defaults."""
-    data = load_yaml(path, "the run's configuration")
+    data = load_yaml(path, "the run's configuration", written=True)
     if not data:
         raise ValueError(
             f"{path} is empty, so the run cannot be resumed with its configuration; restore it (from a copy "
@@ -111,5 +117,5 @@ def save_yaml(cfg, path: str | Path) -> None:
     crash leaves the previous file or the new one, never a truncated one."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+    tmp.write_text(yaml.dump(dataclasses.asdict(cfg), Dumper=_Dumper, sort_keys=False))
     os.replace(tmp, path)

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from lambdanet.helpers import check_choice, check_int, check_positive_int, is_finite_real, plain_real
 from lambdanet.layers.causal_attention import CausalSelfAttention, step_arguments
 from lambdanet.layers.causal_lambda import CausalLambdaLayer
-from lambdanet.models.lm_graph import StepGraph
+from lambdanet.models.lm_graph import GrowingStateError, StepGraph
 
 __all__ = ["LanguageModel", "LMSize", "LM_SIZES", "MIXERS", "matched_dim_v", "sample_next"]
 
@@ -356,9 +356,7 @@ class LanguageModel(nn.Module):
             if cuda_graph:
                 StepGraph.check_device(tokens.device)
                 if any(isinstance(block.mixer, CausalSelfAttention) for block in self.blocks):  # before the prompt
-                    raise ValueError("cuda_graph=True needs a state that keeps its size from token to token (the "
-                                     "lambda and linear families); this model's attention blocks keep a cache that "
-                                     "grows with every token: generate without cuda_graph")  # fmt: skip
+                    raise GrowingStateError("this model's attention blocks keep a cache that grows with every token")
             logits, state = self(tokens, return_state=True)
             logits, out = logits[:, -1], [tokens]
             graph = None

@@ -20,7 +20,17 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["StepGraph"]
+__all__ = ["StepGraph", "GrowingStateError"]
+
+
+class GrowingStateError(ValueError):
+    """A CUDA graph asked of a model whose state grows (``what``: how), in the words of what asked (``asked``: the
+    argument or the command-line flag, ``instead``: how to do without)."""
+
+    def __init__(self, what: str, asked: str = "cuda_graph=True", instead: str = "generate without cuda_graph"):
+        self.what = what
+        super().__init__(f"{asked} needs a state that keeps its size from token to token (the lambda and linear "
+                         f"families); {what}: {instead}")  # fmt: skip
 
 
 class StepGraph:
@@ -131,8 +141,7 @@ def _aligned(old, new, name: str = "the model"):
     that it has the same keys, lengths and tensor shapes, and the same values where a leaf is not a tensor."""
 
     def fail(why: str) -> NoReturn:
-        raise ValueError(f"cuda_graph=True needs a state that keeps its size from token to token (the lambda and "
-                         f"linear families); {name}'s {why}: generate without cuda_graph")  # fmt: skip
+        raise GrowingStateError(f"{name}'s {why}")
 
     if isinstance(old, dict):
         if not isinstance(new, dict) or set(old) != set(new):

@@ -14,7 +14,6 @@ from lambdanet.engine.config import ConfigSource, config_differences, describe_d
 from lambdanet.engine.logger import read_json, write_json
 from lambdanet.engine.loop import TrainingDivergedError
 from lambdanet.engine.preempt import Preempted
-from lambdanet.files import absolute_data
 from lambdanet.helpers import is_finite_real, plain_real
 from lambdanet.tasks.classification.config import RESUME_FREE
 from lambdanet.tasks.classification.task import train
@@ -31,7 +30,7 @@ def lr_text(lr: float) -> str:
 
 def _saved_lr(folder: Path) -> float | None:
     """The learning rate of the run in ``folder`` (its ``config.yaml``), ``None`` without one."""
-    saved = load_yaml(folder / "config.yaml").get("lr") if (folder / "config.yaml").is_file() else None
+    saved = load_yaml(folder / "config.yaml", written=True).get("lr") if (folder / "config.yaml").is_file() else None
     return float(saved) if isinstance(saved, (int, float)) and not isinstance(saved, bool) else None
 
 
@@ -60,9 +59,8 @@ def _plan(
             run_dir = out / model / run_name(lr, out, model)
             cfg = source.resolve(model=model, lr=lr, out=str(run_dir))
             if (run_dir / "config.yaml").exists():
-                saved = load_yaml(run_dir / "config.yaml")
-                if isinstance(saved.get("data"), str):  # an earlier version kept a relative path as given
-                    saved["data"] = absolute_data(saved["data"])
+                # an earlier version kept relative paths as given: compared as this one writes them
+                saved = type(cfg).absolute_paths(load_yaml(run_dir / "config.yaml", written=True))
                 changed = config_differences(saved, cfg, ignore=RESUME_FREE)
                 if changed:
                     raise ValueError(

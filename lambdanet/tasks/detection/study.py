@@ -116,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: no {runs}/<backbone>/summary.json for any of {', '.join(STUDY_BACKBONES)}", file=sys.stderr)
         return 2
     try:
-        configs = {name: load_yaml(runs / name / "config.yaml", "the run's configuration")
+        configs = {name: load_yaml(runs / name / "config.yaml", "the run's configuration", written=True)
                    for name in summaries if (runs / name / "config.yaml").is_file()}  # fmt: skip
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
