@@ -147,13 +147,15 @@ def avg_pool_nd(spatial_dims: int) -> Callable[..., Tensor]:
 
 
 def check_input(
-    x: Tensor, dim: int, spatial_dims: int | None, layer: str, *, dim_name: str = "dim", weight: Tensor | None = None
+    x: Tensor, dim: int, spatial_dims: int | None, layer: str | torch.nn.Module, *, dim_name: str = "dim"
 ) -> None:
     """Validate a ``[B, C, *spatial]`` input with a one-line ``ValueError``: a floating-point tensor with
     ``spatial_dims`` spatial axes (``None``: any of 1, 2 or 3), ``dim`` channels and no empty spatial axis. A
     rank mismatch names the ``spatial_dims`` the input has (``spatial_dims=3`` for a 5-d input), i.e. what a
-    layer would need to take it. ``dim_name``: the constructor argument that set ``dim``; ``weight``: the layer's
-    first parameter, whose dtype the input must have outside autocast (:func:`check_dtype`)."""
+    layer would need to take it. ``layer``: the layer's name, or the layer itself (named by its class), whose
+    first parameter's dtype the input must then have outside autocast (:func:`check_dtype`). ``dim_name``: the
+    constructor argument that set ``dim``."""
+    module, layer = (layer, type(layer).__name__) if isinstance(layer, torch.nn.Module) else (None, layer)
     if not isinstance(x, Tensor):
         raise ValueError(f"{layer} expects a tensor input [B, C, *spatial], got {type(x).__name__}")
     expected = (1, 2, 3) if spatial_dims is None else (spatial_dims,)
@@ -176,7 +178,7 @@ def check_input(
         raise ValueError(f"{layer} expects a floating-point input, got dtype {x.dtype}")
     if any(s == 0 for s in x.shape[2:]):
         raise ValueError(f"{layer} expects a non-empty spatial size, got input of shape {tuple(x.shape)}")
-    if weight is not None:
+    if module is not None and (weight := next(module.parameters(), None)) is not None:
         check_dtype(x, weight, layer)
 
 

@@ -127,10 +127,10 @@ def save_for_hub(source: str | os.PathLike | nn.Module, folder: str | os.PathLik
         if not weights.exists():
             raise ValueError(f"{source} does not exist; pass a run directory of lambdanet train or lambdanet lm train "
                              "(or its model.safetensors / model_ema.safetensors)")  # fmt: skip
-        if weights.suffix == ".pt" and Path(source).expanduser().is_dir():
+        if weights.suffix == ".pt" and Path(source).expanduser().is_dir():  # what run_file falls back to
             raise ValueError(f"{source}: a run stopped before its end holds only its training checkpoint "
                              f"({weights.name}); finish it with --resume (its weights are what is shared)")  # fmt: skip
-        if weights.suffix == ".pt":
+        if weights.suffix == ".pt":  # named by the caller
             raise ValueError(f"{source} is a training checkpoint; pass its run directory or the run's "
                              "model.safetensors / model_ema.safetensors")  # fmt: skip
         meta = run_metadata(weights) if weights.is_file() else None

@@ -150,12 +150,11 @@ def load_for_inference(
     elif pretrained:
         kwargs["pretrained"] = True
     net = create_model(cast(str, model), **kwargs)  # model is given here (checked above)
-    notes = cast("dict[str, Any]", getattr(net, "pretrained_cfg", {})).get("load_notes") or []
-    dropped = dropped_classifier(notes) if checkpoint is not None else None
+    dropped = _dropped_classes(net) if checkpoint is not None else None
     if dropped is not None and num_classes is None:  # the file's classifier, not a random one of the default width
         kwargs["num_classes"] = dropped
         net = create_model(cast(str, model), **kwargs)
-        if dropped_classifier(cast("dict[str, Any]", getattr(net, "pretrained_cfg", {})).get("load_notes") or []):
+        if _dropped_classes(net) is not None:
             raise ValueError(f"checkpoint {str(path)!r}'s {dropped}-class classifier does not fit {model!r} (another "
                              "feature width): build the model with the checkpoint's options")  # fmt: skip
     elif dropped is not None and num_classes:  # (num_classes 0: the features, the classifier left out on purpose)
@@ -164,6 +163,12 @@ def load_for_inference(
             "classes (the model's would be random); leave num_classes out to take the checkpoint's"
         )
     return net.to(dtype).eval()
+
+
+def _dropped_classes(net: nn.Module) -> int | None:
+    """The classes of the checkpoint classifier that loading ``net``'s weights left out (a width other than its
+    own), ``None`` where none was."""
+    return dropped_classifier(cast("dict[str, Any]", getattr(net, "pretrained_cfg", {})).get("load_notes") or [])
 
 
 # --------------------------------------------------------------------------------------------------- images

@@ -72,6 +72,6 @@ class AxialAttention(nn.Module):
         self.width = AxialAttention1d(dim_out, dim_out, axis=3, max_len=self.feat_size[1], heads=heads)
 
     def forward(self, x: Tensor) -> Tensor:
-        check_input(x, self.dim, 2, type(self).__name__, weight=next(self.parameters(), None))
+        check_input(x, self.dim, 2, self)
         check_feat_size(x.shape[2:], self.feat_size, type(self).__name__)
         return pool_after(self.width(self.height(x)), self.stride)

@@ -27,7 +27,7 @@ class ConvLayer(nn.Module):
         self.conv = nn.Conv2d(dim, dim_out, kernel_size, stride, kernel_size // 2, groups=groups, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        check_input(x, self.dim, 2, type(self).__name__, weight=next(self.parameters(), None))
+        check_input(x, self.dim, 2, self)
         return self.conv(x)
 
 

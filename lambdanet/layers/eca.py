@@ -38,9 +38,7 @@ class EfficientChannelAttention(nn.Module):
         self.conv = nn.Conv1d(1, 1, kernel_size, padding=kernel_size // 2, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        check_input(
-            x, self.channels, None, type(self).__name__, dim_name="channels", weight=next(self.parameters(), None)
-        )
+        check_input(x, self.channels, None, self, dim_name="channels")
         b, c = x.shape[:2]
         s = x.mean(dim=tuple(range(2, x.dim()))).view(b, 1, c)  # b 1 c
         return x * self.conv(s).sigmoid().view(b, c, *([1] * (x.dim() - 2)))  # gate: b c 1 1

@@ -47,7 +47,7 @@ class EfficientAttention(nn.Module):
         self.proj = nn.Conv2d(dim_v, dim, 1)
 
     def forward(self, x: Tensor) -> Tensor:
-        check_input(x, self.dim, 2, type(self).__name__, weight=next(self.parameters(), None))
+        check_input(x, self.dim, 2, self)
         (b, _, hh, ww), h = x.shape, self.heads
         qkv = self.qkv(x).flatten(2)  # b c n
         q, k, v = qkv.to(compute_dtype(qkv.dtype)).split([self.dim_k, self.dim_k, self.dim_v], dim=1)  # b c n
@@ -82,7 +82,7 @@ class DoubleAttention(nn.Module):
         self.proj = nn.Conv2d(c_m, dim, 1)
 
     def forward(self, x: Tensor) -> Tensor:
-        check_input(x, self.dim, 2, type(self).__name__, weight=next(self.parameters(), None))
+        check_input(x, self.dim, 2, self)
         b, _, hh, ww = x.shape
         abv = self.conv_abv(x).flatten(2)  # b c n
         a, bm, v = abv.to(compute_dtype(abv.dtype)).split([self.c_m, self.c_n, self.c_n], dim=1)  # b c n

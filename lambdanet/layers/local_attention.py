@@ -133,7 +133,7 @@ class BlockedLocalAttention(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:
-        check_input(x, self.dim, 2, type(self).__name__, weight=next(self.parameters(), None))
+        check_input(x, self.dim, 2, self)
         b, _, hh, ww = x.shape
         bs, hs, s, h = self.block_size, self.halo_size, self.stride, self.heads
         dk, dv = self.dim_qk // h, self.dim_out // h
@@ -223,10 +223,11 @@ class HaloAttention(BlockedLocalAttention):
         if not isinstance(pixel_centered, bool):
             raise ValueError(f"pixel_centered must be True or False, got {pixel_centered!r}")
         check_choice(downsample, "downsample", ("subsample", "pool"))
-        if heads is None and dim_out % max(1, dim_out // 16):  # the default the user never named: say it
-            raise ValueError(f"heads (by default dim_out // 16 = {dim_out // 16}) must divide dim_out={dim_out}; "
-                             "pass heads that do")  # fmt: skip
-        heads = max(1, dim_out // 16) if heads is None else heads
+        if heads is None:
+            heads = max(1, dim_out // 16)
+            if dim_out % heads:  # the default the user never named: say it
+                raise ValueError(f"heads (by default dim_out // 16 = {heads}) must divide dim_out={dim_out}; pass "
+                                 "heads that do")  # fmt: skip
         pool = downsample == "pool" and stride > 1
         super().__init__(
             dim,

@@ -94,7 +94,7 @@ class RelativeSelfAttention(nn.Module):
         return out.transpose(-1, -2).reshape(b, self.dim_out, hh, ww)
 
     def forward(self, x: Tensor) -> Tensor:
-        check_input(x, self.dim, 2, type(self).__name__, weight=next(self.parameters(), None))
+        check_input(x, self.dim, 2, self)
         check_feat_size(x.shape[2:], self.feat_size, type(self).__name__)
         return pool_after(self.attention(x), self.stride)
 
@@ -143,7 +143,7 @@ class AttentionAugmentedConv(nn.Module):
         self.proj = nn.Conv2d(dv, dv, 1, bias=False)  # W_O, mixes the heads
 
     def forward(self, x: Tensor) -> Tensor:
-        check_input(x, self.dim, 2, type(self).__name__, weight=next(self.parameters(), None))
+        check_input(x, self.dim, 2, self)
         check_feat_size(x.shape[2:], self.attn.feat_size, type(self).__name__)
         attn = pool_after(self.proj(self.attn.attention(x)), self.stride)
         return torch.cat([self.conv(x), attn], dim=1)

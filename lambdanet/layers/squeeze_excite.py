@@ -37,9 +37,7 @@ class SqueezeExcite(nn.Module):
         self.fc2 = nn.Conv2d(rd_channels, channels, 1)
 
     def forward(self, x: Tensor) -> Tensor:
-        check_input(
-            x, self.channels, None, type(self).__name__, dim_name="channels", weight=next(self.parameters(), None)
-        )
+        check_input(x, self.channels, None, self, dim_name="channels")
         s = x.mean(dim=tuple(range(2, x.dim())), keepdim=True)  # b c 1 1
         s = self.fc2(self.act(self.fc1(s.view(s.shape[0], s.shape[1], 1, 1))))  # b c 1 1
         return x * s.sigmoid().view(*s.shape[:2], *([1] * (x.dim() - 2)))

@@ -178,14 +178,14 @@ def tie_shared(model: nn.Module, sd: dict[str, Tensor]) -> dict[str, Tensor]:
     return sd
 
 
-_DROPPED = "the checkpoint's {}-class classifier is not loaded"
+_DROPPED = "the checkpoint's {}-class classifier is not loaded"  # _fit's note, which dropped_classifier reads
+_DROPPED_NOTE = re.compile(re.escape(_DROPPED).replace(r"\{\}", r"(\d+)"))
 
 
 def dropped_classifier(notes: Sequence[str]) -> int | None:
     """The classes of the checkpoint's classifier that loading left out for one of another width (its note among
     ``notes``, a model's ``pretrained_cfg["load_notes"]``), else ``None``."""
-    pattern = re.compile(re.escape(_DROPPED).replace(r"\{\}", r"(\d+)"))
-    found = (pattern.match(note) for note in notes)
+    found = (_DROPPED_NOTE.match(note) for note in notes)
     return next((int(m.group(1)) for m in found if m), None)
 
 
