@@ -105,6 +105,103 @@ def test_a_flag_given_as_null_wins_over_the_recipe_and_the_config_file(tmp_path)
     assert (cfg.ema_decay, cfg.max_train_batches, cfg.img_size) == (None, None, 16)  # 16: the data's own size
 
 
+def _resolved(tmp_path, command, config_cls, *argv):
+    from lambdanet.engine.config import config_source_from_args
+
+    args = build_parser().parse_args([*command, *argv, "--out", str(tmp_path / "o")])
+    return config_source_from_args(args, config_cls).resolve()
+
+
+def _written(tmp_path, cfg, name="run.yaml"):
+    """``cfg`` as a run writes it (its config.yaml)."""
+    cfg.save_yaml(tmp_path / name)
+    return str(tmp_path / name)
+
+
+# flags that change what a quick digits run's config.yaml implied: its model options (stem, base_width, img_size),
+# its image size (the data's), the model's own dropout; and a mapping flag, which updates the file's key by key
+DIM_K8 = "layer_kwargs={dim_k: 8}"
+
+
+@pytest.mark.parametrize("given, flags, asked", [
+    (DIM_K8, ["--img-size", "32", "--compact-width", "32"], None), (DIM_K8, ["--img-size", "96"], None),
+    (DIM_K8, ["--compact-width", "8"], None), (DIM_K8, ["--data", "fashion-mnist"], None),
+    (DIM_K8, ["--model", "resnet26"], None), ("{}", ["--model", "lambda_resnet26rpt_256"], None),
+    (DIM_K8, ["--model-kwargs", "se=true"], ["--model-kwargs", "{layer_kwargs: {dim_k: 8}, se: true}"]),
+    (DIM_K8, [], None)])
+def test_a_runs_config_file_with_a_flag_is_the_run_asked_for_with_both(tmp_path, given, flags, asked):
+    """``train --config RUN/config.yaml --img-size 32 --compact-width 32`` built the model at the file's 16 px and
+    width 16 (the run had written the options they implied into model_kwargs, which then counted as given; a
+    global-attention model refused the new size); ``--model resnet26`` kept lambda_resnet26's options and
+    ``--model-kwargs se=true`` dropped the file's. The file plus a flag is the run asked for with the file's
+    flags and that flag (``asked``: those flags merged, where the two are one flag)."""
+    resolved = lambda *argv: _resolved(tmp_path, ["train"], TrainConfig, *argv)  # noqa: E731
+    file = _written(tmp_path, resolved("--model-kwargs", given))
+    got, want = resolved("--config", file, *flags), resolved(*(asked or ["--model-kwargs", given, *flags]))
+    assert (got.model, got.model_kwargs, got.img_size, got.drop_rate) == (
+        want.model, want.model_kwargs, want.img_size, want.drop_rate)  # fmt: skip
+    if given == DIM_K8:
+        assert got.model_kwargs["layer_kwargs"] == {"dim_k": 8}  # what the file gave stays
+    if flags == ["--img-size", "32", "--compact-width", "32"]:  # the figures, independently of the resolution
+        assert got.model_kwargs == {"layer_kwargs": {"dim_k": 8}, "stem": "cifar", "base_width": 32, "img_size": 32}
+
+
+def test_values_a_file_gives_that_equal_nothing_implied_stay_given(tmp_path):
+    """Only a value equal to what the file's own options imply follows a flag: a width or a stem written by hand
+    stays (and an unchanged image size keeps the file's model options exactly)."""
+    resolved = lambda *argv: _resolved(tmp_path, ["train"], TrainConfig, *argv)  # noqa: E731
+    (tmp_path / "c.yaml").write_text("img_size: 96\ncompact_width: 16\nmodel_kwargs: {base_width: 24, stem: cifar}\n")
+    cfg = resolved("--config", str(tmp_path / "c.yaml"), "--img-size", "128", "--compact-width", "32")
+    assert cfg.model_kwargs == {"base_width": 24, "stem": "cifar", "img_size": 128}  # (96 px implies no cifar stem)
+    (tmp_path / "d.yaml").write_text("img_size: 32\nmodel_kwargs: {img_size: 32, stem: cifar}\n")
+    assert resolved("--config", str(tmp_path / "d.yaml"), "--img-size", "32").model_kwargs["stem"] == "cifar"
+    assert "stem" not in resolved("--config", str(tmp_path / "d.yaml"), "--img-size", "96").model_kwargs
+
+
+def test_a_config_file_with_another_checkpoint_fine_tunes_that_checkpoints_model(tmp_path, tiny_digits_run):
+    """A scratch run's (or another fine-tune's) config.yaml with ``--checkpoint RUN`` built the file's architecture
+    and size, not the checkpoint's (the weights then did not fit): the checkpoint's own, as without the file."""
+    resolved = lambda *argv: _resolved(tmp_path, ["train"], TrainConfig, *argv)  # noqa: E731
+    narrow = tmp_path / "narrow"
+    train(resolve_config(overrides={**FAST, "epochs": 1, "max_train_batches": 1, "compact_width": 8,
+                                    "img_size": 24, "out": str(narrow)}))  # fmt: skip
+    for file, checkpoint in ((_written(tmp_path, resolved("--img-size", "96")), tiny_digits_run),
+                             (_written(tmp_path, resolved("--checkpoint", str(tiny_digits_run))), narrow)):
+        want = resolved("--checkpoint", str(checkpoint))
+        got = resolved("--config", file, "--checkpoint", str(checkpoint))
+        assert (got.model_kwargs, got.img_size) == (want.model_kwargs, want.img_size)
+    assert (want.model_kwargs["base_width"], want.img_size) == (8, 24)  # the narrow run's, not the file's 16 px
+
+
+def test_a_language_model_runs_file_with_another_model_drops_the_options_its_model_wrote(tmp_path):
+    """An ``lm train`` run of lambda_lm_tiny writes its pinned defaults (short_conv, decay) into model_kwargs;
+    with ``--model transformer_lm_tiny`` they were refused as the transformer's options. Options the user gave
+    stay."""
+    from lambdanet.tasks.lm.config import LMConfig
+
+    resolved = lambda *argv: _resolved(tmp_path, ["lm", "train"], LMConfig, *argv)  # noqa: E731
+    file = _written(tmp_path, resolved("--model", "lambda_lm_tiny"))
+    assert resolved("--config", file, "--model", "transformer_lm_tiny").model_kwargs == {}
+    file = _written(tmp_path, resolved("--model", "lambda_lm_tiny", "--model-kwargs", "r=32"), "r.yaml")
+    got = resolved("--config", file, "--model", "plain_lambda_lm_tiny")
+    assert got.model_kwargs == {"r": 32} == resolved("--model", "plain_lambda_lm_tiny", "--model-kwargs", "r=32")\
+        .model_kwargs  # fmt: skip
+    assert resolved("--config", file).model_kwargs == yaml.safe_load(open(file))["model_kwargs"]  # unchanged
+
+
+@pytest.mark.parametrize("flags", [["--backbone", "halonet_h0"], ["--pretrained-backbone"], []])
+def test_a_detection_runs_file_with_another_backbone_or_initialisation_is_the_run_asked_for(tmp_path, flags):
+    """A quick ``detect`` run's config.yaml holds the compact width of its backbone and its glyph pre-training:
+    with ``--backbone halonet_h0`` the width was refused as the new backbone's option, with
+    ``--pretrained-backbone`` the pre-training was refused beside it."""
+    from lambdanet.tasks.detection.config import DetectConfig
+
+    resolved = lambda *argv: _resolved(tmp_path, ["detect"], DetectConfig, *argv)  # noqa: E731
+    got, want = resolved("--config", _written(tmp_path, resolved()), *flags), resolved(*flags)
+    assert (got.backbone_kwargs, got.pretrain_steps, got.pretrained_backbone) == (
+        want.backbone_kwargs, want.pretrain_steps, want.pretrained_backbone)  # fmt: skip
+
+
 def test_a_fine_tuned_run_resumes_from_another_working_folder(tmp_path, monkeypatch):
     """``--checkpoint r1`` (and ``--pseudo-labels``, ``--data-dir``) given relative were saved relative in
     config.yaml: ``train --resume --out /abs/ft`` from another folder failed "checkpoint 'r1' does not exist".

@@ -2,10 +2,13 @@
 key and a line of ``--help``), recipes as named overrides, and one :meth:`RunConfig.resolve`.
 
 Precedence (later wins): dataclass defaults < the recipe (and what the task derives from it) < ``--config
-FILE.yaml`` < command-line flags; the task then completes the configuration (what the data and model imply), so
-that ``<out>/config.yaml`` says exactly what runs. With ``--resume`` the run's ``config.yaml`` takes the place of
-defaults and recipe, and only the options declared ``resume_free`` and ``epochs`` may change. The command-line
-flags generated from the fields are :mod:`lambdanet.engine.flags` (importable from here as well)."""
+FILE.yaml`` < command-line flags (a mapping flag, ``--model-kwargs``, updates the file's mapping key by key); the
+task then completes the configuration (what the data and model imply), so that ``<out>/config.yaml`` says exactly
+what runs. Such a file given to ``--config`` with a flag that changes what implied a value (``--img-size``,
+``--model``) has that value implied again (:meth:`RunConfig.without_implied`). With ``--resume`` the run's
+``config.yaml`` takes the place of defaults and recipe, and only the options declared ``resume_free`` and
+``epochs`` may change. The command-line flags generated from the fields are :mod:`lambdanet.engine.flags`
+(importable from here as well)."""
 
 from __future__ import annotations
 
@@ -152,7 +155,7 @@ class RunConfig:
         for values, source in ((yaml_values or {}, "config file"), (overrides or {}, "overrides")):
             _check_keys(cls, values, source)
             check_types(cls, values)  # before the recipe and the task read them
-        explicit = {**(yaml_values or {}), **(overrides or {})}
+        explicit = merge_values(cls.without_implied(yaml_values or {}, overrides or {}), overrides or {})
         if explicit.get("resume"):
             out = Path(explicit.get("out", cls.out))
             if (out / "config.yaml").is_file():  # another command's run (its own checkpoint or none) is named as such
@@ -162,12 +165,7 @@ class RunConfig:
                     f"nothing to resume in {out}: it needs config.yaml and "
                     f"{' or '.join(cls.CHECKPOINTS)} from an earlier run"
                 )
-            saved = _saved_config(cls, out / "config.yaml")
-            given = {
-                k: {**saved[k], **v} if isinstance(v, dict) and isinstance(saved.get(k), dict) else v
-                for k, v in explicit.items()
-            }
-            cfg = cls(**{**saved, **given})
+            cfg = cls(**merge_values(_saved_config(cls, out / "config.yaml"), explicit))
         else:
             name = explicit.get("recipe") or recipe or "quick"
             if name not in cls.RECIPES:
@@ -189,6 +187,16 @@ class RunConfig:
         check_output_dir(self.out, "--out", "a folder for the run")
         self.complete(explicit)
         self._resolved = True  # engine.task.run resolves a configuration built directly
+
+    @classmethod
+    def without_implied(cls, file_values: dict, flags: dict) -> dict:
+        """``file_values`` (a ``--config`` file's) without the values its own options imply where ``flags`` change
+        those options, so that they are implied again from the flags. A run's ``config.yaml`` writes out what its
+        options implied (a model's derived architecture options, its image size): taken as given, they would
+        outlast the flag that changes them. A value equal to what the file's options imply is taken as implied
+        (the same whether written by a run or by hand), and only where a flag changes what implies it, so an
+        unchanged file runs as before. The task says what implies what; here: nothing."""
+        return dict(file_values)
 
     @classmethod
     def absolute_paths(cls, values: dict) -> dict:
@@ -294,6 +302,20 @@ class RunConfig:
                 f"change: drop the others, or start a new run with another --out"
             )
         return int(saved["epochs"])
+
+
+def merge_values(base: dict, over: dict) -> dict:
+    """``over``'s values on ``base``'s; a mapping option (``model_kwargs``, ...) given in both is ``base``'s
+    updated key by key (a flag's ``--model-kwargs se=true`` keeps the config file's or the saved run's other keys)."""
+    merged = dict(base)
+    for k, v in over.items():
+        merged[k] = {**base[k], **v} if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+    return merged
+
+
+def changed_by(flags: dict, values: dict, *names: str) -> bool:
+    """Whether ``flags`` give one of ``names`` another value than ``values`` (:meth:`RunConfig.without_implied`)."""
+    return any(name in flags and flags[name] != values.get(name) for name in names)
 
 
 def _is_fraction(value) -> bool:

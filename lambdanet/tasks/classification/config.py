@@ -24,13 +24,18 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, cast
+from typing import ClassVar
 
-from lambdanet.engine.config import RunConfig, config_source_from_args, flag, option, shared
+from lambdanet.engine.config import RunConfig, config_source_from_args, option, shared
 from lambdanet.files import check_path_given, run_file, weights_file_kind
 from lambdanet.models import model_args, model_info
-from lambdanet.tasks.classification.datasets import dataset_spec, list_datasets
-from lambdanet.tasks.classification.load import checkpoint_settings
+from lambdanet.tasks.classification.datasets import list_datasets
+from lambdanet.tasks.classification.implied import (
+    RECIPE_MODEL_KEYS,
+    checkpoint_values,
+    resolve_model_values,
+    without_implied,
+)
 
 __all__ = [
     "TrainConfig",
@@ -142,15 +147,19 @@ class TrainConfig(RunConfig):
     @classmethod
     def recipe_values(cls, name: str, explicit: dict) -> dict:
         """The recipe, the model's paper values it takes (:data:`RECIPE_MODEL_KEYS`), ``explicit``; fine-tuning a
-        run of ``lambdanet train`` takes its model, options and image size (:func:`_checkpoint_values`)."""
-        explicit = _checkpoint_values(explicit)
+        run of ``lambdanet train`` takes its model, options and image size (:func:`.implied.checkpoint_values`)."""
+        explicit = checkpoint_values(explicit)
         model = explicit.get("model") or RECIPES[name].get("model") or TrainConfig.model
         paper = model_info(model).recipe  # "unknown model ...; registered models: ..."
         from_model = {k: paper[k] for k in RECIPE_MODEL_KEYS.get(name, ()) if k in paper}
         return {**RECIPES[name], **from_model, **explicit, "recipe": name}
 
+    @classmethod
+    def without_implied(cls, file_values: dict, flags: dict) -> dict:
+        return without_implied(file_values, flags)  # the rules: lambdanet.tasks.classification.implied
+
     def complete(self, explicit: dict) -> None:
-        _resolve_model_values(self)
+        resolve_model_values(self)
 
     @classmethod
     def recipe_table(cls) -> dict[str, dict]:
@@ -280,12 +289,6 @@ RECIPES: dict[str, dict] = {
     },
 }
 
-# the values a recipe takes from the model's paper metadata (``ModelInfo.recipe``, Tables 19-20 for
-# LambdaResNets): image size, RandAugment magnitude, dropout and stochastic depth depend on the model
-RECIPE_MODEL_KEYS: dict[str, tuple[str, ...]] = {
-    "paper350": ("img_size", "randaugment_magnitude", "drop_rate", "drop_path_rate")
-}
-
 TrainConfig.RECIPES = RECIPES
 TrainConfig.TASK = "classify"
 # what ``--resume`` lets change: how the run is watched and where it runs, never what it computes
@@ -301,84 +304,6 @@ def resolve_config(
     is written in. With ``checkpoint`` set to what ``lambdanet train`` wrote, the model, its architecture
     options and the image size are the checkpoint's unless given explicitly."""
     return TrainConfig.resolve(recipe, yaml_values, overrides)
-
-
-def _checkpoint_values(explicit: dict) -> dict:
-    """Fine-tuning from what ``lambdanet train`` wrote (``checkpoint``: a run directory, its safetensors weights
-    or its ``last.pt``) builds the checkpoint's model: ``explicit`` with the model, its architecture options
-    (``model_kwargs``, stem and width included) and its image size filled in from the checkpoint's header
-    (:func:`lambdanet.tasks.classification.load.checkpoint_settings`) where not given. Given ``model_kwargs``
-    override single options; a given ``img_size`` builds the model at that size; another ``model`` is refused."""
-    ckpt = explicit.get("checkpoint")
-    given = explicit.get("model_kwargs") or {}
-    if not ckpt or explicit.get("pretrained") or not isinstance(given, dict):
-        return explicit  # nothing to take, or an error validate() reports
-    settings = checkpoint_settings(ckpt)
-    if settings is None:  # timm's weights, or a file the weight loader will report on
-        return explicit
-    model = settings["model"]
-    if explicit.get("model") not in (None, model):
-        raise ValueError(
-            f"model {explicit['model']!r} does not match checkpoint {str(ckpt)!r}, which holds "
-            f"{model!r}: drop --model to fine-tune the checkpoint's model"
-        )
-    kwargs = dict(settings["model_kwargs"])
-    for key in ("drop_rate", "drop_path_rate"):  # regularisation, not architecture: the new run's own
-        kwargs.pop(key, None)  # (its flags, its recipe's paper values, or the model's defaults)
-    if explicit.get("img_size") is not None:
-        kwargs.pop("img_size", None)  # built at the size asked for (global attention must then fit it)
-    accepted = model_args(model)
-    for key in ("stem", "base_width"):  # the checkpoint's own, never the small-image / compact defaults
-        if key in accepted:
-            kwargs.setdefault(key, None)
-    out = {**explicit, "model": model, "model_kwargs": {**kwargs, **given}}
-    if explicit.get("img_size") is None and settings["image_size"] is not None:
-        out["img_size"] = settings["image_size"]
-    return out
-
-
-def _resolve_model_values(cfg: TrainConfig) -> None:
-    """Write in what the data and the model imply (in place): ``img_size`` from the dataset, and in
-    ``model_kwargs`` (unless given) the small-image stem for images up to 64 px, the compact width and the
-    image size where the model takes them; ``drop_rate`` / ``drop_path_rate`` from the model's defaults."""
-    accepted = model_args(cfg.model)
-    if cfg.img_size is None:  # published weights, or a timm checkpoint of their architecture: the size they were
-        # trained at (global attention is sized by it); a lambdanet run's weights have set it from their metadata
-        info = model_info(cfg.model)
-        published = cfg.pretrained or (cfg.checkpoint is not None and info.pretrained is not None)
-        cfg.img_size = info.input_size if published else dataset_spec(cfg.data).image_size
-    kwargs = dict(cfg.model_kwargs)
-    for key in ("drop_rate", "drop_path_rate"):
-        if key in kwargs:
-            if getattr(cfg, key) is not None and getattr(cfg, key) != kwargs[key]:
-                raise ValueError(
-                    f"{key} is given twice: {flag(key)} {getattr(cfg, key)} and "
-                    f"model_kwargs {key}={kwargs[key]}; give it once"
-                )
-            setattr(cfg, key, kwargs.pop(key))
-        if getattr(cfg, key) is None:
-            setattr(cfg, key, float(cast("float | None", accepted.get(key)) or 0.0))
-    if cfg.drop_path_rate and "drop_path_rate" not in accepted:
-        raise ValueError(f"model {cfg.model!r} has no stochastic depth; drop_path_rate must be 0 or null")
-    if cfg.drop_rate and "drop_rate" not in accepted:
-        raise ValueError(f"model {cfg.model!r} has no dropout; drop_rate must be 0 or null")
-    if "stem" in accepted and "stem" not in kwargs and cfg.img_size <= 64:
-        kwargs["stem"] = "cifar"
-    if cfg.compact_width and "base_width" in accepted and "base_width" not in kwargs:
-        kwargs["base_width"] = cfg.compact_width
-    if "img_size" in accepted and "img_size" not in kwargs:
-        kwargs["img_size"] = cfg.img_size
-    if "in_chans" in kwargs or "num_classes" in kwargs:
-        raise ValueError(
-            "model_kwargs must not set in_chans or num_classes: the model takes the data's channels "
-            "(digits, mnist5k, fashion-mnist: 1; cifar10/100, imagefolder: 3) and classes; weights from "
-            "--checkpoint or --pretrained with other channels have their input convolution adapted, "
-            "with other classes get a new classifier"
-        )
-    unknown = sorted(set(kwargs) - set(accepted))
-    if unknown:
-        raise ValueError(f"model {cfg.model!r} does not take {unknown}; it accepts: {', '.join(accepted)}")
-    cfg.model_kwargs = kwargs
 
 
 def model_build_kwargs(cfg: TrainConfig) -> dict:

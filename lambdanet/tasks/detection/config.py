@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, cast
 from torch import nn
 
 from lambdanet.engine.checkpoint import unwrap
-from lambdanet.engine.config import RunConfig, option, shared
+from lambdanet.engine.config import RunConfig, changed_by, option, shared
 from lambdanet.engine.optim import lr_at
 from lambdanet.files import PRETRAIN_CHECKPOINT
 from lambdanet.helpers import is_finite_real
@@ -143,6 +143,25 @@ class DetectConfig(RunConfig):
         if name == "quick" and "backbone_kwargs" not in explicit:
             values["backbone_kwargs"] = quick_backbone_kwargs(values.get("backbone", DetectConfig.backbone))
         return values
+
+    @classmethod
+    def without_implied(cls, file_values: dict, flags: dict) -> dict:
+        """A config file's values (a quick run's ``config.yaml``) without the quick recipe's compact backbone
+        options where ``--backbone`` changes the backbone (the new one's are implied instead), and without its
+        glyph pre-training where a flag changes what decided it (:meth:`complete` decides again)."""
+        out = dict(file_values)
+        if out.get("recipe", "quick") != "quick":
+            return out
+        kwargs, backbone = out.get("backbone_kwargs"), out.get("backbone")
+        if changed_by(flags, out, "backbone") and isinstance(kwargs, dict) and isinstance(backbone, str):
+            implied = quick_backbone_kwargs(backbone)
+            kwargs = {k: v for k, v in kwargs.items() if implied.get(k, _MISSING) != v}
+            out["backbone_kwargs"] = kwargs
+            if not kwargs:  # the quick recipe's own: the new backbone's are implied
+                del out["backbone_kwargs"]
+        if out.get("pretrain_steps") == QUICK_PRETRAIN_STEPS and changed_by(flags, out, *_PRETRAIN_DECIDED_BY):
+            del out["pretrain_steps"]
+        return out
 
     def complete(self, explicit: dict) -> None:
         """The quick recipe pre-trains the backbone on glyph crops where nothing else initialises it and its
@@ -307,6 +326,13 @@ def _known_backbone(backbone: str) -> bool:
     from lambdanet.models import list_models
 
     return backbone in BACKBONE_PRESETS or backbone in list_models(task="image")
+
+
+_MISSING = object()
+# what the quick recipe's decision to pre-train the backbone (DetectConfig.complete) reads
+_PRETRAIN_DECIDED_BY = (
+    "recipe", "pretrained_backbone", "data", "backbone", "backbone_kwargs", "img_size", "jitter_min", "jitter_max"
+)  # fmt: skip
 
 
 def pretrain_mismatch(cfg: DetectConfig) -> str | None:

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lambdanet.engine.config import RunConfig, option, shared
+from lambdanet.engine.config import RunConfig, changed_by, option, shared
 from lambdanet.models import list_models
 from lambdanet.models.lm_zoo import pin_lm_kwargs, saved_lm
 from lambdanet.tasks.lm.data import DATA_HELP
 
 __all__ = ["LMConfig"]
+
+
+_MISSING = object()
 
 
 @dataclass
@@ -88,6 +91,21 @@ class LMConfig(RunConfig):
         self.check_int("eval_bytes", 2, " (null: all)", optional=True)
         if "vocab_size" in self.model_kwargs:  # an option of its own, which the run records
             raise ValueError("model_kwargs must not set vocab_size: use --vocab-size (vocab_size: in a config file)")
+
+    @classmethod
+    def without_implied(cls, file_values: dict, flags: dict) -> dict:
+        """A config file's values without the options its ``lambda_lm_<size>`` wrote out
+        (:func:`~lambdanet.models.lm_zoo.pin_lm_kwargs`) where ``--model`` changes the model: they are that
+        model's defaults, not options the user gave."""
+        out, model, kwargs = dict(file_values), file_values.get("model"), file_values.get("model_kwargs")
+        if changed_by(flags, out, "model") and isinstance(model, str) and isinstance(kwargs, dict):
+            # a key the pin writes back, with the same value, when it is left out is the model's default
+            out["model_kwargs"] = {
+                k: v
+                for k, v in kwargs.items()
+                if pin_lm_kwargs(model, {n: w for n, w in kwargs.items() if n != k}).get(k, _MISSING) != v
+            }
+        return out
 
     def complete(self, explicit: dict) -> None:
         """The model as the run records it: a resumed run written before ``lambda_lm_<size>``'s default moved is
