@@ -18,6 +18,7 @@ import torch
 from lambdanet.layers import LambdaLayer
 from lambdanet.models import Bottleneck, ResNet, ResNetArgs, create_model, list_models, model_args, model_info
 from lambdanet.models import byoa, halonet, mobilenet, zoo_resnet
+from lambdanet.models.registry import published_models
 from lambdanet.models.halonet import halonet_config
 from lambdanet.models.paper_tables import PAPER_ROWS
 from lambdanet.models.resnet import ResNetConfig, build_resnet
@@ -346,6 +347,22 @@ def test_every_table_3_and_4_row_is_one_create_model_call():
         (lambda: create_model("resnet26", se=16), "se must be True, False or a reduction ratio in (0, 1], got 16"),
         (lambda: list_models(task="bogus"), "task must be one of ['image', 'lm'], got 'bogus'"),
         (lambda: list_models(3), "pattern must be a shell-style wildcard string or None, got 3"),
+        (lambda: list_models(["lambda*", 3]), "wildcard string or None, got ['lambda*', 3] (or a list of them"),
+        # options of the L layers on a model without any were accepted and ignored (a plain ResNet-50 came back)
+        (lambda: create_model("resnet50", layer_kwargs={"dim_k": 8}), "layer_kwargs configures the spatial layers"),
+        (lambda: create_model("resnet50", layer_kwargs={"typo": 1}), "this model has none (all blocks are conv"),
+        (lambda: create_model("resnet26", share_embeddings=True), "share_embeddings configures the spatial layers"),
+        # wrong types: one line naming the argument (were TypeErrors from a comparison or an iteration)
+        (lambda: create_model("resnet26", drop_rate="0.1"), "drop_rate must be in [0, 1) (a number), got '0.1'"),
+        (lambda: create_model("resnet26", drop_path_rate=None), "drop_path_rate must be in [0, 1) (a number), got No"),
+        (lambda: create_model("botnet26t_256", drop_path_rate="x"), "drop_path_rate must be in [0, 1) (a number)"),
+        (lambda: create_model("resnet26", nonlocal_blocks={"c3": 1}), "nonlocal_blocks['c3'] must be 1-indexed blocks"),
+        (lambda: create_model("resnet26", nonlocal_blocks=[1]), "nonlocal_blocks must be a mapping {stage: (block"),
+        (lambda: create_model("mobilenet_v2_lambda", lambda_blocks=3), "lambda_blocks must be 1-indexed inverted"),
+        (lambda: create_model("mobilenet_v2", img_size=-5), "img_size must be a positive int or (H, W), got -5"),
+        (lambda: create_model("mobilenet_v2", img_size=(160, 0)), "img_size must be a positive int or (H, W)"),
+        (lambda: create_model("botnet26t_256", img_size=(256,)), "img_size must be a positive int or (H, W)"),
+        (lambda: list_models(pretrained="yes"), "pretrained must be True or False, got 'yes'"),
         (lambda: register_model(3), "register_model expects a model function (its name is the model's), got 3"),
     ],
 )
@@ -353,6 +370,47 @@ def test_bad_model_arguments_raise_value_error_listing_choices(call, needle):
     with pytest.raises(ValueError) as err:
         call()
     assert needle in str(err.value)
+
+
+def test_list_models_takes_timms_filters():
+    """timm's ``list_models(["a*", "b*"])`` (any of the wildcards) and ``list_models(pretrained=True)`` (the names
+    with published weights, as ``published_models`` lists them)."""
+    both = list_models(["lambda_resnet26*", "botnet*"])
+    assert both == sorted(set(list_models("lambda_resnet26*")) | set(list_models("botnet*"))) and len(both) == 4
+    assert list_models([]) == list_models()  # as timm: no filter
+    published = list_models(pretrained=True)
+    assert published == sorted(published_models()) and "botnet26t_256" in published and "resnet50" not in published
+    assert list_models("*halo*", pretrained=True) == [n for n in published if "halo" in n]
+
+
+def test_mobilenet_and_the_timm_architectures_record_the_size_they_are_built_for():
+    """``pretrained_cfg["input_size"]`` (what ``predict`` and timm's data helpers resize to) is the model's checked
+    ``(H, W)``; a MobileNet kept ``img_size=(160, 192)`` as ``((160, 192), (160, 192))``."""
+    assert create_model("mobilenet_v2", img_size=(160, 192)).pretrained_cfg["input_size"] == (3, 160, 192)
+    assert create_model("mobilenet_v2", img_size=None).img_size == (224, 224)  # the default, not (None, None)
+    model = create_model("botnet26t_256", img_size=(64, 96), num_classes=3).eval()
+    assert model.pretrained_cfg["input_size"] == (3, 64, 96) and model.img_size == (64, 96)
+    with torch.no_grad():
+        assert model(torch.randn(1, 3, 64, 96)).shape == (1, 3)
+
+
+def test_a_registered_models_pretrained_cfg_names_its_own_classifier():
+    """timm's tools look the classifier up by ``pretrained_cfg["classifier"]``: it was ``"fc"`` for every model,
+    also a registered one without such a module."""
+    from lambdanet.models.registry import unregister_model
+
+    @register_model
+    def test_tmp_sequential(*, num_classes=10, in_chans=3, width=4):
+        return torch.nn.Sequential(torch.nn.Conv2d(in_chans, width, 3), torch.nn.AdaptiveAvgPool2d(1),
+                                   torch.nn.Flatten(), torch.nn.Linear(width, num_classes))  # fmt: skip
+
+    try:
+        model = create_model("test_tmp_sequential")
+        assert model.pretrained_cfg["classifier"] == "3" and model.pretrained_cfg["first_conv"] == "0"
+        assert dict(model.named_modules())["3"] is model[3]
+    finally:
+        unregister_model("test_tmp_sequential")
+    assert create_model("resnet26").pretrained_cfg["classifier"] == "fc"
 
 
 def test_list_models_pattern():

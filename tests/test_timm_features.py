@@ -156,6 +156,10 @@ def test_intermediates_and_pruning_equal_timms_on_the_same_weights(tmp_path):
         got = ours.forward_intermediates(x, indices=(1, 2), intermediates_only=True)
         want = peer.forward_intermediates(x, indices=(1, 2), intermediates_only=True)
         assert len(got) == 2 and all(rel_err(a, b) < 1e-10 for a, b in zip(got, want))
+        # forward of a pruned model: the last map kept, unpooled, as timm's (was pooled to [b, c])
+        got, want = ours(x), peer(x)
+        assert got.shape == want.shape and want.dim() == 4
+        assert rel_err(got, want) < 1e-10
     assert ours.get_classifier().__class__ is torch.nn.Identity and ours.pretrained_cfg["num_classes"] == 0
 
 

@@ -66,13 +66,20 @@ def test_classifier_and_feature_methods_compose_like_timms(name):
         assert model(x).shape == (2, 3) and cfg["num_classes"] == 3 and cfg["classes"] is None
         model.reset_classifier(0, global_pool="avg")
         assert torch.equal(model(x), pooled)  # no classifier: the pooled features
+        model.reset_classifier(0, global_pool="")  # timm's "no pooling": the map itself
+        assert torch.equal(model(x), features) and torch.equal(model.forward_head(features, pre_logits=True), features)
+        model.reset_classifier(0)  # None: the pooling as it is
+        assert torch.equal(model(x), features)
+        model.reset_classifier(0, global_pool="avg")
+        assert torch.equal(model(x), pooled)
     assert [f["num_chs"] for f in model.feature_info][-1] == model.num_features
 
 
 def test_reset_classifier_rejects_what_it_cannot_build_in_one_line():
     model = create_model("resnet26", num_classes=4)
     for kwargs, needle in (({"num_classes": -1}, "num_classes"), ({"num_classes": 2, "global_pool": "max"},
-                                                                 "global_pool")):
+                                                                 "global_pool"),
+                           ({"num_classes": 2, "global_pool": ""}, r"global_pool '' \(no pooling\) needs num_classes")):
         with pytest.raises(ValueError, match=needle) as info:
             model.reset_classifier(**kwargs)
         assert "\n" not in str(info.value)

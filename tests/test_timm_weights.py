@@ -197,6 +197,34 @@ def test_pretrained_offline_names_the_hub_id_and_checkpoint_path(hub, tmp_path):
     assert not (tmp_path / "cache" / "botnet26t_256.safetensors").exists()
 
 
+def test_pretrained_loading_names_the_published_checkpoint_and_what_became_of_its_classifier(hub, tmp_path):
+    """A published checkpoint that does not fit (global attention built at another size) was called
+    ``checkpoint_path '<cache file>'``, a path the user never gave; a features-only model was told its classifier
+    had "a new one (1000 classes)"."""
+    with pytest.raises(weights.WeightsMismatchError) as err:
+        create_model("botnet26t_256", pretrained=True, img_size=128)
+    msg = str(err.value)
+    assert msg.startswith("the published checkpoint of botnet26t_256 (timm/botnet26t_256.c1_in1k, cached at ")
+    assert "checkpoint_path" not in msg and "does not fit botnet26t_256" in msg
+    notes = create_model("botnet26t_256", pretrained=True, features_only=True).pretrained_cfg["load_notes"]
+    assert notes == ["the checkpoint's 1000-class classifier is not loaded: the model has no classifier"]
+    notes = create_model("botnet26t_256", pretrained=True, num_classes=3).pretrained_cfg["load_notes"]
+    assert notes == ["the checkpoint's 1000-class classifier is not loaded: the model has a new one (3 classes)"]
+
+
+@pytest.mark.parametrize("name", ["botnet26t_256", "lambda_resnet26rpt_256"])
+def test_global_attention_built_for_a_non_square_size_gives_timms_logits(name, tmp_path):
+    """timm builds its architectures for ``img_size=(H, W)``; ours took only an int ("img_size must be a positive
+    int"). On timm's weights at (96, 128), the logits equal timm's (float64, the bound above)."""
+    path = tmp_path / f"{name}.pth"
+    peer = timm_checkpoint(name, path, img_size=(96, 128))
+    ours = create_float64(name, checkpoint_path=path, img_size=(96, 128))
+    x = torch.randn(1, 3, 96, 128, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert rel_err(ours(x), peer(x)) <= F64_TOL
+    assert ours.pretrained_cfg["input_size"] == (3, 96, 128)
+
+
 def test_pretrained_on_a_model_without_weights_lists_those_with():
     with pytest.raises(ValueError, match="no pretrained weights are published for 'resnet50'.*lambda_resnet26t"):
         create_model("resnet50", pretrained=True)

@@ -5,20 +5,49 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from numbers import Integral
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from lambdanet.helpers import is_finite_real
 from lambdanet.layers import AbsolutePositionEmbedding, LambdaLayer, RelativePositionEmbedding
 from lambdanet.layers.relative_position import RelativePosition1d, RelativePosition2d
 from lambdanet.models.features import STAGE_INDICES, FeatureInfo, feature_take_indices
 
-__all__ = ["Backbone", "POSITION_MODULES"]
+__all__ = ["Backbone", "POSITION_MODULES", "check_rate", "image_size", "is_block_list"]
 
 # the modules whose parameters are position embeddings or relative-position tables (no weight decay)
 POSITION_MODULES = (RelativePositionEmbedding, AbsolutePositionEmbedding, RelativePosition2d, RelativePosition1d)
+
+
+def check_rate(value, name: str) -> None:
+    """A one-line ``ValueError`` naming ``name`` unless ``value`` is a real number in [0, 1) (dropout, stochastic
+    depth)."""
+    if not is_finite_real(value) or not 0 <= value < 1:
+        raise ValueError(f"{name} must be in [0, 1) (a number), got {value!r}")
+
+
+def image_size(img_size, default) -> tuple[int, int]:
+    """The input size ``(H, W)`` a model is built for: ``img_size`` (an int or ``(H, W)`` of positive ints; ``None``:
+    ``default``), else a one-line ``ValueError`` naming ``img_size``."""
+    img = default if img_size is None else img_size
+    pair = (img, img) if isinstance(img, Integral) else tuple(img) if isinstance(img, Sequence) else ()
+    if len(pair) != 2 or any(not isinstance(s, Integral) or isinstance(s, bool) or s <= 0 for s in pair):
+        raise ValueError(f"img_size must be a positive int or (H, W), got {img_size!r}")
+    return int(pair[0]), int(pair[1])
+
+
+def is_block_list(value) -> bool:
+    """Whether ``value`` is a sequence of ints (a model's list of 1-indexed blocks)."""
+    return (
+        isinstance(value, Sequence)
+        and not isinstance(value, str)
+        and all(isinstance(b, Integral) and not isinstance(b, bool) for b in value)
+    )
+
 
 if TYPE_CHECKING:
 
@@ -35,6 +64,7 @@ class Backbone(nn.Module):
     :meth:`group_matcher`."""
 
     num_features: int
+    pooled: bool  # global average pooling before the classifier (off: reset_classifier(0, ""))
     feature_info: FeatureInfo
     grad_checkpointing: bool = False
     stem_split: int = 0
@@ -55,8 +85,7 @@ class Backbone(nn.Module):
         info: Sequence[dict],
         out_indices: int | Sequence[int] | None = None,
     ) -> None:
-        if not 0.0 <= drop_rate < 1.0:
-            raise ValueError(f"drop_rate must be in [0, 1), got {drop_rate}")
+        check_rate(drop_rate, "drop_rate")
         if out_indices is not None and not features_only:
             raise ValueError(
                 f"out_indices selects the feature maps a features_only model returns: pass features_only=True "
@@ -65,7 +94,7 @@ class Backbone(nn.Module):
         chosen = STAGE_INDICES if out_indices is None else sorted(set(feature_take_indices(len(info), out_indices)[0]))
         self.feature_info = FeatureInfo(info, chosen)
         self.num_features, self.num_classes = num_features, num_classes
-        self.features_only, self.drop_rate = features_only, drop_rate
+        self.features_only, self.drop_rate, self.pooled = features_only, drop_rate, True
         self.head_drop = nn.Dropout(drop_rate) if drop_rate > 0 else nn.Identity()
         self.fc = nn.Linear(num_features, num_classes) if num_classes > 0 and not features_only else nn.Identity()
 
@@ -156,13 +185,20 @@ class Backbone(nn.Module):
         return self.fc
 
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        """Replace the classifier by a fresh one with ``num_classes`` outputs (0: no classifier); the pooling is
-        global average pooling (``global_pool`` ``None`` or ``"avg"``, timm's argument). ``pretrained_cfg`` follows
-        (its ``num_classes``; its ``classes`` no longer apply)."""
+        """Replace the classifier by a fresh one with ``num_classes`` outputs (0: no classifier); timm's
+        ``global_pool``: ``"avg"`` global average pooling, ``""`` none (with ``num_classes=0``: :meth:`forward`
+        returns the last feature map, as after :meth:`prune_intermediate_layers`), ``None`` the pooling as it is.
+        ``pretrained_cfg`` follows (its ``num_classes``; its ``classes`` no longer apply)."""
         if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 0:
             raise ValueError(f"num_classes must be a non-negative int, got {num_classes!r}")
-        if global_pool not in (None, "avg"):
-            raise ValueError(f"global_pool must be 'avg' (global average pooling, the only one), got {global_pool!r}")
+        if global_pool not in (None, "avg", ""):
+            raise ValueError(
+                f"global_pool must be 'avg' (global average pooling, the only one) or '' (none), got {global_pool!r}"
+            )
+        if global_pool == "" and num_classes:
+            raise ValueError(f"global_pool '' (no pooling) needs num_classes=0 (no classifier), got {num_classes}")
+        if global_pool is not None:
+            self.pooled = global_pool == "avg"
         self.num_classes = num_classes
         self.fc = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
         cfg = getattr(self, "pretrained_cfg", None)
@@ -207,8 +243,8 @@ class Backbone(nn.Module):
         absolute indices. ``prune_norm`` has no norm layer to remove."""
         take, last = feature_take_indices(len(self.feature_info.info), indices)
         self._prune_trunk(last)
-        if prune_head:
-            self.reset_classifier(0)
+        if prune_head:  # timm's: forward then returns the last map kept
+            self.reset_classifier(0, "")
             if not self.final_conv_in_features:
                 self.final_conv = nn.Identity()
         return take
@@ -224,8 +260,9 @@ class Backbone(nn.Module):
         return self._run([self.stem, self.stages, self.final_conv], x, self._checkpointed())
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        """Pooled features ``[b, num_features]`` (``pre_logits``) or logits from :meth:`forward_features`' map."""
-        x = self.head_drop(x.mean(dim=(2, 3)))
+        """Pooled features ``[b, num_features]`` (``pre_logits``) or logits from :meth:`forward_features`' map
+        (the map itself where the pooling is off: ``reset_classifier(0, "")``)."""
+        x = self.head_drop(x.mean(dim=(2, 3)) if self.pooled else x)
         return x if pre_logits else self.fc(x)
 
     def forward(self, x: Tensor) -> Tensor | list[Tensor]:

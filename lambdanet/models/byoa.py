@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from lambdanet.layers import EfficientChannelAttention, HaloAttention, LambdaLayer, RelativeSelfAttention, SqueezeExcite
 from lambdanet.layers.conv_norm_act import BatchNormAct, ConvNormAct, get_act, make_divisible
 from lambdanet.layers.drop import DropPath
-from lambdanet.models.base import Backbone
+from lambdanet.models.base import Backbone, check_rate, image_size
 from lambdanet.models.byoa_cfgs import ByoaSpec, ByoaStage, model_cfgs, timm_weights  # re-exported: their old home
 from lambdanet.models.family import family_registrar
 from lambdanet.models.registry import ModelInfo
@@ -172,8 +172,8 @@ class ByoaNet(Backbone):
     Args:
         spec: the architecture.
         num_classes, in_chans: classifier outputs (0: pooled features) and input channels.
-        img_size: the input size the global attention layers (BoTNet, ``r=None`` lambda) are sized for
-            (default: the checkpoint's); smaller inputs also run.
+        img_size: the input size (an int or ``(H, W)``) the global attention layers (BoTNet, ``r=None`` lambda)
+            are sized for (default: the checkpoint's); smaller inputs also run.
         drop_rate: dropout before the classifier.
         drop_path_rate: stochastic depth, increasing linearly over the blocks.
         features_only: no head; ``forward`` returns the feature maps ``out_indices`` (timm's numbering and maps: 0
@@ -189,7 +189,7 @@ class ByoaNet(Backbone):
         *,
         num_classes: int = 1000,
         in_chans: int = 3,
-        img_size: int | None = None,
+        img_size: int | Sequence[int] | None = None,
         drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
         features_only: bool = False,
@@ -197,18 +197,15 @@ class ByoaNet(Backbone):
         zero_init_last: bool = True,
     ):
         super().__init__()
-        if not 0.0 <= drop_path_rate < 1.0:
-            raise ValueError(f"drop_path_rate must be in [0, 1), got {drop_path_rate}")
-        img = spec.pretrained.input_size if img_size is None else img_size
-        if not isinstance(img, int) or img <= 0:
-            raise ValueError(f"img_size must be a positive int, got {img_size!r}")
-        self.spec, self.img_size = spec, (img, img)
+        check_rate(drop_path_rate, "drop_path_rate")
+        img = image_size(img_size, spec.pretrained.input_size)
+        self.spec, self.img_size = spec, img
         act = cast("type[nn.Module]", get_act(spec.act, "act"))  # a name: never None
         self.stem, ch, reduction, stem_map = _stem(spec, in_chans, act)
         self.stem_split = 0 if spec.stem == "3x3" else int(stem_map["module"][-1])
         info = [{**stem_map, "stage": "stem", "reduction": 2}]
-        side = -(-img // reduction)  # every stride rounds up (padded convolutions, the pools of the lambda layers)
-        feat, total = (side, side), sum(len(s.blocks) for s in spec.stages)
+        # every stride rounds up (padded convolutions, the pools of the lambda layers)
+        feat, total = (-(-img[0] // reduction), -(-img[1] // reduction)), sum(len(s.blocks) for s in spec.stages)
         k, stages = 0, []
         for i, stage in enumerate(spec.stages):
             blocks = []

@@ -96,15 +96,17 @@ class ImageAdapter(ModelAdapter):
         model = cast("CreatedModel", build(num_classes=num_classes, in_chans=in_chans, **kwargs))
         model.model_name, model.model_kwargs = name, dict(kwargs)
         first_conv = next((n for n, m in model.named_modules() if isinstance(m, nn.Conv2d)), None)
+        modules = dict(model.named_modules())
+        last_linear = next((n for n, m in reversed(modules.items()) if isinstance(m, nn.Linear)), None)
         model.pretrained_cfg = pretrained_cfg(name, num_classes, in_chans) | {
             "first_conv": first_conv,
-            "classifier": "fc",
+            "classifier": "fc" if "fc" in modules else last_linear,  # a registered model's own layout: its last Linear
         }
         model.default_cfg = model.pretrained_cfg  # timm's older name for the same dict
         if pretrained or checkpoint_path is not None:
             weights.load_into(model, name, pretrained=pretrained, checkpoint_path=checkpoint_path)
         if kwargs.get("img_size") is not None:  # what it was built for, not its family's size (nor a loaded run's)
-            size = kwargs["img_size"]
+            size = getattr(model, "img_size", None) or kwargs["img_size"]  # the families' (H, W), checked
             model.pretrained_cfg["input_size"] = (in_chans, *((size, size) if isinstance(size, int) else size))
         return model
 

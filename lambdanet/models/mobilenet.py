@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from lambdanet.layers import LambdaLayer
 from lambdanet.layers.conv_norm_act import conv_norm_act
-from lambdanet.models.base import Backbone
+from lambdanet.models.base import Backbone, image_size, is_block_list
 from lambdanet.models.family import family_registrar
 from lambdanet.models.registry import ModelInfo
 
@@ -92,13 +92,15 @@ class MobileNetV2(Backbone):
         drop_rate: float = 0.2,
         features_only: bool = False,
         out_indices: int | Sequence[int] | None = None,
-        img_size: int = 224,
+        img_size: int | Sequence[int] = 224,
     ):
         super().__init__()
         total = sum(n for _, _, n, _ in INVERTED_RESIDUAL_SETTING)
-        if any(not 1 <= i <= total for i in lambda_blocks):
-            raise ValueError(f"lambda_blocks must be 1-indexed inverted bottlenecks in 1..{total}, got {lambda_blocks}")
-        self.img_size = (img_size, img_size)
+        if not is_block_list(lambda_blocks) or any(not 1 <= i <= total for i in lambda_blocks):
+            raise ValueError(
+                f"lambda_blocks must be 1-indexed inverted bottlenecks in 1..{total}, got {lambda_blocks!r}"
+            )
+        self.img_size = image_size(img_size, 224)  # the size it is built for (pretrained_cfg): any size runs
         blocks: list[nn.Module] = [nn.Sequential(*conv_norm_act(in_chans, 32, 3, stride=2, act="relu6"))]  # stem
         info, self._taps = [{"module": "features.1", "stage": "stem", "num_chs": 16, "reduction": 2}], [1]
         stage_of_row = {row: stage for stage, row in FEATURE_ROWS.items()}
@@ -197,7 +199,7 @@ RECIPE = {
 
 def _create(variant: str, *, lambda_blocks: Sequence[int] | None = None, **kwargs) -> MobileNetV2:
     """Build ``model_cfgs[variant]`` with the keyword arguments of :data:`MOBILENET_ARGS`."""
-    blocks = model_cfgs[variant].lambda_blocks if lambda_blocks is None else tuple(lambda_blocks)
+    blocks = model_cfgs[variant].lambda_blocks if lambda_blocks is None else lambda_blocks  # checked there
     return MobileNetV2(lambda_blocks=blocks, **kwargs)
 
 

@@ -197,9 +197,8 @@ def _fit(model: nn.Module, own: dict[str, Tensor], sd: dict[str, Tensor]) -> tup
         classes = sd["fc.weight"].shape[0]
         for key in _FC:
             sd.pop(key, None)
-        notes.append(
-            _DROPPED.format(classes) + f": the model has a new one ({getattr(model, 'num_classes', '?')} classes)"
-        )
+        new = f"a new one ({getattr(model, 'num_classes', '?')} classes)"
+        notes.append(_DROPPED.format(classes) + f": the model has {new if 'fc.weight' in own else 'no classifier'}")
     conv_key = _input_conv_key(model)  # None: no plain input convolution
     value, mine = (sd.get(conv_key), own.get(conv_key)) if conv_key is not None else (None, None)
     if (
@@ -221,9 +220,13 @@ def _fit(model: nn.Module, own: dict[str, Tensor], sd: dict[str, Tensor]) -> tup
     return sd, notes
 
 
-def load_weights(model: nn.Module, path: str | os.PathLike, name: str | None = None) -> list[str]:
-    """Load a weights file into ``model`` (:func:`load_state`). Returns notes on what was adapted."""
-    return load_state(model, read_state_dict(path), source=f"checkpoint_path {str(path)!r}", name=name, path=path)
+def load_weights(
+    model: nn.Module, path: str | os.PathLike, name: str | None = None, *, source: str | None = None
+) -> list[str]:
+    """Load a weights file into ``model`` (:func:`load_state`; ``source``: what errors call the file, by default
+    ``checkpoint_path '...'``). Returns notes on what was adapted."""
+    source = source or f"checkpoint_path {str(path)!r}"
+    return load_state(model, read_state_dict(path), source=source, name=name, path=path)
 
 
 def load_state(
@@ -308,7 +311,9 @@ def load_pretrained(model: nn.Module, name: str) -> list[str]:
         save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp), metadata={"source": repo})
         give_usual_mode(tmp)  # not safetensors' 0600
         os.replace(tmp, cached)  # whole file or none: a crash never leaves half a cache entry
-    return load_weights(model, cached, name)
+    return load_weights(
+        model, cached, name, source=f"the published checkpoint of {name} ({repo}, cached at {str(cached)!r})"
+    )
 
 
 def load_into(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -225,17 +225,27 @@ def unregister_model(name: str) -> None:
     _ARGS.pop(name, None)
 
 
-def list_models(pattern: str | None = None, *, task: str | None = None) -> list[str]:
-    """Registered model names, sorted; ``pattern`` is a shell-style wildcard (``"lambda_resnet*"``), ``task``
-    keeps one kind (``"image"`` or ``"lm"``, :attr:`ModelInfo.task`)."""
-    if pattern is not None and not isinstance(pattern, str):
-        raise ValueError(f"pattern must be a shell-style wildcard string or None, got {pattern!r}")
+def list_models(
+    pattern: str | Sequence[str] | None = None, *, task: str | None = None, pretrained: bool = False
+) -> list[str]:
+    """Registered model names, sorted; ``pattern`` is a shell-style wildcard (``"lambda_resnet*"``) or a list of
+    them (a name matching any, as timm's ``filter``), ``task`` keeps one kind (``"image"`` or ``"lm"``,
+    :attr:`ModelInfo.task`), ``pretrained`` only the models with published weights (:func:`published_models`)."""
+    patterns = [pattern] if isinstance(pattern, str) or pattern is None else pattern
+    if not isinstance(patterns, Sequence) or not all(isinstance(p, str) or p is None for p in patterns):
+        raise ValueError(
+            f"pattern must be a shell-style wildcard string or None, got {pattern!r} (or a list of them: any matches)"
+        )
     if task is not None:
         check_choice(task, "task", sorted({info.task for info in _INFO.values()}))
+    if not isinstance(pretrained, bool):
+        raise ValueError(f"pretrained must be True or False, got {pretrained!r}")
     return [
         n
         for n in sorted(_MODELS)
-        if (not pattern or fnmatch.fnmatch(n, pattern)) and (task is None or _INFO[n].task == task)
+        if any(not p or fnmatch.fnmatch(n, p) for p in patterns or [None])  # none given: every name
+        and (task is None or _INFO[n].task == task)
+        and (not pretrained or bool((cfg := _INFO[n].pretrained) and cfg.hub_id))
     ]
 
 

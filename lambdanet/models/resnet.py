@@ -31,7 +31,7 @@ from lambdanet.layers import (
 )
 from lambdanet.layers.conv_norm_act import ACTIVATIONS, conv_norm_act, get_act
 from lambdanet.layers.drop import DropPath
-from lambdanet.models.base import Backbone
+from lambdanet.models.base import Backbone, check_rate, image_size, is_block_list
 
 __all__ = [
     "ResNetConfig",
@@ -219,12 +219,8 @@ def _check_args(
 ) -> tuple[int, ...]:
     """:class:`ResNet`'s arguments checked (one-line ``ValueError``s); returns the input size ``(H, W)``."""
     _validate_config(cfg)
-    if not 0.0 <= drop_path_rate < 1.0:
-        raise ValueError(f"drop_path_rate must be in [0, 1), got {drop_path_rate}")
-    img = img_size if img_size is not None else cfg.input_size
-    img = (img, img) if isinstance(img, int) else tuple(img)
-    if len(img) != 2 or min(img) <= 0:
-        raise ValueError(f"img_size must be a positive int or (H, W), got {img_size!r}")
+    check_rate(drop_path_rate, "drop_path_rate")
+    img = image_size(img_size, cfg.input_size)
     if share_embeddings and cfg.spatial_layer not in ("lambda", "lambda_conv"):
         raise ValueError(
             f"share_embeddings needs lambda layers (spatial_layer 'lambda' or 'lambda_conv'), "
@@ -272,6 +268,12 @@ class ResNet(Backbone):
         img = _check_args(cfg, img_size, drop_path_rate, share_embeddings)
         if layer_kwargs is not None and not isinstance(layer_kwargs, Mapping):
             raise ValueError(f"layer_kwargs must be a mapping of the spatial layers' options, got {layer_kwargs!r}")
+        if (layer_kwargs or share_embeddings) and "L" not in "".join(cfg.block_pattern()):
+            name = "layer_kwargs" if layer_kwargs else "share_embeddings"
+            raise ValueError(
+                f"{name} configures the spatial layers of the non-C stages, and this model has none (all blocks "
+                f"are convolutions): also pass stage_layers, e.g. stage_layers='CCLL'"
+            )
         self.cfg, self.img_size = cfg, img
         act = cast("type[nn.Module]", get_act(cfg.act))  # a name (validated): never None
         self.stem, ch, reduction = _stem(cfg.stem, in_chans, act)
@@ -372,7 +374,7 @@ def _validate_config(cfg: ResNetConfig) -> None:
         if stage not in STAGE_NAMES:
             raise ValueError(f"nonlocal_blocks keys must be among {list(STAGE_NAMES)}, got {stage!r}")
         n = cfg.layers[STAGE_NAMES.index(stage)]
-        if any(not 1 <= b <= n for b in blocks):
+        if not is_block_list(blocks) or any(not 1 <= b <= n for b in blocks):
             raise ValueError(f"nonlocal_blocks[{stage!r}] must be 1-indexed blocks in 1..{n}, got {blocks}")
 
 
@@ -403,6 +405,8 @@ def build_resnet(
             raise ValueError(f"base_width must be a positive int, got {args.base_width!r}")
         changes["widths"] = tuple(args.base_width * 2**i for i in range(4))
     if args.nonlocal_blocks is not None:
+        if not isinstance(args.nonlocal_blocks, Mapping):
+            raise ValueError(f"nonlocal_blocks must be a mapping {{stage: (block, ...)}}, got {args.nonlocal_blocks!r}")
         changes["nonlocal_blocks"] = dict(args.nonlocal_blocks)
     return ResNet(
         replace(cfg, **changes),
