@@ -173,6 +173,16 @@ def test_a_config_file_with_another_checkpoint_fine_tunes_that_checkpoints_model
     assert (want.model_kwargs["base_width"], want.img_size) == (8, 24)  # the narrow run's, not the file's 16 px
 
 
+def test_img_size_given_as_null_fine_tunes_at_the_datasets_size(tmp_path, tiny_digits_run):
+    """``--img-size null`` ("null: the dataset's") with ``--checkpoint RUN`` took the run's size, as if not given."""
+    resolved = lambda *argv: _resolved(tmp_path, ["train"], TrainConfig, *argv)  # noqa: E731
+    run = ("--checkpoint", str(tiny_digits_run), "--data", "mnist5k")
+    unset, null = resolved(*run), resolved(*run, "--img-size", "null")
+    assert (unset.img_size, unset.model_kwargs["img_size"]) == (16, 16)  # the run's
+    assert (null.img_size, null.model_kwargs["img_size"]) == (28, 28)  # mnist5k's 28 x 28
+    assert null.model_kwargs["stem"] == unset.model_kwargs["stem"] == "cifar"  # still the checkpoint's architecture
+
+
 def test_a_language_model_runs_file_with_another_model_drops_the_options_its_model_wrote(tmp_path):
     """An ``lm train`` run of lambda_lm_tiny writes its pinned defaults (short_conv, decay) into model_kwargs;
     with ``--model transformer_lm_tiny`` they were refused as the transformer's options. Options the user gave

@@ -81,7 +81,9 @@ class TrainConfig(RunConfig):
     data_dir: str = option("~/.cache/lambdanet/data", "folder holding (or receiving) downloaded datasets")
     download: bool = option(True, "download a dataset that is not on disk (cifar, fashion-mnist)")
     img_size: int | None = option(
-        None, "training resolution (null: the dataset's, or the model's paper size under a recipe that sets it)"
+        None,
+        "training resolution (unset: a --checkpoint run's, the model's paper size under a recipe that sets it, "
+        "else the dataset's; given as null: the dataset's, or the size of published weights fine-tuned)",
     )
     val_split: float = option(0.0, "fraction of the training set held out for validation and model selection")
     # recipe

@@ -32,7 +32,8 @@ def checkpoint_values(explicit: dict) -> dict:
     or its ``last.pt``) builds the checkpoint's model: ``explicit`` with the model, its architecture options
     (``model_kwargs``, stem and width included) and its image size filled in from the checkpoint's header
     (:func:`lambdanet.tasks.classification.load.checkpoint_settings`) where not given. Given ``model_kwargs``
-    override single options; a given ``img_size`` builds the model at that size; another ``model`` is refused."""
+    override single options; a given ``img_size`` builds the model at that size (given as null: the dataset's); another
+    ``model`` is refused."""
     ckpt = explicit.get("checkpoint")
     given = explicit.get("model_kwargs") or {}
     if not ckpt or explicit.get("pretrained") or not isinstance(given, dict):
@@ -49,14 +50,14 @@ def checkpoint_values(explicit: dict) -> dict:
     kwargs = dict(settings["model_kwargs"])
     for key in ("drop_rate", "drop_path_rate"):  # regularisation, not architecture: the new run's own
         kwargs.pop(key, None)  # (its flags, its recipe's paper values, or the model's defaults)
-    if explicit.get("img_size") is not None:
-        kwargs.pop("img_size", None)  # built at the size asked for (global attention must then fit it)
+    if "img_size" in explicit:  # built at the size asked for (global attention must then fit it); null given:
+        kwargs.pop("img_size", None)  # the dataset's, as the option says
     accepted = model_args(model)
     for key in ("stem", "base_width"):  # the checkpoint's own, never the small-image / compact defaults
         if key in accepted:
             kwargs.setdefault(key, None)
     out = {**explicit, "model": model, "model_kwargs": {**kwargs, **given}}
-    if explicit.get("img_size") is None and settings["image_size"] is not None:
+    if "img_size" not in explicit and settings["image_size"] is not None:
         out["img_size"] = settings["image_size"]
     return out
 
@@ -137,7 +138,6 @@ def without_implied(values: dict, flags: dict) -> dict:
     if "model_kwargs" in values:
         out["model_kwargs"] = kwargs
     return out
-
 
 
 def _drop_equal(values: dict, implied: dict, names: tuple[str, ...]) -> None:
