@@ -198,6 +198,44 @@ def test_bench_cli_rejects_unknown_parts(tmp_path, capsys):
         capsys.readouterr().err
 
 
+def test_a_model_that_asserts_on_a_setting_is_a_failed_row_not_the_end_of_its_suite(monkeypatch):
+    """timm's halonet26t asserts that its 8-pixel blocks divide the image (``AssertionError``, at the default 224
+    too): ``bench models --suites timm26`` ended with a traceback and wrote nothing, where BENCHMARKS.md promises
+    "a row marked failed, not the end of its suite"."""
+    from lambdanet.bench import model_bench
+    from lambdanet.models.registry import register_model, unregister_model
+
+    class Asserting(torch.nn.Conv2d):
+        def forward(self, x):
+            assert x.shape[-1] % 7 == 0, ""
+            return super().forward(x)
+
+    @register_model
+    def test_tmp_asserting(*, num_classes=10, in_chans=3, img_size=None):
+        return torch.nn.Sequential(Asserting(in_chans, 4, 1), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                                   torch.nn.Linear(4, num_classes))  # fmt: skip
+
+    monkeypatch.setitem(model_bench.MODEL_SUITES, "tmp", [("asserting", "test_tmp_asserting", {}),
+                                                          ("mobilenet_v2", "mobilenet_v2", {})])  # fmt: skip
+    try:
+        rows = model_bench.run_model_suite("tmp", img=32, batch=2, repeats=1, modes=("infer",), log=lambda s: None)
+    finally:
+        unregister_model("test_tmp_asserting")
+    assert rows[0]["error"] == "AssertionError: " and "infer_images_per_s" not in rows[0]
+    assert rows[1]["infer_images_per_s"] > 0 and rows[1]["relative_to"] == "mobilenet_v2"
+
+
+def test_bench_report_of_the_working_folder_and_suites_given_twice(tmp_path, monkeypatch):
+    """``--out .`` titled the report ``# lambdanet bench ()``; ``--suites mobilenet mobilenet`` measured the suite
+    twice (duplicate rows), where ``--layers`` given twice measures once."""
+    folder = tmp_path / "my_bench"
+    folder.mkdir()
+    monkeypatch.chdir(folder)
+    rows = run_benchmarks(["models"], quick=True, out=".", suites=("mobilenet", "mobilenet"), log=lambda s: None)
+    assert [r["model"] for r in rows["models"]] == ["mobilenet_v2", "mobilenet_v2_lambda"]
+    assert (folder / "bench.md").read_text().startswith("# lambdanet bench (my_bench)\n")
+
+
 def test_bench_models_with_bf16_autocast_and_channels_last(tmp_path):
     rows = run_benchmarks(["models"], quick=True, out=tmp_path, amp="bf16", channels_last=True,
                           log=lambda s: None)["models"]

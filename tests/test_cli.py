@@ -36,14 +36,26 @@ def test_models_pretrained_builds_only_the_published_and_refuses_paper(capsys, m
     assert main(["models", "--pretrained", "--no-flops"]) == 0
     listed = {line.split("|")[1].strip() for line in capsys.readouterr().out.splitlines()[2:]}
     assert listed == set(built) == set(published_models())
+    assert main(["models", "--paper", "A2", "--no-flops"]) == 1  # the table is 'HaloNet A2': the tables are listed
+    err = capsys.readouterr().err
+    assert err.startswith("lambdanet models: no paper-table row") and "'13'" in err and "'HaloNet A2'" in err
     assert main(["models", "--paper", "--pretrained", "--no-flops"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--paper lists the papers' tables" in err and "--pretrained" in err
 
 
-def test_demo_runs(capsys):
+def test_demo_runs(capsys, monkeypatch):
+    """The implementation it names is the one its timed forward ran (the tuner's measured pick, not the static
+    plan it printed before), timed after the untimed call that measures them."""
+    from lambdanet.ops.position_lambda import tuning
+
+    ran = []
+    choice = tuning.auto_choice
+    monkeypatch.setattr(tuning, "auto_choice", lambda layer, x, **kw: ran.append(choice(layer, x, **kw)) or ran[-1])
     assert main(["demo", "--dim", "32", "--size", "8", "--batch", "2"]) == 0
-    assert "input (2, 32, 8, 8) -> output (2, 32, 8, 8)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "input (2, 32, 8, 8) -> output (2, 32, 8, 8)" in out
+    assert f"(impl={ran[0]}, after one untimed call)" in out
 
 
 def test_demo_errors_name_the_flags(capsys):

@@ -570,7 +570,10 @@ def test_an_output_where_nothing_can_be_written_names_the_option_first(capsys, c
 
 @pytest.mark.parametrize("argv, needle", [
     (["bogus"], "unknown bench part(s) ['bogus']; valid: targets"),
-    (["scaling", "--layers", "bogus"], "unknown bench layer(s) ['bogus']"),
+    (["scaling", "--layers", "bogus"], "--layers: unknown bench layer(s) ['bogus']"),
+    # --layers takes every word after it: the part it swallowed is named, and where parts go
+    (["--layers", "lambda", "scaling"], "['scaling']; valid: global_attention"),
+    (["--layers", "lambda", "scaling"], "(scaling: a part; put the parts before --layers / --suites)"),
     (["table4", "--amp", "fp16"], "amp='fp16' needs device='cuda', got device='cpu'"),
 ])
 def test_bench_checks_its_parts_before_making_out(tmp_path, capsys, argv, needle):

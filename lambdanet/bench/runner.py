@@ -266,7 +266,9 @@ def _settings(parts: Sequence[str], device: str, quick: bool, options: dict, war
     for part in (p for p in CUDA_PARTS if p in parts and device != "cuda"):
         warn(f"lambdanet bench: warning: {part} measures a CUDA device (--device cuda); skipped on the CPU")
     values: dict[str, Any] = {k: OPTION_DEFAULTS[k] if v is None else v for k, v in options.items()}
-    values.update(suites=tuple(values["suites"]), layers=tuple(dict.fromkeys(values["layers"] or ())) or None)
+    values.update(  # each suite and layer once, in the order given
+        suites=tuple(dict.fromkeys(values["suites"])), layers=tuple(dict.fromkeys(values["layers"] or ())) or None
+    )
     return BenchSettings(device=device, quick=quick, given=given, **values)
 
 
@@ -281,7 +283,7 @@ def _write_report(out: Path) -> None:
     """``bench.md``: the sections of every part measured into ``out`` (``sections/<part>.md``), in the table's
     order: parts run by earlier commands into the same folder stay in it, each with its own stamp."""
     sections = [out / "sections" / f"{p}.md" for p in PARTS]
-    report = [f"# lambdanet bench ({out.name})", "",
+    report = [f"# lambdanet bench ({out.resolve().name or out.resolve()})", "",  # --out . : the folder's name
               "Each part's section says when, where and with which options it was measured.", ""]  # fmt: skip
     report += [path.read_text() for path in sections if path.is_file()]
     (out / "bench.md").write_text("\n".join(report))
@@ -335,13 +337,16 @@ def check_request(
     if any(p in PLOTTING_PARTS for p in parts):
         require("matplotlib", "bench", "lambdanet bench (the plots of " + ", ".join(PLOTTING_PARTS) + ")")
     for what, asked, valid in (
-        ("bench layer(s)", layers or (), layer_bench.LAYER_SUITE),
-        ("model suite(s)", suites or (), model_bench.MODEL_SUITES),
-        ("bench part(s)", parts, PARTS),
+        ("--layers: unknown bench layer(s)", layers or (), layer_bench.LAYER_SUITE),
+        ("--suites: unknown model suite(s)", suites or (), model_bench.MODEL_SUITES),
+        ("unknown bench part(s)", parts, PARTS),
     ):
         unknown = sorted(set(asked) - set(valid))
         if unknown:
-            raise ValueError(f"unknown {what} {unknown}; valid: {', '.join(valid)}")
+            hint = ""
+            if what.startswith("--") and (named := [u for u in unknown if u in PARTS]):  # nargs="+" took the part
+                hint = f" ({', '.join(named)}: a part; put the parts before --layers / --suites)"
+            raise ValueError(f"{what} {unknown}; valid: {', '.join(valid)}{hint}")
 
 
 def run_benchmarks(

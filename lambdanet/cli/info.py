@@ -27,7 +27,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     except ValueError as err:  # the layer names its arguments: say which flags gave them
         given = f"--dim {args.dim} --dim-k {args.dim_k} --heads {args.heads} --r {args.r}"
         raise ValueError(f"{err} (from {given})") from None
+    from lambdanet.ops.position_lambda.tuning import auto_choice
+
     x = torch.randn(args.batch, args.dim, args.size, args.size)
+    layer(x).float().pow(2).mean().backward()  # untimed: the first call measures the implementations (impl="auto")
     t0 = time.perf_counter()
     y = layer(x)
     y.float().pow(2).mean().backward()
@@ -36,7 +39,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     print(layer)
     print(
         f"input {tuple(x.shape)} -> output {tuple(y.shape)}; {params:,} parameters; "
-        f"forward+backward {dt * 1e3:.1f} ms (impl={layer.choose_impl((args.size, args.size))})"
+        f"forward+backward {dt * 1e3:.1f} ms (impl={auto_choice(layer, x, grad=True)}, after one untimed call)"
     )
     return 0
 
@@ -73,7 +76,8 @@ def _paper_rows(args: argparse.Namespace) -> int:
     ]
     if not picked:
         print(
-            f"no paper-table row has a model matching {args.pattern!r} (or is table {args.pattern!r})",
+            f"lambdanet models: no paper-table row has a model matching {args.pattern!r} (or is table "
+            f"{args.pattern!r}); the tables: {', '.join(repr(t) for t in dict.fromkeys(r.table for r in PAPER_ROWS))}",
             file=sys.stderr,
         )
         return 1
