@@ -361,6 +361,8 @@ def test_lm_train_options_out_of_range_are_one_line(tmp_path, capsys, args, need
      "backbone_kwargs must not set ['features_only', 'num_classes']: the detector and the backbone's pre-training"),
     (["--backbone-kwargs", "min_size=64"], "backbone_kwargs must not set ['min_size']"),
     (["--seed", "-1"], "seed must be a non-negative int below 2**32"),
+    # no full batch: every epoch was empty (a KeyError, then --resume reported the untrained run finished)
+    (["--batch-size", "512"], "batch_size=512 is larger than the 500 training images of glyphs; lower --batch-size"),
 ])
 def test_detect_options_out_of_range_are_one_line(tmp_path, capsys, args, needle):
     assert needle in error_line(capsys, ["detect", *DETECT_TINY, *args, "--out", str(tmp_path / "run")])

@@ -339,6 +339,31 @@ def test_backbones_without_features_only_are_rejected():
         create_detector("resnet26", 0)
 
 
+def test_a_frozen_backbone_stays_frozen_when_its_batchnorm_is_synchronised():
+    """``--sync-bn`` on the CPU converts every BatchNorm to AllReduceBatchNorm after the detector froze them: the
+    conversion built new parameters (``requires_grad`` on) and ``batch_norms()`` no longer found the layers to keep
+    in eval mode, so a frozen backbone's statistics and affine parameters trained (torch's conversion on CUDA keeps
+    the parameter objects). Frozen means the same tensors, no gradient, eval mode, after ``train()`` too."""
+    from lambdanet.engine.distributed import AllReduceBatchNorm, convert_sync_batchnorm
+    from lambdanet.models import create_model
+    from lambdanet.tasks.detection.model import FeaturePyramidBackbone
+
+    body = create_model("resnet26", base_width=8, num_classes=0, features_only=True)
+    frozen = FeaturePyramidBackbone(body, 16, frozen_bn=True)
+    before = {n: p for n, p in frozen.named_parameters() if "bn" in n}
+    count = sum(isinstance(m, nn.BatchNorm2d) for m in body.modules())
+    converted = convert_sync_batchnorm(frozen, torch.device("cpu")).train()
+    norms = converted.batch_norms()
+    assert len(norms) == count > 0
+    assert all(isinstance(m, AllReduceBatchNorm) and not m.training for m in norms)
+    after = dict(converted.named_parameters())
+    assert before and all(after[n] is p and not p.requires_grad for n, p in before.items())
+    x = torch.randn(2, 3, 64, 64)
+    stats = [m.running_mean.clone() for m in norms]
+    converted(x)  # training mode, a single process: the frozen layers' statistics do not move
+    assert all(torch.equal(m.running_mean, s) for m, s in zip(norms, stats))
+
+
 def test_evaluate_detector_reports_every_metric():
     pytest.importorskip("pycocotools")
     tiny = generate_glyph_scenes(GlyphSceneConfig(train_images=1, test_images=2, glyphs="digits"), 0)

@@ -192,6 +192,35 @@ def test_pretrained_backbone_loads_into_the_detector_body():
         load_backbone_weights(body, state)
 
 
+def test_the_detectors_amp_reaches_the_glyph_pre_training(monkeypatch):
+    """``detect --amp bf16`` autocast the detector's steps but not the 1,200 steps of the glyph pre-training before
+    them: ``PretrainConfig.amp``, which the detector's ``_pretrain`` sets from ``--amp``."""
+    from lambdanet.engine.distributed import DistContext
+    from lambdanet.tasks.detection import pretrain as P
+    from lambdanet.tasks.detection import task as T
+    from lambdanet.tasks.detection.config import DetectConfig
+
+    seen, build = [], P._classifier
+
+    def classifier(*args):
+        out = build(*args)
+        out[0].register_forward_hook(lambda m, i, o: seen.append(torch.is_autocast_enabled("cpu")) if m.training
+                                     else None)  # fmt: skip
+        return out
+
+    monkeypatch.setattr(P, "_classifier", classifier)
+    cfg = PretrainConfig(steps=2, batch_size=4, img_size=32, warmup_steps=1, eval_images=4, amp="bf16")
+    pretrain_backbone("resnet26_se", cfg, glyphs="digits", progress=False, log=lambda _: None, base_width=8)
+    assert seen == [True, True]  # each training step autocast
+    with pytest.raises(ValueError, match=r"PretrainConfig.amp must be one of \['none', 'bf16', 'fp16'\]"):
+        PretrainConfig(amp="fp32")
+    asked = []
+    monkeypatch.setattr(T, "pretrain_backbone", lambda backbone, settings, **kw: asked.append(settings) or 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        T._pretrain(torch.nn.Module(), DetectConfig(amp="bf16", pretrain_steps=3), DistContext(), print)
+    assert (asked[0].amp, asked[0].steps) == ("bf16", 3)
+
+
 def test_pretraining_continues_from_its_checkpoint_to_the_same_weights(tmp_path, power_cut):
     from lambdanet.engine.checkpoint import load_checkpoint
 

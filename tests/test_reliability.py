@@ -212,6 +212,22 @@ def test_a_detection_runs_file_with_another_backbone_or_initialisation_is_the_ru
         want.backbone_kwargs, want.pretrain_steps, want.pretrained_backbone)  # fmt: skip
 
 
+def test_summaries_are_standard_json_with_null_for_what_was_not_measured(tmp_path):
+    """COCO's AP of a size class without objects is NaN, which ``summary.json`` held as the bare token ``NaN``:
+    Python reads it, standard JSON readers (jq, JavaScript, ...) refuse the file. It is ``null``."""
+    import math
+
+    from lambdanet.engine.logger import read_json, write_json
+
+    def strict(token):
+        raise ValueError(f"not standard JSON: {token}")
+
+    write_json({"bbox_AP_large": math.nan, "runs": [math.inf, 0.5], "deep": {"x": -math.inf, "n": 3}}, tmp_path / "s")
+    text = (tmp_path / "s").read_text()
+    assert json.loads(text, parse_constant=strict) == read_json(tmp_path / "s") == {
+        "bbox_AP_large": None, "runs": [None, 0.5], "deep": {"x": None, "n": 3}}  # fmt: skip
+
+
 def test_a_fine_tuned_run_resumes_from_another_working_folder(tmp_path, monkeypatch):
     """``--checkpoint r1`` (and ``--pseudo-labels``, ``--data-dir``) given relative were saved relative in
     config.yaml: ``train --resume --out /abs/ft`` from another folder failed "checkpoint 'r1' does not exist".

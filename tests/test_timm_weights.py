@@ -193,6 +193,8 @@ def test_pretrained_offline_names_the_hub_id_and_checkpoint_path(hub, tmp_path):
         create_model("botnet26t_256", pretrained=True)
     msg = str(err.value)
     assert "timm/botnet26t_256.c1_in1k" in msg and "checkpoint_path=FILE" in msg and "no network" in msg
+    # each command's way (detect has no --checkpoint: its backbone's own option, its pre-training off)
+    assert "train: --checkpoint FILE; detect: --backbone-kwargs checkpoint_path=FILE --pretrain-steps 0" in msg
     assert "\n" not in msg
     assert not (tmp_path / "cache" / "botnet26t_256.safetensors").exists()
 

@@ -556,6 +556,30 @@ def test_imagefolder_dataset_trains(tmp_path, image_folder):
     assert summary["epochs"] == 2 and 0.0 <= summary["final_acc"] <= 1.0
 
 
+def test_a_run_resumes_with_its_dataset_at_another_place(tmp_path, image_folder):
+    """A cluster job resumed on a node that mounts the data elsewhere: ``--resume --data imagefolder:/other/imgs``
+    was refused ("--resume cannot change data") and the old path no longer existed, so the run could not go on.
+    The same folder name elsewhere is the same dataset (as processes of one group already treat it); another
+    name is still refused, saying so; ``--data-dir`` (where downloads live) may change too."""
+    import shutil
+
+    moved = tmp_path / "mnt2" / "imgs"
+    shutil.copytree(image_folder, moved)
+    base = {**FAST, "epochs": 1, "img_size": 16, "batch_size": 4, "out": str(tmp_path / "run")}
+    train(resolve_config(overrides={**base, "data": f"imagefolder:{image_folder}"}))
+    summary = train(resolve_config(overrides={"out": base["out"], "resume": True, "epochs": 2, "data_dir": "/tmp/x",
+                                              "data": f"imagefolder:{moved}"}))  # fmt: skip
+    assert summary["epochs"] == 2
+    from lambdanet.engine.values import load_run_yaml
+
+    assert load_run_yaml(tmp_path / "run" / "config.yaml")["data"] == f"imagefolder:{moved}"  # found there next
+    other = tmp_path / "renamed"
+    shutil.copytree(image_folder, other)
+    with pytest.raises(ValueError, match="cannot change data: .* \\(a dataset moved elsewhere keeps its folder's"):
+        resolve_config(overrides={"out": base["out"], "resume": True, "epochs": 3, "data": f"imagefolder:{other}"})\
+            .check_resume()  # fmt: skip
+
+
 def test_early_stopping_on_the_validation_split(tmp_path):
     first = []
     summary = train(resolve_config(overrides={**FAST, "epochs": 6, "val_split": 0.1, "early_stop_patience": 1,

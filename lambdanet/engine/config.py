@@ -295,13 +295,26 @@ class RunConfig:
         and ``epochs`` (more extend the run) may differ from its ``config.yaml``. Returns its epochs."""
         saved = dataclasses.asdict(type(self).resolve(overrides={"out": self.out, "resume": True}))
         free = self.resume_free()
-        if changed := config_differences(saved, self, ignore=free + ("epochs",)):
+        changed = config_differences(saved, self, ignore=free + ("epochs",))
+        if "data" in changed and data_identity(str(saved["data"])) == data_identity(str(getattr(self, "data", ""))):
+            del changed["data"]  # the same dataset, moved or mounted elsewhere (coco:/mnt/a/coco -> coco:/data/coco)
+        if changed:
+            folder = "data" in changed and ":" in str(changed["data"][0])  # kind:path
+            moved = " (a dataset moved elsewhere keeps its folder's name)" if folder else ""
             raise ValueError(
-                f"--resume cannot change {', '.join(changed)}: {describe_differences(changed)}; only "
+                f"--resume cannot change {', '.join(changed)}: {describe_differences(changed)}{moved}; only "
                 f"--epochs and {', '.join(flag(k) for k in free if k not in ('resume', 'out'))} may "
                 f"change: drop the others, or start a new run with another --out"
             )
         return int(saved["epochs"])
+
+
+def data_identity(data: str) -> str:
+    """What of a ``data`` value must agree between runs or processes that claim the same data: a ``kind:path``'s
+    kind and the folder's last name (``coco:/mnt/a/coco`` and ``coco:/data/coco`` are one dataset at two mount
+    points), a built-in name whole."""
+    kind, sep, path = data.partition(":")
+    return f"{kind}:{Path(path).name}" if sep else kind
 
 
 def merge_values(base: dict, over: dict) -> dict:

@@ -339,7 +339,10 @@ def _convert(module: nn.Module) -> nn.Module:
         out = AllReduceBatchNorm(
             module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats
         )
-        out.load_state_dict(module.state_dict())
+        if module.affine:  # the same Parameter objects, as torch's conversion keeps them: frozen stays frozen
+            out.weight, out.bias = module.weight, module.bias
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            setattr(out, name, getattr(module, name))
         out.train(module.training)
     for name, child in module.named_children():
         out.add_module(name, _convert(child))

@@ -16,14 +16,13 @@ import dataclasses
 import random
 import signal
 from collections.abc import Callable
-from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
 import torch
 
 from lambdanet.engine.checkpoint import load_checkpoint
-from lambdanet.engine.config import RunConfig
+from lambdanet.engine.config import RunConfig, data_identity
 from lambdanet.engine.contract import Task
 from lambdanet.engine.distributed import (
     DistContext,
@@ -81,14 +80,6 @@ def run(task_cls: type[Task], cfg: RunConfig, log: Callable[[str], None] = print
     finally:
         lock.release()
         cleanup(ctx, synchronize=finished)
-
-
-def data_identity(data: str) -> str:
-    """What of a ``data`` value must agree between runs or processes that claim the same data: a ``kind:path``'s
-    kind and the folder's last name (``coco:/mnt/a/coco`` and ``coco:/data/coco`` are one dataset at two mount
-    points), a built-in name whole."""
-    kind, sep, path = data.partition(":")
-    return f"{kind}:{Path(path).name}" if sep else kind
 
 
 def check_same_config(cfg: RunConfig, ctx: DistContext) -> None:

@@ -75,7 +75,7 @@ def hub_id(name: str) -> str:
     if name not in published:
         raise PretrainedUnavailableError(
             f"no pretrained weights are published for {name!r}; models with weights: {', '.join(sorted(published))} "
-            "(for your own weights pass checkpoint_path=FILE; CLI: --checkpoint FILE)"
+            f"(for your own weights pass checkpoint_path=FILE; {_CLI_FILE})"
         )
     return cast(str, published[name].hub_id)  # published_models keeps the models with a hub_id
 
@@ -180,6 +180,13 @@ def tie_shared(model: nn.Module, sd: dict[str, Tensor]) -> dict[str, Tensor]:
 
 _DROPPED = "the checkpoint's {}-class classifier is not loaded"  # _fit's note, which dropped_classifier reads
 _DROPPED_NOTE = re.compile(re.escape(_DROPPED).replace(r"\{\}", r"(\d+)"))
+
+
+# where the commands take a weights file instead of published weights
+_CLI_FILE = (
+    "train: --checkpoint FILE; detect: --backbone-kwargs checkpoint_path=FILE --pretrain-steps 0, without "
+    "--pretrained-backbone"
+)
 
 
 def dropped_classifier(notes: Sequence[str]) -> int | None:
@@ -301,7 +308,7 @@ def load_pretrained(model: nn.Module, name: str) -> list[str]:
             raise PretrainedUnavailableError(
                 f"pretrained weights of {name} could not be downloaded from the Hugging Face hub "
                 f"({repo}: {reason}); download {HUB_FILENAME} from https://huggingface.co/{repo} and pass "
-                f"checkpoint_path=FILE (CLI: --checkpoint FILE)"
+                f"checkpoint_path=FILE ({_CLI_FILE})"
             ) from err
         from safetensors.torch import save_file
 

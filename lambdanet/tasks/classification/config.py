@@ -78,7 +78,9 @@ class TrainConfig(RunConfig):
         "classifier",
     )
     data: str = option("digits", "dataset: digits, mnist5k, fashion-mnist, cifar10, cifar100 or imagefolder:PATH")
-    data_dir: str = option("~/.cache/lambdanet/data", "folder holding (or receiving) downloaded datasets")
+    data_dir: str = option(
+        "~/.cache/lambdanet/data", "folder holding (or receiving) downloaded datasets", resume_free=True
+    )
     download: bool = option(True, "download a dataset that is not on disk (cifar, fashion-mnist)")
     img_size: int | None = option(
         None,

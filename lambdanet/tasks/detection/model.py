@@ -295,7 +295,8 @@ class FeaturePyramidBackbone(nn.Module):
                 m.requires_grad_(False)
 
     def batch_norms(self) -> list[nn.Module]:
-        return [m for m in self.body.modules() if isinstance(m, (nn.BatchNorm2d, nn.SyncBatchNorm))]
+        # every kind: BatchNorm2d, torch's SyncBatchNorm, and the CPU process group's AllReduceBatchNorm
+        return [m for m in self.body.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
     def train(self, mode: bool = True) -> FeaturePyramidBackbone:
         super().train(mode)

@@ -33,7 +33,8 @@ from lambdanet.tasks.detection.glyphs import (
     render_scene,
     resolve_glyph_sources,
 )
-from lambdanet.helpers import check_positive_int
+from lambdanet.helpers import check_choice, check_positive_int
+from lambdanet.runtime import AMP_DTYPES
 from lambdanet.models.pretrained import load_state
 from lambdanet.engine.checkpoint import CheckpointError, load_checkpoint
 from lambdanet.engine.distributed import DistContext, barrier, data_parallel
@@ -69,6 +70,8 @@ class PretrainConfig:
             ``DetectorOptions.channels_last``).
         workers: processes rendering the crops ahead of the training (0: rendered in the training loop;
             on a 2-core CPU a worker only contends with the training, on a GPU it hides the rendering).
+        amp: autocast of the training steps, ``"none"``, ``"bf16"`` or ``"fp16"`` (CUDA; with a loss scaler), as
+            the detector's ``--amp``.
     """
 
     steps: int = 1200
@@ -80,6 +83,7 @@ class PretrainConfig:
     eval_images: int = 512
     channels_last: bool = False
     workers: int = 0
+    amp: str = "none"
 
     def __post_init__(self):
         for name, low in (("steps", 1), ("batch_size", 1), ("img_size", 1), ("eval_images", 1), ("workers", 0)):
@@ -88,6 +92,7 @@ class PretrainConfig:
                 raise ValueError(f"PretrainConfig.{name} must be a {kind} int, got {value!r}")
         if not isinstance(self.channels_last, bool):
             raise ValueError(f"PretrainConfig.channels_last must be true or false, got {self.channels_last!r}")
+        check_choice(self.amp, "PretrainConfig.amp", list(AMP_DTYPES))
         if self.img_size < 32:
             raise ValueError(f"PretrainConfig.img_size must be at least 32, got {self.img_size}")
         if self.lr <= 0 or self.weight_decay < 0 or self.warmup_steps < 0:
@@ -240,10 +245,14 @@ def pretrain_backbone(
     train = GlyphCrops("train", cfg.steps * cfg.batch_size, img_size=cfg.img_size, seed=seed, glyphs=glyphs)
     test = GlyphCrops("test", cfg.eval_images, img_size=cfg.img_size, seed=seed, glyphs=glyphs)
     model, layout, mean, std = _classifier(name, kwargs, len(train.categories), cfg, device, seed)
-    state = RunState(model, build_optimizer(model, name="adamw", lr=cfg.lr, weight_decay=cfg.weight_decay))
-    # what must agree for a saved training to continue (workers and progress only change how it runs)
+    scaler = torch.amp.GradScaler("cuda") if cfg.amp == "fp16" else None
+    state = RunState(
+        model, build_optimizer(model, name="adamw", lr=cfg.lr, weight_decay=cfg.weight_decay), scaler=scaler
+    )
+    # what must agree for a saved training to continue (workers and progress only change how it runs; amp "none"
+    # is left out as the versions before the option wrote it, so their pretrain.pt continues)
     identity = {"backbone": backbone, "model_kwargs": dict(model_kwargs), "seed": seed, "glyphs": glyphs}
-    identity["config"] = {k: v for k, v in asdict(cfg).items() if k != "workers"}
+    identity["config"] = {k: v for k, v in asdict(cfg).items() if k != "workers" and (k, v) != ("amp", "none")}
     done = _continued(checkpoint, identity, state, device)
     log(
         f"pre-training {backbone} on {cfg.steps} x {cfg.batch_size} glyph crops ({cfg.img_size} px, "
@@ -269,6 +278,7 @@ def pretrain_backbone(
         step_loss,
         ctx=ctx,
         total=cfg.steps,
+        amp=cfg.amp,
         lr=lambda step: cfg.lr * lr_at(step, cfg.steps, cfg.warmup_steps),
         stop=stop,
         bar=bar,  # warm-up, then cosine to 0

@@ -180,7 +180,8 @@ def train_detector(cfg: DetectConfig, log: Callable[[str], None] = print) -> dic
         raise ValueError(f"procs {procs} needs one GPU per process, {torch.cuda.device_count()} visible")
     log(f"detect: {procs} local processes, {threads_per_process(procs)} threads each")
     launch_local(_process_main, (cfg,), procs, relay=(TrainingDivergedError, Preempted), stopped=Preempted)
-    return read_json(Path(cfg.out) / "summary.json")
+    summary = read_json(Path(cfg.out) / "summary.json")  # an AP not measured (no object of a size class) is null
+    return {k: float("nan") if v is None and "_AP" in k else v for k, v in summary.items()}  # NaN, as in one process
 
 
 def _process_main(cfg: DetectConfig) -> None:
@@ -195,9 +196,12 @@ def _pretrain(
     model: nn.Module, cfg: DetectConfig, ctx: DistContext, log: Callable[[str], None], stop: StopSignals | None = None
 ) -> dict:
     """Pre-train the detector's backbone on glyph crops (:mod:`lambdanet.tasks.detection.pretrain`) and load it."""
-    settings = PretrainConfig(
-        steps=cfg.pretrain_steps, workers=cfg.workers, channels_last=bool(cfg.detector.get("channels_last"))
-    )  # the detector's layout
+    settings = PretrainConfig(  # the detector's layout and precision
+        steps=cfg.pretrain_steps,
+        workers=cfg.workers,
+        channels_last=bool(cfg.detector.get("channels_last")),
+        amp=cfg.amp,
+    )
     weights, info = pretrain_backbone(
         cfg.backbone,
         settings,
@@ -262,6 +266,13 @@ class DetectionTask(Task):
         self.loader = detection_loader(
             self.train_set, ctx, cfg.batch_size // ctx.world, seed=cfg.seed, workers=cfg.workers, train=True
         )
+        if len(self.loader) == 0:  # the last incomplete batch is dropped: no step would run
+            n, world = len(self.train_set), ctx.world
+            share = f" ({cfg.batch_size // world} for each of {world} processes, which draw {-(-n // world)})"
+            raise ValueError(
+                f"batch_size={cfg.batch_size}{share if world > 1 else ''} is larger than the {n} training images of "
+                f"{cfg.data}; lower --batch-size"
+            )
         self.steps_per_epoch = per_epoch = (
             len(self.loader) if cfg.max_train_batches is None else min(len(self.loader), cfg.max_train_batches)
         )
@@ -310,7 +321,7 @@ class DetectionTask(Task):
     def epoch_row(self, state: RunState, model: nn.Module, result: dict) -> dict:
         """The epoch's mean losses (unweighted) and rate, and COCO AP when due (the main process's)."""
         sums = dict(result["sums"])
-        count = max(sums.pop("n"), 1)
+        count = max(sums.pop("n", 0), 1)
         row = {f"train_{k}": v / count for k, v in sums.items()} | {
             "train_loss": sum(sums.values()) / count,
             "lr": state.optimizer.param_groups[0]["lr"],
