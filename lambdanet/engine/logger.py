@@ -11,8 +11,8 @@ __all__ = ["RunLogger", "plot_history", "write_json", "read_json"]
 
 
 def write_json(data: dict, path: str | Path) -> None:
-    """``data`` as standard JSON, whole or not at all: a value that is not a finite number (COCO's AP of a size
-    class without objects is NaN) is ``null``, which every JSON reader takes (``NaN`` is Python's extension)."""
+    """``data`` as standard JSON, whole or not at all: a value that is not a finite number (a metric a task could not
+    measure is NaN) is ``null``, which every JSON reader takes (``NaN`` is Python's extension)."""
     tmp = Path(str(path) + ".tmp")
     tmp.write_text(json.dumps(_finite(data), indent=2, sort_keys=True, default=str, allow_nan=False))
     tmp.replace(path)

@@ -215,12 +215,24 @@ class Bottleneck(nn.Module):
 
 
 def _check_args(
-    cfg: ResNetConfig, img_size: int | Sequence[int] | None, drop_path_rate: float, share_embeddings: bool
+    cfg: ResNetConfig,
+    img_size: int | Sequence[int] | None,
+    drop_path_rate: float,
+    share_embeddings: bool,
+    layer_kwargs: Mapping | None = None,
 ) -> tuple[int, ...]:
     """:class:`ResNet`'s arguments checked (one-line ``ValueError``s); returns the input size ``(H, W)``."""
     _validate_config(cfg)
     check_rate(drop_path_rate, "drop_path_rate")
     img = image_size(img_size, cfg.input_size)
+    if layer_kwargs is not None and not isinstance(layer_kwargs, Mapping):
+        raise ValueError(f"layer_kwargs must be a mapping of the spatial layers' options, got {layer_kwargs!r}")
+    if (layer_kwargs or share_embeddings) and "L" not in "".join(cfg.block_pattern()):
+        name = "layer_kwargs" if layer_kwargs else "share_embeddings"
+        raise ValueError(
+            f"{name} configures the spatial layers of the non-C stages, and this model has none (all blocks "
+            f"are convolutions): also pass stage_layers, e.g. stage_layers='CCLL'"
+        )
     if share_embeddings and cfg.spatial_layer not in ("lambda", "lambda_conv"):
         raise ValueError(
             f"share_embeddings needs lambda layers (spatial_layer 'lambda' or 'lambda_conv'), "
@@ -265,15 +277,7 @@ class ResNet(Backbone):
         share_embeddings: bool = False,
     ):
         super().__init__()
-        img = _check_args(cfg, img_size, drop_path_rate, share_embeddings)
-        if layer_kwargs is not None and not isinstance(layer_kwargs, Mapping):
-            raise ValueError(f"layer_kwargs must be a mapping of the spatial layers' options, got {layer_kwargs!r}")
-        if (layer_kwargs or share_embeddings) and "L" not in "".join(cfg.block_pattern()):
-            name = "layer_kwargs" if layer_kwargs else "share_embeddings"
-            raise ValueError(
-                f"{name} configures the spatial layers of the non-C stages, and this model has none (all blocks "
-                f"are convolutions): also pass stage_layers, e.g. stage_layers='CCLL'"
-            )
+        img = _check_args(cfg, img_size, drop_path_rate, share_embeddings, layer_kwargs)
         self.cfg, self.img_size = cfg, img
         act = cast("type[nn.Module]", get_act(cfg.act))  # a name (validated): never None
         self.stem, ch, reduction = _stem(cfg.stem, in_chans, act)

@@ -24,18 +24,13 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, cast
 
-from lambdanet.engine.config import RunConfig, config_source_from_args, option, shared
+from lambdanet.engine.config import RunConfig, config_source_from_args, flag, option, shared
 from lambdanet.files import check_path_given, run_file, weights_file_kind
 from lambdanet.models import model_args, model_info
-from lambdanet.tasks.classification.datasets import list_datasets
-from lambdanet.tasks.classification.implied import (
-    RECIPE_MODEL_KEYS,
-    checkpoint_values,
-    resolve_model_values,
-    without_implied,
-)
+from lambdanet.tasks.classification.datasets import dataset_spec, list_datasets
+from lambdanet.tasks.classification.implied import RECIPE_MODEL_KEYS, checkpoint_values, without_implied
 
 __all__ = [
     "TrainConfig",
@@ -308,6 +303,50 @@ def resolve_config(
     is written in. With ``checkpoint`` set to what ``lambdanet train`` wrote, the model, its architecture
     options and the image size are the checkpoint's unless given explicitly."""
     return TrainConfig.resolve(recipe, yaml_values, overrides)
+
+
+def resolve_model_values(cfg: TrainConfig) -> None:
+    """Write in what the data and the model imply (in place): ``img_size`` from the dataset, and in
+    ``model_kwargs`` (unless given) the small-image stem for images up to 64 px, the compact width and the
+    image size where the model takes them; ``drop_rate`` / ``drop_path_rate`` from the model's defaults."""
+    accepted = model_args(cfg.model)
+    if cfg.img_size is None:  # published weights, or a timm checkpoint of their architecture: the size they were
+        # trained at (global attention is sized by it); a lambdanet run's weights have set it from their metadata
+        info = model_info(cfg.model)
+        published = cfg.pretrained or (cfg.checkpoint is not None and info.pretrained is not None)
+        cfg.img_size = info.input_size if published else dataset_spec(cfg.data).image_size
+    kwargs = dict(cfg.model_kwargs)
+    for key in ("drop_rate", "drop_path_rate"):
+        if key in kwargs:
+            if getattr(cfg, key) is not None and getattr(cfg, key) != kwargs[key]:
+                raise ValueError(
+                    f"{key} is given twice: {flag(key)} {getattr(cfg, key)} and "
+                    f"model_kwargs {key}={kwargs[key]}; give it once"
+                )
+            setattr(cfg, key, kwargs.pop(key))
+        if getattr(cfg, key) is None:
+            setattr(cfg, key, float(cast("float | None", accepted.get(key)) or 0.0))
+    if cfg.drop_path_rate and "drop_path_rate" not in accepted:
+        raise ValueError(f"model {cfg.model!r} has no stochastic depth; drop_path_rate must be 0 or null")
+    if cfg.drop_rate and "drop_rate" not in accepted:
+        raise ValueError(f"model {cfg.model!r} has no dropout; drop_rate must be 0 or null")
+    if "stem" in accepted and "stem" not in kwargs and cfg.img_size <= 64:
+        kwargs["stem"] = "cifar"
+    if cfg.compact_width and "base_width" in accepted and "base_width" not in kwargs:
+        kwargs["base_width"] = cfg.compact_width
+    if "img_size" in accepted and "img_size" not in kwargs:
+        kwargs["img_size"] = cfg.img_size
+    if "in_chans" in kwargs or "num_classes" in kwargs:
+        raise ValueError(
+            "model_kwargs must not set in_chans or num_classes: the model takes the data's channels "
+            "(digits, mnist5k, fashion-mnist: 1; cifar10/100, imagefolder: 3) and classes; weights from "
+            "--checkpoint or --pretrained with other channels have their input convolution adapted, "
+            "with other classes get a new classifier"
+        )
+    unknown = sorted(set(kwargs) - set(accepted))
+    if unknown:
+        raise ValueError(f"model {cfg.model!r} does not take {unknown}; it accepts: {', '.join(accepted)}")
+    cfg.model_kwargs = kwargs
 
 
 def model_build_kwargs(cfg: TrainConfig) -> dict:

@@ -210,6 +210,13 @@ def _process_group(device: torch.device) -> DistContext:
     return DistContext(rank, world, device=device)
 
 
+def _identity(backbone: str, model_kwargs: dict, seed: int, glyphs: str, cfg: PretrainConfig) -> dict:
+    """What must agree for a saved pre-training to continue: workers and progress only change how it runs; ``amp``
+    ``"none"`` is left out, as the versions before the option wrote it, so that their ``pretrain.pt`` continues."""
+    config = {k: v for k, v in asdict(cfg).items() if k != "workers" and (k, v) != ("amp", "none")}
+    return {"backbone": backbone, "model_kwargs": dict(model_kwargs), "seed": seed, "glyphs": glyphs, "config": config}
+
+
 def pretrain_backbone(
     backbone: str,
     cfg: PretrainConfig = PretrainConfig(),
@@ -245,15 +252,9 @@ def pretrain_backbone(
     train = GlyphCrops("train", cfg.steps * cfg.batch_size, img_size=cfg.img_size, seed=seed, glyphs=glyphs)
     test = GlyphCrops("test", cfg.eval_images, img_size=cfg.img_size, seed=seed, glyphs=glyphs)
     model, layout, mean, std = _classifier(name, kwargs, len(train.categories), cfg, device, seed)
-    scaler = torch.amp.GradScaler("cuda") if cfg.amp == "fp16" else None
-    state = RunState(
-        model, build_optimizer(model, name="adamw", lr=cfg.lr, weight_decay=cfg.weight_decay), scaler=scaler
-    )
-    # what must agree for a saved training to continue (workers and progress only change how it runs; amp "none"
-    # is left out as the versions before the option wrote it, so their pretrain.pt continues)
-    identity = {"backbone": backbone, "model_kwargs": dict(model_kwargs), "seed": seed, "glyphs": glyphs}
-    identity["config"] = {k: v for k, v in asdict(cfg).items() if k != "workers" and (k, v) != ("amp", "none")}
-    done = _continued(checkpoint, identity, state, device)
+    optimizer = build_optimizer(model, name="adamw", lr=cfg.lr, weight_decay=cfg.weight_decay)
+    state = RunState(model, optimizer, scaler=torch.amp.GradScaler("cuda") if cfg.amp == "fp16" else None)
+    done = _continued(checkpoint, identity := _identity(backbone, model_kwargs, seed, glyphs, cfg), state, device)
     log(
         f"pre-training {backbone} on {cfg.steps} x {cfg.batch_size} glyph crops ({cfg.img_size} px, "
         f"{len(train.categories)} classes)"
