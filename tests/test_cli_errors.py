@@ -4,6 +4,7 @@ written first. Every case runs the real entry point, ``lambdanet.cli.main``."""
 
 import dataclasses
 import shutil
+import sys
 import typing
 from pathlib import Path
 
@@ -446,10 +447,39 @@ def test_export_of_a_language_model_says_so(tmp_path, capsys):
 
 
 # --------------------------------------------------------------------------------------- A15: lm sample
-def test_lm_sample_prompt_that_is_not_utf8_names_prompt(tmp_path, capsys):
-    """Bytes that are not UTF-8 on the command line reach Python as lone surrogates ('\\xff' -> '\\udcff')."""
-    err = error_line(capsys, ["lm", "sample", "--checkpoint", str(tmp_path), "--prompt", "ab\udcff"])
-    assert err.endswith("--prompt must be valid UTF-8 text")
+def test_lm_sample_takes_the_prompts_bytes_and_prints_on_any_terminal(capsys, monkeypatch):
+    """Bytes that are not UTF-8 on the command line reach Python as lone surrogates ('\\xff' -> '\\udcff'): they
+    were refused ("--prompt must be valid UTF-8 text"), so a model of Latin-1 text could not be prompted in its own
+    bytes; they are the prompt's bytes, as the API takes them. A terminal or pipe of another encoding (latin-1,
+    ascii) failed after sampling ("codec can't encode"): what it cannot show is "?"."""
+    import io
+
+    from lambdanet.tasks.lm.task import sample
+
+    run = str(Path(__file__).resolve().parent / "fixtures" / "lm_runs_fixed" / "lm_done")
+    want = sample(run, b"ab\xff", max_new_tokens=4, top_k=1)
+    assert main(["lm", "sample", "--checkpoint", run, "--prompt", "ab\udcff", "--max-new-tokens", "4",
+                 "--top-k", "1"]) == 0  # fmt: skip
+    assert capsys.readouterr().out == want.decode("utf-8", errors="replace") + "\n"
+    latin = io.TextIOWrapper(io.BytesIO(), encoding="latin-1")
+    monkeypatch.setattr(sys, "stdout", latin)
+    assert main(["lm", "sample", "--checkpoint", run, "--prompt", "ab\udcff", "--max-new-tokens", "4",
+                 "--top-k", "1"]) == 0  # fmt: skip
+    latin.flush()
+    text = want.decode("utf-8", errors="replace").encode("latin-1", errors="replace") + b"\n"
+    assert latin.buffer.getvalue() == text and text.startswith(b"ab?")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--max-new-tokens", "-1"], "--max-new-tokens must be a non-negative int, got -1"),
+    (["--top-k", "0"], "--top-k must be a positive int (1: greedy), got 0"),
+    (["--temperature", "0"], "--temperature must be > 0 and finite, got 0.0 (greedy: --top-k 1)"),
+    (["--temperature", "nan"], "--temperature must be > 0 and finite, got nan (greedy: --top-k 1)"),
+])
+def test_lm_sample_errors_name_the_flags(tmp_path, capsys, args, needle):
+    """They named the API's arguments (``top_k must be a positive int or None``: None cannot be typed)."""
+    err = error_line(capsys, ["lm", "sample", "--checkpoint", str(tmp_path), "--prompt", "ab", *args])
+    assert err.endswith(needle)
 
 
 def test_the_python_api_still_takes_a_path_object_for_out_and_refuses_a_number_for_data(tmp_path):

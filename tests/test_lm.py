@@ -348,6 +348,49 @@ def test_text_corpora_bytes_and_errors(tmp_path):
         load_corpus("wikipedia")
 
 
+def test_a_folder_corpus_leaves_out_runs_written_into_it_and_takes_any_file_name(tmp_path):
+    """``lm train --data text:. --out runs/x`` read its own run on ``--resume`` (checkpoint, weights, plots): 0.04
+    MB of text became 1.87 MB, validated on the tail of the binaries. A folder holding a run (config.yaml beside
+    last.pt or model.safetensors) is not corpus; a folder with only a config.yaml is. A file whose name is not
+    UTF-8 failed the split ("surrogates not allowed"): its name's bytes are hashed, the same bytes as before for
+    every UTF-8 name."""
+    import hashlib
+    import os
+
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_bytes(b"q" * 400)
+    before = load_corpus(f"text:{tmp_path}")
+    run = tmp_path / "runs" / "x"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("model: lambda_lm_nano\n")
+    (tmp_path / "runs" / "notes").mkdir()
+    (tmp_path / "runs" / "notes" / "config.yaml").write_bytes(b"c" * 100)  # a corpus's own config.yaml: kept
+    (run / "last.pt").write_bytes(b"\x80" * 5000)
+    (run / "metrics.csv").write_bytes(b"m" * 500)
+    after = load_corpus(f"text:{tmp_path}")
+    total = lambda c: c.train.numel() + c.val.numel()  # noqa: E731
+    assert total(after) == total(before) + 100 and sum(after.files) == sum(before.files) + 1
+    odd = os.fsdecode(b"caf\xe9.txt")  # a Latin-1 name, as Linux gives it to Python
+    (tmp_path / odd).write_bytes(b"w" * 300)
+    assert total(load_corpus(f"text:{tmp_path}")) == total(after) + 300
+    expected = int(hashlib.sha256(b"caf\xe9.txt").hexdigest(), 16) % 100 < VAL_PERCENT
+    assert is_validation_file(odd) == expected
+    assert is_validation_file("os.py") == (int(hashlib.sha256(b"os.py").hexdigest(), 16) % 100 < VAL_PERCENT)
+
+
+def test_a_learning_rate_below_the_default_floor_gets_a_floor_of_its_own(tmp_path):
+    """``lm train --lr 1e-4`` failed "min_lr must be in [0, 0.0001] ... got 0.0003": a floor the user never set.
+    It is lr / 10, the defaults' own ratio (3e-3 / 3e-4); a min_lr given is checked as before."""
+    from lambdanet.tasks.lm.config import LMConfig
+
+    out = str(tmp_path / "o")
+    assert LMConfig.resolve(overrides={"lr": 1e-4, "out": out}).min_lr == pytest.approx(1e-5)
+    assert LMConfig.resolve(overrides={"out": out}).min_lr == 3e-4 == LMConfig.resolve(overrides={"lr": 1e-2,
+                                                                                                   "out": out}).min_lr
+    with pytest.raises(ValueError, match=r"min_lr must be in \[0, 0.0001\]"):
+        LMConfig.resolve(overrides={"lr": 1e-4, "min_lr": 3e-4, "out": out})
+
+
 def test_tiny_corpora_keep_bytes_to_validate_on(tmp_path):
     (tmp_path / "b30.txt").write_bytes(b"x" * 30)  # 5% of 30 is 1 byte: a split of one byte predicts nothing
     corpus = load_corpus(f"text:{tmp_path / 'b30.txt'}")

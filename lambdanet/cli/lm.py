@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 __all__ = ["register"]
@@ -35,15 +36,13 @@ def _cmd_sample(args: argparse.Namespace) -> int:
             StepGraph.check_device(torch.device(args.device))
         except ValueError as err:
             raise ValueError(f"--cuda-graph needs --device cuda: {err}") from None
-    try:
-        args.prompt.encode("utf-8")
-    except UnicodeEncodeError:  # bytes the terminal passed that are not UTF-8 (Python keeps them as surrogates)
-        raise ValueError("--prompt must be valid UTF-8 text") from None
+    _check_sampling_flags(args)
+    prompt = os.fsencode(args.prompt)  # the bytes given, also those that are not UTF-8 (a Latin-1 model's)
     check_run_task(args.checkpoint, "lm")  # an image-classification or detection run: say so
     try:
         out = sample(
             args.checkpoint,
-            args.prompt,
+            prompt,
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
             top_k=args.top_k,
@@ -53,8 +52,22 @@ def _cmd_sample(args: argparse.Namespace) -> int:
         )
     except GrowingStateError as err:  # the API's refusal of a graph, in the command's words
         raise GrowingStateError(err.what, "--cuda-graph", "sample without --cuda-graph") from None
-    sys.stdout.write(out.decode("utf-8", errors="replace") + "\n")
+    text = out.decode("utf-8", errors="replace") + "\n"  # bytes that are not UTF-8: U+FFFD
+    encoding = getattr(sys.stdout, "encoding", None) or "utf-8"  # a terminal or pipe of another encoding: its
+    sys.stdout.write(text.encode(encoding, errors="replace").decode(encoding))  # "?" for what it lacks, no error
     return 0
+
+
+def _check_sampling_flags(args) -> None:
+    """One line naming the flag for a value ``sample`` refuses (its own messages name its arguments)."""
+    import math
+
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens must be a non-negative int, got {args.max_new_tokens}")
+    if args.top_k is not None and args.top_k < 1:
+        raise ValueError(f"--top-k must be a positive int (1: greedy), got {args.top_k}")
+    if not (math.isfinite(args.temperature) and args.temperature > 0):
+        raise ValueError(f"--temperature must be > 0 and finite, got {args.temperature} (greedy: --top-k 1)")
 
 
 def register(sub) -> None:
@@ -91,7 +104,7 @@ def register(sub) -> None:
         help="run directory of lambdanet lm train (or its model.safetensors / last.pt), or hf-hub:OWNER/NAME (a run "
         "shared with lambdanet push-to-hub)",
     )
-    smp.add_argument("--prompt", required=True, help="text to continue (UTF-8)")
+    smp.add_argument("--prompt", required=True, help="text to continue (its bytes as given, UTF-8 or not)")
     smp.add_argument("--max-new-tokens", type=int, default=256, help="bytes to generate (default: 256)")
     smp.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (default: 0.8)")
     smp.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest bytes (1: greedy)")

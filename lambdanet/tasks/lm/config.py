@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lambdanet.engine.config import RunConfig, changed_by, option, shared
+from lambdanet.helpers import is_finite_real
 from lambdanet.models import list_models
 from lambdanet.models.lm_zoo import pin_lm_kwargs, saved_lm
 from lambdanet.tasks.lm.data import DATA_HELP
@@ -91,6 +92,16 @@ class LMConfig(RunConfig):
         self.check_int("eval_bytes", 2, " (null: all)", optional=True)
         if "vocab_size" in self.model_kwargs:  # an option of its own, which the run records
             raise ValueError("model_kwargs must not set vocab_size: use --vocab-size (vocab_size: in a config file)")
+
+    @classmethod
+    def recipe_values(cls, name: str, explicit: dict) -> dict:
+        """The recipe with ``explicit`` over it; an ``lr`` given below the recipe's ``min_lr`` with no ``min_lr``
+        gets a floor of ``lr / 10`` (nanoGPT's ratio, the defaults' own), not a refusal of a floor never named."""
+        values = super().recipe_values(name, explicit)
+        lr, floor = values.get("lr", cls.lr), values.get("min_lr", cls.min_lr)
+        if "min_lr" not in explicit and is_finite_real(lr) and is_finite_real(floor) and 0 < lr < floor:
+            values["min_lr"] = lr / 10
+        return values
 
     @classmethod
     def without_implied(cls, file_values: dict, flags: dict) -> dict:

@@ -10,6 +10,7 @@ whose hash split leaves one side empty) keeps its last :data:`VAL_PERCENT` of by
 from __future__ import annotations
 
 import hashlib
+import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +47,8 @@ def stdlib_root() -> Path:
 
 def is_validation_file(relative: str) -> bool:
     """Whether the file at ``relative`` (POSIX path under the corpus root) is in the validation split."""
-    return int(hashlib.sha256(relative.encode()).hexdigest(), 16) % 100 < VAL_PERCENT
+    # the name's bytes as the file system has them (a name that is not UTF-8 comes back with surrogates)
+    return int(hashlib.sha256(os.fsencode(relative)).hexdigest(), 16) % 100 < VAL_PERCENT
 
 
 def _split_files(root: Path, paths: list[Path], name: str) -> Corpus:
@@ -98,15 +100,29 @@ def load_corpus(data: str = "stdlib") -> Corpus:
         return _split_tail(path.read_bytes(), data)
     if not path.is_dir():
         raise ValueError(f"data {data}: {path} does not exist")
+    runs = _run_folders(path)
     paths = sorted(
         (
             p
             for p in path.rglob("*")
-            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+            if p.is_file()
+            and not any(part.startswith(".") for part in p.relative_to(path).parts)
+            and not runs.intersection(p.parents)
         ),
         key=lambda p: p.relative_to(path).as_posix(),
     )
     return _split_files(path, paths, data)
+
+
+def _run_folders(root: Path) -> set[Path]:
+    """The folders under ``root`` that hold a lambdanet run (``config.yaml`` beside ``last.pt`` or
+    ``model.safetensors``): never part of a ``text:DIR`` corpus (a run written into its own data folder would
+    otherwise train on its checkpoints when resumed)."""
+    return {
+        c.parent
+        for c in root.rglob("config.yaml")
+        if (c.parent / "last.pt").is_file() or (c.parent / "model.safetensors").is_file()
+    }
 
 
 def windows(data: Tensor, starts: Tensor, length: int) -> Tensor:
