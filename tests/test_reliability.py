@@ -408,6 +408,20 @@ def test_datasets_that_cannot_be_had_offline_give_one_line(tmp_path, monkeypatch
     assert "\n" not in msg and "the download failed (" in msg and "name resolution" in msg, msg
 
 
+def test_a_damaged_dataset_copy_is_not_called_missing(tmp_path):
+    """A cifar-10-batches-py whose files fail torchvision's checksums was reported "not found ... and
+    --no-download was given"; the folder is there: it says so, and what to do."""
+    folder = tmp_path / "data" / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    for name in ("data_batch_1", "test_batch", "batches.meta"):
+        (folder / name).write_bytes(b"not a pickle")
+    with pytest.raises(D.DatasetUnavailableError) as err:
+        D.build_datasets("cifar10", data_dir=tmp_path / "data", download=False)
+    msg = str(err.value)
+    assert msg.startswith(f"dataset cifar10: {folder} is there but incomplete or damaged") and "\n" not in msg
+    assert "--download" in msg and "not found" not in msg and "download=True" not in msg
+
+
 def test_cli_offline_dataset_error_has_no_traceback(tmp_path):
     proc = _cli("train", "--data", "cifar10", "--no-download", "--data-dir", str(tmp_path), "--out",
                 str(tmp_path / "run"), "--no-progress")

@@ -283,3 +283,19 @@ def test_eval_of_a_file_run_on_small_images_crops_as_the_run_evaluated(folder_ru
     assert fed[0].shape == want.shape == (6, 3, 16, 16)
     assert (fed[0] - want).abs().max() <= LEVEL / min(cfg["std"]) + 1e-6  # the images predict feeds the model
     assert (fed[0] - straight).abs().max() > 10 * LEVEL / min(cfg["std"])  # (what it was fed before)
+
+
+def test_in_memory_datasets_are_resized_a_chunk_at_a_time_to_the_same_pixels():
+    """Every image of a built-in dataset was resized in one float32 tensor (fashion-mnist at 224 px: 12 GB at
+    once, CIFAR-10 at a pretrained model's 256: 39 GB): a chunk at a time into the uint8 result, the same pixels as
+    one whole-batch resize (each image's interpolation is its own) and a peak of a chunk's float copies."""
+    from lambdanet.runtime import peak_memory
+    from lambdanet.tasks.classification.data import resize_images
+
+    images = torch.randint(0, 256, (40, 1, 28, 28), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    whole = torch.nn.functional.interpolate(images.float(), size=(96, 96), mode="bilinear", antialias=True,
+                                            align_corners=False).round().clamp(0, 255).to(torch.uint8)  # fmt: skip
+    assert torch.equal(resize_images(images, 96, chunk=7), whole) and torch.equal(resize_images(images, 96), whole)
+    result, one_float_copy = whole.numel(), whole.numel() * 4  # bytes
+    peak = peak_memory(lambda: resize_images(images, 96, chunk=4))
+    assert peak <= result + 3 * 4 * 96 * 96 * 4 < one_float_copy  # the uint8 result and a few chunk-sized floats

@@ -149,14 +149,19 @@ def build_transforms(
     return v2.Compose(ops)
 
 
-def resize_images(images: Tensor, size: int) -> Tensor:
-    """Resize a uint8 ``[N, C, H, W]`` tensor to ``size x size`` once (bilinear, antialiased)."""
+def resize_images(images: Tensor, size: int, chunk: int = 256) -> Tensor:
+    """Resize a uint8 ``[N, C, H, W]`` tensor to ``size x size`` once (bilinear, antialiased), ``chunk`` images at a
+    time into the uint8 result: the float copies are a chunk's, not the dataset's (CIFAR-10 at 256 px was one
+    39 GB float tensor). Each image's pixels are the same whatever the chunk."""
     if images.shape[-2:] == (size, size):
         return images
-    out = torch.nn.functional.interpolate(
-        images.float(), size=(size, size), mode="bilinear", antialias=True, align_corners=False
-    )
-    return out.round().clamp(0, 255).to(torch.uint8)
+    out = torch.empty((*images.shape[:2], size, size), dtype=torch.uint8)  # n c size size
+    for i in range(0, len(images), chunk):
+        part = torch.nn.functional.interpolate(
+            images[i : i + chunk].float(), size=(size, size), mode="bilinear", antialias=True, align_corners=False
+        )
+        out[i : i + chunk] = part.round_().clamp_(0, 255)
+    return out
 
 
 def epoch_indices(

@@ -195,6 +195,13 @@ def _torchvision_pair(
             why = f"the download failed ({type(err).__name__}: {text[:200] + ('...' if len(text) > 200 else '')})"
         else:
             why = "--no-download was given"
+            folder = data_dir / (getattr(cls, "base_folder", None) or cls.__name__)  # CIFAR's, MNIST-style's
+            if folder.is_dir():  # there, but torchvision's checksums or reads fail: not "not found"
+                raise DatasetUnavailableError(
+                    f"dataset {name}: {folder} is there but incomplete or damaged (its files fail torchvision's "
+                    f"checks: {type(err).__name__}); delete it and download again (--download), or unpack a fresh "
+                    "copy there"
+                ) from None
         raise DatasetUnavailableError(
             f"dataset {name} was not found in {searched} and {why}; {how}, or pass "
             "--data-dir pointing at an existing copy"
