@@ -408,6 +408,20 @@ def test_datasets_that_cannot_be_had_offline_give_one_line(tmp_path, monkeypatch
     assert "\n" not in msg and "the download failed (" in msg and "name resolution" in msg, msg
 
 
+def test_eval_on_another_dataset_takes_download_or_no_download(tmp_path, monkeypatch, capsys, tiny_digits_run):
+    """``eval --data cifar10`` reused the run's ``download`` setting with no flag to change it: a run trained
+    offline said "--no-download was given" and refused ``--download``; one trained with downloads on downloaded
+    170 MB with no way to say no."""
+    import torchvision.datasets.cifar as tv_cifar
+
+    monkeypatch.setattr(tv_cifar, "download_and_extract_archive", _no_network)
+    base = ["eval", "--checkpoint", str(tiny_digits_run), "--data", "cifar10", "--data-dir", str(tmp_path)]
+    assert main([*base, "--no-download"]) == 2
+    assert "--no-download was given" in capsys.readouterr().err
+    assert main([*base, "--download"]) == 2  # tried (the network is off here), as asked
+    assert "the download failed (" in capsys.readouterr().err
+
+
 def test_a_damaged_dataset_copy_is_not_called_missing(tmp_path):
     """A cifar-10-batches-py whose files fail torchvision's checksums was reported "not found ... and
     --no-download was given"; the folder is there: it says so, and what to do."""

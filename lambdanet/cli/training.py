@@ -58,6 +58,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         device=args.device,
         data_dir=args.data_dir,
+        download=args.download,
     )
     if args.json:
         print(json.dumps(res, indent=2))
@@ -86,6 +87,12 @@ def _add_eval(sub) -> None:
     )
     ev.add_argument("--data", default=None, help="dataset (default: the checkpoint's)")
     ev.add_argument("--data-dir", default=None, help="dataset folder (default: the checkpoint's)")
+    ev.add_argument(
+        "--download",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="download a dataset that is not on disk (default: as the run did)",
+    )
     ev.add_argument("--split", default="test", choices=["test", "train"], help="split to evaluate (default: test)")
     ev.add_argument("--batch-size", type=int, default=256, help="evaluation batch size (default: 256)")
     ev.add_argument(

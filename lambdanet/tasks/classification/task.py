@@ -405,9 +405,11 @@ def evaluate_checkpoint(
     batch_size: int = 256,
     device: str = "auto",
     data_dir: str | None = None,
+    download: bool | None = None,
 ) -> dict:
     """Top-1 / top-5 of a checkpoint's model (its EMA weights when present and ``ema``) on a dataset split;
-    ``path`` is a ``last.pt`` or a run directory (its ``last.pt``: :func:`lambdanet.files.run_file`)."""
+    ``path`` is a ``last.pt`` or a run directory (its ``last.pt``: :func:`lambdanet.files.run_file`); ``data``,
+    ``data_dir`` and ``download`` default to the run's."""
     if split not in ("test", "train"):
         raise ValueError(f"split must be one of ['test', 'train'], got {split!r}")
     if hub_repo(path) is not None:  # weights alone: no configuration to rebuild the data from
@@ -419,7 +421,7 @@ def evaluate_checkpoint(
     saved = dict(state.get("config") or {})
     if not saved:
         raise CheckpointError(f"checkpoint {path} has no training configuration")
-    saved.update({k: v for k, v in (("data", data), ("data_dir", data_dir)) if v is not None})
+    saved.update({k: v for k, v in (("data", data), ("data_dir", data_dir), ("download", download)) if v is not None})
     cfg = TrainConfig(**saved)
     ctx = DistContext(device=torch.device("cuda" if uses_cuda(device) else "cpu"))
     spec, train_ds, test_ds = build_datasets(cfg.data, data_dir=cfg.data_dir, download=cfg.download)
