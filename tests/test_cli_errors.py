@@ -470,6 +470,29 @@ def test_lm_sample_takes_the_prompts_bytes_and_prints_on_any_terminal(capsys, mo
     assert latin.buffer.getvalue() == text and text.startswith(b"ab?")
 
 
+def test_lm_sample_of_learnt_positions_says_how_many_tokens_fit(tmp_path, capsys):
+    """A model of learnt positions (``positions=learned, max_len=32``) failed every ``lm sample`` with its defaults
+    ("the sequence is 258 tokens long but the model takes at most max_len=32"): the line says how many new tokens
+    fit after the prompt (or how long a prompt may be), in the command's flags; that many are sampled."""
+    from lambdanet.tasks.lm.task import sample
+
+    (tmp_path / "c.txt").write_bytes(b"abcdefgh \n" * 400)
+    run = str(tmp_path / "tl")
+    assert main(["lm", "train", "--data", f"text:{tmp_path / 'c.txt'}", "--model", "transformer_lm_nano",
+                 "--model-kwargs", "positions=learned,max_len=32", "--context", "32", "--epochs", "1",
+                 "--steps-per-epoch", "1", "--eval-bytes", "512", "--no-progress", "--no-tensorboard",
+                 "--out", run]) == 0  # fmt: skip
+    capsys.readouterr()
+    err = error_line(capsys, ["lm", "sample", "--checkpoint", run, "--prompt", "abc"])
+    assert err.endswith("--prompt of 3 bytes and --max-new-tokens 256 need 258 positions, but the model has learnt "
+                        "32 (max_len, learnt positions): at most --max-new-tokens 30 after this --prompt")
+    err = error_line(capsys, ["lm", "sample", "--checkpoint", run, "--prompt", "a" * 40, "--max-new-tokens", "0"])
+    assert err.endswith("shorten --prompt to at most 32 bytes")
+    assert len(sample(run, b"abc", max_new_tokens=30)) == 33  # the most that fits is sampled
+    with pytest.raises(ValueError, match="at most max_new_tokens=30 after this prompt$"):
+        sample(run, b"abc", max_new_tokens=31)
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--max-new-tokens", "-1"], "--max-new-tokens must be a non-negative int, got -1"),
     (["--top-k", "0"], "--top-k must be a positive int (1: greedy), got 0"),

@@ -24,7 +24,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     from lambdanet.cli.common import check_device
     from lambdanet.files import check_run_task
     from lambdanet.models.lm_graph import GrowingStateError
-    from lambdanet.tasks.lm.task import sample
+    from lambdanet.tasks.lm.task import ContextTooLongError, sample
 
     check_device(args.device)
     if args.cuda_graph:  # before the run is loaded: the API's own check, led by the flag that asked for it
@@ -52,6 +52,8 @@ def _cmd_sample(args: argparse.Namespace) -> int:
         )
     except GrowingStateError as err:  # the API's refusal of a graph, in the command's words
         raise GrowingStateError(err.what, "--cuda-graph", "sample without --cuda-graph") from None
+    except ContextTooLongError as err:  # a model of learnt positions: the flags that ask too many
+        raise ContextTooLongError(err.prompt, err.new, err.max_len, flags=True) from None
     text = out.decode("utf-8", errors="replace") + "\n"  # bytes that are not UTF-8: U+FFFD
     encoding = getattr(sys.stdout, "encoding", None) or "utf-8"  # a terminal or pipe of another encoding: its
     sys.stdout.write(text.encode(encoding, errors="replace").decode(encoding))  # "?" for what it lacks, no error
