@@ -5,12 +5,13 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
-import math
 import os
 import platform
 from pathlib import Path
 
 import torch
+
+from lambdanet.engine.logger import json_finite
 
 __all__ = [
     "environment",
@@ -38,22 +39,11 @@ def environment(device: str) -> dict:
     return env
 
 
-def _json_value(v):
-    """``v`` with non-finite floats (a diverged run's NaN) as ``None``: JSON has no NaN."""
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    if isinstance(v, dict):
-        return {k: _json_value(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_json_value(x) for x in v]
-    return v
-
-
 def write_rows(rows: list[dict], out: Path, name: str) -> None:
     """``<out>/<name>.json`` and ``<out>/<name>.csv`` of ``rows`` (no CSV, and an older one removed, without rows);
     non-finite floats are ``null`` in the JSON, ``nan`` in the CSV."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(_json_value(rows), indent=2, default=str, allow_nan=False) + "\n")
+    (out / f"{name}.json").write_text(json.dumps(json_finite(rows), indent=2, default=str, allow_nan=False) + "\n")
     (out / f"{name}.csv").unlink(missing_ok=True)
     if rows:
         keys = list(dict.fromkeys(k for r in rows for k in r))

@@ -7,25 +7,26 @@ import json
 import math
 from pathlib import Path
 
-__all__ = ["RunLogger", "plot_history", "write_json", "read_json"]
+__all__ = ["RunLogger", "plot_history", "write_json", "read_json", "json_finite"]
 
 
 def write_json(data: dict, path: str | Path) -> None:
     """``data`` as standard JSON, whole or not at all: a value that is not a finite number (a metric a task could not
     measure is NaN) is ``null``, which every JSON reader takes (``NaN`` is Python's extension)."""
     tmp = Path(str(path) + ".tmp")
-    tmp.write_text(json.dumps(_finite(data), indent=2, sort_keys=True, default=str, allow_nan=False))
+    tmp.write_text(json.dumps(json_finite(data), indent=2, sort_keys=True, default=str, allow_nan=False))
     tmp.replace(path)
 
 
-def _finite(value):
-    """``value`` with every float that is NaN or infinite, at any depth of its dicts and lists, as ``None``."""
+def json_finite(value):
+    """``value`` with every float that is NaN or infinite, at any depth of its dicts and lists, as ``None`` (JSON
+    has no NaN: a diverged run's loss, a metric not measured)."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return {k: json_finite(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
+        return [json_finite(v) for v in value]
     return value
 
 
