@@ -493,6 +493,31 @@ def test_lm_sample_of_learnt_positions_says_how_many_tokens_fit(tmp_path, capsys
         sample(run, b"abc", max_new_tokens=31)
 
 
+def test_lm_sample_reads_a_prompt_file_or_stdin(tmp_path, capsys, monkeypatch):
+    """A prompt above the command line's limit (128 KiB on Linux), or one with trailing newlines (``$(cat f)`` drops
+    them), had no way in: ``--prompt-file PATH`` (``-``: standard input) gives the file's bytes, as the API takes
+    them."""
+    import io
+
+    from lambdanet.tasks.lm.task import sample
+
+    run = str(Path(__file__).resolve().parent / "fixtures" / "lm_runs_fixed" / "lm_done")
+    (tmp_path / "p.txt").write_bytes(b"def f():\n\n")
+    want = sample(run, b"def f():\n\n", max_new_tokens=3, top_k=1).decode("utf-8", errors="replace") + "\n"
+    tail = ["--max-new-tokens", "3", "--top-k", "1"]
+    assert main(["lm", "sample", "--checkpoint", run, "--prompt-file", str(tmp_path / "p.txt"), *tail]) == 0
+    assert capsys.readouterr().out == want
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"def f():\n\n")))
+    assert main(["lm", "sample", "--checkpoint", run, "--prompt-file", "-", *tail]) == 0
+    assert capsys.readouterr().out == want
+    err = error_line(capsys, ["lm", "sample", "--checkpoint", run, "--prompt-file", str(tmp_path / "none.txt")])
+    assert f"--prompt-file {tmp_path / 'none.txt'}: cannot be read (No such file or directory)" in err
+    with pytest.raises(SystemExit) as stop:  # argparse's own usage error
+        main(["lm", "sample", "--checkpoint", run, "--prompt", "a", "--prompt-file", "-"])
+    assert stop.value.code == 2
+    assert "argument --prompt-file: not allowed with argument --prompt" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--max-new-tokens", "-1"], "--max-new-tokens must be a non-negative int, got -1"),
     (["--top-k", "0"], "--top-k must be a positive int (1: greedy), got 0"),

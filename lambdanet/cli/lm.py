@@ -37,7 +37,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
         except ValueError as err:
             raise ValueError(f"--cuda-graph needs --device cuda: {err}") from None
     _check_sampling_flags(args)
-    prompt = os.fsencode(args.prompt)  # the bytes given, also those that are not UTF-8 (a Latin-1 model's)
+    prompt = _prompt_bytes(args)
     check_run_task(args.checkpoint, "lm")  # an image-classification or detection run: say so
     try:
         out = sample(
@@ -58,6 +58,21 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     encoding = getattr(sys.stdout, "encoding", None) or "utf-8"  # a terminal or pipe of another encoding: its
     sys.stdout.write(text.encode(encoding, errors="replace").decode(encoding))  # "?" for what it lacks, no error
     return 0
+
+
+def _prompt_bytes(args) -> bytes:
+    """``--prompt``'s bytes as given (also those that are not UTF-8: a Latin-1 model's), or ``--prompt-file``'s."""
+    if args.prompt is not None:
+        return os.fsencode(args.prompt)
+    if args.prompt_file == "-":
+        return sys.stdin.buffer.read()
+    from lambdanet.files import check_path_given
+
+    check_path_given(args.prompt_file, "--prompt-file", "give a file of the prompt's bytes, or '-' for stdin")
+    try:
+        return open(os.path.expanduser(args.prompt_file), "rb").read()
+    except OSError as err:
+        raise ValueError(f"--prompt-file {args.prompt_file}: cannot be read ({err.strerror or err})") from None
 
 
 def _check_sampling_flags(args) -> None:
@@ -97,8 +112,8 @@ def register(sub) -> None:
     smp = cmds.add_parser(
         "sample",
         help="continue a prompt with a trained model",
-        description="Continue --prompt with the model of a run of lambdanet lm train, token by token "
-        "with the model's streaming state.",
+        description="Continue --prompt (or --prompt-file) with the model of a run of lambdanet lm train, token by "
+        "token with the model's streaming state.",
     )
     smp.add_argument(
         "--checkpoint",
@@ -106,7 +121,11 @@ def register(sub) -> None:
         help="run directory of lambdanet lm train (or its model.safetensors / last.pt), or hf-hub:OWNER/NAME (a run "
         "shared with lambdanet push-to-hub)",
     )
-    smp.add_argument("--prompt", required=True, help="text to continue (its bytes as given, UTF-8 or not)")
+    given = smp.add_mutually_exclusive_group(required=True)
+    given.add_argument("--prompt", help="text to continue (its bytes as given, UTF-8 or not)")
+    given.add_argument(
+        "--prompt-file", metavar="PATH", help="continue the bytes of this file ('-': standard input), of any length"
+    )
     smp.add_argument("--max-new-tokens", type=int, default=256, help="bytes to generate (default: 256)")
     smp.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (default: 0.8)")
     smp.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest bytes (1: greedy)")
