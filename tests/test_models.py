@@ -353,9 +353,10 @@ def test_every_table_3_and_4_row_is_one_create_model_call():
         (lambda: create_model("resnet50", layer_kwargs={"typo": 1}), "this model has none (all blocks are conv"),
         (lambda: create_model("resnet26", share_embeddings=True), "share_embeddings configures the spatial layers"),
         # wrong types: one line naming the argument (were TypeErrors from a comparison or an iteration)
-        (lambda: create_model("resnet26", drop_rate="0.1"), "drop_rate must be in [0, 1) (a number), got '0.1'"),
-        (lambda: create_model("resnet26", drop_path_rate=None), "drop_path_rate must be in [0, 1) (a number), got No"),
-        (lambda: create_model("botnet26t_256", drop_path_rate="x"), "drop_path_rate must be in [0, 1) (a number)"),
+        (lambda: create_model("resnet26", drop_rate="0.1"), "drop_rate must be a finite number in [0, 1), got '0.1'"),
+        (lambda: create_model("resnet26", drop_path_rate=None),
+         "drop_path_rate must be a finite number in [0, 1), got None"),
+        (lambda: create_model("botnet26t_256", drop_path_rate="x"), "drop_path_rate must be a finite number in [0, 1)"),
         (lambda: create_model("resnet26", nonlocal_blocks={"c3": 1}), "nonlocal_blocks['c3'] must be 1-indexed blocks"),
         (lambda: create_model("resnet26", nonlocal_blocks=[1]), "nonlocal_blocks must be a mapping {stage: (block"),
         (lambda: create_model("mobilenet_v2_lambda", lambda_blocks=3), "lambda_blocks must be 1-indexed inverted"),

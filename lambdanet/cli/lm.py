@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 __all__ = ["register"]
 
@@ -23,8 +24,9 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     """Continue a prompt with a trained model (library: ``lambdanet.tasks.lm.sample``)."""
     from lambdanet.cli.common import check_device
     from lambdanet.files import check_run_task
+    from lambdanet.models.lm import ContextTooLongError
     from lambdanet.models.lm_graph import GrowingStateError
-    from lambdanet.tasks.lm.task import ContextTooLongError, sample
+    from lambdanet.tasks.lm.task import sample
 
     check_device(args.device)
     if args.cuda_graph:  # before the run is loaded: the API's own check, led by the flag that asked for it
@@ -70,7 +72,7 @@ def _prompt_bytes(args) -> bytes:
 
     check_path_given(args.prompt_file, "--prompt-file", "give a file of the prompt's bytes, or '-' for stdin")
     try:
-        return open(os.path.expanduser(args.prompt_file), "rb").read()
+        return Path(args.prompt_file).expanduser().read_bytes()
     except OSError as err:
         raise ValueError(f"--prompt-file {args.prompt_file}: cannot be read ({err.strerror or err})") from None
 

@@ -12,22 +12,15 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from lambdanet.helpers import is_finite_real
+from lambdanet.helpers import check_number
 from lambdanet.layers import AbsolutePositionEmbedding, LambdaLayer, RelativePositionEmbedding
 from lambdanet.layers.relative_position import RelativePosition1d, RelativePosition2d
 from lambdanet.models.features import STAGE_INDICES, FeatureInfo, feature_take_indices
 
-__all__ = ["Backbone", "POSITION_MODULES", "check_rate", "image_size", "is_block_list"]
+__all__ = ["Backbone", "POSITION_MODULES", "image_size", "is_block_list"]
 
 # the modules whose parameters are position embeddings or relative-position tables (no weight decay)
 POSITION_MODULES = (RelativePositionEmbedding, AbsolutePositionEmbedding, RelativePosition2d, RelativePosition1d)
-
-
-def check_rate(value, name: str) -> None:
-    """A one-line ``ValueError`` naming ``name`` unless ``value`` is a real number in [0, 1) (dropout, stochastic
-    depth)."""
-    if not is_finite_real(value) or not 0 <= value < 1:
-        raise ValueError(f"{name} must be in [0, 1) (a number), got {value!r}")
 
 
 def image_size(img_size, default) -> tuple[int, int]:
@@ -85,7 +78,7 @@ class Backbone(nn.Module):
         info: Sequence[dict],
         out_indices: int | Sequence[int] | None = None,
     ) -> None:
-        check_rate(drop_rate, "drop_rate")
+        check_number(drop_rate, "drop_rate", 0, 1, high_open=True)
         if out_indices is not None and not features_only:
             raise ValueError(
                 f"out_indices selects the feature maps a features_only model returns: pass features_only=True "

@@ -37,8 +37,9 @@ from torch import Tensor, nn
 
 from lambdanet.layers import EfficientChannelAttention, HaloAttention, LambdaLayer, RelativeSelfAttention, SqueezeExcite
 from lambdanet.layers.conv_norm_act import BatchNormAct, ConvNormAct, get_act, make_divisible
+from lambdanet.helpers import check_number
 from lambdanet.layers.drop import DropPath
-from lambdanet.models.base import Backbone, check_rate, image_size
+from lambdanet.models.base import Backbone, image_size
 from lambdanet.models.byoa_cfgs import ByoaSpec, ByoaStage, model_cfgs, timm_weights  # re-exported: their old home
 from lambdanet.models.family import family_registrar
 from lambdanet.models.registry import ModelInfo
@@ -197,7 +198,7 @@ class ByoaNet(Backbone):
         zero_init_last: bool = True,
     ):
         super().__init__()
-        check_rate(drop_path_rate, "drop_path_rate")
+        check_number(drop_path_rate, "drop_path_rate", 0, 1, high_open=True)
         img = image_size(img_size, spec.pretrained.input_size)
         self.spec, self.img_size = spec, img
         act = cast("type[nn.Module]", get_act(spec.act, "act"))  # a name: never None

@@ -37,7 +37,7 @@ from lambdanet.layers.causal_attention import CausalSelfAttention, step_argument
 from lambdanet.layers.causal_lambda import CausalLambdaLayer
 from lambdanet.models.lm_graph import GrowingStateError, StepGraph
 
-__all__ = ["LanguageModel", "LMSize", "LM_SIZES", "MIXERS", "matched_dim_v", "sample_next"]
+__all__ = ["LanguageModel", "LMSize", "LM_SIZES", "MIXERS", "matched_dim_v", "sample_next", "ContextTooLongError"]
 
 MIXERS = ("lambda", "transformer", "linear", "hybrid")
 POSITIONS = ("rotary", "learned")
@@ -230,7 +230,7 @@ class LanguageModel(nn.Module):
         if self.pos_embed is not None:
             nn.init.normal_(self.pos_embed, std=0.02)
 
-    def _check_tokens(self, tokens: Tensor, start: int = 0) -> None:
+    def _check_tokens(self, tokens: Tensor, start: int = 0, length: bool = True) -> None:  # length: max_len's
         integer = isinstance(tokens, Tensor) and not tokens.dtype.is_floating_point and not tokens.dtype.is_complex
         if not integer or tokens.dim() != 2 or tokens.dtype == torch.bool:
             got = f"a {str(tokens.dtype).removeprefix('torch.')} tensor of shape {tuple(tokens.shape)}" if isinstance(
@@ -246,7 +246,7 @@ class LanguageModel(nn.Module):
                 f"tokens must lie in [0, vocab_size={self.vocab_size}), got values from "
                 f"{int(tokens.min())} to {int(tokens.max())}"
             )
-        if self.max_len is not None and start + tokens.shape[1] > self.max_len:
+        if length and self.max_len is not None and start + tokens.shape[1] > self.max_len:
             raise ValueError(
                 f"the sequence is {start + tokens.shape[1]} tokens long but the model takes at most "
                 f"max_len={self.max_len} (learnt positions)"
@@ -341,7 +341,7 @@ class LanguageModel(nn.Module):
         """
         if not isinstance(cuda_graph, bool):
             raise ValueError(f"cuda_graph must be True or False, got {cuda_graph!r}")
-        self._check_tokens(tokens)
+        self._check_tokens(tokens, length=False)  # the positions it reads are checked below, with what fits
         tokens = _as_index(tokens)
         if tokens.shape[1] < 1:
             raise ValueError("generate needs a prompt of at least one token per sequence")
@@ -349,7 +349,9 @@ class LanguageModel(nn.Module):
         max_new_tokens = int(max_new_tokens)
         check_sampling(temperature, top_k, token_limit)
         # the model reads the prompt and every sampled token but the last: positions up to n + max_new_tokens - 2
-        self._check_tokens(tokens[:, :1], max(tokens.shape[1] - 1, tokens.shape[1] + max_new_tokens - 2))
+        n = tokens.shape[1]
+        if self.max_len is not None and max(n, n + max_new_tokens - 1) > self.max_len:
+            raise ContextTooLongError(n, max_new_tokens, self.max_len)
         was_training = self.training
         self.eval()
         try:
@@ -374,6 +376,27 @@ class LanguageModel(nn.Module):
         finally:
             self.train(was_training)
         return torch.cat(out, dim=1)
+
+
+class ContextTooLongError(ValueError):
+    """A prompt and a number of new tokens that need more positions than a model of learnt positions has
+    (``max_len``): one line saying how long the sequence is and the most that fits; ``flags``: in ``lm sample``'s
+    words (``--prompt``'s bytes, ``--max-new-tokens N``)."""
+
+    def __init__(self, prompt: int, new: int, max_len: int, *, flags: bool = False):
+        self.prompt, self.new, self.max_len = prompt, new, max_len
+        need, fits = max(prompt, prompt + new - 1), max_len - prompt + 1  # generate reads all but the last token
+        what, many = ("--prompt", "--max-new-tokens {}") if flags else ("prompt", "max_new_tokens={}")
+        if fits < 1:
+            hint = f"shorten {what} to at most {max_len} {'bytes' if flags else 'tokens'}"
+        else:
+            hint = f"at most {many.format(fits)} after this {what}"
+        if flags:
+            told = f"{what} of {prompt} bytes and {many.format(new)} need {need} positions, but the model has learnt"
+            super().__init__(f"{told} {max_len} (max_len, learnt positions): {hint}")
+        else:
+            told = f"the sequence is {need} tokens long but the model takes at most max_len={max_len}"
+            super().__init__(f"{told} (learnt positions): {hint}")
 
 
 def check_sampling(temperature: float, top_k: int | None, token_limit: int | None) -> None:

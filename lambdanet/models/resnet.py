@@ -30,8 +30,9 @@ from lambdanet.layers import (
     list_spatial_layers,
 )
 from lambdanet.layers.conv_norm_act import ACTIVATIONS, conv_norm_act, get_act
+from lambdanet.helpers import check_number
 from lambdanet.layers.drop import DropPath
-from lambdanet.models.base import Backbone, check_rate, image_size, is_block_list
+from lambdanet.models.base import Backbone, image_size, is_block_list
 
 __all__ = [
     "ResNetConfig",
@@ -223,7 +224,7 @@ def _check_args(
 ) -> tuple[int, ...]:
     """:class:`ResNet`'s arguments checked (one-line ``ValueError``s); returns the input size ``(H, W)``."""
     _validate_config(cfg)
-    check_rate(drop_path_rate, "drop_path_rate")
+    check_number(drop_path_rate, "drop_path_rate", 0, 1, high_open=True)
     img = image_size(img_size, cfg.input_size)
     if layer_kwargs is not None and not isinstance(layer_kwargs, Mapping):
         raise ValueError(f"layer_kwargs must be a mapping of the spatial layers' options, got {layer_kwargs!r}")

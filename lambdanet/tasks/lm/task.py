@@ -50,7 +50,6 @@ __all__ = [
     "evaluate_bits_per_byte",
     "load_lm",
     "sample",
-    "ContextTooLongError",
     "LM_PANELS",
     "next_byte_loss",
 ]
@@ -313,30 +312,8 @@ def sample(
         raise ValueError(
             f"the prompt has byte values up to {max(data)} but the model's vocab_size is {model.vocab_size}"
         )
-    check_int(max_new_tokens, "max_new_tokens", 0)
-    need, limit = max(len(data), len(data) + int(max_new_tokens) - 1), model.max_len  # the positions generate reads
-    if limit is not None and need > limit:
-        raise ContextTooLongError(len(data), int(max_new_tokens), limit)
     tokens = torch.tensor([list(data)], dtype=torch.long, device=device)
     g = torch.Generator(device=device).manual_seed(seed)
     out = model.generate(tokens, max_new_tokens, temperature=temperature, top_k=top_k, generator=g,
                          cuda_graph=cuda_graph, token_limit=min(model.vocab_size, 256))  # bytes only  # fmt: skip
     return bytes(out[0].tolist())
-
-
-class ContextTooLongError(ValueError):
-    """A prompt and a number of new tokens that need more positions than a model of learnt positions has
-    (``max_len``): one line saying the most each may be; ``flags``: in the CLI's words (``--prompt``,
-    ``--max-new-tokens N``)."""
-
-    def __init__(self, prompt: int, new: int, max_len: int, *, flags: bool = False):
-        self.prompt, self.new, self.max_len = prompt, new, max_len
-        what, many = ("--prompt", "--max-new-tokens {}") if flags else ("prompt", "max_new_tokens={}")
-        if prompt > max_len:
-            hint = f"shorten {what} to at most {max_len} bytes"
-        else:
-            hint = f"at most {many.format(max_len - prompt + 1)} after this {what}"
-        super().__init__(
-            f"{what} of {prompt} bytes and {many.format(new)} need {max(prompt, prompt + new - 1)} positions, but the "
-            f"model has learnt {max_len} (max_len, learnt positions): {hint}"
-        )
